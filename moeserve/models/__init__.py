@@ -1,0 +1,1 @@
+"""Models: see moe.py for the router/expert seam."""

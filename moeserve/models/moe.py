@@ -1,0 +1,213 @@
+"""The seam between a router (attention side) and the expert workers (routed experts).
+
+Dimension letters: T tokens in a step, H hidden size, I one routed expert's intermediate size,
+K experts per token (top-k), E logical experts of a MoE layer, S expert slots held by one party.
+
+Every family routes through the same three pieces, so that the dispatcher never needs to know
+which model it serves:
+
+- the model's routing function ``MoEBlock.route(hidden [T, H]) -> RoutingResult``, computed on
+  the router rank (gate, top-k, weights; logical expert ids);
+- an :class:`ExpertSpec` saying how one routed expert computes (activation, weight layout,
+  biases, dtype) and how many bytes its weights take (migration and the balancer count them);
+- an :class:`ExpertsBackend` that runs the routed experts for a routing result, in two phases
+  (``dispatch`` then ``combine``) so that the router can compute the shared experts while rows
+  are in flight. :class:`LocalExperts` is the single-process backend; the data plane provides
+  one that sends rows to expert workers.
+
+Expert weights are held in one canonical layout on every party, whatever the checkpoint says:
+``gate_up [H, 2I]`` (x @ W style; the gate is the first I columns, the up projection the last
+I) and ``down [I, H]``, plus ``gate_up_bias [2I]`` / ``down_bias [H]`` when the family has
+biases. ``flat`` packs one expert's tensors into a single 1-D buffer (in ``ExpertSpec.tensor
+names`` order), which is what a weight migration sends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RoutingResult:
+    """The routing decision for a batch of tokens.
+
+    ids:     LongTensor [T, K], logical expert ids, 0 .. E-1.
+    weights: Tensor [T, K], the model dtype; the factor for each (token, k) pair.
+    weights_on_input: True when the weight scales the expert's *input* (Llama 4:
+        E(w * x)); False when it scales the expert's *output* (ERNIE, Mixtral, Qwen:
+        w * E(x)). Either way the routed output of a token is the unweighted sum over its K
+        pairs of the (possibly pre-scaled) expert outputs.
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    weights_on_input: bool
+
+
+ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """How one routed expert computes, and the shape and size of its weights.
+
+    E(x) = act(x @ G) * (x @ U) @ D, with [G | U] = gate_up [H, 2I] and D = down [I, H]; with
+    biases, x @ gate_up + gate_up_bias and ... @ down + down_bias.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    activation: str = "silu"
+    has_bias: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.activation!r}; allowed: {ACTIVATIONS}")
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return ("gate_up", "down", "gate_up_bias", "down_bias") if self.has_bias else ("gate_up", "down")
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical shape of each tensor of one expert, in ``tensor_names`` order."""
+        h, i = self.hidden_size, self.intermediate_size
+        s = {"gate_up": (h, 2 * i), "down": (i, h)}
+        if self.has_bias:
+            s.update(gate_up_bias=(2 * i,), down_bias=(h,))
+        return s
+
+    @property
+    def numel(self) -> int:
+        """Elements of one expert's weights (all tensors)."""
+        total = 0
+        for shape in self.shapes.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert's weights in ``dtype``: what moving one slot costs."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Pack one expert's canonical tensors into a 1-D buffer [numel] of ``dtype``."""
+        parts = []
+        for name, shape in self.shapes.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"expert tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            parts.append(t.reshape(-1).to(self.dtype))
+        return torch.cat(parts)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views into a buffer [..., numel] (one expert, or S experts stacked) by tensor name."""
+        lead = flat.shape[:-1]
+        out, off = {}, 0
+        for name, shape in self.shapes.items():
+            n = 1
+            for d in shape:
+                n *= d
+            out[name] = flat[..., off:off + n].view(*lead, *shape)
+            off += n
+        return out
+
+
+def expert_forward(spec: ExpertSpec, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Run one routed expert: x [n, H] -> [n, H], with w the expert's canonical tensors."""
+    i = spec.intermediate_size
+    gu = x @ w["gate_up"]                                   # [n, 2I]
+    if spec.has_bias:
+        gu = gu + w["gate_up_bias"]
+    h = F.silu(gu[:, :i]) * gu[:, i:]                       # [n, I]
+    y = h @ w["down"]                                       # [n, H]
+    if spec.has_bias:
+        y = y + w["down_bias"]
+    return y
+
+
+def grouped_expert_forward(spec: ExpertSpec, x: torch.Tensor, slot_of_row: torch.Tensor,
+                           weights: dict[str, torch.Tensor], counts: list[int] | None = None) -> torch.Tensor:
+    """Run many experts over rows grouped by slot: a loop over slots, never over tokens.
+
+    x:           [N, H] rows, sorted so that rows of the same slot are contiguous.
+    slot_of_row: LongTensor [N], which slot (0 .. S-1, index into ``weights``) each row goes to,
+                 non-decreasing.
+    weights:     canonical tensors stacked over slots, e.g. gate_up [S, H, 2I].
+    counts:      rows per slot (length S) if the caller already has them on the host.
+    returns      [N, H].
+    """
+    n_slots = weights["gate_up"].shape[0]
+    if counts is None:
+        counts = torch.bincount(slot_of_row, minlength=n_slots).tolist()
+    out = torch.empty_like(x)
+    start = 0
+    for s, c in enumerate(counts):
+        if c:
+            out[start:start + c] = expert_forward(spec, x[start:start + c], {k: v[s] for k, v in weights.items()})
+        start += c
+    return out
+
+
+class ExpertsBackend(Protocol):
+    """Runs the routed experts of one MoE layer, in two phases.
+
+    ``dispatch`` starts the work for ``hidden`` [T, H] (the post-norm MoE input) and returns an
+    opaque handle; ``combine(handle)`` returns the routed output [T, H] (the sum over each
+    token's K pairs, weights applied as ``routing.weights_on_input`` says). Between the two
+    the caller computes the shared experts, which overlaps them with the exchange.
+    """
+
+    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult): ...
+
+    def combine(self, handle) -> torch.Tensor: ...
+
+
+def apply_routed(spec: ExpertSpec, hidden: torch.Tensor, routing: RoutingResult,
+                 run_rows) -> torch.Tensor:
+    """Reference semantics of one MoE layer's routed part, for any way of running the rows.
+
+    hidden [T, H]; ``run_rows(rows [N, H], expert_ids [N]) -> [N, H]`` runs each row through
+    its logical expert. Returns sum_k (w_k * E_k(x)) or sum_k E_k(w_k * x): [T, H].
+    """
+    t, k = routing.ids.shape
+    rows = hidden.repeat_interleave(k, dim=0)               # [T*K, H], (token, k) flat order
+    w = routing.weights.reshape(-1, 1).to(hidden.dtype)     # [T*K, 1]
+    if routing.weights_on_input:
+        rows = rows * w
+    out = run_rows(rows, routing.ids.reshape(-1))           # [T*K, H]
+    if not routing.weights_on_input:
+        out = out * w
+    return out.view(t, k, -1).sum(dim=1)
+
+
+class LocalExperts:
+    """Single-process backend: every logical expert of every MoE layer held in this process.
+
+    weights[moe_layer] maps a canonical tensor name to a tensor stacked over the E logical
+    experts (gate_up [E, H, 2I], down [E, I, H], ...).
+    """
+
+    def __init__(self, spec: ExpertSpec, weights: list[dict[str, torch.Tensor]]):
+        self.spec = spec
+        self.weights = weights
+
+    def run_rows(self, moe_layer: int, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(expert_ids, stable=True)       # [N] rows grouped by expert
+        out_sorted = grouped_expert_forward(self.spec, rows[order], expert_ids[order], self.weights[moe_layer])
+        out = torch.empty_like(out_sorted)
+        out[order] = out_sorted
+        return out
+
+    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult):
+        return apply_routed(self.spec, hidden, routing, lambda r, e: self.run_rows(moe_layer, r, e))
+
+    def combine(self, handle) -> torch.Tensor:
+        return handle
