@@ -1,1 +1,22 @@
-"""Models: see moe.py for the router/expert seam."""
+"""Models: Llama 4 (text) and ERNIE-4.5-MoE, split at the router/expert seam of moe.py.
+
+- config.py: ``load_config`` / ``ModelConfig`` (both published and transformers-5 spellings);
+- checkpoint.py: ``CheckpointReader``, a lazy safetensors reader (one expert = its own bytes);
+- layers.py, cache.py: norms, RoPE, attention over the ``KVCache``, the varlen ``StepBatch``;
+- llama4.py, ernie45.py: each family's router-side MoE block and weight names;
+- model.py: ``load_model`` -> ``DecoderModel`` (step / forward / generate) and ``MoEInfo``;
+- init.py: ``init_model`` writes a small random checkpoint without transformers.
+
+The MoE layer index (0 .. num_moe_layers-1, the ordinal among MoE layers) is what the expert
+side sees; ``MoEInfo.moe_layer_ids[m]`` is the decoder-layer index of MoE layer m.
+"""
+from moeserve.models.cache import KVCache, StepBatch
+from moeserve.models.checkpoint import CheckpointReader
+from moeserve.models.config import CheckpointError, ModelConfig, RopeConfig, load_config
+from moeserve.models.init import init_model
+from moeserve.models.model import DecoderModel, MoEInfo, load_model
+
+__all__ = [
+    "CheckpointError", "CheckpointReader", "DecoderModel", "KVCache", "MoEInfo", "ModelConfig",
+    "RopeConfig", "StepBatch", "init_model", "load_config", "load_model",
+]

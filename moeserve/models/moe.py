@@ -156,6 +156,18 @@ def grouped_expert_forward(spec: ExpertSpec, x: torch.Tensor, slot_of_row: torch
     return out
 
 
+class MoEBlock(Protocol):
+    """The router side of one MoE layer (each family provides one; see llama4.py, ernie45.py)."""
+
+    def route(self, hidden: torch.Tensor) -> RoutingResult:
+        """hidden [T, H] (the post-attention-norm MoE input) -> logical ids and weights [T, K]."""
+        ...
+
+    def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output [T, H], or None when the family has none."""
+        ...
+
+
 class ExpertsBackend(Protocol):
     """Runs the routed experts of one MoE layer, in two phases.
 
@@ -185,7 +197,7 @@ def apply_routed(spec: ExpertSpec, hidden: torch.Tensor, routing: RoutingResult,
     out = run_rows(rows, routing.ids.reshape(-1))           # [T*K, H]
     if not routing.weights_on_input:
         out = out * w
-    return out.view(t, k, -1).sum(dim=1)
+    return out.view(t, k, hidden.shape[-1]).sum(dim=1)         # explicit H: -1 is ambiguous when T = 0
 
 
 class LocalExperts:

@@ -1,0 +1,270 @@
+"""The family-neutral decoder: load a checkpoint, run a step, forward, generate.
+
+Dimension letters: B rows of a batch, T tokens (a step's tokens, flattened over sequences),
+H hidden size, V vocabulary, K experts per token, E logical experts, I expert width.
+
+Every decoder layer is ``h = x + Attn(norm(x)); y = h + FFN(norm(h))`` and the stack ends with
+a final norm and the LM head. The FFN is a dense SwiGLU or a MoE layer, which the step runs
+through the seam of moe.py, in exactly this order (the data plane plugs its distributed
+backend in here)::
+
+    u = post_attention_norm(h); r = block.route(u)
+    handle = experts.dispatch(moe_layer_index, u, r)   # rows leave for the experts
+    s = block.shared(u)                                # overlaps with the exchange
+    y = experts.combine(handle) + s                    # (or the routed part alone)
+
+The backend sees the MoE layer index (0 .. num_moe_layers-1), never the decoder-layer index.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeserve.models import ernie45, llama4
+from moeserve.models.cache import KVCache, StepBatch
+from moeserve.models.checkpoint import CheckpointReader
+from moeserve.models.config import ModelConfig
+from moeserve.models.layers import Attention, Linear, SwiGLU, load_linear, rms_norm, rope_cos_sin, rope_inv_freq
+from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
+from moeserve.sampling import Sampler, SamplingParams
+
+FAMILY_MODULES = {"llama4": llama4, "ernie45": ernie45}
+MOE_BLOCKS = {"llama4": llama4.Llama4MoEBlock, "ernie45": ernie45.Ernie45MoEBlock}
+
+
+@dataclass(frozen=True)
+class MoEInfo:
+    """What expert-parallel load balancing needs to know about a model (vLLM's MixtureOfExperts).
+
+    moe_layer_ids[m] is the decoder-layer index of MoE layer m; every per-layer table of the
+    data and control planes is indexed by m. expert_bytes = expert_spec.nbytes, the cost of
+    moving one expert's weights.
+    """
+
+    num_moe_layers: int
+    moe_layer_ids: tuple[int, ...]
+    num_logical_experts: int
+    num_shared_experts: int
+    top_k: int
+    num_expert_groups: int
+    expert_spec: ExpertSpec
+    expert_bytes: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> MoEInfo:
+        spec = ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype)
+        return cls(num_moe_layers=cfg.num_moe_layers, moe_layer_ids=cfg.moe_layer_ids,
+                   num_logical_experts=cfg.num_experts, num_shared_experts=cfg.num_shared_experts,
+                   top_k=cfg.top_k, num_expert_groups=1, expert_spec=spec, expert_bytes=spec.nbytes)
+
+
+@dataclass
+class DecoderLayer:
+    """One decoder layer's router-side weights; ``mlp`` for dense layers, ``moe_index`` for MoE layers."""
+
+    input_norm: torch.Tensor        # [H]
+    attn: Attention
+    post_norm: torch.Tensor         # [H]
+    mlp: SwiGLU | None
+    moe_index: int | None
+
+
+class DecoderModel:
+    """A Llama 4 or ERNIE-4.5-MoE decoder (inference only), split at the router/expert seam.
+
+    ``moe_blocks[m]`` is the router side of MoE layer m (``route``, ``shared``); ``experts`` holds
+    every routed expert (a :class:`LocalExperts`), or is None when loaded with
+    ``load_experts=False``, in which case ``step`` needs an ``experts`` backend.
+    """
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: Linear, moe_blocks: list, experts: LocalExperts | None,
+                 dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.embed = embed              # [V, H]
+        self.layers = layers
+        self.norm = norm                # [H]
+        self.lm_head = lm_head          # weight [V, H] (the embedding when tied)
+        self.moe_blocks = moe_blocks
+        self.experts = experts
+        self.dtype, self.device = dtype, device
+        self.moe_info = MoEInfo.from_config(config, dtype)
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope).to(device)   # [D/2] fp32
+
+    def new_cache(self) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache,
+             experts: ExpertsBackend | None = None) -> torch.Tensor:
+        """Run the new tokens of several sequences through the model, appending to ``cache``.
+
+        input_ids: LongTensor [T], the sequences' new tokens back to back, in ``batch`` order.
+        Returns the hidden states after the final norm: [T, H]. An empty batch (T = 0) still
+        calls the backend once per MoE layer.
+        """
+        experts = experts if experts is not None else self.experts
+        if experts is None and self.config.num_moe_layers:
+            raise ValueError("this model was loaded with load_experts=False: pass an experts backend to step()")
+        input_ids = self._check_ids(input_ids.reshape(-1))
+        if input_ids.numel() != batch.num_tokens:
+            raise ValueError(f"input_ids has {input_ids.numel()} tokens but the batch's lens sum to {batch.num_tokens}")
+        cache.begin(batch)
+        positions = batch.positions.to(self.device)                      # [T]
+        rope = rope_cos_sin(positions, self.inv_freq)                     # 2 x [T, D/2]
+        eps = self.config.rms_norm_eps
+        h = self.embed[input_ids.to(self.device)]                         # [T, H]
+        for layer in self.layers:
+            h = h + layer.attn(rms_norm(h, layer.input_norm, eps), batch, positions, rope, cache)
+            u = rms_norm(h, layer.post_norm, eps)                         # [T, H]
+            if layer.moe_index is None:
+                h = h + layer.mlp(u)
+                continue
+            block = self.moe_blocks[layer.moe_index]
+            routing = block.route(u)                                      # ids, weights [T, K]
+            handle = experts.dispatch(layer.moe_index, u, routing)
+            shared = block.shared(u)                                      # [T, H] or None
+            routed = experts.combine(handle)                              # [T, H]
+            h = h + (routed if shared is None else routed + shared)
+        cache.commit(batch)
+        return rms_norm(h, self.norm, eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: hidden [N, H] -> logits [N, V] in the model dtype."""
+        return self.lm_head(hidden)
+
+    def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor, found {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)][0]
+            raise ValueError(f"token id {int(bad)} out of range 0..{self.config.vocab_size - 1}")
+        return ids.long()
+
+    # -- whole sequences -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids LongTensor [B, T] -> logits [B, T, V], each row from position 0, no cache kept."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, found shape {list(input_ids.shape)}")
+        b, t = input_ids.shape
+        hidden = self.step(input_ids.reshape(-1), StepBatch.prefill(range(b), [t] * b), self.new_cache())
+        return self.logits(hidden).view(b, t, -1)
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
+                 eos_token_ids: tuple[int, ...] | list[int] | None = None) -> torch.LongTensor:
+        """Continue each row of input_ids [B, T]: returns LongTensor [B, T + n], prompt included.
+
+        As transformers' generate: greedy at temperature 0; a row stops after an EOS token
+        (``eos_token_ids``, default the model's) and is padded with the pad id (or the first EOS
+        id when the model has none); n = max_new_tokens, or fewer when every row stopped
+        early. Each row is its own request with the same sampling parameters and seed.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, found shape {list(input_ids.shape)}")
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        eos = tuple(self.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        prompts = [row.tolist() for row in input_ids]
+        new = self.generate_ids(prompts, [params] * len(prompts), max_new_tokens, ignore_eos, eos)
+        width = max(len(n) for n in new)
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
+        out = torch.full((len(prompts), input_ids.shape[1] + width), pad, dtype=torch.long)
+        out[:, :input_ids.shape[1]] = input_ids
+        for b, n in enumerate(new):
+            out[b, input_ids.shape[1]:input_ids.shape[1] + len(n)] = torch.tensor(n, dtype=torch.long)
+        return out
+
+    @torch.inference_mode()
+    def generate_ids(self, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
+                     ignore_eos: bool = False, eos_token_ids: tuple[int, ...] | None = None) -> list[list[int]]:
+        """Continue prompts of any lengths (one request each): returns the new token ids of each.
+
+        All prompts are prefilled in one step, then each live sequence gets one token per step.
+        A sequence ends after max_new_tokens tokens or, unless ignore_eos, after an EOS token
+        (which is included).
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, found {max_new_tokens!r}")
+        if len(params) != len(prompts):
+            raise ValueError(f"need one SamplingParams per prompt, found {len(params)} for {len(prompts)} prompts")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        eos = set(self.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        samplers = [Sampler(p) for p in params]
+        new: list[list[int]] = [[] for _ in prompts]
+        cache = self.new_cache()
+        live = list(range(len(prompts)))
+        batch = StepBatch.prefill(live, [len(p) for p in prompts])
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        while live and max_new_tokens:
+            hidden = self.step(ids, batch, cache)                                    # [T, H]
+            logits = self.logits(hidden[batch.last_token_index.to(self.device)])     # [S, V]
+            still = []
+            for row, s in enumerate(live):
+                tok = samplers[s].sample(logits[row])
+                new[s].append(tok)
+                if len(new[s]) < max_new_tokens and (ignore_eos or tok not in eos):
+                    still.append(s)
+                else:
+                    cache.release(s)
+            live = still
+            batch = StepBatch(tuple(live), (1,) * len(live), tuple(cache.length(s) for s in live))
+            ids = torch.tensor([new[s][-1] for s in live], dtype=torch.long)
+        return new
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               load_experts: bool = True) -> DecoderModel:
+    """Load a Llama 4 or ERNIE-4.5-MoE checkpoint folder.
+
+    ``load_experts=False`` builds the router-side model only: no routed-expert weight is read
+    and ``model.experts`` is None (an expert backend is then passed to ``step``).
+    """
+    device = torch.device(device)
+    with CheckpointReader(path) as reader:
+        cfg = reader.config
+        fam = FAMILY_MODULES[cfg.family]
+        h, v = cfg.hidden_size, cfg.vocab_size
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        embed = reader.read("model.embed_tokens.weight", dtype, shape=(v, h)).to(device)
+        layers, blocks = [], []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            ab = cfg.attention_bias
+            attn = Attention(
+                cfg, i,
+                q=load_linear(reader, f"{p}.self_attn.q_proj", q_out, h, ab, dtype, device),
+                k=load_linear(reader, f"{p}.self_attn.k_proj", kv_out, h, ab, dtype, device),
+                v=load_linear(reader, f"{p}.self_attn.v_proj", kv_out, h, ab, dtype, device),
+                o=load_linear(reader, f"{p}.self_attn.o_proj", h, q_out, ab, dtype, device),
+                softmax_fp32=fam.ATTN_SOFTMAX_FP32)
+            norms = [reader.read(f"{p}.{n}.weight", dtype, shape=(h,)).to(device)
+                     for n in ("input_layernorm", "post_attention_layernorm")]
+            m = cfg.moe_index(i)
+            mlp = None
+            if m is None:
+                mlp = fam.load_dense_mlp(reader, cfg, i, dtype, device)
+            else:
+                blocks.append(MOE_BLOCKS[cfg.family].load(reader, cfg, i, dtype, device))
+            layers.append(DecoderLayer(norms[0], attn, norms[1], mlp, m))
+        norm = reader.read("model.norm.weight", dtype, shape=(h,)).to(device)
+        head_w = embed if cfg.tie_word_embeddings else reader.read("lm_head.weight", dtype, shape=(v, h)).to(device)
+        head_b = reader.read("lm_head.bias", dtype, shape=(v,)).to(device) if cfg.mlp_bias else None
+        experts = None
+        if load_experts and cfg.num_moe_layers:
+            spec = MoEInfo.from_config(cfg, dtype).expert_spec
+            weights = [{k: t.to(device) for k, t in reader.read_experts(m, range(cfg.num_experts), dtype).items()}
+                       for m in range(cfg.num_moe_layers)]
+            experts = LocalExperts(spec, weights)
+    return DecoderModel(cfg, embed, layers, norm, Linear(head_w, head_b), blocks, experts, dtype, device)
