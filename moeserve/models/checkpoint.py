@@ -41,7 +41,8 @@ ST_DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.", "mtp")
+SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
+SKIPPED_COMPONENT = "mtp"    # ERNIE's multi-token-prediction tensors: model.mtp_block.*, model.mtp_emb_norm.*, ...
 # Where each family keeps the routed experts of decoder layer i.
 EXPERTS_PREFIX = {"llama4": "model.layers.{}.feed_forward.experts.", "ernie45": "model.layers.{}.mlp.experts."}
 
@@ -217,8 +218,9 @@ class CheckpointReader:
             if not full.startswith(self.prefix):
                 continue
             name = full[len(self.prefix):]
-            if not name.startswith(SKIPPED_PREFIXES) and not full.startswith(SKIPPED_PREFIXES):
-                out.append(name)
+            if name.startswith(SKIPPED_PREFIXES) or any(c.startswith(SKIPPED_COMPONENT) for c in name.split(".")):
+                continue
+            out.append(name)
         return sorted(out)
 
     def has(self, name: str) -> bool:
@@ -302,6 +304,10 @@ class CheckpointReader:
             down = self.read_rows(prefix + "down_proj", expert, 1, dtype)[0]           # [I, H]
             return {"gate_up": gate_up, "down": down}
         p = f"{prefix}{expert}."
+        if not self.has(p + "gate_proj.weight"):
+            raise CheckpointError(f"{self._source}: tensor '{self.prefix}{prefix}gate_up_proj' is missing, and so is "
+                                  f"the per-expert '{self.prefix}{p}gate_proj.weight' (routed experts of MoE layer "
+                                  f"{moe_layer} = decoder layer {cfg.moe_layer_ids[moe_layer]})")
         gate = self.read(p + "gate_proj.weight", dtype, shape=(i, h))                   # [I, H]
         up = self.read(p + "up_proj.weight", dtype, shape=(i, h))                       # [I, H]
         down = self.read(p + "down_proj.weight", dtype, shape=(h, i))                   # [H, I]
