@@ -117,7 +117,8 @@ class Placement:
     num_workers: W, ``P % W == 0``; slot ``p`` lives on worker ``p // (P / W)``.
     workers_per_node: consecutive workers per node (``W % workers_per_node == 0``); None = one node.
     version: the placement's version; layer_versions [L]: the version each layer was last
-    committed at (the data plane commits layers one at a time), none above ``version``.
+    committed at. The data plane commits a migration layer by layer, so while one runs the
+    committed layers carry the target version, ahead of ``version``.
     Arrays are copied and made read-only.
     """
 
@@ -159,8 +160,8 @@ class Placement:
             else np.asarray(self.layer_versions).astype(np.int64, copy=True)
         if lv.shape != (layers,):
             raise ValueError(f"layer_versions must have shape ({layers},), got {lv.shape}")
-        if (lv < 0).any() or (lv > self.version).any():
-            raise ValueError(f"layer_versions must lie in 0..version={self.version}, got {lv.min()}..{lv.max()}")
+        if (lv < 0).any():
+            raise ValueError(f"layer_versions must be non-negative, got {lv.min()}")
         p2l.setflags(write=False)
         lv.setflags(write=False)
         object.__setattr__(self, "phy2log", p2l)

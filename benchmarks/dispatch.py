@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""Dispatch + combine throughput, MoE-layer step time with and without EPLB, migration speed.
+
+    python benchmarks/dispatch.py --backend nccl --ranks 2            # 2 GPUs, bf16, real shapes
+    python benchmarks/dispatch.py --backend gloo --ranks 2 --small    # CPU, small shapes
+
+Co-located ranks (each a router and a worker), the project's own code path: ``DistributedExperts``
+(slot choice, sort, exchange, combine), ``ExpertStore`` (regroup by slot, grouped matmul) and
+``run_moves`` (weight migration). Every figure is measured side by side with its raw
+reference in the same run:
+
+- dispatch+combine: one MoE layer's exchange with the experts replaced by identity, against
+  ``all_to_all_single`` there and back with the same split sizes. Bytes = rows sent to another
+  rank x hidden x dtype size, both ways (the share is the ratio of times for those bytes).
+- MoE-layer step: routing ids -> dispatch -> grouped expert matmuls at real expert sizes ->
+  combine, per layer; uniform routing, Zipf 1.2 routing on the default placement, and Zipf 1.2
+  routing on the placement the project's policy computes from a previous window of the same
+  distribution (EPLB), with predicted balancedness.
+- migration: every expert of one layer moved between the two halves at once (no budget),
+  against one ``send``/``recv`` of the same bytes; and the stall of one step's moves under the
+  default per-step budget.
+
+Prints a table and writes JSON (``--json``, default benchmarks/results/dispatch-<backend>.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moeserve.dispatch import Exchange, Topology                     # noqa: E402
+from moeserve.expert_worker.migration import run_moves, warm_up_pairs  # noqa: E402
+from moeserve.expert_worker.store import ExpertStore                  # noqa: E402
+from moeserve.models.moe import ExpertSpec, RoutingResult             # noqa: E402
+from moeserve.router.dispatcher import DistributedExperts, RouterMaps  # noqa: E402
+
+MODELS = {
+    # name: hidden, expert intermediate, logical experts, top-k, redundant slots for the EPLB runs
+    "scout": dict(hidden=5120, inter=8192, experts=16, k=1, redundant=4),
+    "ernie21b": dict(hidden=2560, inter=1536, experts=64, k=6, redundant=32),
+}
+SMALL = {
+    "scout": dict(hidden=256, inter=384, experts=16, k=1, redundant=4),
+    "ernie21b": dict(hidden=128, inter=96, experts=64, k=6, redundant=32),
+}
+
+
+def routing_ids(gen: torch.Generator, tokens: int, experts: int, k: int, zipf: float, perm: torch.Tensor) -> torch.Tensor:
+    """[T, K] distinct expert ids per token; Zipf(s) popularity (s = 0: uniform), permuted."""
+    if zipf == 0:
+        pop = torch.ones(experts)
+    else:
+        pop = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** zipf
+        pop = pop[perm]
+    # Gumbel top-k draws K distinct experts with probability proportional to popularity.
+    g = -torch.log(-torch.log(torch.rand(tokens, experts, generator=gen, dtype=torch.float64)))
+    return torch.topk(torch.log(pop) + g, k, dim=1).indices
+
+
+def timed(fn, iters: int, device) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs, ranks aligned before each run."""
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=CPU_GROUP)
+    return float(t.item())
+
+
+def sum_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, group=CPU_GROUP)
+    return float(t.item())
+
+
+CPU_GROUP = None
+
+
+def make_store(spec, worker, phy2log, workers, device, gen):
+    """An ExpertStore with random weights per logical expert (same on every rank)."""
+    s = phy2log.shape[1] // workers
+    logical = phy2log[:, worker * s:(worker + 1) * s]
+    bufs = []
+    for layer in range(phy2log.shape[0]):
+        b = torch.empty(s, spec.numel, dtype=spec.dtype, device=device)
+        for i, e in enumerate(logical[layer].tolist()):
+            g = torch.Generator(device=device).manual_seed(1000 * layer + e)
+            b[i] = (torch.randn(spec.numel, generator=g, device=device) * 0.02).to(spec.dtype)
+        bufs.append(b)
+    return ExpertStore(spec, worker, bufs, logical)
+
+
+class IdentityStore:
+    """Experts replaced by identity: the dispatch path without the expert matmuls (the worker
+    needs no permutation of rows: each source block arrives grouped by slot)."""
+
+    def compute(self, layer, rows, received):
+        return rows
+
+
+def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters):
+    topo = Topology.build(world, world, True, model["experts"])
+    ex = Exchange(topo, rank, device=device)
+    phy2log = np.tile(np.arange(model["experts"]), (1, 1))
+    maps = RouterMaps(phy2log, model["experts"], 1, device)
+    backend = DistributedExperts(ex, maps, rank, 1, IdentityStore())
+    gen = torch.Generator().manual_seed(rank)
+    perm = torch.randperm(model["experts"], generator=torch.Generator().manual_seed(7))
+    ids = routing_ids(gen, tokens, model["experts"], model["k"], zipf, perm).to(device)
+    w = torch.rand(tokens, model["k"], device=device).to(dtype)
+    routing = RoutingResult(ids, w, weights_on_input=model["k"] == 1)
+    hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
+
+    def ours():
+        backend.combine(backend.dispatch(0, hidden, routing))
+
+    # The same split sizes for the raw reference.
+    h = backend.dispatch(0, hidden, routing)
+    backend.combine(h)
+    send, recv = h.pending.send_splits, h.pending.recv_splits
+    sbuf = torch.randn(sum(send), model["hidden"], device=device).to(dtype)
+    rbuf = torch.empty(sum(recv), model["hidden"], device=device, dtype=dtype)
+    back = torch.empty_like(sbuf)
+
+    def raw():
+        dist.all_to_all_single(rbuf, sbuf, recv, send)
+        dist.all_to_all_single(back, rbuf, send, recv)
+
+    for _ in range(3):
+        ours(); raw()
+    t_ours = max_over_ranks(timed(ours, iters, device))
+    t_raw = max_over_ranks(timed(raw, iters, device))
+    esize = torch.empty((), dtype=dtype).element_size()
+    remote = (sum(send) - send[rank]) + (sum(recv) - recv[rank])           # rows out + rows in, other ranks
+    mb = max_over_ranks(remote * model["hidden"] * esize / 2 / 1e6)        # per rank each way
+    bytes_total = sum_over_ranks(remote * model["hidden"] * esize)
+    return dict(mb_per_rank_each_way=mb, ours_ms=t_ours * 1e3, raw_ms=t_raw * 1e3,
+                ours_gbps=bytes_total / world / t_ours / 1e9, raw_gbps=bytes_total / world / t_raw / 1e9,
+                share=t_raw / t_ours)
+
+
+def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, iters):
+    from moeserve.balancer.policy import place
+    from moeserve.placement import balancedness
+    e = model["experts"]
+    r = model["redundant"] if eplb else 0
+    p = e + r
+    topo = Topology.build(world, world, True, p)
+    ex = Exchange(topo, rank, device=device)
+    perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
+    if eplb:
+        # Plan on a previous window of the same distribution (all ranks' routing, summed).
+        load = np.zeros((layers, e))
+        for l in range(layers):
+            for src in range(world):
+                g = torch.Generator().manual_seed(50_000 + 97 * src + l)
+                ids = routing_ids(g, tokens, e, model["k"], zipf, perms[l])
+                load[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
+        phy2log = place(load, p, world, 1, 1, None)
+    else:
+        phy2log = np.tile(np.arange(p) % e, (layers, 1))
+    spec = ExpertSpec(model["hidden"], model["inter"], dtype=dtype)
+    store = make_store(spec, rank, phy2log, world, device, None)
+    maps = RouterMaps(phy2log, e, r + 1, device)
+    backend = DistributedExperts(ex, maps, rank, layers, store)
+    routings, loads = [], np.zeros((layers, e))
+    for l in range(layers):
+        ids = routing_ids(torch.Generator().manual_seed(rank * 1000 + l), tokens, e, model["k"], zipf, perms[l])
+        loads[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
+        w = torch.rand(tokens, model["k"]).to(dtype)
+        routings.append(RoutingResult(ids.to(device), w.to(device), weights_on_input=model["k"] == 1))
+    hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
+
+    def step():
+        x = hidden
+        for l in range(layers):
+            x = backend.combine(backend.dispatch(l, x, routings[l]))
+
+    for _ in range(2):
+        step()
+    t = max_over_ranks(timed(step, iters, device)) / layers
+    all_load = torch.tensor(loads)
+    dist.all_reduce(all_load, group=CPU_GROUP)
+    bal = float(np.mean(balancedness(all_load.numpy(), phy2log, world)))
+    return dict(layer_ms=t * 1e3, balancedness=bal, slots=p)
+
+
+def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
+    spec = ExpertSpec(model["hidden"], model["inter"], dtype=dtype)
+    e = model["experts"]
+    topo = Topology.build(world, world, True, e)
+    s = topo.slots_per_worker
+    phy2log = np.arange(e)[None, :]
+    store = make_store(spec, rank, phy2log, world, device, None)
+    store.begin_staging(s)
+    from moeserve.cluster.protocol import MoveOp
+    # Every slot of worker w goes to worker (w + 1) % W: all of a layer's experts move at once.
+    moves = tuple(MoveOp(0, ((w + 1) % world) * s + i, int(phy2log[0, w * s + i]), w, w * s + i, (w + 1) % world, i)
+                  for w in range(world) for i in range(s))
+    t_all = max_over_ranks(timed(lambda: run_moves(moves, store, topo), iters, device))
+    nbytes = s * spec.nbytes                                          # received per worker
+    buf = torch.empty(s * spec.numel, dtype=dtype, device=device)
+    rbuf = torch.empty_like(buf)
+
+    def raw():
+        ops = [dist.P2POp(dist.isend, buf, (rank + 1) % world), dist.P2POp(dist.irecv, rbuf, (rank - 1) % world)]
+        for wk in dist.batch_isend_irecv(ops):
+            wk.wait()
+    t_raw = max_over_ranks(timed(raw, iters, device))
+    per_step = max(1, budget_bytes // spec.nbytes)
+    budget_moves = tuple(m for m in moves if m.stage < per_step)
+    t_budget = max_over_ranks(timed(lambda: run_moves(budget_moves, store, topo), iters, device))
+    return dict(expert_mb=spec.nbytes / 1e6, moved_mb_per_worker=nbytes / 1e6, ours_ms=t_all * 1e3, raw_ms=t_raw * 1e3,
+                ours_gbps=nbytes / t_all / 1e9, raw_gbps=nbytes / t_raw / 1e9, share=t_raw / t_all,
+                budget_moves_per_worker=min(per_step, s), budget_stall_ms=t_budget * 1e3)
+
+
+def worker_main(rank, world, args, port):
+    global CPU_GROUP
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    CPU_GROUP = dist.new_group(backend="gloo")
+    warm_up_pairs(rank, world, device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    models = SMALL if args.small else MODELS
+    out = dict(config=dict(backend=args.backend, ranks=world, dtype=args.dtype, small=args.small,
+                           torch=torch.__version__,
+                           device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
+               exchange=[], layer=[], migration=[])
+    token_list = [int(t) for t in args.tokens.split(",")]
+    for name, m in models.items():
+        if "exchange" in args.parts:
+            for tokens in token_list:
+                for z in (0.0, 1.2):
+                    r = bench_exchange(rank, world, device, dtype, m, tokens, z, args.iters)
+                    out["exchange"].append(dict(model=name, tokens=tokens, zipf=z, **r))
+                    if rank == 0:
+                        print(f"exchange {name:9s} T={tokens:6d} zipf={z:.1f} {r['mb_per_rank_each_way']:8.1f} MB "
+                              f"ours {r['ours_ms']:7.3f} ms raw {r['raw_ms']:7.3f} ms share {r['share']:.0%}", flush=True)
+        if "layer" in args.parts:
+            for tokens in [int(t) for t in args.layer_tokens.split(",")]:
+                base = None
+                for z, eplb in ((0.0, False), (1.2, False), (1.2, True)):
+                    r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters)
+                    base = base or r["layer_ms"]
+                    r["vs_uniform"] = r["layer_ms"] / base
+                    out["layer"].append(dict(model=name, tokens=tokens, zipf=z, eplb=eplb, **r))
+                    if rank == 0:
+                        print(f"layer    {name:9s} T={tokens:6d} zipf={z:.1f} eplb={eplb!s:5s} {r['layer_ms']:7.3f} ms/layer "
+                              f"x{r['vs_uniform']:.3f} of uniform, balancedness {r['balancedness']:.3f}", flush=True)
+        if "migration" in args.parts:
+            r = bench_migration(rank, world, device, dtype, m, args.iters, args.budget_mb << 20)
+            out["migration"].append(dict(model=name, **r))
+            if rank == 0:
+                print(f"migrate  {name:9s} {r['moved_mb_per_worker']:8.1f} MB/worker ours {r['ours_gbps']:6.1f} GB/s "
+                      f"raw {r['raw_gbps']:6.1f} GB/s share {r['share']:.0%}; stall/step at budget "
+                      f"{r['budget_stall_ms']:.2f} ms", flush=True)
+    if rank == 0:
+        path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                         f"dispatch-{args.backend}{'-small' if args.small else ''}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print_table(out)
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def print_table(out):
+    print("\n| model | tokens/rank | routing | MB/rank each way | dispatch+combine ms | raw a2a ms | GB/s ours | GB/s raw | share |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in out["exchange"]:
+        print(f"| {r['model']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
+              f"{r['mb_per_rank_each_way']:.1f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbps']:.1f} | "
+              f"{r['raw_gbps']:.1f} | {r['share']:.0%} |")
+    if out["layer"]:
+        print("\n| model | tokens/rank | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in out["layer"]:
+            print(f"| {r['model']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
+                  f"{'on' if r['eplb'] else 'off'} | {r['slots']} | {r['layer_ms']:.3f} | {r['vs_uniform']:.3f} | "
+                  f"{r['balancedness']:.3f} |")
+    if out["migration"]:
+        print("\n| model | expert MB | MB moved per worker | ours GB/s | send/recv GB/s | share | stall per step at budget (ms) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in out["migration"]:
+            print(f"| {r['model']} | {r['expert_mb']:.1f} | {r['moved_mb_per_worker']:.0f} | {r['ours_gbps']:.1f} | "
+                  f"{r['raw_gbps']:.1f} | {r['share']:.0%} | {r['budget_stall_ms']:.2f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl" if torch.cuda.is_available() else "gloo")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None)
+    ap.add_argument("--small", action="store_true", help="small shapes (CPU)")
+    ap.add_argument("--tokens", default=None, help="tokens per rank for the exchange, comma separated")
+    ap.add_argument("--layer-tokens", default=None, help="tokens per rank for the layer step, comma separated")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--budget-mb", type=int, default=512, help="migration byte budget per worker per step")
+    ap.add_argument("--parts", default="exchange,layer,migration")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    gpu = args.backend == "nccl"
+    args.dtype = args.dtype or ("bf16" if gpu else "fp32")
+    args.tokens = args.tokens or ("2048,8192,16384,32768" if gpu else "256,1024")
+    args.layer_tokens = args.layer_tokens or ("2048,8192" if gpu else "256")
+    args.iters = args.iters or (20 if gpu else 5)
+    args.small = args.small or not gpu
+    args.parts = set(args.parts.split(","))
+    if gpu and torch.cuda.device_count() < args.ranks:
+        sys.exit(f"--ranks {args.ranks} needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(_entry, args=(args.ranks, args, port), nprocs=args.ranks, start_method="spawn")
+
+
+def _entry(rank, world, args, port):
+    worker_main(rank, world, args, port)
+
+
+if __name__ == "__main__":
+    main()

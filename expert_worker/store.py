@@ -1,0 +1,155 @@
+"""The expert slots a worker holds, their staging for migrations, and the grouped expert run.
+
+Dimension letters: L MoE layers, S slots on this worker (P / W), M staging entries, R ranks,
+m rows received in a layer, H hidden, n = ExpertSpec.numel elements of one expert.
+
+Per MoE layer the weights of the S slots are one buffer [S, n] (an expert's canonical tensors
+packed by ``ExpertSpec.flat``), so that moving a slot is moving one row of it. Staging is one
+buffer [M, n], sized for the largest inflow into this worker of one MoE layer; a layer's
+moves land there and a commit copies them into place, which keeps every slot serving its old
+expert until the whole layer switches.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moeserve.dispatch import RecvCounts
+from moeserve.models.moe import ExpertSpec, grouped_expert_forward
+
+
+class ExpertStore:
+    """The S slots of every MoE layer on one worker.
+
+    spec:      how an expert computes and the size of its weights.
+    logical:   int array [L, S], the logical expert each slot holds (the worker's share of
+               the placement's phy2log).
+    buffers:   one tensor [S, n] per MoE layer.
+    """
+
+    def __init__(self, spec: ExpertSpec, worker: int, buffers: list[torch.Tensor], logical: np.ndarray,
+                 max_staging_bytes: int = 0):
+        self.spec = spec
+        self.max_staging_bytes = max_staging_bytes               # 0: no limit but the device's memory
+        self.worker = worker
+        self.buffers = buffers
+        self.logical = np.array(logical, dtype=np.int64)             # [L, S]
+        self.slots_per_worker = self.logical.shape[1]
+        self.staging: torch.Tensor | None = None                    # [M, n]
+        self._views = [spec.views(b) for b in buffers]
+
+    @classmethod
+    def from_checkpoint(cls, reader, spec: ExpertSpec, worker: int, phy2log: np.ndarray, num_workers: int,
+                        device: torch.device | str = "cpu", max_staging_bytes: int = 0) -> "ExpertStore":
+        """Load this worker's slots straight from the checkpoint, by logical id.
+
+        phy2log: int array [L, P]; this worker holds slots w*S .. (w+1)*S-1 of each layer.
+        Several slots may hold the same logical expert; only those experts' bytes are read.
+        """
+        phy2log = np.asarray(phy2log, dtype=np.int64)
+        s = phy2log.shape[1] // num_workers
+        logical = phy2log[:, worker * s:(worker + 1) * s]            # [L, S]
+        buffers = []
+        for layer in range(logical.shape[0]):
+            ids = logical[layer].tolist()
+            uniq = sorted(set(ids))
+            stacked = reader.read_experts(layer, uniq, dtype=spec.dtype)   # name -> [u, ...]
+            buf = torch.empty(s, spec.numel, dtype=spec.dtype, device=device)
+            for i, e in enumerate(ids):
+                j = uniq.index(e)
+                buf[i] = spec.flat({k: v[j] for k, v in stacked.items()}).to(device)
+            buffers.append(buf)
+        return cls(spec, worker, buffers, logical, max_staging_bytes)
+
+    def weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """Canonical tensors of a layer's slots, stacked: gate_up [S, H, 2I], down [S, I, H]..."""
+        return self._views[layer]
+
+    def compute(self, layer: int, rows: torch.Tensor, received: RecvCounts) -> torch.Tensor:
+        """Run the received rows through their slots' experts.
+
+        rows:     [m, H] in the received layout: one block per source rank, and inside each
+                  block the rows of slot 0, then slot 1, ... (the sender sorted them by slot).
+        received: rows per (source rank, local slot) [R, S].
+        returns   [m, H] expert outputs in the same layout.
+
+        Each source block is already grouped by slot, so it goes through the grouped matmul
+        as it is: no permutation of rows on the worker.
+        """
+        host = received.host
+        sizes = host.sum(1).tolist()                                        # [R] rows per source
+        w = self.weights(layer)
+        offs = torch.cumsum(received.device, dim=1).to(torch.int32) if rows.is_cuda else None   # [R, S]
+        outs, start = [], 0
+        for r, n in enumerate(sizes):
+            if n:
+                outs.append(grouped_forward(self.spec, rows[start:start + n], w, host[r].tolist(),
+                                            None if offs is None else offs[r]))
+            start += n
+        if not outs:
+            return rows
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    # -- migration -------------------------------------------------------------------------
+
+    def begin_staging(self, entries: int) -> str | None:
+        """Allocate staging for ``entries`` experts; returns an error message instead of raising
+        (a failure must not break the step on this rank alone: the leader rolls back)."""
+        self.staging = None
+        if entries <= 0:
+            return None
+        need = entries * self.spec.nbytes
+        if self.max_staging_bytes and need > self.max_staging_bytes:
+            return (f"worker {self.worker}: staging for {entries} experts needs {need} bytes, over the "
+                    f"limit of {self.max_staging_bytes} bytes (max_staging_bytes)")
+        try:
+            self.staging = torch.empty(entries, self.spec.numel, dtype=self.spec.dtype,
+                                       device=self.buffers[0].device)
+        except (RuntimeError, MemoryError) as e:                    # torch.OutOfMemoryError is a RuntimeError
+            return f"worker {self.worker}: cannot allocate staging for {entries} experts " \
+                   f"({entries * self.spec.nbytes} bytes): {e}"
+        return None
+
+    def slot_row(self, layer: int, slot: int) -> torch.Tensor:
+        """The flat weights [n] held in global ``slot`` (which must be on this worker)."""
+        return self.buffers[layer][slot - self.worker * self.slots_per_worker]
+
+    def commit(self, layer: int, staged: list[tuple[int, int]], phy2log_row) -> None:
+        """Copy staged entries into their slots and record the layer's new logical ids."""
+        s0 = self.worker * self.slots_per_worker
+        for slot, entry in staged:
+            local = slot - s0
+            if 0 <= local < self.slots_per_worker:
+                self.buffers[layer][local].copy_(self.staging[entry])
+        self.logical[layer] = np.asarray(phy2log_row, dtype=np.int64)[s0:s0 + self.slots_per_worker]
+
+    def end_staging(self) -> None:
+        self.staging = None
+
+    def digest(self) -> np.ndarray:
+        """float64 [L, S, 2]: (sum, sum of squares) of each slot's weights, to check which
+        expert a slot really holds."""
+        out = np.zeros((len(self.buffers), self.slots_per_worker, 2))
+        for layer, buf in enumerate(self.buffers):
+            b = buf.double()
+            out[layer, :, 0] = b.sum(1).cpu().numpy()
+            out[layer, :, 1] = (b * b).sum(1).cpu().numpy()
+        return out
+
+
+def grouped_forward(spec: ExpertSpec, x: torch.Tensor, weights: dict[str, torch.Tensor], per_slot: list[int],
+                    offs: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows grouped by slot through their experts: x [m, H] slot-major, per_slot [S] -> [m, H].
+    offs: int32 [S] cumulative rows per slot on x's device (computed from per_slot if None).
+
+    On CUDA with bf16 and no biases this is two ``torch._grouped_mm`` calls (one kernel each
+    over all slots); elsewhere a loop over slots (never over tokens).
+    """
+    if x.is_cuda and x.dtype == torch.bfloat16 and not spec.has_bias and hasattr(torch, "_grouped_mm"):
+        if offs is None:
+            offs = torch.tensor(np.cumsum(per_slot), dtype=torch.int32, device=x.device)
+        i = spec.intermediate_size
+        gu = torch._grouped_mm(x, weights["gate_up"], offs=offs)                 # [m, 2I]
+        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]                         # [m, I]
+        return torch._grouped_mm(h, weights["down"], offs=offs)                  # [m, H]
+    return grouped_expert_forward(spec, x, None, weights, counts=per_slot)

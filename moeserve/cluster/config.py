@@ -1,0 +1,116 @@
+"""Configuration of a cluster: shapes, EPLB knobs (vLLM's names), serving limits, timeouts.
+
+One ``ClusterConfig`` is written as JSON by the launcher and read by every rank, so all ranks
+agree on it. Validation happens here, before any process starts.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Serving limits, as vLLM names them. ``max_num_seqs`` and ``max_num_batched_tokens``
+    apply per router rank; ``max_waiting`` bounds the admission queue (a full queue rejects
+    new requests)."""
+
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_waiting: int = 1024
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """EPLB knobs with vLLM's names (``--eplb-config`` keys without the ``eplb_`` prefix).
+
+    enable_eplb:           accept placements with redundant slots and record load for EPLB.
+    num_redundant_experts: R, redundant slots per MoE layer (P = E + R); needs enable_eplb.
+    window_size:           steps of load the balancer plans on.
+    step_interval:         steps between periodic rebalances (the balancer's loop).
+    log_balancedness:      log per-layer balancedness every step_interval steps.
+    """
+
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    window_size: int = 1000
+    step_interval: int = 3000
+    log_balancedness: bool = False
+
+    def __post_init__(self):
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts > 0 needs enable_eplb")
+        if self.window_size < 1:
+            raise ValueError(f"eplb window_size must be >= 1, got {self.window_size}")
+        if self.step_interval < 1:
+            raise ValueError(f"eplb step_interval must be >= 1, got {self.step_interval}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything every rank must agree on.
+
+    phy2log: the initial placement [L][P] (None: slot p holds logical expert p mod E).
+    migration_bytes_per_step: byte budget of weight moves per destination worker per step.
+    max_staging_bytes: a worker refuses a migration whose staging would exceed this (the
+    migration fails and rolls back, serving goes on).
+    heartbeat_s: the longest gap between two steps; pg_timeout_s: process-group timeout.
+    """
+
+    model_dir: str
+    routers: int = 1
+    workers: int = 1
+    colocated: bool = False
+    backend: str = "gloo"
+    dtype: str = "float32"
+    eplb: EplbConfig = field(default_factory=EplbConfig)
+    limits: Limits = field(default_factory=Limits)
+    workers_per_node: int = 0                   # 0: all workers on one node
+    phy2log: tuple | None = None
+    migration_bytes_per_step: int = 512 << 20
+    max_staging_bytes: int = 0                  # 0: staging limited only by the device's memory
+    heartbeat_s: float = 0.1
+    pg_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {self.backend!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.routers < 1 or self.workers < 1:
+            raise ValueError(f"need at least one router and one worker, got routers={self.routers}, workers={self.workers}")
+        if self.colocated and self.routers != self.workers:
+            raise ValueError(f"co-located ranks are each router and worker: routers ({self.routers}) "
+                             f"must equal workers ({self.workers})")
+        wpn = self.workers_per_node or self.workers
+        if self.workers % wpn:
+            raise ValueError(f"workers ({self.workers}) must be a multiple of workers_per_node ({wpn})")
+        if self.heartbeat_s <= 0 or self.pg_timeout_s <= 0:
+            raise ValueError("heartbeat_s and pg_timeout_s must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.routers if self.colocated else self.routers + self.workers
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ClusterConfig":
+        d = json.loads(text)
+        d["eplb"] = EplbConfig(**d["eplb"])
+        d["limits"] = Limits(**d["limits"])
+        if d.get("phy2log") is not None:
+            d["phy2log"] = tuple(tuple(r) for r in d["phy2log"])
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

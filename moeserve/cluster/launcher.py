@@ -1,0 +1,343 @@
+"""``LocalCluster``: start a cluster of rank processes on this machine, use it, tear it down.
+
+    with LocalCluster(model_dir, routers=1, workers=2, num_redundant_experts=4) as c:
+        out = c.generate([[1, 2, 3]], max_tokens=24)      # generated ids per prompt
+        c.apply_placement(new_phy2log, wait=True)         # migrate live
+
+The launcher spawns one process per rank (``python -m moeserve.cluster.rank``, never a fork),
+watches them every 0.2 s, and when one exits unexpectedly kills the others and fails every
+pending call with a ``ClusterError`` naming the rank, its exit code and the end of its log.
+Ranks also exit when the launcher's process goes away (no orphans).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeserve.cluster.config import ClusterConfig, EplbConfig, Limits
+from moeserve.cluster.control import ClusterError, ControlClient
+from moeserve.placement import Placement
+from moeserve.router.scheduler import GenerateRequest
+from moeserve.sampling import SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def _die_with_parent() -> None:
+    """Run in the child before exec: SIGKILL it when the launcher's thread dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One prompt's result: generated ids (prompt excluded), finish reason, and the logits
+    each token was sampled from (float32 [n, V]) when asked for."""
+
+    token_ids: list[int]
+    finish_reason: str
+    logits: np.ndarray | None = None
+
+
+class LocalCluster:
+    """A cluster of router and expert-worker processes on this machine.
+
+    routers, workers: R and W; colocated=True makes N = R = W ranks that are each both.
+    num_redundant_experts: redundant slots per MoE layer ((E + R) % W must be 0).
+    placement: initial phy2log [L, P] (default: slot p holds expert p mod E).
+    backend: "gloo" (CPU) or "nccl" (one GPU per rank). Other keywords: see ClusterConfig,
+    EplbConfig and Limits (vLLM's names).
+    """
+
+    def __init__(self, model_dir, routers: int = 1, workers: int = 1, colocated: bool = False,
+                 num_redundant_experts: int = 0, backend: str = "gloo", *, enable_eplb: bool = True,
+                 placement=None, dtype: str = "float32", window_size: int = 1000, step_interval: int = 3000,
+                 log_balancedness: bool = False, max_model_len: int = 4096, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 4096, max_waiting: int = 1024, workers_per_node: int = 0,
+                 migration_bytes_per_step: int = 512 << 20, max_staging_bytes: int = 0, heartbeat_s: float = 0.1, pg_timeout_s: float = 30.0,
+                 startup_timeout_s: float = 300.0, env: dict | None = None, log_dir: str | None = None):
+        from moeserve.cluster.rank import DTYPES
+        from moeserve.models import MoEInfo, load_config
+
+        model_dir = os.fspath(model_dir)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        mcfg = load_config(model_dir)                     # fails early on a bad checkpoint
+        info = MoEInfo.from_config(mcfg, DTYPES[dtype])
+        num_slots = info.num_logical_experts + num_redundant_experts
+        if colocated and routers != workers:
+            raise ValueError(f"co-located ranks are each router and worker: routers ({routers}) must equal workers ({workers})")
+        if num_slots % workers:
+            raise ValueError(f"(E + R) % W != 0: E={info.num_logical_experts} experts + R={num_redundant_experts} "
+                             f"redundant = {num_slots} slots per MoE layer cannot be split over W={workers} workers")
+        phy2log = None
+        if placement is not None:
+            p = Placement(phy2log=np.asarray(placement), num_logical=info.num_logical_experts, num_workers=workers,
+                          workers_per_node=workers_per_node or workers, version=1)
+            if p.phy2log.shape != (info.num_moe_layers, num_slots):
+                raise ValueError(f"placement has shape {p.phy2log.shape}, expected (L, P) = "
+                                 f"({info.num_moe_layers}, {num_slots})")
+            phy2log = tuple(tuple(int(x) for x in row) for row in p.phy2log)
+        self.config = ClusterConfig(
+            model_dir=os.path.abspath(model_dir), routers=routers, workers=workers, colocated=colocated,
+            backend=backend, dtype=dtype,
+            eplb=EplbConfig(enable_eplb=enable_eplb, num_redundant_experts=num_redundant_experts,
+                            window_size=window_size, step_interval=step_interval, log_balancedness=log_balancedness),
+            limits=Limits(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting),
+            workers_per_node=workers_per_node, phy2log=phy2log, migration_bytes_per_step=migration_bytes_per_step,
+            max_staging_bytes=max_staging_bytes,
+            heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s)
+        self.moe_info = info
+        self.vocab_size = mcfg.vocab_size
+        self.startup_timeout_s = startup_timeout_s
+        self.env = dict(env or {})
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.run_dir: str | None = None
+        self.error: str | None = None
+        self._stopping = False
+        self._client: ControlClient | None = None
+        self._monitor: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "LocalCluster":
+        cfg = self.config
+        self.run_dir = tempfile.mkdtemp(prefix="moeserve-cluster-")
+        logs = self.log_dir or self.run_dir
+        os.makedirs(logs, exist_ok=True)
+        cfg_path = os.path.join(self.run_dir, "cluster.json")
+        with open(cfg_path, "w") as f:
+            f.write(cfg.to_json())
+        authkey = secrets.token_bytes(16)
+        port = free_port()
+        base = dict(os.environ)
+        base.update(self.env)
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(cfg.world_size),
+                    MOESERVE_CLUSTER_CONFIG=cfg_path, MOESERVE_RUN_DIR=self.run_dir,
+                    MOESERVE_AUTHKEY=authkey.hex(), MOESERVE_PARENT_PID=str(os.getpid()))
+        if cfg.backend == "gloo":
+            base.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        self.log_paths = []
+        for rank in range(cfg.world_size):
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            path = os.path.join(logs, f"rank{rank}.log")
+            self.log_paths.append(path)
+            out = open(path, "wb")
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "moeserve.cluster.rank"], env=env,
+                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               preexec_fn=_die_with_parent))
+            out.close()
+        self._monitor = threading.Thread(target=self._watch, name="cluster-monitor", daemon=True)
+        self._monitor.start()
+        ready = os.path.join(self.run_dir, "control.json")
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not os.path.exists(ready):
+            if self.error:
+                self.stop()
+                raise ClusterError(self.error)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ClusterError(f"the cluster did not become ready within {self.startup_timeout_s:.0f} s "
+                                   f"(logs: {logs})")
+            time.sleep(0.05)
+        with open(ready) as f:
+            addr = json.load(f)
+        self._client = ControlClient((addr["host"], addr["port"]), authkey, on_failure=self._failure)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask the leader to stop every rank, wait for them, kill what is left."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        if self._client is not None and self.error is None:
+            try:
+                self._client.call("stop")
+            except Exception:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_all()
+        if self.run_dir and not self.log_dir and self.error is None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            if self._stopping:
+                return
+            exited = [(rank, p.poll()) for rank, p in enumerate(self.procs) if p.poll() is not None]
+            if exited:
+                time.sleep(0.3)                     # let peers that saw the failure exit too
+                exited = [(rank, p.poll()) for rank, p in enumerate(self.procs) if p.poll() is not None]
+                # A rank killed by a signal is the likely cause; the others died of losing it.
+                exited.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
+                first, code = exited[0]
+                what = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in exited)
+                self.error = f"{what}\n--- end of rank {first}'s log ---\n{self._log_tail(first)}"
+                self._kill_all()
+                return
+
+    def _failure(self, wait_s: float = 3.0) -> str | None:
+        """The cluster's error; when a connection just broke, give the monitor a moment to see why."""
+        deadline = time.monotonic() + wait_s
+        while self.error is None and time.monotonic() < deadline and not self._stopping:
+            time.sleep(0.05)
+        return self.error
+
+    def _log_tail(self, rank: int, lines: int = 20) -> str:
+        try:
+            with open(self.log_paths[rank], errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and self.error is None and all(p.poll() is None for p in self.procs)
+
+    # -- use --------------------------------------------------------------------------------
+
+    def _c(self) -> ControlClient:
+        if self._client is None:
+            raise ClusterError("the cluster is not started")
+        if self.error:
+            raise ClusterError(self.error)
+        return self._client
+
+    def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, ignore_eos: bool = False, stop_token_ids=(),
+                 return_logits: bool = False, details: bool = False):
+        """Generate for each prompt (a list of token ids); all prompts run concurrently.
+
+        Returns the generated ids per prompt (prompt excluded), or with ``details`` a list of
+        :class:`Generation` (finish reason, and with ``return_logits`` the logits [n, V] each
+        generated token was sampled from). Invalid input raises ValueError before anything runs.
+        """
+        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        reqs = [GenerateRequest(tuple(int(t) for t in p), max_tokens, sp, tuple(stop_token_ids), ignore_eos,
+                                "last" if return_logits else "") for p in prompts]
+        toks = [[] for _ in reqs]
+        logits = [[] for _ in reqs]
+        reasons = [""] * len(reqs)
+        for i, ev in self._c().generate_stream(reqs):
+            if ev[0] == "token":
+                toks[i].append(ev[1])
+                if ev[2] is not None:
+                    logits[i].append(ev[2])
+            elif ev[0] == "done":
+                reasons[i] = ev[1]
+            elif ev[0] == "error":
+                raise ClusterError(ev[1])
+        if not details:
+            return toks
+        return [Generation(t, r, np.concatenate(lg) if lg else None) for t, r, lg in zip(toks, reasons, logits)]
+
+    def prompt_logits(self, prompt) -> np.ndarray:
+        """float32 [T, V]: the logits at every position of ``prompt`` (one prefill)."""
+        req = GenerateRequest(tuple(int(t) for t in prompt), 1, SamplingParams(), (), True, "all")
+        for _, ev in self._c().generate_stream([req]):
+            if ev[0] == "token":
+                return ev[2]
+            if ev[0] == "error":
+                raise ClusterError(ev[1])
+        raise ClusterError("no logits came back")
+
+    def placement(self) -> Placement:
+        """The placement in force (``.phy2log`` [L, P], ``.version``, ``.layer_versions``)."""
+        return self._c().call("placement")
+
+    def apply_placement(self, phy2log, wait: bool = True, expected_version: int | None = None,
+                        timeout_s: float = 600.0) -> str:
+        """Migrate to ``phy2log`` [L, P] live; returns the migration id (at once with
+        wait=False). Raises ValueError, changing nothing, when it is not a valid placement."""
+        summary = self._c().call("apply", np.asarray(phy2log), expected_version)
+        if wait:
+            summary = self.wait_migration(summary["migration_id"], timeout_s)
+        return summary["migration_id"]
+
+    def wait_migration(self, migration_id: str, timeout_s: float = 600.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = self._c().call("wait_migration", migration_id, min(1.0, max(0.0, deadline - time.monotonic())))
+            if s["state"] in ("done", "aborted", "failed"):
+                if s["state"] != "done":
+                    raise ClusterError(f"migration {migration_id} {s['state']}: {s['error']}")
+                return s
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"migration {migration_id} not done after {timeout_s} s: {s}")
+
+    def migration(self, migration_id: str) -> dict:
+        return self._c().call("migration", migration_id)
+
+    def expert_load(self):
+        """The load window: ``.load`` [L, E] and per-layer ``.balancedness_measured`` /
+        ``.balancedness_predicted`` (see moeserve.router.leader.LoadReport)."""
+        return self._c().call("expert_load")
+
+    def total_load(self) -> np.ndarray:
+        """int64 [L, E]: pairs routed to each logical expert since the cluster started."""
+        return self._c().call("total_load")
+
+    def status(self) -> dict:
+        return self._c().call("status")
+
+    def slot_digests(self) -> list[np.ndarray]:
+        """Per worker, float64 [L, S, 2]: (sum, sum of squares) of the weights each slot holds,
+        read from the workers at a step boundary (tests use it to check what moved where)."""
+        return self._c().call("slot_digests")

@@ -1,0 +1,120 @@
+"""Messages of the step protocol (docs/dataplane.md): the header every rank receives at the
+start of a step, and what each rank sends back to the leader at its end.
+
+They travel pickled on the gloo control group; all are frozen dataclasses of plain Python
+values and numpy arrays (never torch tensors on a device), so a header means the same on every
+rank whatever its device.
+
+Dimension letters: L MoE layers, E logical experts, P physical slots per MoE layer, W workers,
+V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeserve.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's share of a step on its router.
+
+    token_ids: the new tokens of this step (the whole prompt at prefill, else the last sampled
+    token); start: tokens already in this sequence's KV cache on the router; sampling: set
+    when the sequence is new (start == 0) and its sampler must be created; return_logits:
+    "" (none), "last" (the logits the token is sampled from) or "all" (every new position).
+    """
+
+    seq_id: int
+    token_ids: tuple[int, ...]
+    start: int
+    sampling: SamplingParams | None = None
+    return_logits: str = ""
+
+
+@dataclass(frozen=True)
+class RouterWork:
+    """What one router does in a step: run ``seqs`` and then forget ``release`` (finished or
+    cancelled sequences whose KV cache and sampler can go)."""
+
+    seqs: tuple[SeqWork, ...] = ()
+    release: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MoveOp:
+    """Copy logical expert ``logical`` of MoE layer ``moe_layer`` from worker ``src_worker``
+    (which holds it in slot ``src_slot`` of the placement in force) into staging entry
+    ``stage`` of worker ``dst_worker``, destined for its global slot ``slot``."""
+
+    moe_layer: int
+    slot: int
+    logical: int
+    src_worker: int
+    src_slot: int
+    dst_worker: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class LayerCommit:
+    """Switch MoE layer ``moe_layer`` to ``phy2log`` ([P] logical expert per slot) at version
+    ``version``. Workers copy each staged entry into its slot: ``staged`` lists
+    (global slot, staging entry) pairs of this layer's moves."""
+
+    moe_layer: int
+    phy2log: tuple[int, ...]
+    version: int
+    staged: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class MigrationOps:
+    """The migration work of one step, applied in this order: ``begin`` (workers allocate
+    ``staging_slots`` staging entries), ``commits``, ``rollback`` (drop what is staged but
+    uncommitted), ``moves``, ``end`` (free staging)."""
+
+    migration_id: str
+    begin_staging_slots: int = 0
+    commits: tuple[LayerCommit, ...] = ()
+    rollback: bool = False
+    moves: tuple[MoveOp, ...] = ()
+    end: bool = False
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """Broadcast by the leader at the start of every step.
+
+    work has one entry per router when ``forward`` is set (idle routers get an empty one);
+    a step without ``forward`` is a heartbeat or a migration-only step.
+    """
+
+    step: int
+    forward: bool = False
+    work: tuple[RouterWork, ...] = ()
+    migration: MigrationOps | None = None
+    report: bool = False            # workers send a digest of every slot's weights
+    stop: bool = False
+
+
+@dataclass
+class RankResult:
+    """What a rank sends to the leader at the end of a step (gathered on the control group).
+
+    Routers: ``tokens`` maps a sequence id to its sampled token, ``logits`` to float32 arrays
+    [n, V] when asked for; ``logical_load`` int64 [L, E] (pairs routed to each logical
+    expert) and ``worker_load`` int64 [L, W] (pairs sent to each worker) of this step.
+    Workers: ``staging_error`` when staging could not be allocated (the migration is then
+    rolled back); ``slot_digest`` when the header asked for a report.
+    """
+
+    rank: int
+    tokens: dict[int, int] = field(default_factory=dict)
+    logits: dict[int, np.ndarray] = field(default_factory=dict)
+    logical_load: np.ndarray | None = None
+    worker_load: np.ndarray | None = None
+    staging_error: str | None = None
+    slot_digest: np.ndarray | None = None     # float64 [L, S, 2] (sum, sum of squares) per slot, when asked

@@ -1,0 +1,190 @@
+"""The dispatch wire format: which slot a (token, k) pair goes to, and the per-layer exchange.
+
+Dimension letters: T tokens on a router, K experts per token, N = T*K (token, k) pairs, E
+logical experts, X replicas at most per logical expert, P physical slots per MoE layer, W
+workers, S = P / W slots per worker, R ranks of the world (routers and workers), H hidden.
+
+One MoE layer moves rows in three collectives on the data group, identical on every rank
+(docs/dataplane.md, step 4): counts (int64 ``[R, S]``: rows for each slot of each
+destination rank, zeros for ranks that hold no slots), dispatch (the rows, sorted by
+destination slot), combine (the expert outputs, back along the reversed splits). Routers
+need no expert ids on the wire: rows arrive sorted by slot and the counts say where each
+slot's rows start. :class:`Exchange` runs that sequence for any rank, router, worker or
+both; the router backend (``moeserve.router.dispatcher``) and the worker loop
+(``moeserve.expert_worker.worker``) both drive it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who is who in the world.
+
+    router_ranks[r] is the world rank of router r; worker_ranks[w] the world rank of worker w
+    (co-located: both are ``0 .. N-1``). Slot p of a MoE layer lives on worker p // S.
+    """
+
+    world_size: int
+    router_ranks: tuple[int, ...]
+    worker_ranks: tuple[int, ...]
+    slots_per_worker: int
+
+    @classmethod
+    def build(cls, routers: int, workers: int, colocated: bool, num_slots: int) -> "Topology":
+        if routers < 1 or workers < 1:
+            raise ValueError(f"need at least one router and one worker, got routers={routers}, workers={workers}")
+        if colocated and routers != workers:
+            raise ValueError(f"co-located ranks are each router and worker: routers ({routers}) must equal workers ({workers})")
+        if num_slots % workers:
+            raise ValueError(f"(E + R) % W != 0: {num_slots} slots per MoE layer cannot be split evenly "
+                             f"over {workers} workers; choose num_redundant_experts so that E + R is a multiple of W")
+        if colocated:
+            ranks = tuple(range(routers))
+            return cls(routers, ranks, ranks, num_slots // workers)
+        return cls(routers + workers, tuple(range(routers)), tuple(range(routers, routers + workers)),
+                   num_slots // workers)
+
+    @property
+    def num_routers(self) -> int:
+        return len(self.router_ranks)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_ranks)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots_per_worker * self.num_workers
+
+    @property
+    def colocated(self) -> bool:
+        return self.router_ranks == self.worker_ranks
+
+    def router_index(self, rank: int) -> int | None:
+        return self.router_ranks.index(rank) if rank in self.router_ranks else None
+
+    def worker_index(self, rank: int) -> int | None:
+        return self.worker_ranks.index(rank) if rank in self.worker_ranks else None
+
+
+def count(values: torch.Tensor, n: int) -> torch.Tensor:
+    """LongTensor [n]: occurrences of each of 0 .. n-1 in ``values``. Unlike torch.bincount
+    on CUDA, this never reads the maximum back to the host (no synchronisation)."""
+    out = torch.zeros(n, dtype=torch.long, device=values.device)
+    return out.index_add_(0, values, torch.ones_like(values))
+
+
+def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int) -> torch.Tensor:
+    """Map each (token, k) pair to a physical slot, spreading pairs evenly over replicas.
+
+    ids:     LongTensor [T, K] logical expert ids.
+    log2phy: LongTensor [E, X] replicas of each logical expert (-1 padded).
+    logcnt:  LongTensor [E] replica counts (>= 1).
+    offset:  router index + step number; rotates which replica gets the remainder.
+    returns  LongTensor [T*K] slots, in flat (token, k) order.
+
+    The j-th pair routed to expert e (flat order) takes replica (j + offset) mod logcnt[e]
+    (docs/dataplane.md explains why j counts per expert).
+    """
+    flat = ids.reshape(-1)                                          # [N]
+    n = flat.numel()
+    if n == 0:
+        return flat.clone()
+    order = torch.argsort(flat, stable=True)                        # [N] pairs grouped by expert
+    counts = count(flat, log2phy.shape[0])                          # [E]
+    first = torch.cumsum(counts, 0) - counts                        # [E] where each expert's group starts
+    ordinal = torch.empty_like(flat)
+    ordinal[order] = torch.arange(n, device=flat.device) - first[flat[order]]
+    replica = (ordinal + offset) % logcnt[flat]                     # [N]
+    return log2phy[flat, replica]
+
+
+@dataclass(frozen=True)
+class RecvCounts:
+    """Rows received per (source rank, local slot), [R, S], on the host and on the device."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+
+
+@dataclass
+class Pending:
+    """An exchange in flight: :meth:`Exchange.start` -> :meth:`Exchange.send` -> :meth:`Exchange.finish`."""
+
+    counts_work: object             # the counts collective's Work handle (async)
+    send_counts: torch.Tensor       # LongTensor [R, S] rows for each slot of each destination rank
+    recv_counts: torch.Tensor       # LongTensor [R, S] rows from each source rank for each of my slots
+    work: object = None             # the dispatch collective's Work handle (async)
+    recv_rows: torch.Tensor | None = None   # [sum(recv_splits), H] rows for this rank's slots
+    received: RecvCounts | None = None
+    send_splits: list[int] | None = None    # [R] rows this rank sent to each rank
+    recv_splits: list[int] | None = None    # [R] rows this rank received from each rank
+
+
+class Exchange:
+    """The per-MoE-layer collective sequence on the data group (counts, dispatch, combine).
+
+    Every rank of the world calls ``start``, ``send`` and ``finish`` once per MoE layer per
+    forward step, in layer order, whatever its role: a rank with nothing to send passes zero
+    rows. ``start`` only needs the rows per slot, so the counts travel while the caller
+    gathers the rows themselves.
+    """
+
+    def __init__(self, topo: Topology, rank: int, group=None, device: torch.device | str = "cpu"):
+        self.topo = topo
+        self.rank = rank
+        self.group = group
+        self.device = torch.device(device)
+        # world rank of the worker holding slot-block w: dest rank of a slot is worker_ranks[slot // S]
+        self._worker_rank = torch.tensor(topo.worker_ranks, dtype=torch.long, device=self.device)
+        self._workers_are_world = topo.worker_ranks == tuple(range(topo.world_size))
+
+    def start(self, per_slot: torch.Tensor) -> Pending:
+        """Start the counts exchange. per_slot: LongTensor [P], the rows this rank will send
+        to each global slot (its rows go out sorted by slot, so by destination)."""
+        topo, s = self.topo, self.topo.slots_per_worker
+        if self._workers_are_world:
+            send_counts = per_slot.view(topo.world_size, s)                                      # [R, S]
+        else:
+            send_counts = torch.zeros(topo.world_size, s, dtype=torch.long, device=self.device)
+            send_counts.index_copy_(0, self._worker_rank, per_slot.view(topo.num_workers, s))
+        recv_counts = torch.empty_like(send_counts)
+        work = dist.all_to_all_single(recv_counts, send_counts, group=self.group, async_op=True)
+        return Pending(work, send_counts, recv_counts)
+
+    def send(self, pending: Pending, send_rows: torch.Tensor) -> None:
+        """Start the dispatch of ``send_rows`` [n, H] (sorted by slot, as given to start)."""
+        pending.counts_work.wait()
+        # The one host read of the layer: all_to_all needs its split sizes on the host.
+        both = torch.stack([pending.send_counts, pending.recv_counts]).cpu()                     # [2, R, S]
+        pending.send_splits = both[0].sum(1).tolist()
+        pending.recv_splits = both[1].sum(1).tolist()
+        pending.received = RecvCounts(both[1], pending.recv_counts)
+        pending.recv_rows = send_rows.new_empty(sum(pending.recv_splits), send_rows.shape[1])
+        pending.work = dist.all_to_all_single(pending.recv_rows, send_rows, pending.recv_splits, pending.send_splits,
+                                              group=self.group, async_op=True)
+
+    def finish(self, pending: Pending, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+        """Wait for the rows, run this rank's slots on them, and combine back.
+
+        compute(rows [m, H], received: RecvCounts) -> [m, H], the expert outputs in the
+        received layout; None on a rank that holds no slots (it must receive nothing).
+        returns the outputs of the rows this rank sent, in its send order: [n, H].
+        """
+        pending.work.wait()
+        rows = pending.recv_rows
+        if compute is not None:
+            out = compute(rows, pending.received)
+        else:
+            if rows.shape[0]:
+                raise RuntimeError(f"rank {self.rank} holds no expert slots but received {rows.shape[0]} rows")
+            out = rows
+        back = out.new_empty(sum(pending.send_splits), out.shape[1])
+        dist.all_to_all_single(back, out, pending.send_splits, pending.recv_splits, group=self.group)
+        return back

@@ -1,0 +1,149 @@
+"""The router's experts backend: routed experts run on expert workers over torch.distributed.
+
+Dimension letters: T tokens of this router in the step, K top-k, N = T*K pairs, L MoE layers,
+E logical experts, X max replicas, P physical slots, W workers, H hidden.
+
+``DistributedExperts`` plugs into the model's MoE seam (``moeserve.models.moe.ExpertsBackend``):
+``dispatch`` maps each (token, k) pair to a slot of the placement in force, sorts the rows by
+slot (which sorts them by worker) and starts the exchange; the model computes its shared
+experts while rows are in flight; ``combine`` finishes the exchange (running this rank's own
+slots when it is also a worker), puts the outputs back in (token, k) order, applies the
+routing weights when they scale the output, and sums over k in a fixed order, so the result
+does not depend on where the experts sit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeserve.dispatch import Exchange, Pending, choose_slots, count
+from moeserve.models.moe import RoutingResult
+
+
+class RouterMaps:
+    """The placement in force as the router uses it, per MoE layer, on the router's device.
+
+    log2phy: LongTensor [L, E, X] (-1 padded); logcnt: LongTensor [L, E]. X is fixed at start
+    (R + 1) so the tables never change shape; a commit rewrites one layer's rows.
+    """
+
+    def __init__(self, phy2log: np.ndarray, num_logical: int, max_replicas: int, device: torch.device | str = "cpu"):
+        phy2log = np.asarray(phy2log, dtype=np.int64)
+        layers = phy2log.shape[0]
+        self.num_logical = num_logical
+        self.max_replicas = max_replicas
+        self.phy2log = phy2log.copy()                                    # [L, P] host copy
+        self.single = [False] * layers                                   # no logical expert has 2 replicas
+        self.log2phy = torch.full((layers, num_logical, max_replicas), -1, dtype=torch.long, device=device)
+        self.logcnt = torch.zeros(layers, num_logical, dtype=torch.long, device=device)
+        for layer in range(layers):
+            self.set_layer(layer, phy2log[layer])
+
+    def set_layer(self, layer: int, phy2log_row) -> None:
+        """Install the map of one MoE layer from its phy2log row [P]."""
+        row = np.asarray(phy2log_row, dtype=np.int64)
+        table = np.full((self.num_logical, self.max_replicas), -1, dtype=np.int64)
+        counts = np.zeros(self.num_logical, dtype=np.int64)
+        for slot, e in enumerate(row.tolist()):          # slots ascending: replica j = j-th slot of e
+            table[e, counts[e]] = slot
+            counts[e] += 1
+        self.log2phy[layer].copy_(torch.from_numpy(table))
+        self.logcnt[layer].copy_(torch.from_numpy(counts))
+        self.phy2log[layer] = row
+        self.single[layer] = bool(counts.max() == 1)
+
+    def slots_of(self, layer: int, ids: torch.Tensor, offset: int) -> torch.Tensor:
+        """Slots [T*K] for the logical ids [T, K] of a layer (the replica rule of choose_slots;
+        a plain look-up when every expert of the layer has one replica)."""
+        if self.single[layer]:
+            return self.log2phy[layer, :, 0].index_select(0, ids.reshape(-1))
+        return choose_slots(ids, self.log2phy[layer], self.logcnt[layer], offset)
+
+
+@dataclass(frozen=True)
+class _Handle:
+    moe_layer: int
+    pending: Pending
+    order: torch.Tensor        # [N] pair index of each sent row (rows sorted by slot)
+    routing: RoutingResult
+    tokens: int
+
+
+class DistributedExperts:
+    """ExpertsBackend of a router rank.
+
+    exchange: the data group's per-layer exchange; maps: the placement in force; router: this
+    router's index (0 .. R-1); store: this rank's ``ExpertStore`` when it is also a worker.
+    ``step`` must be set before each forward (it rotates the replica choice); the pairs sent
+    to each slot accumulate in ``slot_load`` [L, P] until ``take_load``.
+    """
+
+    def __init__(self, exchange: Exchange, maps: RouterMaps, router: int, num_layers: int, store=None):
+        self.exchange = exchange
+        self.maps = maps
+        self.router = router
+        self.store = store
+        self.step = 0
+        self.num_slots = exchange.topo.num_slots
+        self.slot_load = torch.zeros(num_layers, self.num_slots, dtype=torch.long, device=exchange.device)
+
+    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
+        t, k = routing.ids.shape
+        slots = self.maps.slots_of(moe_layer, routing.ids, self.router + self.step)   # [N]
+        per_slot = count(slots, self.num_slots)                                        # [P]
+        pending = self.exchange.start(per_slot)                                        # counts travel meanwhile
+        order = torch.argsort(slots, stable=True)                                      # [N] rows by slot
+        rows = hidden.index_select(0, order // k if k > 1 else order)                  # [N, H]
+        if routing.weights_on_input:
+            rows = rows * routing.weights.reshape(-1, 1).index_select(0, order).to(rows.dtype)
+        self.exchange.send(pending, rows)
+        self.slot_load[moe_layer] += per_slot
+        return _Handle(moe_layer, pending, order, routing, t)
+
+    def combine(self, handle: _Handle) -> torch.Tensor:
+        compute = None
+        if self.store is not None:
+            layer = handle.moe_layer
+            compute = lambda rows, received: self.store.compute(layer, rows, received)   # noqa: E731
+        back = self.exchange.finish(handle.pending, compute)                        # [N, H] in sent order
+        t, k = handle.routing.ids.shape
+        out = torch.empty_like(back)
+        out[handle.order] = back                                                     # (token, k) order
+        if not handle.routing.weights_on_input:
+            out = out * handle.routing.weights.reshape(-1, 1).to(out.dtype)
+        if k == 1:
+            return out
+        return out.view(t, k, -1).sum(dim=1)                                         # [T, H]
+
+    def take_load(self) -> tuple[np.ndarray, np.ndarray]:
+        """Return and reset the load of the step: (logical [L, E], worker [L, W]) int64.
+
+        Only per-slot counts are recorded on the device; since every pair sent to a slot was
+        routed to the expert that slot holds, the logical counts follow exactly from the maps
+        in force during the step (commits happen between steps).
+        """
+        slot = self.slot_load.cpu().numpy().copy()             # [L, P]; on CPU .cpu() shares memory
+        self.slot_load.zero_()
+        layers, p = slot.shape
+        e = self.maps.num_logical
+        logical = np.zeros((layers, e), dtype=np.int64)
+        rows = np.repeat(np.arange(layers), p)
+        np.add.at(logical, (rows, self.maps.phy2log.reshape(-1)), slot.reshape(-1))
+        workers = self.exchange.topo.num_workers
+        return logical, slot.reshape(layers, workers, p // workers).sum(axis=2)
+
+
+def idle_walk(exchange: Exchange, num_layers: int, hidden_size: int, dtype: torch.dtype, store=None) -> None:
+    """Take part in every MoE layer's exchange with no rows of one's own (an idle router, or a
+    worker): all ranks walk the MoE layers in lockstep."""
+    empty = torch.empty(0, hidden_size, dtype=dtype, device=exchange.device)
+    none = torch.zeros(exchange.topo.num_slots, dtype=torch.long, device=exchange.device)
+    for layer in range(num_layers):
+        pending = exchange.start(none)
+        exchange.send(pending, empty)
+        compute = None
+        if store is not None:
+            compute = lambda rows, received, layer=layer: store.compute(layer, rows, received)  # noqa: E731
+        exchange.finish(pending, compute)

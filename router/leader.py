@@ -1,0 +1,249 @@
+"""The leader's engine (router rank 0): requests, placement and load, and the step headers.
+
+Dimension letters: L MoE layers, E logical experts, P physical slots, W workers.
+
+Two kinds of callers meet here. The step-driver thread calls ``next_header`` at the start of
+every step and ``on_results`` at its end; it is the only thread that touches
+torch.distributed. Every other thread (the local control channel, the gRPC admin and serving
+handlers) calls the request and admin methods, which only validate, record and enqueue work
+for the next header: they never wait for a step except where they say so (``wait_*``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeserve.cluster.config import ClusterConfig
+from moeserve.cluster.protocol import RankResult, StepHeader
+from moeserve.placement import Placement, balancedness
+from moeserve.router.migration import Migration, Migrator, StaleVersion
+from moeserve.router.scheduler import GenerateRequest, Scheduler, Sequence
+
+log = logging.getLogger("moeserve.leader")
+
+
+class EplbDisabled(Exception):
+    """A placement change was asked of a cluster started without EPLB."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the leader needs to know of the model."""
+
+    num_moe_layers: int
+    num_logical_experts: int
+    top_k: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    expert_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The load window and what it says.
+
+    load:      int64 [L, E], pairs routed to each logical expert over the window (all routers).
+    worker_load: int64 [L, W], pairs sent to each worker over the window (measured under the
+               placements that were in force; may mix placements across a migration).
+    steps:     forward steps in the window (at most window_size).
+    balancedness_measured:  [L] mean/max of worker_load per layer (1.0 for a layer without tokens).
+    balancedness_predicted: [L] the same for ``load`` split evenly over the replicas of the
+               placement in force (what the policy's cost model predicts).
+    """
+
+    load: np.ndarray
+    worker_load: np.ndarray
+    steps: int
+    total_steps: int
+    balancedness_measured: np.ndarray
+    balancedness_predicted: np.ndarray
+    placement_version: int
+
+
+class Engine:
+    """The leader's state: scheduler, migrator, load window."""
+
+    def __init__(self, cfg: ClusterConfig, shape: ModelShape, placement: Placement):
+        self.cfg = cfg
+        self.shape = shape
+        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.vocab_size, shape.eos_token_ids)
+        self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
+        self._load_lock = threading.Lock()
+        self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
+        self._total_logical = np.zeros((shape.num_moe_layers, shape.num_logical_experts), dtype=np.int64)
+        self.step = 0
+        self.forward_steps = 0
+        self.started = time.time()
+        self._stop = threading.Event()
+        self._wake = self.scheduler.work_available
+        self.error: str | None = None
+        self._report_lock = threading.Lock()
+        self._report_wanted = False
+        self._report_done = threading.Event()
+        self._report: list[np.ndarray] | None = None
+
+    # -- requests (any thread) ----------------------------------------------------------------
+
+    def submit(self, req: GenerateRequest) -> Sequence:
+        """Admit a request (ValueError when invalid, QueueFull when the queue is full)."""
+        if self._stop.is_set() or self.error:
+            raise RuntimeError(self.error or "the cluster is shutting down")
+        return self.scheduler.submit(req)
+
+    def cancel(self, seq: Sequence) -> None:
+        self.scheduler.cancel(seq)
+
+    # -- placement and load (any thread) -------------------------------------------------------
+
+    def placement(self) -> Placement:
+        return self.migrator.placement()
+
+    def plan_placement(self, phy2log, expected_version: int | None = None) -> Migration:
+        """Validate and diff without applying (dry run)."""
+        self._check_eplb(phy2log)
+        return self.migrator.plan(phy2log, expected_version)
+
+    def apply_placement(self, phy2log, expected_version: int | None = None) -> Migration:
+        """Start migrating to ``phy2log`` [L, P]; returns at once with the migration."""
+        self._check_eplb(phy2log)
+        mig = self.migrator.plan(phy2log, expected_version)
+        mig = self.migrator.start(mig, expected_version)
+        self._wake.set()
+        return mig
+
+    def abort_migration(self) -> bool:
+        ok = self.migrator.abort("aborted by request")
+        self._wake.set()
+        return ok
+
+    def migration(self, migration_id: str) -> Migration | None:
+        return self.migrator.get(migration_id)
+
+    def expert_load(self) -> LoadReport:
+        placement = self.placement()
+        with self._load_lock:
+            if self._window:
+                load = sum(w[0] for w in self._window)
+                wload = sum(w[1] for w in self._window)
+            else:
+                load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
+                wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
+            steps = len(self._window)
+        return LoadReport(load=load, worker_load=wload, steps=steps, total_steps=self.forward_steps,
+                          balancedness_measured=_row_balancedness(wload),
+                          balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
+                          placement_version=int(placement.version))
+
+    def total_load(self) -> np.ndarray:
+        """int64 [L, E]: pairs routed to each logical expert since start."""
+        with self._load_lock:
+            return self._total_logical.copy()
+
+    def status(self) -> dict:
+        p = self.placement()
+        active = self.migrator.active
+        return dict(step=self.step, forward_steps=self.forward_steps, uptime_s=time.time() - self.started,
+                    placement_version=int(p.version), layer_versions=[int(v) for v in p.layer_versions],
+                    migration=active.summary() if active else None, error=self.error, **self.scheduler.counts())
+
+    def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
+        """Per worker, float64 [L, S, 2] digests (sum, sum of squares) of what each slot
+        really holds, taken at a step boundary."""
+        with self._report_lock:
+            self._report_done.clear()
+            self._report_wanted = True
+        self._wake.set()
+        if not self._report_done.wait(timeout_s):
+            raise RuntimeError(f"no worker report within {timeout_s} s")
+        return self._report
+
+    def worker_ranks(self) -> list[int]:
+        c = self.cfg
+        return list(range(c.workers)) if c.colocated else list(range(c.routers, c.routers + c.workers))
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def _check_eplb(self, phy2log) -> None:
+        if not self.cfg.eplb.enable_eplb:
+            raise EplbDisabled("EPLB is disabled on this cluster (start it with enable_eplb): the placement cannot change")
+
+    # -- step driver ------------------------------------------------------------------------
+
+    def next_header(self) -> StepHeader:
+        """The header of the next step; when there is nothing to do, waits up to heartbeat_s
+        for work and then returns a heartbeat."""
+        deadline = time.monotonic() + self.cfg.heartbeat_s
+        while True:
+            if self._stop.is_set():
+                return StepHeader(self.step, stop=True)
+            work = self.scheduler.schedule()
+            ops = self.migrator.header_ops()
+            report = self._report_wanted
+            if work is not None or ops is not None or report:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wake.wait(remaining)
+            self._wake.clear()
+        forward = work is not None and any(w.seqs for w in work)
+        return StepHeader(self.step, forward=forward, work=work or (), migration=ops, report=report)
+
+    def on_results(self, header: StepHeader, results: list[RankResult]) -> None:
+        """Consume the end-of-step gather (one RankResult per rank)."""
+        self.step += 1
+        if header.report:
+            with self._report_lock:
+                self._report = [results[r].slot_digest for r in self.worker_ranks()]
+                self._report_wanted = False
+                self._report_done.set()
+        if header.migration is not None and header.migration.begin_staging_slots:
+            errors = [r.staging_error for r in results if r.staging_error]
+            self.migrator.on_staging(header.migration.migration_id, errors)
+        if header.forward:
+            loads = [r for r in results if r.logical_load is not None]
+            logical = sum(r.logical_load for r in loads)
+            wload = sum(r.worker_load for r in loads)
+            with self._load_lock:
+                self._window.append((logical, wload))
+                self._total_logical += logical
+            self.forward_steps += 1
+            eplb = self.cfg.eplb
+            if eplb.log_balancedness and self.forward_steps % eplb.step_interval == 0:
+                rep = self.expert_load()
+                log.info("step %d: balancedness measured %.4f predicted %.4f (mean over %d MoE layers)",
+                         self.forward_steps, float(rep.balancedness_measured.mean()),
+                         float(rep.balancedness_predicted.mean()), len(rep.balancedness_measured))
+        if header.work:                  # after the load: a client that sees its last token sees its load
+
+            tokens, logits = {}, {}
+            for r in results:
+                tokens.update(r.tokens)
+                logits.update(r.logits)
+            self.scheduler.on_results(header.work, tokens, logits)
+
+    def fail(self, message: str) -> None:
+        """The step loop died: fail every request and migration waiting on it."""
+        self.error = message
+        self.scheduler.fail_all(message)
+        self.migrator.abort(message)
+
+
+def _row_balancedness(worker_load: np.ndarray) -> np.ndarray:
+    """[L, W] -> [L]: mean / max per layer, 1.0 for a layer without tokens."""
+    w = np.asarray(worker_load, dtype=np.float64)
+    mx = w.max(axis=1)
+    out = np.ones(w.shape[0])
+    busy = mx > 0
+    out[busy] = w[busy].mean(axis=1) / mx[busy]
+    return out
+
+
+__all__ = ["Engine", "EplbDisabled", "LoadReport", "ModelShape", "StaleVersion"]

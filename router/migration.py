@@ -1,0 +1,248 @@
+"""Live migration on the leader: from an applied placement to weight moves in step headers.
+
+Dimension letters: L MoE layers, P physical slots per MoE layer, W workers.
+
+The leader owns the placement in force (per-layer maps and versions). ``plan`` validates a
+new phy2log and diffs it into moves; ``Migrator`` turns a plan into the migration part of
+successive step headers (docs/dataplane.md, "Migration"):
+
+  begin (workers allocate staging) -> moves of one layer at a time, under a byte budget per
+  destination worker per step -> commit of that layer in the header after its last moves
+  landed -> ... -> the last commit, with ``end`` (staging freed).
+
+Abort, a superseding plan and a staging failure roll back the uncommitted layers and give
+the state in force a fresh version. Only the step driver calls ``header_ops`` and
+``on_step_done``; other threads call ``start``, ``abort`` and the read-only queries, all
+under one lock.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeserve.cluster.protocol import LayerCommit, MigrationOps, MoveOp
+from moeserve.placement import Placement
+
+
+class StaleVersion(Exception):
+    """The caller's expected placement version is not the version in force."""
+
+
+@dataclass
+class Migration:
+    """A migration's plan and progress. ``state``: planned -> staging -> moving -> done, or
+    aborted / failed (with ``error``)."""
+
+    id: str
+    target: np.ndarray                         # [L, P] the phy2log asked for
+    target_version: int
+    moves: dict[int, list[MoveOp]]             # per MoE layer, in layer order
+    total_moves: int
+    total_bytes: int
+    staging_slots: int
+    state: str = "planned"
+    error: str = ""
+    moves_done: int = 0
+    bytes_done: int = 0
+    layers_committed: list[int] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def summary(self) -> dict:
+        return dict(migration_id=self.id, state=self.state, error=self.error, target_version=self.target_version,
+                    moves_total=self.total_moves, moves_done=self.moves_done, bytes_total=self.total_bytes,
+                    bytes_done=self.bytes_done, layers_total=len(self.moves), layers_committed=len(self.layers_committed))
+
+
+class Migrator:
+    """The placement in force and at most one running migration.
+
+    placement:       the initial Placement (version and per-layer versions included).
+    expert_bytes:    bytes of one expert's weights.
+    bytes_per_step:  byte budget per destination worker per step (at least one move per step
+                     is always scheduled, so an expert larger than the budget still moves).
+    """
+
+    def __init__(self, placement: Placement, expert_bytes: int, bytes_per_step: int):
+        self._lock = threading.Lock()
+        self.current = placement
+        self.expert_bytes = expert_bytes
+        self.bytes_per_step = bytes_per_step
+        self._versions = itertools.count(int(placement.version) + 1)
+        self.active: Migration | None = None
+        self.history: dict[str, Migration] = {}
+        self._abort_pending: Migration | None = None   # aborted: its rollback goes in the next header
+        self._layer_idx = 0                           # index into active.moves' layers
+        self._move_idx = 0                            # next move of that layer
+        self._awaiting_commit: int | None = None      # layer whose moves all went out last step
+        self._staging_checked = False
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def placement(self) -> Placement:
+        with self._lock:
+            return self.current
+
+    def plan(self, phy2log, expected_version: int | None = None) -> Migration:
+        """Validate ``phy2log`` [L, P] and diff it against the placement in force.
+        Raises ValueError (invalid placement) or StaleVersion."""
+        with self._lock:
+            cur = self.current
+            if expected_version is not None and int(expected_version) != int(cur.version):
+                raise StaleVersion(f"expected placement version {expected_version}, but version {cur.version} is in force")
+            phy2log = np.asarray(phy2log)
+            if phy2log.shape != cur.phy2log.shape:
+                raise ValueError(f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = "
+                                 f"{cur.phy2log.shape}")
+            new = Placement(phy2log=phy2log, num_logical=cur.num_logical, num_workers=cur.num_workers,
+                            workers_per_node=cur.workers_per_node, version=cur.version)
+            diff = cur.diff(new, self.expert_bytes)
+            s = cur.phy2log.shape[1] // cur.num_workers
+            moves: dict[int, list[MoveOp]] = {}
+            inflow = np.zeros((cur.phy2log.shape[0], cur.num_workers), dtype=np.int64)
+            for m in diff:
+                src_slot = _slot_of(cur.phy2log[m.moe_layer], m.logical, m.src_worker, s)
+                stage = int(inflow[m.moe_layer, m.dst_worker])
+                inflow[m.moe_layer, m.dst_worker] += 1
+                moves.setdefault(m.moe_layer, []).append(
+                    MoveOp(m.moe_layer, m.slot, m.logical, m.src_worker, src_slot, m.dst_worker, stage))
+            moves = dict(sorted(moves.items()))
+            return Migration(id=uuid.uuid4().hex[:12], target=new.phy2log.copy(), target_version=-1, moves=moves,
+                             total_moves=len(diff), total_bytes=len(diff) * self.expert_bytes,
+                             staging_slots=int(inflow.max()) if diff else 0)
+
+    def start(self, mig: Migration, expected_version: int | None = None) -> Migration:
+        """Make ``mig`` (from ``plan``) the running migration, aborting one that runs."""
+        with self._lock:
+            if expected_version is not None and int(expected_version) != int(self.current.version):
+                raise StaleVersion(f"expected placement version {expected_version}, but version {self.current.version} is in force")
+            if self.active is not None:
+                self._abort_locked("superseded by migration " + mig.id)
+            mig.target_version = next(self._versions)
+            self.history[mig.id] = mig
+            if mig.total_moves == 0:                 # nothing changes: done at once, same state
+                mig.state = "done"
+                mig.target_version = int(self.current.version)
+                mig.done.set()
+                return mig
+            self.active = mig
+            self._layer_idx = self._move_idx = 0
+            self._awaiting_commit = None
+            self._staging_checked = False
+            return mig
+
+    def abort(self, reason: str = "aborted") -> bool:
+        with self._lock:
+            if self.active is None:
+                return False
+            self._abort_locked(reason)
+            return True
+
+    def get(self, migration_id: str) -> Migration | None:
+        with self._lock:
+            return self.history.get(migration_id)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self.active is not None or self._abort_pending is not None
+
+    # -- step driver ------------------------------------------------------------------------
+
+    def header_ops(self) -> MigrationOps | None:
+        """The migration work of the next step (None when there is none)."""
+        with self._lock:
+            if self._abort_pending is not None:
+                mig, self._abort_pending = self._abort_pending, None
+                return MigrationOps(mig.id, rollback=True, end=True)
+            mig = self.active
+            if mig is None:
+                return None
+            if mig.state == "planned":
+                mig.state = "staging"
+                return MigrationOps(mig.id, begin_staging_slots=mig.staging_slots)
+            if mig.state == "staging":
+                return None                           # waiting for the staging report
+            commits: list[LayerCommit] = []
+            layers = list(mig.moves)
+            if self._awaiting_commit is not None:
+                layer = self._awaiting_commit
+                row = mig.target[layer]
+                commits.append(LayerCommit(layer, tuple(int(x) for x in row), mig.target_version,
+                                           tuple((m.slot, m.stage) for m in mig.moves[layer])))
+                self._commit_locked(layer)
+                self._awaiting_commit = None
+                self._layer_idx += 1
+                self._move_idx = 0
+            if self._layer_idx >= len(layers):
+                self._finish_locked()
+                return MigrationOps(mig.id, commits=tuple(commits), end=True)
+            layer = layers[self._layer_idx]
+            todo = mig.moves[layer]
+            sent = np.zeros(self.current.num_workers, dtype=np.int64)
+            batch = []
+            while self._move_idx < len(todo):
+                m = todo[self._move_idx]
+                if batch and sent[m.dst_worker] + self.expert_bytes > self.bytes_per_step:
+                    break
+                sent[m.dst_worker] += self.expert_bytes
+                batch.append(m)
+                self._move_idx += 1
+            if self._move_idx >= len(todo):
+                self._awaiting_commit = layer
+            mig.moves_done += len(batch)
+            mig.bytes_done += len(batch) * self.expert_bytes
+            return MigrationOps(mig.id, commits=tuple(commits), moves=tuple(batch))
+
+    def on_staging(self, migration_id: str, errors: list[str]) -> None:
+        """The workers' report after ``begin``: roll back when any could not allocate."""
+        with self._lock:
+            mig = self.active
+            if mig is None or mig.id != migration_id or mig.state != "staging":
+                return
+            if errors:
+                mig.error = "; ".join(errors)
+                self._abort_locked(mig.error, state="failed")
+            else:
+                mig.state = "moving"
+
+    # -- internals (lock held) ---------------------------------------------------------------
+
+    def _commit_locked(self, layer: int) -> None:
+        mig = self.active
+        p2l = self.current.phy2log.copy()
+        p2l[layer] = mig.target[layer]
+        lv = np.array(self.current.layer_versions, dtype=np.int64).copy()
+        lv[layer] = mig.target_version
+        self.current = dataclasses.replace(self.current, phy2log=p2l, layer_versions=lv)
+        mig.layers_committed.append(layer)
+
+    def _finish_locked(self) -> None:
+        mig = self.active
+        lv = np.full_like(np.asarray(self.current.layer_versions, dtype=np.int64), mig.target_version)
+        self.current = dataclasses.replace(self.current, version=mig.target_version, layer_versions=lv)
+        mig.state = "done"
+        self.active = None
+        mig.done.set()
+
+    def _abort_locked(self, reason: str, state: str = "aborted") -> None:
+        mig = self.active
+        self.active = None
+        mig.state = state
+        mig.error = reason
+        # The state in force (committed layers new, the others old) is a state of its own.
+        self.current = dataclasses.replace(self.current, version=next(self._versions))
+        self._abort_pending = mig
+        mig.done.set()
+
+
+def _slot_of(row: np.ndarray, logical: int, worker: int, slots_per_worker: int) -> int:
+    """A global slot of ``worker`` holding ``logical`` in the phy2log row [P]."""
+    lo = worker * slots_per_worker
+    hits = np.nonzero(row[lo:lo + slots_per_worker] == logical)[0]
+    if hits.size == 0:
+        raise AssertionError(f"worker {worker} does not hold logical expert {logical}")
+    return int(lo + hits[0])
