@@ -35,23 +35,23 @@ def replica_counts(load: np.ndarray, num_slots: int) -> np.ndarray:
     per replica at that moment (the lower id on ties), which is optimal for min-max per replica.
     """
     rows, e = load.shape
-    cnt = np.ones((rows, e), dtype=np.int64)
-    per = load.astype(np.float64, copy=True)                      # [B, e] load per replica
-    r = np.arange(rows)
+    cnt = np.ones(rows * e, dtype=np.int64)
+    lf = np.ascontiguousarray(load, dtype=np.float64).ravel()
+    per = lf.copy()                                                   # load per replica
+    per2 = per.reshape(rows, e)
+    roff = np.arange(rows) * e
     for _ in range(num_slots - e):
-        k = per.argmax(axis=1)
-        cnt[r, k] += 1
-        per[r, k] = load[r, k] / cnt[r, k]
-    return cnt
+        k = per2.argmax(axis=1) + roff
+        cnt[k] += 1
+        per[k] = lf[k] / cnt[k]
+    return cnt.reshape(rows, e)
 
 
 def expand_counts(cnt: np.ndarray) -> np.ndarray:
     """The replicas as a list: ``cnt [B, e]`` (each row summing to p) -> expert ids ``[B, p]``, ascending."""
     rows, e = cnt.shape
-    p = int(cnt[0].sum())
-    ends = np.cumsum(cnt, axis=1) + (np.arange(rows) * p)[:, None]   # [B, e] global ends
-    idx = np.searchsorted(ends.ravel(), np.arange(rows * p), side="right")
-    return (idx - (np.arange(rows) * e).repeat(p)).reshape(rows, p)
+    p = int(cnt[0].sum()) if rows else 0
+    return np.repeat(np.tile(np.arange(e), rows), cnt.ravel()).reshape(rows, p)
 
 
 def slot_load(load: np.ndarray, assign: np.ndarray, cnt: np.ndarray) -> np.ndarray:
@@ -78,17 +78,19 @@ def pack_greedy(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarr
     p = items.shape[1]
     w = num_workers
     s = p // w
-    r = np.arange(rows)[:, None]
-    item_load = load[r, items] / cnt[r, items]                    # [B, p]
-    order = np.argsort(-item_load, axis=1, kind="stable")
+    fi = items + (np.arange(rows) * e)[:, None]
+    item_load = np.ascontiguousarray(load, dtype=np.float64).ravel()[fi] / cnt.ravel()[fi]
+    order = np.argsort(-item_load, axis=1)
     items = np.take_along_axis(items, order, 1)
     item_load = np.take_along_axis(item_load, order, 1)
-    assign = np.empty((rows, w, s), dtype=np.int64)
-    wl = np.zeros((rows, w))
+    assign = np.empty(rows * p, dtype=np.int64)
+    wl = np.zeros(rows * w)
+    wl2 = wl.reshape(rows, w)
+    woff = (np.arange(rows) * w)[:, None]
     for k in range(s):
-        light = np.argsort(wl, axis=1, kind="stable")             # [B, w] lightest first
-        assign[r, light, k] = items[:, k * w:(k + 1) * w]
-        wl[r, light] += item_load[:, k * w:(k + 1) * w]
+        light = np.argsort(wl2, axis=1) + woff                    # [B, w] lightest first
+        assign[light * s + k] = items[:, k * w:(k + 1) * w]
+        wl[light] += item_load[:, k * w:(k + 1) * w]
     return assign.reshape(rows, p)
 
 
@@ -105,40 +107,41 @@ def pack_ldm(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarray:
     p = items.shape[1]
     w = num_workers
     s = p // w
-    r1 = np.arange(rows)
-    r = r1[:, None]
-    item_load = load[r, items] / cnt[r, items]
-    order = np.argsort(-item_load, axis=1, kind="stable")
+    fi = items + (np.arange(rows) * e)[:, None]
+    item_load = np.ascontiguousarray(load, dtype=np.float64).ravel()[fi] / cnt.ravel()[fi]
+    order = np.argsort(-item_load, axis=1)
     items = np.take_along_axis(items, order, 1)
-    sums = np.take_along_axis(item_load, order, 1).reshape(rows, s, w).copy()  # [B, s, w] desc
-    part = np.broadcast_to(np.repeat(np.arange(s), w), (rows, p)).copy()       # item -> packing
-    pos = np.broadcast_to(np.tile(np.arange(w), s), (rows, p)).copy()          # item -> place in it
-    spread = sums[:, :, 0] - sums[:, :, -1]                                    # [B, s]
-    ar_w = np.arange(w)
+    sums = np.take_along_axis(item_load, order, 1).reshape(rows * s, w)      # [(B, s), w] desc
+    # place[b, r, j]: where the j-th replica of round r sits in its partial packing (desc order)
+    place = np.broadcast_to(np.arange(w), (rows, s, w)).copy()
+    part = np.broadcast_to(np.arange(s), (rows, s)).copy()                  # round -> packing
+    spread = (sums[:, 0] - sums[:, -1]).reshape(rows, s)
+    r1 = np.arange(rows)
+    soff = r1 * s
+    woff = (r1 * w)[:, None, None]
     for _ in range(s - 1):
         k1 = spread.argmax(1)
         spread[r1, k1] = -np.inf
         k2 = spread.argmax(1)
-        merged = sums[r1, k1] + sums[r1, k2][:, ::-1]                          # [B, w]
-        o = np.argsort(-merged, axis=1, kind="stable")
-        rank = np.empty_like(o)
-        np.put_along_axis(rank, o, np.broadcast_to(ar_w, o.shape), 1)
-        sums[r1, k1] = np.take_along_axis(merged, o, 1)
-        spread[r1, k1] = sums[r1, k1, 0] - sums[r1, k1, -1]
+        merged = sums[soff + k1] + sums[soff + k2][:, ::-1]                  # [B, w]
+        o = np.argsort(-merged, axis=1)
+        rank = np.argsort(o, axis=1)                                        # old place -> new
+        sums[soff + k1] = np.take_along_axis(merged, o, 1)
+        spread[r1, k1] = merged.max(1) - merged.min(1)
         spread[r1, k2] = -np.inf
-        in2 = part == k2[:, None]
-        pos = np.where(in2, w - 1 - pos, pos)
-        moved = in2 | (part == k1[:, None])
-        part[in2] = np.broadcast_to(k1[:, None], part.shape)[in2]
-        pos = np.where(moved, np.take_along_axis(rank, pos, 1), pos)
-    return np.take_along_axis(items, np.argsort(pos, axis=1, kind="stable"), 1)
+        in2 = (part == k2[:, None])[:, :, None]                             # [B, s, 1]
+        place = np.where(in2, (w - 1) - place, place)
+        part = np.where(in2[:, :, 0], k1[:, None], part)
+        inpk = (part == k1[:, None])[:, :, None]
+        place = np.where(inpk, rank.ravel()[place + woff], place)
+    return np.take_along_axis(items, np.argsort(place.reshape(rows, p), axis=1, kind="stable"), 1)
 
 
 def pack(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarray:
     """Pack replicas onto workers: largest differencing while a worker has few slots (<= 16;
     it balances better and is cheap there), the round-based greedy beyond."""
     p = int(cnt[0].sum()) if cnt.size else 0
-    if num_workers > 1 and p // num_workers <= 16:
+    if num_workers > 2 and p // num_workers <= 32:
         return pack_ldm(load, cnt, num_workers)
     return pack_greedy(load, cnt, num_workers)
 
@@ -156,8 +159,8 @@ def refine(load: np.ndarray, assign: np.ndarray, num_workers: int, *, max_iter: 
       - retarget: the heavy worker's heaviest slot (expert b) gets one more replica, in a slot
         of the light worker whose expert has a replica to spare (more than ``floor``, at least
         1); b's load then splits over one more replica (1 slot changes).
-    Pair q moves only if pair 0 moves and its heavy worker would otherwise stay above the level
-    that pair 0 reaches: a move that cannot lower the row's peak is not made. A row makes at
+    Pair q moves only if pairs 0..q-1 move and its heavy worker would otherwise stay above the
+    level that pair 0 reaches: a move that cannot lower the row's peak is not made. A row makes at
     most one retarget per iteration, and none that would lift another holder of the expert
     giving up a replica above the level its pair reaches (such a row makes swaps only in its
     next iteration), so a row's peak never rises. Rows that stop moving leave the working set. The
@@ -256,8 +259,9 @@ def refine(load: np.ndarray, assign: np.ndarray, num_workers: int, *, max_iter: 
             new_hi = np.where(use_r, hi_r, new_hi)
             si = np.where(use_r, hs + top, si)
             sj = np.where(use_r, (lt - woff) * s + jr, sj)
-        ok = (wh - new_hi > eps) & (wh > new_hi[:, :1] + eps)
-        ok &= ok[:, :1]
+        # moves form a prefix of the pairs: once a pair's heavy worker cannot come down, the
+        # row's peak cannot drop below it this iteration, and lighter pairs would move in vain
+        ok = np.logical_and.accumulate((wh - new_hi > eps) & (wh > new_hi[:, :1] + eps), axis=1)
         if not ok.any():
             break
         ei, ej = af[poff + si], af[poff + sj]                                 # experts before
@@ -267,8 +271,8 @@ def refine(load: np.ndarray, assign: np.ndarray, num_workers: int, *, max_iter: 
             # one retarget per row and iteration, and only if the expert that gives up a
             # replica does not push one of its other holders above the level the pair reaches
             first = rt & (np.cumsum(rt, 1) == 1)
-            ok &= ~(rt & ~first)
-            rt = first
+            ok = np.logical_and.accumulate(ok & ~(rt & ~first), axis=1)
+            rt = first & ok
             r_, q_ = np.nonzero(rt)
             holds = a[r_] == ej[r_, q_][:, None]                              # [m, p]
             holds[np.arange(r_.size), sj[r_, q_]] = False                     # the slot that changes
@@ -354,11 +358,11 @@ class Search:
         self.final = start
 
     def record(self, idx, si, sj, ei, ej, ok, rt, step_peak, cost) -> None:
-        # carry the peak over pairs that did not move, so that every step has a value
-        q = ok.shape[1]
-        src = np.maximum.accumulate(np.where(ok, np.arange(q), -1), 1)            # last move so far
-        sp = np.where(src >= 0, np.take_along_axis(step_peak, np.maximum(src, 0), 1),
-                      self.peak_now[idx][:, None])
+        # pairs move as a prefix (pair q only after pair 0...), so steps past the last move of
+        # the iteration carry its (exact) peak, and a row without moves keeps its peak
+        nmov = ok.sum(1)
+        sp = np.where(ok, step_peak, step_peak[np.arange(idx.size), np.maximum(nmov - 1, 0)][:, None])
+        sp[nmov == 0] = self.peak_now[idx][nmov == 0, None]
         self.peak_now[idx] = sp[:, -1]
         self.moves.append((idx, si, sj, ei, ej, ok, rt, sp, cost))
 
@@ -393,27 +397,29 @@ class Search:
         return out
 
 
-def select_prefix(value: np.ndarray, cost: np.ndarray, budget: float | None) -> np.ndarray:
+def select_prefix(value: np.ndarray, cost: np.ndarray, budget: float | None, iters: int = 24) -> np.ndarray:
     """Pick, for every row, how far along its search to go: ``t [B]``.
 
-    value [T+1, B]: what the row is worth after t iterations (higher is better);
+    value [T+1, B]: what the row is worth after t steps (higher is better);
     cost [T+1, B]: slots changed by then. Maximises the summed value with the summed cost
-    within ``budget`` (None: unlimited) by a Lagrangian price per slot, found by bisection; the
-    answer lies on each row's upper convex hull, which is what "spend the budget where it
-    buys the most per slot moved" means.
+    within ``budget`` (None: unlimited) by a price per slot, found by bisection: every row
+    takes the step maximising ``value - price * cost``, which lies on the row's upper convex
+    hull. That is "spend the budget where it buys the most per slot moved".
     """
-    if budget is None or cost[np.argmax(value, 0), np.arange(value.shape[1])].sum() <= budget:
-        return np.argmax(value, 0)
-    lo, hi = 0.0, float(np.ptp(value, 0).max() + 1.0)                     # price hi: nothing moves
     cols = np.arange(value.shape[1])
-    for _ in range(50):
+    best = np.argmax(value, 0)
+    if budget is None or cost[best, cols].sum() <= budget:
+        return best
+    gain = value - value[:1]
+    lo, hi = 0.0, float((gain / np.maximum(cost, 1)).max()) * 1.0001 + 1e-300  # price hi: nothing moves
+    for _ in range(iters):
         lam = (lo + hi) / 2
-        t = np.argmax(value - lam * cost, 0)
+        t = np.argmax(gain - lam * cost, 0)
         if cost[t, cols].sum() <= budget:
             hi = lam
         else:
             lo = lam
-    return np.argmax(value - hi * cost, 0)
+    return np.argmax(gain - hi * cost, 0)
 
 
 def match(current: np.ndarray, proposed: np.ndarray, num_workers: int, num_logical: int) -> np.ndarray:

@@ -162,7 +162,25 @@ def _fresh(load: np.ndarray, p: int, w: int, cfg: PolicyConfig) -> np.ndarray:
     """A plan from scratch for rows ``load [B, e]`` on p slots and w workers: [B, p]."""
     cnt = engine.replica_counts(load, p)
     assign = engine.pack(load, cnt, w)
-    return engine.refine(load, assign, w, max_iter=cfg.max_iter, pairs=max(1, w // 4), retarget=False).final
+    return engine.refine(load, assign, w, max_iter=cfg.max_iter, pairs=max(1, w // 4), retarget=False,
+                         tol=_noise_tol(load, w, _FRESH_TOL)).final
+
+
+# Sampling noise. Loads are token counts, so a worker's load in one window is off from its
+# expectation by about sqrt(load): a move whose predicted gain is smaller than a fraction of
+# that is chasing noise, buys nothing on the next window and costs weights on the wire (and a
+# fresh plan polished that far fits the window's noise, which the next window punishes). The
+# search therefore ignores moves that lower a pair's peak by less than NOISE_K / sqrt(mean
+# worker load) of the mean (loads given in other units than tokens only make this tighter or
+# looser; a plan stays valid either way). A fresh plan's polish also stops below 0.2 %.
+NOISE_K = 0.5
+_FRESH_TOL = 0.002
+
+
+def _noise_tol(load: np.ndarray, w: int, floor: float) -> np.ndarray:
+    """Per-row least relative gain worth a move: ``[B]``."""
+    mean = load.sum(1) / w
+    return np.maximum(floor, NOISE_K / np.sqrt(np.maximum(mean, 1e-300)))
 
 
 def _pairs_for(budget_per_row: float) -> int:
@@ -180,6 +198,7 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None) -> n
     rows = load.shape[0]
     layers = rows if layer_of_row is None else int(layer_of_row.max()) + 1
     search = engine.refine(load, current, w, max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), retarget="auto",
+                           tol=_noise_tol(load, w, 1e-9),
                            stop_cost=1.2 * budget)
     peak, cost = search.curves()                                            # [K+1, B]
     if layer_of_row is None:
