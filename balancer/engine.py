@@ -28,11 +28,17 @@ def counts_of(assign: np.ndarray, num_logical: int) -> np.ndarray:
     return np.bincount(flat, minlength=rows * num_logical).reshape(rows, num_logical)
 
 
-def replica_counts(load: np.ndarray, num_slots: int) -> np.ndarray:
+def replica_counts(load: np.ndarray, num_slots: int, num_workers: int | None = None) -> np.ndarray:
     """Replica counts minimising the largest load per replica (D'Hondt): ``[B, e]`` -> ``[B, e]``.
 
     Every expert gets one replica; each further slot goes to the expert with the largest load
     per replica at that moment (the lower id on ties), which is optimal for min-max per replica.
+
+    With ``num_workers`` w, counts are made packable: an expert with more than w but fewer than
+    2w replicas puts two of them on some worker; where two of its replicas weigh more than a
+    worker's mean load that worker is overloaded whatever the packing, so such an expert is
+    cut back to w replicas (one per worker) and the slots freed go, by the same rule, to the
+    experts below w replicas.
     """
     rows, e = load.shape
     cnt = np.ones(rows * e, dtype=np.int64)
@@ -44,7 +50,25 @@ def replica_counts(load: np.ndarray, num_slots: int) -> np.ndarray:
         k = per2.argmax(axis=1) + roff
         cnt[k] += 1
         per[k] = lf[k] / cnt[k]
-    return cnt.reshape(rows, e)
+    if num_workers is None or num_workers < 2:
+        return cnt.reshape(rows, e)
+    w = num_workers
+    c2 = cnt.reshape(rows, e)
+    mean = load.sum(1) / w                                            # [B] mean worker load
+    cut = (c2 > w) & (c2 < 2 * w) & (2 * load / c2 > mean[:, None])
+    if not cut.any():
+        return c2
+    freed = np.where(cut, c2 - w, 0).sum(1)                           # [B]
+    c2[cut] = w
+    per2[:] = np.where(cut | (c2 >= w), -np.inf, load / c2)
+    for _ in range(int(freed.max())):
+        k = per2.argmax(axis=1) + roff
+        give = freed > 0
+        k = k[give]
+        cnt[k] += 1
+        per[k] = np.where(cnt[k] >= w, -np.inf, lf[k] / cnt[k])
+        freed -= give
+    return c2
 
 
 def expand_counts(cnt: np.ndarray) -> np.ndarray:
@@ -149,7 +173,7 @@ def pack(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarray:
 def refine(load: np.ndarray, assign: np.ndarray, num_workers: int, *, max_iter: int = 24,
            pairs: int = 4, heavy_slots: int = 9, retarget: bool | str = True,
            stop_cost: float | None = None, floor: np.ndarray | None = None,
-           tol: float = 1e-9) -> "Search":
+           tol: float | np.ndarray = 1e-9, skip_below: np.ndarray | None = None) -> "Search":
     """Local search that lowers the heavy workers' loads, all rows at once; returns a :class:`Search`.
 
     Each iteration sorts a row's workers by load and pairs the q-th heaviest with the q-th
@@ -167,6 +191,9 @@ def refine(load: np.ndarray, assign: np.ndarray, num_workers: int, *, max_iter: 
     search stops when no row moves, after ``max_iter`` iterations, or once the slots changed
     over all rows reach ``stop_cost`` (a budget-aware caller needs no more candidates).
 
+    ``tol`` (scalar or per row [B]): least drop of a pair's peak, as a share of the row's mean
+    worker load, that a move must bring. ``skip_below [B]``: rows whose peak is already at or
+    under it are not searched (e.g. a node that cannot set its layer's peak).
     ``retarget="auto"`` retargets only in rows where some replica carries more than 0.9 of a
     worker's mean load: there swaps cannot balance and the expert needs another replica;
     elsewhere the search swaps only, which keeps the replica counts and is cheaper.
@@ -186,7 +213,8 @@ def refine(load: np.ndarray, assign: np.ndarray, num_workers: int, *, max_iter: 
     wl = x.reshape(rows, w, s).sum(2)                                         # [B, w]
     search = Search(full_a.copy(), wl.max(1), wl.mean(1), q)
     search.final = full_a
-    idx = np.flatnonzero(search.peak0 > 0)                                    # working rows
+    busy = search.peak0 > 0 if skip_below is None else search.peak0 > np.maximum(skip_below, 0)
+    idx = np.flatnonzero(busy)                                                # working rows
     if q == 0 or s == 0 or idx.size == 0 or max_iter == 0:
         return search
     floor_all = np.ones((rows, e), dtype=np.int64) if floor is None else np.maximum(floor, 1)

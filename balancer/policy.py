@@ -158,12 +158,19 @@ def _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg: Pol
     return _budgeted(load, current, w, budget, cfg, layer_of_row=None)
 
 
-def _fresh(load: np.ndarray, p: int, w: int, cfg: PolicyConfig) -> np.ndarray:
+def _fresh(load: np.ndarray, p: int, w: int, cfg: PolicyConfig, skip_below=None, ldm=True) -> np.ndarray:
     """A plan from scratch for rows ``load [B, e]`` on p slots and w workers: [B, p]."""
-    cnt = engine.replica_counts(load, p)
-    assign = engine.pack(load, cnt, w)
+    cnt = engine.replica_counts(load, p, w)
+    assign = engine.pack(load, cnt, w) if ldm else engine.pack_greedy(load, cnt, w)
     return engine.refine(load, assign, w, max_iter=cfg.max_iter, pairs=max(1, w // 4), retarget=False,
-                         tol=_noise_tol(load, w, _FRESH_TOL)).final
+                         tol=_noise_tol(load, w, _FRESH_TOL), skip_below=skip_below).final
+
+
+def _layer_floor(row_load: np.ndarray, n: int, wn: int) -> np.ndarray:
+    """[L*N] for node rows: the least peak their layer can reach (its hottest node's mean worker
+    load); a node whose peak is at or below it never sets the layer's balancedness."""
+    mean = row_load.sum(1).reshape(-1, n) / wn
+    return np.repeat(mean.max(1), n)
 
 
 # Sampling noise. Loads are token counts, so a worker's load in one window is off from its
@@ -189,7 +196,7 @@ def _pairs_for(budget_per_row: float) -> int:
     return int(np.clip(round(budget_per_row / 8), 1, 4))
 
 
-def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None) -> np.ndarray:
+def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip_below=None) -> np.ndarray:
     """Local search from ``current [B, p]`` within ``budget`` slots over all rows: [B, p].
 
     layer_of_row [B] (hierarchical rows) groups rows into layers: a row then counts only as
@@ -198,7 +205,7 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None) -> n
     rows = load.shape[0]
     layers = rows if layer_of_row is None else int(layer_of_row.max()) + 1
     search = engine.refine(load, current, w, max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), retarget="auto",
-                           tol=_noise_tol(load, w, 1e-9),
+                           tol=_noise_tol(load, w, 1e-9), skip_below=skip_below,
                            stop_cost=1.2 * budget)
     peak, cost = search.curves()                                            # [K+1, B]
     if layer_of_row is None:
@@ -275,8 +282,9 @@ def _plan_hierarchical(load, p, w, g, n, current, budget, cfg) -> np.ndarray:
     node_of_group = _node_of_group(load, current, p, g, n, keep=budget is not None)
     l2g, g2l = _rows(load, node_of_group, g, n)
     row_load = np.take_along_axis(load, l2g.reshape(layers, e), 1).reshape(layers * n, en)
+    floor = _layer_floor(row_load, n, wn) * (1 + 1e-9)
     if budget is None:
-        out = _fresh(row_load, pn, wn, cfg)                                 # [L*N, P/N] local ids
+        out = _fresh(row_load, pn, wn, cfg, skip_below=floor, ldm=False)    # [L*N, P/N] local ids
         if current is not None:
             cur_rows, _ = _current_rows(current, node_of_group, g2l, gs, n, pn, en, row_load)
             out = engine.match(cur_rows, out, wn, en)
@@ -284,7 +292,7 @@ def _plan_hierarchical(load, p, w, g, n, current, budget, cfg) -> np.ndarray:
         cur_rows, repaired = _current_rows(current, node_of_group, g2l, gs, n, pn, en, row_load)
         layer_mean = np.repeat(load.sum(1) / w, n)
         out = _budgeted(row_load, cur_rows, wn, max(budget - repaired, 0), cfg,
-                        layer_of_row=np.repeat(np.arange(layers), n), layer_mean=layer_mean)
+                        layer_of_row=np.repeat(np.arange(layers), n), layer_mean=layer_mean, skip_below=floor)
     phy2log = np.take_along_axis(l2g.reshape(layers * n, en), out, 1)
     return phy2log.reshape(layers, p)
 
