@@ -162,9 +162,12 @@ def pack_ldm(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarray:
 
 
 def pack(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarray:
-    """Pack replicas onto workers: largest differencing while a worker has few slots (<= 16;
-    it balances better and is cheap there), the round-based greedy beyond."""
+    """Pack replicas onto workers: largest differencing for more than two workers with at most
+    32 slots each (it balances better than the greedy and stays cheap there), the round-based
+    greedy otherwise."""
     p = int(cnt[0].sum()) if cnt.size else 0
+    if num_workers == 1:                                              # one worker holds everything
+        return expand_counts(cnt)
     if num_workers > 2 and p // num_workers <= 32:
         return pack_ldm(load, cnt, num_workers)
     return pack_greedy(load, cnt, num_workers)
