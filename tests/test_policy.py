@@ -200,3 +200,14 @@ def test_engine_replica_counts_are_dhondt_and_packable():
     assert engine.replica_counts(load, 8).tolist() == [[5, 1, 1, 1]]
     # on 4 workers, a fifth replica of 90 (18 each) would put 36 on one worker, above the mean 25
     assert engine.replica_counts(load, 8, num_workers=4).tolist() == [[4, 2, 1, 1]]
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.1, None])
+def test_a_placement_in_force_that_splits_groups_is_repaired_into_a_pinned_one(budget):
+    # a global plan puts group members on several nodes; the hierarchical policy must fix that
+    # (whatever the budget: a placement the router could not use is not an option)
+    rng = np.random.default_rng(9)
+    load = np.stack([rng.permutation(8000 / np.arange(1, 33)) for _ in range(3)]).round()
+    global_plan = place(load, 48, 8, 1, 1, None)
+    out = make_policy(budget)(load, 48, 8, 8, 4, global_plan)
+    assert_valid(out, load, 48, 8, 8, 4)
