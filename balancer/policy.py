@@ -93,6 +93,10 @@ def place(load, num_slots, num_workers, num_groups=1, num_nodes=1, current=None)
       ``num_groups % num_nodes == 0``; E must then split into the groups and W into the nodes).
     current: int [L, P], the placement in force, or None on the first call.
     Returns phy2log: int64 [L, P]; slot p belongs to worker ``p // (P / W)``.
+
+    In the hierarchical case a placement in force that puts an expert away from its group's
+    node (e.g. one planned without groups) is repaired first, whatever the budget: the router
+    could not use it. Everything else stays within the budget.
     """
     return _plan(load, num_slots, num_workers, num_groups, num_nodes, current, _DEFAULT)
 

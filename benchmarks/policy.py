@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     if a.traces is not None and not Path(a.traces).is_dir():
         ap.error(f"--traces {a.traces}: no such directory")
 
-    results: dict = {"seed": a.seed, "synthetic": {}, "real": {}, "tradeoff": {}, "hierarchical": {}}
+    results: dict = {"seed": a.seed, "env": environment(), "synthetic": {}, "real": {}, "tradeoff": {},
+                     "hierarchical": {}}
     for name, s in SYNTHETIC.items():
         for z in ZIPF:
             key = f"{name}/zipf{z}"
@@ -173,11 +174,23 @@ def main(argv=None) -> int:
             ours["speedup_vs_published"] = PUBLISHED_MS[key] / ours["ms"]
             results["real"][key] = {"policy": ours, "reference": ref}
 
+    results["env"]["loadavg_after"] = os.getloadavg()[0]
     print_tables(results)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=1))
-    print(f"\nwrote {a.json}")
+    print(f"\nload average before/after: {results['env']['loadavg_before']:.2f} / {results['env']['loadavg_after']:.2f} "
+          f"({results['env']['cpus']} CPUs; times above are one thread)")
+    print(f"wrote {a.json}")
     return 0
+
+
+def environment() -> dict:
+    """What the times depend on: versions, threads, and how busy the machine was."""
+    import platform
+
+    return {"python": platform.python_version(), "numpy": np.__version__, "machine": platform.machine(),
+            "cpus": os.cpu_count(), "threads": 1, "loadavg_before": os.getloadavg()[0],
+            "expert_bytes": "bf16, 2 bytes per parameter; parameters per expert as in this file's docstring"}
 
 
 def print_tables(res: dict) -> None:
