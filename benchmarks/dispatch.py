@@ -54,7 +54,7 @@ SMALL = {
 }
 
 
-def routing_ids(gen: torch.Generator, tokens: int, experts: int, k: int, zipf: float, perm: torch.Tensor) -> torch.Tensor:
+def routing_ids(gen: torch.Generator, tokens: int, experts: int, k: int, zipf: float, perm) -> torch.Tensor:
     """[T, K] distinct expert ids per token; Zipf(s) popularity (s = 0: uniform), permuted."""
     if zipf == 0:
         pop = torch.ones(experts)
@@ -237,15 +237,19 @@ def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
 
 def worker_main(rank, world, args, port):
     global CPU_GROUP
+    import datetime
+    import faulthandler
+    faulthandler.dump_traceback_later(args.hang_s, exit=True)     # a hang turns into a traceback
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    timeout = datetime.timedelta(seconds=120)
     if args.backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     CPU_GROUP = dist.new_group(backend="gloo")
     warm_up_pairs(rank, world, device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -328,6 +332,7 @@ def main():
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--budget-mb", type=int, default=512, help="migration byte budget per worker per step")
     ap.add_argument("--parts", default="exchange,layer,migration")
+    ap.add_argument("--hang-s", type=float, default=900, help="dump tracebacks and exit after this long")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpu = args.backend == "nccl"

@@ -18,23 +18,60 @@ from moeserve.dispatch import Topology
 def run_moves(moves: tuple[MoveOp, ...], store, topo: Topology, group=None) -> int:
     """Execute this worker's part of ``moves``; returns the bytes it received.
 
-    store: this rank's ExpertStore with staging allocated (``begin_staging``).
+    store: this rank's ExpertStore with staging allocated (``begin_staging``). The moves
+    between one pair of workers travel as one message when their staging entries are
+    consecutive (the leader numbers them so): the sender gathers its slots into one buffer.
     """
     me = store.worker
     ops = []
     received = 0
-    for m in moves:
-        if m.dst_worker == me and m.src_worker == me:
-            store.staging[m.stage].copy_(store.slot_row(m.moe_layer, m.src_slot))
-        elif m.src_worker == me:
-            ops.append(dist.P2POp(dist.isend, store.slot_row(m.moe_layer, m.src_slot), topo.worker_ranks[m.dst_worker], group))
-        elif m.dst_worker == me:
-            ops.append(dist.P2POp(dist.irecv, store.staging[m.stage], topo.worker_ranks[m.src_worker], group))
-            received += store.staging[m.stage].numel() * store.staging.element_size()
+    for (src, dst), group_moves in _by_pair(moves):
+        if src == me and dst == me:
+            for m in group_moves:
+                store.staging[m.stage].copy_(store.slot_row(m.moe_layer, m.src_slot))
+        elif src == me:
+            ops.append(dist.P2POp(dist.isend, _gather_rows(store, group_moves), topo.worker_ranks[dst], group))
+        elif dst == me:
+            target = _staging_view(store, group_moves)
+            ops.append(dist.P2POp(dist.irecv, target, topo.worker_ranks[src], group))
+            received += target.numel() * target.element_size()
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return received
+
+
+def _by_pair(moves):
+    """Moves grouped by (source worker, destination worker), in first-seen order."""
+    groups: dict[tuple[int, int], list[MoveOp]] = {}
+    for m in moves:
+        groups.setdefault((m.src_worker, m.dst_worker), []).append(m)
+    return groups.items()
+
+
+def _first_stage(group_moves) -> int:
+    """The first staging entry of moves that fill consecutive entries (the leader numbers the
+    moves between a pair of workers so; anything else is a bug, not an input error)."""
+    stages = [m.stage for m in group_moves]
+    assert stages == list(range(stages[0], stages[0] + len(stages))), f"staging entries not consecutive: {stages}"
+    return stages[0]
+
+
+def _gather_rows(store, group_moves) -> torch.Tensor:
+    """The flat weights of the moves' source slots as one contiguous buffer [n * numel]."""
+    _first_stage(group_moves)
+    layer = group_moves[0].moe_layer
+    if len(group_moves) == 1:
+        return store.slot_row(layer, group_moves[0].src_slot)
+    s0 = store.worker * store.slots_per_worker
+    idx = torch.tensor([m.src_slot - s0 for m in group_moves], device=store.buffers[layer].device)
+    return store.buffers[layer].index_select(0, idx).reshape(-1)
+
+
+def _staging_view(store, group_moves) -> torch.Tensor:
+    """Where the moves from one source land: their staging entries, one contiguous view."""
+    first = _first_stage(group_moves)
+    return store.staging[first:first + len(group_moves)].reshape(-1)
 
 
 def warm_up_pairs(rank: int, world_size: int, device: torch.device, group=None) -> None:

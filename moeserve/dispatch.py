@@ -118,8 +118,7 @@ class Pending:
     """An exchange in flight: :meth:`Exchange.start` -> :meth:`Exchange.send` -> :meth:`Exchange.finish`."""
 
     counts_work: object             # the counts collective's Work handle (async)
-    send_counts: torch.Tensor       # LongTensor [R, S] rows for each slot of each destination rank
-    recv_counts: torch.Tensor       # LongTensor [R, S] rows from each source rank for each of my slots
+    counts: torch.Tensor            # LongTensor [2, R, S]: rows sent to / received from each rank, per slot
     work: object = None             # the dispatch collective's Work handle (async)
     recv_rows: torch.Tensor | None = None   # [sum(recv_splits), H] rows for this rank's slots
     received: RecvCounts | None = None
@@ -141,31 +140,50 @@ class Exchange:
         self.rank = rank
         self.group = group
         self.device = torch.device(device)
-        # world rank of the worker holding slot-block w: dest rank of a slot is worker_ranks[slot // S]
-        self._worker_rank = torch.tensor(topo.worker_ranks, dtype=torch.long, device=self.device)
-        self._workers_are_world = topo.worker_ranks == tuple(range(topo.world_size))
+        # Position of each global slot in the flattened [R, S] send counts: the rank holding it, then
+        # its local index (routers that hold no slots get zero rows).
+        slot = torch.arange(topo.num_slots)
+        rank_of_slot = torch.tensor(topo.worker_ranks)[slot // topo.slots_per_worker]
+        self.slot_position = (rank_of_slot * topo.slots_per_worker + slot % topo.slots_per_worker).to(self.device)
+        self._side = None                   # CUDA: stream and pinned buffer for the counts' host read
+        self._host = None
 
-    def start(self, per_slot: torch.Tensor) -> Pending:
-        """Start the counts exchange. per_slot: LongTensor [P], the rows this rank will send
-        to each global slot (its rows go out sorted by slot, so by destination)."""
-        topo, s = self.topo, self.topo.slots_per_worker
-        if self._workers_are_world:
-            send_counts = per_slot.view(topo.world_size, s)                                      # [R, S]
-        else:
-            send_counts = torch.zeros(topo.world_size, s, dtype=torch.long, device=self.device)
-            send_counts.index_copy_(0, self._worker_rank, per_slot.view(topo.num_workers, s))
-        recv_counts = torch.empty_like(send_counts)
-        work = dist.all_to_all_single(recv_counts, send_counts, group=self.group, async_op=True)
-        return Pending(work, send_counts, recv_counts)
+    def new_counts(self) -> torch.Tensor:
+        """A zeroed LongTensor [2, R, S] for one layer: [0] what this rank sends to each slot
+        of each rank (fill it, e.g. with ``count``), [1] what it will receive."""
+        return torch.zeros(2, self.topo.world_size, self.topo.slots_per_worker, dtype=torch.long, device=self.device)
+
+    def start(self, counts: torch.Tensor) -> Pending:
+        """Start the counts exchange. counts: from ``new_counts`` with counts[0] filled: the rows
+        this rank will send to each slot of each rank (its rows go out sorted by slot, so by
+        destination); counts[1] receives the rows each rank sends to this rank's slots."""
+        work = dist.all_to_all_single(counts[1], counts[0], group=self.group, async_op=True)
+        return Pending(work, counts)
+
+    def _counts_to_host(self, pending: Pending) -> torch.Tensor:
+        """The one host read of the layer: all_to_all needs its split sizes on the host. On
+        CUDA the copy runs on a side stream that waits only for the counts collective, so the
+        host does not also wait for the row gather queued on the compute stream."""
+        if self.device.type != "cuda":
+            pending.counts_work.wait()
+            return pending.counts.clone()
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+            self._host = torch.empty(pending.counts.shape, dtype=torch.long, pin_memory=True)
+        with torch.cuda.stream(self._side):
+            pending.counts_work.wait()                       # the side stream waits for the collective
+            self._host.copy_(pending.counts, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        done.synchronize()
+        return self._host.clone()
 
     def send(self, pending: Pending, send_rows: torch.Tensor) -> None:
         """Start the dispatch of ``send_rows`` [n, H] (sorted by slot, as given to start)."""
-        pending.counts_work.wait()
-        # The one host read of the layer: all_to_all needs its split sizes on the host.
-        both = torch.stack([pending.send_counts, pending.recv_counts]).cpu()                     # [2, R, S]
+        both = self._counts_to_host(pending)                                                     # [2, R, S]
         pending.send_splits = both[0].sum(1).tolist()
         pending.recv_splits = both[1].sum(1).tolist()
-        pending.received = RecvCounts(both[1], pending.recv_counts)
+        pending.received = RecvCounts(both[1], pending.counts[1])
         pending.recv_rows = send_rows.new_empty(sum(pending.recv_splits), send_rows.shape[1])
         pending.work = dist.all_to_all_single(pending.recv_rows, send_rows, pending.recv_splits, pending.send_splits,
                                               group=self.group, async_op=True)
