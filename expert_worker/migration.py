@@ -15,14 +15,22 @@ from moeserve.cluster.protocol import MoveOp
 from moeserve.dispatch import Topology
 
 
+# Experts smaller than this travel packed, one message per pair of workers and step (small
+# messages do not reach the link's rate); larger ones travel one message each (packing them
+# would cost a copy of many MB for nothing). 23.6 MB ERNIE-21B experts: 52% of the send/recv
+# rate one by one, 86% packed; 252 MB Scout experts: 83% one by one, 61% packed (2 x H200).
+PACK_BELOW_BYTES = 64 << 20
+
+
 def run_moves(moves: tuple[MoveOp, ...], store, topo: Topology, group=None) -> int:
     """Execute this worker's part of ``moves``; returns the bytes it received.
 
-    store: this rank's ExpertStore with staging allocated (``begin_staging``). The moves
-    between one pair of workers travel as one message when their staging entries are
-    consecutive (the leader numbers them so): the sender gathers its slots into one buffer.
+    store: this rank's ExpertStore with staging allocated (``begin_staging``). Small experts
+    between one pair of workers travel as one message (their staging entries are consecutive:
+    the leader numbers them so, and the sender gathers its slots into one buffer).
     """
     me = store.worker
+    pack = store.spec.nbytes < PACK_BELOW_BYTES
     ops = []
     received = 0
     for (src, dst), group_moves in _by_pair(moves):
@@ -30,11 +38,13 @@ def run_moves(moves: tuple[MoveOp, ...], store, topo: Topology, group=None) -> i
             for m in group_moves:
                 store.staging[m.stage].copy_(store.slot_row(m.moe_layer, m.src_slot))
         elif src == me:
-            ops.append(dist.P2POp(dist.isend, _gather_rows(store, group_moves), topo.worker_ranks[dst], group))
+            bufs = [_gather_rows(store, group_moves)] if pack else \
+                [store.slot_row(m.moe_layer, m.src_slot) for m in group_moves]
+            ops += [dist.P2POp(dist.isend, b, topo.worker_ranks[dst], group) for b in bufs]
         elif dst == me:
-            target = _staging_view(store, group_moves)
-            ops.append(dist.P2POp(dist.irecv, target, topo.worker_ranks[src], group))
-            received += target.numel() * target.element_size()
+            targets = [_staging_view(store, group_moves)] if pack else [store.staging[m.stage] for m in group_moves]
+            ops += [dist.P2POp(dist.irecv, t, topo.worker_ranks[src], group) for t in targets]
+            received += sum(t.numel() * t.element_size() for t in targets)
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()

@@ -81,7 +81,7 @@ def count(values: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int) -> torch.Tensor:
-    """Map each (token, k) pair to a physical slot, spreading pairs evenly over replicas.
+    """Map each (token, k) pair to a physical slot, spreading tokens over replicas.
 
     ids:     LongTensor [T, K] logical expert ids.
     log2phy: LongTensor [E, X] replicas of each logical expert (-1 padded).
@@ -89,19 +89,16 @@ def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
     offset:  router index + step number; rotates which replica gets the remainder.
     returns  LongTensor [T*K] slots, in flat (token, k) order.
 
-    The j-th pair routed to expert e (flat order) takes replica (j + offset) mod logcnt[e]
-    (docs/dataplane.md explains why j counts per expert).
+    Token t's pair for expert e takes replica (t + offset) mod logcnt[e]. A token picks an
+    expert at most once, so the tokens of a hot expert (close to all of them) split evenly
+    over its replicas, give or take one, and the rest split evenly in expectation: the even
+    split the policy's cost model assumes (docs/dataplane.md explains why the token index and
+    not the flat pair index).
     """
-    flat = ids.reshape(-1)                                          # [N]
-    n = flat.numel()
-    if n == 0:
-        return flat.clone()
-    order = torch.argsort(flat, stable=True)                        # [N] pairs grouped by expert
-    counts = count(flat, log2phy.shape[0])                          # [E]
-    first = torch.cumsum(counts, 0) - counts                        # [E] where each expert's group starts
-    ordinal = torch.empty_like(flat)
-    ordinal[order] = torch.arange(n, device=flat.device) - first[flat[order]]
-    replica = (ordinal + offset) % logcnt[flat]                     # [N]
+    t, k = ids.shape
+    flat = ids.reshape(-1)                                                        # [N]
+    token = torch.arange(t, device=ids.device).repeat_interleave(k) if k > 1 else torch.arange(t, device=ids.device)
+    replica = (token + offset) % logcnt.index_select(0, flat)                     # [N]
     return log2phy[flat, replica]
 
 

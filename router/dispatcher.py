@@ -114,11 +114,13 @@ class DistributedExperts:
         back = self.exchange.finish(handle.pending, compute)                        # [N, H] in sent order
         t, k = handle.routing.ids.shape
         out = torch.empty_like(back).index_copy_(0, handle.order, back)              # (token, k) order
-        if not handle.routing.weights_on_input:
-            out = out * handle.routing.weights.reshape(-1, 1).to(out.dtype)
+        if handle.routing.weights_on_input:                     # rows were scaled before dispatch
+            return out if k == 1 else out.view(t, k, -1).sum(dim=1)                  # [T, H]
+        w = handle.routing.weights.to(out.dtype)
         if k == 1:
-            return out
-        return out.view(t, k, -1).sum(dim=1)                                         # [T, H]
+            return out * w
+        # Weighted sum over k in one pass: [T, 1, K] @ [T, K, H] -> [T, 1, H].
+        return torch.bmm(w.view(t, 1, k), out.view(t, k, -1)).view(t, -1)
 
     def take_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Return and reset the load of the step: (logical [L, E], worker [L, W]) int64.
