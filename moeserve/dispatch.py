@@ -203,3 +203,25 @@ class Exchange:
         back = out.new_empty(sum(pending.send_splits), out.shape[1])
         dist.all_to_all_single(back, out, pending.send_splits, pending.recv_splits, group=self.group)
         return back
+
+
+def slot_major_index(received: RecvCounts) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Index that regroups received rows from (source rank, slot) blocks to slot-major order.
+
+    received: rows per (source rank, local slot) [R, S]; the received layout is source-major
+              with slots ascending inside each block.
+    returns   (index [m] on the device such that rows[index] is grouped by slot, rows per
+              slot [S] on the host, int32 cumulative rows per slot [S] on the device),
+              computed on the device without a host synchronisation.
+    """
+    counts = received.device
+    r, s = counts.shape
+    total = int(received.host.sum())
+    sizes = counts.reshape(-1)                                             # [R*S] received layout
+    block_start = (torch.cumsum(sizes, 0) - sizes).view(r, s)              # [R, S]
+    sizes_t = counts.t().reshape(-1)                                       # [S*R] slot-major blocks
+    start_t = torch.cumsum(sizes_t, 0) - sizes_t                           # where each block goes
+    # index[j] = block_start[b] + (j - start_t[b]) for the slot-major block b that holds j.
+    shift = torch.repeat_interleave(block_start.t().reshape(-1) - start_t, sizes_t, output_size=total)
+    index = shift + torch.arange(total, device=counts.device)
+    return index, received.host.sum(0).tolist(), torch.cumsum(counts.sum(0), 0).to(torch.int32)
