@@ -76,6 +76,7 @@ class Engine:
         self._load_lock = threading.Lock()
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
         self._total_logical = np.zeros((shape.num_moe_layers, shape.num_logical_experts), dtype=np.int64)
+        self._total_worker = np.zeros((shape.num_moe_layers, placement.num_workers), dtype=np.int64)
         self.step = 0
         self.forward_steps = 0
         self.started = time.time()
@@ -86,6 +87,8 @@ class Engine:
         self._report_wanted = False
         self._report_done = threading.Event()
         self._report: list[np.ndarray] | None = None
+        self.metrics = None              # moeserve.metrics.LeaderMetrics when this rank exports metrics
+        self._header_t = time.perf_counter()
 
     # -- requests (any thread) ----------------------------------------------------------------
 
@@ -144,6 +147,11 @@ class Engine:
         with self._load_lock:
             return self._total_logical.copy()
 
+    def total_worker_load(self) -> np.ndarray:
+        """int64 [L, W]: pairs sent to each worker since start."""
+        with self._load_lock:
+            return self._total_worker.copy()
+
     def status(self) -> dict:
         p = self.placement()
         active = self.migrator.active
@@ -194,11 +202,15 @@ class Engine:
             self._wake.wait(remaining)
             self._wake.clear()
         forward = work is not None and any(w.seqs for w in work)
+        self._header_t = time.perf_counter()
         return StepHeader(self.step, forward=forward, work=work or (), migration=ops, report=report)
 
     def on_results(self, header: StepHeader, results: list[RankResult]) -> None:
         """Consume the end-of-step gather (one RankResult per rank)."""
         self.step += 1
+        if self.metrics is not None:
+            kind = "forward" if header.forward else "migration" if header.migration is not None else "heartbeat"
+            self.metrics.on_step(kind, time.perf_counter() - self._header_t)
         if header.report:
             with self._report_lock:
                 self._report = [results[r].slot_digest for r in self.worker_ranks()]
@@ -214,6 +226,7 @@ class Engine:
             with self._load_lock:
                 self._window.append((logical, wload))
                 self._total_logical += logical
+                self._total_worker += wload
             self.forward_steps += 1
             eplb = self.cfg.eplb
             if eplb.log_balancedness and self.forward_steps % eplb.step_interval == 0:

@@ -149,6 +149,18 @@ class Migrator:
         with self._lock:
             return self.history.get(migration_id)
 
+    def moved_totals(self) -> dict:
+        """What migrations moved since start: ``slots`` and ``bytes`` sent (moves are counted
+        when scheduled into a header; they land at the end of that step), and ``results``,
+        the number of ended migrations per state (done, aborted, failed)."""
+        with self._lock:
+            migs = list(self.history.values())
+        results: dict[str, int] = {}
+        for m in migs:
+            if m.done.is_set():
+                results[m.state] = results.get(m.state, 0) + 1
+        return dict(slots=sum(m.moves_done for m in migs), bytes=sum(m.bytes_done for m in migs), results=results)
+
     def busy(self) -> bool:
         with self._lock:
             return self.active is not None or self._abort_pending is not None

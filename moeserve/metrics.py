@@ -1,0 +1,502 @@
+"""Prometheus metrics: one registry and one ``/metrics`` endpoint per process.
+
+Dimension letters: L MoE layers, E logical experts, W workers.
+
+Every process of a cluster (each rank, the front end, the balancer) makes one
+:class:`ProcessMetrics`, adds the groups of metrics its roles record, and serves them on its
+``--metrics-port`` (0 picks a free port; :meth:`ProcessMetrics.serve` returns the port it got).
+A rank runs the same with metrics off: nothing here is needed by the data plane, which only
+calls the hooks it was handed (``Engine.metrics``, the timed ``dispatch``/``combine``).
+
+Names follow Prometheus' rules: ``moeserve_`` prefix, base units (seconds, bytes), counters end
+in ``_total``. The words are DESIGN.md's: *load* is the pairs (token, k) routed to a logical
+expert, *balancedness* of a layer is mean worker load / max worker load.
+
+Leader (router rank 0), read from the engine's state at scrape time (nothing is added to the
+step driver but one histogram observation and one counter per step):
+
+| metric | type | labels |
+|---|---|---|
+| ``moeserve_steps_total`` | counter | ``kind`` = forward, migration, heartbeat |
+| ``moeserve_step_duration_seconds`` | histogram | ``kind`` (header broadcast to end-of-step gather, on the leader) |
+| ``moeserve_expert_tokens_total`` | counter | ``layer``, ``expert`` (logical; per-expert series, see below) |
+| ``moeserve_worker_tokens_total`` | counter | ``layer``, ``worker`` |
+| ``moeserve_layer_balancedness`` | gauge | ``layer``: measured over the load window |
+| ``moeserve_layer_balancedness_predicted`` | gauge | ``layer``: the window's load under the placement in force |
+| ``moeserve_expert_replicas`` | gauge | ``layer``, ``expert`` (per-expert series) |
+| ``moeserve_placement_version`` | gauge | |
+| ``moeserve_migration_in_progress`` | gauge | 1 while a migration runs |
+| ``moeserve_migration_progress_ratio`` | gauge | moves done / moves of the running migration (0 when none) |
+| ``moeserve_migrations_total`` | counter | ``result`` = done, aborted, failed |
+| ``moeserve_slots_moved_total`` | counter | expert weights sent to another slot by migrations |
+| ``moeserve_bytes_moved_total`` | counter | their bytes |
+| ``moeserve_requests_waiting`` / ``moeserve_requests_running`` | gauge | the admission queue and the running sequences |
+
+Router ranks: ``moeserve_dispatch_duration_seconds`` and ``moeserve_combine_duration_seconds``
+(histograms, one observation per MoE layer per step). They are *host-side* times of the
+router's ``dispatch`` (slot choice, counts, row gather and the start of the exchange) and
+``combine`` (the end of the exchange, including the wait for the workers and, co-located, this
+rank's own experts, then the weighted sum): on CUDA that is the time to enqueue the work plus
+whatever the exchange itself waits for on the host, never an added synchronisation.
+
+Front end: ``moeserve_time_to_first_token_seconds``, ``moeserve_time_per_output_token_seconds``,
+``moeserve_e2e_request_latency_seconds`` (histograms), ``moeserve_prompt_tokens_total``,
+``moeserve_generation_tokens_total``, ``moeserve_requests_total{finish_reason}`` (stop, length,
+cancelled, error) and ``moeserve_requests_in_flight``.
+
+Balancer: ``moeserve_rebalances_total{result}`` (done, skipped, failed, dry_run),
+``moeserve_rebalance_duration_seconds`` (plan to the migration's end), ``moeserve_balancer_paused``,
+``moeserve_balancer_admin_reachable``.
+
+Every gRPC service: ``moeserve_grpc_server_handled_total{grpc_service, grpc_method, grpc_code}``
+and ``moeserve_grpc_server_handling_seconds{grpc_service, grpc_method}``.
+
+Every process: ``moeserve_process_info{role, rank}`` and the client library's ``process_*`` /
+``python_*`` metrics.
+
+Per-expert series (``moeserve_expert_tokens_total``, ``moeserve_expert_replicas``) cost L x E
+series each: they are on by default while L x E <= 4096 (``PER_EXPERT_LIMIT``) and forced on or
+off with ``per_expert="on"|"off"`` (``--per-expert-metrics``). Every labelled series a
+dashboard queries exists from the start (``moeserve_rebalances_total{result="failed"} 0``).
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from typing import Iterable
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PER_EXPERT_LIMIT = 4096
+PER_EXPERT_CHOICES = ("auto", "on", "off")
+STEP_KINDS = ("forward", "migration", "heartbeat")
+MIGRATION_RESULTS = ("done", "aborted", "failed")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+REBALANCE_RESULTS = ("done", "skipped", "failed", "dry_run")
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+EXCHANGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+REBALANCE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+GRPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
+
+
+def per_expert_enabled(choice: str, num_layers: int, num_logical: int) -> bool:
+    """Whether per-expert series are exported: ``choice`` auto (L x E <= PER_EXPERT_LIMIT), on, off."""
+    if choice not in PER_EXPERT_CHOICES:
+        raise ValueError(f"per-expert metrics must be one of {PER_EXPERT_CHOICES}, got {choice!r}")
+    if choice == "auto":
+        return num_layers * num_logical <= PER_EXPERT_LIMIT
+    return choice == "on"
+
+
+class ProcessMetrics:
+    """The registry of one process and its HTTP endpoint.
+
+    role: what the process is ("router", "worker", "router+worker", "frontend", "balancer");
+    rank: its rank in the world (-1 for a process that is not a rank).
+    """
+
+    def __init__(self, role: str, rank: int = -1):
+        from prometheus_client import disable_created_metrics
+        from prometheus_client.gc_collector import GCCollector
+        from prometheus_client.platform_collector import PlatformCollector
+        from prometheus_client.process_collector import ProcessCollector
+
+        disable_created_metrics()      # no ``*_created`` series: they double the count and no panel reads them
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        info = Gauge("moeserve_process_info", "Always 1: what this process is (role) and its rank (-1: not a rank).",
+                     ("role", "rank"), registry=self.registry)
+        info.labels(role, str(rank)).set(1)
+        self.role, self.rank = role, rank
+        self.port: int | None = None
+        self._server = None
+        self._grpc: GrpcMetrics | None = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
+        from prometheus_client import start_http_server
+
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(self._server.server_port)
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def grpc_interceptor(self, service: str):
+        """A ``grpc.aio.ServerInterceptor`` counting the calls of ``service`` (full name, e.g.
+        ``moeserve.v1.Admin``) and of health checks; its series start at 0 for every method."""
+        if self._grpc is None:
+            self._grpc = GrpcMetrics(self.registry)
+        return self._grpc.interceptor(service)
+
+
+# -- the leader -------------------------------------------------------------------------------
+
+class LeaderMetrics:
+    """The leader's metrics. ``engine``: the leader's ``Engine`` (read at scrape time);
+    ``per_expert``: auto, on or off. ``Engine.on_results`` calls :meth:`on_step` once per step."""
+
+    def __init__(self, registry: CollectorRegistry, engine, per_expert: str = "auto"):
+        shape = engine.shape
+        self.per_expert = per_expert_enabled(per_expert, shape.num_moe_layers, shape.num_logical_experts)
+        self.steps = Counter("moeserve_steps", "Steps run by the cluster, by kind: forward (tokens), migration "
+                             "(weight moves only), heartbeat (idle).", ("kind",), registry=registry)
+        self.step_seconds = Histogram("moeserve_step_duration_seconds", "Wall time of one step on the leader, "
+                                      "from the header broadcast to the end-of-step gather.", ("kind",),
+                                      buckets=STEP_BUCKETS, registry=registry)
+        # Label children looked up once: on_step is on the step driver.
+        self._steps = {k: self.steps.labels(k) for k in STEP_KINDS}
+        self._step_seconds = {k: self.step_seconds.labels(k) for k in STEP_KINDS}
+        registry.register(_LeaderCollector(engine, self.per_expert))
+
+    def on_step(self, kind: str, seconds: float) -> None:
+        self._steps[kind].inc()
+        self._step_seconds[kind].observe(seconds)
+
+
+class _LeaderCollector(Collector):
+    """Series computed from the engine's state when Prometheus scrapes."""
+
+    def __init__(self, engine, per_expert: bool):
+        self.engine = engine
+        self.per_expert = per_expert
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        e = self.engine
+        placement = e.placement()
+        layers = [str(i) for i in range(placement.num_layers)]
+        experts = [str(i) for i in range(placement.num_logical)]
+        workers = [str(i) for i in range(placement.num_workers)]
+        total_logical, total_worker = e.total_load(), e.total_worker_load()          # [L, E], [L, W]
+        rep = e.expert_load()
+
+        if self.per_expert:
+            c = CounterMetricFamily("moeserve_expert_tokens", "Pairs (token, k) routed to each logical expert "
+                                    "since start (the load), per MoE layer.", labels=("layer", "expert"))
+            _add_matrix(c, total_logical, layers, experts)
+            yield c
+            g = GaugeMetricFamily("moeserve_expert_replicas", "Replicas (physical slots) of each logical expert "
+                                  "in the placement in force.", labels=("layer", "expert"))
+            _add_matrix(g, placement.logcnt(), layers, experts)
+            yield g
+        c = CounterMetricFamily("moeserve_worker_tokens", "Pairs (token, k) sent to each expert worker since start, "
+                                "per MoE layer.", labels=("layer", "worker"))
+        _add_matrix(c, total_worker, layers, workers)
+        yield c
+        g = GaugeMetricFamily("moeserve_layer_balancedness", "Measured balancedness of each MoE layer over the "
+                              "load window: mean worker load / max worker load (1 = perfect).", labels=("layer",))
+        for layer, v in zip(layers, rep.balancedness_measured):
+            g.add_metric((layer,), float(v))
+        yield g
+        g = GaugeMetricFamily("moeserve_layer_balancedness_predicted", "Balancedness the placement in force "
+                              "predicts for the window's load, split evenly over replicas.", labels=("layer",))
+        for layer, v in zip(layers, rep.balancedness_predicted):
+            g.add_metric((layer,), float(v))
+        yield g
+        yield GaugeMetricFamily("moeserve_placement_version", "Version of the placement in force.",
+                                value=float(placement.version))
+        active = e.migrator.active
+        summary = active.summary() if active is not None else None
+        yield GaugeMetricFamily("moeserve_migration_in_progress", "1 while a migration runs, else 0.",
+                                value=1.0 if summary else 0.0)
+        ratio = summary["moves_done"] / summary["moves_total"] if summary and summary["moves_total"] else 0.0
+        yield GaugeMetricFamily("moeserve_migration_progress_ratio", "Moves scheduled / moves of the running "
+                                "migration (0 when none runs).", value=float(ratio))
+        moved = e.migrator.moved_totals()
+        c = CounterMetricFamily("moeserve_migrations", "Migrations that ended, by result.", labels=("result",))
+        for result in MIGRATION_RESULTS:
+            c.add_metric((result,), float(moved["results"].get(result, 0)))
+        yield c
+        yield CounterMetricFamily("moeserve_slots_moved", "Expert weights sent to another slot by migrations.",
+                                  value=float(moved["slots"]))
+        yield CounterMetricFamily("moeserve_bytes_moved", "Bytes of expert weights sent by migrations.",
+                                  value=float(moved["bytes"]))
+        counts = e.scheduler.counts()
+        yield GaugeMetricFamily("moeserve_requests_waiting", "Requests in the admission queue.",
+                                value=float(counts["waiting"]))
+        yield GaugeMetricFamily("moeserve_requests_running", "Sequences running on the routers.",
+                                value=float(counts["running"]))
+
+
+def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:
+    for i, r in enumerate(rows):
+        for j, c in enumerate(cols):
+            family.add_metric((r, c), float(values[i, j]))
+
+
+# -- router ranks -----------------------------------------------------------------------------
+
+class RouterMetrics:
+    """Dispatch and combine durations of a router rank; :meth:`instrument` hooks them into the
+    rank's experts backend."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.dispatch_seconds = Histogram(
+            "moeserve_dispatch_duration_seconds", "Host-side time of a router's dispatch of one MoE layer "
+            "(slot choice, counts, row gather, start of the exchange).", buckets=EXCHANGE_BUCKETS, registry=registry)
+        self.combine_seconds = Histogram(
+            "moeserve_combine_duration_seconds", "Host-side time of a router's combine of one MoE layer (end of "
+            "the exchange, waiting for the workers, weighted sum).", buckets=EXCHANGE_BUCKETS, registry=registry)
+
+    def instrument(self, experts) -> None:
+        """Time ``experts.dispatch`` and ``experts.combine`` (instance attributes shadow the
+        methods): two clock reads and one observation each, no device synchronisation."""
+        experts.dispatch = _timed(experts.dispatch, self.dispatch_seconds.observe)
+        experts.combine = _timed(experts.combine, self.combine_seconds.observe)
+
+
+def _timed(fn, observe):
+    clock = time.perf_counter
+
+    def timed(*args):
+        t0 = clock()
+        out = fn(*args)
+        observe(clock() - t0)
+        return out
+
+    timed.__wrapped__ = fn
+    return timed
+
+
+# -- the front end ----------------------------------------------------------------------------
+
+class FrontendMetrics:
+    """Request metrics of the serving front end; :meth:`request` starts one request's record."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.ttft = Histogram("moeserve_time_to_first_token_seconds", "From a request's arrival to its first "
+                              "generated token.", buckets=TTFT_BUCKETS, registry=registry)
+        self.tpot = Histogram("moeserve_time_per_output_token_seconds", "Mean time between a request's generated "
+                              "tokens after the first.", buckets=TPOT_BUCKETS, registry=registry)
+        self.e2e = Histogram("moeserve_e2e_request_latency_seconds", "From a request's arrival to its last token.",
+                             buckets=E2E_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens of admitted requests.",
+                                     registry=registry)
+        self.generation_tokens = Counter("moeserve_generation_tokens", "Generated tokens.", registry=registry)
+        self.requests = Counter("moeserve_requests", "Requests that ended, by finish reason.", ("finish_reason",),
+                                registry=registry)
+        for r in FINISH_REASONS:
+            self.requests.labels(r)
+        self.in_flight = Gauge("moeserve_requests_in_flight", "Requests the front end is serving.", registry=registry)
+
+    def request(self, prompt_tokens: int) -> "RequestRecord":
+        return RequestRecord(self, prompt_tokens)
+
+
+class RequestRecord:
+    """One request's timings: ``token(n)`` as tokens arrive, then ``finish(reason)`` once."""
+
+    def __init__(self, m: FrontendMetrics, prompt_tokens: int):
+        self.m = m
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last = self.start
+        self.tokens = 0
+        self.done = False
+        m.prompt_tokens.inc(prompt_tokens)
+        m.in_flight.inc()
+
+    def token(self, n: int = 1) -> None:
+        now = time.monotonic()
+        if self.first is None and n > 0:
+            self.first = now
+            self.m.ttft.observe(now - self.start)
+        self.last = now
+        self.tokens += n
+        self.m.generation_tokens.inc(n)
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.m
+        m.in_flight.dec()
+        m.requests.labels(reason if reason in FINISH_REASONS else "error").inc()
+        if self.first is not None:
+            m.e2e.observe(self.last - self.start)
+            if self.tokens > 1:
+                m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+
+
+# -- the balancer -----------------------------------------------------------------------------
+
+class BalancerMetrics:
+    """Rebalances by result and their duration. ``paused`` and ``admin_reachable``: callables
+    read at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry, paused=lambda: False, admin_reachable=lambda: True):
+        self.rebalances = Counter("moeserve_rebalances", "Rebalances by result: done (applied, migration "
+                                  "finished), skipped (the plan did not pay), failed, dry_run.", ("result",),
+                                  registry=registry)
+        for r in REBALANCE_RESULTS:
+            self.rebalances.labels(r)
+        self.duration = Histogram("moeserve_rebalance_duration_seconds", "From the start of planning to the end "
+                                  "of the migration (or to the decision not to apply).", buckets=REBALANCE_BUCKETS,
+                                  registry=registry)
+        g = Gauge("moeserve_balancer_paused", "1 while the balancer's loop is paused.", registry=registry)
+        g.set_function(lambda: float(bool(paused())))
+        g = Gauge("moeserve_balancer_admin_reachable", "1 when the last admin call answered.", registry=registry)
+        g.set_function(lambda: float(bool(admin_reachable())))
+
+    def record(self, result: str, seconds: float) -> None:
+        if result not in REBALANCE_RESULTS:
+            raise ValueError(f"rebalance result must be one of {REBALANCE_RESULTS}, got {result!r}")
+        self.rebalances.labels(result).inc()
+        if result != "dry_run":
+            self.duration.observe(seconds)
+
+
+# -- gRPC -------------------------------------------------------------------------------------
+
+HEALTH = "grpc.health.v1.Health"
+
+
+class GrpcMetrics:
+    """Calls handled by the gRPC servers of a process, by service, method and status code."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.handled = Counter("moeserve_grpc_server_handled", "gRPC calls completed by the server.",
+                               ("grpc_service", "grpc_method", "grpc_code"), registry=registry)
+        self.seconds = Histogram("moeserve_grpc_server_handling_seconds", "Time the server took to handle a gRPC "
+                                 "call (to the last message of a stream).", ("grpc_service", "grpc_method"),
+                                 buckets=GRPC_BUCKETS, registry=registry)
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    def interceptor(self, service: str):
+        for name in (service, HEALTH):
+            for method in _methods(name):
+                self._known.add(f"/{name}/{method}")
+                self.handled.labels(name, method, "OK")
+                self.seconds.labels(name, method)
+        return _make_interceptor(self)
+
+    def labels_of(self, path: str) -> tuple[str, str]:
+        """(service, method) of a known method; ('unknown', 'unknown') for anything else, so a
+        client cannot create series at will."""
+        if path not in self._known:
+            if not _method_exists(path):
+                return "unknown", "unknown"
+            with self._lock:
+                self._known.add(path)
+        service, method = path.lstrip("/").split("/", 1)
+        return service, method
+
+
+def _methods(service: str) -> list[str]:
+    from google.protobuf import descriptor_pool
+    if service == HEALTH:
+        from grpc_health.v1 import health_pb2  # noqa: F401  (fills the pool)
+    try:
+        return [m.name for m in descriptor_pool.Default().FindServiceByName(service).methods]
+    except KeyError:
+        return []
+
+
+def _method_exists(path: str) -> bool:
+    from google.protobuf import descriptor_pool
+    try:
+        service, method = path.lstrip("/").split("/", 1)
+        descriptor_pool.Default().FindServiceByName(service).FindMethodByName(method)
+        return True
+    except (KeyError, ValueError):
+        return False
+
+
+def _make_interceptor(m: GrpcMetrics):
+    import grpc
+
+    def code_of(context, exc: BaseException | None) -> str:
+        code = context.code()
+        if code is not None:
+            return code.name if hasattr(code, "name") else str(code)
+        if exc is None:
+            return "OK"
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            return "CANCELLED"
+        return "UNKNOWN"
+
+    class MetricsInterceptor(grpc.aio.ServerInterceptor):
+        async def intercept_service(self, continuation, details):
+            handler = await continuation(details)
+            if handler is None:
+                return None
+            service, method = m.labels_of(details.method)
+            seconds = m.seconds.labels(service, method)
+
+            def record(context, t0: float, exc: BaseException | None) -> None:
+                seconds.observe(time.perf_counter() - t0)
+                m.handled.labels(service, method, code_of(context, exc)).inc()
+
+            if handler.unary_unary is not None:
+                handler = handler._replace(unary_unary=_wrap_unary(handler.unary_unary, record))
+            elif handler.stream_unary is not None:
+                handler = handler._replace(stream_unary=_wrap_unary(handler.stream_unary, record))
+            elif handler.unary_stream is not None:
+                handler = handler._replace(unary_stream=_wrap_stream(handler.unary_stream, record))
+            elif handler.stream_stream is not None:
+                handler = handler._replace(stream_stream=_wrap_stream(handler.stream_stream, record))
+            return handler
+
+    return MetricsInterceptor()
+
+
+def _wrap_unary(behavior, record):
+    async def call(request, context):
+        t0 = time.perf_counter()
+        try:
+            out = behavior(request, context)
+            if inspect.isawaitable(out):
+                out = await out
+        except BaseException as e:
+            record(context, t0, e)
+            raise
+        record(context, t0, None)
+        return out
+
+    return call
+
+
+def _wrap_stream(behavior, record):
+    if inspect.isasyncgenfunction(behavior):
+        async def gen(request, context):
+            t0 = time.perf_counter()
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except BaseException as e:
+                record(context, t0, e)
+                raise
+            record(context, t0, None)
+
+        return gen
+    return _wrap_unary(behavior, record)      # a coroutine writing with context.write()
+
+
+def scrape_text(registry: CollectorRegistry) -> str:
+    """The registry in the text exposition format (what ``/metrics`` serves)."""
+    from prometheus_client import generate_latest
+    return generate_latest(registry).decode()
+
+
+def metric_names(registry: CollectorRegistry) -> Iterable[str]:
+    """Names of the families a registry exposes (tests and docs)."""
+    return [fam.name for fam in registry.collect()]
