@@ -1,0 +1,256 @@
+"""Metrics of every process (moeserve/metrics.py): names, series present from the start, what
+the leader, routers, front end, balancer and gRPC servers record, and promtool's verdict."""
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from moeserve import metrics as M
+from moeserve.cluster.config import ClusterConfig, EplbConfig
+from moeserve.cluster.protocol import RankResult, StepHeader
+from moeserve.cluster.rank import initial_placement
+from moeserve.router.leader import Engine, ModelShape
+
+from ops_util import check_metrics, samples, scrape
+
+LAYERS, EXPERTS, WORKERS, REDUNDANT = 2, 8, 2, 2
+EXPERT_BYTES = 1000
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def engine(layers=LAYERS, experts=EXPERTS) -> Engine:
+    cfg = ClusterConfig(model_dir="/nowhere", routers=1, workers=WORKERS, heartbeat_s=0.001,
+                        eplb=EplbConfig(enable_eplb=True, num_redundant_experts=REDUNDANT))
+    shape = ModelShape(layers, experts, 1, 512, (2,), EXPERT_BYTES)
+    return Engine(cfg, shape, initial_placement(cfg, layers, experts))
+
+
+def forward(eng: Engine, logical: np.ndarray, wload: np.ndarray) -> None:
+    """One forward step as the gather hands it to the leader."""
+    eng.next_header()
+    results = [RankResult(0, logical_load=logical, worker_load=wload)] + [RankResult(r) for r in (1, 2)]
+    eng.on_results(StepHeader(eng.step, forward=True), results)
+
+
+def leader_registry(eng: Engine, per_expert: str = "auto"):
+    pm = M.ProcessMetrics("router", 0)
+    eng.metrics = M.LeaderMetrics(pm.registry, eng, per_expert)
+    return pm
+
+
+def test_a_process_serves_its_metrics_on_a_free_port_when_given_port_0():
+    pm = M.ProcessMetrics("worker", 3)
+    try:
+        port = pm.serve(0, "127.0.0.1")
+        assert port > 0 and pm.port == port
+        text = scrape(port)
+        assert samples(text, "moeserve_process_info") == {(("rank", "3"), ("role", "worker")): 1.0}
+        assert "process_cpu_seconds_total" in text
+        assert "_created" not in text                       # no creation-time series
+    finally:
+        pm.close()
+
+
+@pytest.mark.parametrize("choice,layers,experts,on", [
+    ("auto", 16, 256, True),          # 4096 series: still on
+    ("auto", 17, 256, False),         # 4352: off
+    ("on", 61, 256, True),            # forced on (DeepSeek-V3 size)
+    ("off", 2, 8, False),             # forced off
+])
+def test_per_expert_series_are_on_while_layers_x_experts_is_at_most_4096_unless_forced(choice, layers, experts, on):
+    assert M.per_expert_enabled(choice, layers, experts) is on
+
+
+def test_an_unknown_per_expert_choice_is_refused():
+    with pytest.raises(ValueError, match="auto"):
+        M.per_expert_enabled("maybe", 2, 8)
+
+
+def test_every_leader_series_a_dashboard_queries_exists_before_the_first_step():
+    eng = engine()
+    text = M.scrape_text(leader_registry(eng).registry)
+    tokens = samples(text, "moeserve_expert_tokens_total")
+    assert len(tokens) == LAYERS * EXPERTS and set(tokens.values()) == {0.0}
+    assert len(samples(text, "moeserve_expert_replicas")) == LAYERS * EXPERTS
+    assert len(samples(text, "moeserve_worker_tokens_total")) == LAYERS * WORKERS
+    assert set(samples(text, "moeserve_layer_balancedness").values()) == {1.0}      # no tokens: 1.0
+    assert samples(text, "moeserve_migrations_total")[(("result", "failed"),)] == 0.0
+    for kind in M.STEP_KINDS:
+        assert samples(text, "moeserve_steps_total")[(("kind", kind),)] == 0.0
+        assert samples(text, "moeserve_step_duration_seconds_count")[(("kind", kind),)] == 0.0
+    for name in ("moeserve_placement_version", "moeserve_migration_in_progress", "moeserve_slots_moved_total",
+                 "moeserve_bytes_moved_total", "moeserve_requests_waiting", "moeserve_requests_running"):
+        assert len(samples(text, name)) == 1, name
+
+
+def test_per_expert_series_can_be_turned_off():
+    text = M.scrape_text(leader_registry(engine(), "off").registry)
+    assert not samples(text, "moeserve_expert_tokens_total")
+    assert not samples(text, "moeserve_expert_replicas")
+    assert len(samples(text, "moeserve_worker_tokens_total")) == LAYERS * WORKERS
+
+
+def test_the_leader_exports_the_load_it_aggregated_and_counts_steps_by_kind():
+    eng = engine()
+    pm = leader_registry(eng)
+    logical = np.arange(LAYERS * EXPERTS).reshape(LAYERS, EXPERTS)              # [L, E]
+    wload = np.array([[10, 30], [20, 20]])                                       # [L, W]
+    forward(eng, logical, wload)
+    forward(eng, logical, wload)
+    eng.on_results(eng.next_header(), [RankResult(r) for r in range(3)])         # idle: a heartbeat
+    text = M.scrape_text(pm.registry)
+    tokens = samples(text, "moeserve_expert_tokens_total")
+    assert tokens[(("expert", "3"), ("layer", "1"))] == 2 * logical[1, 3]
+    workers = samples(text, "moeserve_worker_tokens_total")
+    assert workers[(("layer", "0"), ("worker", "1"))] == 60
+    bal = samples(text, "moeserve_layer_balancedness")
+    assert bal[(("layer", "0"),)] == pytest.approx(20 / 30) and bal[(("layer", "1"),)] == 1.0
+    steps = samples(text, "moeserve_steps_total")
+    assert steps[(("kind", "forward"),)] == 2 and steps[(("kind", "heartbeat"),)] == 1
+    assert samples(text, "moeserve_step_duration_seconds_count")[(("kind", "forward"),)] == 2
+    replicas = samples(text, "moeserve_expert_replicas")
+    assert replicas[(("expert", "0"), ("layer", "0"))] == 2 and replicas[(("expert", "7"), ("layer", "0"))] == 1
+
+
+def test_a_migration_counts_slots_and_bytes_moved_and_its_result():
+    eng = engine()
+    pm = leader_registry(eng)
+    target = eng.placement().phy2log.copy()
+    target[0, [2, 7]] = target[0, [7, 2]]                 # two experts change workers in layer 0
+    target[1, 8] = 5                                      # a hot expert's replica instead of expert 0's
+    mig = eng.apply_placement(target)
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_migration_in_progress") == {(): 1.0}
+    for _ in range(50):
+        if mig.done.is_set():
+            break
+        eng.on_results(eng.next_header(), [RankResult(r) for r in range(3)])
+    assert mig.state == "done"
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_slots_moved_total") == {(): 3.0}
+    assert samples(text, "moeserve_bytes_moved_total") == {(): 3.0 * EXPERT_BYTES}
+    assert samples(text, "moeserve_migrations_total")[(("result", "done"),)] == 1
+    assert samples(text, "moeserve_migration_in_progress") == {(): 0.0}
+    assert samples(text, "moeserve_placement_version") == {(): float(eng.placement().version)}
+    assert samples(text, "moeserve_steps_total")[(("kind", "migration"),)] >= 2
+    assert samples(text, "moeserve_expert_replicas")[(("expert", "5"), ("layer", "1"))] == 2
+
+
+def test_router_timing_hooks_wrap_dispatch_and_combine_and_return_their_results():
+    pm = M.ProcessMetrics("router", 1)
+    rm = M.RouterMetrics(pm.registry)
+
+    class Experts:
+        def dispatch(self, layer, hidden, routing):
+            return ("handle", layer)
+
+        def combine(self, handle):
+            return handle[1] * 10
+
+    ex = Experts()
+    rm.instrument(ex)
+    assert ex.combine(ex.dispatch(3, None, None)) == 30
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_dispatch_duration_seconds_count") == {(): 1.0}
+    assert samples(text, "moeserve_combine_duration_seconds_count") == {(): 1.0}
+
+
+def test_the_front_end_records_latencies_tokens_and_finish_reasons():
+    pm = M.ProcessMetrics("frontend")
+    fm = M.FrontendMetrics(pm.registry)
+    text = M.scrape_text(pm.registry)
+    assert set(samples(text, "moeserve_requests_total")) == {(("finish_reason", r),) for r in M.FINISH_REASONS}
+    rec = fm.request(prompt_tokens=5)
+    assert samples(M.scrape_text(pm.registry), "moeserve_requests_in_flight") == {(): 1.0}
+    for _ in range(4):
+        rec.token()
+    rec.finish("length")
+    rec.finish("length")                                  # once only
+    fm.request(prompt_tokens=3).finish("cancelled")       # no token: no latency observed
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_prompt_tokens_total") == {(): 8.0}
+    assert samples(text, "moeserve_generation_tokens_total") == {(): 4.0}
+    assert samples(text, "moeserve_requests_total")[(("finish_reason", "length"),)] == 1
+    assert samples(text, "moeserve_requests_total")[(("finish_reason", "cancelled"),)] == 1
+    assert samples(text, "moeserve_time_to_first_token_seconds_count") == {(): 1.0}
+    assert samples(text, "moeserve_time_per_output_token_seconds_count") == {(): 1.0}
+    assert samples(text, "moeserve_e2e_request_latency_seconds_count") == {(): 1.0}
+    assert samples(text, "moeserve_requests_in_flight") == {(): 0.0}
+
+
+def test_the_balancer_shows_every_result_from_the_start_and_times_real_rebalances():
+    pm = M.ProcessMetrics("balancer")
+    state = {"paused": True}
+    bm = M.BalancerMetrics(pm.registry, paused=lambda: state["paused"])
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_rebalances_total") == {(("result", r),): 0.0 for r in M.REBALANCE_RESULTS}
+    assert samples(text, "moeserve_balancer_paused") == {(): 1.0}
+    bm.record("done", 2.0)
+    bm.record("dry_run", 0.1)
+    with pytest.raises(ValueError):
+        bm.record("exploded", 1.0)
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_rebalances_total")[(("result", "done"),)] == 1
+    assert samples(text, "moeserve_rebalance_duration_seconds_count") == {(): 1.0}       # dry runs are not timed
+
+
+class _Health(health_pb2_grpc.HealthServicer):
+    async def Check(self, request, context):
+        if request.service == "missing":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such service")
+        if request.service == "crash":
+            raise RuntimeError("boom")
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_grpc_calls_are_counted_by_method_and_code_and_unknown_methods_create_no_series():
+    pm = M.ProcessMetrics("balancer")
+    interceptor = pm.grpc_interceptor(M.HEALTH)
+
+    async def run():
+        server = grpc.aio.server(interceptors=[interceptor])
+        health_pb2_grpc.add_HealthServicer_to_server(_Health(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                codes = []
+                for svc in ("", "", "missing", "crash"):
+                    try:
+                        await stub.Check(health_pb2.HealthCheckRequest(service=svc))
+                        codes.append("OK")
+                    except grpc.RpcError as e:
+                        codes.append(e.code().name)
+                bogus = ch.unary_unary("/no.such.Service/Nothing")
+                with pytest.raises(grpc.RpcError):
+                    await bogus(b"")
+                return codes
+        finally:
+            await server.stop(0)
+
+    before = M.scrape_text(pm.registry)
+    handled = samples(before, "moeserve_grpc_server_handled_total")
+    assert handled[(("grpc_code", "OK"), ("grpc_method", "Watch"), ("grpc_service", M.HEALTH))] == 0
+    assert asyncio.run(run()) == ["OK", "OK", "NOT_FOUND", "UNKNOWN"]
+    text = M.scrape_text(pm.registry)
+    handled = samples(text, "moeserve_grpc_server_handled_total")
+    key = lambda code: (("grpc_code", code), ("grpc_method", "Check"), ("grpc_service", M.HEALTH))   # noqa: E731
+    assert handled[key("OK")] == 2 and handled[key("NOT_FOUND")] == 1 and handled[key("UNKNOWN")] == 1
+    assert samples(text, "moeserve_grpc_server_handling_seconds_count")[
+        (("grpc_method", "Check"), ("grpc_service", M.HEALTH))] == 4
+    assert not any("no.such" in str(k) for k in handled)
+
+
+def test_promtool_finds_nothing_to_say_about_a_registry_with_every_group():
+    eng = engine()
+    pm = leader_registry(eng)
+    M.RouterMetrics(pm.registry)
+    M.FrontendMetrics(pm.registry)
+    M.BalancerMetrics(pm.registry)
+    pm.grpc_interceptor(M.HEALTH)
+    forward(eng, np.ones((LAYERS, EXPERTS), dtype=np.int64), np.ones((LAYERS, WORKERS), dtype=np.int64))
+    check_metrics(M.scrape_text(pm.registry))
