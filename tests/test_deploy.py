@@ -1,0 +1,182 @@
+"""deploy/: the compose cluster validates with the Compose v2 binary (and a broken file fails),
+every service command is a real ``moeserve`` subcommand with real flags, Prometheus scrapes
+every service, Grafana's provisioning and dashboards fit together."""
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ops_util import DASHBOARDS, DEPLOY, REPO, compose_binary, promtool
+
+pytestmark = pytest.mark.timeout(120)
+
+ENV = {"MOESERVE_ADMIN_TOKEN": "test-token", "MOESERVE_CONTROL_KEY": "00112233445566778899aabbccddeeff"}
+BASE = DEPLOY / "docker-compose.yml"
+GPU = DEPLOY / "docker-compose.gpu.yml"
+DATASOURCE_UID = "moeserve-prometheus"
+
+
+def compose(*files: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``docker compose -f ... config --format json`` with the Compose v2 binary."""
+    args = [compose_binary()]
+    for f in files:
+        args += ["-f", str(f)]
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MOESERVE_")}
+    e.update(ENV if env is None else env)
+    return subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True, env=e,
+                          timeout=60, cwd=DEPLOY)
+
+
+def config(*files: Path) -> dict:
+    p = compose(*files)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.fixture(scope="module", params=["cpu", "gpu"])
+def project(request) -> dict:
+    return config(BASE) if request.param == "cpu" else config(BASE, GPU)
+
+
+def moeserve_services(project: dict) -> dict:
+    return {n: s for n, s in project["services"].items() if str(s.get("image", "")).startswith("moeserve:")}
+
+
+def test_the_compose_file_and_its_gpu_variant_validate_with_compose_v2(project):
+    assert {"router", "worker-1", "worker-2", "frontend", "balancer", "prometheus", "grafana"} <= set(project["services"])
+
+
+@pytest.mark.parametrize("breakage,message", [
+    (lambda d: d["services"]["router"].update(bogus_key=1), "bogus_key"),
+    (lambda d: d["services"]["frontend"]["depends_on"].update(nowhere={"condition": "service_healthy"}), "nowhere"),
+    (lambda d: d["services"]["worker-1"].update(shm_size=[1, 2]), "shm_size"),
+])
+def test_a_broken_compose_file_fails_validation(tmp_path, breakage, message):
+    d = yaml.safe_load(BASE.read_text())
+    breakage(d)
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(yaml.safe_dump(d))
+    p = compose(bad)
+    assert p.returncode != 0 and message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("missing", sorted(ENV))
+def test_the_compose_file_refuses_to_start_without_the_token_or_the_key(missing):
+    p = compose(BASE, env={k: v for k, v in ENV.items() if k != missing})
+    assert p.returncode != 0 and missing in p.stderr
+
+
+def test_ranks_talk_on_an_internal_network_only_and_services_wait_for_a_healthy_leader(project):
+    assert project["networks"]["ranks"].get("internal") is True
+    svc = project["services"]
+    world = int(svc["router"]["environment"]["WORLD_SIZE"])
+    ranks = {}
+    for name, s in moeserve_services(project).items():
+        if s["command"][1] in ("router", "worker"):
+            env = s["environment"]
+            assert env["WORLD_SIZE"] == str(world) and env["MASTER_ADDR"] == "router"
+            ranks[int(env["RANK"])] = name
+            assert s.get("ipc") == "host" or s.get("shm_size"), f"{name}: torch needs shared memory"
+            if name != "router":
+                assert set(s["networks"]) == {"ranks"}, f"{name} must be on the internal network only"
+                assert not s.get("ports")
+    assert sorted(ranks) == list(range(world)) and ranks[0] == "router"
+    for name in ("frontend", "balancer"):
+        assert svc[name]["depends_on"]["router"]["condition"] == "service_healthy"
+    for name, s in moeserve_services(project).items():
+        assert s.get("healthcheck", {}).get("test"), f"{name} has no health check"
+    # Nothing published from the internal network but the leader's admin API (token-guarded).
+    for p in svc["router"].get("ports", []):
+        assert int(p["target"]) == 8001 and p.get("host_ip") == "127.0.0.1"
+
+
+def test_the_gpu_variant_reserves_one_gpu_per_rank_and_uses_nccl():
+    svc = config(BASE, GPU)["services"]
+    gpus = []
+    for name in ("router", "worker-1", "worker-2"):
+        s = svc[name]
+        cmd = s["command"]
+        assert cmd[cmd.index("--backend") + 1] == "nccl"
+        assert s["ipc"] == "host"
+        (dev,) = s["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["capabilities"] == ["gpu"] and dev["driver"] == "nvidia"
+        gpus += dev["device_ids"]
+    assert len(set(gpus)) == 3
+
+
+def test_the_dockerfile_copies_what_the_package_needs_and_takes_a_cuda_base_as_a_build_argument():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11", text, re.M)
+    assert "download.pytorch.org/whl/cpu" in text
+    for src in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for part in src.split():
+            assert (REPO / part).exists(), f"COPY {part}: not in the repository"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for folder in ("router", "expert_worker", "balancer", "moeserve"):
+        assert f'"{folder}"' in pyproject and f"COPY {folder} " in text
+
+
+def test_prometheus_config_is_valid_and_scrapes_every_moeserve_service():
+    p = subprocess.run([promtool(), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    for name, s in moeserve_services(config(BASE)).items():
+        cmd = s["command"]
+        port = cmd[cmd.index("--metrics-port") + 1]
+        assert f"{name}:{port}" in targets, f"Prometheus does not scrape {name}"
+
+
+def test_grafana_provisions_the_datasource_every_dashboard_names_and_loads_the_dashboards_folder():
+    ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = ds["datasources"]
+    assert source["uid"] == DATASOURCE_UID and source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    prov = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/moeserve.yml").read_text())
+    path = prov["providers"][0]["options"]["path"]
+    mounts = config(BASE)["services"]["grafana"]["volumes"]
+    assert any(m["target"] == path and Path(m["source"]) == DASHBOARDS for m in mounts)
+
+
+def dashboards() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def test_the_three_dashboards_exist_and_every_panel_queries_the_provisioned_datasource():
+    boards = dashboards()
+    assert set(boards) == {"overview", "experts", "rebalancing"}
+    uids = [b["uid"] for b in boards.values()]
+    assert len(set(uids)) == 3
+    for name, board in boards.items():
+        panels = [p for p in board["panels"] if p["type"] != "row"]
+        assert panels, name
+        for p in panels:
+            assert p["datasource"]["uid"] == DATASOURCE_UID, (name, p["title"])
+            assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), (name, p["title"])
+            for t in p["targets"]:
+                assert t["datasource"]["uid"] == DATASOURCE_UID
+                assert "moeserve_" in t["expr"] or "process_" in t["expr"], (name, p["title"], t["expr"])
+
+
+def test_the_experts_dashboard_has_a_layer_variable_a_heatmap_and_replica_counts():
+    board = dashboards()["experts"]
+    (var,) = [v for v in board["templating"]["list"] if v["name"] == "layer"]
+    assert "moeserve_expert_tokens_total" in var["query"]["query"]
+    kinds = {p["type"] for p in board["panels"]}
+    assert "heatmap" in kinds
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
+    assert 'layer="$layer"' in exprs and "moeserve_expert_replicas" in exprs
+
+
+def command_of(test: list[str]) -> list[str]:
+    """The argv of a compose health check test (CMD form, or CMD-SHELL split like a shell)."""
+    if test[0] == "CMD":
+        return test[1:]
+    assert test[0] == "CMD-SHELL", test
+    return shlex.split(test[1])
