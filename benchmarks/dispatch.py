@@ -159,50 +159,62 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters):
                 share=t_raw / t_ours)
 
 
-def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, iters):
+def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, iters, routers=0):
+    """ms per MoE layer. routers=0: co-located (every rank routes T tokens and holds slots);
+    routers=R: disaggregated, ranks 0 .. R-1 route T tokens each, the others hold the slots."""
     from moeserve.balancer.policy import place
     from moeserve.placement import balancedness
+    from moeserve.router.dispatcher import idle_walk
     e = model["experts"]
     r = model["redundant"] if eplb else 0
     p = e + r
-    topo = Topology.build(world, world, True, p)
+    n_routers = routers or world
+    n_workers = world - routers if routers else world
+    topo = Topology.build(n_routers, n_workers, not routers, p)
     ex = Exchange(topo, rank, device=device)
+    router, worker = topo.router_index(rank), topo.worker_index(rank)
     perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
     if eplb:
-        # Plan on a previous window of the same distribution (all ranks' routing, summed).
+        # Plan on a previous window of the same distribution (all routers' routing, summed).
         load = np.zeros((layers, e))
         for l in range(layers):
-            for src in range(world):
+            for src in range(n_routers):
                 g = torch.Generator().manual_seed(50_000 + 97 * src + l)
                 ids = routing_ids(g, tokens, e, model["k"], zipf, perms[l])
                 load[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
-        phy2log = place(load, p, world, 1, 1, None)
+        phy2log = place(load, p, n_workers, 1, 1, None)
     else:
         phy2log = np.tile(np.arange(p) % e, (layers, 1))
     spec = ExpertSpec(model["hidden"], model["inter"], dtype=dtype)
-    store = make_store(spec, rank, phy2log, world, device, None)
-    maps = RouterMaps(phy2log, e, r + 1, device)
-    backend = DistributedExperts(ex, maps, rank, layers, store)
-    routings, loads = [], np.zeros((layers, e))
-    for l in range(layers):
-        ids = routing_ids(torch.Generator().manual_seed(rank * 1000 + l), tokens, e, model["k"], zipf, perms[l])
-        loads[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
-        w = torch.rand(tokens, model["k"]).to(dtype)
-        routings.append(RoutingResult(ids.to(device), w.to(device), weights_on_input=model["k"] == 1))
-    hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
-
-    def step():
-        x = hidden
+    store = make_store(spec, worker, phy2log, n_workers, device, None) if worker is not None else None
+    loads = np.zeros((layers, e))
+    if router is not None:
+        maps = RouterMaps(phy2log, e, r + 1, device)
+        backend = DistributedExperts(ex, maps, router, layers, store)
+        routings = []
         for l in range(layers):
-            x = backend.combine(backend.dispatch(l, x, routings[l]))
+            ids = routing_ids(torch.Generator().manual_seed(router * 1000 + l), tokens, e, model["k"], zipf, perms[l])
+            loads[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
+            w = torch.rand(tokens, model["k"]).to(dtype)
+            routings.append(RoutingResult(ids.to(device), w.to(device), weights_on_input=model["k"] == 1))
+        hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
+
+        def step():
+            x = hidden
+            for l in range(layers):
+                x = backend.combine(backend.dispatch(l, x, routings[l]))
+    else:
+        def step():
+            idle_walk(ex, layers, model["hidden"], dtype, store)
 
     for _ in range(2):
         step()
     t = max_over_ranks(timed(step, iters, device)) / layers
     all_load = torch.tensor(loads)
     dist.all_reduce(all_load, group=CPU_GROUP)
-    bal = float(np.mean(balancedness(all_load.numpy(), phy2log, world)))
-    return dict(layer_ms=t * 1e3, balancedness=bal, slots=p)
+    bal = float(np.mean(balancedness(all_load.numpy(), phy2log, n_workers)))
+    return dict(layer_ms=t * 1e3, balancedness=bal, slots=p, routers=n_routers, workers=n_workers,
+                layout="disaggregated" if routers else "co-located")
 
 
 def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budget_bytes, steady_steps=20):
@@ -368,7 +380,7 @@ def worker_main(rank, world, args, port):
             for tokens in [int(t) for t in args.layer_tokens.split(",")]:
                 base = None
                 for z, eplb in ((0.0, False), (1.2, False), (1.2, True)):
-                    r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters)
+                    r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters, args.routers)
                     base = base or r["layer_ms"]
                     r["vs_uniform"] = r["layer_ms"] / base
                     out["layer"].append(dict(model=name, tokens=tokens, zipf=z, eplb=eplb, **r))
@@ -409,10 +421,11 @@ def print_table(out):
               f"{r['mb_per_rank_each_way']:.1f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbps']:.1f} | "
               f"{r['raw_gbps']:.1f} | {r['share']:.0%} |")
     if out["layer"]:
-        print("\n| model | tokens/rank | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| model | layout | tokens/router | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in out["layer"]:
-            print(f"| {r['model']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
+            print(f"| {r['model']} | {r['layout']} {r['routers']}R+{r['workers']}W | {r['tokens']} | "
+                  f"{'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
                   f"{'on' if r['eplb'] else 'off'} | {r['slots']} | {r['layer_ms']:.3f} | {r['vs_uniform']:.3f} | "
                   f"{r['balancedness']:.3f} |")
     if out["live_migration"]:
@@ -443,6 +456,8 @@ def main():
     ap.add_argument("--budget-mb", type=int, default=512, help="migration byte budget per worker per step")
     ap.add_argument("--parts", default="exchange,layer,migration,live")
     ap.add_argument("--models", default="scout,ernie21b")
+    ap.add_argument("--routers", type=int, default=0,
+                    help="layer step only: 0 co-located; R > 0 disaggregated, R router ranks + the rest workers")
     ap.add_argument("--redundant", default="", help="redundant slots per model, e.g. scout=16,ernie21b=32")
     ap.add_argument("--live-tokens", type=int, default=None, help="tokens per rank in the live-migration run")
     ap.add_argument("--hang-s", type=float, default=900, help="dump tracebacks and exit after this long")
