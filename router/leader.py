@@ -41,6 +41,8 @@ class ModelShape:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     expert_bytes: int
+    moe_layer_ids: tuple[int, ...] = ()       # decoder-layer index of each MoE layer
+    num_decoder_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class LoadReport:
     balancedness_measured: np.ndarray
     balancedness_predicted: np.ndarray
     placement_version: int
+    steps_since_placement_change: int = 0
 
 
 class Engine:
@@ -86,6 +89,8 @@ class Engine:
         self._report_wanted = False
         self._report_done = threading.Event()
         self._report: list[np.ndarray] | None = None
+        self._seen_version = int(placement.version)
+        self._placement_step = 0                 # forward_steps when the placement last changed
 
     # -- requests (any thread) ----------------------------------------------------------------
 
@@ -124,20 +129,22 @@ class Engine:
     def migration(self, migration_id: str) -> Migration | None:
         return self.migrator.get(migration_id)
 
-    def expert_load(self) -> LoadReport:
+    def expert_load(self, window_steps: int | None = None) -> LoadReport:
+        """The load over the window, or over its last ``window_steps`` steps."""
         placement = self.placement()
         with self._load_lock:
-            if self._window:
-                load = sum(w[0] for w in self._window)
-                wload = sum(w[1] for w in self._window)
+            steps = list(self._window)[-window_steps:] if window_steps else list(self._window)
+            if steps:
+                load = sum(w[0] for w in steps)
+                wload = sum(w[1] for w in steps)
             else:
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
-            steps = len(self._window)
-        return LoadReport(load=load, worker_load=wload, steps=steps, total_steps=self.forward_steps,
+            since = self.forward_steps - self._placement_step
+        return LoadReport(load=load, worker_load=wload, steps=len(steps), total_steps=self.forward_steps,
                           balancedness_measured=_row_balancedness(wload),
                           balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
-                          placement_version=int(placement.version))
+                          placement_version=int(placement.version), steps_since_placement_change=since)
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since start."""
@@ -207,6 +214,10 @@ class Engine:
         if header.migration is not None and header.migration.begin_staging_slots:
             errors = [r.staging_error for r in results if r.staging_error]
             self.migrator.on_staging(header.migration.migration_id, errors)
+        version = int(self.migrator.placement().version)
+        if version != self._seen_version:
+            with self._load_lock:
+                self._seen_version, self._placement_step = version, self.forward_steps
         if header.forward:
             loads = [r for r in results if r.logical_load is not None]
             logical = sum(r.logical_load for r in loads)
