@@ -4,8 +4,9 @@ Starts the ranks (``LocalCluster``: routers, workers, the leader with the admin 
 serving front end and the balancer as child processes; ready when all three answer SERVING to
 grpc.health.v1, then prints their addresses. On SIGTERM or SIGINT: the front end drains first
 (health NOT_SERVING, in-flight requests finish within ``--grace-period``), then the balancer
-stops, then the ranks; every child exits (no orphans). When any child dies, everything is
-torn down and the exit code is 1.
+stops, then the ranks; every child exits (no orphans). The balancer keeps no state, so when it
+dies it is started again (serving goes on meanwhile); when a rank or the front end dies,
+everything is torn down and the exit code is 1.
 """
 from __future__ import annotations
 
@@ -102,11 +103,14 @@ def run(args: argparse.Namespace) -> int:
                "--balancer-poll-interval", str(args.balancer_poll_interval), *common]
         if args.tls_cert:
             bal += ["--ca-file", args.tls_cert]
-        for name, cmd in (("frontend", front), ("balancer", bal)):
-            out = open(os.path.join(args.log_dir or cluster.run_dir, f"{name}.log"), "wb")
-            children.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
-            out.close()
+        logs = args.log_dir or cluster.run_dir
+
+        def spawn(name, cmd):
+            with open(os.path.join(logs, f"{name}.log"), "ab") as out:
+                return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+        children.extend([spawn("frontend", front), spawn("balancer", bal)])
         addrs = {"serving": f"{host}:{ports['port']}", "admin": f"{host}:{ports['admin_port']}",
                  "balancer": f"{host}:{ports['balancer_port']}"}
         ca = args.tls_cert if args.tls_cert else None
@@ -118,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
         print("ready", flush=True)
         code = 0
         while not stop.wait(0.2):
-            dead = [c for c in children if c.poll() is not None]
+            if children[1].poll() is not None and cluster.alive and not stop.is_set():
+                print(f"moeserve up: the balancer exited ({children[1].returncode}); starting it again",
+                      file=sys.stderr, flush=True)
+                children[1] = spawn("balancer", bal)
+            dead = [c for c in children[:1] if c.poll() is not None]
             if dead or not cluster.alive:
                 print(f"moeserve up: a process exited ({cluster.error or [c.args[3] for c in dead]}); stopping",
                       file=sys.stderr, flush=True)
