@@ -60,6 +60,8 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         self.iterations = 0
         self._planned_at: int | None = None           # total_steps when this process last planned
         self._busy = False
+        self._running = ""                            # the trigger of the rebalance that runs
+        self._following = False
         self._task: asyncio.Task | None = None
         self._follow: asyncio.Task | None = None
 
@@ -125,63 +127,70 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     # -- one rebalance ----------------------------------------------------------------------
 
     async def rebalance(self, why: str, dry_run: bool, wait: bool, timeout_s: float | None = None):
-        """Plan (and apply, and follow) one rebalance; raises Busy when one runs."""
+        """Plan (and apply, and follow) one rebalance; raises Busy when one runs. A dry run
+        only reads, so it runs beside anything else."""
+        if dry_run:
+            return await self._plan(why, dry_run=True, wait=False, timeout_s=timeout_s)
         if self._busy:
-            raise Busy(f"a rebalance is already running ({self.state}, trigger {self.last_trigger or why!r}"
+            raise Busy(f"a rebalance is already running ({self.state}, trigger {self._running!r}"
                        f"{', migration ' + self.last_migration_id if self.state == 'migrating' else ''}); "
                        "retry when GetBalancerStatus shows state idle")
-        self._busy = True
-        following = False
+        self._busy, self._running = True, why
+        self._following = False
         try:
             self.state = "planning"
-            status = await self._admin(self.admin.status())
-            if status.migration is not None:
-                raise Busy(f"migration {status.migration.migration_id} is running ({status.migration.state}); "
-                           "rebalance when it ended")
-            placement = await self._admin(self.admin.placement())
-            rep = await self._admin(self.admin.expert_load(self.config.window_steps))
-            self._planned_at = rep.total_steps
-            load = rep.load.astype(np.float64)
-            cur = placement.phy2log
-            workers, wpn = placement.num_workers, placement.workers_per_node
-            policy = make_policy(self.config.move_budget)
-            plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur)
-            plan = np.asarray(plan, dtype=np.int64)
-            report = evaluate(load, cur, plan, workers, status.model["expert_bytes"])
-            resp = balancer_pb2.RebalanceResponse(
-                phy2log=int64_matrix(plan), balancedness_before=placement_balancedness(load, cur, workers),
-                balancedness_after=placement_balancedness(load, plan, workers), slots_moved=report.slots_moved,
-                slots_moved_across_workers=report.slots_moved_across_workers, bytes_moved=report.bytes_moved,
-                base_version=placement.version)
-            if dry_run:
-                resp.note = "dry run: nothing applied"
-                return resp
-            ok, note = pays(self.config, report.gain, report.slots_moved, report.slots_moved_across_workers,
-                            cur.size, requested=why == "request")
-            if not ok:
-                resp.note = note
-                log.info("rebalance (%s) not applied: %s", why, note)
-                return resp
-            applied = await self._admin(self.admin.apply_placement(plan, expected_version=placement.version))
-            self.rebalances += 1
-            self.last_trigger, self.last_migration_id = why, applied.migration_id
-            log.info("rebalance (%s): migration %s, %d slots (%d across workers), balancedness %.4f -> %.4f",
-                     why, applied.migration_id, report.slots_moved, report.slots_moved_across_workers,
-                     report.mean_before, report.mean_after)
-            resp.applied, resp.migration_id = True, applied.migration_id
-            self.state = "migrating"
-            if wait:
-                mig = await self._follow_to_end(applied.migration_id, timeout_s)
-                resp.migration.CopyFrom(_migration_msg(mig))
-            else:
-                resp.migration.CopyFrom(_migration_msg(applied.migration))
-                following = True
-                self._follow = asyncio.get_running_loop().create_task(self._follow_then_idle(applied.migration_id))
-            return resp
+            return await self._plan(why, dry_run=False, wait=wait, timeout_s=timeout_s)
         finally:
-            if not following:
+            if not self._following:
                 self._busy = False
                 self.state = "idle"
+
+    async def _plan(self, why: str, dry_run: bool, wait: bool, timeout_s: float | None):
+        status = await self._admin(self.admin.status())
+        if status.migration is not None and not dry_run:
+            raise Busy(f"migration {status.migration.migration_id} is running ({status.migration.state}); "
+                       "rebalance when it ended")
+        placement = await self._admin(self.admin.placement())
+        rep = await self._admin(self.admin.expert_load(self.config.window_steps))
+        if not dry_run:
+            self._planned_at = rep.total_steps
+        load = rep.load.astype(np.float64)
+        cur = placement.phy2log
+        workers, wpn = placement.num_workers, placement.workers_per_node
+        policy = make_policy(self.config.move_budget)
+        plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur)
+        plan = np.asarray(plan, dtype=np.int64)
+        report = evaluate(load, cur, plan, workers, status.model["expert_bytes"])
+        resp = balancer_pb2.RebalanceResponse(
+            phy2log=int64_matrix(plan), balancedness_before=placement_balancedness(load, cur, workers),
+            balancedness_after=placement_balancedness(load, plan, workers), slots_moved=report.slots_moved,
+            slots_moved_across_workers=report.slots_moved_across_workers, bytes_moved=report.bytes_moved,
+            base_version=placement.version)
+        if dry_run:
+            resp.note = "dry run: nothing applied"
+            return resp
+        ok, note = pays(self.config, report.gain, report.slots_moved, report.slots_moved_across_workers,
+                        cur.size, requested=why == "request")
+        if not ok:
+            resp.note = note
+            log.info("rebalance (%s) not applied: %s", why, note)
+            return resp
+        applied = await self._admin(self.admin.apply_placement(plan, expected_version=placement.version))
+        self.rebalances += 1
+        self.last_trigger, self.last_migration_id = why, applied.migration_id
+        log.info("rebalance (%s): migration %s, %d slots (%d across workers), balancedness %.4f -> %.4f",
+                 why, applied.migration_id, report.slots_moved, report.slots_moved_across_workers,
+                 report.mean_before, report.mean_after)
+        resp.applied, resp.migration_id = True, applied.migration_id
+        self.state = "migrating"
+        if wait:
+            mig = await self._follow_to_end(applied.migration_id, timeout_s)
+            resp.migration.CopyFrom(_migration_msg(mig))
+        else:
+            resp.migration.CopyFrom(_migration_msg(applied.migration))
+            self._following = True
+            self._follow = asyncio.get_running_loop().create_task(self._follow_then_idle(applied.migration_id))
+        return resp
 
     async def _follow_to_end(self, migration_id: str, timeout_s: float | None):
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

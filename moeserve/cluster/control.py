@@ -62,7 +62,9 @@ class ControlServer:
 
     def __init__(self, engine, authkey: bytes, host: str = "127.0.0.1", port: int = 0):
         self.engine = engine
-        self.listener = Listener((host, port), authkey=authkey)
+        # A deep backlog: the front end opens one connection per request, dozens at once; with
+        # Listener's default of 1 the kernel drops handshakes and a client can wait forever.
+        self.listener = Listener((host, port), authkey=authkey, backlog=512)
         self.address = self.listener.address
         self._thread = threading.Thread(target=self._accept, name="control-accept", daemon=True)
 
