@@ -295,3 +295,45 @@ def test_a_rebalance_while_one_runs_is_aborted(setup):
     assert "already running" in second.message
     assert first["res"].applied and first["res"].migration.state == "done"
     np.testing.assert_array_equal(s["admin"].placement().phy2log, first["res"].phy2log)   # the first one's plan only
+
+
+# -- the operator's command line against the same cluster ---------------------------------------
+
+def cli(*args, ok=True):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "moeserve", *args], capture_output=True, text=True, timeout=120)
+    if ok:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_shows_dumps_and_applies_placements_and_reads_load_and_status(setup, tmp_path):
+    import json
+    from cluster_util import random_placement
+    s, up = setup, setup["up"]
+    back_to_the_skewed_start(s)
+    auth = ("--admin-token", TOKEN)
+    assert "rank 3: worker" in cli("status", "--address", up.admin, *auth).stdout
+    shown = json.loads(cli("placement", "show", "--address", up.admin, *auth, "--json").stdout)
+    np.testing.assert_array_equal(shown["phy2log"], s["admin"].placement().phy2log)
+    cli("placement", "dump", str(tmp_path / "p.json"), "--address", up.admin, *auth)
+    dry = cli("placement", "apply", str(tmp_path / "p.json"), "--dry-run", "--address", up.admin, *auth).stdout
+    assert "dry run: 0 slot moves" in dry
+    # An SGLang expert-location file: indexed by decoder layer (MoE layers 1, 3, 5 of 6).
+    info = s["info"]
+    target = random_placement(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + 2, seed=4)
+    table = np.tile(np.arange(10) % 8, (6, 1))
+    table[list(info.moe_layer_ids)] = target
+    (tmp_path / "sglang.json").write_text(json.dumps({"physical_to_logical_map": table.tolist()}))
+    out = cli("placement", "apply", str(tmp_path / "sglang.json"), "--address", up.admin, *auth).stdout
+    assert "done" in out
+    np.testing.assert_array_equal(s["admin"].placement().phy2log, target)
+    load = cli("load", "--address", up.admin, *auth, "--dump", str(tmp_path / "load.json")).stdout
+    assert "balancedness predicted" in load
+    assert np.asarray(json.loads((tmp_path / "load.json").read_text())["total_load"]).shape == (3, 8)
+    plan = cli("rebalance", "--dry-run", "--address", up.balancer, *auth).stdout
+    assert "not applied: dry run" in plan
+    bad = cli("status", "--address", up.admin, "--admin-token", "nope", ok=False)
+    assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
