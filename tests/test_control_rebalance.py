@@ -337,3 +337,15 @@ def test_the_cli_shows_dumps_and_applies_placements_and_reads_load_and_status(se
     assert "not applied: dry run" in plan
     bad = cli("status", "--address", up.admin, "--admin-token", "nope", ok=False)
     assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_generation_past_its_deadline_is_cancelled_on_the_leader(setup):
+    s = setup
+    with pytest.raises(MoeserveError) as e:
+        s["serving"].generate(prompt_token_ids=[5, 6, 7], max_tokens=200, ignore_eos=True, timeout=0.5)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while s["admin"].status().running:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -25,7 +25,7 @@ import numpy as np
 from moeserve.placement import Placement
 from moeserve.router.leader import EplbDisabled
 from moeserve.router.migration import StaleVersion
-from moeserve.rpc import admin_pb2, admin_pb2_grpc, common_pb2
+from moeserve.rpc import admin_pb2, admin_pb2_grpc
 from moeserve.services.convert import (balancedness_msg, from_int64_matrix, int64_matrix, migration_msg,
                                        placement_balancedness)
 from moeserve.services.server import ADMIN, ServerOptions, ServiceServer, ThreadedServer
@@ -181,16 +181,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return self._balancer_settings
 
 
-def start_admin(engine, token: str | None) -> ThreadedServer:
-    """Start the admin API for ``engine`` on its own thread and event loop (rank 0)."""
+def start_admin(engine, token: str | None, interceptors: tuple = ()) -> ThreadedServer:
+    """Start the admin API for ``engine`` on its own thread and event loop (rank 0).
+    ``interceptors``: more grpc.aio server interceptors (the hook for metrics)."""
     c = engine.cfg
     opts = ServerOptions(host=c.admin_host, port=c.admin_port, max_message_bytes=c.max_message_bytes,
                          tls_cert=c.admin_tls_cert or None, tls_key=c.admin_tls_key or None, token=token,
-                         grace_s=c.grace_s)
+                         grace_s=c.grace_s, interceptors=tuple(interceptors))
     service = AdminService(engine)
     server = ThreadedServer(ServiceServer(ADMIN, lambda s: admin_pb2_grpc.add_AdminServicer_to_server(service, s), opts))
     server.start()
     return server
 
 
-__all__ = ["AdminService", "start_admin", "common_pb2"]
+__all__ = ["AdminService", "start_admin"]
