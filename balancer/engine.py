@@ -162,10 +162,13 @@ def pack_ldm(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarray:
 
 
 def pack(load: np.ndarray, cnt: np.ndarray, num_workers: int) -> np.ndarray:
-    """Pack replicas onto workers: largest differencing while a worker has few slots (<= 16;
-    it balances better and is cheap there), the round-based greedy beyond."""
+    """Pack replicas onto workers: largest differencing for 3 to 16 workers with at most 32 slots
+    each (there it balances better than the greedy, and cheaply), the round-based greedy
+    otherwise (with many workers the two balance alike and the greedy is faster)."""
     p = int(cnt[0].sum()) if cnt.size else 0
-    if num_workers > 2 and p // num_workers <= 32:
+    if num_workers == 1:                                              # one worker holds everything
+        return expand_counts(cnt)
+    if 2 < num_workers <= 16 and p // num_workers <= 32:
         return pack_ldm(load, cnt, num_workers)
     return pack_greedy(load, cnt, num_workers)
 
@@ -425,29 +428,31 @@ class Search:
         return out
 
 
-def select_prefix(value: np.ndarray, cost: np.ndarray, budget: float | None, iters: int = 24) -> np.ndarray:
+def select_prefix(value: np.ndarray, cost: np.ndarray, budget: float | None, grid: int = 16) -> np.ndarray:
     """Pick, for every row, how far along its search to go: ``t [B]``.
 
     value [T+1, B]: what the row is worth after t steps (higher is better);
     cost [T+1, B]: slots changed by then. Maximises the summed value with the summed cost
-    within ``budget`` (None: unlimited) by a price per slot, found by bisection: every row
-    takes the step maximising ``value - price * cost``, which lies on the row's upper convex
-    hull. That is "spend the budget where it buys the most per slot moved".
+    within ``budget`` (None: unlimited) by a price per slot: every row takes the step
+    maximising ``value - price * cost``, which lies on the row's upper convex hull, and the
+    price is the lowest that keeps the total within budget. That is "spend the budget where it
+    buys the most per slot moved". The price is searched on a grid of ``grid`` prices, three
+    times (each grid between the two best prices of the last), all prices of a grid at once.
     """
     cols = np.arange(value.shape[1])
     best = np.argmax(value, 0)
     if budget is None or cost[best, cols].sum() <= budget:
         return best
-    gain = value - value[:1]
-    lo, hi = 0.0, float((gain / np.maximum(cost, 1)).max()) * 1.0001 + 1e-300  # price hi: nothing moves
-    for _ in range(iters):
-        lam = (lo + hi) / 2
-        t = np.argmax(gain - lam * cost, 0)
-        if cost[t, cols].sum() <= budget:
-            hi = lam
-        else:
-            lo = lam
-    return np.argmax(gain - hi * cost, 0)
+    gain = np.ascontiguousarray((value - value[:1]).T)                        # [B, T+1]
+    cst = np.ascontiguousarray(cost.T)
+    lo, hi = 0.0, float((gain / np.maximum(cst, 1)).max()) * 1.0001 + 1e-300  # at hi nothing moves
+    for _ in range(3):
+        lam = np.linspace(lo, hi, grid)                                       # [G]
+        t = np.argmax(gain[None] - lam[:, None, None] * cst[None], 2)          # [G, B]
+        spend = np.take_along_axis(cst, t.T, 1).sum(0)                        # [G], falls with lam
+        k = int(np.argmax(spend <= budget))                                   # first price within budget
+        lo, hi = (lam[k - 1] if k > 0 else lo), lam[k]
+    return np.argmax(gain - hi * cst, 1)
 
 
 def match(current: np.ndarray, proposed: np.ndarray, num_workers: int, num_logical: int) -> np.ndarray:

@@ -11,17 +11,19 @@ with other settings; :func:`rebalance_experts` is the DeepSeek-compatible drop-i
 How a call decides (see :mod:`moeserve.balancer.engine` for the primitives):
 
 - **No placement in force** (``current=None``) or **no move budget**: a fresh plan. Replica
-  counts minimise the largest load per replica (as the reference); replicas are packed onto
-  workers greedily, heaviest first, then a local search swaps slots between the heaviest and
-  lightest workers and re-replicates heavy experts where that lowers the peak. With a
-  placement in force the fresh plan is then *relabelled* to it: workers are matched to the
-  current workers they share most experts with and experts that already sit in a slot stay
-  there, so a plan that merely permutes where experts sit moves nothing.
+  counts minimise the largest load per replica (as the reference), except that an expert is
+  not given between w + 1 and 2w - 1 replicas when two of them would overload a worker;
+  replicas are packed onto workers by largest differencing (3 to 16 workers) or greedily,
+  heaviest first, then a local search swaps slots between the heaviest and lightest workers.
+  With a placement in force the fresh plan is then *relabelled* to it: workers are matched to
+  the current workers they share most experts with and experts that already sit in a slot
+  stay there, so a plan that merely permutes where experts sit moves nothing.
 - **A placement in force and a move budget** (default 10 % of all slots per call): the local
   search starts from the placement in force, so every slot stays unless a move lowers its
-  layer's peak; each move (a swap: 2 slots, a re-replication: 1 slot) is recorded with the
-  balancedness it reaches, and the budget is spent across layers where it buys the most
-  balancedness per slot moved (a Lagrangian price per slot over every layer's move sequence).
+  layer's peak by more than the window's sampling noise; each move (a swap: 2 slots; where an
+  expert's replica outweighs most of a worker's mean load, a re-replication: 1 slot) is
+  recorded with the balancedness it reaches, and the budget is spent across layers where it
+  buys the most balancedness per slot moved (a price per slot over every layer's moves).
 - **Hierarchical** (``num_groups > 1``, ``num_nodes > 1``, ``num_groups % num_nodes == 0``,
   group-limited routing): expert groups are packed onto nodes (``G / N`` per node, balanced by
   group load, a group staying on its node while a placement is in force), and each node is a
@@ -51,7 +53,8 @@ class PolicyConfig:
     move_budget: fraction of all slots (``L * P``) one call may change while a placement is in
       force, in [0, 1]; None = unlimited (a fresh plan relabelled to the placement in force).
     cross_node_replicas: hierarchical case only; let hot experts' redundant replicas leave their
-      group's node (their first replica stays). Off by default.
+      group's node (their first replica stays). Off by default. Such plans are made afresh
+      every call and relabelled to the placement in force; the move budget does not apply.
     max_iter: iterations of the local search per call.
     """
 
@@ -90,6 +93,10 @@ def place(load, num_slots, num_workers, num_groups=1, num_nodes=1, current=None)
       ``num_groups % num_nodes == 0``; E must then split into the groups and W into the nodes).
     current: int [L, P], the placement in force, or None on the first call.
     Returns phy2log: int64 [L, P]; slot p belongs to worker ``p // (P / W)``.
+
+    In the hierarchical case a placement in force that puts an expert away from its group's
+    node (e.g. one planned without groups) is repaired first, whatever the budget: the router
+    could not use it. Everything else stays within the budget.
     """
     return _plan(load, num_slots, num_workers, num_groups, num_nodes, current, _DEFAULT)
 

@@ -54,7 +54,7 @@ SMALL = {
 }
 
 
-def routing_ids(gen: torch.Generator, tokens: int, experts: int, k: int, zipf: float, perm: torch.Tensor) -> torch.Tensor:
+def routing_ids(gen: torch.Generator, tokens: int, experts: int, k: int, zipf: float, perm) -> torch.Tensor:
     """[T, K] distinct expert ids per token; Zipf(s) popularity (s = 0: uniform), permuted."""
     if zipf == 0:
         pop = torch.ones(experts)
@@ -159,50 +159,156 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters):
                 share=t_raw / t_ours)
 
 
-def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, iters):
+def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, iters, routers=0):
+    """ms per MoE layer. routers=0: co-located (every rank routes T tokens and holds slots);
+    routers=R: disaggregated, ranks 0 .. R-1 route T tokens each, the others hold the slots."""
     from moeserve.balancer.policy import place
     from moeserve.placement import balancedness
+    from moeserve.router.dispatcher import idle_walk
     e = model["experts"]
     r = model["redundant"] if eplb else 0
     p = e + r
-    topo = Topology.build(world, world, True, p)
+    n_routers = routers or world
+    n_workers = world - routers if routers else world
+    topo = Topology.build(n_routers, n_workers, not routers, p)
     ex = Exchange(topo, rank, device=device)
+    router, worker = topo.router_index(rank), topo.worker_index(rank)
     perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
     if eplb:
-        # Plan on a previous window of the same distribution (all ranks' routing, summed).
+        # Plan on a previous window of the same distribution (all routers' routing, summed).
         load = np.zeros((layers, e))
         for l in range(layers):
-            for src in range(world):
+            for src in range(n_routers):
                 g = torch.Generator().manual_seed(50_000 + 97 * src + l)
                 ids = routing_ids(g, tokens, e, model["k"], zipf, perms[l])
                 load[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
-        phy2log = place(load, p, world, 1, 1, None)
+        phy2log = place(load, p, n_workers, 1, 1, None)
     else:
         phy2log = np.tile(np.arange(p) % e, (layers, 1))
     spec = ExpertSpec(model["hidden"], model["inter"], dtype=dtype)
-    store = make_store(spec, rank, phy2log, world, device, None)
-    maps = RouterMaps(phy2log, e, r + 1, device)
-    backend = DistributedExperts(ex, maps, rank, layers, store)
-    routings, loads = [], np.zeros((layers, e))
-    for l in range(layers):
-        ids = routing_ids(torch.Generator().manual_seed(rank * 1000 + l), tokens, e, model["k"], zipf, perms[l])
-        loads[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
-        w = torch.rand(tokens, model["k"]).to(dtype)
-        routings.append(RoutingResult(ids.to(device), w.to(device), weights_on_input=model["k"] == 1))
-    hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
-
-    def step():
-        x = hidden
+    store = make_store(spec, worker, phy2log, n_workers, device, None) if worker is not None else None
+    loads = np.zeros((layers, e))
+    if router is not None:
+        maps = RouterMaps(phy2log, e, r + 1, device)
+        backend = DistributedExperts(ex, maps, router, layers, store)
+        routings = []
         for l in range(layers):
-            x = backend.combine(backend.dispatch(l, x, routings[l]))
+            ids = routing_ids(torch.Generator().manual_seed(router * 1000 + l), tokens, e, model["k"], zipf, perms[l])
+            loads[l] += np.bincount(ids.reshape(-1).numpy(), minlength=e)
+            w = torch.rand(tokens, model["k"]).to(dtype)
+            routings.append(RoutingResult(ids.to(device), w.to(device), weights_on_input=model["k"] == 1))
+        hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
+
+        def step():
+            x = hidden
+            for l in range(layers):
+                x = backend.combine(backend.dispatch(l, x, routings[l]))
+    else:
+        def step():
+            idle_walk(ex, layers, model["hidden"], dtype, store)
 
     for _ in range(2):
         step()
     t = max_over_ranks(timed(step, iters, device)) / layers
     all_load = torch.tensor(loads)
     dist.all_reduce(all_load, group=CPU_GROUP)
-    bal = float(np.mean(balancedness(all_load.numpy(), phy2log, world)))
-    return dict(layer_ms=t * 1e3, balancedness=bal, slots=p)
+    bal = float(np.mean(balancedness(all_load.numpy(), phy2log, n_workers)))
+    return dict(layer_ms=t * 1e3, balancedness=bal, slots=p, routers=n_routers, workers=n_workers,
+                layout="disaggregated" if routers else "co-located")
+
+
+def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budget_bytes, steady_steps=20):
+    """Step times (a stack of MoE layers at real sizes, Zipf 1.2 routing) before, during and
+    after a live migration scheduled by the leader's own Migrator under the per-step byte
+    budget, with the commits, staging and moves the cluster's ranks perform."""
+    from moeserve.balancer.policy import make_policy
+    from moeserve.cluster.rank import run_step
+    from moeserve.cluster.protocol import StepHeader
+    from moeserve.placement import Placement
+    from moeserve.router.migration import Migrator
+    e, r = model["experts"], model["redundant"]
+    p = e + r
+    topo = Topology.build(world, world, True, p)
+    ex = Exchange(topo, rank, device=device)
+    perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
+    drift = [torch.randperm(e, generator=torch.Generator().manual_seed(900 + l)) for l in range(layers)]
+
+    def window_load(perm_list, seed):
+        load = np.zeros((layers, e))
+        for l in range(layers):
+            ids = routing_ids(torch.Generator().manual_seed(seed + l), tokens * world, e, model["k"], 1.2, perm_list[l])
+            load[l] = np.bincount(ids.reshape(-1).numpy(), minlength=e)
+        return load
+
+    policy = make_policy(move_budget=None)
+    start = policy(window_load(perms, 1), p, world, 1, 1, None)
+    target = policy(window_load(drift, 2), p, world, 1, 1, start)       # the traffic shifted: replan
+    spec = ExpertSpec(model["hidden"], model["inter"], dtype=dtype)
+    store = make_store(spec, rank, start, world, device, None)
+    maps = RouterMaps(start, e, r + 1, device)
+    backend = DistributedExperts(ex, maps, rank, layers, store)
+    routings = []
+    for l in range(layers):
+        ids = routing_ids(torch.Generator().manual_seed(rank * 1000 + l), tokens, e, model["k"], 1.2, drift[l])
+        w = torch.rand(tokens, model["k"]).to(dtype)
+        routings.append(RoutingResult(ids.to(device), w.to(device), weights_on_input=model["k"] == 1))
+    hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
+    migrator = Migrator(Placement(start, e, world, version=1), spec.nbytes, budget_bytes) if rank == 0 else None
+
+    class State:                                                            # what run_step needs of a rank
+        pass
+    st = State()
+    st.rank, st.topo, st.store, st.maps, st.runner, st.exchange = rank, topo, store, maps, None, ex
+    st.num_layers, st.hidden_size, st.dtype = layers, model["hidden"], dtype
+    times, phase, mid = [], [], None
+    step = 0
+    while True:
+        ops = None
+        if rank == 0:
+            if step == steady_steps:
+                mid = migrator.start(migrator.plan(target))
+            ops = migrator.header_ops()
+        box = [ops]
+        dist.broadcast_object_list(box, src=0, group=CPU_GROUP)
+        ops = box[0]
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = run_step(st, StepHeader(step, migration=ops))                  # commits, staging, moves
+        x = hidden
+        for l in range(layers):
+            x = backend.combine(backend.dispatch(l, x, routings[l]))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        errs = [None] * world if rank == 0 else None
+        dist.gather_object(res.staging_error, errs, dst=0, group=CPU_GROUP)
+        if rank == 0 and ops is not None and ops.begin_staging_slots:
+            migrator.on_staging(ops.migration_id, [x for x in errs if x])
+        in_flight = rank == 0 and mid is not None and mid.state not in ("done", "aborted", "failed")
+        phase.append("migrating" if (ops is not None or in_flight) else ("before" if mid is None else "after"))
+        state = [phase[-1] == "after" and phase.count("after") >= steady_steps]
+        dist.broadcast_object_list(state, src=0, group=CPU_GROUP)
+        step += 1
+        if state[0] or step > 2000:
+            break
+    t = np.array(times) * 1e3
+    ph = [None]
+    if rank == 0:
+        ph = [phase]
+    dist.broadcast_object_list(ph, src=0, group=CPU_GROUP)
+    phase = np.array(ph[0])
+    t = np.array([max_over_ranks(x) for x in t])
+    steady = np.concatenate([t[phase == "before"][2:], t[phase == "after"]])
+    during = t[phase == "migrating"]
+    summary = [mid.summary() if rank == 0 else None]
+    dist.broadcast_object_list(summary, src=0, group=CPU_GROUP)
+    return dict(slots=p, layers=layers, tokens=tokens, moves=summary[0]["moves_total"], bytes=summary[0]["bytes_total"],
+                migration_steps=int(len(during)), migration_s=float(during.sum() / 1e3),
+                steady_p50_ms=float(np.percentile(steady, 50)), steady_p99_ms=float(np.percentile(steady, 99)),
+                during_p50_ms=float(np.percentile(during, 50)), during_p99_ms=float(np.percentile(during, 99)),
+                p99_ratio=float(np.percentile(during, 99) / np.percentile(steady, 99)), budget_mb=budget_bytes / 2**20)
 
 
 def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
@@ -237,23 +343,29 @@ def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
 
 def worker_main(rank, world, args, port):
     global CPU_GROUP
+    import datetime
+    import faulthandler
+    faulthandler.dump_traceback_later(args.hang_s, exit=True)     # a hang turns into a traceback
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    timeout = datetime.timedelta(seconds=120)
     if args.backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     CPU_GROUP = dist.new_group(backend="gloo")
     warm_up_pairs(rank, world, device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    models = SMALL if args.small else MODELS
+    models = {k: dict(v) for k, v in (SMALL if args.small else MODELS).items() if k in args.models}
+    for name, r in args.redundant.items():
+        models[name]["redundant"] = r
     out = dict(config=dict(backend=args.backend, ranks=world, dtype=args.dtype, small=args.small,
                            torch=torch.__version__,
                            device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
-               exchange=[], layer=[], migration=[])
+               exchange=[], layer=[], migration=[], live_migration=[])
     token_list = [int(t) for t in args.tokens.split(",")]
     for name, m in models.items():
         if "exchange" in args.parts:
@@ -268,13 +380,20 @@ def worker_main(rank, world, args, port):
             for tokens in [int(t) for t in args.layer_tokens.split(",")]:
                 base = None
                 for z, eplb in ((0.0, False), (1.2, False), (1.2, True)):
-                    r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters)
+                    r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters, args.routers)
                     base = base or r["layer_ms"]
                     r["vs_uniform"] = r["layer_ms"] / base
                     out["layer"].append(dict(model=name, tokens=tokens, zipf=z, eplb=eplb, **r))
                     if rank == 0:
                         print(f"layer    {name:9s} T={tokens:6d} zipf={z:.1f} eplb={eplb!s:5s} {r['layer_ms']:7.3f} ms/layer "
                               f"x{r['vs_uniform']:.3f} of uniform, balancedness {r['balancedness']:.3f}", flush=True)
+        if "live" in args.parts:
+            r = bench_live_migration(rank, world, device, dtype, m, args.live_tokens, args.layers, args.budget_mb << 20)
+            out["live_migration"].append(dict(model=name, **r))
+            if rank == 0:
+                print(f"live     {name:9s} {r['moves']} moves, {r['bytes'] / 1e9:.2f} GB in {r['migration_steps']} steps "
+                      f"({r['migration_s']:.2f} s); step p99 {r['during_p99_ms']:.2f} ms during vs {r['steady_p99_ms']:.2f} ms "
+                      f"steady (x{r['p99_ratio']:.3f})", flush=True)
         if "migration" in args.parts:
             r = bench_migration(rank, world, device, dtype, m, args.iters, args.budget_mb << 20)
             out["migration"].append(dict(model=name, **r))
@@ -302,12 +421,20 @@ def print_table(out):
               f"{r['mb_per_rank_each_way']:.1f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbps']:.1f} | "
               f"{r['raw_gbps']:.1f} | {r['share']:.0%} |")
     if out["layer"]:
-        print("\n| model | tokens/rank | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| model | layout | tokens/router | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in out["layer"]:
-            print(f"| {r['model']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
+            print(f"| {r['model']} | {r['layout']} {r['routers']}R+{r['workers']}W | {r['tokens']} | "
+                  f"{'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
                   f"{'on' if r['eplb'] else 'off'} | {r['slots']} | {r['layer_ms']:.3f} | {r['vs_uniform']:.3f} | "
                   f"{r['balancedness']:.3f} |")
+    if out["live_migration"]:
+        print("\n| model | slots | tokens/rank | moves | GB moved | steps | seconds | step p50/p99 steady ms | step p50/p99 during ms | p99 ratio |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in out["live_migration"]:
+            print(f"| {r['model']} | {r['slots']} | {r['tokens']} | {r['moves']} | {r['bytes'] / 1e9:.2f} | {r['migration_steps']} | "
+                  f"{r['migration_s']:.2f} | {r['steady_p50_ms']:.2f} / {r['steady_p99_ms']:.2f} | "
+                  f"{r['during_p50_ms']:.2f} / {r['during_p99_ms']:.2f} | {r['p99_ratio']:.3f} |")
     if out["migration"]:
         print("\n| model | expert MB | MB moved per worker | ours GB/s | send/recv GB/s | share | stall per step at budget (ms) |")
         print("|---|---|---|---|---|---|---|")
@@ -327,7 +454,13 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--budget-mb", type=int, default=512, help="migration byte budget per worker per step")
-    ap.add_argument("--parts", default="exchange,layer,migration")
+    ap.add_argument("--parts", default="exchange,layer,migration,live")
+    ap.add_argument("--models", default="scout,ernie21b")
+    ap.add_argument("--routers", type=int, default=0,
+                    help="layer step only: 0 co-located; R > 0 disaggregated, R router ranks + the rest workers")
+    ap.add_argument("--redundant", default="", help="redundant slots per model, e.g. scout=16,ernie21b=32")
+    ap.add_argument("--live-tokens", type=int, default=None, help="tokens per rank in the live-migration run")
+    ap.add_argument("--hang-s", type=float, default=900, help="dump tracebacks and exit after this long")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpu = args.backend == "nccl"
@@ -337,6 +470,9 @@ def main():
     args.iters = args.iters or (20 if gpu else 5)
     args.small = args.small or not gpu
     args.parts = set(args.parts.split(","))
+    args.models = args.models.split(",")
+    args.redundant = {k: int(v) for k, v in (x.split("=") for x in args.redundant.split(",") if x)}
+    args.live_tokens = args.live_tokens or (4096 if gpu else 64)
     if gpu and torch.cuda.device_count() < args.ranks:
         sys.exit(f"--ranks {args.ranks} needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
     import socket

@@ -15,26 +15,73 @@ from moeserve.cluster.protocol import MoveOp
 from moeserve.dispatch import Topology
 
 
+# Experts smaller than this travel packed, one message per pair of workers and step (small
+# messages do not reach the link's rate); larger ones travel one message each (packing them
+# would cost a copy of many MB for nothing). 23.6 MB ERNIE-21B experts: 52% of the send/recv
+# rate one by one, 86% packed; 252 MB Scout experts: 83% one by one, 61% packed (2 x H200).
+PACK_BELOW_BYTES = 64 << 20
+
+
 def run_moves(moves: tuple[MoveOp, ...], store, topo: Topology, group=None) -> int:
     """Execute this worker's part of ``moves``; returns the bytes it received.
 
-    store: this rank's ExpertStore with staging allocated (``begin_staging``).
+    store: this rank's ExpertStore with staging allocated (``begin_staging``). Small experts
+    between one pair of workers travel as one message (their staging entries are consecutive:
+    the leader numbers them so, and the sender gathers its slots into one buffer).
     """
     me = store.worker
+    pack = store.spec.nbytes < PACK_BELOW_BYTES
     ops = []
     received = 0
-    for m in moves:
-        if m.dst_worker == me and m.src_worker == me:
-            store.staging[m.stage].copy_(store.slot_row(m.moe_layer, m.src_slot))
-        elif m.src_worker == me:
-            ops.append(dist.P2POp(dist.isend, store.slot_row(m.moe_layer, m.src_slot), topo.worker_ranks[m.dst_worker], group))
-        elif m.dst_worker == me:
-            ops.append(dist.P2POp(dist.irecv, store.staging[m.stage], topo.worker_ranks[m.src_worker], group))
-            received += store.staging[m.stage].numel() * store.staging.element_size()
+    for (src, dst), group_moves in _by_pair(moves):
+        if src == me and dst == me:
+            for m in group_moves:
+                store.staging[m.stage].copy_(store.slot_row(m.moe_layer, m.src_slot))
+        elif src == me:
+            bufs = [_gather_rows(store, group_moves)] if pack else \
+                [store.slot_row(m.moe_layer, m.src_slot) for m in group_moves]
+            ops += [dist.P2POp(dist.isend, b, topo.worker_ranks[dst], group) for b in bufs]
+        elif dst == me:
+            targets = [_staging_view(store, group_moves)] if pack else [store.staging[m.stage] for m in group_moves]
+            ops += [dist.P2POp(dist.irecv, t, topo.worker_ranks[src], group) for t in targets]
+            received += sum(t.numel() * t.element_size() for t in targets)
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return received
+
+
+def _by_pair(moves):
+    """Moves grouped by (source worker, destination worker), in first-seen order."""
+    groups: dict[tuple[int, int], list[MoveOp]] = {}
+    for m in moves:
+        groups.setdefault((m.src_worker, m.dst_worker), []).append(m)
+    return groups.items()
+
+
+def _first_stage(group_moves) -> int:
+    """The first staging entry of moves that fill consecutive entries (the leader numbers the
+    moves between a pair of workers so; anything else is a bug, not an input error)."""
+    stages = [m.stage for m in group_moves]
+    assert stages == list(range(stages[0], stages[0] + len(stages))), f"staging entries not consecutive: {stages}"
+    return stages[0]
+
+
+def _gather_rows(store, group_moves) -> torch.Tensor:
+    """The flat weights of the moves' source slots as one contiguous buffer [n * numel]."""
+    _first_stage(group_moves)
+    layer = group_moves[0].moe_layer
+    if len(group_moves) == 1:
+        return store.slot_row(layer, group_moves[0].src_slot)
+    s0 = store.worker * store.slots_per_worker
+    idx = torch.tensor([m.src_slot - s0 for m in group_moves], device=store.buffers[layer].device)
+    return store.buffers[layer].index_select(0, idx).reshape(-1)
+
+
+def _staging_view(store, group_moves) -> torch.Tensor:
+    """Where the moves from one source land: their staging entries, one contiguous view."""
+    first = _first_stage(group_moves)
+    return store.staging[first:first + len(group_moves)].reshape(-1)
 
 
 def warm_up_pairs(rank: int, world_size: int, device: torch.device, group=None) -> None:

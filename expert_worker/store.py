@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeserve.dispatch import RecvCounts
+from moeserve.dispatch import RecvCounts, slot_major_index
 from moeserve.models.moe import ExpertSpec, grouped_expert_forward
 
 
@@ -73,22 +73,21 @@ class ExpertStore:
         received: rows per (source rank, local slot) [R, S].
         returns   [m, H] expert outputs in the same layout.
 
-        Each source block is already grouped by slot, so it goes through the grouped matmul
-        as it is: no permutation of rows on the worker.
+        Rows from several sources are first regrouped by slot, so that each slot's weights
+        are read once per layer: with large experts and few rows per slot the grouped matmul
+        is bound by reading weights, not by the rows.
         """
-        host = received.host
-        sizes = host.sum(1).tolist()                                        # [R] rows per source
-        w = self.weights(layer)
-        offs = torch.cumsum(received.device, dim=1).to(torch.int32) if rows.is_cuda else None   # [R, S]
-        outs, start = [], 0
-        for r, n in enumerate(sizes):
-            if n:
-                outs.append(grouped_forward(self.spec, rows[start:start + n], w, host[r].tolist(),
-                                            None if offs is None else offs[r]))
-            start += n
-        if not outs:
+        if rows.shape[0] == 0:
             return rows
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        host = received.host
+        sources = int((host.sum(1) > 0).sum())
+        if sources == 1:                                    # one block: already grouped by slot
+            r = int((host.sum(1) > 0).nonzero()[0])
+            offs = torch.cumsum(received.device[r], 0).to(torch.int32) if rows.is_cuda else None
+            return grouped_forward(self.spec, rows, self.weights(layer), host[r].tolist(), offs)
+        index, per_slot, offs = slot_major_index(received)
+        y = grouped_forward(self.spec, rows.index_select(0, index), self.weights(layer), per_slot, offs)
+        return torch.empty_like(y).index_copy_(0, index, y)
 
     # -- migration -------------------------------------------------------------------------
 

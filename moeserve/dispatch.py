@@ -81,7 +81,7 @@ def count(values: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int) -> torch.Tensor:
-    """Map each (token, k) pair to a physical slot, spreading pairs evenly over replicas.
+    """Map each (token, k) pair to a physical slot, spreading tokens over replicas.
 
     ids:     LongTensor [T, K] logical expert ids.
     log2phy: LongTensor [E, X] replicas of each logical expert (-1 padded).
@@ -89,19 +89,16 @@ def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
     offset:  router index + step number; rotates which replica gets the remainder.
     returns  LongTensor [T*K] slots, in flat (token, k) order.
 
-    The j-th pair routed to expert e (flat order) takes replica (j + offset) mod logcnt[e]
-    (docs/dataplane.md explains why j counts per expert).
+    Token t's pair for expert e takes replica (t + offset) mod logcnt[e]. A token picks an
+    expert at most once, so the tokens of a hot expert (close to all of them) split evenly
+    over its replicas, give or take one, and the rest split evenly in expectation: the even
+    split the policy's cost model assumes (docs/dataplane.md explains why the token index and
+    not the flat pair index).
     """
-    flat = ids.reshape(-1)                                          # [N]
-    n = flat.numel()
-    if n == 0:
-        return flat.clone()
-    order = torch.argsort(flat, stable=True)                        # [N] pairs grouped by expert
-    counts = count(flat, log2phy.shape[0])                          # [E]
-    first = torch.cumsum(counts, 0) - counts                        # [E] where each expert's group starts
-    ordinal = torch.empty_like(flat)
-    ordinal[order] = torch.arange(n, device=flat.device) - first[flat[order]]
-    replica = (ordinal + offset) % logcnt[flat]                     # [N]
+    t, k = ids.shape
+    flat = ids.reshape(-1)                                                        # [N]
+    token = torch.arange(t, device=ids.device).repeat_interleave(k) if k > 1 else torch.arange(t, device=ids.device)
+    replica = (token + offset) % logcnt.index_select(0, flat)                     # [N]
     return log2phy[flat, replica]
 
 
@@ -118,8 +115,7 @@ class Pending:
     """An exchange in flight: :meth:`Exchange.start` -> :meth:`Exchange.send` -> :meth:`Exchange.finish`."""
 
     counts_work: object             # the counts collective's Work handle (async)
-    send_counts: torch.Tensor       # LongTensor [R, S] rows for each slot of each destination rank
-    recv_counts: torch.Tensor       # LongTensor [R, S] rows from each source rank for each of my slots
+    counts: torch.Tensor            # LongTensor [2, R, S]: rows sent to / received from each rank, per slot
     work: object = None             # the dispatch collective's Work handle (async)
     recv_rows: torch.Tensor | None = None   # [sum(recv_splits), H] rows for this rank's slots
     received: RecvCounts | None = None
@@ -141,31 +137,50 @@ class Exchange:
         self.rank = rank
         self.group = group
         self.device = torch.device(device)
-        # world rank of the worker holding slot-block w: dest rank of a slot is worker_ranks[slot // S]
-        self._worker_rank = torch.tensor(topo.worker_ranks, dtype=torch.long, device=self.device)
-        self._workers_are_world = topo.worker_ranks == tuple(range(topo.world_size))
+        # Position of each global slot in the flattened [R, S] send counts: the rank holding it, then
+        # its local index (routers that hold no slots get zero rows).
+        slot = torch.arange(topo.num_slots)
+        rank_of_slot = torch.tensor(topo.worker_ranks)[slot // topo.slots_per_worker]
+        self.slot_position = (rank_of_slot * topo.slots_per_worker + slot % topo.slots_per_worker).to(self.device)
+        self._side = None                   # CUDA: stream and pinned buffer for the counts' host read
+        self._host = None
 
-    def start(self, per_slot: torch.Tensor) -> Pending:
-        """Start the counts exchange. per_slot: LongTensor [P], the rows this rank will send
-        to each global slot (its rows go out sorted by slot, so by destination)."""
-        topo, s = self.topo, self.topo.slots_per_worker
-        if self._workers_are_world:
-            send_counts = per_slot.view(topo.world_size, s)                                      # [R, S]
-        else:
-            send_counts = torch.zeros(topo.world_size, s, dtype=torch.long, device=self.device)
-            send_counts.index_copy_(0, self._worker_rank, per_slot.view(topo.num_workers, s))
-        recv_counts = torch.empty_like(send_counts)
-        work = dist.all_to_all_single(recv_counts, send_counts, group=self.group, async_op=True)
-        return Pending(work, send_counts, recv_counts)
+    def new_counts(self) -> torch.Tensor:
+        """A zeroed LongTensor [2, R, S] for one layer: [0] what this rank sends to each slot
+        of each rank (fill it, e.g. with ``count``), [1] what it will receive."""
+        return torch.zeros(2, self.topo.world_size, self.topo.slots_per_worker, dtype=torch.long, device=self.device)
+
+    def start(self, counts: torch.Tensor) -> Pending:
+        """Start the counts exchange. counts: from ``new_counts`` with counts[0] filled: the rows
+        this rank will send to each slot of each rank (its rows go out sorted by slot, so by
+        destination); counts[1] receives the rows each rank sends to this rank's slots."""
+        work = dist.all_to_all_single(counts[1], counts[0], group=self.group, async_op=True)
+        return Pending(work, counts)
+
+    def _counts_to_host(self, pending: Pending) -> torch.Tensor:
+        """The one host read of the layer: all_to_all needs its split sizes on the host. On
+        CUDA the copy runs on a side stream that waits only for the counts collective, so the
+        host does not also wait for the row gather queued on the compute stream."""
+        if self.device.type != "cuda":
+            pending.counts_work.wait()
+            return pending.counts.clone()
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+            self._host = torch.empty(pending.counts.shape, dtype=torch.long, pin_memory=True)
+        with torch.cuda.stream(self._side):
+            pending.counts_work.wait()                       # the side stream waits for the collective
+            self._host.copy_(pending.counts, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._side)
+        done.synchronize()
+        return self._host.clone()
 
     def send(self, pending: Pending, send_rows: torch.Tensor) -> None:
         """Start the dispatch of ``send_rows`` [n, H] (sorted by slot, as given to start)."""
-        pending.counts_work.wait()
-        # The one host read of the layer: all_to_all needs its split sizes on the host.
-        both = torch.stack([pending.send_counts, pending.recv_counts]).cpu()                     # [2, R, S]
+        both = self._counts_to_host(pending)                                                     # [2, R, S]
         pending.send_splits = both[0].sum(1).tolist()
         pending.recv_splits = both[1].sum(1).tolist()
-        pending.received = RecvCounts(both[1], pending.recv_counts)
+        pending.received = RecvCounts(both[1], pending.counts[1])
         pending.recv_rows = send_rows.new_empty(sum(pending.recv_splits), send_rows.shape[1])
         pending.work = dist.all_to_all_single(pending.recv_rows, send_rows, pending.recv_splits, pending.send_splits,
                                               group=self.group, async_op=True)
@@ -188,3 +203,25 @@ class Exchange:
         back = out.new_empty(sum(pending.send_splits), out.shape[1])
         dist.all_to_all_single(back, out, pending.send_splits, pending.recv_splits, group=self.group)
         return back
+
+
+def slot_major_index(received: RecvCounts) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Index that regroups received rows from (source rank, slot) blocks to slot-major order.
+
+    received: rows per (source rank, local slot) [R, S]; the received layout is source-major
+              with slots ascending inside each block.
+    returns   (index [m] on the device such that rows[index] is grouped by slot, rows per
+              slot [S] on the host, int32 cumulative rows per slot [S] on the device),
+              computed on the device without a host synchronisation.
+    """
+    counts = received.device
+    r, s = counts.shape
+    total = int(received.host.sum())
+    sizes = counts.reshape(-1)                                             # [R*S] received layout
+    block_start = (torch.cumsum(sizes, 0) - sizes).view(r, s)              # [R, S]
+    sizes_t = counts.t().reshape(-1)                                       # [S*R] slot-major blocks
+    start_t = torch.cumsum(sizes_t, 0) - sizes_t                           # where each block goes
+    # index[j] = block_start[b] + (j - start_t[b]) for the slot-major block b that holds j.
+    shift = torch.repeat_interleave(block_start.t().reshape(-1) - start_t, sizes_t, output_size=total)
+    index = shift + torch.arange(total, device=counts.device)
+    return index, received.host.sum(0).tolist(), torch.cumsum(counts.sum(0), 0).to(torch.int32)

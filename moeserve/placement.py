@@ -272,27 +272,31 @@ class Placement:
         if expert_bytes < 0:
             raise ValueError(f"expert_bytes must be >= 0, got {expert_bytes}")
         s, wpn = self.slots_per_worker, self.workers_per_node
-        old_w = np.arange(self.num_slots) // s
+        layers, p = self.phy2log.shape
+        worker = np.arange(p) // s
+        # held[l, w, x]: worker w holds logical expert x in layer l (old placement)
+        held = np.zeros((layers, self.num_workers, self.num_logical), dtype=bool)
+        held[np.arange(layers)[:, None], worker, self.phy2log] = True
+        ls, ps = np.nonzero(self.phy2log != new.phy2log)                     # (layer, slot) order
+        xs = new.phy2log[ls, ps]
+        ds = ps // s
+        local = held[ls, ds, xs]
+        holders: dict[tuple[int, int], list[int]] = {}
+        sends = np.zeros((layers, self.num_workers), dtype=np.int64).tolist()
         moves: list[Move] = []
-        changed = np.argwhere(self.phy2log != new.phy2log)                    # [M, 2] (layer, slot)
-        for l in np.unique(changed[:, 0]):
-            row = self.phy2log[l]
-            holders: dict[int, list[int]] = {}
-            for x in np.unique(new.phy2log[l][row != new.phy2log[l]]):
-                holders[int(x)] = sorted(set(old_w[row == x].tolist()))
-            sends = np.zeros(self.num_workers, dtype=np.int64)
-            for slot in changed[changed[:, 0] == l, 1]:
-                x = int(new.phy2log[l, slot])
-                dst = int(slot // s)
-                cand = holders[x]
-                if dst in cand:
-                    src = dst
-                else:
-                    near = [h for h in cand if h // wpn == dst // wpn]
-                    pool = near or cand
-                    src = min(pool, key=lambda h: (sends[h], h))
-                    sends[src] += 1
-                moves.append(Move(int(l), int(slot), x, src, dst, int(expert_bytes)))
+        nbytes = int(expert_bytes)
+        for l, slot, x, dst, here in zip(ls.tolist(), ps.tolist(), xs.tolist(), ds.tolist(), local.tolist()):
+            if here:
+                src = dst
+            else:
+                cand = holders.get((l, x))
+                if cand is None:
+                    cand = holders[(l, x)] = np.flatnonzero(held[l, :, x]).tolist()
+                near = [h for h in cand if h // wpn == dst // wpn]
+                sl = sends[l]
+                src = min(near or cand, key=lambda h: (sl[h], h))
+                sl[src] += 1
+            moves.append(Move(l, slot, x, src, dst, nbytes))
         return moves
 
     # ---- files -----------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeserve.dispatch import Exchange, Pending, choose_slots, count
+from moeserve.dispatch import Exchange, Pending, choose_slots
 from moeserve.models.moe import RoutingResult
 
 
@@ -91,15 +91,19 @@ class DistributedExperts:
 
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
         t, k = routing.ids.shape
+        ex = self.exchange
         slots = self.maps.slots_of(moe_layer, routing.ids, self.router + self.step)   # [N]
-        per_slot = count(slots, self.num_slots)                                        # [P]
-        pending = self.exchange.start(per_slot)                                        # counts travel meanwhile
+        counts = ex.new_counts()                                                       # [2, R, S]
+        counts.view(2, -1)[0].index_add_(0, ex.slot_position.index_select(0, slots), torch.ones_like(slots))
+        pending = ex.start(counts)                                                     # counts travel meanwhile
         order = torch.argsort(slots, stable=True)                                      # [N] rows by slot
+        if routing.weights_on_input:                                                   # scale, then gather
+            hidden = hidden * routing.weights.to(hidden.dtype) if k == 1 else hidden
         rows = hidden.index_select(0, order // k if k > 1 else order)                  # [N, H]
-        if routing.weights_on_input:
+        if routing.weights_on_input and k > 1:
             rows = rows * routing.weights.reshape(-1, 1).index_select(0, order).to(rows.dtype)
-        self.exchange.send(pending, rows)
-        self.slot_load[moe_layer] += per_slot
+        ex.send(pending, rows)
+        self.slot_load[moe_layer] += counts[0].view(-1).index_select(0, ex.slot_position)
         return _Handle(moe_layer, pending, order, routing, t)
 
     def combine(self, handle: _Handle) -> torch.Tensor:
@@ -109,13 +113,14 @@ class DistributedExperts:
             compute = lambda rows, received: self.store.compute(layer, rows, received)   # noqa: E731
         back = self.exchange.finish(handle.pending, compute)                        # [N, H] in sent order
         t, k = handle.routing.ids.shape
-        out = torch.empty_like(back)
-        out[handle.order] = back                                                     # (token, k) order
-        if not handle.routing.weights_on_input:
-            out = out * handle.routing.weights.reshape(-1, 1).to(out.dtype)
+        out = torch.empty_like(back).index_copy_(0, handle.order, back)              # (token, k) order
+        if handle.routing.weights_on_input:                     # rows were scaled before dispatch
+            return out if k == 1 else out.view(t, k, -1).sum(dim=1)                  # [T, H]
+        w = handle.routing.weights.to(out.dtype)
         if k == 1:
-            return out
-        return out.view(t, k, -1).sum(dim=1)                                         # [T, H]
+            return out * w
+        # Weighted sum over k in one pass: [T, 1, K] @ [T, K, H] -> [T, 1, H].
+        return torch.bmm(w.view(t, 1, k), out.view(t, k, -1)).view(t, -1)
 
     def take_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Return and reset the load of the step: (logical [L, E], worker [L, W]) int64.
@@ -139,9 +144,8 @@ def idle_walk(exchange: Exchange, num_layers: int, hidden_size: int, dtype: torc
     """Take part in every MoE layer's exchange with no rows of one's own (an idle router, or a
     worker): all ranks walk the MoE layers in lockstep."""
     empty = torch.empty(0, hidden_size, dtype=dtype, device=exchange.device)
-    none = torch.zeros(exchange.topo.num_slots, dtype=torch.long, device=exchange.device)
     for layer in range(num_layers):
-        pending = exchange.start(none)
+        pending = exchange.start(exchange.new_counts())
         exchange.send(pending, empty)
         compute = None
         if store is not None:

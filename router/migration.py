@@ -104,7 +104,10 @@ class Migrator:
             s = cur.phy2log.shape[1] // cur.num_workers
             moves: dict[int, list[MoveOp]] = {}
             inflow = np.zeros((cur.phy2log.shape[0], cur.num_workers), dtype=np.int64)
-            for m in diff:
+            # Per layer, moves go out grouped by (destination, source) and each destination's
+            # staging entries are numbered in that order, so the moves between one pair of
+            # workers in one step fill consecutive staging entries: one transfer per pair.
+            for m in sorted(diff, key=lambda m: (m.moe_layer, m.dst_worker, m.src_worker, m.slot)):
                 src_slot = _slot_of(cur.phy2log[m.moe_layer], m.logical, m.src_worker, s)
                 stage = int(inflow[m.moe_layer, m.dst_worker])
                 inflow[m.moe_layer, m.dst_worker] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeserve.models import CheckpointReader, MoEInfo, init_model, load_config, load_model
+from moeserve.models import CheckpointReader, MoEInfo, StepBatch, init_model, load_config, load_model
 
 
 def tiny_checkpoint(path, family: str, **overrides):
@@ -68,6 +68,25 @@ def prompts_for(vocab: int, lengths=(5, 9, 3), seed: int = 3) -> list[list[int]]
 def reference_generate(model, prompt, n: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, temperature=0.0, ignore_eos=True)
     return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def reference_decode(model, prompt, n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy decoding on the single-process model with its KV cache, one sequence: the
+    generated ids and the float32 logits [n, V] each was taken from. This is the computation
+    a cluster performs (prefill, then one token per step), so it is the reference for the
+    cluster's per-token logits; a full forward over prompt + output differs from it at the
+    fp32 noise level (up to ~1e-4 on the tiny ERNIE model)."""
+    cache = model.new_cache()
+    ids, start, toks, logits = list(prompt), 0, [], []
+    for _ in range(n):
+        batch = StepBatch(seq_ids=(0,), lens=(len(ids),), starts=(start,))
+        row = model.logits(model.step(torch.tensor(ids), batch, cache)[-1:])[0].float()
+        logits.append(row.numpy())
+        toks.append(int(row.argmax()))
+        start += len(ids)
+        ids = [toks[-1]]
+    return toks, np.stack(logits)
 
 
 @torch.inference_mode()

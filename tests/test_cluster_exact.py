@@ -3,8 +3,8 @@ placement with redundant slots, gives the single-process logits (fp32, 1e-4) and
 import numpy as np
 import pytest
 
-from cluster_util import (moe_info, prompts_for, random_placement, redundant_for, reference_generate,
-                          reference_logits, reference_model, tiny_checkpoint)
+from cluster_util import (moe_info, prompts_for, random_placement, redundant_for, reference_decode,
+                          reference_generate, reference_logits, reference_model, tiny_checkpoint)
 from moeserve.cluster import LocalCluster
 
 LAYOUTS = [  # routers, workers, co-located
@@ -20,7 +20,9 @@ def family_model(request, tmp_path_factory):
     model = reference_model(path)
     prompts = prompts_for(model.config.vocab_size)
     tokens = [reference_generate(model, p, MAX_TOKENS) for p in prompts]
-    logits = [reference_logits(model, p + t[:-1])[len(p) - 1:] for p, t in zip(prompts, tokens)]
+    decoded = [reference_decode(model, p, MAX_TOKENS) for p in prompts]
+    assert [t for t, _ in decoded] == tokens                     # the two single-process paths agree
+    logits = [lg for _, lg in decoded]
     return dict(path=path, model=model, prompts=prompts, tokens=tokens, logits=logits, info=moe_info(path))
 
 

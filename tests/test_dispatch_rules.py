@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.dispatch import Topology, choose_slots, count
+from moeserve.dispatch import RecvCounts, Topology, choose_slots, count, slot_major_index
 from moeserve.router.dispatcher import RouterMaps
 
 
@@ -48,6 +48,20 @@ def test_router_maps_list_replicas_in_slot_order_padded_with_minus_one():
     m.set_layer(0, [0, 1, 2, 0, 1, 2])
     assert m.logcnt[0].tolist() == [2, 2, 2]
     assert m.log2phy[0, 2].tolist() == [2, 5, -1, -1]
+
+
+def test_slot_major_index_groups_rows_of_all_sources_by_slot():
+    # 3 source ranks, 2 slots; received layout = source-major blocks, slots ascending inside.
+    counts = torch.tensor([[2, 1], [0, 3], [1, 0]])
+    labels = []                                                   # (source, slot) of each received row
+    for src in range(3):
+        for slot in range(2):
+            labels += [(src, slot)] * int(counts[src, slot])
+    index, per_slot, offs = slot_major_index(RecvCounts(counts, counts))
+    assert per_slot == [3, 4] and offs.tolist() == [3, 7]
+    regrouped = [labels[i] for i in index.tolist()]
+    assert [s for _, s in regrouped] == [0, 0, 0, 1, 1, 1, 1]
+    assert [src for src, _ in regrouped] == [0, 0, 2, 0, 1, 1, 1]   # sources keep their order inside a slot
 
 
 @pytest.mark.parametrize("routers,workers,colocated,slots,err", [
