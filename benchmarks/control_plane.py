@@ -38,7 +38,8 @@ from moeserve.client import Client, MoeserveError  # noqa: E402
 from moeserve.models import init_model              # noqa: E402
 
 TOKEN = "bench"
-CALLS = ("placement", "expert_load", "status", "dump_load", "balancer_status", "rebalance_dry_run")
+ALL_CALLS = ("placement", "expert_load", "status", "dump_load", "balancer_status", "rebalance_dry_run")
+CALLS = list(ALL_CALLS)
 
 
 def free_port() -> int:
@@ -131,9 +132,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the three modes (default 3)")
     ap.add_argument("--streams", type=int, default=32, help="concurrent streaming requests (default 32)")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
+    ap.add_argument("--calls", default=",".join(ALL_CALLS), help=f"the call mix (default: all of {','.join(ALL_CALLS)})")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                    "control_plane.json"))
     args = ap.parse_args(argv)
+    CALLS[:] = [c for c in args.calls.split(",") if c]
+    if not CALLS or set(CALLS) - set(ALL_CALLS):
+        ap.error(f"--calls must name some of {','.join(ALL_CALLS)}")
 
     work = tempfile.mkdtemp(prefix="moeserve-bench-")
     model = str(init_model(os.path.join(work, "model"), "llama4", seed=3, hot_experts=2, num_hidden_layers=6))
@@ -174,7 +179,7 @@ def main(argv=None) -> int:
               f"{s['call_errors']:6d} {s['call_p50_ms']:11.1f} {s['call_p99_ms']:11.1f} {str(s['tokens_equal']):>8}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(streams=args.streams, max_tokens=args.max_tokens, rounds=args.rounds, summary=summary,
+        json.dump(dict(streams=args.streams, max_tokens=args.max_tokens, rounds=args.rounds, calls=CALLS, summary=summary,
                        runs={m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in runs.items()}),
                   f, indent=1)
     print(f"\nwrote {args.json}")

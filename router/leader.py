@@ -78,6 +78,10 @@ class Engine:
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
         self._load_lock = threading.Lock()
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
+        # Running sums over the window: admin calls read them in O(1) instead of summing up to
+        # window_size arrays while holding the lock (and the GIL) the step driver needs.
+        self._window_logical: np.ndarray | int = 0
+        self._window_worker: np.ndarray | int = 0
         self._total_logical = np.zeros((shape.num_moe_layers, shape.num_logical_experts), dtype=np.int64)
         self.step = 0
         self.forward_steps = 0
@@ -133,15 +137,18 @@ class Engine:
         """The load over the window, or over its last ``window_steps`` steps."""
         placement = self.placement()
         with self._load_lock:
-            steps = list(self._window)[-window_steps:] if window_steps else list(self._window)
-            if steps:
-                load = sum(w[0] for w in steps)
-                wload = sum(w[1] for w in steps)
-            else:
+            n = len(self._window) if not window_steps else min(window_steps, len(self._window))
+            if n == 0:
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
+            elif n == len(self._window):
+                load, wload = self._window_logical.copy(), self._window_worker.copy()
+            else:
+                last = [self._window[i] for i in range(len(self._window) - n, len(self._window))]
+                load = np.stack([w[0] for w in last]).sum(0)
+                wload = np.stack([w[1] for w in last]).sum(0)
             since = self.forward_steps - self._placement_step
-        return LoadReport(load=load, worker_load=wload, steps=len(steps), total_steps=self.forward_steps,
+        return LoadReport(load=load, worker_load=wload, steps=n, total_steps=self.forward_steps,
                           balancedness_measured=_row_balancedness(wload),
                           balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
                           placement_version=int(placement.version), steps_since_placement_change=since)
@@ -223,7 +230,13 @@ class Engine:
             logical = sum(r.logical_load for r in loads)
             wload = sum(r.worker_load for r in loads)
             with self._load_lock:
+                if len(self._window) == self._window.maxlen:
+                    old_logical, old_worker = self._window[0]
+                    self._window_logical = self._window_logical - old_logical
+                    self._window_worker = self._window_worker - old_worker
                 self._window.append((logical, wload))
+                self._window_logical = self._window_logical + logical
+                self._window_worker = self._window_worker + wload
                 self._total_logical += logical
             self.forward_steps += 1
             eplb = self.cfg.eplb
