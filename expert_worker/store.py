@@ -80,9 +80,9 @@ class ExpertStore:
         if rows.shape[0] == 0:
             return rows
         host = received.host
-        sources = int((host.sum(1) > 0).sum())
-        if sources == 1:                                    # one block: already grouped by slot
-            r = int((host.sum(1) > 0).nonzero()[0])
+        busy = np.flatnonzero(host.sum(1))                  # source ranks that sent rows
+        if busy.size == 1:                                  # one block: already grouped by slot
+            r = int(busy[0])
             offs = torch.cumsum(received.device[r], 0).to(torch.int32) if rows.is_cuda else None
             return grouped_forward(self.spec, rows, self.weights(layer), host[r].tolist(), offs)
         index, per_slot, offs = slot_major_index(received)

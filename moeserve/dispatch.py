@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -104,9 +105,10 @@ def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
 
 @dataclass(frozen=True)
 class RecvCounts:
-    """Rows received per (source rank, local slot), [R, S], on the host and on the device."""
+    """Rows received per (source rank, local slot), [R, S]: a numpy array on the host (cheap
+    to read from Python, which matters per layer) and a tensor on the device."""
 
-    host: torch.Tensor
+    host: np.ndarray
     device: torch.Tensor
 
 
@@ -157,13 +159,13 @@ class Exchange:
         work = dist.all_to_all_single(counts[1], counts[0], group=self.group, async_op=True)
         return Pending(work, counts)
 
-    def _counts_to_host(self, pending: Pending) -> torch.Tensor:
+    def _counts_to_host(self, pending: Pending) -> np.ndarray:
         """The one host read of the layer: all_to_all needs its split sizes on the host. On
         CUDA the copy runs on a side stream that waits only for the counts collective, so the
         host does not also wait for the row gather queued on the compute stream."""
         if self.device.type != "cuda":
             pending.counts_work.wait()
-            return pending.counts.clone()
+            return pending.counts.numpy().copy()
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
             self._host = torch.empty(pending.counts.shape, dtype=torch.long, pin_memory=True)
@@ -173,11 +175,11 @@ class Exchange:
             done = torch.cuda.Event()
             done.record(self._side)
         done.synchronize()
-        return self._host.clone()
+        return self._host.numpy().copy()
 
     def send(self, pending: Pending, send_rows: torch.Tensor) -> None:
         """Start the dispatch of ``send_rows`` [n, H] (sorted by slot, as given to start)."""
-        both = self._counts_to_host(pending)                                                     # [2, R, S]
+        both = self._counts_to_host(pending)                                                     # [2, R, S] numpy
         pending.send_splits = both[0].sum(1).tolist()
         pending.recv_splits = both[1].sum(1).tolist()
         pending.received = RecvCounts(both[1], pending.counts[1])

@@ -77,7 +77,7 @@ class DistributedExperts:
     exchange: the data group's per-layer exchange; maps: the placement in force; router: this
     router's index (0 .. R-1); store: this rank's ``ExpertStore`` when it is also a worker.
     ``step`` must be set before each forward (it rotates the replica choice); the pairs sent
-    to each slot accumulate in ``slot_load`` [L, P] until ``take_load``.
+    to each (rank, local slot) accumulate in ``sent`` [L, R*S] until ``take_load``.
     """
 
     def __init__(self, exchange: Exchange, maps: RouterMaps, router: int, num_layers: int, store=None):
@@ -87,7 +87,8 @@ class DistributedExperts:
         self.store = store
         self.step = 0
         self.num_slots = exchange.topo.num_slots
-        self.slot_load = torch.zeros(num_layers, self.num_slots, dtype=torch.long, device=exchange.device)
+        self.sent = torch.zeros(num_layers, exchange.topo.world_size * exchange.topo.slots_per_worker,
+                                dtype=torch.long, device=exchange.device)
 
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
         t, k = routing.ids.shape
@@ -103,7 +104,7 @@ class DistributedExperts:
         if routing.weights_on_input and k > 1:
             rows = rows * routing.weights.reshape(-1, 1).index_select(0, order).to(rows.dtype)
         ex.send(pending, rows)
-        self.slot_load[moe_layer] += counts[0].view(-1).index_select(0, ex.slot_position)
+        self.sent[moe_layer] += counts[0].view(-1)                                   # [R*S]
         return _Handle(moe_layer, pending, order, routing, t)
 
     def combine(self, handle: _Handle) -> torch.Tensor:
@@ -129,8 +130,9 @@ class DistributedExperts:
         routed to the expert that slot holds, the logical counts follow exactly from the maps
         in force during the step (commits happen between steps).
         """
-        slot = self.slot_load.cpu().numpy().copy()             # [L, P]; on CPU .cpu() shares memory
-        self.slot_load.zero_()
+        sent = self.sent.cpu().numpy().copy()                  # [L, R*S]; on CPU .cpu() shares memory
+        self.sent.zero_()
+        slot = sent[:, self.exchange.slot_position.cpu().numpy()]                      # [L, P]
         layers, p = slot.shape
         e = self.maps.num_logical
         logical = np.zeros((layers, e), dtype=np.int64)

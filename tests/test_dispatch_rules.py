@@ -57,7 +57,7 @@ def test_slot_major_index_groups_rows_of_all_sources_by_slot():
     for src in range(3):
         for slot in range(2):
             labels += [(src, slot)] * int(counts[src, slot])
-    index, per_slot, offs = slot_major_index(RecvCounts(counts, counts))
+    index, per_slot, offs = slot_major_index(RecvCounts(counts.numpy(), counts))
     assert per_slot == [3, 4] and offs.tolist() == [3, 7]
     regrouped = [labels[i] for i in index.tolist()]
     assert [s for _, s in regrouped] == [0, 0, 0, 1, 1, 1, 1]
