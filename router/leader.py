@@ -41,6 +41,8 @@ class ModelShape:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     expert_bytes: int
+    moe_layer_ids: tuple[int, ...] = ()       # decoder-layer index of each MoE layer
+    num_decoder_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class LoadReport:
     balancedness_measured: np.ndarray
     balancedness_predicted: np.ndarray
     placement_version: int
+    steps_since_placement_change: int = 0
 
 
 class Engine:
@@ -75,6 +78,10 @@ class Engine:
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
         self._load_lock = threading.Lock()
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
+        # Running sums over the window: admin calls read them in O(1) instead of summing up to
+        # window_size arrays while holding the lock (and the GIL) the step driver needs.
+        self._window_logical: np.ndarray | int = 0
+        self._window_worker: np.ndarray | int = 0
         self._total_logical = np.zeros((shape.num_moe_layers, shape.num_logical_experts), dtype=np.int64)
         self._total_worker = np.zeros((shape.num_moe_layers, placement.num_workers), dtype=np.int64)
         self.step = 0
@@ -87,6 +94,8 @@ class Engine:
         self._report_wanted = False
         self._report_done = threading.Event()
         self._report: list[np.ndarray] | None = None
+        self._seen_version = int(placement.version)
+        self._placement_step = 0                 # forward_steps when the placement last changed
         self.metrics = None              # moeserve.metrics.LeaderMetrics when this rank exports metrics
         self._header_t = time.perf_counter()
 
@@ -127,20 +136,25 @@ class Engine:
     def migration(self, migration_id: str) -> Migration | None:
         return self.migrator.get(migration_id)
 
-    def expert_load(self) -> LoadReport:
+    def expert_load(self, window_steps: int | None = None) -> LoadReport:
+        """The load over the window, or over its last ``window_steps`` steps."""
         placement = self.placement()
         with self._load_lock:
-            if self._window:
-                load = sum(w[0] for w in self._window)
-                wload = sum(w[1] for w in self._window)
-            else:
+            n = len(self._window) if not window_steps else min(window_steps, len(self._window))
+            if n == 0:
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
-            steps = len(self._window)
-        return LoadReport(load=load, worker_load=wload, steps=steps, total_steps=self.forward_steps,
+            elif n == len(self._window):
+                load, wload = self._window_logical.copy(), self._window_worker.copy()
+            else:
+                last = [self._window[i] for i in range(len(self._window) - n, len(self._window))]
+                load = np.stack([w[0] for w in last]).sum(0)
+                wload = np.stack([w[1] for w in last]).sum(0)
+            since = self.forward_steps - self._placement_step
+        return LoadReport(load=load, worker_load=wload, steps=n, total_steps=self.forward_steps,
                           balancedness_measured=_row_balancedness(wload),
                           balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
-                          placement_version=int(placement.version))
+                          placement_version=int(placement.version), steps_since_placement_change=since)
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since start."""
@@ -219,12 +233,22 @@ class Engine:
         if header.migration is not None and header.migration.begin_staging_slots:
             errors = [r.staging_error for r in results if r.staging_error]
             self.migrator.on_staging(header.migration.migration_id, errors)
+        version = int(self.migrator.placement().version)
+        if version != self._seen_version:
+            with self._load_lock:
+                self._seen_version, self._placement_step = version, self.forward_steps
         if header.forward:
             loads = [r for r in results if r.logical_load is not None]
             logical = sum(r.logical_load for r in loads)
             wload = sum(r.worker_load for r in loads)
             with self._load_lock:
+                if len(self._window) == self._window.maxlen:
+                    old_logical, old_worker = self._window[0]
+                    self._window_logical = self._window_logical - old_logical
+                    self._window_worker = self._window_worker - old_worker
                 self._window.append((logical, wload))
+                self._window_logical = self._window_logical + logical
+                self._window_worker = self._window_worker + wload
                 self._total_logical += logical
                 self._total_worker += wload
             self.forward_steps += 1

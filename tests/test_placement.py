@@ -28,7 +28,7 @@ def placement(p2l=P2L, e=4, w=3, wpn=None, **kw):
     (dict(wpn=2), "3 workers do not split into nodes of 2"),
     (dict(e=7), "6 slots cannot hold 7 logical experts"),
     (dict(version=-1), "version must be a non-negative integer"),
-    (dict(version=2, layer_versions=[1, 3]), "layer_versions must lie in 0..version=2"),
+    (dict(version=2, layer_versions=[1, -1]), "layer_versions must be non-negative"),
     (dict(layer_versions=[0]), r"layer_versions must have shape \(2,\)"),
     (dict(p2l=np.array(P2L) + 0.5), "integer logical expert ids"),
 ])
@@ -291,3 +291,8 @@ def test_unknown_sglang_file_types_are_rejected(tmp_path):
         load_from_sglang(path, [0])
     with pytest.raises(ValueError, match="no such file"):
         load_from_sglang(tmp_path / "missing.json", [0])
+
+
+def test_layer_versions_may_run_ahead_of_the_version_while_a_migration_commits_layer_by_layer():
+    p = Placement(np.array([[0, 1], [1, 0]]), num_logical=2, num_workers=1, version=2, layer_versions=[3, 2])
+    assert p.layer_versions.tolist() == [3, 2] and p.version == 2

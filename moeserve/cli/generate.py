@@ -1,11 +1,13 @@
-"""``moeserve generate --model DIR (--prompt-ids 1,2,3 | --prompt TEXT) --max-tokens N``.
+"""``moeserve generate (--model DIR | --address HOST:PORT) (--prompt-ids 1,2,3 | --prompt TEXT)``.
 
-Runs the single-process reference model (every expert in this process) and prints the prompt
-ids, the generated ids and, when the folder has ``tokenizer.json``, the generated text.
+With ``--model`` it runs the single-process reference model (every expert in this process);
+with ``--address`` it asks a running serving front end. Either way it prints the prompt ids
+(with --model), the generated ids and, when there is a tokenizer, the generated text.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from moeserve.cli import UsageError
@@ -17,7 +19,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="generate tokens with the single-process reference model",
         description="Continue a prompt with a checkpoint folder's model and print the tokens.")
-    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + safetensors)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json + safetensors)")
+    where.add_argument("--address", metavar="HOST:PORT", help="a running serving front end (moeserve up --port)")
+    p.add_argument("--ca-file", metavar="PEM", help="with --address: connect with TLS, trusting this CA")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="with --address: deadline (default none)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", metavar="IDS", help="comma-separated prompt token ids, e.g. 1,2,3")
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (needs tokenizer.json in the folder)")
@@ -42,7 +48,32 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def run_remote(args: argparse.Namespace) -> int:
+    from moeserve.client import Client, MoeserveError
+
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, found {args.max_tokens}")
+    ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    try:
+        with Client(args.address, ca_file=args.ca_file) as c:
+            out = c.generate(args.prompt, prompt_token_ids=ids, max_tokens=args.max_tokens,
+                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                             ignore_eos=args.ignore_eos, timeout=args.timeout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except MoeserveError as e:
+        print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
+        return 1
+    print("generated ids:", ",".join(map(str, out.token_ids)))
+    if out.text:
+        print("generated text:", repr(out.text))
+    print("finish reason:", out.finish_reason)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.address is not None:
+        return run_remote(args)
     import torch
 
     from moeserve.models import CheckpointError, load_config, load_model

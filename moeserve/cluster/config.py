@@ -64,6 +64,10 @@ class ClusterConfig:
     max_staging_bytes: a worker refuses a migration whose staging would exceed this (the
     migration fails and rolls back, serving goes on).
     heartbeat_s: the longest gap between two steps; pg_timeout_s: process-group timeout.
+    admin_port: where the leader serves the gRPC admin API (-1: no admin API; 0: a free port,
+    written to ``admin.json`` in the run folder); admin_host, admin_tls_cert/key (PEM files),
+    max_message_bytes and grace_s (in-flight calls' time to finish at shutdown) configure it.
+    The bearer token comes from the environment (MOESERVE_ADMIN_TOKEN), never from this file.
     """
 
     model_dir: str
@@ -80,6 +84,12 @@ class ClusterConfig:
     max_staging_bytes: int = 0                  # 0: staging limited only by the device's memory
     heartbeat_s: float = 0.1
     pg_timeout_s: float = 30.0
+    admin_port: int = -1
+    admin_host: str = "127.0.0.1"
+    admin_tls_cert: str = ""
+    admin_tls_key: str = ""
+    max_message_bytes: int = 64 << 20
+    grace_s: float = 30.0
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -96,6 +106,10 @@ class ClusterConfig:
             raise ValueError(f"workers ({self.workers}) must be a multiple of workers_per_node ({wpn})")
         if self.heartbeat_s <= 0 or self.pg_timeout_s <= 0:
             raise ValueError("heartbeat_s and pg_timeout_s must be > 0")
+        if not -1 <= self.admin_port <= 65535:
+            raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {self.admin_port}")
+        if bool(self.admin_tls_cert) != bool(self.admin_tls_key):
+            raise ValueError("admin TLS needs both a certificate and a key")
 
     @property
     def world_size(self) -> int:

@@ -11,7 +11,9 @@ are pickled tuples (``multiprocessing.connection``, authenticated with the clust
     ("total_load",) ("status",) ("slot_digests",) ("stop",)
                                        -> ("ok", value) | ("error", kind, message)
 
-A client that closes its connection while generating cancels its requests.
+A client that closes its connection while generating cancels its requests, also while they
+are still waiting for a slot (the leader polls the connection). ``GenerateStream.cancel()``
+does that from any thread, waking a thread blocked reading the stream.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 from multiprocessing.connection import Client, Connection, Listener
 
@@ -59,7 +62,9 @@ class ControlServer:
 
     def __init__(self, engine, authkey: bytes, host: str = "127.0.0.1", port: int = 0):
         self.engine = engine
-        self.listener = Listener((host, port), authkey=authkey)
+        # A deep backlog: the front end opens one connection per request, dozens at once; with
+        # Listener's default of 1 the kernel drops handshakes and a client can wait forever.
+        self.listener = Listener((host, port), authkey=authkey, backlog=512)
         self.address = self.listener.address
         self._thread = threading.Thread(target=self._accept, name="control-accept", daemon=True)
 
@@ -162,7 +167,12 @@ class ControlServer:
         open_ = len(seqs)
         try:
             while open_:
-                i, ev = outq.get()
+                try:
+                    i, ev = outq.get(timeout=0.2)
+                except queue.Empty:
+                    if conn.poll(0):                         # the client closed (or wrote): it is gone
+                        conn.recv()
+                    continue
                 conn.send(("event", i, ev))
                 if ev[0] in ("done", "error"):
                     open_ -= 1
@@ -211,18 +221,64 @@ class ControlClient:
     def generate_stream(self, reqs):
         """Yield (request index, event) until every request is done; closing the generator
         early cancels the requests that are still running."""
+        stream = self.open_stream(reqs)
+        try:
+            yield from stream
+        finally:
+            stream.close()
+
+    def open_stream(self, reqs) -> "GenerateStream":
+        """Submit ``reqs`` and return their event stream (see :class:`GenerateStream`)."""
         conn = self._connect()
         try:
             conn.send(("generate", list(reqs)))
-            while True:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError) as e:
-                    raise ClusterError(self.on_failure() or f"the leader closed the connection: {e}") from e
-                if msg[0] == "end":
-                    return
-                if msg[0] == "error":
-                    raise_remote(msg[1], msg[2])
-                yield msg[1], msg[2]
-        finally:
+        except (EOFError, OSError) as e:
             conn.close()
+            raise ClusterError(self.on_failure() or f"the leader closed the connection: {e}") from e
+        return GenerateStream(conn, self.on_failure)
+
+
+class GenerateStream:
+    """Iterates (request index, event) until every request is done; raises ValueError /
+    QueueFull when the leader refused the requests. ``cancel()`` (any thread) cancels the
+    requests still running and ends the iteration quietly."""
+
+    def __init__(self, conn: Connection, on_failure):
+        self._conn = conn
+        self._on_failure = on_failure
+        self.cancelled = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __iter__(self):
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError) as e:
+                if self.cancelled:
+                    return
+                raise ClusterError(self._on_failure() or f"the leader closed the connection: {e}") from e
+            if msg[0] == "end":
+                return
+            if msg[0] == "error":
+                raise_remote(msg[1], msg[2])
+            yield msg[1], msg[2]
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.cancelled or self._closed:
+                return
+            self.cancelled = True
+            try:                          # shutdown wakes a reader blocked in recv(); close alone would not
+                s = socket.socket(fileno=os.dup(self._conn.fileno()))
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                finally:
+                    s.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._conn.close()

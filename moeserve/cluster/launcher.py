@@ -75,6 +75,8 @@ class LocalCluster:
     placement: initial phy2log [L, P] (default: slot p holds expert p mod E).
     backend: "gloo" (CPU) or "nccl" (one GPU per rank). Other keywords: see ClusterConfig,
     EplbConfig and Limits (vLLM's names).
+    admin_port: the leader serves the gRPC admin API there (-1: none, 0: a free port; see
+    ``admin_address``), guarded by ``admin_token`` (passed to the leader in its environment).
     """
 
     def __init__(self, model_dir, routers: int = 1, workers: int = 1, colocated: bool = False,
@@ -83,7 +85,10 @@ class LocalCluster:
                  log_balancedness: bool = False, max_model_len: int = 4096, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_waiting: int = 1024, workers_per_node: int = 0,
                  migration_bytes_per_step: int = 512 << 20, max_staging_bytes: int = 0, heartbeat_s: float = 0.1, pg_timeout_s: float = 30.0,
-                 startup_timeout_s: float = 300.0, env: dict | None = None, log_dir: str | None = None):
+                 startup_timeout_s: float = 300.0, env: dict | None = None, log_dir: str | None = None,
+                 admin_port: int = -1, admin_host: str = "127.0.0.1", admin_token: str | None = None,
+                 admin_tls_cert: str = "", admin_tls_key: str = "", max_message_bytes: int = 64 << 20,
+                 grace_s: float = 30.0):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
@@ -115,11 +120,17 @@ class LocalCluster:
                           max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting),
             workers_per_node=workers_per_node, phy2log=phy2log, migration_bytes_per_step=migration_bytes_per_step,
             max_staging_bytes=max_staging_bytes,
-            heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s)
+            heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, admin_port=admin_port, admin_host=admin_host,
+            admin_tls_cert=admin_tls_cert, admin_tls_key=admin_tls_key, max_message_bytes=max_message_bytes,
+            grace_s=grace_s)
         self.moe_info = info
         self.vocab_size = mcfg.vocab_size
         self.startup_timeout_s = startup_timeout_s
         self.env = dict(env or {})
+        if admin_token:
+            self.env["MOESERVE_ADMIN_TOKEN"] = admin_token
+        self.admin_address: tuple[str, int] | None = None
+        self.authkey: bytes | None = None
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self.run_dir: str | None = None
@@ -180,6 +191,11 @@ class LocalCluster:
             time.sleep(0.05)
         with open(ready) as f:
             addr = json.load(f)
+        if cfg.admin_port >= 0:
+            with open(os.path.join(self.run_dir, "admin.json")) as f:
+                a = json.load(f)
+            self.admin_address = (a["host"], a["port"])
+        self.authkey = authkey
         self._client = ControlClient((addr["host"], addr["port"]), authkey, on_failure=self._failure)
         return self
 
@@ -246,6 +262,11 @@ class LocalCluster:
                 return "".join(f.readlines()[-lines:])
         except OSError:
             return ""
+
+    @property
+    def control_address(self) -> tuple[str, int]:
+        """(host, port) of the leader's local channel (its key is ``authkey``)."""
+        return self._c().address
 
     @property
     def alive(self) -> bool:

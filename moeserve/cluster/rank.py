@@ -110,7 +110,7 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     if rank == 0:
         from moeserve.router.leader import Engine, ModelShape
         shape = ModelShape(info.num_moe_layers, e, info.top_k, mcfg.vocab_size, tuple(mcfg.eos_token_ids),
-                           info.expert_bytes)
+                           info.expert_bytes, tuple(int(x) for x in info.moe_layer_ids), mcfg.num_layers)
         st.engine = Engine(cfg, shape, placement)
 
     from moeserve.expert_worker.migration import warm_up_pairs
@@ -183,6 +183,53 @@ def _watch_parent(pid: int) -> None:
             os._exit(3)
 
 
+def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = None,
+          control_host: str = "127.0.0.1", control_port: int = 0) -> int:
+    """Build this rank and run its step loop until a stop header. The leader also serves the
+    local channel on (control_host, control_port) and, when ``cfg.admin_port`` >= 0, the gRPC
+    admin API (token from MOESERVE_ADMIN_TOKEN); with ``run_dir`` it writes ``admin.json`` and
+    then ``control.json`` there once it is ready."""
+    st = None
+    admin = None
+    try:
+        st = build(cfg, rank)
+        if st.engine is not None:
+            from moeserve.cluster.control import ControlServer
+            server = ControlServer(st.engine, authkey, control_host, control_port)
+            server.start()
+            signal.signal(signal.SIGTERM, lambda *_: st.engine.request_stop())
+            if cfg.admin_port >= 0:
+                from moeserve.services.admin import start_admin     # the gRPC layer: only when asked for
+                admin = start_admin(st.engine, os.environ.get("MOESERVE_ADMIN_TOKEN") or None)
+                if run_dir:
+                    _write_json(os.path.join(run_dir, "admin.json"), {"host": cfg.admin_host, "port": admin.server.port})
+                log.info("admin API on %s:%d", cfg.admin_host, admin.server.port)
+            if run_dir:
+                server.write_address(os.path.join(run_dir, "control.json"))
+            log.info("leader ready: %d routers, %d workers, world %d, local channel on %s:%d",
+                     cfg.routers, cfg.workers, cfg.world_size, *server.address)
+        step_loop(st)
+    except Exception as e:
+        traceback.print_exc()
+        if st is not None and st.engine is not None:
+            st.engine.fail(f"rank {rank} failed: {type(e).__name__}: {e}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    if admin is not None:
+        admin.stop()
+    dist.destroy_process_group()
+    return 0
+
+
+def _write_json(path: str, value) -> None:
+    import json
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
 def main() -> int:
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
@@ -192,26 +239,7 @@ def main() -> int:
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
     with open(os.environ["MOESERVE_CLUSTER_CONFIG"]) as f:
         cfg = ClusterConfig.from_json(f.read())
-    st = None
-    try:
-        st = build(cfg, rank)
-        if st.engine is not None:
-            from moeserve.cluster.control import ControlServer
-            server = ControlServer(st.engine, bytes.fromhex(os.environ["MOESERVE_AUTHKEY"]))
-            server.start()
-            signal.signal(signal.SIGTERM, lambda *_: st.engine.request_stop())
-            server.write_address(os.path.join(os.environ["MOESERVE_RUN_DIR"], "control.json"))
-            log.info("leader ready: %d routers, %d workers, world %d", cfg.routers, cfg.workers, cfg.world_size)
-        step_loop(st)
-    except Exception as e:
-        traceback.print_exc()
-        if st is not None and st.engine is not None:
-            st.engine.fail(f"rank {rank} failed: {type(e).__name__}: {e}")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.destroy_process_group()
-    return 0
+    return serve(cfg, rank, bytes.fromhex(os.environ["MOESERVE_AUTHKEY"]), os.environ["MOESERVE_RUN_DIR"])
 
 
 if __name__ == "__main__":

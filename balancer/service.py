@@ -1,0 +1,305 @@
+"""The balancer service (``moeserve.v1.Balancer``): a process of its own that closes the loop.
+
+It keeps nothing a restart would lose: the load window, the placement and the steps since it
+last changed come from the leader's admin API on every iteration, and its runtime settings
+(SetConfig, Pause, Resume) are stored on the leader too (admin Get/PutBalancerSettings), so a
+restarted balancer carries on where the old one stopped. Every admin call has a timeout; when
+the admin API is briefly unavailable the loop records the error and tries again next time.
+
+A rebalance (from the loop or a Rebalance call) plans with the placement policy
+(:func:`moeserve.balancer.policy.make_policy`) on the window's load, starting from the
+placement in force, predicts what it buys (:func:`moeserve.balancer.policy.evaluate`), applies
+it through ApplyPlacement with ``expected_version`` and follows the migration to its end.
+Only one runs at a time: a Rebalance while one runs (or while any migration runs) answers
+ABORTED. The policy runs in a worker thread, so the service stays responsive meanwhile.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from moeserve.balancer.controller import LoopConfig, pays, trigger
+from moeserve.balancer.policy import evaluate, make_policy
+from moeserve.client import AsyncClient, MoeserveError
+from moeserve.client._base import balancer_settings
+from moeserve.rpc import balancer_pb2, balancer_pb2_grpc
+from moeserve.services.convert import int64_matrix, migration_msg, placement_balancedness
+from moeserve.services.server import BALANCER, ServerOptions, ServiceServer
+
+log = logging.getLogger("moeserve.balancer")
+
+
+class Busy(Exception):
+    """A rebalance or a migration is already running."""
+
+
+class BalancerService(balancer_pb2_grpc.BalancerServicer):
+    """``admin``: an AsyncClient of the leader's admin API (with the token and a short timeout);
+    ``config``: the flags' LoopConfig (settings stored on the leader override it);
+    ``poll_s``: seconds between loop iterations."""
+
+    def __init__(self, admin: AsyncClient, config: LoopConfig, poll_s: float = 0.5):
+        self.admin = admin
+        self.flags = config
+        self.config = config
+        self.paused = False
+        self.poll_s = poll_s
+        self.state = "idle"
+        self.rebalances = 0
+        self.last_trigger = ""
+        self.last_migration_id = ""
+        self.last_error = ""
+        self.admin_reachable = False
+        self.balancedness = 0.0
+        self.placement_version = 0
+        self.iterations = 0
+        self._planned_at: int | None = None           # total_steps when this process last planned
+        self._busy = False
+        self._running = ""                            # the trigger of the rebalance that runs
+        self._following = False
+        self._task: asyncio.Task | None = None
+        self._follow: asyncio.Task | None = None
+
+    # -- settings stored on the leader -------------------------------------------------------
+
+    def _merge(self, s) -> None:
+        c = self.flags
+        self.config = dataclasses.replace(
+            c, window_steps=s.window_steps if s.HasField("window_steps") else c.window_steps,
+            step_interval=s.step_interval if s.HasField("step_interval") else c.step_interval,
+            min_balancedness=s.min_balancedness if s.HasField("min_balancedness") else c.min_balancedness)
+        self.paused = s.paused if s.HasField("paused") else False
+
+    async def _admin(self, coro):
+        """Await an admin call, recording whether the admin API answered."""
+        try:
+            out = await coro
+        except MoeserveError as e:
+            if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.admin_reachable = False
+                self.last_error = str(e)
+            raise
+        self.admin_reachable = True
+        return out
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        for t in (self._task, self._follow):
+            if t is not None:
+                t.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            self.iterations += 1
+            try:
+                await self._iteration()
+                self.last_error = ""
+            except Busy:
+                pass
+            except MoeserveError as e:
+                self.last_error = str(e)
+                log.warning("balancer loop: %s", e)
+            except Exception as e:                    # never let one bad iteration end the loop
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.exception("balancer loop failed an iteration")
+
+    async def _iteration(self) -> None:
+        self._merge(await self._admin(self.admin.balancer_settings()))
+        if self.paused or self._busy:
+            return
+        rep = await self._admin(self.admin.expert_load(self.config.window_steps))
+        self.balancedness, self.placement_version = rep.predicted.mean, rep.placement_version
+        since_plan = None if self._planned_at is None else rep.total_steps - self._planned_at
+        why = trigger(self.config, rep.steps, rep.steps_since_placement_change, since_plan, rep.predicted.mean)
+        if why is not None:
+            await self.rebalance(why, dry_run=False, wait=True)
+
+    # -- one rebalance ----------------------------------------------------------------------
+
+    async def rebalance(self, why: str, dry_run: bool, wait: bool, timeout_s: float | None = None):
+        """Plan (and apply, and follow) one rebalance; raises Busy when one runs. A dry run
+        only reads, so it runs beside anything else."""
+        if dry_run:
+            return await self._plan(why, dry_run=True, wait=False, timeout_s=timeout_s)
+        if self._busy:
+            raise Busy(f"a rebalance is already running ({self.state}, trigger {self._running!r}"
+                       f"{', migration ' + self.last_migration_id if self.state == 'migrating' else ''}); "
+                       "retry when GetBalancerStatus shows state idle")
+        self._busy, self._running = True, why
+        self._following = False
+        try:
+            self.state = "planning"
+            return await self._plan(why, dry_run=False, wait=wait, timeout_s=timeout_s)
+        finally:
+            if not self._following:
+                self._busy = False
+                self.state = "idle"
+
+    async def _plan(self, why: str, dry_run: bool, wait: bool, timeout_s: float | None):
+        status = await self._admin(self.admin.status())
+        if status.migration is not None and not dry_run:
+            raise Busy(f"migration {status.migration.migration_id} is running ({status.migration.state}); "
+                       "rebalance when it ended")
+        placement = await self._admin(self.admin.placement())
+        rep = await self._admin(self.admin.expert_load(self.config.window_steps))
+        if not dry_run:
+            self._planned_at = rep.total_steps
+        load = rep.load.astype(np.float64)
+        cur = placement.phy2log
+        workers, wpn = placement.num_workers, placement.workers_per_node
+        policy = make_policy(self.config.move_budget)
+        plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur)
+        plan = np.asarray(plan, dtype=np.int64)
+        report = evaluate(load, cur, plan, workers, status.model["expert_bytes"])
+        resp = balancer_pb2.RebalanceResponse(
+            phy2log=int64_matrix(plan), balancedness_before=placement_balancedness(load, cur, workers),
+            balancedness_after=placement_balancedness(load, plan, workers), slots_moved=report.slots_moved,
+            slots_moved_across_workers=report.slots_moved_across_workers, bytes_moved=report.bytes_moved,
+            base_version=placement.version)
+        if dry_run:
+            resp.note = "dry run: nothing applied"
+            return resp
+        ok, note = pays(self.config, report.gain, report.slots_moved, report.slots_moved_across_workers,
+                        cur.size, requested=why == "request")
+        if not ok:
+            resp.note = note
+            log.info("rebalance (%s) not applied: %s", why, note)
+            return resp
+        applied = await self._admin(self.admin.apply_placement(plan, expected_version=placement.version))
+        self.rebalances += 1
+        self.last_trigger, self.last_migration_id = why, applied.migration_id
+        log.info("rebalance (%s): migration %s, %d slots (%d across workers), balancedness %.4f -> %.4f",
+                 why, applied.migration_id, report.slots_moved, report.slots_moved_across_workers,
+                 report.mean_before, report.mean_after)
+        resp.applied, resp.migration_id = True, applied.migration_id
+        self.state = "migrating"
+        if wait:
+            mig = await self._follow_to_end(applied.migration_id, timeout_s)
+            resp.migration.CopyFrom(_migration_msg(mig))
+        else:
+            resp.migration.CopyFrom(_migration_msg(applied.migration))
+            self._following = True
+            self._follow = asyncio.get_running_loop().create_task(self._follow_then_idle(applied.migration_id))
+        return resp
+
+    async def _follow_to_end(self, migration_id: str, timeout_s: float | None):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wait = 2.0 if deadline is None else max(0.0, min(2.0, deadline - time.monotonic()))
+            try:
+                mig = await self._admin(self.admin.migration(migration_id, wait_s=wait))
+            except MoeserveError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.5)              # the admin API is briefly away: keep following
+                continue
+            if mig.ended or (deadline is not None and time.monotonic() >= deadline):
+                return mig
+
+    async def _follow_then_idle(self, migration_id: str) -> None:
+        try:
+            await self._follow_to_end(migration_id, None)
+        except Exception as e:
+            self.last_error = f"following migration {migration_id}: {e}"
+        finally:
+            self._busy = False
+            self.state = "idle"
+
+    # -- RPCs -------------------------------------------------------------------------------
+
+    async def Rebalance(self, request, context):
+        left = context.time_remaining()
+        try:
+            return await self.rebalance("request", request.dry_run, request.wait,
+                                        None if left is None else max(0.0, left - 0.5))
+        except Busy as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
+        except MoeserveError as e:
+            code = e.code if e.code != grpc.StatusCode.UNAUTHENTICATED else grpc.StatusCode.INTERNAL
+            await context.abort(code, f"the admin API answered {e.code.name}: {e.message}")
+
+    def _status(self) -> balancer_pb2.BalancerStatus:
+        c = self.config
+        return balancer_pb2.BalancerStatus(
+            window_steps=c.window_steps, step_interval=c.step_interval, min_balancedness=c.min_balancedness,
+            paused=self.paused, state=self.state, rebalances=self.rebalances, last_trigger=self.last_trigger,
+            last_migration_id=self.last_migration_id, last_error=self.last_error,
+            admin_reachable=self.admin_reachable, balancedness=self.balancedness,
+            placement_version=self.placement_version, loop_iterations=self.iterations)
+
+    async def _store(self, context, **changes) -> balancer_pb2.BalancerStatus:
+        """Merge ``changes`` into the settings kept on the leader, then apply them here."""
+        try:
+            s = await self._admin(self.admin.balancer_settings())
+            for k, v in changes.items():
+                if v is not None:
+                    setattr(s, k, v)
+            self._merge(await self._admin(self.admin.put_balancer_settings(s)))
+        except MoeserveError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"cannot store the balancer's settings on the leader: {e.message}")
+        return self._status()
+
+    async def SetConfig(self, request, context):
+        new = {k: getattr(request, k) if request.HasField(k) else None
+               for k in ("window_steps", "step_interval", "min_balancedness")}
+        try:
+            dataclasses.replace(self.config, **{k: v for k, v in new.items() if v is not None})
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if new["window_steps"] is not None:
+            try:
+                rep = await self._admin(self.admin.expert_load())
+            except MoeserveError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the admin API: {e.message}")
+            if new["window_steps"] > rep.window_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"window_steps must be in 0..{rep.window_size} (the leader's --eplb-window-size; "
+                                    f"0 = all), got {new['window_steps']}")
+        return await self._store(context, **new)
+
+    async def Pause(self, request, context):
+        return await self._store(context, paused=True)
+
+    async def Resume(self, request, context):
+        return await self._store(context, paused=False)
+
+    async def GetBalancerStatus(self, request, context):
+        return self._status()
+
+
+def _migration_msg(m):
+    return migration_msg(dict(migration_id=m.migration_id, state=m.state, error=m.error, target_version=m.target_version,
+                              moves_total=m.moves_total, moves_done=m.moves_done, bytes_total=m.bytes_total,
+                              bytes_done=m.bytes_done, layers_total=m.layers_total,
+                              layers_committed=m.layers_committed))
+
+
+async def serve_balancer(admin_address: str, token: str | None, config: LoopConfig, options: ServerOptions,
+                         poll_s: float = 0.5, call_timeout_s: float = 5.0, ca_file: str | None = None,
+                         on_started=None) -> None:
+    """Run the balancer until SIGTERM (call inside an event loop)."""
+    from moeserve.services.server import serve_forever
+    admin = AsyncClient(admin_address, token, timeout=call_timeout_s, ca_file=ca_file)
+    service = BalancerService(admin, config, poll_s)
+    server = ServiceServer(BALANCER, lambda s: balancer_pb2_grpc.add_BalancerServicer_to_server(service, s), options)
+
+    def started(port):
+        service.start()
+        if on_started:
+            on_started(port)
+
+    await serve_forever(server, started, before_stop=service.stop, after_stop=admin.close)
+
+
+__all__ = ["BalancerService", "Busy", "serve_balancer", "balancer_settings"]

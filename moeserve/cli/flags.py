@@ -1,0 +1,179 @@
+"""Flags shared by the service subcommands, spelled as vLLM users know them.
+
+EPLB: ``--enable-eplb`` and ``--eplb-config '{"window_size": .., "step_interval": ..,
+"num_redundant_experts": .., "log_balancedness": ..}'``, with the older single flags
+``--num-redundant-experts``, ``--eplb-window-size``, ``--eplb-step-interval`` and
+``--eplb-log-balancedness`` as aliases (giving both spellings with different values is an
+error). Serving limits: ``--max-model-len``, ``--max-num-seqs``, ``--max-num-batched-tokens``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from moeserve.cli import UsageError
+
+EPLB_KEYS = {"window_size": int, "step_interval": int, "num_redundant_experts": int, "log_balancedness": bool}
+ALIASES = {"num_redundant_experts": "num_redundant_experts", "window_size": "eplb_window_size",
+           "step_interval": "eplb_step_interval", "log_balancedness": "eplb_log_balancedness"}
+TOKEN_ENV = "MOESERVE_ADMIN_TOKEN"
+CONTROL_KEY_ENV = "MOESERVE_CONTROL_KEY"
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cluster (the same on every rank)")
+    g.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json + safetensors)")
+    g.add_argument("--routers", type=int, default=1, metavar="R", help="router ranks (default 1)")
+    g.add_argument("--workers", type=int, default=1, metavar="W", help="expert-worker ranks (default 1)")
+    g.add_argument("--colocated", action="store_true", help="each rank is a router and a worker (R = W)")
+    g.add_argument("--workers-per-node", type=int, default=0, metavar="N", help="workers per node (default: all on one)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    g.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
+    g.add_argument("--migration-bytes-per-step", type=int, default=512 << 20, metavar="B",
+                   help="weight bytes moved per destination worker per step during a migration (default 512 MiB)")
+    e = p.add_argument_group("EPLB")
+    e.add_argument("--enable-eplb", action="store_true", help="allow placement changes and redundant experts")
+    e.add_argument("--eplb-config", metavar="JSON",
+                   help='e.g. \'{"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 8, '
+                        '"log_balancedness": true}\'')
+    e.add_argument("--num-redundant-experts", type=int, default=None, metavar="N", help="alias of eplb_config's key")
+    e.add_argument("--eplb-window-size", type=int, default=None, metavar="N", help="alias of eplb_config's key")
+    e.add_argument("--eplb-step-interval", type=int, default=None, metavar="N", help="alias of eplb_config's key")
+    e.add_argument("--eplb-log-balancedness", action="store_const", const=True, default=None,
+                   help="alias of eplb_config's key")
+    s = p.add_argument_group("serving limits")
+    s.add_argument("--max-model-len", type=int, default=4096, help="prompt + generated tokens (default 4096)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per router (default 64)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="new tokens per router per step (default 4096)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests waiting for admission; more answer RESOURCE_EXHAUSTED (default 1024)")
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("gRPC servers")
+    g.add_argument("--host", default="127.0.0.1", help="address the services listen on (default 127.0.0.1)")
+    g.add_argument("--max-message-bytes", type=int, default=64 << 20, metavar="B",
+                   help="largest gRPC message received or sent (default 64 MiB; larger answer RESOURCE_EXHAUSTED)")
+    g.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (needs --tls-key)")
+    g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    g.add_argument("--grace-period", type=float, default=30.0, metavar="S",
+                   help="seconds in-flight calls get to finish at shutdown (default 30)")
+
+
+def add_token_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin-token", metavar="T",
+                   help=f"bearer token of the admin and balancer services (default: ${TOKEN_ENV})")
+
+
+def add_balancer_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("balancer")
+    g.add_argument("--eplb-min-balancedness", type=float, default=0.0, metavar="X",
+                   help="rebalance early when the predicted balancedness falls under X and the gain pays "
+                        "for the moves (0 = off, default)")
+    g.add_argument("--eplb-min-gain", type=float, default=0.01, metavar="G",
+                   help="a plan of the loop must raise balancedness by at least G (default 0.01)")
+    g.add_argument("--eplb-move-cost", type=float, default=0.5, metavar="C",
+                   help="...and by C times the share of slots whose weights move (default 0.5)")
+    g.add_argument("--eplb-move-budget", type=float, default=0.10, metavar="F",
+                   help="share of slots one plan may move (default 0.10)")
+    g.add_argument("--balancer-poll-interval", type=float, default=0.5, metavar="S",
+                   help="seconds between looks at the load (default 0.5)")
+
+
+def add_client_flags(p: argparse.ArgumentParser, default_port: str) -> None:
+    p.add_argument("--address", default=f"127.0.0.1:{default_port}", metavar="HOST:PORT",
+                   help=f"the service's address (default 127.0.0.1:{default_port})")
+    add_token_flag(p)
+    p.add_argument("--ca-file", metavar="PEM", help="connect with TLS, trusting this CA")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="deadline of each call (default 60)")
+
+
+def token(args) -> str | None:
+    return getattr(args, "admin_token", None) or os.environ.get(TOKEN_ENV) or None
+
+
+def eplb_settings(args) -> dict:
+    """EplbConfig's fields from --enable-eplb, --eplb-config and the single-flag aliases."""
+    cfg: dict = {}
+    if args.eplb_config:
+        try:
+            raw = json.loads(args.eplb_config)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--eplb-config is not valid JSON ({e}); e.g. '{{\"window_size\": 1000}}'") from None
+        if not isinstance(raw, dict):
+            raise UsageError("--eplb-config must be a JSON object")
+        unknown = sorted(set(raw) - set(EPLB_KEYS))
+        if unknown:
+            raise UsageError(f"--eplb-config has unknown keys {unknown}; allowed: {sorted(EPLB_KEYS)}")
+        for k, v in raw.items():
+            want = EPLB_KEYS[k]
+            if want is int and (isinstance(v, bool) or not isinstance(v, int)) or want is bool and not isinstance(v, bool):
+                raise UsageError(f"--eplb-config key {k!r} must be {'an integer' if want is int else 'true or false'}, got {v!r}")
+        cfg.update(raw)
+    for key, attr in ALIASES.items():
+        v = getattr(args, attr)
+        if v is None:
+            continue
+        if key in cfg and cfg[key] != v:
+            raise UsageError(f"--{attr.replace('_', '-')} {v} disagrees with --eplb-config's {key} = {cfg[key]}")
+        cfg[key] = v
+    cfg["enable_eplb"] = bool(args.enable_eplb)
+    return cfg
+
+
+def cluster_kwargs(args) -> dict:
+    """Keywords of LocalCluster / ClusterConfig from the model and cluster flags."""
+    if not Path(args.model).is_dir():
+        raise UsageError(f"--model {args.model}: no such folder")
+    for name in ("routers", "workers", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                 "migration_bytes_per_step"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    eplb = eplb_settings(args)
+    from moeserve.cluster.config import EplbConfig
+    try:
+        EplbConfig(**eplb)
+    except ValueError as e:
+        raise UsageError(f"{e} (pass --enable-eplb to use redundant experts)" if "enable_eplb" in str(e) else str(e)) from None
+    return dict(routers=args.routers, workers=args.workers, colocated=args.colocated, backend=args.backend,
+                dtype=args.dtype, workers_per_node=args.workers_per_node,
+                migration_bytes_per_step=args.migration_bytes_per_step, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_waiting=args.max_waiting, **eplb)
+
+
+def server_options(args, port: int, token: str | None = None):
+    from moeserve.services.server import ServerOptions
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("TLS needs both --tls-cert and --tls-key")
+    for f in (args.tls_cert, args.tls_key):
+        if f and not Path(f).is_file():
+            raise UsageError(f"{f}: no such file")
+    try:
+        return ServerOptions(host=args.host, port=port, max_message_bytes=args.max_message_bytes,
+                             tls_cert=args.tls_cert, tls_key=args.tls_key, token=token, grace_s=args.grace_period)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def loop_config(args, window_size: int | None = None, step_interval: int | None = None):
+    from moeserve.balancer.controller import LoopConfig
+    try:
+        return LoopConfig(window_steps=window_size or 0, step_interval=step_interval or 3000,
+                          min_balancedness=args.eplb_min_balancedness, min_gain=args.eplb_min_gain,
+                          move_cost=args.eplb_move_cost, move_budget=args.eplb_move_budget)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def port(value: str) -> int:
+    try:
+        p = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a port must be an integer in 0..65535, got {value!r}") from None
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be in 0..65535 (0 = any free port), got {p}")
+    return p

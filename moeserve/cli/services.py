@@ -1,0 +1,172 @@
+"""One service per subcommand, for compose and Kubernetes:
+
+- ``moeserve router --rank I ...`` / ``moeserve worker --rank I ...``: one rank of the world
+  (``--rank --world-size --master-addr --master-port``; the same model and cluster flags on
+  every rank). Ranks ``0 .. R-1`` are routers, ``R .. R+W-1`` workers (co-located: every rank
+  is both). Rank 0 is the leader: it serves the local channel (``--control-host``,
+  ``--control-port``, key from $MOESERVE_CONTROL_KEY) and the admin API (``--admin-port``).
+- ``moeserve frontend --port P --control-address HOST:PORT``: the serving front end.
+- ``moeserve balancer --balancer-port B --admin-address HOST:PORT``: the balancer.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from moeserve.cli import UsageError
+from moeserve.cli import flags as F
+
+DEFAULT_CONTROL_PORT = 29600
+
+
+def register(subparsers) -> None:
+    for name, what in (("router", "a router rank (rank 0 is the leader and hosts the admin API)"),
+                       ("worker", "an expert-worker rank")):
+        p = subparsers.add_parser(name, help=f"run {what} of a multi-process cluster",
+                                  description=f"Run {what}. Every rank gets the same model and cluster flags.")
+        F.add_model_flags(p)
+        g = p.add_argument_group("rank")
+        g.add_argument("--rank", type=int, required=True)
+        g.add_argument("--world-size", type=int, required=True, help="routers + workers (co-located: routers)")
+        g.add_argument("--master-addr", default="127.0.0.1", help="torch.distributed store host (rank 0)")
+        g.add_argument("--master-port", type=int, default=29500, help="torch.distributed store port")
+        g.add_argument("--control-host", default="127.0.0.1", help="leader: where the front end reaches it")
+        g.add_argument("--control-port", type=F.port, default=DEFAULT_CONTROL_PORT,
+                       help=f"leader: the local channel's port (default {DEFAULT_CONTROL_PORT}; "
+                            f"key from ${F.CONTROL_KEY_ENV})")
+        g.add_argument("--admin-port", type=F.port, default=None, help="leader: serve the admin API on this port")
+        F.add_token_flag(p)
+        F.add_server_flags(p)
+        p.set_defaults(func=run_rank, role=name)
+
+    p = subparsers.add_parser("frontend", help="run the serving front end (gRPC Generate)",
+                              description="Serve moeserve.v1.Serving in front of a running leader.")
+    p.add_argument("--port", type=F.port, default=8000, help="serving port (default 8000)")
+    p.add_argument("--control-address", default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}", metavar="HOST:PORT",
+                   help=f"the leader's local channel (key from ${F.CONTROL_KEY_ENV})")
+    p.add_argument("--model", metavar="DIR", help="checkpoint folder, for its tokenizer (optional)")
+    F.add_server_flags(p)
+    p.set_defaults(func=run_frontend)
+
+    p = subparsers.add_parser("balancer", help="run the balancer service (the EPLB loop)",
+                              description="Serve moeserve.v1.Balancer and rebalance through the leader's admin API.")
+    p.add_argument("--balancer-port", type=F.port, default=8002, help="balancer port (default 8002)")
+    p.add_argument("--admin-address", default="127.0.0.1:8001", metavar="HOST:PORT", help="the leader's admin API")
+    p.add_argument("--ca-file", metavar="PEM", help="reach the admin API with TLS, trusting this CA")
+    p.add_argument("--admin-timeout", type=float, default=5.0, metavar="S", help="deadline of each admin call (default 5)")
+    p.add_argument("--eplb-window-size", type=int, default=None, metavar="N",
+                   help="steps of load to plan on (default: the leader's whole window)")
+    p.add_argument("--eplb-step-interval", type=int, default=3000, metavar="N",
+                   help="forward steps between periodic rebalances (default 3000)")
+    F.add_token_flag(p)
+    F.add_balancer_flags(p)
+    F.add_server_flags(p)
+    p.set_defaults(func=run_balancer)
+
+
+def _logging(name: str) -> None:
+    logging.basicConfig(level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
+
+
+def _parent_watch() -> None:
+    """Exit when the process that started us (``moeserve up``) is gone: no orphans."""
+    parent = os.environ.get("MOESERVE_PARENT_PID")
+    if parent:
+        from moeserve.cluster.rank import _watch_parent
+        import threading
+        threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
+
+
+def control_key() -> bytes:
+    key = os.environ.get(F.CONTROL_KEY_ENV)
+    if not key:
+        raise UsageError(f"set ${F.CONTROL_KEY_ENV} to the local channel's key (hex, the same for the leader "
+                         "and the front end), e.g. $(python -c 'import secrets; print(secrets.token_hex(16))')")
+    try:
+        return bytes.fromhex(key)
+    except ValueError:
+        raise UsageError(f"${F.CONTROL_KEY_ENV} must be hex digits") from None
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    from moeserve.cluster.config import ClusterConfig, EplbConfig, Limits
+
+    kw = F.cluster_kwargs(args)
+    world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
+    if args.world_size != world:
+        raise UsageError(f"--world-size {args.world_size} does not match the cluster flags: "
+                         f"{'routers' if kw['colocated'] else 'routers + workers'} = {world}")
+    if not 0 <= args.rank < world:
+        raise UsageError(f"--rank must be in 0..{world - 1}, got {args.rank}")
+    is_router = args.rank < kw["routers"]
+    is_worker = kw["colocated"] or not is_router
+    if args.role == "router" and not is_router or args.role == "worker" and not is_worker:
+        raise UsageError(f"rank {args.rank} is {'a router' if is_router else 'a worker'} "
+                         f"(ranks 0..{kw['routers'] - 1} are routers): use 'moeserve {'router' if is_router else 'worker'}'")
+    if args.rank == 0 and args.admin_port is not None and not F.token(args):
+        raise UsageError(f"the admin API needs a token: --admin-token or ${F.TOKEN_ENV}")
+    key = control_key() if args.rank == 0 else b""
+    eplb = EplbConfig(**{k: kw.pop(k) for k in list(kw) if k in EplbConfig.__dataclass_fields__})
+    limits = Limits(**{k: kw.pop(k) for k in list(kw) if k in Limits.__dataclass_fields__})
+    opts = F.server_options(args, args.admin_port or 0)
+    try:
+        cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits,
+                            admin_port=-1 if args.admin_port is None else args.admin_port, admin_host=args.host,
+                            admin_tls_cert=args.tls_cert or "", admin_tls_key=args.tls_key or "",
+                            max_message_bytes=opts.max_message_bytes, grace_s=opts.grace_s, **kw)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if F.token(args):
+        os.environ[F.TOKEN_ENV] = F.token(args)
+    os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
+    _logging(f"rank{args.rank}")
+    _parent_watch()
+    from moeserve.cluster import rank
+    return rank.serve(cfg, args.rank, key, None, args.control_host, args.control_port)
+
+
+def _host_port(text: str, flag: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"{flag} must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def run_frontend(args: argparse.Namespace) -> int:
+    from moeserve.cluster.control import ControlClient
+    from moeserve.services import server
+    from moeserve.services.frontend import load_tokenizer, make_server
+
+    address = _host_port(args.control_address, "--control-address")
+    key = control_key()
+    opts = F.server_options(args, args.port)
+    _logging("frontend")
+    _parent_watch()
+    srv = make_server(ControlClient(address, key), load_tokenizer(args.model), opts)
+    server.run(server.serve_forever(srv, lambda port: print(f"serving front end on {args.host}:{port}", flush=True)))
+    return 0
+
+
+def run_balancer(args: argparse.Namespace) -> int:
+    from moeserve.balancer.service import serve_balancer
+    from moeserve.services import server
+
+    _host_port(args.admin_address, "--admin-address")
+    tok = F.token(args)
+    if not tok:
+        raise UsageError(f"the balancer needs the admin token: --admin-token or ${F.TOKEN_ENV}")
+    if args.balancer_poll_interval <= 0 or args.admin_timeout <= 0:
+        raise UsageError("--balancer-poll-interval and --admin-timeout must be > 0")
+    cfg = F.loop_config(args, args.eplb_window_size, args.eplb_step_interval)
+    opts = F.server_options(args, args.balancer_port, tok)
+    _logging("balancer")
+    _parent_watch()
+    server.run(serve_balancer(args.admin_address, tok, cfg, opts, poll_s=args.balancer_poll_interval,
+                              call_timeout_s=args.admin_timeout, ca_file=args.ca_file,
+                              on_started=lambda port: print(f"balancer on {args.host}:{port}", flush=True)))
+    return 0
+
+

@@ -1,0 +1,56 @@
+"""The service subcommands' flags: vLLM's names, aliases, and bad flags exit 2 with a message."""
+import pytest
+
+from moeserve.cli import main
+from moeserve.cli import flags as F
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from moeserve.models import init_model
+    return str(init_model(tmp_path_factory.mktemp("m"), "llama4", seed=1))
+
+
+def parse(*argv):
+    return F.cluster_kwargs(__import__("moeserve.cli", fromlist=["build_parser"]).build_parser().parse_args(list(argv)))
+
+
+def test_eplb_config_and_the_single_flag_aliases_agree(model):
+    kw = parse("up", "--model", model, "--enable-eplb", "--eplb-config",
+               '{"window_size": 10, "step_interval": 20, "num_redundant_experts": 2, "log_balancedness": true}')
+    assert (kw["window_size"], kw["step_interval"], kw["num_redundant_experts"], kw["log_balancedness"]) == (10, 20, 2, True)
+    kw = parse("up", "--model", model, "--enable-eplb", "--num-redundant-experts", "2", "--eplb-window-size", "10",
+               "--eplb-step-interval", "20", "--eplb-log-balancedness")
+    assert (kw["window_size"], kw["step_interval"], kw["num_redundant_experts"], kw["log_balancedness"]) == (10, 20, 2, True)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["up", "--model", "/no/such/dir"], "no such folder"),
+    (["up", "--model", "{m}", "--eplb-config", "{{nope"], "not valid JSON"),
+    (["up", "--model", "{m}", "--eplb-config", '{{"window": 3}}'], "unknown keys ['window']"),
+    (["up", "--model", "{m}", "--eplb-config", '{{"window_size": "big"}}'], "must be an integer"),
+    (["up", "--model", "{m}", "--enable-eplb", "--eplb-config", '{{"window_size": 3}}', "--eplb-window-size", "4"],
+     "disagrees"),
+    (["up", "--model", "{m}", "--num-redundant-experts", "2"], "enable_eplb"),
+    (["up", "--model", "{m}", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["up", "--model", "{m}", "--port", "5", "--admin-port", "5"], "must differ"),
+    (["up", "--model", "{m}", "--tls-cert", "c.pem"], "both --tls-cert and --tls-key"),
+    (["up", "--model", "{m}", "--eplb-min-balancedness", "2"], "min_balancedness must be in [0, 1]"),
+    (["router", "--model", "{m}", "--rank", "0", "--world-size", "3"], "--world-size 3 does not match"),
+    (["worker", "--model", "{m}", "--workers", "1", "--rank", "0", "--world-size", "2"], "use 'moeserve router'"),
+    (["router", "--model", "{m}", "--rank", "0", "--world-size", "2", "--admin-port", "0"], "needs a token"),
+    (["balancer", "--admin-address", "nohost"], "HOST:PORT"),
+    (["status", "--address", "nohost"], "host:port"),
+])
+def test_bad_flags_exit_2_with_a_message(model, argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("MOESERVE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("MOESERVE_CONTROL_KEY", raising=False)
+    assert main([a.format(m=model) for a in argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_port_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--model", ".", "--port", "99999"])
+    assert e.value.code == 2
+    assert "0..65535" in capsys.readouterr().err
