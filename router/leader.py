@@ -97,6 +97,7 @@ class Engine:
         self._seen_version = int(placement.version)
         self._placement_step = 0                 # forward_steps when the placement last changed
         self.metrics = None              # moeserve.metrics.LeaderMetrics when this rank exports metrics
+        self.metrics_ports: dict[str, int] = {}   # name ("rank0", "balancer", ...) -> metrics port
         self._header_t = time.perf_counter()
 
     # -- requests (any thread) ----------------------------------------------------------------
@@ -171,7 +172,8 @@ class Engine:
         active = self.migrator.active
         return dict(step=self.step, forward_steps=self.forward_steps, uptime_s=time.time() - self.started,
                     placement_version=int(p.version), layer_versions=[int(v) for v in p.layer_versions],
-                    migration=active.summary() if active else None, error=self.error, **self.scheduler.counts())
+                    migration=active.summary() if active else None, error=self.error,
+                    metrics_ports=dict(self.metrics_ports), **self.scheduler.counts())
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
         """Per worker, float64 [L, S, 2] digests (sum, sum of squares) of what each slot

@@ -68,6 +68,9 @@ class ClusterConfig:
     written to ``admin.json`` in the run folder); admin_host, admin_tls_cert/key (PEM files),
     max_message_bytes and grace_s (in-flight calls' time to finish at shutdown) configure it.
     The bearer token comes from the environment (MOESERVE_ADMIN_TOKEN), never from this file.
+    per_expert_metrics: the leader's per-expert series (auto: while L x E <= 4096, on, off);
+    metrics_peers: (name, port) of the metrics endpoints of other services (the balancer, the
+    front end) that the leader reports in its status, beside every rank's.
     """
 
     model_dir: str
@@ -90,6 +93,8 @@ class ClusterConfig:
     admin_tls_key: str = ""
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
+    per_expert_metrics: str = "auto"
+    metrics_peers: tuple = ()
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -108,6 +113,8 @@ class ClusterConfig:
             raise ValueError("heartbeat_s and pg_timeout_s must be > 0")
         if not -1 <= self.admin_port <= 65535:
             raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {self.admin_port}")
+        if self.per_expert_metrics not in ("auto", "on", "off"):
+            raise ValueError(f"per_expert_metrics must be auto, on or off, got {self.per_expert_metrics!r}")
         if bool(self.admin_tls_cert) != bool(self.admin_tls_key):
             raise ValueError("admin TLS needs both a certificate and a key")
 
@@ -126,5 +133,6 @@ class ClusterConfig:
         d["limits"] = Limits(**d["limits"])
         if d.get("phy2log") is not None:
             d["phy2log"] = tuple(tuple(r) for r in d["phy2log"])
+        d["metrics_peers"] = tuple((str(n), int(p)) for n, p in d.get("metrics_peers", ()))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})

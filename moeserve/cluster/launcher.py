@@ -77,6 +77,8 @@ class LocalCluster:
     EplbConfig and Limits (vLLM's names).
     admin_port: the leader serves the gRPC admin API there (-1: none, 0: a free port; see
     ``admin_address``), guarded by ``admin_token`` (passed to the leader in its environment).
+    metrics_ports: one Prometheus port per rank (0: a free one), or None for no metrics;
+    per_expert_metrics and metrics_peers: see ClusterConfig.
     """
 
     def __init__(self, model_dir, routers: int = 1, workers: int = 1, colocated: bool = False,
@@ -88,7 +90,8 @@ class LocalCluster:
                  startup_timeout_s: float = 300.0, env: dict | None = None, log_dir: str | None = None,
                  admin_port: int = -1, admin_host: str = "127.0.0.1", admin_token: str | None = None,
                  admin_tls_cert: str = "", admin_tls_key: str = "", max_message_bytes: int = 64 << 20,
-                 grace_s: float = 30.0):
+                 grace_s: float = 30.0, metrics_ports=None, per_expert_metrics: str = "auto",
+                 metrics_peers: dict | None = None):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
@@ -122,7 +125,11 @@ class LocalCluster:
             max_staging_bytes=max_staging_bytes,
             heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, admin_port=admin_port, admin_host=admin_host,
             admin_tls_cert=admin_tls_cert, admin_tls_key=admin_tls_key, max_message_bytes=max_message_bytes,
-            grace_s=grace_s)
+            grace_s=grace_s, per_expert_metrics=per_expert_metrics,
+            metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
+        if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
+            raise ValueError(f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}")
+        self.metrics_ports = None if metrics_ports is None else [int(p) for p in metrics_ports]
         self.moe_info = info
         self.vocab_size = mcfg.vocab_size
         self.startup_timeout_s = startup_timeout_s
@@ -169,6 +176,8 @@ class LocalCluster:
         self.log_paths = []
         for rank in range(cfg.world_size):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            if self.metrics_ports is not None:
+                env["MOESERVE_METRICS_PORT"] = str(self.metrics_ports[rank])
             path = os.path.join(logs, f"rank{rank}.log")
             self.log_paths.append(path)
             out = open(path, "wb")

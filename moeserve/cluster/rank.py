@@ -184,23 +184,40 @@ def _watch_parent(pid: int) -> None:
 
 
 def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = None,
-          control_host: str = "127.0.0.1", control_port: int = 0) -> int:
+          control_host: str = "127.0.0.1", control_port: int = 0, metrics_port: int | None = None) -> int:
     """Build this rank and run its step loop until a stop header. The leader also serves the
     local channel on (control_host, control_port) and, when ``cfg.admin_port`` >= 0, the gRPC
     admin API (token from MOESERVE_ADMIN_TOKEN); with ``run_dir`` it writes ``admin.json`` and
-    then ``control.json`` there once it is ready."""
+    then ``control.json`` there once it is ready. With ``metrics_port`` (0: a free port) the
+    rank serves Prometheus metrics on ``cfg.admin_host``; every rank's port reaches the leader
+    in one gather at start (-1 for a rank without metrics), which reports them in its status."""
     st = None
     admin = None
+    metrics = None
     try:
+        if metrics_port is not None:                   # before the model loads: a slow start shows
+            from moeserve.metrics import ProcessMetrics
+            role = "router+worker" if cfg.colocated else "router" if rank < cfg.routers else "worker"
+            metrics = ProcessMetrics(role, rank)
+            metrics.serve(metrics_port, cfg.admin_host)
+            log.info("metrics on http://%s:%d/metrics", cfg.admin_host, metrics.port)
         st = build(cfg, rank)
+        ports = [None] * cfg.world_size if rank == 0 else None
+        dist.gather_object(metrics.port if metrics else -1, ports, dst=0, group=st.control_group)
+        if metrics is not None:
+            _record_metrics(metrics, st, cfg)
         if st.engine is not None:
+            st.engine.metrics_ports = {**{f"rank{r}": int(p) for r, p in enumerate(ports) if p >= 0},
+                                       **dict(cfg.metrics_peers)}
             from moeserve.cluster.control import ControlServer
             server = ControlServer(st.engine, authkey, control_host, control_port)
             server.start()
             signal.signal(signal.SIGTERM, lambda *_: st.engine.request_stop())
             if cfg.admin_port >= 0:
                 from moeserve.services.admin import start_admin     # the gRPC layer: only when asked for
-                admin = start_admin(st.engine, os.environ.get("MOESERVE_ADMIN_TOKEN") or None)
+                from moeserve.services.server import ADMIN
+                admin = start_admin(st.engine, os.environ.get("MOESERVE_ADMIN_TOKEN") or None,
+                                    (metrics.grpc_interceptor(ADMIN),) if metrics else ())
                 if run_dir:
                     _write_json(os.path.join(run_dir, "admin.json"), {"host": cfg.admin_host, "port": admin.server.port})
                 log.info("admin API on %s:%d", cfg.admin_host, admin.server.port)
@@ -222,6 +239,16 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
     return 0
 
 
+def _record_metrics(metrics, st: RankState, cfg: ClusterConfig) -> None:
+    """Hand this rank's roles what they record: the leader's step hook and state, the router's
+    dispatch/combine timings."""
+    from moeserve.metrics import LeaderMetrics, RouterMetrics
+    if st.engine is not None:
+        st.engine.metrics = LeaderMetrics(metrics.registry, st.engine, cfg.per_expert_metrics)
+    if st.runner is not None:
+        RouterMetrics(metrics.registry).instrument(st.runner.experts)
+
+
 def _write_json(path: str, value) -> None:
     import json
     tmp = path + ".tmp"
@@ -239,7 +266,9 @@ def main() -> int:
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
     with open(os.environ["MOESERVE_CLUSTER_CONFIG"]) as f:
         cfg = ClusterConfig.from_json(f.read())
-    return serve(cfg, rank, bytes.fromhex(os.environ["MOESERVE_AUTHKEY"]), os.environ["MOESERVE_RUN_DIR"])
+    port = os.environ.get("MOESERVE_METRICS_PORT")
+    return serve(cfg, rank, bytes.fromhex(os.environ["MOESERVE_AUTHKEY"]), os.environ["MOESERVE_RUN_DIR"],
+                 metrics_port=int(port) if port else None)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                                     log_balancedness=c.eplb.log_balancedness))
         if s["migration"]:
             msg.migration.CopyFrom(migration_msg(s["migration"]))
+        msg.metrics_ports.update(s["metrics_ports"])
         return msg
 
     async def GetBalancerSettings(self, request, context):

@@ -11,7 +11,8 @@ Every service is a :class:`ServiceServer`: a ``grpc.aio`` server with
 - an optional bearer token (metadata ``authorization: Bearer <token>``; health and reflection
   need none, so that orchestrators can probe),
 - TLS when given a certificate and key,
-- the interceptors passed in (the hook for metrics), after the two above,
+- the interceptors passed in (the hook for metrics), before the two above, so that metrics
+  count the calls they refuse too,
 - graceful shutdown: health NOT_SERVING first, then in-flight calls get ``grace_s`` to finish.
 
 Where a service shares a process with other work (the admin API in the leader), it runs in its
@@ -165,10 +166,11 @@ class ServiceServer:
 
     async def start(self) -> int:
         o = self.options
-        interceptors = [ServiceCheck(self.service)]
+        # The interceptors passed in (metrics) come first, so that they also see the calls
+        # the service check and the token check answer themselves.
+        interceptors = [*o.interceptors, ServiceCheck(self.service)]
         if o.token:
             interceptors.append(BearerAuth(o.token, self.service))
-        interceptors.extend(o.interceptors)
         limit = int(o.max_message_bytes)
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
