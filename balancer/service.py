@@ -34,6 +34,9 @@ from moeserve.services.server import BALANCER, ServerOptions, ServiceServer
 log = logging.getLogger("moeserve.balancer")
 
 
+ENDED = ("done", "aborted", "failed")          # states of a migration that ended
+
+
 class Busy(Exception):
     """A rebalance or a migration is already running."""
 
@@ -41,10 +44,12 @@ class Busy(Exception):
 class BalancerService(balancer_pb2_grpc.BalancerServicer):
     """``admin``: an AsyncClient of the leader's admin API (with the token and a short timeout);
     ``config``: the flags' LoopConfig (settings stored on the leader override it);
-    ``poll_s``: seconds between loop iterations."""
+    ``poll_s``: seconds between loop iterations; ``metrics``: a moeserve.metrics.BalancerMetrics
+    (rebalances by result and their duration) or None."""
 
-    def __init__(self, admin: AsyncClient, config: LoopConfig, poll_s: float = 0.5):
+    def __init__(self, admin: AsyncClient, config: LoopConfig, poll_s: float = 0.5, metrics=None):
         self.admin = admin
+        self.metrics = metrics
         self.flags = config
         self.config = config
         self.paused = False
@@ -64,6 +69,8 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         self._following = False
         self._task: asyncio.Task | None = None
         self._follow: asyncio.Task | None = None
+        self._started_at = 0.0                         # when the running rebalance started planning
+        self._recorders: set[asyncio.Task] = set()
 
     # -- settings stored on the leader -------------------------------------------------------
 
@@ -130,20 +137,48 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         """Plan (and apply, and follow) one rebalance; raises Busy when one runs. A dry run
         only reads, so it runs beside anything else."""
         if dry_run:
-            return await self._plan(why, dry_run=True, wait=False, timeout_s=timeout_s)
+            resp = await self._plan(why, dry_run=True, wait=False, timeout_s=timeout_s)
+            self._record("dry_run", time.monotonic())
+            return resp
         if self._busy:
             raise Busy(f"a rebalance is already running ({self.state}, trigger {self._running!r}"
                        f"{', migration ' + self.last_migration_id if self.state == 'migrating' else ''}); "
                        "retry when GetBalancerStatus shows state idle")
         self._busy, self._running = True, why
         self._following = False
+        self._started_at = time.monotonic()
         try:
             self.state = "planning"
-            return await self._plan(why, dry_run=False, wait=wait, timeout_s=timeout_s)
+            resp = await self._plan(why, dry_run=False, wait=wait, timeout_s=timeout_s)
+        except Busy:                                  # another migration runs: this one never started
+            raise
+        except BaseException:
+            self._record("failed", self._started_at)
+            raise
         finally:
             if not self._following:
                 self._busy = False
                 self.state = "idle"
+        if not resp.applied:
+            self._record("skipped", self._started_at)
+        elif wait and resp.migration.state in ENDED:
+            self._record("done" if resp.migration.state == "done" else "failed", self._started_at)
+        elif wait:                                    # the caller's deadline came first: follow on
+            task = asyncio.get_running_loop().create_task(self._record_at_end(resp.migration_id, self._started_at))
+            self._recorders.add(task)                 # a reference, so the task is not collected
+            task.add_done_callback(self._recorders.discard)
+        return resp
+
+    def _record(self, result: str, started_at: float) -> None:
+        if self.metrics is not None:
+            self.metrics.record(result, time.monotonic() - started_at)
+
+    async def _record_at_end(self, migration_id: str, started_at: float) -> None:
+        try:
+            mig = await self._follow_to_end(migration_id, None)
+            self._record("done" if mig.state == "done" else "failed", started_at)
+        except Exception:
+            self._record("failed", started_at)
 
     async def _plan(self, why: str, dry_run: bool, wait: bool, timeout_s: float | None):
         status = await self._admin(self.admin.status())
@@ -208,9 +243,11 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
 
     async def _follow_then_idle(self, migration_id: str) -> None:
         try:
-            await self._follow_to_end(migration_id, None)
+            mig = await self._follow_to_end(migration_id, None)
+            self._record("done" if mig.state == "done" else "failed", self._started_at)
         except Exception as e:
             self.last_error = f"following migration {migration_id}: {e}"
+            self._record("failed", self._started_at)
         finally:
             self._busy = False
             self.state = "idle"
@@ -287,11 +324,18 @@ def _migration_msg(m):
 
 async def serve_balancer(admin_address: str, token: str | None, config: LoopConfig, options: ServerOptions,
                          poll_s: float = 0.5, call_timeout_s: float = 5.0, ca_file: str | None = None,
-                         on_started=None) -> None:
-    """Run the balancer until SIGTERM (call inside an event loop)."""
+                         on_started=None, process_metrics=None) -> None:
+    """Run the balancer until SIGTERM (call inside an event loop). ``process_metrics``: the
+    process's moeserve.metrics.ProcessMetrics, which gets the balancer's and gRPC metrics."""
     from moeserve.services.server import serve_forever
     admin = AsyncClient(admin_address, token, timeout=call_timeout_s, ca_file=ca_file)
     service = BalancerService(admin, config, poll_s)
+    if process_metrics is not None:
+        from moeserve.metrics import BalancerMetrics
+        service.metrics = BalancerMetrics(process_metrics.registry, paused=lambda: service.paused,
+                                          admin_reachable=lambda: service.admin_reachable)
+        options = dataclasses.replace(options, interceptors=(*options.interceptors,
+                                                             process_metrics.grpc_interceptor(BALANCER)))
     server = ServiceServer(BALANCER, lambda s: balancer_pb2_grpc.add_BalancerServicer_to_server(service, s), options)
 
     def started(port):

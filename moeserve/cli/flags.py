@@ -83,6 +83,29 @@ def add_balancer_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds between looks at the load (default 0.5)")
 
 
+def add_metrics_flags(p: argparse.ArgumentParser, per_expert: bool = False) -> None:
+    g = p.add_argument_group("metrics")
+    g.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on --host:PORT/metrics (0 = any free port, printed; default: none)")
+    if per_expert:
+        g.add_argument("--per-expert-metrics", choices=("auto", "on", "off"), default="auto",
+                       help="leader: series per logical expert (auto = while MoE layers x experts <= 4096)")
+
+
+def start_metrics(args, role: str):
+    """The process's ProcessMetrics serving on --host:--metrics-port, or None without the flag."""
+    if args.metrics_port is None:
+        return None
+    from moeserve.metrics import ProcessMetrics
+    pm = ProcessMetrics(role)
+    try:
+        pm.serve(args.metrics_port, args.host)
+    except OSError as e:
+        raise UsageError(f"cannot serve metrics on {args.host}:{args.metrics_port}: {e.strerror}") from None
+    print(f"metrics on http://{args.host}:{pm.port}/metrics", flush=True)
+    return pm
+
+
 def add_client_flags(p: argparse.ArgumentParser, default_port: str) -> None:
     p.add_argument("--address", default=f"127.0.0.1:{default_port}", metavar="HOST:PORT",
                    help=f"the service's address (default 127.0.0.1:{default_port})")

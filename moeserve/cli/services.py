@@ -1,7 +1,8 @@
 """One service per subcommand, for compose and Kubernetes:
 
 - ``moeserve router --rank I ...`` / ``moeserve worker --rank I ...``: one rank of the world
-  (``--rank --world-size --master-addr --master-port``; the same model and cluster flags on
+  (``--rank --world-size --master-addr --master-port``, by default from torchrun's environment
+  variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the same model and cluster flags on
   every rank). Ranks ``0 .. R-1`` are routers, ``R .. R+W-1`` workers (co-located: every rank
   is both). Rank 0 is the leader: it serves the local channel (``--control-host``,
   ``--control-port``, key from $MOESERVE_CONTROL_KEY) and the admin API (``--admin-port``).
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -28,10 +30,10 @@ def register(subparsers) -> None:
                                   description=f"Run {what}. Every rank gets the same model and cluster flags.")
         F.add_model_flags(p)
         g = p.add_argument_group("rank")
-        g.add_argument("--rank", type=int, required=True)
-        g.add_argument("--world-size", type=int, required=True, help="routers + workers (co-located: routers)")
-        g.add_argument("--master-addr", default="127.0.0.1", help="torch.distributed store host (rank 0)")
-        g.add_argument("--master-port", type=int, default=29500, help="torch.distributed store port")
+        _env_arg(g, "--rank", "RANK", int, None, "this rank")
+        _env_arg(g, "--world-size", "WORLD_SIZE", int, None, "routers + workers (co-located: routers)")
+        _env_arg(g, "--master-addr", "MASTER_ADDR", str, "127.0.0.1", "torch.distributed store host (rank 0)")
+        _env_arg(g, "--master-port", "MASTER_PORT", int, 29500, "torch.distributed store port")
         g.add_argument("--control-host", default="127.0.0.1", help="leader: where the front end reaches it")
         g.add_argument("--control-port", type=F.port, default=DEFAULT_CONTROL_PORT,
                        help=f"leader: the local channel's port (default {DEFAULT_CONTROL_PORT}; "
@@ -39,6 +41,7 @@ def register(subparsers) -> None:
         g.add_argument("--admin-port", type=F.port, default=None, help="leader: serve the admin API on this port")
         F.add_token_flag(p)
         F.add_server_flags(p)
+        F.add_metrics_flags(p, per_expert=True)
         p.set_defaults(func=run_rank, role=name)
 
     p = subparsers.add_parser("frontend", help="run the serving front end (gRPC Generate)",
@@ -48,6 +51,7 @@ def register(subparsers) -> None:
                    help=f"the leader's local channel (key from ${F.CONTROL_KEY_ENV})")
     p.add_argument("--model", metavar="DIR", help="checkpoint folder, for its tokenizer (optional)")
     F.add_server_flags(p)
+    F.add_metrics_flags(p)
     p.set_defaults(func=run_frontend)
 
     p = subparsers.add_parser("balancer", help="run the balancer service (the EPLB loop)",
@@ -63,7 +67,20 @@ def register(subparsers) -> None:
     F.add_token_flag(p)
     F.add_balancer_flags(p)
     F.add_server_flags(p)
+    F.add_metrics_flags(p)
     p.set_defaults(func=run_balancer)
+
+
+def _env_arg(group, flag: str, env: str, kind, default, help_: str) -> None:
+    """A flag whose default comes from environment variable ``env`` (required when neither is set)."""
+    value = os.environ.get(env)
+    if value is not None:
+        try:
+            default = kind(value)
+        except ValueError:
+            raise UsageError(f"${env} must be {'an integer' if kind is int else 'a string'}, got {value!r}") from None
+    group.add_argument(flag, type=kind, default=default, required=default is None,
+                       help=f"{help_} (default: ${env}{'' if default is None else f', else {default}'})")
 
 
 def _logging(name: str) -> None:
@@ -116,7 +133,8 @@ def run_rank(args: argparse.Namespace) -> int:
         cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits,
                             admin_port=-1 if args.admin_port is None else args.admin_port, admin_host=args.host,
                             admin_tls_cert=args.tls_cert or "", admin_tls_key=args.tls_key or "",
-                            max_message_bytes=opts.max_message_bytes, grace_s=opts.grace_s, **kw)
+                            max_message_bytes=opts.max_message_bytes, grace_s=opts.grace_s,
+                            per_expert_metrics=args.per_expert_metrics, **kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if F.token(args):
@@ -125,7 +143,7 @@ def run_rank(args: argparse.Namespace) -> int:
     _logging(f"rank{args.rank}")
     _parent_watch()
     from moeserve.cluster import rank
-    return rank.serve(cfg, args.rank, key, None, args.control_host, args.control_port)
+    return rank.serve(cfg, args.rank, key, None, args.control_host, args.control_port, args.metrics_port)
 
 
 def _host_port(text: str, flag: str) -> tuple[str, int]:
@@ -145,7 +163,14 @@ def run_frontend(args: argparse.Namespace) -> int:
     opts = F.server_options(args, args.port)
     _logging("frontend")
     _parent_watch()
-    srv = make_server(ControlClient(address, key), load_tokenizer(args.model), opts)
+    metrics = None
+    pm = F.start_metrics(args, "frontend")
+    if pm is not None:
+        from moeserve.metrics import FrontendMetrics
+        from moeserve.services.server import SERVING
+        metrics = FrontendMetrics(pm.registry)
+        opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, pm.grpc_interceptor(SERVING)))
+    srv = make_server(ControlClient(address, key), load_tokenizer(args.model), opts, metrics)
     server.run(server.serve_forever(srv, lambda port: print(f"serving front end on {args.host}:{port}", flush=True)))
     return 0
 
@@ -164,9 +189,11 @@ def run_balancer(args: argparse.Namespace) -> int:
     opts = F.server_options(args, args.balancer_port, tok)
     _logging("balancer")
     _parent_watch()
+    pm = F.start_metrics(args, "balancer")
     server.run(serve_balancer(args.admin_address, tok, cfg, opts, poll_s=args.balancer_poll_interval,
                               call_timeout_s=args.admin_timeout, ca_file=args.ca_file,
-                              on_started=lambda port: print(f"balancer on {args.host}:{port}", flush=True)))
+                              on_started=lambda port: print(f"balancer on {args.host}:{port}", flush=True),
+                              process_metrics=pm))
     return 0
 
 

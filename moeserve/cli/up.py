@@ -7,6 +7,11 @@ grpc.health.v1, then prints their addresses. On SIGTERM or SIGINT: the front end
 stops, then the ranks; every child exits (no orphans). The balancer keeps no state, so when it
 dies it is started again (serving goes on meanwhile); when a rank or the front end dies,
 everything is torn down and the exit code is 1.
+
+``--metrics-port M``: every process serves Prometheus metrics: the router leader (rank 0) on
+M, the balancer on M+1, the front end on M+2, then every other rank in rank order (M+3, ...);
+M = 0 gives each a free port. The list is printed once ready, and the leader reports it in
+GetStatus.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ def register(subparsers) -> None:
     F.add_token_flag(p)
     F.add_balancer_flags(p)
     F.add_server_flags(p)
+    F.add_metrics_flags(p, per_expert=True)
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to become ready")
     p.add_argument("--log-dir", metavar="DIR", help="keep every process's log here")
     p.set_defaults(func=run)
@@ -62,6 +68,25 @@ def wait_serving(address: str, timeout_s: float, ca_file: str | None = None, ali
             time.sleep(0.1)
 
 
+def metrics_layout(base: int | None, world_size: int) -> dict[str, int] | None:
+    """Metrics port of every process of ``up`` (None: no metrics): rank0 = M, balancer = M+1,
+    frontend = M+2, rank r = M+2+r for r >= 1; M = 0 gives each a free port."""
+    if base is None:
+        return None
+    from moeserve.cluster.launcher import free_port
+    names = ["rank0", "balancer", "frontend"] + [f"rank{r}" for r in range(1, world_size)]
+    if base == 0:
+        ports: list[int] = []
+        while len(ports) < len(names):
+            p = free_port()
+            if p not in ports:
+                ports.append(p)
+        return dict(zip(names, ports))
+    if base + len(names) - 1 > 65535:
+        raise UsageError(f"--metrics-port {base}: the {len(names)} processes need ports up to {base + len(names) - 1}")
+    return {n: base + i for i, n in enumerate(names)}
+
+
 def run(args: argparse.Namespace) -> int:
     from moeserve.cluster.launcher import LocalCluster, _die_with_parent, free_port
 
@@ -73,11 +98,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port, --admin-port and --balancer-port must differ, got {sorted(ports.values())}")
     loop = F.loop_config(args, None, kw.get("step_interval"))   # validates the balancer flags
     host = args.host
+    world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
+    metrics = metrics_layout(args.metrics_port, world)
+    mkw = {}
+    if metrics is not None:
+        mkw = dict(metrics_ports=[metrics[f"rank{r}"] for r in range(world)], per_expert_metrics=args.per_expert_metrics,
+                   metrics_peers={k: metrics[k] for k in ("balancer", "frontend")})
     try:
         cluster = LocalCluster(args.model, admin_port=ports["admin_port"], admin_host=host, admin_token=token,
                                admin_tls_cert=args.tls_cert or "", admin_tls_key=args.tls_key or "",
                                max_message_bytes=opts.max_message_bytes, grace_s=opts.grace_s,
-                               startup_timeout_s=args.startup_timeout, log_dir=args.log_dir, **kw)
+                               startup_timeout_s=args.startup_timeout, log_dir=args.log_dir, **mkw, **kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -103,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
                "--balancer-poll-interval", str(args.balancer_poll_interval), *common]
         if args.tls_cert:
             bal += ["--ca-file", args.tls_cert]
+        if metrics is not None:
+            front += ["--metrics-port", str(metrics["frontend"])]
+            bal += ["--metrics-port", str(metrics["balancer"])]
         logs = args.log_dir or cluster.run_dir
 
         def spawn(name, cmd):
@@ -117,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         for name, addr in addrs.items():
             wait_serving(addr, args.startup_timeout, ca, alive=lambda: cluster.alive and all(c.poll() is None for c in children))
         print(f"serving  {addrs['serving']}\nadmin    {addrs['admin']}\nbalancer {addrs['balancer']}", flush=True)
+        if metrics is not None:
+            print(metrics_list(metrics, host, kw["routers"], kw["colocated"]), flush=True)
         if not F.token(args):
             print(f"admin token {token}", flush=True)
         print("ready", flush=True)
@@ -138,6 +174,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         _shutdown(children, cluster, opts.grace_s)
+
+
+def metrics_list(metrics: dict[str, int], host: str, routers: int, colocated: bool) -> str:
+    """One line per process: its role and its metrics URL."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    lines = []
+    for name, port in metrics.items():
+        if name.startswith("rank"):
+            r = int(name[4:])
+            role = "router+worker" if colocated else "router" if r < routers else f"worker {r - routers}"
+            what = f"rank {r} ({role}{', leader' if r == 0 else ''})"
+        else:
+            what = "front end" if name == "frontend" else name
+        lines.append(f"metrics  {what:<28} http://{shown}:{port}/metrics")
+    return "\n".join(lines)
 
 
 def _shutdown(children, cluster, grace_s: float) -> None:

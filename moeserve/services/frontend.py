@@ -41,11 +41,13 @@ def load_tokenizer(model_dir: str | None):
 
 
 class ServingService(serving_pb2_grpc.ServingServicer):
-    """``control``: a ControlClient to the leader; ``tokenizer``: a tokenizers.Tokenizer or None."""
+    """``control``: a ControlClient to the leader; ``tokenizer``: a tokenizers.Tokenizer or None;
+    ``metrics``: a moeserve.metrics.FrontendMetrics (request latencies and tokens) or None."""
 
-    def __init__(self, control: ControlClient, tokenizer=None):
+    def __init__(self, control: ControlClient, tokenizer=None, metrics=None):
         self.control = control
         self.tokenizer = tokenizer
+        self.metrics = metrics
 
     def to_request(self, r: serving_pb2.GenerateRequest) -> GenerateRequest:
         """Validate what the leader cannot (text, types, ranges); ValueError says what is wrong."""
@@ -96,6 +98,8 @@ class ServingService(serving_pb2_grpc.ServingServicer):
                     box["stream"].close()
 
         threading.Thread(target=read, name="frontend-stream", daemon=True).start()
+        record = self.metrics.request(len(req.prompt_ids)) if self.metrics is not None else None
+        reason = "error"
         try:
             while True:
                 ev = await q.get()
@@ -105,11 +109,20 @@ class ServingService(serving_pb2_grpc.ServingServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, ev[1])
                 if ev[0] == "end":
                     return
+                if record is not None and ev[0] == "token":
+                    record.token()
+                elif ev[0] == "done":
+                    reason = ev[1]
                 yield ev
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away or its deadline passed
+            reason = "cancelled"
+            raise
         finally:                                      # done, cancelled, deadline or client gone
             box["cancel"] = True
             if "stream" in box:
                 box["stream"].cancel()
+            if record is not None:
+                record.finish(reason)
 
     async def Generate(self, request, context):
         try:
@@ -161,6 +174,6 @@ async def _abort_for(context, e: BaseException):
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
 
-def make_server(control: ControlClient, tokenizer, options: ServerOptions) -> ServiceServer:
-    service = ServingService(control, tokenizer)
+def make_server(control: ControlClient, tokenizer, options: ServerOptions, metrics=None) -> ServiceServer:
+    service = ServingService(control, tokenizer, metrics)
     return ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), options)
