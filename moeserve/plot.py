@@ -85,7 +85,7 @@ def plot_load(pictures: list[LoadPicture], path: str | Path, suptitle: str = "")
     slots = pictures[0].phy2log.shape[1] if with_slots else 0
     cols = len(pictures)
     width = max(5.0, 0.42 * max(experts, slots) + 2.2)
-    row_h = 0.55 * layers + 1.4
+    row_h = 0.55 * layers + 1.7
     rows = 2 if with_slots else 1
     fig, axes = plt.subplots(rows, cols, figsize=(width * cols, row_h * rows + (0.6 if suptitle else 0.2)),
                              squeeze=False, constrained_layout=True)
@@ -96,7 +96,7 @@ def plot_load(pictures: list[LoadPicture], path: str | Path, suptitle: str = "")
         share = _share(pic.load)                                                  # [L, E]
         ax = axes[0, c]
         im = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
-        ax.set_title(f"{pic.title}: load per logical expert" + (f" ({pic.steps} steps)" if pic.steps else ""),
+        ax.set_title(f"{pic.title}\nload per logical expert" + (f" ({pic.steps} steps)" if pic.steps else ""),
                      fontsize=10)
         ax.set_xlabel("logical expert")
         ax.set_ylabel("MoE layer")
@@ -138,7 +138,8 @@ def _slot_panel(ax, pic: LoadPicture, vmax: float) -> None:
     ax.set_xticks([k * s + (s - 1) / 2 for k in range(w)], [f"worker {k}" for k in range(w)])
     ax.set_yticks(range(layers), [f"{i}  ({b:.2f})" for i, b in enumerate(bal)])
     ax.set_ylabel("MoE layer  (balancedness)")
-    ax.set_title(f"{pic.title}: load per physical slot, mean balancedness {bal.mean():.3f}", fontsize=10)
+    ax.set_title(f"load per physical slot (an expert's load split evenly over its replicas)\n"
+                 f"mean balancedness {bal.mean():.3f}", fontsize=10)
     if layers * slots <= ANNOTATE_MAX_CELLS:
         for i in range(layers):
             for j in range(slots):

@@ -3,6 +3,8 @@
 - ``moeserve placement show|apply FILE|dump FILE`` (admin): the placement in force, applying a
   placement file (moeserve JSON or SGLang .json/.pt) live, writing the placement to a file;
 - ``moeserve load [--dump FILE]`` (admin): the load window and its balancedness;
+  ``moeserve load --plot FILE.png [DUMP [DUMP]]``: a heatmap of the load per expert and per
+  slot, of the live window or of dumps (two dumps: before and after, side by side);
 - ``moeserve rebalance [--dry-run] [--wait]`` (balancer);
 - ``moeserve status`` (admin).
 
@@ -45,7 +47,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("load", help="print the load window and its balancedness (admin API)")
     F.add_client_flags(p, "8001")
     p.add_argument("--window-steps", type=int, default=0, help="only the last N steps (default: the whole window)")
-    p.add_argument("--dump", metavar="FILE", help="also write the load (since start and window) as JSON")
+    p.add_argument("--dump", metavar="FILE", help="also write the load (since start and window) and the placement as JSON")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the load per expert and per slot (matplotlib: pip install 'moeserve[plot]'); "
+                        "of the DUMP files when given, else of the live window")
+    p.add_argument("dumps", nargs="*", metavar="DUMP",
+                   help="with --plot: files written by --dump (two: before and after a rebalance, side by side)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_load)
 
@@ -132,13 +139,49 @@ def run_placement(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(path: str, pictures) -> None:
+    from moeserve.plot import PlotUnavailable, plot_load
+    try:
+        plot_load(pictures, path)
+    except PlotUnavailable as e:
+        raise UsageError(str(e)) from None
+    except ValueError as e:
+        raise UsageError(f"--plot: {e}") from None
+    print(f"wrote {path}")
+
+
+def _dump_of(c) -> dict:
+    d = _call(c.dump_load)
+    p = _call(c.placement)
+    return {"format": "moeserve.load/1", **_jsonable(d),
+            "placement": {"phy2log": p.phy2log.tolist(), "version": int(p.version), "num_workers": p.num_workers}}
+
+
 def run_load(args: argparse.Namespace) -> int:
+    if args.dumps:
+        if not args.plot:
+            raise UsageError("DUMP files are read by --plot: moeserve load --plot FILE.png DUMP [DUMP]")
+        from moeserve.plot import LoadPicture
+        try:
+            pics = [LoadPicture.from_dump(f) for f in args.dumps]
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if len(pics) == 2 and pics[0].title == pics[1].title:
+            pics = [dataclasses.replace(pics[0], title="before"), dataclasses.replace(pics[1], title="after")]
+        _plot(args.plot, pics)
+        return 0
     c = _client(args)
     rep = _call(lambda: c.expert_load(args.window_steps))
+    if args.dump or args.plot:
+        d = _dump_of(c)
     if args.dump:
-        d = _call(c.dump_load)
         with open(args.dump, "w") as f:
-            json.dump({"format": "moeserve.load/1", **_jsonable(d)}, f)
+            json.dump(d, f)
+    if args.plot:
+        from moeserve.plot import LoadPicture
+        p = d["placement"]
+        _plot(args.plot, [LoadPicture(f"window of {rep.steps} steps (placement v{p['version']})", np.asarray(rep.load),
+                                      np.asarray(p["phy2log"]), p["num_workers"], rep.steps)])
     if args.json:
         print(json.dumps(_jsonable(rep)))
         return 0
