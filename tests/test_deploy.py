@@ -180,3 +180,41 @@ def command_of(test: list[str]) -> list[str]:
         return test[1:]
     assert test[0] == "CMD-SHELL", test
     return shlex.split(test[1])
+
+
+def parse(argv: list[str], environment: dict, monkeypatch):
+    """Parse a ``moeserve ...`` argv with moeserve's own CLI parser, in the service's environment
+    (the rank flags default to RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    from moeserve.cli import build_parser
+    assert argv[0] == "moeserve", argv
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in (environment or {}).items():
+        monkeypatch.setenv(k, str(v))
+    try:
+        return build_parser().parse_args(argv[1:])
+    except SystemExit as e:
+        raise AssertionError(f"moeserve's parser refused {' '.join(argv)} (exit {e.code})") from None
+
+
+def test_every_service_command_and_health_check_is_a_real_moeserve_subcommand_with_real_flags(project, monkeypatch):
+    seen = set()
+    for name, s in moeserve_services(project).items():
+        args = parse(s["command"], s.get("environment"), monkeypatch)
+        assert args.command == s["command"][1] and callable(args.func), name
+        seen.add(args.command)
+        if args.command in ("router", "worker"):
+            assert args.rank == int(s["environment"]["RANK"]) and args.world_size == 3, name
+            assert args.metrics_port == 9100, name
+        health = parse(command_of(s["healthcheck"]["test"]), s.get("environment"), monkeypatch)
+        assert health.command == "health", name
+    assert seen == {"router", "worker", "frontend", "balancer"}
+
+
+def test_the_command_check_has_teeth(monkeypatch):
+    with pytest.raises(AssertionError, match="refused"):
+        parse(["moeserve", "worker", "--model", "/m", "--no-such-flag"], {"RANK": "1", "WORLD_SIZE": "3"}, monkeypatch)
+    with pytest.raises(AssertionError, match="refused"):
+        parse(["moeserve", "worker", "--model", "/m"], {}, monkeypatch)          # no rank anywhere
+    with pytest.raises(AssertionError, match="refused"):
+        parse(["moeserve", "serve-everything"], {}, monkeypatch)
