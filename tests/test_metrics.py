@@ -254,3 +254,16 @@ def test_promtool_finds_nothing_to_say_about_a_registry_with_every_group():
     pm.grpc_interceptor(M.HEALTH)
     forward(eng, np.ones((LAYERS, EXPERTS), dtype=np.int64), np.ones((LAYERS, WORKERS), dtype=np.int64))
     check_metrics(M.scrape_text(pm.registry))
+
+
+def test_a_rank_with_metrics_on_imports_no_grpc_code():
+    """The GPU machines have no protobuf: what a rank records must not need it (only the
+    leader's admin API, a gRPC server anyway, uses the gRPC interceptor)."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom moeserve import metrics as M\nimport moeserve.cluster.rank\n"
+            "pm = M.ProcessMetrics('router', 0)\nM.RouterMetrics(pm.registry)\nM.scrape_text(pm.registry)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'moeserve.rpc', "
+            "'moeserve.services', 'moeserve.client')))\nassert not bad, bad\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout + out.stderr
