@@ -85,6 +85,11 @@ def test_ranks_talk_on_an_internal_network_only_and_services_wait_for_a_healthy_
             if name != "router":
                 assert set(s["networks"]) == {"ranks"}, f"{name} must be on the internal network only"
                 assert not s.get("ports")
+            # gloo binds the first interface: the internal network must be it on every rank.
+            assert env["GLOO_SOCKET_IFNAME"] == "eth0"
+            priority = {n: (v or {}).get("priority", 0) for n, v in s["networks"].items()}
+            others = [p for n, p in priority.items() if n != "ranks"]
+            assert all(p < priority["ranks"] for p in others), f"{name}: the internal network must come first"
     assert sorted(ranks) == list(range(world)) and ranks[0] == "router"
     for name in ("frontend", "balancer"):
         assert svc[name]["depends_on"]["router"]["condition"] == "service_healthy"
