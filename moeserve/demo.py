@@ -196,8 +196,10 @@ class UpProcess:
                     "--port", "0", "--admin-port", "0", "--balancer-port", "0", "--admin-token", self.token,
                     "--metrics-port", str(opts.metrics_port), "--log-dir", str(log_dir)]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        from moeserve.cluster.launcher import _die_with_parent
+        # Its own session (Ctrl-C reaches the demo, which stops it in order), and killed with us.
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._read, name="demo-up-output", daemon=True).start()
@@ -349,6 +351,11 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
         result = DemoResult(before, after, rb.slots_moved, rb.bytes_moved, state, mismatches, 2 * len(prompts),
                             before.tokens + after.tokens, metrics)
         report(result, out)
+        dumps = [log_dir / "load-before.json", log_dir / "load-after.json"]
+        before.dump(dumps[0], f"before the rebalance (placement v{before.version})")
+        after.dump(dumps[1], f"after the rebalance (placement v{after.version})")
+        print(f"load dumps   {dumps[0]} {dumps[1]}\n             (moeserve load --plot FILE.png {dumps[0]} {dumps[1]} "
+              "draws them side by side)", file=out)
         if opts.plot is not None:
             write_plot(result, Path(opts.plot), out)
         if opts.keep_running:

@@ -35,6 +35,12 @@ def test_the_demo_on_a_fresh_cache_passes_its_checks_within_two_minutes(tmp_path
     assert "all checks passed" in out
     if png.exists():
         assert png.read_bytes()[:4] == b"\x89PNG"
+        dumps = re.search(r"^load dumps\s+(\S+) (\S+)$", out, re.M).groups()
+        again = tmp_path / "again.png"
+        p = subprocess.run([sys.executable, "-m", "moeserve", "load", "--plot", str(again), *dumps],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert again.read_bytes()[:4] == b"\x89PNG"
 
 
 def phase(balancedness) -> PhaseLoad:
