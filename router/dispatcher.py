@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from moeserve.dispatch import Exchange, Pending, choose_slots
-from moeserve.models.moe import RoutingResult
+from moeserve.models.moe import RoutingResult, combine_pairs
 
 
 class RouterMaps:
@@ -113,20 +113,13 @@ class DistributedExperts:
             layer = handle.moe_layer
             compute = lambda rows, received: self.store.compute(layer, rows, received)   # noqa: E731
         back = self.exchange.finish(handle.pending, compute)                        # [N, H] in sent order
-        t, k = handle.routing.ids.shape
         # Back to (token, k) order with a gather through the inverse permutation: a gather is
         # 2.6x faster than the equivalent scatter (index_copy_) on H200s (0.19 vs 0.50 ms for
         # 336 MB of bf16 rows).
         inverse = torch.empty_like(handle.order).scatter_(
             0, handle.order, torch.arange(handle.order.numel(), device=handle.order.device))
         out = back.index_select(0, inverse)                                          # [N, H] (token, k) order
-        if handle.routing.weights_on_input:                     # rows were scaled before dispatch
-            return out if k == 1 else out.view(t, k, -1).sum(dim=1)                  # [T, H]
-        w = handle.routing.weights.to(out.dtype)
-        if k == 1:
-            return out * w
-        # Weighted sum over k in one pass: [T, 1, K] @ [T, K, H] -> [T, 1, H].
-        return torch.bmm(w.view(t, 1, k), out.view(t, k, -1)).view(t, -1)
+        return combine_pairs(out, handle.routing)                                    # [T, H]
 
     def take_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Return and reset the load of the step: (logical [L, E], worker [L, W]) int64.

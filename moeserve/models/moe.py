@@ -195,9 +195,24 @@ def apply_routed(spec: ExpertSpec, hidden: torch.Tensor, routing: RoutingResult,
     if routing.weights_on_input:
         rows = rows * w
     out = run_rows(rows, routing.ids.reshape(-1))           # [T*K, H]
-    if not routing.weights_on_input:
-        out = out * w
-    return out.view(t, k, hidden.shape[-1]).sum(dim=1)         # explicit H: -1 is ambiguous when T = 0
+    return combine_pairs(out, routing)
+
+
+def combine_pairs(out: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
+    """Sum each token's K expert outputs: out [T*K, H] in (token, k) order -> [T, H].
+
+    With weights on the output (``not routing.weights_on_input``) the sum is weighted, as one
+    batched [1, K] x [K, H] product per token. Every backend (single process or distributed)
+    combines through this function, so they round the same way in every dtype.
+    """
+    t, k = routing.ids.shape
+    h = out.shape[-1]                                       # explicit H: -1 is ambiguous when T = 0
+    if routing.weights_on_input:
+        return out if k == 1 else out.view(t, k, h).sum(dim=1)
+    w = routing.weights.to(out.dtype)
+    if k == 1:
+        return out * w
+    return torch.bmm(w.view(t, 1, k), out.view(t, k, h)).view(t, h)
 
 
 class LocalExperts:
