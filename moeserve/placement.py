@@ -59,9 +59,7 @@ def balancedness(load: np.ndarray, phy2log: np.ndarray, num_workers: int) -> np.
 
     A layer with no tokens counts 1.0. ``load [L, E]``, ``phy2log [L, P]``.
     """
-    wl = worker_load(load, phy2log, num_workers)
-    peak = wl.max(1)
-    return np.where(peak > 0, wl.mean(1) / np.where(peak > 0, peak, 1.0), 1.0)
+    return worker_balancedness(worker_load(load, phy2log, num_workers))["per_layer"]
 
 
 def model_balancedness(load: np.ndarray, phy2log: np.ndarray, num_workers: int) -> dict[str, float]:
@@ -71,12 +69,22 @@ def model_balancedness(load: np.ndarray, phy2log: np.ndarray, num_workers: int) 
     the yardstick's figure; 1.0 when no layer has tokens). ``sum_ratio``: sum over layers of the
     mean worker load / sum over layers of the max worker load (what vLLM logs).
     """
-    wl = worker_load(load, phy2log, num_workers)
+    b = worker_balancedness(worker_load(load, phy2log, num_workers))
+    return {"mean": b["mean"], "sum_ratio": b["sum_ratio"]}
+
+
+def worker_balancedness(worker_load_: np.ndarray) -> dict:
+    """From worker loads ``[L, W]`` (predicted, or measured by the routers): ``per_layer`` [L]
+    mean/max (1.0 for a layer without tokens), ``mean`` over the layers with tokens, and vLLM's
+    ``sum_ratio`` (sum of means / sum of maxes); both 1.0 when no layer has tokens."""
+    wl = np.asarray(worker_load_, dtype=np.float64)
     peak = wl.max(1)
     busy = peak > 0
-    mean = float((wl.mean(1)[busy] / peak[busy]).mean()) if busy.any() else 1.0
+    per_layer = np.ones(wl.shape[0])
+    per_layer[busy] = wl.mean(1)[busy] / peak[busy]
+    mean = float(per_layer[busy].mean()) if busy.any() else 1.0
     sum_ratio = float(wl.mean(1).sum() / peak.sum()) if busy.any() else 1.0
-    return {"mean": mean, "sum_ratio": sum_ratio}
+    return {"per_layer": per_layer, "mean": mean, "sum_ratio": sum_ratio}
 
 
 @dataclass(frozen=True)

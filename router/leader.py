@@ -20,7 +20,7 @@ import numpy as np
 
 from moeserve.cluster.config import ClusterConfig
 from moeserve.cluster.protocol import RankResult, StepHeader
-from moeserve.placement import Placement, balancedness
+from moeserve.placement import Placement, balancedness, worker_balancedness
 from moeserve.router.migration import Migration, Migrator, StaleVersion
 from moeserve.router.scheduler import GenerateRequest, Scheduler, Sequence
 
@@ -153,7 +153,7 @@ class Engine:
                 wload = np.stack([w[1] for w in last]).sum(0)
             since = self.forward_steps - self._placement_step
         return LoadReport(load=load, worker_load=wload, steps=n, total_steps=self.forward_steps,
-                          balancedness_measured=_row_balancedness(wload),
+                          balancedness_measured=worker_balancedness(wload)["per_layer"],
                           balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
                           placement_version=int(placement.version), steps_since_placement_change=since)
 
@@ -273,16 +273,6 @@ class Engine:
         self.error = message
         self.scheduler.fail_all(message)
         self.migrator.abort(message)
-
-
-def _row_balancedness(worker_load: np.ndarray) -> np.ndarray:
-    """[L, W] -> [L]: mean / max per layer, 1.0 for a layer without tokens."""
-    w = np.asarray(worker_load, dtype=np.float64)
-    mx = w.max(axis=1)
-    out = np.ones(w.shape[0])
-    busy = mx > 0
-    out[busy] = w[busy].mean(axis=1) / mx[busy]
-    return out
 
 
 __all__ = ["Engine", "EplbDisabled", "LoadReport", "ModelShape", "StaleVersion"]

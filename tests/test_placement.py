@@ -296,3 +296,10 @@ def test_unknown_sglang_file_types_are_rejected(tmp_path):
 def test_layer_versions_may_run_ahead_of_the_version_while_a_migration_commits_layer_by_layer():
     p = Placement(np.array([[0, 1], [1, 0]]), num_logical=2, num_workers=1, version=2, layer_versions=[3, 2])
     assert p.layer_versions.tolist() == [3, 2] and p.version == 2
+
+
+def test_worker_balancedness_from_measured_worker_loads():
+    from moeserve.placement import worker_balancedness
+    b = worker_balancedness(np.array([[2, 2], [4, 1], [0, 0]]))     # the idle layer counts 1.0, left out of means
+    np.testing.assert_allclose(b["per_layer"], [1.0, 0.625, 1.0])
+    assert b["mean"] == pytest.approx(0.8125) and b["sum_ratio"] == pytest.approx(4.5 / 6)

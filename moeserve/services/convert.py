@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeserve.placement import model_balancedness
+from moeserve.placement import model_balancedness, worker_balancedness
 from moeserve.rpc import common_pb2
 
 MIGRATION_STATES = {"planned": 1, "staging": 2, "moving": 3, "done": 4, "aborted": 5, "failed": 6}
@@ -33,11 +33,8 @@ def balancedness_msg(per_layer, worker_load=None) -> common_pb2.Balancedness:
     """From per-layer values (and, for sum_ratio, the [L, W] loads they come from)."""
     per_layer = np.asarray(per_layer, dtype=np.float64)
     if worker_load is not None:
-        wl = np.asarray(worker_load, dtype=np.float64)
-        peak = wl.max(1)
-        busy = peak > 0
-        mean = float((wl.mean(1)[busy] / peak[busy]).mean()) if busy.any() else 1.0
-        ratio = float(wl.mean(1).sum() / peak.sum()) if busy.any() else 1.0
+        b = worker_balancedness(worker_load)
+        mean, ratio = b["mean"], b["sum_ratio"]
     else:
         mean = float(per_layer.mean()) if per_layer.size else 1.0
         ratio = mean
