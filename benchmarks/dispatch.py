@@ -38,6 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moeserve.dispatch import Exchange, Topology                     # noqa: E402
+from moeserve.nvlink import NvlinkExchange                            # noqa: E402
 from moeserve.expert_worker.migration import run_moves, warm_up_pairs  # noqa: E402
 from moeserve.expert_worker.store import ExpertStore                  # noqa: E402
 from moeserve.models.moe import ExpertSpec, RoutingResult             # noqa: E402
@@ -117,13 +118,34 @@ class IdentityStore:
     def compute(self, layer, rows, received):
         return rows
 
+    def compute_slot_major(self, layer, rows, offs, total):
+        return rows
 
-def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters):
+
+_NVLINK = {}
+_LAYER_OUT = {}
+
+
+def make_exchange(kind, topo, rank, device, hidden, dtype, pairs):
+    """The exchange of ``kind``; nvlink exchanges are kept per shape and grown, never shrunk
+    (their buffers are symmetric memory, set up collectively)."""
+    if kind == "collective":
+        return Exchange(topo, rank, device=device)
+    key = (topo, hidden, dtype)
+    ex = _NVLINK.get(key)
+    if ex is None or ex.pair_capacity < pairs:
+        _NVLINK.pop(key, None)
+        ex = _NVLINK[key] = NvlinkExchange(topo, rank, device, hidden, dtype, pair_capacity=pairs)
+    return ex
+
+
+def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters, kinds, capacity):
+    """dispatch+combine of one MoE layer (identity experts) with each exchange kind, against
+    two all_to_all_single of the same split sizes, in the same run; checks every kind returns
+    the rows the collective one returns."""
     topo = Topology.build(world, world, True, model["experts"])
-    ex = Exchange(topo, rank, device=device)
     phy2log = np.tile(np.arange(model["experts"]), (1, 1))
     maps = RouterMaps(phy2log, model["experts"], 1, device)
-    backend = DistributedExperts(ex, maps, rank, 1, IdentityStore())
     gen = torch.Generator().manual_seed(rank)
     perm = torch.randperm(model["experts"], generator=torch.Generator().manual_seed(7))
     ids = routing_ids(gen, tokens, model["experts"], model["k"], zipf, perm).to(device)
@@ -131,13 +153,10 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters):
     routing = RoutingResult(ids, w, weights_on_input=model["k"] == 1)
     hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
 
-    def ours():
-        backend.combine(backend.dispatch(0, hidden, routing))
-
-    # The same split sizes for the raw reference.
-    h = backend.dispatch(0, hidden, routing)
-    backend.combine(h)
-    send, recv = h.pending.send_splits, h.pending.recv_splits
+    coll = DistributedExperts(Exchange(topo, rank, device=device), maps, rank, 1, IdentityStore())
+    h = coll.dispatch(0, hidden, routing)
+    want = coll.combine(h)
+    send, recv = h.rows.pending.send_splits, h.rows.pending.recv_splits
     sbuf = torch.randn(sum(send), model["hidden"], device=device).to(dtype)
     rbuf = torch.empty(sum(recv), model["hidden"], device=device, dtype=dtype)
     back = torch.empty_like(sbuf)
@@ -147,19 +166,32 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters):
         dist.all_to_all_single(back, rbuf, send, recv)
 
     for _ in range(3):
-        ours(); raw()
-    t_ours = max_over_ranks(timed(ours, iters, device))
+        raw()
     t_raw = max_over_ranks(timed(raw, iters, device))
     esize = torch.empty((), dtype=dtype).element_size()
     remote = (sum(send) - send[rank]) + (sum(recv) - recv[rank])           # rows out + rows in, other ranks
     mb = max_over_ranks(remote * model["hidden"] * esize / 2 / 1e6)        # per rank each way
     bytes_total = sum_over_ranks(remote * model["hidden"] * esize)
-    return dict(mb_per_rank_each_way=mb, ours_ms=t_ours * 1e3, raw_ms=t_raw * 1e3,
-                ours_gbps=bytes_total / world / t_ours / 1e9, raw_gbps=bytes_total / world / t_raw / 1e9,
-                share=t_raw / t_ours)
+    rows = []
+    for kind in kinds:
+        ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, capacity * model["k"])
+        backend = DistributedExperts(ex, maps, rank, 1, IdentityStore())
+
+        def ours():
+            backend.combine(backend.dispatch(0, hidden, routing))
+
+        got = backend.combine(backend.dispatch(0, hidden, routing))
+        equal = max_over_ranks(0.0 if torch.equal(got, want) else 1.0) == 0.0
+        for _ in range(3):
+            ours()
+        t_ours = max_over_ranks(timed(ours, iters, device))
+        rows.append(dict(exchange=kind, mb_per_rank_each_way=mb, ours_ms=t_ours * 1e3, raw_ms=t_raw * 1e3,
+                         ours_gbps=bytes_total / world / t_ours / 1e9, raw_gbps=bytes_total / world / t_raw / 1e9,
+                         share=t_raw / t_ours, equal_to_collective=equal))
+    return rows
 
 
-def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, iters, routers=0):
+def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, iters, routers=0, kind="collective"):
     """ms per MoE layer. routers=0: co-located (every rank routes T tokens and holds slots);
     routers=R: disaggregated, ranks 0 .. R-1 route T tokens each, the others hold the slots."""
     from moeserve.balancer.policy import place
@@ -171,7 +203,7 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
     n_routers = routers or world
     n_workers = world - routers if routers else world
     topo = Topology.build(n_routers, n_workers, not routers, p)
-    ex = Exchange(topo, rank, device=device)
+    ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, tokens * model["k"])
     router, worker = topo.router_index(rank), topo.worker_index(rank)
     perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
     if eplb:
@@ -203,6 +235,7 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
             x = hidden
             for l in range(layers):
                 x = backend.combine(backend.dispatch(l, x, routings[l]))
+            return x
     else:
         def step():
             idle_walk(ex, layers, model["hidden"], dtype, store)
@@ -210,14 +243,24 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
     for _ in range(2):
         step()
     t = max_over_ranks(timed(step, iters, device)) / layers
+    # The same outputs whatever the exchange: compare with the first kind's run of this case.
+    x = step()
+    key = (model["hidden"], tokens, zipf, eplb, routers)
+    diff = 0.0
+    if x is not None:
+        x = x.float().clone()
+        ref = _LAYER_OUT.setdefault(key, x)
+        diff = float((x - ref).abs().max()) if x.numel() else 0.0
+    diff = max_over_ranks(diff)
     all_load = torch.tensor(loads)
     dist.all_reduce(all_load, group=CPU_GROUP)
     bal = float(np.mean(balancedness(all_load.numpy(), phy2log, n_workers)))
-    return dict(layer_ms=t * 1e3, balancedness=bal, slots=p, routers=n_routers, workers=n_workers,
+    return dict(exchange=kind, layer_ms=t * 1e3, max_diff_vs_first_exchange=diff, balancedness=bal, slots=p, routers=n_routers, workers=n_workers,
                 layout="disaggregated" if routers else "co-located")
 
 
-def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budget_bytes, steady_steps=20):
+def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budget_bytes, steady_steps=20,
+                         kind="collective"):
     """Step times (a stack of MoE layers at real sizes, Zipf 1.2 routing) before, during and
     after a live migration scheduled by the leader's own Migrator under the per-step byte
     budget, with the commits, staging and moves the cluster's ranks perform."""
@@ -229,7 +272,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     e, r = model["experts"], model["redundant"]
     p = e + r
     topo = Topology.build(world, world, True, p)
-    ex = Exchange(topo, rank, device=device)
+    ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, tokens * model["k"])
     perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
     drift = [torch.randperm(e, generator=torch.Generator().manual_seed(900 + l)) for l in range(layers)]
 
@@ -304,7 +347,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     during = t[phase == "migrating"]
     summary = [mid.summary() if rank == 0 else None]
     dist.broadcast_object_list(summary, src=0, group=CPU_GROUP)
-    return dict(slots=p, layers=layers, tokens=tokens, moves=summary[0]["moves_total"], bytes=summary[0]["bytes_total"],
+    return dict(exchange=kind, slots=p, layers=layers, tokens=tokens, moves=summary[0]["moves_total"], bytes=summary[0]["bytes_total"],
                 migration_steps=int(len(during)), migration_s=float(during.sum() / 1e3),
                 steady_p50_ms=float(np.percentile(steady, 50)), steady_p99_ms=float(np.percentile(steady, 99)),
                 during_p50_ms=float(np.percentile(during, 50)), during_p99_ms=float(np.percentile(during, 99)),
@@ -371,27 +414,34 @@ def worker_main(rank, world, args, port):
         if "exchange" in args.parts:
             for tokens in token_list:
                 for z in (0.0, 1.2):
-                    r = bench_exchange(rank, world, device, dtype, m, tokens, z, args.iters)
-                    out["exchange"].append(dict(model=name, tokens=tokens, zipf=z, **r))
-                    if rank == 0:
-                        print(f"exchange {name:9s} T={tokens:6d} zipf={z:.1f} {r['mb_per_rank_each_way']:8.1f} MB "
-                              f"ours {r['ours_ms']:7.3f} ms raw {r['raw_ms']:7.3f} ms share {r['share']:.0%}", flush=True)
+                    for r in bench_exchange(rank, world, device, dtype, m, tokens, z, args.iters, args.exchange,
+                                            max(token_list)):
+                        out["exchange"].append(dict(model=name, tokens=tokens, zipf=z, **r))
+                        if rank == 0:
+                            print(f"exchange {name:9s} {r['exchange']:10s} T={tokens:6d} zipf={z:.1f} "
+                                  f"{r['mb_per_rank_each_way']:8.1f} MB ours {r['ours_ms']:7.3f} ms raw {r['raw_ms']:7.3f} ms "
+                                  f"share {r['share']:.0%} equal {r['equal_to_collective']}", flush=True)
         if "layer" in args.parts:
             for tokens in [int(t) for t in args.layer_tokens.split(",")]:
-                base = None
-                for z, eplb in ((0.0, False), (1.2, False), (1.2, True)):
-                    r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters, args.routers)
-                    base = base or r["layer_ms"]
-                    r["vs_uniform"] = r["layer_ms"] / base
-                    out["layer"].append(dict(model=name, tokens=tokens, zipf=z, eplb=eplb, **r))
-                    if rank == 0:
-                        print(f"layer    {name:9s} T={tokens:6d} zipf={z:.1f} eplb={eplb!s:5s} {r['layer_ms']:7.3f} ms/layer "
-                              f"x{r['vs_uniform']:.3f} of uniform, balancedness {r['balancedness']:.3f}", flush=True)
+                for kind in args.exchange:
+                    base = None
+                    for z, eplb in ((0.0, False), (1.2, False), (1.2, True)):
+                        r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters, args.routers,
+                                        kind)
+                        base = base or r["layer_ms"]
+                        r["vs_uniform"] = r["layer_ms"] / base
+                        out["layer"].append(dict(model=name, tokens=tokens, zipf=z, eplb=eplb, **r))
+                        if rank == 0:
+                            print(f"layer    {name:9s} {kind:10s} T={tokens:6d} zipf={z:.1f} eplb={eplb!s:5s} {r['layer_ms']:7.3f} ms/layer "
+                                  f"x{r['vs_uniform']:.3f} of uniform, balancedness {r['balancedness']:.3f}, "
+                                  f"max diff vs first exchange {r['max_diff_vs_first_exchange']:.1e}", flush=True)
         if "live" in args.parts:
-            r = bench_live_migration(rank, world, device, dtype, m, args.live_tokens, args.layers, args.budget_mb << 20)
+            kind = args.exchange[-1]
+            r = bench_live_migration(rank, world, device, dtype, m, args.live_tokens, args.layers, args.budget_mb << 20,
+                                     kind=kind)
             out["live_migration"].append(dict(model=name, **r))
             if rank == 0:
-                print(f"live     {name:9s} {r['moves']} moves, {r['bytes'] / 1e9:.2f} GB in {r['migration_steps']} steps "
+                print(f"live     {name:9s} {kind:10s} {r['moves']} moves, {r['bytes'] / 1e9:.2f} GB in {r['migration_steps']} steps "
                       f"({r['migration_s']:.2f} s); step p99 {r['during_p99_ms']:.2f} ms during vs {r['steady_p99_ms']:.2f} ms "
                       f"steady (x{r['p99_ratio']:.3f})", flush=True)
         if "migration" in args.parts:
@@ -414,25 +464,25 @@ def worker_main(rank, world, args, port):
 
 
 def print_table(out):
-    print("\n| model | tokens/rank | routing | MB/rank each way | dispatch+combine ms | raw a2a ms | GB/s ours | GB/s raw | share |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | exchange | tokens/rank | routing | MB/rank each way | dispatch+combine ms | raw a2a ms | GB/s ours | GB/s raw | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in out["exchange"]:
-        print(f"| {r['model']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
+        print(f"| {r['model']} | {r['exchange']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
               f"{r['mb_per_rank_each_way']:.1f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbps']:.1f} | "
               f"{r['raw_gbps']:.1f} | {r['share']:.0%} |")
     if out["layer"]:
-        print("\n| model | layout | tokens/router | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n| model | exchange | layout | tokens/router | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in out["layer"]:
-            print(f"| {r['model']} | {r['layout']} {r['routers']}R+{r['workers']}W | {r['tokens']} | "
+            print(f"| {r['model']} | {r['exchange']} | {r['layout']} {r['routers']}R+{r['workers']}W | {r['tokens']} | "
                   f"{'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
                   f"{'on' if r['eplb'] else 'off'} | {r['slots']} | {r['layer_ms']:.3f} | {r['vs_uniform']:.3f} | "
                   f"{r['balancedness']:.3f} |")
     if out["live_migration"]:
-        print("\n| model | slots | tokens/rank | moves | GB moved | steps | seconds | step p50/p99 steady ms | step p50/p99 during ms | p99 ratio |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| model | exchange | slots | tokens/rank | moves | GB moved | steps | seconds | step p50/p99 steady ms | step p50/p99 during ms | p99 ratio |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in out["live_migration"]:
-            print(f"| {r['model']} | {r['slots']} | {r['tokens']} | {r['moves']} | {r['bytes'] / 1e9:.2f} | {r['migration_steps']} | "
+            print(f"| {r['model']} | {r['exchange']} | {r['slots']} | {r['tokens']} | {r['moves']} | {r['bytes'] / 1e9:.2f} | {r['migration_steps']} | "
                   f"{r['migration_s']:.2f} | {r['steady_p50_ms']:.2f} / {r['steady_p99_ms']:.2f} | "
                   f"{r['during_p50_ms']:.2f} / {r['during_p99_ms']:.2f} | {r['p99_ratio']:.3f} |")
     if out["migration"]:
@@ -461,6 +511,8 @@ def main():
     ap.add_argument("--redundant", default="", help="redundant slots per model, e.g. scout=16,ernie21b=32")
     ap.add_argument("--live-tokens", type=int, default=None, help="tokens per rank in the live-migration run")
     ap.add_argument("--hang-s", type=float, default=900, help="dump tracebacks and exit after this long")
+    ap.add_argument("--exchange", default=None,
+                    help="exchange kinds, comma separated: collective, nvlink (default: both on nccl, collective on gloo)")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpu = args.backend == "nccl"
@@ -470,6 +522,9 @@ def main():
     args.iters = args.iters or (20 if gpu else 5)
     args.small = args.small or not gpu
     args.parts = set(args.parts.split(","))
+    args.exchange = (args.exchange or ("collective,nvlink" if gpu else "collective")).split(",")
+    if not gpu and "nvlink" in args.exchange:
+        sys.exit("--exchange nvlink needs --backend nccl (CUDA devices)")
     args.models = args.models.split(",")
     args.redundant = {k: int(v) for k, v in (x.split("=") for x in args.redundant.split(",") if x)}
     args.live_tokens = args.live_tokens or (4096 if gpu else 64)

@@ -90,7 +90,7 @@ def run(family, dtype, args, root):
     out = {}
     with LocalCluster(path, routers=args.ranks, workers=args.ranks, colocated=True, num_redundant_experts=r,
                       backend=args.backend, dtype=dtype, placement=random_placement(info.num_moe_layers, info.num_logical_experts, p, 2),
-                      migration_bytes_per_step=4 * info.expert_bytes) as c:
+                      migration_bytes_per_step=4 * info.expert_bytes, exchange=args.exchange) as c:
         box = {}
         th = threading.Thread(target=lambda: box.update(g=c.generate(prompts, max_tokens=args.tokens, ignore_eos=True,
                                                                       return_logits=True, details=True)))
@@ -108,11 +108,11 @@ def run(family, dtype, args, root):
     # Logits compare only up to the first divergence (after it the inputs differ).
     maxdiff = max(float(np.abs(g.logits[:n] - rl[:n]).max())
                   for g, rl, d in zip(gens, ref_logits, div) for n in [len(rl) if d is None else d + 1])
-    out = dict(family=family, dtype=dtype, ranks=args.ranks, slots=p, prompts=len(prompts), tokens=args.tokens,
+    out = dict(family=family, dtype=dtype, ranks=args.ranks, exchange=args.exchange, slots=p, prompts=len(prompts), tokens=args.tokens,
                token_match=float(match), identical=all(a == b for a, b in zip(toks, ref)),
                first_divergence=[d for d in div], max_logit_diff_until_divergence=maxdiff,
                migration_state=mig["state"], migration_moves=mig["moves_total"], wall_s=wall)
-    print(f"{family:8s} {dtype:9s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
+    print(f"{family:8s} {dtype:9s} {args.exchange:10s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
           f"first divergence {[d for d in div if d is not None][:5]} migration {mig['state']} ({mig['moves_total']} moves)",
           flush=True)
     return out
@@ -126,8 +126,11 @@ def main():
     ap.add_argument("--redundant", type=int, default=4)
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                     help="gloo: CPU ranks and the default tiny shapes (a dry run of the script)")
+    ap.add_argument("--exchange", choices=("collective", "nvlink", "auto"), default=None,
+                    help="the data plane's exchange (default: nvlink with nccl, collective with gloo)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    args.exchange = args.exchange or ("nvlink" if args.backend == "nccl" else "collective")
     if args.backend == "nccl" and torch.cuda.device_count() < args.ranks:
         sys.exit(f"needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
     results = []

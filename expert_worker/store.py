@@ -89,6 +89,33 @@ class ExpertStore:
         y = grouped_forward(self.spec, rows.index_select(0, index), self.weights(layer), per_slot, offs)
         return torch.empty_like(y).index_copy_(0, index, y)
 
+    def compute_slot_major(self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
+                           ) -> torch.Tensor:
+        """Run rows that arrived already grouped by slot (the direct exchange, ``moeserve.nvlink``).
+
+        rows:  [C, H], the receive buffer: rows 0 .. total-1 are slot-major, the rest unused.
+        offs:  int32 [S] cumulative rows per slot, on the device; total: offs[-1:] (device [1]).
+        returns [C, H]; rows past ``total`` are undefined.
+
+        On CUDA with bf16 and no biases nothing is read back to the host: the grouped matmuls
+        take the device-side offsets and the activation kernel stops at ``total``. Otherwise the
+        per-slot counts are read back (one synchronisation) and the slot loop runs.
+        """
+        spec = self.spec
+        weights = self.weights(layer)
+        if rows.is_cuda and rows.dtype == torch.bfloat16 and not spec.has_bias and hasattr(torch, "_grouped_mm"):
+            from moeserve import kernels
+            gu = torch._grouped_mm(rows, weights["gate_up"], offs=offs)              # [C, 2I]
+            h = kernels.silu_mul(gu, total)                                           # [C, I]
+            return torch._grouped_mm(h, weights["down"], offs=offs)                  # [C, H]
+        ends = offs.cpu().numpy().astype(np.int64)
+        per_slot = np.diff(ends, prepend=0).tolist()
+        m = int(ends[-1]) if len(ends) else 0
+        out = torch.empty_like(rows)
+        if m:
+            out[:m] = grouped_forward(spec, rows[:m], weights, per_slot)
+        return out
+
     # -- migration -------------------------------------------------------------------------
 
     def begin_staging(self, entries: int) -> str | None:

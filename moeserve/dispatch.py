@@ -206,6 +206,65 @@ class Exchange:
         dist.all_to_all_single(back, out, pending.send_splits, pending.recv_splits, group=self.group)
         return back
 
+    # -- the row-level interface shared with moeserve.nvlink.NvlinkExchange ----------------
+
+    kind = "collective"
+
+    def dispatch_rows(self, moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor) -> RowsHandle:
+        """Send a router's rows: hidden [T, H], routing [T, K], slots [N] in (token, k) order.
+        Rows are sorted by slot (so by destination), scaled first when the weights scale the
+        input, and start travelling; the counts go ahead of them."""
+        return _dispatch_rows(self, moe_layer, hidden, routing, slots)
+
+    def combine_rows(self, handle: RowsHandle, store) -> torch.Tensor:
+        """Finish the layer (running this rank's slots when ``store`` is given) and return the
+        outputs of the router's pairs, [N, H] in (token, k) order."""
+        compute = None
+        if store is not None:
+            layer = handle.moe_layer
+            compute = lambda rows, received: store.compute(layer, rows, received)   # noqa: E731
+        back = self.finish(handle.pending, compute)                                  # [N, H] in sent order
+        # Back to (token, k) order with a gather through the inverse permutation: a gather is
+        # 2.6x faster than the equivalent scatter (index_copy_) on H200s (0.19 vs 0.50 ms for
+        # 336 MB of bf16 rows).
+        inverse = torch.empty_like(handle.order).scatter_(
+            0, handle.order, torch.arange(handle.order.numel(), device=handle.order.device))
+        return back.index_select(0, inverse)
+
+    def walk_layer(self, moe_layer: int, store, hidden_size: int, dtype: torch.dtype) -> None:
+        """Take part in one MoE layer with no rows of one's own (idle router, or worker)."""
+        pending = self.start(self.new_counts())
+        self.send(pending, torch.empty(0, hidden_size, dtype=dtype, device=self.device))
+        compute = None
+        if store is not None:
+            compute = lambda rows, received: store.compute(moe_layer, rows, received)  # noqa: E731
+        self.finish(pending, compute)
+
+
+@dataclass
+class RowsHandle:
+    """A router's rows in flight through the collective exchange (``Exchange.dispatch_rows``)."""
+
+    moe_layer: int
+    pending: Pending
+    order: torch.Tensor             # [N] pair index of each sent row (rows sorted by slot)
+    sent: torch.Tensor              # int64 [R*S] pairs sent per (rank, local slot)
+
+
+def _dispatch_rows(ex: "Exchange", moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor) -> RowsHandle:
+    t, k = routing.ids.shape
+    counts = ex.new_counts()                                                       # [2, R, S]
+    counts.view(2, -1)[0].index_add_(0, ex.slot_position.index_select(0, slots), torch.ones_like(slots))
+    pending = ex.start(counts)                                                     # counts travel meanwhile
+    order = torch.argsort(slots, stable=True)                                      # [N] rows by slot
+    if routing.weights_on_input and k == 1:                                        # scale, then gather
+        hidden = hidden * routing.weights.to(hidden.dtype)
+    rows = hidden.index_select(0, order // k if k > 1 else order)                  # [N, H]
+    if routing.weights_on_input and k > 1:
+        rows = rows * routing.weights.reshape(-1, 1).index_select(0, order).to(rows.dtype)
+    ex.send(pending, rows)
+    return RowsHandle(moe_layer, pending, order, counts[0].view(-1))
+
 
 def slot_major_index(received: RecvCounts) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """Index that regroups received rows from (source rank, slot) blocks to slot-major order.

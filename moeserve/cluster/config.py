@@ -55,6 +55,9 @@ class EplbConfig:
             raise ValueError(f"eplb step_interval must be >= 1, got {self.step_interval}")
 
 
+EXCHANGES = ("auto", "collective", "nvlink")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Everything every rank must agree on.
@@ -71,6 +74,9 @@ class ClusterConfig:
     per_expert_metrics: the leader's per-expert series (auto: while L x E <= 4096, on, off);
     metrics_peers: (name, port) of the metrics endpoints of other services (the balancer, the
     front end) that the leader reports in its status, beside every rank's.
+    exchange: how rows travel per MoE layer: "collective" (all-to-all on the data group, any
+    backend), "nvlink" (direct stores into peers' symmetric memory: one host, CUDA, Triton;
+    moeserve.nvlink), "auto" (nvlink where every rank can run it, else collective).
     """
 
     model_dir: str
@@ -95,6 +101,7 @@ class ClusterConfig:
     grace_s: float = 30.0
     per_expert_metrics: str = "auto"
     metrics_peers: tuple = ()
+    exchange: str = "auto"
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -113,6 +120,10 @@ class ClusterConfig:
             raise ValueError("heartbeat_s and pg_timeout_s must be > 0")
         if not -1 <= self.admin_port <= 65535:
             raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {self.admin_port}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.exchange == "nvlink" and self.backend != "nccl":
+            raise ValueError("exchange='nvlink' needs backend='nccl' (CUDA devices); use 'auto' or 'collective'")
         if self.per_expert_metrics not in ("auto", "on", "off"):
             raise ValueError(f"per_expert_metrics must be auto, on or off, got {self.per_expert_metrics!r}")
         if bool(self.admin_tls_cert) != bool(self.admin_tls_key):

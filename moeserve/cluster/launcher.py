@@ -91,7 +91,7 @@ class LocalCluster:
                  admin_port: int = -1, admin_host: str = "127.0.0.1", admin_token: str | None = None,
                  admin_tls_cert: str = "", admin_tls_key: str = "", max_message_bytes: int = 64 << 20,
                  grace_s: float = 30.0, metrics_ports=None, per_expert_metrics: str = "auto",
-                 metrics_peers: dict | None = None):
+                 metrics_peers: dict | None = None, exchange: str = "auto"):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
@@ -125,7 +125,7 @@ class LocalCluster:
             max_staging_bytes=max_staging_bytes,
             heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, admin_port=admin_port, admin_host=admin_host,
             admin_tls_cert=admin_tls_cert, admin_tls_key=admin_tls_key, max_message_bytes=max_message_bytes,
-            grace_s=grace_s, per_expert_metrics=per_expert_metrics,
+            grace_s=grace_s, per_expert_metrics=per_expert_metrics, exchange=exchange,
             metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
         if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
             raise ValueError(f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}")

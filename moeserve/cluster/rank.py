@@ -51,7 +51,7 @@ class RankState:
 
     rank: int
     topo: Topology
-    exchange: Exchange
+    exchange: object               # Exchange (collective) or nvlink.NvlinkExchange
     control_group: object
     num_layers: int
     hidden_size: int
@@ -93,7 +93,7 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     e = info.num_logical_experts
     topo = Topology.build(cfg.routers, cfg.workers, cfg.colocated, e + cfg.eplb.num_redundant_experts)
     placement = initial_placement(cfg, info.num_moe_layers, e)
-    exchange = Exchange(topo, rank, group=None, device=device)
+    exchange = make_exchange(cfg, topo, rank, device, control, mcfg.hidden_size, dtype, info.top_k)
     st = RankState(rank, topo, exchange, control, info.num_moe_layers, mcfg.hidden_size, dtype)
 
     if is_worker:
@@ -116,6 +116,29 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     from moeserve.expert_worker.migration import warm_up_pairs
     warm_up_pairs(rank, world, device)
     return st
+
+
+def make_exchange(cfg: ClusterConfig, topo: Topology, rank: int, device: torch.device, control,
+                  hidden_size: int, dtype: torch.dtype, top_k: int):
+    """The data plane's per-layer exchange, the same kind on every rank (``cfg.exchange``).
+
+    "auto" takes the direct NVLink exchange when every rank can run it (one collective on the
+    control group decides), else the collective one; "nvlink" insists and fails otherwise.
+    """
+    if cfg.exchange == "collective" or cfg.backend != "nccl":
+        return Exchange(topo, rank, group=None, device=device)
+    from moeserve import nvlink
+    ok, why = nvlink.usable(device)
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control)
+    if not int(flag.item()):
+        if cfg.exchange == "nvlink":
+            raise RuntimeError(f"exchange='nvlink' cannot run on every rank (rank {rank}: {why or 'usable'}); "
+                               f"use exchange='auto' or 'collective'")
+        return Exchange(topo, rank, group=None, device=device)
+    return nvlink.NvlinkExchange(topo, rank, device, hidden_size, dtype,
+                                 pair_capacity=cfg.limits.max_num_batched_tokens * top_k,
+                                 timeout_ms=int(cfg.pg_timeout_s * 1000))
 
 
 def _moe_info(model_dir: str, dtype: torch.dtype):
