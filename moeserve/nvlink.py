@@ -62,7 +62,7 @@ def usable(device: torch.device) -> tuple[bool, str]:
 
 def positions(counts: torch.Tensor, rank: int, slots_sorted: torch.Tensor, topo: Topology
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Destination rank and row of each of this rank's sent rows.
+    """Reference (torch) of where this rank's sent rows land; the kernels compute the same.
 
     counts:       int64 [R, P], pairs each rank sends to each slot (all ranks' rows).
     slots_sorted: int64 [N], the slot of each sent row, non-decreasing.
@@ -83,7 +83,7 @@ def positions(counts: torch.Tensor, rank: int, slots_sorted: torch.Tensor, topo:
 
 
 def worker_offsets(counts: torch.Tensor, worker: int, topo: Topology) -> torch.Tensor:
-    """int32 [S]: cumulative rows per local slot of ``worker`` (its receive buffer's layout)."""
+    """Reference: int32 [S], cumulative rows per local slot of ``worker`` (its buffer's layout)."""
     s = topo.slots_per_worker
     return torch.cumsum(counts[:, worker * s:(worker + 1) * s].sum(0), 0).to(torch.int32)
 
@@ -93,8 +93,7 @@ class NvlinkHandle:
     moe_layer: int
     routing: RoutingResult | None
     pairs: int                      # N
-    sent: torch.Tensor              # int64 [R*S] pairs sent per (rank, local slot), Exchange.slot_position order
-    offs: torch.Tensor | None       # int32 [S] this worker's offsets (None: not a worker)
+    sent: None                      # the pairs sent were added to the router's counts on the device
 
 
 class NvlinkExchange:
@@ -132,74 +131,93 @@ class NvlinkExchange:
         self.meta, self._h_meta = alloc((self.recv_capacity,), torch.long)
         self.out, self._h_out = alloc((pair_capacity, hidden_size), dtype)
         self.counts.zero_()
-        self._peer_counts = [self._h_counts.get_buffer(d, (r, p), torch.long, 0) for d in range(r)]
 
         def table(h, shape, dt):
             return torch.tensor([h.get_buffer(d, shape, dt, 0).data_ptr() for d in range(r)],
                                 dtype=torch.long, device=self.device)
 
+        self.counts_table = table(self._h_counts, (r, p), torch.long)
         self.rows_table = table(self._h_rows, (self.recv_capacity, hidden_size), dtype)
         self.meta_table = table(self._h_meta, (self.recv_capacity,), torch.long)
         self.out_table = table(self._h_out, (pair_capacity, hidden_size), dtype)
-        slot = torch.arange(p)
+        if list(topo.worker_ranks) != list(range(topo.worker_ranks[0], topo.worker_ranks[0] + topo.num_workers)):
+            raise ValueError(f"worker ranks must be consecutive, got {topo.worker_ranks}")
+        self.worker_base = topo.worker_ranks[0]
+        slot = torch.arange(p)                                # as Exchange.slot_position (take_load reads it)
         rank_of_slot = torch.tensor(topo.worker_ranks)[slot // topo.slots_per_worker]
         self.slot_position = (rank_of_slot * topo.slots_per_worker + slot % topo.slots_per_worker).to(self.device)
-        self._zeros = torch.zeros(p, dtype=torch.long, device=self.device)
+        # Sort keys: the narrowest integer type that holds every slot (fewer radix-sort passes).
+        self.shift = torch.zeros(p, dtype=torch.long, device=self.device)                 # [P]
+        self.offs = torch.zeros(max(topo.slots_per_worker, 1), dtype=torch.int32, device=self.device)   # [S]
+        self._idle_hist = torch.zeros(0, kernels._pow2(p), dtype=torch.int32, device=self.device)
+        self._scratch_sent = torch.zeros(p, dtype=torch.long, device=self.device)
+        self._in_flight = False
         self._barrier()                                       # every rank's counts are zero
 
     def _barrier(self) -> None:
         self._h_counts.barrier(channel=0, timeout_ms=self.timeout_ms)
 
-    def _publish(self, c: torch.Tensor) -> None:
-        """Step 1: this router's counts [P] into row [rank] of every rank's counts, then barrier."""
+    def _layout(self, hist: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+        """Steps 1-2: publish this router's counts (from its block histograms [nb, PB]; added to
+        ``sent`` [P]), barrier, then derive this rank's shift [P] and, on a worker, offs [S].
+        Returns the block prefixes [nb, PB]."""
+        prefix = torch.empty_like(hist)
         if self.router is not None:
-            for peer in self._peer_counts:
-                peer[self.rank].copy_(c)
+            kernels.publish(hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
         self._barrier()
+        kernels.prep(self.counts, self.rank, -1 if self.worker is None else self.worker,
+                     self.topo.num_workers, self.shift, self.offs)
+        return prefix
 
-    def _worker_offsets(self) -> torch.Tensor | None:
-        return worker_offsets(self.counts, self.worker, self.topo) if self.worker is not None else None
+    def sent_slice(self, sent_row: torch.Tensor) -> torch.Tensor:
+        """The part [P] of a router's per-(rank, local slot) counts [R*S] that holds the slots
+        (workers are consecutive ranks, so it is one contiguous range)."""
+        s0 = self.worker_base * self.topo.slots_per_worker
+        return sent_row[s0:s0 + self.topo.num_slots]
 
-    def dispatch_rows(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult,
-                      slots: torch.Tensor) -> NvlinkHandle:
-        """Send the rows of a router's pairs (slots [N] in flat (token, k) order) to their slots."""
+    routes_on_device = True
+
+    def dispatch_ids(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult, maps, offset: int,
+                     sent_row: torch.Tensor) -> NvlinkHandle:
+        """Route and send a router's pairs in five launches: slot choice by the replica rule of
+        ``maps`` (``RouterMaps``) for ``routing.ids`` [T, K] with ``offset`` (router + step),
+        the counts, the layout and the rows. Adds the pairs sent per slot to ``sent_row`` [R*S]."""
+        if self._in_flight:
+            raise RuntimeError("dispatch called twice without combine: one MoE layer at a time")
         t, k = routing.ids.shape
-        n = slots.numel()
+        n = t * k
         if n > self.pair_capacity:
             raise ValueError(f"{n} (token, k) pairs in one MoE layer exceed the exchange's capacity of "
                              f"{self.pair_capacity} (max_num_batched_tokens x top-k)")
-        c = count(slots, self.topo.num_slots)                                        # [P]
-        self._publish(c)
-        offs = self._worker_offsets()
-        slots_sorted, order = torch.sort(slots, stable=True)
-        dest, row = positions(self.counts, self.rank, slots_sorted, self.topo)
+        slots, hist = kernels.route(routing.ids.contiguous(), maps.log2phy[moe_layer], maps.logcnt[moe_layer], offset,
+                                    self.topo.num_slots, maps.single[moe_layer])
+        prefix = self._layout(hist, self.sent_slice(sent_row))
         scale = routing.weights.reshape(-1).to(hidden.dtype).contiguous() if routing.weights_on_input else None
-        kernels.scatter_rows(hidden.contiguous(), order, k, scale, dest, row, self.rows_table, self.meta_table,
-                             self.rank * self.pair_capacity)
+        kernels.scatter_pairs(hidden.contiguous(), k, slots, prefix, self.shift, self.topo.slots_per_worker,
+                              self.worker_base, scale, self.rows_table, self.meta_table, self.rank * self.pair_capacity)
         self._barrier()
-        sent = torch.zeros(self.topo.world_size * self.topo.slots_per_worker, dtype=torch.long,
-                           device=self.device).index_copy_(0, self.slot_position, c)
-        return NvlinkHandle(moe_layer, routing, n, sent, offs)
+        self._in_flight = True
+        return NvlinkHandle(moe_layer, routing, n, None)
 
-    def _serve(self, moe_layer: int, offs: torch.Tensor | None, store) -> None:
+    def _serve(self, moe_layer: int, store) -> None:
         """Step 4 on a worker: run its slots and return the outputs; then barrier."""
-        if offs is not None:
+        if self.worker is not None:
             if store is None:
                 raise RuntimeError(f"rank {self.rank} is a worker but has no expert store")
-            total = offs[-1:]
-            y = store.compute_slot_major(moe_layer, self.rows, offs, total)           # [C, H]
+            total = self.offs[-1:]
+            y = store.compute_slot_major(moe_layer, self.rows, self.offs, total)      # [C, H]
             kernels.return_rows(y, self.meta, total, self.out_table, self.pair_capacity)
         self._barrier()
 
     def combine_rows(self, handle: NvlinkHandle, store) -> torch.Tensor:
         """The outputs of the router's pairs, [N, H] in (token, k) order: a view of this rank's
         output buffer, valid until the next layer's combine (use it before dispatching again)."""
-        self._serve(handle.moe_layer, handle.offs, store)
+        self._serve(handle.moe_layer, store)
+        self._in_flight = False
         return self.out[:handle.pairs]
 
     def walk_layer(self, moe_layer: int, store, hidden_size: int = 0, dtype: torch.dtype | None = None) -> None:
         """Take part in one MoE layer with no rows of one's own (idle router, or worker)."""
-        self._publish(self._zeros)
-        offs = self._worker_offsets()
+        self._layout(self._idle_hist, self._scratch_sent)
         self._barrier()
-        self._serve(moe_layer, offs, store)
+        self._serve(moe_layer, store)

@@ -1,6 +1,12 @@
-"""Suite-wide settings: one torch thread (the CI machine has 2 cores and runs tests serially)."""
-import pytest
-import torch
+"""Suite-wide settings: one torch thread (the CI machine has 2 cores and runs tests serially);
+Triton kernels run in Triton's interpreter (no GPU here). TRITON_INTERPRET is read when Triton
+defines its kernels, so it is set before anything imports Triton."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
