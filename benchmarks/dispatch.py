@@ -118,6 +118,8 @@ class IdentityStore:
     def compute(self, layer, rows, received):
         return rows
 
+    capturable = True
+
     def compute_slot_major(self, layer, rows, offs, total):
         return rows
 
@@ -126,16 +128,16 @@ _NVLINK = {}
 _LAYER_OUT = {}
 
 
-def make_exchange(kind, topo, rank, device, hidden, dtype, pairs):
+def make_exchange(kind, topo, rank, device, hidden, dtype, pairs, top_k):
     """The exchange of ``kind``; nvlink exchanges are kept per shape and grown, never shrunk
     (their buffers are symmetric memory, set up collectively)."""
     if kind == "collective":
         return Exchange(topo, rank, device=device)
-    key = (topo, hidden, dtype)
+    key = (topo, hidden, dtype, top_k)
     ex = _NVLINK.get(key)
     if ex is None or ex.pair_capacity < pairs:
         _NVLINK.pop(key, None)
-        ex = _NVLINK[key] = NvlinkExchange(topo, rank, device, hidden, dtype, pair_capacity=pairs)
+        ex = _NVLINK[key] = NvlinkExchange(topo, rank, device, hidden, dtype, pair_capacity=pairs, top_k=top_k)
     return ex
 
 
@@ -174,7 +176,7 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters, kinds
     bytes_total = sum_over_ranks(remote * model["hidden"] * esize)
     rows = []
     for kind in kinds:
-        ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, capacity * model["k"])
+        ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, capacity * model["k"], model["k"])
         backend = DistributedExperts(ex, maps, rank, 1, IdentityStore())
 
         def ours():
@@ -203,7 +205,7 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
     n_routers = routers or world
     n_workers = world - routers if routers else world
     topo = Topology.build(n_routers, n_workers, not routers, p)
-    ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, tokens * model["k"])
+    ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, tokens * model["k"], model["k"])
     router, worker = topo.router_index(rank), topo.worker_index(rank)
     perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
     if eplb:
@@ -272,7 +274,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     e, r = model["experts"], model["redundant"]
     p = e + r
     topo = Topology.build(world, world, True, p)
-    ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, tokens * model["k"])
+    ex = make_exchange(kind, topo, rank, device, model["hidden"], dtype, tokens * model["k"], model["k"])
     perms = [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
     drift = [torch.randperm(e, generator=torch.Generator().manual_seed(900 + l)) for l in range(layers)]
 

@@ -89,6 +89,14 @@ class ExpertStore:
         y = grouped_forward(self.spec, rows.index_select(0, index), self.weights(layer), per_slot, offs)
         return torch.empty_like(y).index_copy_(0, index, y)
 
+    @property
+    def capturable(self) -> bool:
+        """Whether ``compute_slot_major`` runs without reading anything back to the host (so it
+        can be captured in a CUDA graph): CUDA, bf16, no biases, torch._grouped_mm."""
+        b = self.buffers[0] if self.buffers else None
+        return (b is not None and b.is_cuda and self.spec.dtype == torch.bfloat16 and not self.spec.has_bias
+                and hasattr(torch, "_grouped_mm"))
+
     def compute_slot_major(self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
                            ) -> torch.Tensor:
         """Run rows that arrived already grouped by slot (the direct exchange, ``moeserve.nvlink``).

@@ -9,29 +9,36 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def route_kernel(ids_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, N, offset, K: tl.constexpr,
+def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, K: tl.constexpr,
                  X: tl.constexpr, SINGLE: tl.constexpr, B: tl.constexpr, PB: tl.constexpr):
-    # Block b of B pairs (flat (token, k) order): the slot of each pair by the replica rule
-    # (token + offset) mod logcnt[e] (replica 0 when every expert has one), and the block's
-    # histogram over the slots [PB].
+    # args = (x address, ids address, weights address, N, offset). Block b of B pairs (flat (token, k)
+    # order): the slot of each pair by the replica rule (token + offset) mod logcnt[e] (replica 0
+    # when every expert has one), and the block's histogram over the slots [PB]. Blocks past N
+    # (the grid covers the capacity) do nothing.
     b = tl.program_id(0).to(tl.int64)
-    i = b * B + tl.arange(0, B)
-    m = i < N
-    e = tl.load(ids_ptr + i, mask=m, other=0)
-    if SINGLE:
-        rep = tl.zeros((B,), dtype=tl.int64)
-    else:
-        rep = (i // K + offset) % tl.load(logcnt_ptr + e, mask=m, other=1)
-    slot = tl.load(log2phy_ptr + e * X + rep, mask=m, other=0).to(tl.int32)
-    tl.store(slots_ptr + i, slot, mask=m)
-    tl.store(hist_ptr + b * PB + tl.arange(0, PB), tl.histogram(slot, PB, mask=m))
+    n = tl.load(args_ptr + 3)
+    if b * B < n:
+        ids_ptr = tl.load(args_ptr + 1).to(tl.pointer_type(tl.int64))
+        i = b * B + tl.arange(0, B)
+        m = i < n
+        e = tl.load(ids_ptr + i, mask=m, other=0)
+        if SINGLE:
+            rep = tl.zeros((B,), dtype=tl.int64)
+        else:
+            offset = tl.load(args_ptr + 4)
+            rep = (i // K + offset) % tl.load(logcnt_ptr + e, mask=m, other=1)
+        slot = tl.load(log2phy_ptr + e * X + rep, mask=m, other=0).to(tl.int32)
+        tl.store(slots_ptr + i, slot, mask=m)
+        tl.store(hist_ptr + b * PB + tl.arange(0, PB), tl.histogram(slot, PB, mask=m))
 
 
 @triton.jit
-def publish_kernel(hist_ptr, prefix_ptr, nb, counts_table, sent_ptr, rank, R: tl.constexpr, P: tl.constexpr,
-                   PB: tl.constexpr, CH: tl.constexpr):
+def publish_kernel(args_ptr, hist_ptr, prefix_ptr, counts_table, sent_ptr, rank, R: tl.constexpr, P: tl.constexpr,
+                   PB: tl.constexpr, B: tl.constexpr, CH: tl.constexpr):
     # One program: prefix[b, p] = pairs of slot p in blocks before b; c[p] = this router's pairs
     # per slot, into row `rank` of every rank's counts [R, P], and added to sent [P].
+    n = tl.load(args_ptr + 3)
+    nb = (n + B - 1) // B
     p = tl.arange(0, PB)
     running = tl.zeros((PB,), dtype=tl.int32)
     b0 = nb * 0                     # a while loop: Triton's interpreter cannot range() over a runtime bound
@@ -75,39 +82,46 @@ def prep_kernel(counts_ptr, shift_ptr, offs_ptr, rank, worker, R: tl.constexpr, 
 
 
 @triton.jit
-def scatter_pairs_kernel(x_ptr, slots_ptr, prefix_ptr, shift_ptr, scale_ptr, rows_table, meta_table, meta_base,
-                         worker_base, N, H: tl.constexpr, K: tl.constexpr, S: tl.constexpr, PB: tl.constexpr,
-                         SCALE: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    # Program (b, q): pairs i = b*B + q*ROWS ... + ROWS-1 (flat (token, k) order). A pair's row on
-    # its worker: shift[slot] + prefix[b, slot] + (pairs of the same slot before it in block b),
-    # which is its rank in a stable sort of this router's pairs by slot.
+def scatter_pairs_kernel(args_ptr, slots_ptr, prefix_ptr, shift_ptr, rows_table, meta_table, meta_base,
+                         worker_base, H: tl.constexpr, K: tl.constexpr, S: tl.constexpr, PB: tl.constexpr,
+                         DTYPE: tl.constexpr, SCALE: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    # Program (b, q): pairs i = b*B + q*ROWS ... + ROWS-1 (flat (token, k) order) of the N in
+    # args. A pair's row on its worker: shift[slot] + prefix[b, slot] + (pairs of the same slot
+    # before it in block b), which is its rank in a stable sort of this router's pairs by slot.
     b = tl.program_id(0).to(tl.int64)
     q = tl.program_id(1)
-    jb = tl.arange(0, B)
-    sb = tl.load(slots_ptr + b * B + jb, mask=b * B + jb < N, other=-1)                    # [B]
-    li = q * ROWS + tl.arange(0, ROWS)                                                      # in block
-    i = b * B + li
-    m = i < N
-    s = tl.load(slots_ptr + i, mask=m, other=0)                                             # [ROWS]
-    same = (sb[None, :] == s[:, None]) & (jb[None, :] < li[:, None])
-    rank_in_block = tl.sum(same.to(tl.int64), axis=1)
-    s64 = s.to(tl.int64)
-    row = tl.load(shift_ptr + s64, mask=m, other=0) + tl.load(prefix_ptr + b * PB + s64, mask=m, other=0) \
-        + rank_in_block
-    d = worker_base + s64 // S
-    dst = tl.load(rows_table + d, mask=m, other=0).to(tl.pointer_type(x_ptr.dtype.element_ty))
-    meta = tl.load(meta_table + d, mask=m, other=0).to(tl.pointer_type(tl.int64))
-    tl.store(meta + row, meta_base + i, mask=m)
-    tok = i // K
-    if SCALE:
-        f = tl.load(scale_ptr + i, mask=m, other=0).to(tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        mm = m[:, None] & (cols < H)[None, :]
-        v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mm)
+    n = tl.load(args_ptr + 3)
+    if b * B + q * ROWS < n:
+        # Addresses loaded from tables carry no alignment: say they are 16-byte aligned (torch's
+        # allocations are), or Triton falls back to 2-byte accesses.
+        x_ptr = tl.multiple_of(tl.load(args_ptr), 16).to(tl.pointer_type(DTYPE))
+        jb = tl.arange(0, B)
+        sb = tl.load(slots_ptr + b * B + jb, mask=b * B + jb < n, other=-1)                # [B]
+        li = q * ROWS + tl.arange(0, ROWS)                                                  # in block
+        i = b * B + li
+        m = i < n
+        s = tl.load(slots_ptr + i, mask=m, other=0)                                         # [ROWS]
+        same = (sb[None, :] == s[:, None]) & (jb[None, :] < li[:, None])
+        rank_in_block = tl.sum(same.to(tl.int64), axis=1)
+        s64 = s.to(tl.int64)
+        row = tl.load(shift_ptr + s64, mask=m, other=0) + tl.load(prefix_ptr + b * PB + s64, mask=m, other=0) \
+            + rank_in_block
+        d = worker_base + s64 // S
+        dst = tl.multiple_of(tl.load(rows_table + d, mask=m, other=0), 16).to(tl.pointer_type(DTYPE))
+        meta = tl.load(meta_table + d, mask=m, other=0).to(tl.pointer_type(tl.int64))
+        tl.store(meta + row, meta_base + i, mask=m)
+        tok = i // K
         if SCALE:
-            v = (v.to(tl.float32) * f[:, None]).to(x_ptr.dtype.element_ty)
-        tl.store(dst[:, None] + row[:, None] * H + cols[None, :], v, mask=mm)
+            w_ptr = tl.load(args_ptr + 2).to(tl.pointer_type(DTYPE))
+            f = tl.load(w_ptr + i, mask=m, other=0).to(tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            mm = m[:, None] & (cols < H)[None, :]
+            v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=mm)
+            if SCALE:
+                v = (v.to(tl.float32) * f[:, None]).to(DTYPE)
+            tl.store(dst[:, None] + row[:, None] * H + cols[None, :], v, mask=mm)
 
 
 @triton.jit
@@ -122,7 +136,7 @@ def return_rows_kernel(y_ptr, meta_ptr, total_ptr, out_table, capacity, H: tl.co
         meta = tl.load(meta_ptr + j, mask=m, other=0)
         src = meta // capacity
         row = meta % capacity
-        dst = tl.load(out_table + src, mask=m, other=0).to(tl.pointer_type(y_ptr.dtype.element_ty))
+        dst = tl.multiple_of(tl.load(out_table + src, mask=m, other=0), 16).to(tl.pointer_type(y_ptr.dtype.element_ty))
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             mm = m[:, None] & (cols < H)[None, :]

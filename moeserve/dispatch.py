@@ -231,8 +231,9 @@ class Exchange:
             0, handle.order, torch.arange(handle.order.numel(), device=handle.order.device))
         return back.index_select(0, inverse)
 
-    def walk_layer(self, moe_layer: int, store, hidden_size: int, dtype: torch.dtype) -> None:
-        """Take part in one MoE layer with no rows of one's own (idle router, or worker)."""
+    def walk_layer(self, moe_layer: int, store, hidden_size: int, dtype: torch.dtype, maps=None) -> None:
+        """Take part in one MoE layer with no rows of one's own (idle router, or worker); ``maps``
+        is not needed here (the direct exchange's idle routers use it)."""
         pending = self.start(self.new_counts())
         self.send(pending, torch.empty(0, hidden_size, dtype=dtype, device=self.device))
         compute = None

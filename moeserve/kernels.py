@@ -87,36 +87,49 @@ def num_blocks(n: int) -> int:
     return (n + BLOCK_PAIRS - 1) // BLOCK_PAIRS
 
 
-def route(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int, num_slots: int,
-          single: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_args(x: torch.Tensor | None, ids: torch.Tensor | None, weights: torch.Tensor | None, n: int,
+              offset: int = 0) -> torch.Tensor:
+    """The int64 [5] host table the routing kernels read their inputs from: addresses of x
+    [T, H], ids int64 [T, K] and the per-pair weights [N] (0 when absent), N, and the replica
+    offset. Copied to the device before the kernels run (``NvlinkExchange`` keeps one device
+    copy, so that kernels captured once in a CUDA graph read each step's tensors)."""
+    def addr(t):
+        return 0 if t is None else t.data_ptr()
+    return torch.tensor([addr(x), addr(ids), addr(weights), n, offset], dtype=torch.long)
+
+
+def route(args: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, num_slots: int,
+          single: bool, k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots of a router's pairs and their per-block histogram, in one launch.
 
-    ids:     int64 [T, K] logical expert ids; log2phy int64 [E, X] (-1 padded), logcnt int64 [E].
-    offset:  router index + step (the replica rule of ``moeserve.dispatch.choose_slots``:
-             token t takes replica (t + offset) mod logcnt[e]; replica 0 when ``single``).
-    returns  (slots int32 [N] in flat (token, k) order, hist int32 [nb, PB]: pairs per slot in
-             each block of BLOCK_PAIRS pairs, PB = next power of two >= num_slots).
+    args:     device int64 [5] from ``pair_args``: ids int64 [T, K] contiguous, N = T*K, and
+              the offset, router index + step (the replica rule of ``moeserve.dispatch.
+              choose_slots``: token t takes replica (t + offset) mod logcnt[e]; replica 0 when
+              ``single``).
+    log2phy:  int64 [E, X] (-1 padded), logcnt int64 [E].
+    capacity: the most pairs (the grid covers it; blocks past N do nothing).
+    returns   (slots int32 [capacity], first N valid, in flat (token, k) order; hist int32
+              [capacity blocks, PB]: pairs per slot in each block of BLOCK_PAIRS pairs, first
+              ceil(N / BLOCK_PAIRS) valid; PB = next power of two >= num_slots).
     """
-    t, k = ids.shape
-    n = t * k
     pb = _pow2(num_slots)
-    nb = num_blocks(n)
-    slots = torch.empty(n, dtype=torch.int32, device=ids.device)
-    hist = torch.empty(nb, pb, dtype=torch.int32, device=ids.device)
-    if n:
-        _kernels()["route"][(nb,)](ids, log2phy, logcnt, slots, hist, n, offset, K=k, X=log2phy.shape[1],
-                                   SINGLE=single, B=BLOCK_PAIRS, PB=pb, num_warps=4)
+    nb = max(1, num_blocks(capacity))
+    slots = torch.empty(nb * BLOCK_PAIRS, dtype=torch.int32, device=log2phy.device)
+    hist = torch.empty(nb, pb, dtype=torch.int32, device=log2phy.device)
+    _kernels()["route"][(nb,)](args, log2phy, logcnt, slots, hist, K=k, X=log2phy.shape[1],
+                               SINGLE=single, B=BLOCK_PAIRS, PB=pb, num_warps=4)
     return slots, hist
 
 
-def publish(hist: torch.Tensor, prefix: torch.Tensor, counts_table: torch.Tensor, rank: int, sent: torch.Tensor,
-            num_slots: int) -> None:
-    """From the block histograms [nb, PB]: prefix [nb, PB] (pairs of each slot in earlier blocks),
-    this router's pairs per slot c [P] into row ``rank`` of every rank's counts [R, P] (addresses
-    in ``counts_table`` [R]), and c added to ``sent`` (int64 [P], contiguous)."""
+def publish(args: torch.Tensor, hist: torch.Tensor, prefix: torch.Tensor, counts_table: torch.Tensor, rank: int,
+            sent: torch.Tensor, num_slots: int) -> None:
+    """From the block histograms [nb, PB] of the N pairs in ``args``: prefix [nb, PB] (pairs of
+    each slot in earlier blocks), this router's pairs per slot c [P] into row ``rank`` of every
+    rank's counts [R, P] (addresses in ``counts_table`` [R]), and c added to ``sent`` (int64
+    [P], contiguous)."""
     pb = _pow2(num_slots)
-    _kernels()["publish"][(1,)](hist, prefix, hist.shape[0], counts_table, sent, rank, R=counts_table.numel(),
-                                P=num_slots, PB=pb, CH=max(1, min(32, 4096 // pb)), num_warps=4)
+    _kernels()["publish"][(1,)](args, hist, prefix, counts_table, sent, rank, R=counts_table.numel(),
+                                P=num_slots, PB=pb, B=BLOCK_PAIRS, CH=max(1, min(32, 4096 // pb)), num_warps=4)
 
 
 def prep(counts: torch.Tensor, rank: int, worker: int, num_workers: int, shift: torch.Tensor,
@@ -131,31 +144,33 @@ def prep(counts: torch.Tensor, rank: int, worker: int, num_workers: int, shift: 
                              RB=_pow2(r), WB=_pow2(num_workers), SB=_pow2(s))
 
 
-def scatter_pairs(x: torch.Tensor, k: int, slots: torch.Tensor, prefix: torch.Tensor, shift: torch.Tensor,
-                  slots_per_worker: int, worker_base: int, scale: torch.Tensor | None, rows_table: torch.Tensor,
-                  meta_table: torch.Tensor, meta_base: int) -> None:
-    """Write the rows of N (token, k) pairs into their workers' receive buffers.
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
-    x:            [T, H] hidden (contiguous); slots int32 [N] and prefix [nb, PB] from ``route`` /
-                  ``publish``; shift int64 [P] from ``prep``.
+
+def scatter_pairs(args: torch.Tensor, dtype: torch.dtype, hidden_size: int, k: int, scaled: bool,
+                  slots: torch.Tensor, prefix: torch.Tensor, shift: torch.Tensor, slots_per_worker: int,
+                  worker_base: int, rows_table: torch.Tensor, meta_table: torch.Tensor, meta_base: int) -> None:
+    """Write the rows of the N (token, k) pairs in ``args`` into their workers' receive buffers.
+
+    args:         device int64 [5] from ``pair_args``: x [T, H] contiguous of ``dtype``, and
+                  when ``scaled`` the per-pair weights [N] of ``dtype``; the row sent is
+                  ``x[token] * w[pair]`` rounded to the dtype, as ``torch.mul`` rounds it.
+    slots, prefix from ``route`` / ``publish`` (capacity-sized; the grid covers them and stops
+                  at N); shift int64 [P] from ``prep``.
     worker_base:  world rank of worker 0 (workers are ranks worker_base .. worker_base + W - 1).
-    scale:        [N] factor per pair or None; the row sent is ``x[token] * scale[pair]`` rounded
-                  to x's dtype, as ``torch.mul`` rounds it.
-    rows_table:   int64 [R] addresses of every rank's receive buffer [C, H] (x's dtype);
+    rows_table:   int64 [R] addresses of every rank's receive buffer [C, H] (of ``dtype``);
     meta_table:   int64 [R] addresses of every rank's int64 [C] return addresses; a pair's
                   return address is ``meta_base + pair``.
     A worker's rows end up slot-major, by sending rank inside a slot and in pair order inside
     a rank: the order a stable sort by slot gives.
     """
-    n = slots.numel()
-    if n == 0:
-        return
-    h = x.shape[1]
     rows, block_h, num_warps = TUNING["scatter"]
-    _kernels()["scatter"][(num_blocks(n), BLOCK_PAIRS // rows)](
-        x, slots, prefix, shift, scale if scale is not None else x, rows_table, meta_table, meta_base, worker_base, n,
-        H=h, K=k, S=slots_per_worker, PB=prefix.shape[1], SCALE=scale is not None, B=BLOCK_PAIRS, ROWS=rows,
-        BLOCK_H=min(_block(h), block_h), num_warps=num_warps)
+    _kernels()["scatter"][(prefix.shape[0], BLOCK_PAIRS // rows)](
+        args, slots, prefix, shift, rows_table, meta_table, meta_base, worker_base,
+        H=hidden_size, K=k, S=slots_per_worker, PB=prefix.shape[1], DTYPE=_tl_dtype(dtype), SCALE=scaled,
+        B=BLOCK_PAIRS, ROWS=rows, BLOCK_H=min(_block(hidden_size), block_h), num_warps=num_warps)
 
 
 def return_rows(y: torch.Tensor, meta: torch.Tensor, total: torch.Tensor, out_table: torch.Tensor,

@@ -93,7 +93,7 @@ class NvlinkHandle:
     moe_layer: int
     routing: RoutingResult | None
     pairs: int                      # N
-    sent: None                      # the pairs sent were added to the router's counts on the device
+    keep: tuple                     # the tensors the kernels read (kept alive until combine)
 
 
 class NvlinkExchange:
@@ -101,13 +101,19 @@ class NvlinkExchange:
     ``moeserve.dispatch.Exchange``; ``dispatch_rows`` / ``combine_rows`` / ``walk_layer`` are
     what the router backend and idle ranks call.
 
-    pair_capacity: B, the most (token, k) pairs one router sends in a layer.
+    pair_capacity: B, the most (token, k) pairs one router sends in a layer; top_k: K.
+    graphs: on CUDA, each layer's two halves (route ... rows sent; experts ... outputs back) are
+    captured into CUDA graphs at their second use and replayed afterwards: every shape in them
+    is fixed by the capacities, and what changes per step (the tensors' addresses, N, the
+    replica offset) is read from a small device table. A MoE layer then costs the host two
+    graph replays and one 40-byte copy instead of ~10 kernel launches. A store whose compute
+    reads counts back to the host (fp32, biases: ``capturable`` false) runs eagerly.
     """
 
     kind = "nvlink"
 
     def __init__(self, topo: Topology, rank: int, device: torch.device, hidden_size: int, dtype: torch.dtype,
-                 pair_capacity: int, group=None, timeout_ms: int = 30_000):
+                 pair_capacity: int, top_k: int, group=None, timeout_ms: int = 30_000, graphs: bool = True):
         import torch.distributed._symmetric_memory as symm_mem
         self.topo = topo
         self.rank = rank
@@ -149,25 +155,60 @@ class NvlinkExchange:
         # Sort keys: the narrowest integer type that holds every slot (fewer radix-sort passes).
         self.shift = torch.zeros(p, dtype=torch.long, device=self.device)                 # [P]
         self.offs = torch.zeros(max(topo.slots_per_worker, 1), dtype=torch.int32, device=self.device)   # [S]
-        self._idle_hist = torch.zeros(0, kernels._pow2(p), dtype=torch.int32, device=self.device)
+        self.top_k = top_k
+        self.args = torch.zeros(5, dtype=torch.long, device=self.device)                  # pair_args, on the device
         self._scratch_sent = torch.zeros(p, dtype=torch.long, device=self.device)
+        self._scaled = False
+        self.graphs = graphs and self.device.type == "cuda"
+        self._graphs: dict = {}
+        self._seen: set = set()
+        self._pool = None
         self._in_flight = False
         self._barrier()                                       # every rank's counts are zero
 
     def _barrier(self) -> None:
         self._h_counts.barrier(channel=0, timeout_ms=self.timeout_ms)
 
-    def _layout(self, hist: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
-        """Steps 1-2: publish this router's counts (from its block histograms [nb, PB]; added to
-        ``sent`` [P]), barrier, then derive this rank's shift [P] and, on a worker, offs [S].
-        Returns the block prefixes [nb, PB]."""
-        prefix = torch.empty_like(hist)
-        if self.router is not None:
-            kernels.publish(hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
-        self._barrier()
-        kernels.prep(self.counts, self.rank, -1 if self.worker is None else self.worker,
-                     self.topo.num_workers, self.shift, self.offs)
-        return prefix
+    def _run(self, key, body, capturable: bool = True) -> None:
+        """Run ``body`` (kernel launches only, no host reads): eagerly the first time (which also
+        compiles its kernels), captured into a CUDA graph and replayed the second time, replayed
+        afterwards."""
+        if not (self.graphs and capturable):
+            body()
+            return
+        g = self._graphs.get(key)
+        if g is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                body()
+                return
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            # Graphs share one pool (nothing escapes them); thread_local: the NCCL watchdog thread's
+            # event queries must not invalidate the capture.
+            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+                body()
+            self._graphs[key] = g
+        g.replay()
+
+    def _send_half(self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor) -> None:
+        """Steps 1-3: publish this router's counts, barrier, layout, rows, barrier (any rank)."""
+        def body():
+            if self.router is not None:
+                slots, hist = kernels.route(self.args, maps.log2phy[moe_layer], maps.logcnt[moe_layer],
+                                            self.topo.num_slots, single, self.top_k, self.pair_capacity)
+                prefix = torch.empty_like(hist)
+                kernels.publish(self.args, hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
+            self._barrier()
+            kernels.prep(self.counts, self.rank, -1 if self.worker is None else self.worker,
+                         self.topo.num_workers, self.shift, self.offs)
+            if self.router is not None:
+                kernels.scatter_pairs(self.args, self.dtype, self.hidden_size, self.top_k, scaled, slots, prefix,
+                                      self.shift, self.topo.slots_per_worker, self.worker_base, self.rows_table,
+                                      self.meta_table, self.rank * self.pair_capacity)
+            self._barrier()
+        self._run(("send", moe_layer, single, scaled, sent.data_ptr()), body)
 
     def sent_slice(self, sent_row: torch.Tensor) -> torch.Tensor:
         """The part [P] of a router's per-(rank, local slot) counts [R*S] that holds the slots
@@ -179,9 +220,9 @@ class NvlinkExchange:
 
     def dispatch_ids(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult, maps, offset: int,
                      sent_row: torch.Tensor) -> NvlinkHandle:
-        """Route and send a router's pairs in five launches: slot choice by the replica rule of
-        ``maps`` (``RouterMaps``) for ``routing.ids`` [T, K] with ``offset`` (router + step),
-        the counts, the layout and the rows. Adds the pairs sent per slot to ``sent_row`` [R*S]."""
+        """Route and send a router's pairs: slot choice by the replica rule of ``maps``
+        (``RouterMaps``) for ``routing.ids`` [T, K] with ``offset`` (router + step), the counts,
+        the layout and the rows. Adds the pairs sent per slot to ``sent_row`` [R*S] (on the device)."""
         if self._in_flight:
             raise RuntimeError("dispatch called twice without combine: one MoE layer at a time")
         t, k = routing.ids.shape
@@ -189,25 +230,34 @@ class NvlinkExchange:
         if n > self.pair_capacity:
             raise ValueError(f"{n} (token, k) pairs in one MoE layer exceed the exchange's capacity of "
                              f"{self.pair_capacity} (max_num_batched_tokens x top-k)")
-        slots, hist = kernels.route(routing.ids.contiguous(), maps.log2phy[moe_layer], maps.logcnt[moe_layer], offset,
-                                    self.topo.num_slots, maps.single[moe_layer])
-        prefix = self._layout(hist, self.sent_slice(sent_row))
-        scale = routing.weights.reshape(-1).to(hidden.dtype).contiguous() if routing.weights_on_input else None
-        kernels.scatter_pairs(hidden.contiguous(), k, slots, prefix, self.shift, self.topo.slots_per_worker,
-                              self.worker_base, scale, self.rows_table, self.meta_table, self.rank * self.pair_capacity)
-        self._barrier()
+        if k != self.top_k or hidden.dtype != self.dtype or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"dispatch of [T, {hidden.shape[1]}] {hidden.dtype} rows with top-{k}: this exchange "
+                             f"was built for [T, {self.hidden_size}] {self.dtype} with top-{self.top_k}")
+        x = hidden.contiguous()
+        if x.data_ptr() % 16:                              # the kernels assume 16-byte aligned rows' base
+            x = x.clone()
+        ids = routing.ids.contiguous()
+        scaled = bool(routing.weights_on_input)
+        w = routing.weights.reshape(-1).to(self.dtype).contiguous() if scaled else None
+        self.args.copy_(kernels.pair_args(x, ids, w, n, offset))          # read by the kernels, graphs too
+        self._scaled = scaled
+        self._send_half(moe_layer, maps, bool(maps.single[moe_layer]), scaled, self.sent_slice(sent_row))
         self._in_flight = True
-        return NvlinkHandle(moe_layer, routing, n, None)
+        # The tensors the kernels read stay referenced until the layer is combined.
+        return NvlinkHandle(moe_layer, routing, n, (x, ids, w))
 
     def _serve(self, moe_layer: int, store) -> None:
-        """Step 4 on a worker: run its slots and return the outputs; then barrier."""
-        if self.worker is not None:
-            if store is None:
-                raise RuntimeError(f"rank {self.rank} is a worker but has no expert store")
-            total = self.offs[-1:]
-            y = store.compute_slot_major(moe_layer, self.rows, self.offs, total)      # [C, H]
-            kernels.return_rows(y, self.meta, total, self.out_table, self.pair_capacity)
-        self._barrier()
+        """Step 4 on a worker: run its slots and return the outputs; then barrier (any rank)."""
+        if self.worker is not None and store is None:
+            raise RuntimeError(f"rank {self.rank} is a worker but has no expert store")
+
+        def body():
+            if self.worker is not None:
+                total = self.offs[-1:]
+                y = store.compute_slot_major(moe_layer, self.rows, self.offs, total)      # [C, H]
+                kernels.return_rows(y, self.meta, total, self.out_table, self.pair_capacity)
+            self._barrier()
+        self._run(("serve", moe_layer), body, capturable=self.worker is None or getattr(store, "capturable", False))
 
     def combine_rows(self, handle: NvlinkHandle, store) -> torch.Tensor:
         """The outputs of the router's pairs, [N, H] in (token, k) order: a view of this rank's
@@ -216,8 +266,13 @@ class NvlinkExchange:
         self._in_flight = False
         return self.out[:handle.pairs]
 
-    def walk_layer(self, moe_layer: int, store, hidden_size: int = 0, dtype: torch.dtype | None = None) -> None:
-        """Take part in one MoE layer with no rows of one's own (idle router, or worker)."""
-        self._layout(self._idle_hist, self._scratch_sent)
-        self._barrier()
+    def walk_layer(self, moe_layer: int, store, hidden_size: int = 0, dtype: torch.dtype | None = None,
+                   maps=None) -> None:
+        """Take part in one MoE layer with no rows of one's own (idle router, or worker). An
+        idle router publishes zero counts (``maps``: its RouterMaps; the tables are not read)."""
+        self.args.copy_(kernels.pair_args(None, None, None, 0, 0))
+        if self.router is not None and maps is None:
+            raise ValueError("an idle router's walk needs its RouterMaps")
+        self._send_half(moe_layer, maps, bool(maps.single[moe_layer]) if maps is not None else True, self._scaled,
+                        self._scratch_sent)
         self._serve(moe_layer, store)

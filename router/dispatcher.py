@@ -122,8 +122,8 @@ class DistributedExperts:
         return logical, slot.reshape(layers, workers, p // workers).sum(axis=2)
 
 
-def idle_walk(exchange, num_layers: int, hidden_size: int, dtype: torch.dtype, store=None) -> None:
+def idle_walk(exchange, num_layers: int, hidden_size: int, dtype: torch.dtype, store=None, maps=None) -> None:
     """Take part in every MoE layer's exchange with no rows of one's own (an idle router, or a
-    worker): all ranks walk the MoE layers in lockstep."""
+    worker): all ranks walk the MoE layers in lockstep. ``maps``: an idle router's RouterMaps."""
     for layer in range(num_layers):
-        exchange.walk_layer(layer, store, hidden_size, dtype)
+        exchange.walk_layer(layer, store, hidden_size, dtype, maps=maps)

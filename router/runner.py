@@ -40,7 +40,7 @@ class RouterRunner:
         info = self.model.moe_info
         if not work.seqs:
             idle_walk(self.experts.exchange, info.num_moe_layers, self.model.config.hidden_size,
-                      info.expert_spec.dtype, self.experts.store)
+                      info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
             return {}, {}
         for sw in work.seqs:
             if sw.sampling is not None:

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("triton")
+try:
+    import triton  # noqa: F401
+except ImportError:                                   # the test extra installs it; CI=true requires it
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("triton is not installed (pip install -e '.[test]')", allow_module_level=True)
 
 from moeserve import kernels, nvlink                                  # noqa: E402
 from moeserve.dispatch import Topology                                # noqa: E402
@@ -51,21 +56,24 @@ def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, col
     meta = [torch.full((routers * cap,), -1, dtype=torch.long) for _ in range(R)]
     outs = [torch.full((cap, H), float("nan")) for _ in range(R)]
     sent = {r: torch.zeros(P, dtype=torch.long) for r in topo.router_ranks}
-    slots_of, prefix_of, x_of, w_of = {}, {}, {}, {}
+    slots_of, prefix_of, x_of, w_of, ids_of, args_of, raw_slots = {}, {}, {}, {}, {}, {}, {}
     # 1. routers choose slots and publish their counts (an idle router publishes zeros)
     for rank in topo.router_ranks:
         t = [cap // k, 0, 333 // k][rank % 3]          # at capacity (several blocks), idle, a partial block
         ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.long)
         offset = 5 + rank
-        sl, hist = kernels.route(ids, maps.log2phy[0], maps.logcnt[0], offset, P, maps.single[0])
-        assert torch.equal(sl.long(), choose_slots(ids, maps.log2phy[0], maps.logcnt[0], offset))   # the replica rule
-        assert hist.shape[0] == kernels.num_blocks(t * k)
-        prefix = torch.empty_like(hist)
-        kernels.publish(hist, prefix, table(counts), rank, sent[rank], P)
-        assert torch.equal(sent[rank], torch.bincount(sl.long(), minlength=P))
-        slots_of[rank], prefix_of[rank] = sl.long(), prefix
         x_of[rank] = torch.randn(t, H, generator=g)
         w_of[rank] = torch.rand(t * k, generator=g)
+        ids_of[rank] = ids
+        args_of[rank] = kernels.pair_args(x_of[rank], ids, w_of[rank] if scaled else None, t * k, offset)
+        sl, hist = kernels.route(args_of[rank], maps.log2phy[0], maps.logcnt[0], P, maps.single[0], k, cap)
+        assert sl.numel() >= cap and hist.shape[0] == kernels.num_blocks(cap)             # capacity-sized
+        sl = sl[:t * k]
+        assert torch.equal(sl.long(), choose_slots(ids, maps.log2phy[0], maps.logcnt[0], offset))   # the replica rule
+        prefix = torch.empty_like(hist)
+        kernels.publish(args_of[rank], hist, prefix, table(counts), rank, sent[rank], P)
+        assert torch.equal(sent[rank], torch.bincount(sl.long(), minlength=P))
+        slots_of[rank], prefix_of[rank], raw_slots[rank] = sl.long(), prefix, sl
     for c in counts:                                  # everyone sees the same [R, P]
         assert torch.equal(c, counts[0])
     # 2. every rank derives its layout; equal to the torch reference
@@ -80,8 +88,10 @@ def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, col
         shift_of[rank], offs_of[rank] = shift, offs
     # 3. routers scatter their rows
     for rank in topo.router_ranks:
-        kernels.scatter_pairs(x_of[rank], k, slots_of[rank].int(), prefix_of[rank], shift_of[rank], S,
-                              topo.worker_ranks[0], w_of[rank] if scaled else None, table(rows), table(meta), rank * cap)
+        full = torch.zeros(prefix_of[rank].shape[0] * kernels.BLOCK_PAIRS, dtype=torch.int32)
+        full[:slots_of[rank].numel()] = raw_slots[rank]
+        kernels.scatter_pairs(args_of[rank], torch.float32, H, k, scaled, full, prefix_of[rank], shift_of[rank], S,
+                              topo.worker_ranks[0], table(rows), table(meta), rank * cap)
         # where each pair landed = the reference layout of a stable sort by slot
         sorted_slots, order = torch.sort(slots_of[rank], stable=True)
         dest, row = nvlink.positions(counts[rank], rank, sorted_slots, topo)

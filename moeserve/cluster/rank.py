@@ -137,7 +137,7 @@ def make_exchange(cfg: ClusterConfig, topo: Topology, rank: int, device: torch.d
                                f"use exchange='auto' or 'collective'")
         return Exchange(topo, rank, group=None, device=device)
     return nvlink.NvlinkExchange(topo, rank, device, hidden_size, dtype,
-                                 pair_capacity=cfg.limits.max_num_batched_tokens * top_k,
+                                 pair_capacity=cfg.limits.max_num_batched_tokens * top_k, top_k=top_k,
                                  timeout_ms=int(cfg.pg_timeout_s * 1000))
 
 
