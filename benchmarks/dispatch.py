@@ -138,6 +138,7 @@ def make_exchange(kind, topo, rank, device, hidden, dtype, pairs, top_k):
     if ex is None or ex.pair_capacity < pairs:
         _NVLINK.pop(key, None)
         ex = _NVLINK[key] = NvlinkExchange(topo, rank, device, hidden, dtype, pair_capacity=pairs, top_k=top_k)
+    ex.reset_graphs()                        # each case brings its own maps and stores
     return ex
 
 

@@ -160,8 +160,8 @@ class NvlinkExchange:
         self._scratch_sent = torch.zeros(p, dtype=torch.long, device=self.device)
         self._scaled = False
         self.graphs = graphs and self.device.type == "cuda"
-        self._graphs: dict = {}
-        self._seen: set = set()
+        self._graphs: dict = {}                 # key -> (CUDAGraph, tensors kept alive)
+        self._seen: dict = {}                   # key -> tensors kept alive (first, eager use)
         self._pool = None
         self._in_flight = False
         self._barrier()                                       # every rank's counts are zero
@@ -169,17 +169,19 @@ class NvlinkExchange:
     def _barrier(self) -> None:
         self._h_counts.barrier(channel=0, timeout_ms=self.timeout_ms)
 
-    def _run(self, key, body, capturable: bool = True) -> None:
+    def _run(self, key, body, capturable: bool = True, keep: tuple = ()) -> None:
         """Run ``body`` (kernel launches only, no host reads): eagerly the first time (which also
         compiles its kernels), captured into a CUDA graph and replayed the second time, replayed
-        afterwards."""
+        afterwards. ``key`` names everything the body bakes in (layer, flags, the addresses of
+        tensors it reads that this exchange does not own); ``keep`` holds those tensors, so that
+        no address in a key can be freed and reused while its graph exists."""
         if not (self.graphs and capturable):
             body()
             return
-        g = self._graphs.get(key)
-        if g is None:
+        entry = self._graphs.get(key)
+        if entry is None:
             if key not in self._seen:
-                self._seen.add(key)
+                self._seen[key] = keep
                 body()
                 return
             if self._pool is None:
@@ -189,8 +191,15 @@ class NvlinkExchange:
             # event queries must not invalidate the capture.
             with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
                 body()
-            self._graphs[key] = g
-        g.replay()
+            entry = self._graphs[key] = (g, keep)
+        entry[0].replay()
+
+    def reset_graphs(self) -> None:
+        """Drop every captured graph (and the tensors they kept alive); the next uses capture anew."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._graphs.clear()
+        self._seen.clear()
 
     def _send_half(self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor) -> None:
         """Steps 1-3: publish this router's counts, barrier, layout, rows, barrier (any rank)."""
@@ -208,7 +217,9 @@ class NvlinkExchange:
                                       self.shift, self.topo.slots_per_worker, self.worker_base, self.rows_table,
                                       self.meta_table, self.rank * self.pair_capacity)
             self._barrier()
-        self._run(("send", moe_layer, single, scaled, sent.data_ptr()), body)
+        tables = (maps.log2phy, maps.logcnt) if maps is not None else ()
+        self._run(("send", moe_layer, single, scaled, sent.data_ptr(), *(t.data_ptr() for t in tables)), body,
+                  keep=(sent, *tables))
 
     def sent_slice(self, sent_row: torch.Tensor) -> torch.Tensor:
         """The part [P] of a router's per-(rank, local slot) counts [R*S] that holds the slots
@@ -257,7 +268,8 @@ class NvlinkExchange:
                 y = store.compute_slot_major(moe_layer, self.rows, self.offs, total)      # [C, H]
                 kernels.return_rows(y, self.meta, total, self.out_table, self.pair_capacity)
             self._barrier()
-        self._run(("serve", moe_layer), body, capturable=self.worker is None or getattr(store, "capturable", False))
+        self._run(("serve", moe_layer, id(store)), body,
+                  capturable=self.worker is None or getattr(store, "capturable", False), keep=(store,))
 
     def combine_rows(self, handle: NvlinkHandle, store) -> torch.Tensor:
         """The outputs of the router's pairs, [N, H] in (token, k) order: a view of this rank's
