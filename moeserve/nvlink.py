@@ -252,7 +252,10 @@ class NvlinkExchange:
         w = routing.weights.reshape(-1).to(self.dtype).contiguous() if scaled else None
         self.args.copy_(kernels.pair_args(x, ids, w, n, offset))          # read by the kernels, graphs too
         self._scaled = scaled
-        self._send_half(moe_layer, maps, bool(maps.single[moe_layer]), scaled, self.sent_slice(sent_row))
+        # In graphs the general replica rule always runs (logcnt 1 gives replica 0): a commit that
+        # changes whether a layer has replicas must not force a new capture mid-migration.
+        single = bool(maps.single[moe_layer]) and not self.graphs
+        self._send_half(moe_layer, maps, single, scaled, self.sent_slice(sent_row))
         self._in_flight = True
         # The tensors the kernels read stay referenced until the layer is combined.
         return NvlinkHandle(moe_layer, routing, n, (x, ids, w))
@@ -285,6 +288,6 @@ class NvlinkExchange:
         self.args.copy_(kernels.pair_args(None, None, None, 0, 0))
         if self.router is not None and maps is None:
             raise ValueError("an idle router's walk needs its RouterMaps")
-        self._send_half(moe_layer, maps, bool(maps.single[moe_layer]) if maps is not None else True, self._scaled,
-                        self._scratch_sent)
+        single = bool(maps.single[moe_layer]) and not self.graphs if maps is not None else True
+        self._send_half(moe_layer, maps, single, self._scaled, self._scratch_sent)
         self._serve(moe_layer, store)
