@@ -24,6 +24,16 @@ def test_eplb_config_and_the_single_flag_aliases_agree(model):
     assert (kw["window_size"], kw["step_interval"], kw["num_redundant_experts"], kw["log_balancedness"]) == (10, 20, 2, True)
 
 
+def test_the_exchange_flag_reaches_the_cluster_config(model):
+    assert parse("up", "--model", model)["exchange"] == "auto"
+    assert parse("up", "--model", model, "--exchange", "collective")["exchange"] == "collective"
+    kw = parse("up", "--model", model, "--backend", "nccl", "--exchange", "nvlink")
+    from moeserve.cluster.config import ClusterConfig
+    cfg = ClusterConfig(model_dir=model, routers=kw["routers"], workers=kw["workers"], backend=kw["backend"],
+                        exchange=kw["exchange"])
+    assert cfg.exchange == "nvlink"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["up", "--model", "/no/such/dir"], "no such folder"),
     (["up", "--model", "{m}", "--eplb-config", "{{nope"], "not valid JSON"),
@@ -41,6 +51,7 @@ def test_eplb_config_and_the_single_flag_aliases_agree(model):
     (["router", "--model", "{m}", "--rank", "0", "--world-size", "2", "--admin-port", "0"], "needs a token"),
     (["balancer", "--admin-address", "nohost"], "HOST:PORT"),
     (["status", "--address", "nohost"], "host:port"),
+    (["up", "--model", "{m}", "--exchange", "nvlink"], "--exchange nvlink needs --backend nccl"),
 ])
 def test_bad_flags_exit_2_with_a_message(model, argv, message, capsys, monkeypatch):
     monkeypatch.delenv("MOESERVE_ADMIN_TOKEN", raising=False)

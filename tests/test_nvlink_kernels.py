@@ -156,3 +156,13 @@ def test_capacity_and_layout_errors_are_explained():
         from moeserve.cluster.config import ClusterConfig
         ClusterConfig(model_dir="x", exchange="nvlink")
     assert topo.worker_ranks == (2, 3, 4)
+
+
+def test_auto_takes_the_collective_exchange_without_cuda():
+    from moeserve.cluster.config import ClusterConfig
+    from moeserve.cluster.rank import make_exchange
+    topo = Topology.build(1, 2, False, 4)
+    for choice in ("auto", "collective"):
+        ex = make_exchange(ClusterConfig(model_dir="x", exchange=choice), topo, 0, torch.device("cpu"), None, 8,
+                           torch.float32, 2)
+        assert ex.kind == "collective"

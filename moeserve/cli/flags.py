@@ -31,6 +31,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers-per-node", type=int, default=0, metavar="N", help="workers per node (default: all on one)")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     g.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo (CPU, default) or nccl (GPU)")
+    g.add_argument("--exchange", choices=("auto", "collective", "nvlink"), default="auto",
+                   help="how rows travel per MoE layer: nvlink (direct stores into peers' memory, one host, "
+                        "CUDA + Triton), collective (all-to-all), auto (nvlink where every rank can, default)")
     g.add_argument("--migration-bytes-per-step", type=int, default=512 << 20, metavar="B",
                    help="weight bytes moved per destination worker per step during a migration (default 512 MiB)")
     e = p.add_argument_group("EPLB")
@@ -155,6 +158,8 @@ def cluster_kwargs(args) -> dict:
                  "migration_bytes_per_step"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "exchange", "auto") == "nvlink" and args.backend != "nccl":
+        raise UsageError("--exchange nvlink needs --backend nccl (CUDA devices); use auto or collective")
     eplb = eplb_settings(args)
     from moeserve.cluster.config import EplbConfig
     try:
@@ -165,7 +170,7 @@ def cluster_kwargs(args) -> dict:
                 dtype=args.dtype, workers_per_node=args.workers_per_node,
                 migration_bytes_per_step=args.migration_bytes_per_step, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_waiting=args.max_waiting, **eplb)
+                max_waiting=args.max_waiting, exchange=getattr(args, "exchange", "auto"), **eplb)
 
 
 def server_options(args, port: int, token: str | None = None):
