@@ -29,8 +29,12 @@ One MoE layer, identical on every rank (docs/dataplane.md, "Direct exchange"):
 
 The barriers (torch symmetric memory's, release/acquire at system scope) also order buffer
 reuse: a peer writes a buffer of layer l+1 only after the barrier that follows every read of
-layer l. A dead peer stalls a barrier until its timeout, which traps the kernel: the rank dies
-and the launcher tears the cluster down, as with a collective timeout.
+layer l. A dead peer stalls a barrier until its timeout, where torch's barrier kernel fails a
+device-side assertion: the rank dies and the launcher tears the cluster down, as with a
+collective timeout (not yet exercised on GPUs: the kill test runs on gloo).
+
+Each half of a layer (steps 1-3; step 4) launches only kernels and reads nothing back, so it
+is captured into a CUDA graph at its second use and replayed afterwards (``graphs``).
 
 Capacity: B = max_num_batched_tokens x K per router; C = routers x B (all routers may pick one
 worker). Buffers are allocated once at start.
