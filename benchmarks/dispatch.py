@@ -350,7 +350,9 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     during = t[phase == "migrating"]
     summary = [mid.summary() if rank == 0 else None]
     dist.broadcast_object_list(summary, src=0, group=CPU_GROUP)
-    return dict(exchange=kind, slots=p, layers=layers, tokens=tokens, moves=summary[0]["moves_total"], bytes=summary[0]["bytes_total"],
+    return dict(exchange=kind, slots=p, layers=layers, tokens=tokens,
+                step_ms=[round(float(x), 3) for x in t], step_phase=[str(x) for x in phase],   # every step, to find outliers
+                moves=summary[0]["moves_total"], bytes=summary[0]["bytes_total"],
                 migration_steps=int(len(during)), migration_s=float(during.sum() / 1e3),
                 steady_p50_ms=float(np.percentile(steady, 50)), steady_p99_ms=float(np.percentile(steady, 99)),
                 during_p50_ms=float(np.percentile(during, 50)), during_p99_ms=float(np.percentile(during, 99)),
