@@ -67,6 +67,14 @@ class Topology:
     def colocated(self) -> bool:
         return self.router_ranks == self.worker_ranks
 
+    def slot_positions(self) -> torch.Tensor:
+        """LongTensor [P]: where each global slot sits in a flattened per-(rank, local slot)
+        table [R*S] (the rank holding it, then its local index; ranks holding no slots have
+        zero columns). The counts on the wire and a router's recorded load use this layout."""
+        slot = torch.arange(self.num_slots)
+        rank_of_slot = torch.tensor(self.worker_ranks)[slot // self.slots_per_worker]
+        return rank_of_slot * self.slots_per_worker + slot % self.slots_per_worker
+
     def router_index(self, rank: int) -> int | None:
         return self.router_ranks.index(rank) if rank in self.router_ranks else None
 
@@ -139,11 +147,7 @@ class Exchange:
         self.rank = rank
         self.group = group
         self.device = torch.device(device)
-        # Position of each global slot in the flattened [R, S] send counts: the rank holding it, then
-        # its local index (routers that hold no slots get zero rows).
-        slot = torch.arange(topo.num_slots)
-        rank_of_slot = torch.tensor(topo.worker_ranks)[slot // topo.slots_per_worker]
-        self.slot_position = (rank_of_slot * topo.slots_per_worker + slot % topo.slots_per_worker).to(self.device)
+        self.slot_position = topo.slot_positions().to(self.device)          # [P] into the flattened [R, S] counts
         self._side = None                   # CUDA: stream and pinned buffer for the counts' host read
         self._host = None
 
@@ -210,11 +214,17 @@ class Exchange:
 
     kind = "collective"
 
-    def dispatch_rows(self, moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor) -> RowsHandle:
-        """Send a router's rows: hidden [T, H], routing [T, K], slots [N] in (token, k) order.
-        Rows are sorted by slot (so by destination), scaled first when the weights scale the
-        input, and start travelling; the counts go ahead of them."""
-        return _dispatch_rows(self, moe_layer, hidden, routing, slots)
+    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing, maps, offset: int,
+                 sent_row: torch.Tensor) -> RowsHandle:
+        """Send a router's rows: hidden [T, H], routing [T, K]; each pair's slot by the replica
+        rule of ``maps`` (``RouterMaps``) with ``offset`` (router + step). Rows are sorted by slot
+        (so by destination), scaled first when the weights scale the input, and start
+        travelling; the counts go ahead of them. Adds the pairs sent per (rank, local slot) to
+        ``sent_row`` [R*S]. The same call as ``NvlinkExchange.dispatch``."""
+        slots = maps.slots_of(moe_layer, routing.ids, offset)                          # [N]
+        handle = _dispatch_rows(self, moe_layer, hidden, routing, slots)
+        sent_row += handle.counts
+        return handle
 
     def combine_rows(self, handle: RowsHandle, store) -> torch.Tensor:
         """Finish the layer (running this rank's slots when ``store`` is given) and return the
@@ -244,12 +254,12 @@ class Exchange:
 
 @dataclass
 class RowsHandle:
-    """A router's rows in flight through the collective exchange (``Exchange.dispatch_rows``)."""
+    """A router's rows in flight through the collective exchange (``Exchange.dispatch``)."""
 
     moe_layer: int
     pending: Pending
     order: torch.Tensor             # [N] pair index of each sent row (rows sorted by slot)
-    sent: torch.Tensor              # int64 [R*S] pairs sent per (rank, local slot)
+    counts: torch.Tensor            # int64 [R*S] pairs sent per (rank, local slot)
 
 
 def _dispatch_rows(ex: "Exchange", moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor) -> RowsHandle:

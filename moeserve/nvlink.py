@@ -102,7 +102,7 @@ class NvlinkHandle:
 
 class NvlinkExchange:
     """The direct exchange of one world (see the module docstring). Same role as
-    ``moeserve.dispatch.Exchange``; ``dispatch_rows`` / ``combine_rows`` / ``walk_layer`` are
+    ``moeserve.dispatch.Exchange``; ``dispatch`` / ``combine_rows`` / ``walk_layer`` are
     what the router backend and idle ranks call.
 
     pair_capacity: B, the most (token, k) pairs one router sends in a layer; top_k: K.
@@ -153,9 +153,7 @@ class NvlinkExchange:
         if list(topo.worker_ranks) != list(range(topo.worker_ranks[0], topo.worker_ranks[0] + topo.num_workers)):
             raise ValueError(f"worker ranks must be consecutive, got {topo.worker_ranks}")
         self.worker_base = topo.worker_ranks[0]
-        slot = torch.arange(p)                                # as Exchange.slot_position (take_load reads it)
-        rank_of_slot = torch.tensor(topo.worker_ranks)[slot // topo.slots_per_worker]
-        self.slot_position = (rank_of_slot * topo.slots_per_worker + slot % topo.slots_per_worker).to(self.device)
+        self.slot_position = topo.slot_positions().to(self.device)          # as Exchange's (take_load reads it)
         # Sort keys: the narrowest integer type that holds every slot (fewer radix-sort passes).
         self.shift = torch.zeros(p, dtype=torch.long, device=self.device)                 # [P]
         self.offs = torch.zeros(max(topo.slots_per_worker, 1), dtype=torch.int32, device=self.device)   # [S]
@@ -231,9 +229,7 @@ class NvlinkExchange:
         s0 = self.worker_base * self.topo.slots_per_worker
         return sent_row[s0:s0 + self.topo.num_slots]
 
-    routes_on_device = True
-
-    def dispatch_ids(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult, maps, offset: int,
+    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult, maps, offset: int,
                      sent_row: torch.Tensor) -> NvlinkHandle:
         """Route and send a router's pairs: slot choice by the replica rule of ``maps``
         (``RouterMaps``) for ``routing.ids`` [T, K] with ``offset`` (router + step), the counts,

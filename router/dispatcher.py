@@ -90,13 +90,10 @@ class DistributedExperts:
                                 dtype=torch.long, device=exchange.device)
 
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
-        offset = self.router + self.step
-        if getattr(self.exchange, "routes_on_device", False):                      # slot choice in its kernels
-            rows = self.exchange.dispatch_ids(moe_layer, hidden, routing, self.maps, offset, self.sent[moe_layer])
-            return _Handle(moe_layer, rows, routing)
-        slots = self.maps.slots_of(moe_layer, routing.ids, offset)                  # [N]
-        rows = self.exchange.dispatch_rows(moe_layer, hidden, routing, slots)
-        self.sent[moe_layer] += rows.sent                                           # [R*S]
+        # The exchange picks each pair's slot (the collective one with torch ops, the direct one in
+        # its kernels) and adds the pairs it sends to this layer's row of ``sent``.
+        rows = self.exchange.dispatch(moe_layer, hidden, routing, self.maps, self.router + self.step,
+                                      self.sent[moe_layer])
         return _Handle(moe_layer, rows, routing)
 
     def combine(self, handle: _Handle) -> torch.Tensor:
