@@ -40,8 +40,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from moeserve.balancer.policy import cross_node_share, evaluate, make_policy, place  # noqa: E402
-from moeserve.balancer.reference import place_reference  # noqa: E402
+from moeserve.balancer.policy import cross_node_share, evaluate, make_policy, place, place_reference  # noqa: E402
 from moeserve.placement import balancedness  # noqa: E402
 
 BF16 = 2

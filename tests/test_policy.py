@@ -1,9 +1,12 @@
 """The project's placement policy: valid plans for any input, migration-awareness, the budget."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from moeserve.balancer import engine
+from moeserve.balancer.policy import packing
 from moeserve.balancer.policy import (PolicyConfig, cross_node_share, evaluate, make_policy, place,
                                       rebalance_experts)
 from moeserve.placement import Placement, balancedness
@@ -197,9 +200,9 @@ def test_evaluate_counts_a_copy_inside_a_worker_as_no_bytes():
 
 def test_engine_replica_counts_are_dhondt_and_packable():
     load = np.array([[90.0, 10.0, 0.0, 0.0]])
-    assert engine.replica_counts(load, 8).tolist() == [[5, 1, 1, 1]]
+    assert packing.replica_counts(load, 8).tolist() == [[5, 1, 1, 1]]
     # on 4 workers, a fifth replica of 90 (18 each) would put 36 on one worker, above the mean 25
-    assert engine.replica_counts(load, 8, num_workers=4).tolist() == [[4, 2, 1, 1]]
+    assert packing.replica_counts(load, 8, num_workers=4).tolist() == [[4, 2, 1, 1]]
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.1, None])
@@ -211,3 +214,13 @@ def test_a_placement_in_force_that_splits_groups_is_repaired_into_a_pinned_one(b
     global_plan = place(load, 48, 8, 1, 1, None)
     out = make_policy(budget)(load, 48, 8, 8, 4, global_plan)
     assert_valid(out, load, 48, 8, 8, 4)
+
+
+def test_the_policy_package_imports_without_torch():
+    # the balancer plans in a process that need not have torch: importing the policy (and
+    # planning once) must not pull it in
+    code = ("import sys, numpy as np; from moeserve.balancer.policy import place; "
+            "place(np.ones((2, 4)), 8, 4, 1, 1, None); print('torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"

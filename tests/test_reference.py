@@ -3,8 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.balancer.policy import rebalance_experts
-from moeserve.balancer.reference import place_reference
+from moeserve.balancer.policy import place_reference, rebalance_experts
 
 README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
                  [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]

@@ -1,14 +1,16 @@
 """The project's placement policy: migration-aware, budgeted, vectorised across layers (numpy only).
 
 Dimension letters: L MoE layers, E logical experts, P slots per layer, W workers, G expert
-groups, N nodes, B rows of the engine (a layer, or a (layer, node) pair in the hierarchical case).
+groups, N nodes, B rows of the search (a layer, or a (layer, node) pair in the hierarchical case).
 
 ``place(load, num_slots, num_workers, num_groups, num_nodes, current) -> phy2log`` is the
 yardstick's interface (``../shared/eval/policy_yardstick.py``); :func:`make_policy` builds one
 with other settings; :func:`rebalance_experts` is the DeepSeek-compatible drop-in
-(:mod:`moeserve.balancer.reference`); :func:`evaluate` says what a proposed placement buys.
+(:mod:`moeserve.balancer.policy.reference`); :func:`~moeserve.balancer.policy.report.evaluate` says
+what a proposed placement buys.
 
-How a call decides (see :mod:`moeserve.balancer.engine` for the primitives):
+How a call decides (the primitives: :mod:`~moeserve.balancer.policy.packing` for fresh plans,
+:mod:`~moeserve.balancer.policy.search` for the local search, :mod:`~moeserve.balancer.policy.relabel`):
 
 - **No placement in force** (``current=None``) or **no move budget**: a fresh plan. Replica
   counts minimise the largest load per replica (as the reference), except that an expert is
@@ -38,12 +40,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeserve.balancer import engine
-from moeserve.balancer.reference import rebalance_experts
-from moeserve.placement import balancedness as _balancedness
+from moeserve.balancer.policy.packing import expand_counts, pack, pack_greedy, replica_counts
+from moeserve.balancer.policy.relabel import greedy_match, relabel
+from moeserve.balancer.policy.search import SearchSettings, refine, select_prefix
+from moeserve.placement import logical_counts
 
-__all__ = ["place", "make_policy", "PolicyConfig", "rebalance_experts", "evaluate", "PlanReport",
-           "cross_node_share"]
+__all__ = ["place", "make_policy", "PolicyConfig", "cross_node_share", "NOISE_K"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,42 @@ _DEFAULT = PolicyConfig()
 
 # ---- arguments -------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Shape:
+    """The sizes of one call: L layers, E logical experts, P slots, W workers, G groups, N nodes."""
+
+    layers: int
+    experts: int
+    slots: int
+    workers: int
+    groups: int
+    nodes: int
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.groups > 1 and self.nodes > 1 and self.groups % self.nodes == 0
+
+    @property
+    def group_size(self) -> int:
+        return self.experts // self.groups
+
+    @property
+    def groups_per_node(self) -> int:
+        return self.groups // self.nodes
+
+    @property
+    def experts_per_node(self) -> int:
+        return self.experts // self.nodes
+
+    @property
+    def slots_per_node(self) -> int:
+        return self.slots // self.nodes
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.workers // self.nodes
+
+
 def _positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -113,22 +151,21 @@ def _positive_int(name: str, v) -> int:
 
 
 def _check(load, num_slots, num_workers, num_groups, num_nodes, current):
+    """Validate the arguments; returns ``load [L, E]`` float64, the :class:`_Shape` and
+    ``current [L, P]`` int64 (or None)."""
     load = np.asarray(load, dtype=np.float64)
     if load.ndim != 2 or load.shape[1] == 0:
         raise ValueError(f"load must be 2-D [layers, logical experts] with at least one expert, got shape {load.shape}")
     if not np.isfinite(load).all() or (load < 0).any():
         raise ValueError("load must be finite and non-negative")
-    p = _positive_int("num_slots", num_slots)
-    w = _positive_int("num_workers", num_workers)
-    g = _positive_int("num_groups", num_groups)
-    n = _positive_int("num_nodes", num_nodes)
-    layers, e = load.shape
+    shape = _Shape(*load.shape, _positive_int("num_slots", num_slots), _positive_int("num_workers", num_workers),
+                   _positive_int("num_groups", num_groups), _positive_int("num_nodes", num_nodes))
+    layers, e, p, w, g, n = shape.layers, shape.experts, shape.slots, shape.workers, shape.groups, shape.nodes
     if p < e:
         raise ValueError(f"num_slots ({p}) must be at least the number of logical experts ({e})")
     if p % w:
         raise ValueError(f"num_slots ({p}) must be a multiple of num_workers ({w})")
-    hier = g > 1 and n > 1 and g % n == 0
-    if hier:
+    if shape.hierarchical:
         if e % g:
             raise ValueError(f"hierarchical placement: the {e} logical experts do not split into num_groups={g} equal groups")
         if w % n:
@@ -142,41 +179,41 @@ def _check(load, num_slots, num_workers, num_groups, num_nodes, current):
         current = current.astype(np.int64)
         if (current < 0).any() or (current >= e).any():
             raise ValueError(f"current holds logical expert ids outside 0..{e - 1}")
-        missing = engine.counts_of(current, e) == 0
+        missing = logical_counts(current, e) == 0
         if missing.any():
-            l, x = map(int, np.argwhere(missing)[0])
-            raise ValueError(f"current is not a valid placement: layer {l}: logical expert {x} has no replica")
-    return load, p, w, g, n, hier, current
+            layer, expert = map(int, np.argwhere(missing)[0])
+            raise ValueError(f"current is not a valid placement: layer {layer}: logical expert {expert} has no replica")
+    return load, shape, current
 
 
 # ---- the plan --------------------------------------------------------------------------------
 
 def _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg: PolicyConfig) -> np.ndarray:
-    load, p, w, g, n, hier, current = _check(load, num_slots, num_workers, num_groups, num_nodes, current)
-    layers = load.shape[0]
-    budget = None if (current is None or cfg.move_budget is None) else int(cfg.move_budget * layers * p)
-    if hier and cfg.cross_node_replicas:
-        return _plan_cross_node(load, p, w, g, n, current, cfg)
-    if hier:
-        return _plan_hierarchical(load, p, w, g, n, current, budget, cfg)
+    """:func:`place` with the settings ``cfg``: phy2log [L, P]."""
+    load, shape, current = _check(load, num_slots, num_workers, num_groups, num_nodes, current)
+    budget = None if (current is None or cfg.move_budget is None) else int(cfg.move_budget * shape.layers * shape.slots)
+    if shape.hierarchical and cfg.cross_node_replicas:
+        return _plan_cross_node(load, shape, current, cfg)
+    if shape.hierarchical:
+        return _plan_hierarchical(load, shape, current, budget, cfg)
     if budget is None:
-        fresh = _fresh(load, p, w, cfg)
-        return fresh if current is None else engine.match(current, fresh, w, load.shape[1])
-    return _budgeted(load, current, w, budget, cfg, layer_of_row=None)
+        fresh = _fresh(load, shape.slots, shape.workers, cfg)
+        return fresh if current is None else relabel(current, fresh, shape.workers, shape.experts)
+    return _budgeted(load, current, shape.workers, budget, cfg, layer_of_row=None)
 
 
 def _fresh(load: np.ndarray, p: int, w: int, cfg: PolicyConfig, skip_below=None, ldm=True) -> np.ndarray:
-    """A plan from scratch for rows ``load [B, e]`` on p slots and w workers: [B, p]."""
-    cnt = engine.replica_counts(load, p, w)
-    assign = engine.pack(load, cnt, w) if ldm else engine.pack_greedy(load, cnt, w)
-    return engine.refine(load, assign, w, max_iter=cfg.max_iter, pairs=max(1, w // 4), retarget=False,
-                         tol=_noise_tol(load, w, _FRESH_TOL), skip_below=skip_below).final
+    """A plan from scratch for rows ``load [B, e]`` on p slots and w workers: phy2log [B, p]."""
+    logcnt = replica_counts(load, p, w)
+    phy2log = pack(load, logcnt, w) if ldm else pack_greedy(load, logcnt, w)
+    settings = SearchSettings(max_iter=cfg.max_iter, pairs=max(1, w // 4))
+    return refine(load, phy2log, w, settings, tol=_noise_tol(load, w, _FRESH_TOL), skip_below=skip_below).final
 
 
-def _layer_floor(row_load: np.ndarray, n: int, wn: int) -> np.ndarray:
+def _layer_floor(row_load: np.ndarray, n: int, workers_per_node: int) -> np.ndarray:
     """[L*N] for node rows: the least peak their layer can reach (its hottest node's mean worker
     load); a node whose peak is at or below it never sets the layer's balancedness."""
-    mean = row_load.sum(1).reshape(-1, n) / wn
+    mean = row_load.sum(1).reshape(-1, n) / workers_per_node
     return np.repeat(mean.max(1), n)
 
 
@@ -204,17 +241,17 @@ def _pairs_for(budget_per_row: float) -> int:
 
 
 def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip_below=None) -> np.ndarray:
-    """Local search from ``current [B, p]`` within ``budget`` slots over all rows: [B, p].
+    """Local search from ``current [B, p]`` within ``budget`` slots over all rows: phy2log [B, p].
 
     layer_of_row [B] (hierarchical rows) groups rows into layers: a row then counts only as
     far as it sets its layer's peak (``layer_mean [B]``: the mean worker load of its layer).
     """
     rows = load.shape[0]
     layers = rows if layer_of_row is None else int(layer_of_row.max()) + 1
-    search = engine.refine(load, current, w, max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), retarget="auto",
-                           tol=_noise_tol(load, w, 1e-9), skip_below=skip_below,
-                           stop_cost=1.2 * budget)
-    peak, cost = search.curves()                                            # [K+1, B]
+    settings = SearchSettings(max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), replicate=True,
+                              stop_cost=1.2 * budget)
+    search = refine(load, current, w, settings, tol=_noise_tol(load, w, 1e-9), skip_below=skip_below)
+    peak, cost = search.curves()                                            # [T+1, B]
     if layer_of_row is None:
         value = np.where(peak > 0, search.mean / np.where(peak > 0, peak, 1.0), 1.0)
     else:
@@ -223,13 +260,21 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip
         np.maximum.at(floor, layer_of_row, peak[-1])
         top = np.maximum(peak, floor[layer_of_row])
         value = np.where(top > 0, layer_mean / np.where(top > 0, top, 1.0), 1.0)
-    steps = engine.select_prefix(value, cost, budget)
+    steps = select_prefix(value, cost, budget)
     return search.replay(steps)
 
 
 # ---- hierarchical ----------------------------------------------------------------------------
 
-def _node_of_group(load, current, p, g, n, keep: bool) -> np.ndarray:
+def _replicas_per_node(phy2log: np.ndarray, shape: _Shape) -> np.ndarray:
+    """``phy2log [L, P]`` -> replicas of each expert group on each node: ``[L, G, N]``."""
+    g, n = shape.groups, shape.nodes
+    slot_node = np.arange(shape.slots) // shape.slots_per_node
+    key = ((np.arange(shape.layers)[:, None] * g + phy2log // shape.group_size) * n + slot_node).ravel()
+    return np.bincount(key, minlength=shape.layers * g * n).reshape(shape.layers, g, n)
+
+
+def _node_of_group(load, current, shape: _Shape, keep: bool) -> np.ndarray:
     """Node of every expert group: [L, G], ``G / N`` groups per node.
 
     Groups are packed onto nodes by load (greedy, then swaps between the heaviest and lightest
@@ -237,151 +282,158 @@ def _node_of_group(load, current, p, g, n, keep: bool) -> np.ndarray:
     (each group homed on the node with most of its replicas, G / N groups per node); elsewhere
     the packed nodes are renamed to match the placement in force as far as they can.
     """
-    layers, e = load.shape
-    gs, gpn = e // g, g // n
-    group_load = load.reshape(layers, g, gs).sum(2)                         # [L, G]
-    packed = engine.pack_greedy(group_load, np.ones((layers, g), dtype=np.int64), n)
-    packed = engine.refine(group_load, packed, n, retarget=False).final     # [L, G] slot -> group
+    layers, g, n = shape.layers, shape.groups, shape.nodes
+    group_load = load.reshape(layers, g, shape.group_size).sum(2)           # [L, G]
+    packed = pack_greedy(group_load, np.ones((layers, g), dtype=np.int64), n)
+    packed = refine(group_load, packed, n).final                            # [L, G] slot -> group
     node = np.empty((layers, g), dtype=np.int64)
-    np.put_along_axis(node, packed, np.broadcast_to(np.arange(g) // gpn, (layers, g)), axis=1)
+    np.put_along_axis(node, packed, np.broadcast_to(np.arange(g) // shape.groups_per_node, (layers, g)), axis=1)
     if current is None:
         return node
-    slot_node = np.arange(p) // (p // n)
-    key = ((np.arange(layers)[:, None] * g + current // gs) * n + slot_node).ravel()
-    votes = np.bincount(key, minlength=layers * g * n).reshape(layers, g, n)  # replicas per node
+    votes = _replicas_per_node(current, shape)                              # [L, G, N]
     home = votes.argmax(2)                                                  # [L, G]
-    valid = (engine.counts_of(home, n) == gpn).all(1) if keep else np.zeros(layers, dtype=bool)
+    groups_on_node = logical_counts(home, n)                                 # [L, N]
+    valid = (groups_on_node == shape.groups_per_node).all(1) if keep else np.zeros(layers, dtype=bool)
     if valid.all():
         return home
-    # rename packed nodes: score[l, a, b] = replicas of a's groups already on node b
+    # score[l, a, b]: replicas of packed node a's groups already on node b
     score = np.zeros((layers, n, n))
     np.add.at(score, (np.arange(layers)[:, None], node), votes)
-    rename = np.empty((layers, n), dtype=np.int64)
-    r = np.arange(layers)
-    for _ in range(n):
-        k = score.reshape(layers, n * n).argmax(1)
-        a, b = k // n, k % n
-        rename[r, a] = b
-        score[r, a, :] = -1.0
-        score[r, :, b] = -1.0
+    rename = greedy_match(score)                                            # [L, N] packed -> current
     return np.where(valid[:, None], home, np.take_along_axis(rename, node, 1))
 
 
-def _rows(load, node_of_group, g, n):
+def _node_rows(node_of_group, shape: _Shape):
     """Split every layer into N node rows: local experts of row (l, node) are its groups' experts.
 
     Returns local2global [L, N, E/N] and global2local [L, E] (local id inside its node).
     """
-    layers, e = load.shape
-    gs, gpn = e // g, g // n
+    layers, e, g, n = shape.layers, shape.experts, shape.groups, shape.nodes
+    size, per_node = shape.group_size, shape.groups_per_node
     order = np.argsort(node_of_group * g + np.arange(g), axis=1, kind="stable")  # groups by node
-    local2global = (order.reshape(layers, n, gpn)[..., None] * gs + np.arange(gs)).reshape(layers, n, gpn * gs)
+    local2global = order.reshape(layers, n, per_node)[..., None] * size + np.arange(size)
+    local2global = local2global.reshape(layers, n, per_node * size)
     global2local = np.empty((layers, e), dtype=np.int64)
     np.put_along_axis(global2local, local2global.reshape(layers, e),
-                      np.broadcast_to(np.tile(np.arange(gpn * gs), n), (layers, e)), axis=1)
+                      np.broadcast_to(np.tile(np.arange(per_node * size), n), (layers, e)), axis=1)
     return local2global, global2local
 
 
-def _plan_hierarchical(load, p, w, g, n, current, budget, cfg) -> np.ndarray:
-    layers, e = load.shape
-    gs = e // g
-    pn, wn, en = p // n, w // n, e // n
-    node_of_group = _node_of_group(load, current, p, g, n, keep=budget is not None)
-    l2g, g2l = _rows(load, node_of_group, g, n)
-    row_load = np.take_along_axis(load, l2g.reshape(layers, e), 1).reshape(layers * n, en)
-    floor = _layer_floor(row_load, n, wn) * (1 + 1e-9)
+def _plan_hierarchical(load, shape: _Shape, current, budget, cfg) -> np.ndarray:
+    """Groups pinned to nodes, each node a sub-problem (rows of local ids): phy2log [L, P]."""
+    layers, n = shape.layers, shape.nodes
+    local_experts, local_workers = shape.experts_per_node, shape.workers_per_node
+    node_of_group = _node_of_group(load, current, shape, keep=budget is not None)
+    local2global, global2local = _node_rows(node_of_group, shape)
+    row_load = np.take_along_axis(load, local2global.reshape(layers, -1), 1).reshape(layers * n, local_experts)
+    floor = _layer_floor(row_load, n, local_workers) * (1 + 1e-9)
     if budget is None:
-        out = _fresh(row_load, pn, wn, cfg, skip_below=floor, ldm=False)    # [L*N, P/N] local ids
+        out = _fresh(row_load, shape.slots_per_node, local_workers, cfg, skip_below=floor, ldm=False)  # [L*N, P/N]
         if current is not None:
-            cur_rows, _ = _current_rows(current, node_of_group, g2l, gs, n, pn, en, row_load)
-            out = engine.match(cur_rows, out, wn, en)
+            current_rows, _ = _current_rows(current, node_of_group, global2local, shape, row_load)
+            out = relabel(current_rows, out, local_workers, local_experts)
     else:
-        cur_rows, repaired = _current_rows(current, node_of_group, g2l, gs, n, pn, en, row_load)
-        layer_mean = np.repeat(load.sum(1) / w, n)
-        out = _budgeted(row_load, cur_rows, wn, max(budget - repaired, 0), cfg,
+        current_rows, repaired = _current_rows(current, node_of_group, global2local, shape, row_load)
+        layer_mean = np.repeat(load.sum(1) / shape.workers, n)
+        out = _budgeted(row_load, current_rows, local_workers, max(budget - repaired, 0), cfg,
                         layer_of_row=np.repeat(np.arange(layers), n), layer_mean=layer_mean, skip_below=floor)
-    phy2log = np.take_along_axis(l2g.reshape(layers * n, en), out, 1)
-    return phy2log.reshape(layers, p)
+    phy2log = np.take_along_axis(local2global.reshape(layers * n, local_experts), out, 1)
+    return phy2log.reshape(layers, shape.slots)
 
 
-def _current_rows(current, node_of_group, g2l, gs, n, pn, en, row_load):
+def _current_rows(current, node_of_group, global2local, shape: _Shape, row_load):
     """The placement in force as node rows of local ids [L*N, P/N], slots that hold another
     node's expert reassigned (missing experts first, then the heaviest per replica); also
     returns how many slots that repair changed."""
-    layers, p = current.shape
-    home = np.take_along_axis(node_of_group, current // gs, 1)              # [L, P]
-    slot_node = np.arange(p) // pn
-    local = np.take_along_axis(g2l, current, 1)
-    local = np.where(home == slot_node, local, -1).reshape(layers * n, pn)
+    layers, n = shape.layers, shape.nodes
+    slots_per_node, local_experts = shape.slots_per_node, shape.experts_per_node
+    home = np.take_along_axis(node_of_group, current // shape.group_size, 1)  # [L, P]
+    slot_node = np.arange(shape.slots) // slots_per_node
+    local = np.take_along_axis(global2local, current, 1)
+    local = np.where(home == slot_node, local, -1).reshape(layers * n, slots_per_node)
     valid = local >= 0
-    held = np.bincount((local + (np.arange(layers * n) * en)[:, None])[valid], minlength=layers * n * en)
-    bad_rows = np.flatnonzero(~valid.all(1) | (held.reshape(layers * n, en) == 0).any(1))
+    flat = local + (np.arange(layers * n) * local_experts)[:, None]
+    held = np.bincount(flat[valid], minlength=layers * n * local_experts)
+    bad_rows = np.flatnonzero(~valid.all(1) | (held.reshape(layers * n, local_experts) == 0).any(1))
     repaired = 0
     for r in bad_rows:                                                      # rare: a grouping change
-        row = local[r]
-        cnt = np.bincount(row[row >= 0], minlength=en)
-        free = list(np.flatnonzero(row < 0))
-        for x in np.flatnonzero(cnt == 0):
-            if not free:                                                    # take a spare replica
-                spare = np.flatnonzero((row >= 0) & (cnt[np.maximum(row, 0)] >= 2))
-                k = spare[np.argmin(row_load[r, row[spare]] / cnt[row[spare]])]
-                cnt[row[k]] -= 1
-                free.append(k)
-            k = free.pop(0)
-            row[k] = x
-            cnt[x] += 1
-            repaired += 1
-        for k in free:
-            x = int(np.argmax(row_load[r] / np.maximum(cnt, 1)))
-            row[k] = x
-            cnt[x] += 1
-            repaired += 1
+        repaired += _repair_row(local[r], row_load[r])
     return local, repaired
+
+
+def _repair_row(row: np.ndarray, row_load: np.ndarray) -> int:
+    """Fill the free slots (-1) of one node row ``[P/N]`` in place: first every expert without a
+    replica (taking a spare replica of the lightest per replica when no slot is free), then the
+    heaviest per replica. Returns the slots changed."""
+    logcnt = np.bincount(row[row >= 0], minlength=row_load.size)
+    free = list(np.flatnonzero(row < 0))
+    changed = 0
+    for expert in np.flatnonzero(logcnt == 0):
+        if not free:                                                        # take a spare replica
+            spare = np.flatnonzero((row >= 0) & (logcnt[np.maximum(row, 0)] >= 2))
+            k = spare[np.argmin(row_load[row[spare]] / logcnt[row[spare]])]
+            logcnt[row[k]] -= 1
+            free.append(k)
+        k = free.pop(0)
+        row[k] = expert
+        logcnt[expert] += 1
+        changed += 1
+    for k in free:
+        expert = int(np.argmax(row_load / np.maximum(logcnt, 1)))
+        row[k] = expert
+        logcnt[expert] += 1
+        changed += 1
+    return changed
 
 
 # ---- hierarchical, redundant replicas may leave their node -------------------------------------
 
-def _plan_cross_node(load, p, w, g, n, current, cfg) -> np.ndarray:
+def _plan_cross_node(load, shape: _Shape, current, cfg) -> np.ndarray:
     """Every expert keeps one replica on its group's node; the other replicas go to whichever
     node is lightest (the home node on ties), then each node is packed on its own. The plan is
     made afresh and relabelled node by node to the placement in force (no move budget)."""
-    layers, e = load.shape
-    gs = e // g
-    pn, wn, en = p // n, w // n, e // n
-    node_of_group = _node_of_group(load, current, p, g, n, keep=True)
-    home = np.repeat(node_of_group, gs, axis=1)                             # [L, E]
-    cnt = engine.replica_counts(load, p)                                    # [L, E] global counts
-    per = load / cnt
-    r = np.arange(layers)[:, None]
-    # node_cnt[l, node, e]: replicas of e on that node; first replicas at home
-    node_cnt = np.zeros((layers, n, e), dtype=np.int64)
-    node_cnt[r, home, np.arange(e)] = 1
-    node_load = np.zeros((layers, n))
-    np.add.at(node_load, (np.repeat(np.arange(layers), e), home.ravel()), per.ravel())
-    free = np.full((layers, n), pn - en)
-    extra = engine.expand_counts(cnt - 1) if p > e else np.zeros((layers, 0), dtype=np.int64)
-    order = np.argsort(-np.take_along_axis(per, extra, 1), axis=1, kind="stable")
-    extra = np.take_along_axis(extra, order, 1)                             # heaviest first
-    rr = np.arange(layers)
-    for k in range(extra.shape[1]):
-        x = extra[:, k]
-        px = per[rr, x]
-        # lightest node with room, ties (within a hair) to the expert's home node
-        score = np.where(free > 0, node_load, np.inf)
-        score[rr, home[rr, x]] -= 1e-9 * np.maximum(px, 1e-300)
-        dst = score.argmin(1)
-        node_cnt[rr, dst, x] += 1
-        node_load[rr, dst] += px
-        free[rr, dst] -= 1
-    # pack each node: rows (l, node) over all E experts, the load of e there = per[e] * copies
-    rows_load = (per[:, None, :] * node_cnt).reshape(layers * n, e)
-    rows_cnt = node_cnt.reshape(layers * n, e)
-    assign = engine.pack_greedy(rows_load, rows_cnt, wn)                   # slot load = per[e]
-    assign = engine.refine(rows_load, assign, wn, max_iter=cfg.max_iter, retarget=False).final
+    layers, e, p, n = shape.layers, shape.experts, shape.slots, shape.nodes
+    node_of_group = _node_of_group(load, current, shape, keep=True)
+    home = np.repeat(node_of_group, shape.group_size, axis=1)               # [L, E]
+    logcnt = replica_counts(load, p)                                        # [L, E] over all nodes
+    per_replica = load / logcnt
+    node_logcnt = _spread_replicas(per_replica, logcnt, home, shape)        # [L, N, E]
+    # pack each node: rows (l, node) over all E experts, the load of e there = per_replica[e] * copies
+    rows_load = (per_replica[:, None, :] * node_logcnt).reshape(layers * n, e)
+    rows_logcnt = node_logcnt.reshape(layers * n, e)
+    phy2log = pack_greedy(rows_load, rows_logcnt, shape.workers_per_node)  # slot load = per_replica[e]
+    phy2log = refine(rows_load, phy2log, shape.workers_per_node, SearchSettings(max_iter=cfg.max_iter)).final
     if current is not None:
-        cur_rows = current.reshape(layers * n, pn)
-        assign = engine.match(cur_rows, assign, wn, e)
-    return assign.reshape(layers, p)
+        phy2log = relabel(current.reshape(layers * n, shape.slots_per_node), phy2log, shape.workers_per_node, e)
+    return phy2log.reshape(layers, p)
+
+
+def _spread_replicas(per_replica, logcnt, home, shape: _Shape) -> np.ndarray:
+    """Replicas of every expert on every node, ``[L, N, E]``: the first at home (``home [L, E]``),
+    the redundant ones, heaviest first, on the lightest node with room (home on ties within a hair).
+
+    per_replica [L, E]: an expert's load per replica; logcnt [L, E]: its replicas over all nodes.
+    """
+    layers, e, n = shape.layers, shape.experts, shape.nodes
+    r = np.arange(layers)
+    node_logcnt = np.zeros((layers, n, e), dtype=np.int64)
+    node_logcnt[r[:, None], home, np.arange(e)] = 1
+    node_load = np.zeros((layers, n))
+    np.add.at(node_load, (np.repeat(r, e), home.ravel()), per_replica.ravel())
+    free = np.full((layers, n), shape.slots_per_node - shape.experts_per_node)
+    extra = expand_counts(logcnt - 1) if shape.slots > e else np.zeros((layers, 0), dtype=np.int64)
+    order = np.argsort(-np.take_along_axis(per_replica, extra, 1), axis=1, kind="stable")
+    extra = np.take_along_axis(extra, order, 1)                             # heaviest first
+    for k in range(extra.shape[1]):
+        expert = extra[:, k]
+        replica_load = per_replica[r, expert]
+        score = np.where(free > 0, node_load, np.inf)
+        score[r, home[r, expert]] -= 1e-9 * np.maximum(replica_load, 1e-300)
+        dst = score.argmin(1)
+        node_logcnt[r, dst, expert] += 1
+        node_load[r, dst] += replica_load
+        free[r, dst] -= 1
+    return node_logcnt
 
 
 def cross_node_share(load, phy2log, num_groups: int, num_nodes: int) -> float:
@@ -393,65 +445,11 @@ def cross_node_share(load, phy2log, num_groups: int, num_nodes: int) -> float:
     load = np.asarray(load, dtype=np.float64)
     phy2log = np.asarray(phy2log, dtype=np.int64)
     layers, e = load.shape
-    p = phy2log.shape[1]
-    gs, pn = e // num_groups, p // num_nodes
-    slot_node = np.arange(p) // pn
-    key = ((np.arange(layers)[:, None] * num_groups + phy2log // gs) * num_nodes + slot_node).ravel()
-    votes = np.bincount(key, minlength=layers * num_groups * num_nodes).reshape(layers, num_groups, num_nodes)
-    home = votes.argmax(2)                                                  # [L, G]
-    cnt = engine.counts_of(phy2log, e)
-    per = np.take_along_axis(load / np.maximum(cnt, 1), phy2log, 1)         # [L, P]
-    away = slot_node != np.take_along_axis(home, phy2log // gs, 1)
+    shape = _Shape(layers, e, phy2log.shape[1], 1, num_groups, num_nodes)
+    home = _replicas_per_node(phy2log, shape).argmax(2)                     # [L, G]
+    logcnt = logical_counts(phy2log, e)
+    per_slot = np.take_along_axis(load / np.maximum(logcnt, 1), phy2log, 1)  # [L, P]
+    slot_node = np.arange(shape.slots) // shape.slots_per_node
+    away = slot_node != np.take_along_axis(home, phy2log // shape.group_size, 1)
     total = load.sum()
-    return float(per[away].sum() / total) if total > 0 else 0.0
-
-
-# ---- what a plan buys ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class PlanReport:
-    """Predicted effect of replacing ``current`` by ``proposed`` under ``load``.
-
-    balancedness_before/after: [L] per layer; mean_before/after: the model's (mean over layers
-    with tokens); slots_moved: slots whose logical expert changes; slots_moved_across_workers:
-    those whose new expert is not already on their worker (its weights cross the wire);
-    bytes_moved: slots_moved_across_workers * expert_bytes.
-    """
-
-    balancedness_before: np.ndarray
-    balancedness_after: np.ndarray
-    mean_before: float
-    mean_after: float
-    slots_moved: int
-    slots_moved_across_workers: int
-    bytes_moved: int
-
-    @property
-    def gain(self) -> float:
-        return self.mean_after - self.mean_before
-
-
-def evaluate(load, current, proposed, num_workers: int, expert_bytes: int) -> PlanReport:
-    """What ``proposed [L, P]`` buys over ``current [L, P]`` under ``load [L, E]``, so the
-    balancer can skip a rebalance that does not pay. Vectorised; no move list is built."""
-    load = np.asarray(load, dtype=np.float64)
-    cur, new = np.asarray(current, dtype=np.int64), np.asarray(proposed, dtype=np.int64)
-    if cur.shape != new.shape or cur.shape[0] != load.shape[0]:
-        raise ValueError(f"shapes disagree: load {load.shape}, current {cur.shape}, proposed {new.shape}")
-    layers, p = cur.shape
-    e = load.shape[1]
-    s = p // num_workers
-    before = _balancedness(load, cur, num_workers)
-    after = _balancedness(load, new, num_workers)
-    busy = load.sum(1) > 0
-    changed = cur != new
-    # is the new expert already held (in the old placement) by the slot's worker?
-    worker = np.arange(p) // s
-    held = np.zeros((layers, num_workers, e), dtype=bool)
-    held[np.arange(layers)[:, None], worker, cur] = True
-    local = held[np.arange(layers)[:, None], worker, new]
-    across = int((changed & ~local).sum())
-    return PlanReport(before, after,
-                      float(before[busy].mean()) if busy.any() else 1.0,
-                      float(after[busy].mean()) if busy.any() else 1.0,
-                      int(changed.sum()), across, across * int(expert_bytes))
+    return float(per_slot[away].sum() / total) if total > 0 else 0.0
