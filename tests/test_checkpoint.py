@@ -4,9 +4,10 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import hf_oracle as hf
-from moeserve.models import CheckpointError, CheckpointReader, init_model, load_model
+from moeserve.models import CheckpointError, CheckpointReader, checkpoint, init_model, load_model
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,68 @@ def test_read_experts_stacks_ids_in_order_and_reads_each_distinct_expert_once(ll
     assert torch.equal(w["gate_up"][0], w["gate_up"][2])
     assert reader.bytes_read == 2 * reader.expert_spec().nbytes
     assert torch.equal(w["down"][1], reader.read_expert(0, 1, torch.bfloat16)["down"])
+
+
+class RecordingSafeOpen:
+    """A ``safe_open`` handle that logs what is read through it: (name, whole tensor?, bytes)."""
+
+    def __init__(self, log, *args, **kwargs):
+        self._handle, self._log = safe_open(*args, **kwargs), log
+
+    def keys(self):
+        return self._handle.keys()
+
+    def get_tensor(self, name):
+        t = self._handle.get_tensor(name)
+        self._log.append((name, True, t.nbytes))
+        return t
+
+    def get_slice(self, name):
+        return RecordingSlice(self._handle.get_slice(name), name, self._log)
+
+    def __exit__(self, *exc):
+        return self._handle.__exit__(*exc)
+
+
+class RecordingSlice:
+    """A safetensors slice that logs each read through ``[...]``."""
+
+    def __init__(self, sl, name, log):
+        self._slice, self._name, self._log = sl, name, log
+
+    def get_shape(self):
+        return self._slice.get_shape()
+
+    def get_dtype(self):
+        return self._slice.get_dtype()
+
+    def __getitem__(self, key):
+        t = self._slice[key]
+        self._log.append((self._name, False, t.nbytes))
+        return t
+
+
+def test_a_fused_expert_is_asked_of_safetensors_as_one_row_of_each_fused_tensor(llama4_path, monkeypatch):
+    reads = []
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **kw: RecordingSafeOpen(reads, *a, **kw))
+    reader = CheckpointReader(llama4_path)
+    assert reader.expert_layout(1) == "fused" and reads == []
+    reader.read_expert(1, 5)
+    p = "model.layers.3.feed_forward.experts."
+    assert reads == [(p + "gate_up_proj", False, 64 * 64 * 4), (p + "down_proj", False, 32 * 64 * 4)]
+    assert reader.bytes_read == sum(n for *_, n in reads)
+
+
+def test_tensors_read_are_the_callers_own(llama4_path):
+    """safetensors may hand out views of its memory map of the file; a caller changing a tensor in
+    place must not change what later reads return."""
+    reader = CheckpointReader(llama4_path)
+    name = "model.norm.weight"
+    reader.read(name).add_(1)
+    reader.read_expert(0, 2)["down"].add_(1)
+    again = CheckpointReader(llama4_path)
+    assert torch.equal(reader.read(name), again.read(name))
+    assert torch.equal(reader.read_expert(0, 2)["down"], again.read_expert(0, 2)["down"])
 
 
 def test_expert_ids_and_moe_layer_indices_are_checked(llama4_path):
@@ -150,6 +213,17 @@ def test_sharded_checkpoint_with_a_missing_shard_names_the_index_and_the_shard(t
     shard.unlink()
     with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json: lists shard '{shard.name}', which does not exist"):
         load_model(path)
+
+
+def test_a_truncated_shard_is_named_when_first_read(tmp_path):
+    path = hf.save(hf.build_ernie(seed=0), tmp_path / "m", max_shard_size="60KB")
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    shard = path / weight_map[name]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    reader = CheckpointReader(path)                              # shards are opened on first use
+    with pytest.raises(CheckpointError, match=rf"{shard}: corrupt safetensors header: .*do not hold"):
+        reader.read(name)
 
 
 def test_no_weights_file_at_all(tmp_path, llama4_path):

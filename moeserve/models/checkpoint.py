@@ -4,10 +4,11 @@ Dimension letters: E logical experts of a MoE layer, H hidden size, I one expert
 intermediate size, N experts read at once.
 
 A folder holds ``config.json`` and either ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``. Only the headers are parsed up front; a tensor's bytes are
-read when asked for, with a seek and a read of exactly its byte range (or of one row of dim 0,
-for one expert of a fused expert tensor). ``bytes_read`` / ``tensors_read`` count what was read,
-so that an expert worker can be shown to load its own experts and nothing else.
+``model.safetensors.index.json``. Files are opened with ``safetensors.safe_open``, which parses
+and checks the header and reads nothing else; a tensor's bytes are read when asked for, through
+``get_slice`` (only one row of dim 0, for one expert of a fused expert tensor). ``bytes_read`` /
+``tensors_read`` count what was read, so that an expert worker can be shown to load its own
+experts and nothing else.
 
 Tensor names passed to the reader are those of the text model (``model.layers.0...``,
 ``lm_head.weight``); the ``language_model.`` prefix of multimodal Llama 4 checkpoints is added
@@ -24,23 +25,23 @@ Routed experts come back in the canonical layout of ``moe.py`` whatever the file
 from __future__ import annotations
 
 import json
-import math
-import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from moeserve.models.config import CheckpointError, ModelConfig, load_config
 from moeserve.models.moe import ExpertSpec
 
-# safetensors dtype names -> torch dtypes (all that torch can hold; headers with others are rejected).
+# safetensors dtype names -> torch dtypes, for stored_dtype (safetensors' own table is private).
 ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100_000_000     # safetensors refuses longer headers; also bounds what an error message reads
 SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
 SKIPPED_COMPONENT = "mtp"    # ERNIE's multi-token-prediction tensors: model.mtp_block.*, model.mtp_emb_norm.*, ...
 # Where each family keeps the routed experts of decoder layer i.
@@ -48,99 +49,74 @@ EXPERTS_PREFIX = {"llama4": "model.layers.{}.feed_forward.experts.", "ernie45": 
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file: dtype, shape and its byte range in the data section."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
 class SafetensorsFile:
-    """One ``.safetensors`` file: the header parsed at open, tensor bytes read on demand.
+    """One open ``.safetensors`` file: its ``safe_open`` handle and the names of its tensors.
 
-    Layout: 8-byte little-endian header length n, n bytes of JSON ``{name: {dtype, shape,
-    data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data section; offsets are
-    relative to the start of the data section.
+    safetensors reads from a memory map of the file, not through a shared file position, so
+    threads may read through one handle at once.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    path: Path
+    handle: safe_open
+    names: frozenset[str]
+
+    @classmethod
+    def open(cls, path: Path) -> SafetensorsFile:
         try:
-            self._fh = open(self.path, "rb")
+            handle = safe_open(path, framework="pt")
         except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
-        self._lock = threading.Lock()
-        self.entries = self._parse_header()
-
-    def _corrupt(self, detail: str) -> CheckpointError:
-        return CheckpointError(f"{self.path}: corrupt safetensors header: {detail}")
-
-    def _parse_header(self) -> dict[str, TensorEntry]:
-        size = self.path.stat().st_size
-        head = self._fh.read(8)
-        if len(head) < 8:
-            raise self._corrupt(f"file has {size} bytes, fewer than the 8-byte header length")
-        n = int.from_bytes(head, "little")
-        if n > size - 8 or n > MAX_HEADER_BYTES:
-            raise self._corrupt(f"header length {n} does not fit a file of {size} bytes")
-        try:
-            header = json.loads(self._fh.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise self._corrupt(f"header is not valid JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise self._corrupt("header is not a JSON object")
-        self.data_start = 8 + n
-        data_len = size - self.data_start
-        entries = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype = ST_DTYPES[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise self._corrupt(f"tensor '{name}' has a malformed entry {info!r} "
-                                    f"(need dtype in {sorted(ST_DTYPES)}, shape, data_offsets)") from None
-            nbytes = math.prod(shape) * dtype.itemsize
-            if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_len or end - begin != nbytes:
-                raise self._corrupt(f"tensor '{name}' has data_offsets {[begin, end]} that do not hold "
-                                    f"{shape} {info['dtype']} inside a data section of {data_len} bytes")
-            entries[name] = TensorEntry(dtype, shape, begin, end)
-        return entries
-
-    def read(self, name: str, row_start: int = 0, num_rows: int | None = None) -> torch.Tensor:
-        """Read a tensor, or rows ``row_start .. row_start+num_rows-1`` of its dim 0, from disk.
-
-        Returns a tensor in the stored dtype, [num_rows, *shape[1:]] when rows are asked for.
-        """
-        e = self.entries[name]
-        shape = e.shape
-        offset, nbytes = e.begin, e.end - e.begin
-        if num_rows is not None:
-            row_bytes = math.prod(shape[1:]) * e.dtype.itemsize
-            offset += row_start * row_bytes
-            nbytes = num_rows * row_bytes
-            shape = (num_rows, *shape[1:])
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        with self._lock:
-            self._fh.seek(self.data_start + offset)
-            got = self._fh.readinto(memoryview(buf.numpy())) if nbytes else 0
-        if got != nbytes:
-            raise CheckpointError(f"{self.path}: tensor '{name}' is truncated ({got} of {nbytes} bytes)")
-        return buf.view(e.dtype).view(shape)
+            raise CheckpointError(f"{path}: cannot open ({e.strerror or e})") from None
+        except SafetensorError as e:
+            raise corrupt_file_error(path, e) from None
+        return cls(path, handle, frozenset(handle.keys()))
 
     def close(self) -> None:
-        self._fh.close()
+        self.handle.__exit__(None, None, None)     # safe_open has no close(); leaving its context closes it
+
+
+def corrupt_file_error(path: Path, err: SafetensorError) -> CheckpointError:
+    """Say what is wrong with a file that ``safe_open`` refused, in the terms of its layout.
+
+    Layout: 8-byte little-endian header length n, n bytes of JSON header ``{name: {dtype,
+    shape, data_offsets}}``, then the data section. safetensors names the check that failed,
+    but not the sizes involved and not in the same words across its versions, so the length
+    prefix and the JSON are looked at again here, on this error path only.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if size < 8:
+            detail = f"file has {size} bytes, fewer than the 8-byte header length"
+        elif n > size - 8:
+            detail = f"header length {n} does not fit a file of {size} bytes"
+        elif n > MAX_HEADER_BYTES:
+            detail = f"header length {n} is over safetensors' limit of {MAX_HEADER_BYTES} bytes"
+        else:
+            try:
+                json.loads(fh.read(n))
+                detail = (f"the tensors' dtype, shape and data_offsets do not hold them in a data section "
+                          f"of {size - 8 - n} bytes")
+            except ValueError:
+                detail = "header is not valid JSON"
+    return CheckpointError(f"{path}: corrupt safetensors header: {detail} (safetensors: {err})")
+
+
+def _owned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` (default: its own), always in memory of its own.
+
+    safetensors may return a view of its private memory map of the file (0.8 does): such a
+    tensor would share memory with every later read of the same bytes, and could change or
+    fault (SIGBUS) once the file is rewritten or truncated on disk.
+    """
+    return t.to(dtype or t.dtype, copy=True)
 
 
 class CheckpointReader:
     """A checkpoint folder, opened lazily: config parsed, safetensors headers parsed, no weights read.
 
-    ``bytes_read`` counts tensor-data bytes read from disk and ``tensors_read`` the reads (one
-    per tensor, or per expert slice of a fused tensor); headers are not counted.
+    ``bytes_read`` counts tensor-data bytes read from the files (shape times dtype size of each
+    tensor or slice asked of safetensors) and ``tensors_read`` the reads (one per tensor, or per
+    expert slice of a fused tensor); headers are not counted.
     """
 
     def __init__(self, path: str | Path):
@@ -156,7 +132,7 @@ class CheckpointReader:
             self._where = self._read_index(index)
         elif single.is_file():
             self._source = single
-            self._where = {name: single.name for name in self._file(single.name).entries}
+            self._where = dict.fromkeys(self._file(single.name).names, single.name)
         else:
             raise CheckpointError(f"{self.path}: no model.safetensors or model.safetensors.index.json in the folder")
         if "model.embed_tokens.weight" in self._where:
@@ -185,18 +161,20 @@ class CheckpointReader:
             p = self.path / fname
             if not p.is_file():
                 raise CheckpointError(f"{self._source}: lists shard '{fname}', which does not exist in {self.path}")
-            f = self._files[fname] = SafetensorsFile(p)
+            # Two threads opening the same shard at once both get the handle stored first.
+            f = self._files.setdefault(fname, SafetensorsFile.open(p))
         return f
 
-    def _entry(self, name: str) -> tuple[SafetensorsFile, str, TensorEntry]:
+    def _slice(self, name: str) -> tuple[SafetensorsFile, str, object]:
+        """The file holding ``name``, its full name there, and its safetensors slice (nothing read yet)."""
         full = self.prefix + name
         fname = self._where.get(full)
         if fname is None:
             raise CheckpointError(f"{self._source}: tensor '{full}' is missing")
         f = self._file(fname)
-        if full not in f.entries:
+        if full not in f.names:
             raise CheckpointError(f"{f.path}: tensor '{full}' is missing (the index places it in this file)")
-        return f, full, f.entries[full]
+        return f, full, f.handle.get_slice(full)
 
     def close(self) -> None:
         for f in self._files.values():
@@ -227,43 +205,48 @@ class CheckpointReader:
         return self.prefix + name in self._where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._entry(name)[2].shape
+        return tuple(self._slice(name)[2].get_shape())
 
     def stored_dtype(self, name: str) -> torch.dtype:
-        return self._entry(name)[2].dtype
+        f, full, sl = self._slice(name)
+        st = sl.get_dtype()
+        if st not in ST_DTYPES:
+            raise CheckpointError(f"{f.path}: tensor '{full}' has dtype {st}; the reader knows {sorted(ST_DTYPES)}")
+        return ST_DTYPES[st]
 
     def read(self, name: str, dtype: torch.dtype | None = None,
              shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Read one whole tensor, checking its shape when ``shape`` is given; cast to ``dtype``."""
-        f, full, e = self._entry(name)
+        f, full, sl = self._slice(name)
         if shape is not None:
-            self._check_shape(f, full, e.shape, shape)
-        t = f.read(full)
+            self._check_shape(f, full, sl.get_shape(), shape)
+        t = f.handle.get_tensor(full)
         self._count(t)
-        return t if dtype is None else t.to(dtype)
+        return _owned(t, dtype)
 
     def read_rows(self, name: str, start: int, count: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read rows ``start .. start+count-1`` of dim 0 of a tensor: [count, *shape[1:]]."""
-        f, full, e = self._entry(name)
-        if not e.shape or not 0 <= start <= start + count <= e.shape[0]:
-            raise CheckpointError(f"{f.path}: tensor '{full}' of shape {e.shape} has no rows {start}..{start + count - 1}")
-        t = f.read(full, start, count)
+        f, full, sl = self._slice(name)
+        shape = tuple(sl.get_shape())
+        if not shape or not 0 <= start <= start + count <= shape[0]:
+            raise CheckpointError(f"{f.path}: tensor '{full}' of shape {shape} has no rows {start}..{start + count - 1}")
+        t = sl[start:start + count]
         self._count(t)
-        return t if dtype is None else t.to(dtype)
+        return _owned(t, dtype)
 
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_read += t.numel() * t.element_size()
         self.tensors_read += 1
 
     @staticmethod
-    def _check_shape(f: SafetensorsFile, full: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    def _check_shape(f: SafetensorsFile, full: str, found: Sequence[int], expected: Sequence[int]) -> None:
         if tuple(found) != tuple(expected):
             raise CheckpointError(f"{f.path}: tensor '{full}' has shape {list(found)}, expected {list(expected)}")
 
     def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
         """Raise CheckpointError naming the file and tensor unless ``name`` has shape ``expected``."""
-        f, full, e = self._entry(name)
-        self._check_shape(f, full, e.shape, expected)
+        f, full, sl = self._slice(name)
+        self._check_shape(f, full, sl.get_shape(), expected)
 
     # -- routed experts ------------------------------------------------------------------------
 
