@@ -26,15 +26,12 @@ import numpy as np
 from moeserve.balancer.controller import LoopConfig, pays, trigger
 from moeserve.balancer.policy import evaluate, make_policy
 from moeserve.client import AsyncClient, MoeserveError
-from moeserve.client._base import balancer_settings
+from moeserve.placement import MigrationState
 from moeserve.rpc import balancer_pb2, balancer_pb2_grpc
-from moeserve.services.convert import int64_matrix, migration_msg, placement_balancedness
 from moeserve.services.server import BALANCER, ServerOptions, ServiceServer
+from moeserve.wire import int64_matrix, migration_from_msg, migration_msg, placement_balancedness
 
 log = logging.getLogger("moeserve.balancer")
-
-
-ENDED = ("done", "aborted", "failed")          # states of a migration that ended
 
 
 class Busy(Exception):
@@ -75,12 +72,13 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     # -- settings stored on the leader -------------------------------------------------------
 
     def _merge(self, s) -> None:
+        """``s``: the client.BalancerSettings kept on the leader; None fields keep the flags."""
         c = self.flags
         self.config = dataclasses.replace(
-            c, window_steps=s.window_steps if s.HasField("window_steps") else c.window_steps,
-            step_interval=s.step_interval if s.HasField("step_interval") else c.step_interval,
-            min_balancedness=s.min_balancedness if s.HasField("min_balancedness") else c.min_balancedness)
-        self.paused = s.paused if s.HasField("paused") else False
+            c, window_steps=c.window_steps if s.window_steps is None else s.window_steps,
+            step_interval=c.step_interval if s.step_interval is None else s.step_interval,
+            min_balancedness=c.min_balancedness if s.min_balancedness is None else s.min_balancedness)
+        self.paused = bool(s.paused)
 
     async def _admin(self, coro):
         """Await an admin call, recording whether the admin API answered."""
@@ -161,8 +159,10 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
                 self.state = "idle"
         if not resp.applied:
             self._record("skipped", self._started_at)
-        elif wait and resp.migration.state in ENDED:
-            self._record("done" if resp.migration.state == "done" else "failed", self._started_at)
+            return resp
+        mig = migration_from_msg(resp.migration)
+        if wait and mig.ended:
+            self._record("done" if mig.state == MigrationState.DONE else "failed", self._started_at)
         elif wait:                                    # the caller's deadline came first: follow on
             task = asyncio.get_running_loop().create_task(self._record_at_end(resp.migration_id, self._started_at))
             self._recorders.add(task)                 # a reference, so the task is not collected
@@ -176,7 +176,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     async def _record_at_end(self, migration_id: str, started_at: float) -> None:
         try:
             mig = await self._follow_to_end(migration_id, None)
-            self._record("done" if mig.state == "done" else "failed", started_at)
+            self._record("done" if mig.state == MigrationState.DONE else "failed", started_at)
         except Exception:
             self._record("failed", started_at)
 
@@ -195,7 +195,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         policy = make_policy(self.config.move_budget)
         plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur)
         plan = np.asarray(plan, dtype=np.int64)
-        report = evaluate(load, cur, plan, workers, status.model["expert_bytes"])
+        report = evaluate(load, cur, plan, workers, status.model.expert_bytes)
         resp = balancer_pb2.RebalanceResponse(
             phy2log=int64_matrix(plan), balancedness_before=placement_balancedness(load, cur, workers),
             balancedness_after=placement_balancedness(load, plan, workers), slots_moved=report.slots_moved,
@@ -220,9 +220,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         self.state = "migrating"
         if wait:
             mig = await self._follow_to_end(applied.migration_id, timeout_s)
-            resp.migration.CopyFrom(_migration_msg(mig))
+            resp.migration.CopyFrom(migration_msg(mig))
         else:
-            resp.migration.CopyFrom(_migration_msg(applied.migration))
+            resp.migration.CopyFrom(migration_msg(applied.migration))
             self._following = True
             self._follow = asyncio.get_running_loop().create_task(self._follow_then_idle(applied.migration_id))
         return resp
@@ -244,7 +244,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     async def _follow_then_idle(self, migration_id: str) -> None:
         try:
             mig = await self._follow_to_end(migration_id, None)
-            self._record("done" if mig.state == "done" else "failed", self._started_at)
+            self._record("done" if mig.state == MigrationState.DONE else "failed", self._started_at)
         except Exception as e:
             self.last_error = f"following migration {migration_id}: {e}"
             self._record("failed", self._started_at)
@@ -278,9 +278,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         """Merge ``changes`` into the settings kept on the leader, then apply them here."""
         try:
             s = await self._admin(self.admin.balancer_settings())
-            for k, v in changes.items():
-                if v is not None:
-                    setattr(s, k, v)
+            s = dataclasses.replace(s, **{k: v for k, v in changes.items() if v is not None})
             self._merge(await self._admin(self.admin.put_balancer_settings(s)))
         except MoeserveError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
@@ -315,13 +313,6 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         return self._status()
 
 
-def _migration_msg(m):
-    return migration_msg(dict(migration_id=m.migration_id, state=m.state, error=m.error, target_version=m.target_version,
-                              moves_total=m.moves_total, moves_done=m.moves_done, bytes_total=m.bytes_total,
-                              bytes_done=m.bytes_done, layers_total=m.layers_total,
-                              layers_committed=m.layers_committed))
-
-
 async def serve_balancer(admin_address: str, token: str | None, config: LoopConfig, options: ServerOptions,
                          poll_s: float = 0.5, call_timeout_s: float = 5.0, ca_file: str | None = None,
                          on_started=None, process_metrics=None) -> None:
@@ -334,8 +325,9 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
         from moeserve.metrics import BalancerMetrics
         service.metrics = BalancerMetrics(process_metrics.registry, paused=lambda: service.paused,
                                           admin_reachable=lambda: service.admin_reachable)
+        from moeserve.services.metrics import grpc_interceptor
         options = dataclasses.replace(options, interceptors=(*options.interceptors,
-                                                             process_metrics.grpc_interceptor(BALANCER)))
+                                                             grpc_interceptor(process_metrics, BALANCER)))
     server = ServiceServer(BALANCER, lambda s: balancer_pb2_grpc.add_BalancerServicer_to_server(service, s), options)
 
     def started(port):
@@ -346,4 +338,4 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
     await serve_forever(server, started, before_stop=service.stop, after_stop=admin.close)
 
 
-__all__ = ["BalancerService", "Busy", "serve_balancer", "balancer_settings"]
+__all__ = ["BalancerService", "Busy", "serve_balancer"]

@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moeserve.dispatch import Exchange, Topology                     # noqa: E402
-from moeserve.nvlink import NvlinkExchange                            # noqa: E402
+from moeserve.dataplane.collective import CollectiveExchange                   # noqa: E402
+from moeserve.dataplane.exchange import Topology                                                     # noqa: E402
+from moeserve.dataplane.nvlink import NvlinkExchange                            # noqa: E402
 from moeserve.expert_worker.migration import run_moves, warm_up_pairs  # noqa: E402
 from moeserve.expert_worker.store import ExpertStore                  # noqa: E402
 from moeserve.models.moe import ExpertSpec, RoutingResult             # noqa: E402
@@ -132,7 +133,7 @@ def make_exchange(kind, topo, rank, device, hidden, dtype, pairs, top_k):
     """The exchange of ``kind``; nvlink exchanges are kept per shape and grown, never shrunk
     (their buffers are symmetric memory, set up collectively)."""
     if kind == "collective":
-        return Exchange(topo, rank, device=device)
+        return CollectiveExchange(topo, rank, device=device)
     key = (topo, hidden, dtype, top_k)
     ex = _NVLINK.get(key)
     if ex is None or ex.pair_capacity < pairs:
@@ -156,7 +157,7 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters, kinds
     routing = RoutingResult(ids, w, weights_on_input=model["k"] == 1)
     hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
 
-    coll = DistributedExperts(Exchange(topo, rank, device=device), maps, rank, 1, IdentityStore())
+    coll = DistributedExperts(CollectiveExchange(topo, rank, device=device), maps, rank, 1, IdentityStore())
     h = coll.dispatch(0, hidden, routing)
     want = coll.combine(h)
     send, recv = h.rows.pending.send_splits, h.rows.pending.recv_splits
@@ -199,7 +200,7 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
     routers=R: disaggregated, ranks 0 .. R-1 route T tokens each, the others hold the slots."""
     from moeserve.balancer.policy import place
     from moeserve.placement import balancedness
-    from moeserve.router.dispatcher import idle_walk
+    from moeserve.dataplane.exchange import idle_walk
     e = model["experts"]
     r = model["redundant"] if eplb else 0
     p = e + r
@@ -269,9 +270,9 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     budget, with the commits, staging and moves the cluster's ranks perform."""
     from moeserve.balancer.policy import make_policy
     from moeserve.cluster.rank import run_step
-    from moeserve.cluster.protocol import StepHeader
+    from moeserve.dataplane.protocol import StepHeader
     from moeserve.placement import Placement
-    from moeserve.router.migration import Migrator
+    from moeserve.router.engine.migration import Migrator
     e, r = model["experts"], model["redundant"]
     p = e + r
     topo = Topology.build(world, world, True, p)
@@ -332,7 +333,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
         dist.gather_object(res.staging_error, errs, dst=0, group=CPU_GROUP)
         if rank == 0 and ops is not None and ops.begin_staging_slots:
             migrator.on_staging(ops.migration_id, [x for x in errs if x])
-        in_flight = rank == 0 and mid is not None and mid.state not in ("done", "aborted", "failed")
+        in_flight = rank == 0 and mid is not None and not mid.state.ended
         phase.append("migrating" if (ops is not None or in_flight) else ("before" if mid is None else "after"))
         state = [phase[-1] == "after" and phase.count("after") >= steady_steps]
         dist.broadcast_object_list(state, src=0, group=CPU_GROUP)
@@ -348,11 +349,11 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     t = np.array([max_over_ranks(x) for x in t])
     steady = np.concatenate([t[phase == "before"][2:], t[phase == "after"]])
     during = t[phase == "migrating"]
-    summary = [mid.summary() if rank == 0 else None]
+    summary = [mid.progress() if rank == 0 else None]
     dist.broadcast_object_list(summary, src=0, group=CPU_GROUP)
     return dict(exchange=kind, slots=p, layers=layers, tokens=tokens,
                 step_ms=[round(float(x), 3) for x in t], step_phase=[str(x) for x in phase],   # every step, to find outliers
-                moves=summary[0]["moves_total"], bytes=summary[0]["bytes_total"],
+                moves=summary[0].moves_total, bytes=summary[0].bytes_total,
                 migration_steps=int(len(during)), migration_s=float(during.sum() / 1e3),
                 steady_p50_ms=float(np.percentile(steady, 50)), steady_p99_ms=float(np.percentile(steady, 99)),
                 during_p50_ms=float(np.percentile(during, 50)), during_p99_ms=float(np.percentile(during, 99)),
@@ -367,7 +368,7 @@ def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
     phy2log = np.arange(e)[None, :]
     store = make_store(spec, rank, phy2log, world, device, None)
     store.begin_staging(s)
-    from moeserve.cluster.protocol import MoveOp
+    from moeserve.dataplane.protocol import MoveOp
     # Every slot of worker w goes to worker (w + 1) % W: all of a layer's experts move at once.
     moves = tuple(MoveOp(0, ((w + 1) % world) * s + i, int(phy2log[0, w * s + i]), w, w * s + i, (w + 1) % world, i)
                   for w in range(world) for i in range(s))

@@ -111,9 +111,9 @@ def run(family, dtype, args, root):
     out = dict(family=family, dtype=dtype, ranks=args.ranks, exchange=args.exchange, slots=p, prompts=len(prompts), tokens=args.tokens,
                token_match=float(match), identical=all(a == b for a, b in zip(toks, ref)),
                first_divergence=[d for d in div], max_logit_diff_until_divergence=maxdiff,
-               migration_state=mig["state"], migration_moves=mig["moves_total"], wall_s=wall)
+               migration_state=str(mig.state), migration_moves=mig.moves_total, wall_s=wall)
     print(f"{family:8s} {dtype:9s} {args.exchange:10s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
-          f"first divergence {[d for d in div if d is not None][:5]} migration {mig['state']} ({mig['moves_total']} moves)",
+          f"first divergence {[d for d in div if d is not None][:5]} migration {mig.state} ({mig.moves_total} moves)",
           flush=True)
     return out
 

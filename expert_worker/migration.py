@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moeserve.cluster.protocol import MoveOp
-from moeserve.dispatch import Topology
+from moeserve.dataplane.protocol import MoveOp
+from moeserve.dataplane.exchange import Topology
 
 
 # Experts smaller than this travel packed, one message per pair of workers and step (small

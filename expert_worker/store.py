@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeserve.dispatch import RecvCounts, slot_major_index
+from moeserve.dataplane.exchange import RecvCounts, slot_major_index
 from moeserve.models.moe import ExpertSpec, grouped_expert_forward
 
 
@@ -93,13 +93,11 @@ class ExpertStore:
     def capturable(self) -> bool:
         """Whether ``compute_slot_major`` runs without reading anything back to the host (so it
         can be captured in a CUDA graph): CUDA, bf16, no biases, torch._grouped_mm."""
-        b = self.buffers[0] if self.buffers else None
-        return (b is not None and b.is_cuda and self.spec.dtype == torch.bfloat16 and not self.spec.has_bias
-                and hasattr(torch, "_grouped_mm"))
+        return bool(self.buffers) and grouped_mm_applies(self.spec, self.buffers[0].device, self.spec.dtype)
 
     def compute_slot_major(self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
                            ) -> torch.Tensor:
-        """Run rows that arrived already grouped by slot (the direct exchange, ``moeserve.nvlink``).
+        """Run rows that arrived already grouped by slot (the direct exchange, ``moeserve.dataplane.nvlink``).
 
         rows:  [C, H], the receive buffer: rows 0 .. total-1 are slot-major, the rest unused.
         offs:  int32 [S] cumulative rows per slot, on the device; total: offs[-1:] (device [1]).
@@ -111,7 +109,7 @@ class ExpertStore:
         """
         spec = self.spec
         weights = self.weights(layer)
-        if rows.is_cuda and rows.dtype == torch.bfloat16 and not spec.has_bias and hasattr(torch, "_grouped_mm"):
+        if grouped_mm_applies(spec, rows.device, rows.dtype):
             from moeserve import kernels
             gu = torch._grouped_mm(rows, weights["gate_up"], offs=offs)              # [C, 2I]
             h = kernels.silu_mul(gu, total)                                           # [C, I]
@@ -171,6 +169,16 @@ class ExpertStore:
         return out
 
 
+def grouped_mm_applies(spec: ExpertSpec, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether rows of ``dtype`` on ``device`` run through ``torch._grouped_mm`` (one kernel per
+    projection over all slots, with device-side offsets, so nothing is read back to the host).
+
+    ``torch._grouped_mm`` is CUDA-only, takes no bias and, in the torch versions this runs on,
+    only bf16; anything else takes the slot loop.
+    """
+    return device.type == "cuda" and dtype == torch.bfloat16 and not spec.has_bias and hasattr(torch, "_grouped_mm")
+
+
 def grouped_forward(spec: ExpertSpec, x: torch.Tensor, weights: dict[str, torch.Tensor], per_slot: list[int],
                     offs: torch.Tensor | None = None) -> torch.Tensor:
     """Rows grouped by slot through their experts: x [m, H] slot-major, per_slot [S] -> [m, H].
@@ -179,7 +187,7 @@ def grouped_forward(spec: ExpertSpec, x: torch.Tensor, weights: dict[str, torch.
     On CUDA with bf16 and no biases this is two ``torch._grouped_mm`` calls (one kernel each
     over all slots); elsewhere a loop over slots (never over tokens).
     """
-    if x.is_cuda and x.dtype == torch.bfloat16 and not spec.has_bias and hasattr(torch, "_grouped_mm"):
+    if grouped_mm_applies(spec, x.device, x.dtype):
         if offs is None:
             offs = torch.tensor(np.cumsum(per_slot), dtype=torch.int32, device=x.device)
         i = spec.intermediate_size

@@ -8,7 +8,7 @@ The kernels take *device-side* counts and destinations, so that no host synchron
 needed anywhere in a MoE layer: a kernel is launched over an upper bound of rows known on the
 host (N, or C) and rows past the device-side total do nothing. Peers' buffers are reached
 through tables of raw device addresses [R] (int64), one per rank, from torch's symmetric
-memory (``moeserve.nvlink``); a store through a peer's address goes over NVLink. Each step of
+memory (``moeserve.dataplane.nvlink``); a store through a peer's address goes over NVLink. Each step of
 the exchange is one launch, and there is no sort: slot choice and per-block histograms
 (``route``), block prefixes and the counts' publication (``publish``), the layout (``prep``),
 the rows (``scatter_pairs``, which ranks each pair within its slot as a stable sort would) and
@@ -103,7 +103,7 @@ def route(args: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, num_s
     """Slots of a router's pairs and their per-block histogram, in one launch.
 
     args:     device int64 [5] from ``pair_args``: ids int64 [T, K] contiguous, N = T*K, and
-              the offset, router index + step (the replica rule of ``moeserve.dispatch.
+              the offset, router index + step (the replica rule of ``moeserve.dataplane.collective.
               choose_slots``: token t takes replica (t + offset) mod logcnt[e]; replica 0 when
               ``single``).
     log2phy:  int64 [E, X] (-1 padded), logcnt int64 [E].

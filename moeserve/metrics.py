@@ -1,71 +1,17 @@
-"""Prometheus metrics: one registry and one ``/metrics`` endpoint per process.
+"""Prometheus metrics of every moeserve process: one registry and one ``/metrics`` endpoint per
+process (:class:`ProcessMetrics`) and the groups of metrics each role records: the leader
+(:class:`LeaderMetrics`, read from the engine's public API at scrape time), router ranks
+(:class:`RouterMetrics`), the front end (:class:`FrontendMetrics`) and the balancer
+(:class:`BalancerMetrics`). The gRPC servers' interceptor is in ``moeserve.services.metrics``:
+nothing here imports gRPC or protobuf, so a rank records its metrics without them.
+
+docs/metrics.md is the one list of the metrics, their types, labels and meaning.
 
 Dimension letters: L MoE layers, E logical experts, W workers.
-
-Every process of a cluster (each rank, the front end, the balancer) makes one
-:class:`ProcessMetrics`, adds the groups of metrics its roles record, and serves them on its
-``--metrics-port`` (0 picks a free port; :meth:`ProcessMetrics.serve` returns the port it got).
-A rank runs the same with metrics off: nothing here is needed by the data plane, which only
-calls the hooks it was handed (``Engine.metrics``, the timed ``dispatch``/``combine``).
-
-Names follow Prometheus' rules: ``moeserve_`` prefix, base units (seconds, bytes), counters end
-in ``_total``. The words are DESIGN.md's: *load* is the pairs (token, k) routed to a logical
-expert, *balancedness* of a layer is mean worker load / max worker load.
-
-Leader (router rank 0), read from the engine's state at scrape time (nothing is added to the
-step driver but one histogram observation and one counter per step):
-
-| metric | type | labels |
-|---|---|---|
-| ``moeserve_steps_total`` | counter | ``kind`` = forward, migration, heartbeat |
-| ``moeserve_step_duration_seconds`` | histogram | ``kind`` (header broadcast to end-of-step gather, on the leader) |
-| ``moeserve_expert_tokens_total`` | counter | ``layer``, ``expert`` (logical; per-expert series, see below) |
-| ``moeserve_worker_tokens_total`` | counter | ``layer``, ``worker`` |
-| ``moeserve_layer_balancedness`` | gauge | ``layer``: measured over the load window |
-| ``moeserve_layer_balancedness_predicted`` | gauge | ``layer``: the window's load under the placement in force |
-| ``moeserve_expert_replicas`` | gauge | ``layer``, ``expert`` (per-expert series) |
-| ``moeserve_placement_version`` | gauge | |
-| ``moeserve_migration_in_progress`` | gauge | 1 while a migration runs |
-| ``moeserve_migration_progress_ratio`` | gauge | moves done / moves of the running migration (0 when none) |
-| ``moeserve_migrations_total`` | counter | ``result`` = done, aborted, failed |
-| ``moeserve_slots_moved_total`` | counter | expert weights sent to another slot by migrations |
-| ``moeserve_bytes_moved_total`` | counter | their bytes |
-| ``moeserve_requests_waiting`` / ``moeserve_requests_running`` | gauge | the admission queue and the running sequences |
-
-Router ranks: ``moeserve_dispatch_duration_seconds`` and ``moeserve_combine_duration_seconds``
-(histograms, one observation per MoE layer per step). They are *host-side* times of the
-router's ``dispatch`` (slot choice, counts, row gather and the start of the exchange) and
-``combine`` (the end of the exchange, including the wait for the workers and, co-located, this
-rank's own experts, then the weighted sum): on CUDA that is the time to enqueue the work plus
-whatever the exchange itself waits for on the host, never an added synchronisation.
-
-Front end: ``moeserve_time_to_first_token_seconds``, ``moeserve_time_per_output_token_seconds``,
-``moeserve_e2e_request_latency_seconds`` (histograms), ``moeserve_prompt_tokens_total``,
-``moeserve_generation_tokens_total``, ``moeserve_requests_total{finish_reason}`` (stop, length,
-cancelled, error) and ``moeserve_requests_in_flight``.
-
-Balancer: ``moeserve_rebalances_total{result}`` (done, skipped, failed, dry_run),
-``moeserve_rebalance_duration_seconds`` (plan to the migration's end), ``moeserve_balancer_paused``,
-``moeserve_balancer_admin_reachable``.
-
-Every gRPC service: ``moeserve_grpc_server_handled_total{grpc_service, grpc_method, grpc_code}``
-and ``moeserve_grpc_server_handling_seconds{grpc_service, grpc_method}``.
-
-Every process: ``moeserve_process_info{role, rank}`` and the client library's ``process_*`` /
-``python_*`` metrics.
-
-Per-expert series (``moeserve_expert_tokens_total``, ``moeserve_expert_replicas``) cost L x E
-series each: they are on by default while L x E <= 4096 (``PER_EXPERT_LIMIT``) and forced on or
-off with ``per_expert="on"|"off"`` (``--per-expert-metrics``). Every labelled series a
-dashboard queries exists from the start (``moeserve_rebalances_total{result="failed"} 0``).
 """
 from __future__ import annotations
 
-import asyncio
-import inspect
-import threading
 import time
-from typing import Iterable
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -85,7 +31,6 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 REBALANCE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-GRPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
 
 
 def per_expert_enabled(choice: str, num_layers: int, num_logical: int) -> bool:
@@ -121,7 +66,6 @@ class ProcessMetrics:
         self.role, self.rank = role, rank
         self.port: int | None = None
         self._server = None
-        self._grpc: GrpcMetrics | None = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
@@ -136,13 +80,6 @@ class ProcessMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-    def grpc_interceptor(self, service: str):
-        """A ``grpc.aio.ServerInterceptor`` counting the calls of ``service`` (full name, e.g.
-        ``moeserve.v1.Admin``) and of health checks; its series start at 0 for every method."""
-        if self._grpc is None:
-            self._grpc = GrpcMetrics(self.registry)
-        return self._grpc.interceptor(service)
 
 
 # -- the leader -------------------------------------------------------------------------------
@@ -170,7 +107,9 @@ class LeaderMetrics:
 
 
 class _LeaderCollector(Collector):
-    """Series computed from the engine's state when Prometheus scrapes."""
+    """Series computed when Prometheus scrapes, from the engine's public API only:
+    ``placement()``, ``total_load()``, ``total_worker_load()``, ``expert_load()``, ``status()``
+    (each takes its own short lock; nothing here touches the migrator or the scheduler)."""
 
     def __init__(self, engine, per_expert: bool):
         self.engine = engine
@@ -213,27 +152,25 @@ class _LeaderCollector(Collector):
         yield g
         yield GaugeMetricFamily("moeserve_placement_version", "Version of the placement in force.",
                                 value=float(placement.version))
-        active = e.migrator.active
-        summary = active.summary() if active is not None else None
+        status = e.status()
+        mig = status.migration
         yield GaugeMetricFamily("moeserve_migration_in_progress", "1 while a migration runs, else 0.",
-                                value=1.0 if summary else 0.0)
-        ratio = summary["moves_done"] / summary["moves_total"] if summary and summary["moves_total"] else 0.0
+                                value=1.0 if mig is not None else 0.0)
+        ratio = mig.moves_done / mig.moves_total if mig is not None and mig.moves_total else 0.0
         yield GaugeMetricFamily("moeserve_migration_progress_ratio", "Moves scheduled / moves of the running "
                                 "migration (0 when none runs).", value=float(ratio))
-        moved = e.migrator.moved_totals()
         c = CounterMetricFamily("moeserve_migrations", "Migrations that ended, by result.", labels=("result",))
         for result in MIGRATION_RESULTS:
-            c.add_metric((result,), float(moved["results"].get(result, 0)))
+            c.add_metric((result,), float(status.migrations_ended.get(result, 0)))
         yield c
         yield CounterMetricFamily("moeserve_slots_moved", "Expert weights sent to another slot by migrations.",
-                                  value=float(moved["slots"]))
+                                  value=float(status.moved_slots))
         yield CounterMetricFamily("moeserve_bytes_moved", "Bytes of expert weights sent by migrations.",
-                                  value=float(moved["bytes"]))
-        counts = e.scheduler.counts()
+                                  value=float(status.moved_bytes))
         yield GaugeMetricFamily("moeserve_requests_waiting", "Requests in the admission queue.",
-                                value=float(counts["waiting"]))
+                                value=float(status.waiting))
         yield GaugeMetricFamily("moeserve_requests_running", "Sequences running on the routers.",
-                                value=float(counts["running"]))
+                                value=float(status.running))
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:
@@ -364,139 +301,8 @@ class BalancerMetrics:
             self.duration.observe(seconds)
 
 
-# -- gRPC -------------------------------------------------------------------------------------
-
-HEALTH = "grpc.health.v1.Health"
-
-
-class GrpcMetrics:
-    """Calls handled by the gRPC servers of a process, by service, method and status code."""
-
-    def __init__(self, registry: CollectorRegistry):
-        self.handled = Counter("moeserve_grpc_server_handled", "gRPC calls completed by the server.",
-                               ("grpc_service", "grpc_method", "grpc_code"), registry=registry)
-        self.seconds = Histogram("moeserve_grpc_server_handling_seconds", "Time the server took to handle a gRPC "
-                                 "call (to the last message of a stream).", ("grpc_service", "grpc_method"),
-                                 buckets=GRPC_BUCKETS, registry=registry)
-        self._known: set[str] = set()
-        self._lock = threading.Lock()
-
-    def interceptor(self, service: str):
-        for name in (service, HEALTH):
-            for method in _methods(name):
-                self._known.add(f"/{name}/{method}")
-                self.handled.labels(name, method, "OK")
-                self.seconds.labels(name, method)
-        return _make_interceptor(self)
-
-    def labels_of(self, path: str) -> tuple[str, str]:
-        """(service, method) of a known method; ('unknown', 'unknown') for anything else, so a
-        client cannot create series at will."""
-        if path not in self._known:
-            if not _method_exists(path):
-                return "unknown", "unknown"
-            with self._lock:
-                self._known.add(path)
-        service, method = path.lstrip("/").split("/", 1)
-        return service, method
-
-
-def _methods(service: str) -> list[str]:
-    from google.protobuf import descriptor_pool
-    if service == HEALTH:
-        from grpc_health.v1 import health_pb2  # noqa: F401  (fills the pool)
-    try:
-        return [m.name for m in descriptor_pool.Default().FindServiceByName(service).methods]
-    except KeyError:
-        return []
-
-
-def _method_exists(path: str) -> bool:
-    from google.protobuf import descriptor_pool
-    try:
-        service, method = path.lstrip("/").split("/", 1)
-        descriptor_pool.Default().FindServiceByName(service).FindMethodByName(method)
-        return True
-    except (KeyError, ValueError):
-        return False
-
-
-def _make_interceptor(m: GrpcMetrics):
-    import grpc
-
-    def code_of(context, exc: BaseException | None) -> str:
-        code = context.code()
-        if code is not None:
-            return code.name if hasattr(code, "name") else str(code)
-        if exc is None:
-            return "OK"
-        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-            return "CANCELLED"
-        return "UNKNOWN"
-
-    class MetricsInterceptor(grpc.aio.ServerInterceptor):
-        async def intercept_service(self, continuation, details):
-            handler = await continuation(details)
-            if handler is None:
-                return None
-            service, method = m.labels_of(details.method)
-            seconds = m.seconds.labels(service, method)
-
-            def record(context, t0: float, exc: BaseException | None) -> None:
-                seconds.observe(time.perf_counter() - t0)
-                m.handled.labels(service, method, code_of(context, exc)).inc()
-
-            if handler.unary_unary is not None:
-                handler = handler._replace(unary_unary=_wrap_unary(handler.unary_unary, record))
-            elif handler.stream_unary is not None:
-                handler = handler._replace(stream_unary=_wrap_unary(handler.stream_unary, record))
-            elif handler.unary_stream is not None:
-                handler = handler._replace(unary_stream=_wrap_stream(handler.unary_stream, record))
-            elif handler.stream_stream is not None:
-                handler = handler._replace(stream_stream=_wrap_stream(handler.stream_stream, record))
-            return handler
-
-    return MetricsInterceptor()
-
-
-def _wrap_unary(behavior, record):
-    async def call(request, context):
-        t0 = time.perf_counter()
-        try:
-            out = behavior(request, context)
-            if inspect.isawaitable(out):
-                out = await out
-        except BaseException as e:
-            record(context, t0, e)
-            raise
-        record(context, t0, None)
-        return out
-
-    return call
-
-
-def _wrap_stream(behavior, record):
-    if inspect.isasyncgenfunction(behavior):
-        async def gen(request, context):
-            t0 = time.perf_counter()
-            try:
-                async for item in behavior(request, context):
-                    yield item
-            except BaseException as e:
-                record(context, t0, e)
-                raise
-            record(context, t0, None)
-
-        return gen
-    return _wrap_unary(behavior, record)      # a coroutine writing with context.write()
-
-
 def scrape_text(registry: CollectorRegistry) -> str:
     """The registry in the text exposition format (what ``/metrics`` serves)."""
     from prometheus_client import generate_latest
     return generate_latest(registry).decode()
 
-
-def metric_names(registry: CollectorRegistry) -> Iterable[str]:
-    """Names of the families a registry exposes (tests and docs)."""
-    return [fam.name for fam in registry.collect()]

@@ -13,6 +13,7 @@ Numpy only; torch is imported lazily and only to read SGLang ``.pt`` files.
 """
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Placement", "Move", "balancedness", "model_balancedness", "worker_load", "logical_counts",
+__all__ = ["Placement", "Move", "MigrationState", "MigrationProgress", "balancedness", "log2phy", "model_balancedness", "worker_load", "logical_counts",
            "load_from_sglang", "FORMAT"]
 
 FORMAT = "moeserve.placement/1"
@@ -32,6 +33,28 @@ def logical_counts(phy2log: np.ndarray, num_logical: int) -> np.ndarray:
     layers = phy2log.shape[0]
     flat = (phy2log + (np.arange(layers) * num_logical)[:, None]).ravel()
     return np.bincount(flat, minlength=layers * num_logical).reshape(layers, num_logical)
+
+
+def log2phy(phy2log: np.ndarray, num_logical: int, max_replicas: int) -> np.ndarray:
+    """Slots of every logical expert, ascending, padded with -1: ``phy2log [L, P]`` ->
+    ``log2phy [L, E, X]`` int64, X = ``max_replicas``. ValueError when an expert has more than X
+    replicas. Replica j of expert e is the j-th slot holding e (the data plane's replica rule
+    counts on that order)."""
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    layers, p = phy2log.shape
+    cnt = logical_counts(phy2log, num_logical)
+    if cnt.max(initial=0) > max_replicas:
+        l, e = map(int, np.argwhere(cnt > max_replicas)[0])
+        raise ValueError(f"layer {l}: logical expert {e} has {int(cnt[l, e])} replicas, "
+                         f"more than the table width max_replicas={max_replicas}")
+    key = phy2log + (np.arange(layers) * num_logical)[:, None]           # [L, P] (layer, expert)
+    order = np.argsort(key, axis=None, kind="stable")                     # slots grouped by key
+    sorted_key = key.ravel()[order]
+    first = np.searchsorted(sorted_key, sorted_key, side="left")
+    rank = np.arange(order.size) - first                                  # replica rank
+    out = np.full((layers * num_logical, max_replicas), -1, dtype=np.int64)
+    out[sorted_key, rank] = order % p
+    return out.reshape(layers, num_logical, max_replicas)
 
 
 def worker_load(load: np.ndarray, phy2log: np.ndarray, num_workers: int) -> np.ndarray:
@@ -85,6 +108,42 @@ def worker_balancedness(worker_load_: np.ndarray) -> dict:
     mean = float(per_layer[busy].mean()) if busy.any() else 1.0
     sum_ratio = float(wl.mean(1).sum() / peak.sum()) if busy.any() else 1.0
     return {"per_layer": per_layer, "mean": mean, "sum_ratio": sum_ratio}
+
+
+class MigrationState(enum.StrEnum):
+    """Where a live migration is: planned -> staging -> moving -> done, or aborted / failed.
+    A str (``MigrationState.DONE == "done"``); ``moeserve.wire`` maps it to the wire's enum."""
+
+    PLANNED = "planned"
+    STAGING = "staging"
+    MOVING = "moving"
+    DONE = "done"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def ended(self) -> bool:
+        return self in (MigrationState.DONE, MigrationState.ABORTED, MigrationState.FAILED)
+
+
+@dataclass(frozen=True)
+class MigrationProgress:
+    """A snapshot of one live migration, as the engine, the wire and the SDK see it."""
+
+    migration_id: str
+    state: MigrationState
+    error: str
+    target_version: int
+    moves_total: int
+    moves_done: int
+    bytes_total: int
+    bytes_done: int
+    layers_total: int
+    layers_committed: int
+
+    @property
+    def ended(self) -> bool:
+        return self.state.ended
 
 
 @dataclass(frozen=True)
@@ -225,21 +284,7 @@ class Placement:
         X is fixed by the caller (R + 1 at startup) so that tables never change shape; an
         expert with more replicas than X is an error.
         """
-        cnt = self.logcnt()
-        if cnt.max() > max_replicas:
-            l, e = map(int, np.argwhere(cnt > max_replicas)[0])
-            raise ValueError(f"layer {l}: logical expert {e} has {int(cnt[l, e])} replicas, "
-                             f"more than the table width max_replicas={max_replicas}")
-        layers, p = self.phy2log.shape
-        e = self.num_logical
-        key = self.phy2log + (np.arange(layers) * e)[:, None]                 # [L, P] (layer, expert)
-        order = np.argsort(key, axis=None, kind="stable")                     # slots grouped by key
-        sorted_key = key.ravel()[order]
-        first = np.searchsorted(sorted_key, sorted_key, side="left")
-        rank = np.arange(order.size) - first                                  # replica rank
-        out = np.full((layers * e, max_replicas), -1, dtype=np.int64)
-        out[sorted_key, rank] = order % p
-        return out.reshape(layers, e, max_replicas)
+        return log2phy(self.phy2log, self.num_logical, max_replicas)
 
     def worker_load(self, load: np.ndarray) -> np.ndarray:
         """[L, W] load of every worker under ``load [L, E]``."""
@@ -257,6 +302,22 @@ class Placement:
             raise ValueError(f"load has shape {shape}, expected {(self.num_layers, self.num_logical)}")
 
     # ---- changes ---------------------------------------------------------------------------
+    def evolve(self, *, phy2log: np.ndarray | None = None, version: int | None = None,
+               layer_versions: np.ndarray | None = None) -> "Placement":
+        """This placement with some fields replaced, *without* validating again: for the engine,
+        whose new maps come row by row from a placement it validated already (a migration's
+        target), so a per-layer commit costs no second validation."""
+        new = object.__new__(Placement)
+        for name, value in (("phy2log", self.phy2log if phy2log is None else phy2log),
+                            ("layer_versions", self.layer_versions if layer_versions is None else layer_versions)):
+            arr = np.array(value, dtype=np.int64)
+            arr.setflags(write=False)
+            object.__setattr__(new, name, arr)
+        for name in ("num_logical", "num_workers", "workers_per_node"):
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "version", self.version if version is None else int(version))
+        return new
+
     def replace(self, phy2log: np.ndarray, version: int | None = None) -> "Placement":
         """A placement with the same shape and topology, new maps and (by default) version + 1."""
         v = self.version + 1 if version is None else version

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeserve.dispatch import choose_slots
+from moeserve.dataplane.exchange import choose_slots
+from moeserve.placement import log2phy
 from moeserve.models.moe import RoutingResult, combine_pairs
 
 
@@ -42,13 +43,11 @@ class RouterMaps:
             self.set_layer(layer, phy2log[layer])
 
     def set_layer(self, layer: int, phy2log_row) -> None:
-        """Install the map of one MoE layer from its phy2log row [P]."""
+        """Install the map of one MoE layer from its phy2log row [P] (a row of a placement the
+        leader validated: not checked again)."""
         row = np.asarray(phy2log_row, dtype=np.int64)
-        table = np.full((self.num_logical, self.max_replicas), -1, dtype=np.int64)
-        counts = np.zeros(self.num_logical, dtype=np.int64)
-        for slot, e in enumerate(row.tolist()):          # slots ascending: replica j = j-th slot of e
-            table[e, counts[e]] = slot
-            counts[e] += 1
+        table = log2phy(row[None, :], self.num_logical, self.max_replicas)[0]          # [E, X]
+        counts = (table >= 0).sum(1)                                                   # [E]
         self.log2phy[layer].copy_(torch.from_numpy(table))
         self.logcnt[layer].copy_(torch.from_numpy(counts))
         self.phy2log[layer] = row
@@ -72,8 +71,8 @@ class _Handle:
 class DistributedExperts:
     """ExpertsBackend of a router rank.
 
-    exchange: the data plane's per-layer exchange (``moeserve.dispatch.Exchange``, collective,
-    or ``moeserve.nvlink.NvlinkExchange``, direct); maps: the placement in force; router: this
+    exchange: the data plane's per-layer exchange (``moeserve.dataplane.collective.CollectiveExchange``, collective,
+    or ``moeserve.dataplane.nvlink.NvlinkExchange``, direct); maps: the placement in force; router: this
     router's index (0 .. R-1); store: this rank's ``ExpertStore`` when it is also a worker.
     ``step`` must be set before each forward (it rotates the replica choice); the pairs sent
     to each (rank, local slot) accumulate in ``sent`` [L, R*S] until ``take_load``.
@@ -117,10 +116,3 @@ class DistributedExperts:
         np.add.at(logical, (rows, self.maps.phy2log.reshape(-1)), slot.reshape(-1))
         workers = self.exchange.topo.num_workers
         return logical, slot.reshape(layers, workers, p // workers).sum(axis=2)
-
-
-def idle_walk(exchange, num_layers: int, hidden_size: int, dtype: torch.dtype, store=None, maps=None) -> None:
-    """Take part in every MoE layer's exchange with no rows of one's own (an idle router, or a
-    worker): all ranks walk the MoE layers in lockstep. ``maps``: an idle router's RouterMaps."""
-    for layer in range(num_layers):
-        exchange.walk_layer(layer, store, hidden_size, dtype, maps=maps)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeserve.cluster.protocol import RouterWork
+from moeserve.dataplane.protocol import RouterWork
 from moeserve.models import StepBatch
 from moeserve.sampling import Sampler
-from moeserve.router.dispatcher import DistributedExperts, idle_walk
+from moeserve.dataplane.exchange import idle_walk
+from moeserve.router.dispatcher import DistributedExperts
 
 
 class RouterRunner:

@@ -10,8 +10,8 @@ from moeserve.balancer.controller import LoopConfig
 from moeserve.balancer.service import BalancerService
 from moeserve.client import AsyncClient, Client
 from moeserve.rpc import admin_pb2, admin_pb2_grpc, balancer_pb2_grpc
-from moeserve.services.convert import int64_matrix
 from moeserve.services.server import ADMIN, BALANCER, ServerOptions, ServiceServer, ThreadedServer
+from moeserve.wire import int64_matrix
 
 TOKEN = "t"
 

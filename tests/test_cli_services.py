@@ -28,7 +28,7 @@ def test_the_exchange_flag_reaches_the_cluster_config(model):
     assert parse("up", "--model", model)["exchange"] == "auto"
     assert parse("up", "--model", model, "--exchange", "collective")["exchange"] == "collective"
     kw = parse("up", "--model", model, "--backend", "nccl", "--exchange", "nvlink")
-    from moeserve.cluster.config import ClusterConfig
+    from moeserve.config import ClusterConfig
     cfg = ClusterConfig(model_dir=model, routers=kw["routers"], workers=kw["workers"], backend=kw["backend"],
                         exchange=kw["exchange"])
     assert cfg.exchange == "nvlink"

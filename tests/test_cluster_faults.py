@@ -51,10 +51,10 @@ def test_an_idle_cluster_stays_up_and_a_placement_applied_to_it_completes(path):
     want = [reference_generate(model, p, 16) for p in prompts]
     with LocalCluster(path, routers=1, workers=2, num_redundant_experts=2, pg_timeout_s=10) as c:
         t0 = time.monotonic()
-        steps = c.status()["step"]
+        steps = c.status().step
         while time.monotonic() - t0 < IDLE_S:             # idle for much longer than the pg timeout
             time.sleep(min(10, IDLE_S))
-            now = c.status()["step"]
+            now = c.status().step
             assert now > steps                            # heartbeats keep flowing
             steps = now
         target = random_placement(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + 2, 9)

@@ -11,7 +11,7 @@ import torch
 from cluster_util import (assert_workers_hold, expert_digests, moe_info, prompts_for, random_placement,
                           reference_generate, reference_model, tiny_checkpoint)
 from moeserve.cluster import ClusterError, LocalCluster
-from moeserve.router.migration import StaleVersion
+from moeserve.router.engine.migration import StaleVersion
 
 WORKERS = 2
 REDUNDANT = 4
@@ -50,13 +50,13 @@ def test_placement_applied_during_generation_changes_no_token_and_moves_the_weig
                                                                           ignore_eos=True)))
     t.start()
     time.sleep(0.3)                                      # let generation get going
-    steps_before = cluster.status()["forward_steps"]
+    steps_before = cluster.status().forward_steps
     mid = cluster.apply_placement(target, wait=True)
     t.join(120)
     assert result["out"] == setup["tokens"]
-    assert cluster.migration(mid)["state"] == "done"
+    assert cluster.migration(mid).state == "done"
     # The migration overlapped with traffic: forward steps ran while it was in flight.
-    assert cluster.status()["forward_steps"] > steps_before
+    assert cluster.status().forward_steps > steps_before
     p = cluster.placement()
     np.testing.assert_array_equal(p.phy2log, target)
     assert p.version > v0 and all(v == p.version for v in p.layer_versions)
@@ -109,8 +109,8 @@ def test_a_superseding_plan_aborts_the_running_one_and_wins(cluster, setup):
     a, b = placement(setup, 2), placement(setup, 3)
     first = cluster.apply_placement(a, wait=False)
     second = cluster.apply_placement(b, wait=True)
-    assert cluster.migration(first)["state"] in ("aborted", "done")
-    assert cluster.migration(second)["state"] == "done"
+    assert cluster.migration(first).state in ("aborted", "done")
+    assert cluster.migration(second).state == "done"
     np.testing.assert_array_equal(cluster.placement().phy2log, b)
     assert_workers_hold(cluster, b, setup["digests"])
     assert cluster.generate(setup["prompts"][:2], max_tokens=MAX_TOKENS, ignore_eos=True) == setup["tokens"][:2]
@@ -121,16 +121,16 @@ def test_abort_keeps_committed_layers_and_rolls_back_the_others(cluster, setup):
     before = cluster.placement()
     target = placement(setup, 4)
     mid = cluster.apply_placement(target, wait=False)
-    while cluster.migration(mid)["layers_committed"] < 1 and cluster.migration(mid)["state"] == "moving":
+    while cluster.migration(mid).layers_committed < 1 and cluster.migration(mid).state == "moving":
         time.sleep(0.01)
-    cluster._c().call("abort_migration")
+    cluster.abort_migration()
     state = cluster.migration(mid)
     after = cluster.placement()
-    assert after.version not in (before.version, state["target_version"])    # a fresh version
+    assert after.version not in (before.version, state.target_version)    # a fresh version
     for layer in range(after.phy2log.shape[0]):                              # each layer: old or new, whole
         row = after.phy2log[layer]
         assert (row == target[layer]).all() or (row == before.phy2log[layer]).all()
-        assert after.layer_versions[layer] in (before.layer_versions[layer], state["target_version"])
+        assert after.layer_versions[layer] in (before.layer_versions[layer], state.target_version)
     assert_workers_hold(cluster, after.phy2log, setup["digests"])
     assert cluster.generate(setup["prompts"][:2], max_tokens=MAX_TOKENS, ignore_eos=True) == setup["tokens"][:2]
 

@@ -38,7 +38,7 @@ def test_ranks_front_end_and_balancer_started_separately_serve_together(tmp_path
             wait_serving(f"127.0.0.1:{p}", 180, alive=lambda: all(x.poll() is None for x in procs))
         out = Client(f"127.0.0.1:{port}").generate(prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
         assert out.token_ids == want
-        assert [r["role"] for r in Client(f"127.0.0.1:{admin}", TOKEN).status().ranks] == ["router", "worker", "worker"]
+        assert [r.role for r in Client(f"127.0.0.1:{admin}", TOKEN).status().ranks] == ["router", "worker", "worker"]
         assert Client(f"127.0.0.1:{balancer}", TOKEN).rebalance(dry_run=True).base_version == 1
     finally:
         for p in procs[3:] + procs[:1]:                      # front end and balancer, then the leader stops all ranks

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.dispatch import RecvCounts, Topology, choose_slots, count, slot_major_index
+from moeserve.dataplane.exchange import RecvCounts, Topology, choose_slots, count, slot_major_index
 from moeserve.router.dispatcher import RouterMaps
 
 

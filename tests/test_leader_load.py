@@ -2,10 +2,10 @@
 last N steps, and the forward steps since the placement last changed."""
 import numpy as np
 
-from moeserve.cluster.config import ClusterConfig, EplbConfig
-from moeserve.cluster.protocol import RankResult, RouterWork, SeqWork, StepHeader
+from moeserve.config import ClusterConfig, EplbConfig
+from moeserve.dataplane.protocol import RankResult, RouterWork, SeqWork, StepHeader
 from moeserve.placement import Placement
-from moeserve.router.leader import Engine, ModelShape
+from moeserve.router.engine.leader import Engine, ModelShape
 
 L, E, W = 2, 4, 2
 

@@ -1,6 +1,11 @@
-"""Metrics of every process (moeserve/metrics.py): names, series present from the start, what
-the leader, routers, front end, balancer and gRPC servers record, and promtool's verdict."""
+"""Metrics of every process (moeserve/metrics.py, moeserve/services/metrics.py for gRPC servers):
+names, series present from the start, what the leader, routers, front end, balancer and gRPC
+servers record, that docs/metrics.md lists them all, and promtool's verdict."""
 import asyncio
+import pathlib
+import re
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -8,10 +13,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moeserve import metrics as M
-from moeserve.cluster.config import ClusterConfig, EplbConfig
-from moeserve.cluster.protocol import RankResult, StepHeader
+from moeserve.placement import MigrationProgress, MigrationState
+from moeserve.router.engine.api import EngineStatus, LoadReport
+from moeserve.services import metrics as GM
+from moeserve.config import ClusterConfig, EplbConfig
+from moeserve.dataplane.protocol import RankResult, StepHeader
 from moeserve.cluster.rank import initial_placement
-from moeserve.router.leader import Engine, ModelShape
+from moeserve.router.engine.leader import Engine, ModelShape
 
 from ops_util import check_metrics, samples, scrape
 
@@ -125,7 +133,8 @@ def test_a_migration_counts_slots_and_bytes_moved_and_its_result():
     text = M.scrape_text(pm.registry)
     assert samples(text, "moeserve_migration_in_progress") == {(): 1.0}
     for _ in range(50):
-        if mig.done.is_set():
+        mig = eng.migration(mig.migration_id)
+        if mig.ended:
             break
         eng.on_results(eng.next_header(), [RankResult(r) for r in range(3)])
     assert mig.state == "done"
@@ -137,6 +146,59 @@ def test_a_migration_counts_slots_and_bytes_moved_and_its_result():
     assert samples(text, "moeserve_placement_version") == {(): float(eng.placement().version)}
     assert samples(text, "moeserve_steps_total")[(("kind", "migration"),)] >= 2
     assert samples(text, "moeserve_expert_replicas")[(("expert", "5"), ("layer", "1"))] == 2
+
+
+class _PublicEngine:
+    """Only the engine's public API: the leader's metrics must need nothing else (no migrator,
+    no scheduler)."""
+
+    def __init__(self, status: EngineStatus):
+        self._leader = engine()
+        self.shape = self._leader.shape
+        self._status = status
+
+    def placement(self):
+        return self._leader.placement()
+
+    def total_load(self):
+        return self._leader.total_load()
+
+    def total_worker_load(self):
+        return self._leader.total_worker_load()
+
+    def expert_load(self, window_steps=None) -> LoadReport:
+        return self._leader.expert_load(window_steps)
+
+    def status(self) -> EngineStatus:
+        return self._status
+
+
+def test_the_leader_reads_migration_moves_and_queue_from_the_engine_status():
+    progress = MigrationProgress("m-1", MigrationState.MOVING, "", 7, moves_total=8, moves_done=2, bytes_total=8000,
+                                 bytes_done=2000, layers_total=2, layers_committed=0)
+    status = EngineStatus(step=10, forward_steps=9, uptime_s=1.0, placement_version=6, layer_versions=(6, 6),
+                          migration=progress, error=None, waiting=3, running=5, moved_slots=11, moved_bytes=11000,
+                          migrations_ended={"done": 2, "aborted": 1})
+    pm = M.ProcessMetrics("router", 0)
+    M.LeaderMetrics(pm.registry, _PublicEngine(status))
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_migration_in_progress") == {(): 1.0}
+    assert samples(text, "moeserve_migration_progress_ratio") == {(): 0.25}
+    assert samples(text, "moeserve_migrations_total") == {(("result", "done"),): 2.0, (("result", "aborted"),): 1.0,
+                                                          (("result", "failed"),): 0.0}
+    assert samples(text, "moeserve_slots_moved_total") == {(): 11.0}
+    assert samples(text, "moeserve_bytes_moved_total") == {(): 11000.0}
+    assert samples(text, "moeserve_requests_waiting") == {(): 3.0}
+    assert samples(text, "moeserve_requests_running") == {(): 5.0}
+
+    idle = EngineStatus(step=10, forward_steps=9, uptime_s=1.0, placement_version=6, layer_versions=(6, 6),
+                        migration=None, error=None, waiting=0, running=0)
+    pm = M.ProcessMetrics("router", 0)
+    M.LeaderMetrics(pm.registry, _PublicEngine(idle))
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_migration_in_progress") == {(): 0.0}
+    assert samples(text, "moeserve_migration_progress_ratio") == {(): 0.0}
+    assert set(samples(text, "moeserve_migrations_total").values()) == {0.0}
 
 
 def test_router_timing_hooks_wrap_dispatch_and_combine_and_return_their_results():
@@ -208,7 +270,7 @@ class _Health(health_pb2_grpc.HealthServicer):
 
 def test_grpc_calls_are_counted_by_method_and_code_and_unknown_methods_create_no_series():
     pm = M.ProcessMetrics("balancer")
-    interceptor = pm.grpc_interceptor(M.HEALTH)
+    interceptor = GM.grpc_interceptor(pm, GM.HEALTH)
 
     async def run():
         server = grpc.aio.server(interceptors=[interceptor])
@@ -234,33 +296,80 @@ def test_grpc_calls_are_counted_by_method_and_code_and_unknown_methods_create_no
 
     before = M.scrape_text(pm.registry)
     handled = samples(before, "moeserve_grpc_server_handled_total")
-    assert handled[(("grpc_code", "OK"), ("grpc_method", "Watch"), ("grpc_service", M.HEALTH))] == 0
+    assert handled[(("grpc_code", "OK"), ("grpc_method", "Watch"), ("grpc_service", GM.HEALTH))] == 0
     assert asyncio.run(run()) == ["OK", "OK", "NOT_FOUND", "UNKNOWN"]
     text = M.scrape_text(pm.registry)
     handled = samples(text, "moeserve_grpc_server_handled_total")
-    key = lambda code: (("grpc_code", code), ("grpc_method", "Check"), ("grpc_service", M.HEALTH))   # noqa: E731
+    key = lambda code: (("grpc_code", code), ("grpc_method", "Check"), ("grpc_service", GM.HEALTH))   # noqa: E731
     assert handled[key("OK")] == 2 and handled[key("NOT_FOUND")] == 1 and handled[key("UNKNOWN")] == 1
     assert samples(text, "moeserve_grpc_server_handling_seconds_count")[
-        (("grpc_method", "Check"), ("grpc_service", M.HEALTH))] == 4
+        (("grpc_method", "Check"), ("grpc_service", GM.HEALTH))] == 4
     assert not any("no.such" in str(k) for k in handled)
 
 
-def test_promtool_finds_nothing_to_say_about_a_registry_with_every_group():
+def test_the_grpc_metrics_of_a_process_are_made_once_and_shared_by_its_servers():
+    pm = M.ProcessMetrics("frontend")
+    GM.grpc_interceptor(pm, "moeserve.v1.Serving")
+    GM.grpc_interceptor(pm, GM.HEALTH)                 # a second server of the same process: no duplicate
+    handled = samples(M.scrape_text(pm.registry), "moeserve_grpc_server_handled_total")
+    services = {dict(k)["grpc_service"] for k in handled}
+    assert services == {"moeserve.v1.Serving", GM.HEALTH}
+    other = M.ProcessMetrics("balancer")                 # another registry gets its own families
+    GM.grpc_interceptor(other, "moeserve.v1.Balancer")
+    services = {dict(k)["grpc_service"] for k in samples(M.scrape_text(other.registry),
+                                                         "moeserve_grpc_server_handled_total")}
+    assert services == {"moeserve.v1.Balancer", GM.HEALTH}
+
+
+def _every_group():
+    """A registry with every group of metrics, after one forward step."""
     eng = engine()
     pm = leader_registry(eng)
     M.RouterMetrics(pm.registry)
     M.FrontendMetrics(pm.registry)
     M.BalancerMetrics(pm.registry)
-    pm.grpc_interceptor(M.HEALTH)
+    GM.grpc_interceptor(pm, GM.HEALTH)
     forward(eng, np.ones((LAYERS, EXPERTS), dtype=np.int64), np.ones((LAYERS, WORKERS), dtype=np.int64))
-    check_metrics(M.scrape_text(pm.registry))
+    return pm
+
+
+def test_docs_metrics_md_lists_every_metric_with_its_type_and_labels_and_no_other():
+    from prometheus_client.parser import text_string_to_metric_families
+    exported = {}
+    for fam in text_string_to_metric_families(M.scrape_text(_every_group().registry)):
+        if fam.name.startswith("moeserve_"):
+            name = fam.name + ("_total" if fam.type == "counter" else "")
+            exported[name] = (fam.type, sorted({k for smp in fam.samples for k in smp.labels} - {"le"}))
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    assert set(re.findall(r"moeserve_[a-z0-9_]+", doc)) == set(exported)
+    documented, header = {}, []
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if cells and cells[0] == "metric":
+            header = cells
+        elif cells and cells[0].startswith("`moeserve_"):
+            row = dict(zip(header, cells))
+            documented[cells[0].strip("`")] = (row["type"], sorted(re.findall(r"`(\w+)`", row.get("labels", ""))))
+    for name, labels in re.findall(r"`(moeserve_[a-z0-9_]+)\{([a-z_, ]+)\}`", doc):
+        documented[name] = (exported[name][0], sorted(x.strip() for x in labels.split(",")))
+    assert documented == exported
+
+
+def test_importing_the_metrics_module_imports_no_grpc_or_protobuf():
+    code = ("import sys\nimport moeserve.metrics\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_health') "
+            "or m.startswith('google.protobuf'))\nassert not bad, bad\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_promtool_finds_nothing_to_say_about_a_registry_with_every_group():
+    check_metrics(M.scrape_text(_every_group().registry))
 
 
 def test_a_rank_with_metrics_on_imports_no_grpc_code():
     """The GPU machines have no protobuf: what a rank records must not need it (only the
     leader's admin API, a gRPC server anyway, uses the gRPC interceptor)."""
-    import subprocess
-    import sys
     code = ("import sys\nfrom moeserve import metrics as M\nimport moeserve.cluster.rank\n"
             "pm = M.ProcessMetrics('router', 0)\nM.RouterMetrics(pm.registry)\nM.scrape_text(pm.registry)\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'moeserve.rpc', "

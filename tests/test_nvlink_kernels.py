@@ -1,4 +1,4 @@
-"""The direct exchange's protocol and kernels (moeserve.nvlink, moeserve.kernels), run by
+"""The direct exchange's protocol and kernels (moeserve.dataplane.nvlink, moeserve.kernels), run by
 Triton's interpreter on CPU tensors: several ranks simulated in one process, each rank's
 symmetric buffers a plain tensor whose address the kernels store through. Everything but the
 barriers (GPU only; benchmarks/dispatch.py and benchmarks/gpu_correctness.py check those
@@ -16,8 +16,9 @@ except ImportError:                                   # the test extra installs 
         raise
     pytest.skip("triton is not installed (pip install -e '.[test]')", allow_module_level=True)
 
-from moeserve import kernels, nvlink                                  # noqa: E402
-from moeserve.dispatch import Topology                                # noqa: E402
+from moeserve import kernels                                          # noqa: E402
+from moeserve.dataplane import nvlink                                 # noqa: E402
+from moeserve.dataplane.exchange import Topology                                # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,7 +45,7 @@ def maps_for(p, e, g):
 @pytest.mark.parametrize("routers,workers,colocated,slots", LAYOUTS)
 @pytest.mark.parametrize("k,scaled,replicas", [(1, True, True), (3, False, True), (2, False, False)])
 def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, colocated, slots, k, scaled, replicas):
-    from moeserve.dispatch import choose_slots
+    from moeserve.dataplane.exchange import choose_slots
     topo = Topology.build(routers, workers, colocated, slots)
     R, P, S, H, cap = topo.world_size, topo.num_slots, topo.slots_per_worker, 40, 600
     g = torch.Generator().manual_seed(routers * 100 + workers * 10 + k)
@@ -150,16 +151,16 @@ def test_capacity_and_layout_errors_are_explained():
     topo = Topology.build(2, 3, False, 6)
     assert nvlink.usable(torch.device("cpu")) == (False, "needs CUDA devices")
     with pytest.raises(ValueError, match="must be one of"):
-        from moeserve.cluster.config import ClusterConfig
+        from moeserve.config import ClusterConfig
         ClusterConfig(model_dir="x", exchange="shm")
     with pytest.raises(ValueError, match="needs backend='nccl'"):
-        from moeserve.cluster.config import ClusterConfig
+        from moeserve.config import ClusterConfig
         ClusterConfig(model_dir="x", exchange="nvlink")
     assert topo.worker_ranks == (2, 3, 4)
 
 
 def test_auto_takes_the_collective_exchange_without_cuda():
-    from moeserve.cluster.config import ClusterConfig
+    from moeserve.config import ClusterConfig
     from moeserve.cluster.rank import make_exchange
     topo = Topology.build(1, 2, False, 4)
     for choice in ("auto", "collective"):

@@ -5,38 +5,27 @@ import grpc
 import pytest
 
 from moeserve.client import Client, MoeserveError
-from moeserve.cluster.control import ClusterError
-from moeserve.router.scheduler import QueueFull
+from moeserve.router.engine.api import Finished, FinishReason, InvalidRequest, QueueFull, Token
+from moeserve.router.engine.channel import ClusterError
 from moeserve.rpc import serving_pb2_grpc
 from moeserve.services.frontend import ServingService
 from moeserve.services.server import SERVING, ServerOptions, ServiceServer, ThreadedServer
 
 
 class StandInLeader:
-    """open_stream raises ``error`` or streams two tokens and "length"."""
+    """As AsyncEngineClient: ``generate`` raises ``error`` or streams two tokens and "length"."""
 
     def __init__(self):
         self.error = None
         self.seen = []
 
-    def open_stream(self, reqs):
+    async def generate(self, reqs):
         self.seen.extend(reqs)
         if self.error:
             raise self.error
-        return Stream()
-
-
-class Stream:
-    def __iter__(self):
-        yield 0, ("token", 11, None)
-        yield 0, ("token", 12, None)
-        yield 0, ("done", "length")
-
-    def cancel(self):
-        pass
-
-    def close(self):
-        pass
+        yield 0, Token(11)
+        yield 0, Token(12)
+        yield 0, Finished(FinishReason.LENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +54,7 @@ def test_requests_reach_the_leader_as_engine_requests(front):
     (QueueFull("the admission queue is full (1 waiting requests); retry later"), grpc.StatusCode.RESOURCE_EXHAUSTED,
      "admission queue is full"),
     (ClusterError("rank 2 exited with signal SIGKILL"), grpc.StatusCode.UNAVAILABLE, "rank 2 exited"),
-    (ValueError("prompt token id 999 is outside the vocabulary [0, 512)"), grpc.StatusCode.INVALID_ARGUMENT,
+    (InvalidRequest("prompt token id 999 is outside the vocabulary [0, 512)"), grpc.StatusCode.INVALID_ARGUMENT,
      "outside the vocabulary"),
 ])
 def test_what_the_leader_refuses_maps_to_a_status(front, error, code, message):
@@ -86,7 +75,7 @@ def test_what_the_leader_refuses_maps_to_a_status(front, error, code, message):
     (dict(prompt="hi"), "no tokenizer"),
     (dict(prompt_token_ids=[1], top_p=0.0), "top_p must be in (0, 1]"),
     (dict(prompt_token_ids=[1], top_k=-1), "top_k must be an integer >= 0"),
-    (dict(prompt_token_ids=[1], seed=-5), "seed must be in 0.."),
+    (dict(prompt_token_ids=[1], seed=-5), "seed must be None or an integer in 0.."),
 ])
 def test_input_the_front_end_judges_is_invalid_with_what_is_allowed(front, kw, message):
     _, c = front
@@ -94,3 +83,36 @@ def test_input_the_front_end_judges_is_invalid_with_what_is_allowed(front, kw, m
         c.generate(**kw)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert message in e.value.message
+
+
+@pytest.mark.timeout(60)
+def test_a_generation_the_front_end_answered_unavailable_is_not_repeated(front):
+    """The leader gone: the front end's own UNAVAILABLE carries the server's mark, so the SDK
+    does not send the (not idempotent) generation again."""
+    import asyncio
+
+    from moeserve.client import AsyncClient
+    leader, c = front
+    leader.error = ClusterError("the leader exited")
+
+    async def aio(address):
+        async with AsyncClient(address, timeout=10) as a:
+            async def stream():
+                return [x async for x in a.generate_stream(prompt_token_ids=[5])]
+
+            for call in (lambda: a.generate(prompt_token_ids=[5]), stream):
+                with pytest.raises(MoeserveError) as e:
+                    await call()
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+    try:
+        for call in (lambda: c.generate(prompt_token_ids=[5]), lambda: list(c.generate_stream(prompt_token_ids=[5]))):
+            n = len(leader.seen)
+            with pytest.raises(MoeserveError) as e:
+                call()
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE and len(leader.seen) == n + 1
+        n = len(leader.seen)
+        asyncio.run(aio(c.address))
+        assert len(leader.seen) == n + 2
+    finally:
+        leader.error = None

@@ -10,14 +10,23 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moeserve.client import AsyncClient, Client, MoeserveError
+from control_util import free_ports
+from moeserve.client import AsyncClient, Client, MoeserveError, _base
 from moeserve.rpc import balancer_pb2, balancer_pb2_grpc
 from moeserve.services.server import BALANCER, ServerOptions, ServiceServer, ThreadedServer
+from moeserve.wire import SERVER_METADATA_KEY
 
 TOKEN = "s3cret"
 
 
 class StandIn(balancer_pb2_grpc.BalancerServicer):
+    def __init__(self):
+        self.rebalances = 0
+
+    async def Rebalance(self, request, context):          # as the balancer does when the admin API is away
+        self.rebalances += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the admin API answered UNAVAILABLE")
+
     async def GetBalancerStatus(self, request, context):
         return balancer_pb2.BalancerStatus(state="idle")
 
@@ -27,9 +36,15 @@ class StandIn(balancer_pb2_grpc.BalancerServicer):
 
 
 def start(**opts) -> ThreadedServer:
-    srv = ThreadedServer(ServiceServer(BALANCER, lambda s: balancer_pb2_grpc.add_BalancerServicer_to_server(StandIn(), s),
-                                       ServerOptions(**{"token": TOKEN, "grace_s": 5.0, **opts})))
+    """A stand-in balancer server; its servicer is ``.stand_in``."""
+    stand_in = StandIn()
+
+    def add(server):
+        balancer_pb2_grpc.add_BalancerServicer_to_server(stand_in, server)
+
+    srv = ThreadedServer(ServiceServer(BALANCER, add, ServerOptions(**{"token": TOKEN, "grace_s": 5.0, **opts})))
     srv.start()
+    srv.stand_in = stand_in
     return srv
 
 
@@ -190,3 +205,68 @@ def test_tls_serves_clients_that_trust_the_ca_and_no_plaintext_ones(tmp_path):
 def test_bad_server_options_say_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):
         ServerOptions(**kw)
+
+
+# -- retries: only a call that reached no server is sent again ------------------------------------
+
+PAUSES = (0.2, 0.2, 0.2)
+
+
+@pytest.fixture
+def pauses(monkeypatch):
+    monkeypatch.setattr(_base, "RETRY_DELAYS_S", PAUSES)
+
+
+@pytest.mark.timeout(60)
+def test_every_answer_carries_the_servers_mark_aborted_ones_too(server):
+    mark = (SERVER_METADATA_KEY, BALANCER)
+    with grpc.insecure_channel(addr(server)) as ch:
+        stub = balancer_pb2_grpc.BalancerStub(ch)
+        _, call = stub.GetBalancerStatus.with_call(balancer_pb2.GetBalancerStatusRequest(), timeout=5,
+                                                   metadata=(("authorization", f"Bearer {TOKEN}"),))
+        assert mark in tuple(call.trailing_metadata())
+        for auth in ((), (("authorization", f"Bearer {TOKEN}"),)):     # refused by the token check; by the handler
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Rebalance(balancer_pb2.RebalanceRequest(), timeout=5, metadata=auth)
+            assert mark in tuple(e.value.trailing_metadata()), e.value
+
+
+@pytest.mark.timeout(60)
+def test_an_unavailable_the_server_answered_is_not_repeated(server, pauses):
+    async def aio():
+        async with AsyncClient(addr(server), token=TOKEN) as c:
+            with pytest.raises(MoeserveError) as e:
+                await c.rebalance()
+            return e.value
+
+    n = server.stand_in.rebalances
+    with pytest.raises(MoeserveError) as e:
+        Client(addr(server), token=TOKEN).rebalance()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "admin API answered" in e.value.message
+    assert server.stand_in.rebalances == n + 1
+    err = asyncio.run(aio())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and server.stand_in.rebalances == n + 2
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_reached_no_server_is_retried_after_every_pause(pauses):
+    port, = free_ports(1)                                   # nothing listens there
+    c = Client(f"127.0.0.1:{port}", token=TOKEN, timeout=5)
+
+    async def aio():
+        async with AsyncClient(f"127.0.0.1:{port}", token=TOKEN, timeout=5) as a:
+            async def stream():
+                return [x async for x in a.generate_stream(prompt_token_ids=[1])]
+
+            for call in (a.rebalance, stream):
+                t0 = time.monotonic()
+                with pytest.raises(MoeserveError) as e:
+                    await call()
+                assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 >= sum(PAUSES)
+
+    for call in (c.rebalance, lambda: list(c.generate_stream(prompt_token_ids=[1]))):   # not idempotent: still safe
+        t0 = time.monotonic()
+        with pytest.raises(MoeserveError) as e:
+            call()
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 >= sum(PAUSES)
+    asyncio.run(aio())

@@ -161,7 +161,7 @@ def cluster_kwargs(args) -> dict:
     if getattr(args, "exchange", "auto") == "nvlink" and args.backend != "nccl":
         raise UsageError("--exchange nvlink needs --backend nccl (CUDA devices); use auto or collective")
     eplb = eplb_settings(args)
-    from moeserve.cluster.config import EplbConfig
+    from moeserve.config import EplbConfig
     try:
         EplbConfig(**eplb)
     except ValueError as e:

@@ -110,7 +110,7 @@ def run_placement(args: argparse.Namespace) -> int:
             print(json.dumps(_jsonable(p)))
         else:
             print(f"placement version {p.version}: {p.phy2log.shape[0]} MoE layers x {p.phy2log.shape[1]} slots, "
-                  f"{p.num_logical_experts} logical experts on {p.num_workers} workers")
+                  f"{p.num_logical} logical experts on {p.num_workers} workers")
             s = p.phy2log.shape[1] // p.num_workers
             for layer, row in enumerate(p.phy2log):
                 workers = " | ".join(" ".join(map(str, row[w * s:(w + 1) * s])) for w in range(p.num_workers))
@@ -131,10 +131,8 @@ def run_placement(args: argparse.Namespace) -> int:
             if res.migration:
                 print(f"migration {res.migration_id}: {res.migration.state} (target version {res.migration.target_version})")
     else:
-        from moeserve.placement import Placement
         p = _call(c.placement)
-        Placement(p.phy2log, p.num_logical_experts, p.num_workers, p.workers_per_node, int(p.version),
-                  p.layer_versions).save(args.file)
+        p.save(args.file)
         print(f"wrote placement version {p.version} to {args.file}")
     return 0
 
@@ -222,10 +220,10 @@ def run_status(args: argparse.Namespace) -> int:
         return 0
     print(f"step {s.step} ({s.forward_steps} forward), up {s.uptime_s:.0f} s, placement version {s.placement_version}, "
           f"{s.running} running, {s.waiting} waiting{', ERROR: ' + s.error if s.error else ''}")
-    print(f"model: {s.model}")
-    print(f"eplb: {s.eplb}")
+    print(f"model: {_jsonable(s.model)}")
+    print(f"eplb: {_jsonable(s.eplb)}")
     for r in s.ranks:
-        print(f"  rank {r['rank']}: {r['role']}")
+        print(f"  rank {r.rank}: {r.role}")
     if s.migration:
         m = s.migration
         print(f"migration {m.migration_id}: {m.state}, {m.moves_done}/{m.moves_total} moves, "

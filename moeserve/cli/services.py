@@ -109,7 +109,7 @@ def control_key() -> bytes:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    from moeserve.cluster.config import ClusterConfig, EplbConfig, Limits
+    from moeserve.config import ClusterConfig, EplbConfig, Limits, admin_hook, rank_layout
 
     kw = F.cluster_kwargs(args)
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
@@ -118,8 +118,8 @@ def run_rank(args: argparse.Namespace) -> int:
                          f"{'routers' if kw['colocated'] else 'routers + workers'} = {world}")
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1}, got {args.rank}")
-    is_router = args.rank < kw["routers"]
-    is_worker = kw["colocated"] or not is_router
+    router_ranks, worker_ranks = rank_layout(kw["routers"], kw["workers"], kw["colocated"])
+    is_router, is_worker = args.rank in router_ranks, args.rank in worker_ranks
     if args.role == "router" and not is_router or args.role == "worker" and not is_worker:
         raise UsageError(f"rank {args.rank} is {'a router' if is_router else 'a worker'} "
                          f"(ranks 0..{kw['routers'] - 1} are routers): use 'moeserve {'router' if is_router else 'worker'}'")
@@ -130,10 +130,9 @@ def run_rank(args: argparse.Namespace) -> int:
     limits = Limits(**{k: kw.pop(k) for k in list(kw) if k in Limits.__dataclass_fields__})
     opts = F.server_options(args, args.admin_port or 0)
     try:
-        cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits,
-                            admin_port=-1 if args.admin_port is None else args.admin_port, admin_host=args.host,
-                            admin_tls_cert=args.tls_cert or "", admin_tls_key=args.tls_key or "",
-                            max_message_bytes=opts.max_message_bytes, grace_s=opts.grace_s,
+        hook = {} if args.admin_port is None else admin_hook(args.admin_port, args.host, args.tls_cert or "",
+                                                             args.tls_key or "", opts.max_message_bytes, opts.grace_s)
+        cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits, host=args.host, **hook,
                             per_expert_metrics=args.per_expert_metrics, **kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -154,7 +153,7 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 
 
 def run_frontend(args: argparse.Namespace) -> int:
-    from moeserve.cluster.control import ControlClient
+    from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.services import server
     from moeserve.services.frontend import load_tokenizer, make_server
 
@@ -169,8 +168,9 @@ def run_frontend(args: argparse.Namespace) -> int:
         from moeserve.metrics import FrontendMetrics
         from moeserve.services.server import SERVING
         metrics = FrontendMetrics(pm.registry)
-        opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, pm.grpc_interceptor(SERVING)))
-    srv = make_server(ControlClient(address, key), load_tokenizer(args.model), opts, metrics)
+        from moeserve.services.metrics import grpc_interceptor
+        opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, grpc_interceptor(pm, SERVING)))
+    srv = make_server(AsyncEngineClient(address, key), load_tokenizer(args.model), opts, metrics)
     server.run(server.serve_forever(srv, lambda port: print(f"serving front end on {args.host}:{port}", flush=True)))
     return 0
 

@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             wait_serving(addr, args.startup_timeout, ca, alive=lambda: cluster.alive and all(c.poll() is None for c in children))
         print(f"serving  {addrs['serving']}\nadmin    {addrs['admin']}\nbalancer {addrs['balancer']}", flush=True)
         if metrics is not None:
-            print(metrics_list(metrics, host, kw["routers"], kw["colocated"]), flush=True)
+            print(metrics_list(metrics, host, cluster.config), flush=True)
         if not F.token(args):
             print(f"admin token {token}", flush=True)
         print("ready", flush=True)
@@ -176,15 +176,15 @@ def run(args: argparse.Namespace) -> int:
         _shutdown(children, cluster, opts.grace_s)
 
 
-def metrics_list(metrics: dict[str, int], host: str, routers: int, colocated: bool) -> str:
-    """One line per process: its role and its metrics URL."""
+def metrics_list(metrics: dict[str, int], host: str, cfg) -> str:
+    """One line per process: its role and its metrics URL (``cfg``: the ClusterConfig)."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     lines = []
     for name, port in metrics.items():
         if name.startswith("rank"):
-            r = int(name[4:])
-            role = "router+worker" if colocated else "router" if r < routers else f"worker {r - routers}"
-            what = f"rank {r} ({role}{', leader' if r == 0 else ''})"
+            role = cfg.role(int(name[4:]))
+            label = f"worker {role.worker_index}" if role.name == "worker" else role.name
+            what = f"rank {role.rank} ({label}{', leader' if role.rank == 0 else ''})"
         else:
             what = "front end" if name == "frontend" else name
         lines.append(f"metrics  {what:<28} http://{shown}:{port}/metrics")

@@ -7,12 +7,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from moeserve.client.types import MoeserveError
 from moeserve.rpc import admin_pb2, balancer_pb2, serving_pb2
-from moeserve.services.convert import int64_matrix
+from moeserve.wire import SERVER_METADATA_KEY, int64_matrix
 
 DEFAULT_TIMEOUT_S = 60.0
 WAIT_TIMEOUT_S = 600.0
-RETRY_DELAYS_S = (0.1, 0.3, 1.0)          # UNAVAILABLE only: the call never reached a server
+RETRY_DELAYS_S = (0.1, 0.3, 1.0)          # pauses between attempts of a call that reached no server
 FILE_FORMATS = {"moeserve": admin_pb2.PlacementFile.MOESERVE_JSON, "sglang-json": admin_pb2.PlacementFile.SGLANG_JSON,
                 "sglang-pt": admin_pb2.PlacementFile.SGLANG_PT}
 
@@ -77,10 +78,22 @@ def balancer_config(window_steps, step_interval, min_balancedness) -> balancer_p
     return c
 
 
-def balancer_settings(window_steps=None, step_interval=None, min_balancedness=None, paused=None) -> admin_pb2.BalancerSettings:
-    s = admin_pb2.BalancerSettings()
-    for k, v in dict(window_steps=window_steps, step_interval=step_interval, min_balancedness=min_balancedness,
-                     paused=paused).items():
-        if v is not None:
-            setattr(s, k, v)
-    return s
+def reached_no_server(e: grpc.RpcError) -> bool:
+    """Whether a failed call reached no moeserve server, so that repeating it is safe whatever
+    the method (Generate, ApplyPlacement and Rebalance must not run twice): UNAVAILABLE without
+    the trailing metadata every moeserve server sets on the calls its handlers answer, i.e. the
+    transport failed (a connection refused or unreachable, a TLS mismatch). A connection cut
+    after the request went out lacks the mark too: the one case where a repeat may run twice."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    return not any(key == SERVER_METADATA_KEY for key, _ in e.trailing_metadata() or ())
+
+
+def retry_pause(e: grpc.RpcError, pauses: list[float]) -> float | None:
+    """The pause before the next attempt of a call that failed with ``e`` (taken from
+    ``pauses``, a copy of RETRY_DELAYS_S per call), or None: give up and raise :func:`error`."""
+    return pauses.pop(0) if pauses and reached_no_server(e) else None
+
+
+def error(e: grpc.RpcError) -> MoeserveError:
+    return MoeserveError(e.code(), e.details() or "")

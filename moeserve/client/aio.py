@@ -8,9 +8,11 @@ import time
 import grpc
 
 from moeserve.client import _base
-from moeserve.client.types import (ApplyResult, BalancerStatus, ClusterStatus, ExpertLoad, GenerateChunk,
-                                   GenerateResult, LoadDump, Migration, MoeserveError, Placement, RebalanceResult)
-from moeserve.rpc import (admin_pb2, admin_pb2_grpc, balancer_pb2, balancer_pb2_grpc, serving_pb2_grpc)
+from moeserve.client.types import (ApplyResult, BalancerSettings, BalancerStatus, ClusterStatus, ExpertLoad,
+                                   GenerateChunk, GenerateResult, LoadDump, MoeserveError, RebalanceResult)
+from moeserve.placement import MigrationProgress, MigrationState, Placement
+from moeserve.rpc import admin_pb2, admin_pb2_grpc, balancer_pb2, balancer_pb2_grpc, serving_pb2_grpc
+from moeserve.wire import migration_from_msg, placement_from_msg
 
 
 class AsyncClient:
@@ -37,17 +39,17 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _call(self, method, request, timeout: float | None = ..., retry: bool = True):
+    async def _call(self, method, request, timeout: float | None = ...):
         timeout = self.timeout if timeout is ... else timeout
-        delays = list(_base.RETRY_DELAYS_S) if retry else []
+        pauses = list(_base.RETRY_DELAYS_S)
         while True:
             try:
                 return await method(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and delays:
-                    await asyncio.sleep(delays.pop(0))
-                    continue
-                raise MoeserveError(e.code(), e.details() or "") from None
+                pause = _base.retry_pause(e, pauses)
+                if pause is None:
+                    raise _base.error(e) from None
+            await asyncio.sleep(pause)
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -63,19 +65,27 @@ class AsyncClient:
                               stop_token_ids=(), ignore_eos: bool = False, timeout: float | None = None):
         req = _base.generate_request(prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed,
                                      stop_token_ids, ignore_eos)
-        call = self._serving.GenerateStream(req, timeout=timeout, metadata=self._metadata)
-        try:
-            async for m in call:
-                yield GenerateChunk.from_msg(m)
-        except grpc.RpcError as e:
-            raise MoeserveError(e.code(), e.details() or "") from None
-        finally:
-            call.cancel()
+        pauses = list(_base.RETRY_DELAYS_S)
+        while True:
+            call = self._serving.GenerateStream(req, timeout=timeout, metadata=self._metadata)
+            started = False                   # once a chunk came, the stream reached a server
+            try:
+                async for m in call:
+                    started = True
+                    yield GenerateChunk.from_msg(m)
+                return
+            except grpc.RpcError as e:
+                pause = None if started else _base.retry_pause(e, pauses)
+                if pause is None:
+                    raise _base.error(e) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(pause)
 
     # -- admin ------------------------------------------------------------------------------
 
     async def placement(self) -> Placement:
-        return Placement.from_msg(await self._call(self._admin.GetPlacement, admin_pb2.GetPlacementRequest()))
+        return placement_from_msg(await self._call(self._admin.GetPlacement, admin_pb2.GetPlacementRequest()))
 
     async def apply_placement(self, phy2log=None, *, expected_version: int | None = None, dry_run: bool = False,
                               wait: bool = False, file: str | None = None, file_format: str | None = None,
@@ -87,16 +97,16 @@ class AsyncClient:
             res = dataclasses.replace(res, migration=mig)
         return res
 
-    async def migration(self, migration_id: str, wait_s: float = 0.0) -> Migration:
+    async def migration(self, migration_id: str, wait_s: float = 0.0) -> MigrationProgress:
         req = admin_pb2.GetMigrationRequest(migration_id=migration_id, wait_s=wait_s)
-        return Migration.from_msg(await self._call(self._admin.GetMigration, req, max(self.timeout, wait_s + 5)))
+        return migration_from_msg(await self._call(self._admin.GetMigration, req, max(self.timeout, wait_s + 5)))
 
-    async def wait_migration(self, migration_id: str, timeout: float = _base.WAIT_TIMEOUT_S) -> Migration:
+    async def wait_migration(self, migration_id: str, timeout: float = _base.WAIT_TIMEOUT_S) -> MigrationProgress:
         deadline = time.monotonic() + timeout
         while True:
             mig = await self.migration(migration_id, wait_s=min(5.0, max(0.0, deadline - time.monotonic())))
             if mig.ended:
-                if mig.state != "done":
+                if mig.state != MigrationState.DONE:
                     raise MoeserveError(grpc.StatusCode.ABORTED, f"migration {migration_id} {mig.state}: {mig.error}")
                 return mig
             if time.monotonic() > deadline:
@@ -116,11 +126,12 @@ class AsyncClient:
     async def status(self) -> ClusterStatus:
         return ClusterStatus.from_msg(await self._call(self._admin.GetStatus, admin_pb2.GetStatusRequest()))
 
-    async def balancer_settings(self) -> admin_pb2.BalancerSettings:
-        return await self._call(self._admin.GetBalancerSettings, admin_pb2.GetBalancerSettingsRequest())
+    async def balancer_settings(self) -> BalancerSettings:
+        return BalancerSettings.from_msg(await self._call(self._admin.GetBalancerSettings,
+                                                          admin_pb2.GetBalancerSettingsRequest()))
 
-    async def put_balancer_settings(self, settings: admin_pb2.BalancerSettings) -> admin_pb2.BalancerSettings:
-        return await self._call(self._admin.PutBalancerSettings, settings)
+    async def put_balancer_settings(self, settings: BalancerSettings) -> BalancerSettings:
+        return BalancerSettings.from_msg(await self._call(self._admin.PutBalancerSettings, settings.to_msg()))
 
     # -- balancer ---------------------------------------------------------------------------
 

@@ -7,9 +7,11 @@ import time
 import grpc
 
 from moeserve.client import _base
-from moeserve.client.types import (ApplyResult, BalancerStatus, ClusterStatus, ExpertLoad, GenerateChunk,
-                                   GenerateResult, LoadDump, Migration, MoeserveError, Placement, RebalanceResult)
-from moeserve.rpc import (admin_pb2, admin_pb2_grpc, balancer_pb2, balancer_pb2_grpc, serving_pb2_grpc)
+from moeserve.client.types import (ApplyResult, BalancerSettings, BalancerStatus, ClusterStatus, ExpertLoad,
+                                   GenerateChunk, GenerateResult, LoadDump, MoeserveError, RebalanceResult)
+from moeserve.placement import MigrationProgress, MigrationState, Placement
+from moeserve.rpc import admin_pb2, admin_pb2_grpc, balancer_pb2, balancer_pb2_grpc, serving_pb2_grpc
+from moeserve.wire import migration_from_msg, placement_from_msg
 
 
 class Client:
@@ -18,9 +20,10 @@ class Client:
     token: the bearer token of the admin and balancer services (default: MOESERVE_ADMIN_TOKEN).
     timeout: the default deadline of a call in seconds (generation has none unless given).
     tls / ca_file: connect with TLS (ca_file: the PEM of the CA that signed the server's cert).
-    Every method raises :class:`MoeserveError` (``.code`` a grpc.StatusCode) on failure; calls
-    are retried on UNAVAILABLE only. A method of a service this address does not serve answers
-    UNIMPLEMENTED with a message naming the right one.
+    Every method raises :class:`MoeserveError` (``.code`` a grpc.StatusCode) on failure; a call
+    is retried only when it reached no server (UNAVAILABLE from the transport), so that no call
+    runs twice. A method of a service this address does not serve answers UNIMPLEMENTED with a
+    message naming the right one.
     """
 
     def __init__(self, address: str, token: str | None = None, *, timeout: float = _base.DEFAULT_TIMEOUT_S,
@@ -42,17 +45,17 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method, request, timeout: float | None = ..., retry: bool = True):
+    def _call(self, method, request, timeout: float | None = ...):
         timeout = self.timeout if timeout is ... else timeout
-        delays = list(_base.RETRY_DELAYS_S) if retry else []
+        pauses = list(_base.RETRY_DELAYS_S)
         while True:
             try:
                 return method(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and delays:
-                    time.sleep(delays.pop(0))
-                    continue
-                raise MoeserveError(e.code(), e.details() or "") from None
+                pause = _base.retry_pause(e, pauses)
+                if pause is None:
+                    raise _base.error(e) from None
+            time.sleep(pause)
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -70,20 +73,29 @@ class Client:
         """Yield :class:`GenerateChunk` s as tokens are sampled; leaving the loop early cancels."""
         req = _base.generate_request(prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed,
                                      stop_token_ids, ignore_eos)
-        call = self._serving.GenerateStream(req, timeout=timeout, metadata=self._metadata)
-        try:
-            for m in call:
-                yield GenerateChunk.from_msg(m)
-        except grpc.RpcError as e:
-            raise MoeserveError(e.code(), e.details() or "") from None
-        finally:
-            call.cancel()
+        pauses = list(_base.RETRY_DELAYS_S)
+        while True:
+            call = self._serving.GenerateStream(req, timeout=timeout, metadata=self._metadata)
+            started = False                   # once a chunk came, the stream reached a server
+            try:
+                for m in call:
+                    started = True
+                    yield GenerateChunk.from_msg(m)
+                return
+            except grpc.RpcError as e:
+                pause = None if started else _base.retry_pause(e, pauses)
+                if pause is None:
+                    raise _base.error(e) from None
+            finally:
+                call.cancel()
+            time.sleep(pause)
 
     # -- admin ------------------------------------------------------------------------------
 
     def placement(self) -> Placement:
-        """The placement in force: ``.phy2log`` [L, P], ``.version``, ``.layer_versions``."""
-        return Placement.from_msg(self._call(self._admin.GetPlacement, admin_pb2.GetPlacementRequest()))
+        """The placement in force: ``.phy2log`` [L, P], ``.version``, ``.layer_versions`` [L],
+        ``.num_logical``, ``.num_workers``, ``.workers_per_node``."""
+        return placement_from_msg(self._call(self._admin.GetPlacement, admin_pb2.GetPlacementRequest()))
 
     def apply_placement(self, phy2log=None, *, expected_version: int | None = None, dry_run: bool = False,
                         wait: bool = False, file: str | None = None, file_format: str | None = None,
@@ -99,17 +111,18 @@ class Client:
             res = dataclasses.replace(res, migration=mig)
         return res
 
-    def migration(self, migration_id: str, wait_s: float = 0.0) -> Migration:
+    def migration(self, migration_id: str, wait_s: float = 0.0) -> MigrationProgress:
+        """A migration's progress; with ``wait_s`` the server answers once it ended, or after wait_s."""
         req = admin_pb2.GetMigrationRequest(migration_id=migration_id, wait_s=wait_s)
-        return Migration.from_msg(self._call(self._admin.GetMigration, req, max(self.timeout, wait_s + 5)))
+        return migration_from_msg(self._call(self._admin.GetMigration, req, max(self.timeout, wait_s + 5)))
 
-    def wait_migration(self, migration_id: str, timeout: float = _base.WAIT_TIMEOUT_S) -> Migration:
+    def wait_migration(self, migration_id: str, timeout: float = _base.WAIT_TIMEOUT_S) -> MigrationProgress:
         """Follow a migration to its end; raise ABORTED when it did not finish."""
         deadline = time.monotonic() + timeout
         while True:
             mig = self.migration(migration_id, wait_s=min(5.0, max(0.0, deadline - time.monotonic())))
             if mig.ended:
-                if mig.state != "done":
+                if mig.state != MigrationState.DONE:
                     raise MoeserveError(grpc.StatusCode.ABORTED, f"migration {migration_id} {mig.state}: {mig.error}")
                 return mig
             if time.monotonic() > deadline:
@@ -130,11 +143,13 @@ class Client:
     def status(self) -> ClusterStatus:
         return ClusterStatus.from_msg(self._call(self._admin.GetStatus, admin_pb2.GetStatusRequest()))
 
-    def balancer_settings(self) -> admin_pb2.BalancerSettings:
-        return self._call(self._admin.GetBalancerSettings, admin_pb2.GetBalancerSettingsRequest())
+    def balancer_settings(self) -> BalancerSettings:
+        """The balancer's settings kept on the leader."""
+        return BalancerSettings.from_msg(self._call(self._admin.GetBalancerSettings,
+                                                    admin_pb2.GetBalancerSettingsRequest()))
 
-    def put_balancer_settings(self, settings: admin_pb2.BalancerSettings) -> admin_pb2.BalancerSettings:
-        return self._call(self._admin.PutBalancerSettings, settings)
+    def put_balancer_settings(self, settings: BalancerSettings) -> BalancerSettings:
+        return BalancerSettings.from_msg(self._call(self._admin.PutBalancerSettings, settings.to_msg()))
 
     # -- balancer ---------------------------------------------------------------------------
 

@@ -1,18 +1,23 @@
 """Typed results of the SDK: frozen dataclasses built from the moeserve.v1 messages.
 
 Dimension letters: L MoE layers, E logical experts, P physical slots, W workers.
+
+Placements and migrations are the engine's own value types (:class:`moeserve.placement.Placement`,
+:class:`moeserve.placement.MigrationProgress`); every conversion that is not a plain field copy
+lives in :mod:`moeserve.wire`, which the services use too.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
-from moeserve.rpc import admin_pb2, balancer_pb2, common_pb2, serving_pb2
-from moeserve.services.convert import STATE_NAMES, from_int64_matrix
-
-FINISH_NAMES = {serving_pb2.STOP: "stop", serving_pb2.LENGTH: "length", serving_pb2.CANCELLED: "cancelled"}
+from moeserve.placement import MigrationProgress
+from moeserve.rpc import admin_pb2, balancer_pb2, serving_pb2
+from moeserve.wire import (FINISH_NAMES, Balancedness, balancedness_from_msg, from_int64_matrix,
+                           migration_from_msg)
 
 
 class MoeserveError(Exception):
@@ -22,6 +27,15 @@ class MoeserveError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+def _flat(cls, m):
+    """A dataclass whose fields are a flat message's scalar fields of the same names."""
+    return cls(**{f.name: getattr(m, f.name) for f in dataclasses.fields(cls)})
+
+
+def _migration_or_none(m, field: str = "migration") -> MigrationProgress | None:
+    return migration_from_msg(getattr(m, field)) if m.HasField(field) else None
 
 
 @dataclass(frozen=True)
@@ -63,68 +77,14 @@ class GenerateChunk:
 
 
 @dataclass(frozen=True)
-class Balancedness:
-    """per_layer [L]; mean over layers with tokens; sum_ratio as vLLM logs it."""
-
-    per_layer: np.ndarray
-    mean: float
-    sum_ratio: float
-
-    @classmethod
-    def from_msg(cls, m: common_pb2.Balancedness) -> "Balancedness":
-        return cls(np.asarray(m.per_layer, dtype=np.float64), m.mean, m.sum_ratio)
-
-
-@dataclass(frozen=True)
-class Migration:
-    """A live migration's progress; state: planned, staging, moving, done, aborted, failed."""
-
-    migration_id: str
-    state: str
-    error: str
-    target_version: int
-    moves_total: int
-    moves_done: int
-    bytes_total: int
-    bytes_done: int
-    layers_total: int
-    layers_committed: int
-
-    @property
-    def ended(self) -> bool:
-        return self.state in ("done", "aborted", "failed")
-
-    @classmethod
-    def from_msg(cls, m: common_pb2.MigrationProgress) -> "Migration":
-        return cls(m.migration_id, STATE_NAMES.get(m.state, "unknown"), m.error, m.target_version, m.moves_total,
-                   m.moves_done, m.bytes_total, m.bytes_done, m.layers_total, m.layers_committed)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """phy2log int64 [L, P]; version; layer_versions [L]."""
-
-    phy2log: np.ndarray
-    version: int
-    layer_versions: np.ndarray
-    num_logical_experts: int
-    num_workers: int
-    workers_per_node: int
-
-    @classmethod
-    def from_msg(cls, m: admin_pb2.Placement) -> "Placement":
-        return cls(from_int64_matrix(m.phy2log, "phy2log"), m.version, np.asarray(m.layer_versions, dtype=np.int64),
-                   m.num_logical_experts, m.num_workers, m.workers_per_node)
-
-
-@dataclass(frozen=True)
 class ApplyResult:
     """What ApplyPlacement answered: the migration (None on a dry run), the plan's size, and
-    the balancedness of the placement in force and of the new one under the load window."""
+    the balancedness of the placement in force and of the new one under the load window.
+    phy2log: the new placement [L, P]."""
 
     migration_id: str
     dry_run: bool
-    migration: Migration | None
+    migration: MigrationProgress | None
     moves: int
     bytes: int
     balancedness_before: Balancedness
@@ -132,10 +92,10 @@ class ApplyResult:
     phy2log: np.ndarray
 
     @classmethod
-    def from_msg(cls, m: admin_pb2.ApplyPlacementResponse, migration: Migration | None = None) -> "ApplyResult":
-        mig = migration or (Migration.from_msg(m.migration) if m.HasField("migration") else None)
-        return cls(m.migration_id, m.dry_run, mig, m.moves, m.bytes, Balancedness.from_msg(m.balancedness_before),
-                   Balancedness.from_msg(m.balancedness_after), from_int64_matrix(m.phy2log, "phy2log"))
+    def from_msg(cls, m: admin_pb2.ApplyPlacementResponse) -> "ApplyResult":
+        return cls(m.migration_id, m.dry_run, _migration_or_none(m), m.moves, m.bytes,
+                   balancedness_from_msg(m.balancedness_before), balancedness_from_msg(m.balancedness_after),
+                   from_int64_matrix(m.phy2log, "phy2log"))
 
 
 @dataclass(frozen=True)
@@ -156,7 +116,7 @@ class ExpertLoad:
     @classmethod
     def from_msg(cls, m: admin_pb2.ExpertLoad) -> "ExpertLoad":
         return cls(from_int64_matrix(m.load, "load"), from_int64_matrix(m.worker_load, "worker_load"), m.steps,
-                   m.total_steps, Balancedness.from_msg(m.measured), Balancedness.from_msg(m.predicted),
+                   m.total_steps, balancedness_from_msg(m.measured), balancedness_from_msg(m.predicted),
                    m.placement_version, m.steps_since_placement_change, m.window_size)
 
 
@@ -177,34 +137,84 @@ class LoadDump:
                    m.total_steps, m.window_steps, list(m.moe_layer_ids), m.num_decoder_layers)
 
 
-def _fields(m) -> dict:
-    """A flat message's fields as a dict of Python values."""
-    return {f.name: getattr(m, f.name) for f in m.DESCRIPTOR.fields}
+@dataclass(frozen=True)
+class RankInfo:
+    """role: "router", "worker" or "router+worker"; router_index / worker_index: the rank's
+    index among the routers / workers, -1 when it is not one."""
+
+    rank: int
+    role: str
+    router_index: int
+    worker_index: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model's shape as the cluster serves it; expert_bytes: the weights of one expert."""
+
+    num_moe_layers: int
+    num_logical_experts: int
+    num_slots: int
+    num_workers: int
+    workers_per_node: int
+    top_k: int
+    vocab_size: int
+    expert_bytes: int
+
+
+@dataclass(frozen=True)
+class EplbInfo:
+    """The leader's EPLB flags."""
+
+    enable_eplb: bool
+    num_redundant_experts: int
+    window_size: int
+    step_interval: int
+    log_balancedness: bool
 
 
 @dataclass(frozen=True)
 class ClusterStatus:
-    """Steps, versions, the running migration, the queue, the ranks and the model's shape."""
+    """Steps, versions (layer_versions [L]), the running migration, the queue, the ranks, the
+    metrics ports (service -> port) and the model's shape; error: set when the cluster failed."""
 
     step: int
     forward_steps: int
     uptime_s: float
     placement_version: int
     layer_versions: list[int]
-    migration: Migration | None
+    migration: MigrationProgress | None
     waiting: int
     running: int
-    ranks: list[dict]
+    ranks: list[RankInfo]
     metrics_ports: dict[str, int]
-    model: dict
-    eplb: dict
+    model: ModelInfo
+    eplb: EplbInfo
     error: str
 
     @classmethod
     def from_msg(cls, m: admin_pb2.ClusterStatus) -> "ClusterStatus":
         return cls(m.step, m.forward_steps, m.uptime_s, m.placement_version, list(m.layer_versions),
-                   Migration.from_msg(m.migration) if m.HasField("migration") else None, m.waiting, m.running,
-                   [_fields(r) for r in m.ranks], dict(m.metrics_ports), _fields(m.model), _fields(m.eplb), m.error)
+                   _migration_or_none(m), m.waiting, m.running, [_flat(RankInfo, r) for r in m.ranks],
+                   dict(m.metrics_ports), _flat(ModelInfo, m.model), _flat(EplbInfo, m.eplb), m.error)
+
+
+@dataclass(frozen=True)
+class BalancerSettings:
+    """The balancer's runtime settings as the leader keeps them; None: not set (the balancer's
+    own flag applies)."""
+
+    window_steps: int | None = None
+    step_interval: int | None = None
+    min_balancedness: float | None = None
+    paused: bool | None = None
+
+    @classmethod
+    def from_msg(cls, m: admin_pb2.BalancerSettings) -> "BalancerSettings":
+        return cls(**{f.name: getattr(m, f.name) if m.HasField(f.name) else None for f in dataclasses.fields(cls)})
+
+    def to_msg(self) -> admin_pb2.BalancerSettings:
+        return admin_pb2.BalancerSettings(**{k: v for k, v in dataclasses.asdict(self).items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -221,19 +231,21 @@ class RebalanceResult:
     base_version: int
     applied: bool
     migration_id: str
-    migration: Migration | None
+    migration: MigrationProgress | None
     note: str
 
     @classmethod
     def from_msg(cls, m: balancer_pb2.RebalanceResponse) -> "RebalanceResult":
-        return cls(from_int64_matrix(m.phy2log, "phy2log"), Balancedness.from_msg(m.balancedness_before),
-                   Balancedness.from_msg(m.balancedness_after), m.slots_moved, m.slots_moved_across_workers,
-                   m.bytes_moved, m.base_version, m.applied, m.migration_id,
-                   Migration.from_msg(m.migration) if m.HasField("migration") else None, m.note)
+        return cls(from_int64_matrix(m.phy2log, "phy2log"), balancedness_from_msg(m.balancedness_before),
+                   balancedness_from_msg(m.balancedness_after), m.slots_moved, m.slots_moved_across_workers,
+                   m.bytes_moved, m.base_version, m.applied, m.migration_id, _migration_or_none(m), m.note)
 
 
 @dataclass(frozen=True)
 class BalancerStatus:
+    """state: "idle", "planning" or "migrating"; balancedness: the predicted mean of the
+    placement in force on the window, last seen; last_error: "" when the admin API answered."""
+
     window_steps: int
     step_interval: int
     min_balancedness: float
@@ -250,6 +262,4 @@ class BalancerStatus:
 
     @classmethod
     def from_msg(cls, m: balancer_pb2.BalancerStatus) -> "BalancerStatus":
-        return cls(m.window_steps, m.step_interval, m.min_balancedness, m.paused, m.state, m.rebalances,
-                   m.last_trigger, m.last_migration_id, m.last_error, m.admin_reachable, m.balancedness,
-                   m.placement_version, m.loop_iterations)
+        return _flat(cls, m)

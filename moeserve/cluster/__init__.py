@@ -11,7 +11,7 @@ def __getattr__(name):
         from moeserve.cluster import launcher
         return getattr(launcher, name)
     if name == "ClusterError":
-        from moeserve.cluster.control import ClusterError
+        from moeserve.router.engine.channel import ClusterError
         return ClusterError
     raise AttributeError(name)
 

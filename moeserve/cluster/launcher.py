@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeserve.cluster.config import ClusterConfig, EplbConfig, Limits
-from moeserve.cluster.control import ClusterError, ControlClient
-from moeserve.placement import Placement
-from moeserve.router.scheduler import GenerateRequest
+from moeserve.config import ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
+from moeserve.placement import MigrationProgress, MigrationState, Placement
+from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
+from moeserve.router.engine.channel import ClusterError, EngineClient
 from moeserve.sampling import SamplingParams
 
 
@@ -101,11 +101,11 @@ class LocalCluster:
         mcfg = load_config(model_dir)                     # fails early on a bad checkpoint
         info = MoEInfo.from_config(mcfg, DTYPES[dtype])
         num_slots = info.num_logical_experts + num_redundant_experts
-        if colocated and routers != workers:
-            raise ValueError(f"co-located ranks are each router and worker: routers ({routers}) must equal workers ({workers})")
-        if num_slots % workers:
-            raise ValueError(f"(E + R) % W != 0: E={info.num_logical_experts} experts + R={num_redundant_experts} "
-                             f"redundant = {num_slots} slots per MoE layer cannot be split over W={workers} workers")
+        check_topology(routers, workers, colocated, num_slots)
+        if not -1 <= admin_port <= 65535:
+            raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {admin_port}")
+        hook = {} if admin_port < 0 else admin_hook(admin_port, admin_host, admin_tls_cert, admin_tls_key,
+                                                    max_message_bytes, grace_s)
         phy2log = None
         if placement is not None:
             p = Placement(phy2log=np.asarray(placement), num_logical=info.num_logical_experts, num_workers=workers,
@@ -123,9 +123,8 @@ class LocalCluster:
                           max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting),
             workers_per_node=workers_per_node, phy2log=phy2log, migration_bytes_per_step=migration_bytes_per_step,
             max_staging_bytes=max_staging_bytes,
-            heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, admin_port=admin_port, admin_host=admin_host,
-            admin_tls_cert=admin_tls_cert, admin_tls_key=admin_tls_key, max_message_bytes=max_message_bytes,
-            grace_s=grace_s, per_expert_metrics=per_expert_metrics, exchange=exchange,
+            heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, host=admin_host, **hook,
+            per_expert_metrics=per_expert_metrics, exchange=exchange,
             metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
         if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
             raise ValueError(f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}")
@@ -143,7 +142,7 @@ class LocalCluster:
         self.run_dir: str | None = None
         self.error: str | None = None
         self._stopping = False
-        self._client: ControlClient | None = None
+        self._client: EngineClient | None = None
         self._monitor: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -200,12 +199,12 @@ class LocalCluster:
             time.sleep(0.05)
         with open(ready) as f:
             addr = json.load(f)
-        if cfg.admin_port >= 0:
+        if cfg.leader_hook:
             with open(os.path.join(self.run_dir, "admin.json")) as f:
                 a = json.load(f)
             self.admin_address = (a["host"], a["port"])
         self.authkey = authkey
-        self._client = ControlClient((addr["host"], addr["port"]), authkey, on_failure=self._failure)
+        self._client = EngineClient((addr["host"], addr["port"]), authkey, on_failure=self._failure)
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -216,7 +215,7 @@ class LocalCluster:
             self._stopping = True
         if self._client is not None and self.error is None:
             try:
-                self._client.call("stop")
+                self._client.request_stop()
             except Exception:
                 pass
         deadline = time.monotonic() + timeout_s
@@ -283,7 +282,7 @@ class LocalCluster:
 
     # -- use --------------------------------------------------------------------------------
 
-    def _c(self) -> ControlClient:
+    def _c(self) -> EngineClient:
         if self._client is None:
             raise ClusterError("the cluster is not started")
         if self.error:
@@ -306,14 +305,14 @@ class LocalCluster:
         logits = [[] for _ in reqs]
         reasons = [""] * len(reqs)
         for i, ev in self._c().generate_stream(reqs):
-            if ev[0] == "token":
-                toks[i].append(ev[1])
-                if ev[2] is not None:
-                    logits[i].append(ev[2])
-            elif ev[0] == "done":
-                reasons[i] = ev[1]
-            elif ev[0] == "error":
-                raise ClusterError(ev[1])
+            if isinstance(ev, Token):
+                toks[i].append(ev.token_id)
+                if ev.logits is not None:
+                    logits[i].append(ev.logits)
+            elif isinstance(ev, Finished):
+                reasons[i] = str(ev.reason)
+            elif isinstance(ev, Failed):
+                raise ClusterError(ev.message)
         if not details:
             return toks
         return [Generation(t, r, np.concatenate(lg) if lg else None) for t, r, lg in zip(toks, reasons, logits)]
@@ -322,52 +321,57 @@ class LocalCluster:
         """float32 [T, V]: the logits at every position of ``prompt`` (one prefill)."""
         req = GenerateRequest(tuple(int(t) for t in prompt), 1, SamplingParams(), (), True, "all")
         for _, ev in self._c().generate_stream([req]):
-            if ev[0] == "token":
-                return ev[2]
-            if ev[0] == "error":
-                raise ClusterError(ev[1])
+            if isinstance(ev, Token):
+                return ev.logits
+            if isinstance(ev, Failed):
+                raise ClusterError(ev.message)
         raise ClusterError("no logits came back")
 
     def placement(self) -> Placement:
         """The placement in force (``.phy2log`` [L, P], ``.version``, ``.layer_versions``)."""
-        return self._c().call("placement")
+        return self._c().placement()
 
     def apply_placement(self, phy2log, wait: bool = True, expected_version: int | None = None,
                         timeout_s: float = 600.0) -> str:
         """Migrate to ``phy2log`` [L, P] live; returns the migration id (at once with
-        wait=False). Raises ValueError, changing nothing, when it is not a valid placement."""
-        summary = self._c().call("apply", np.asarray(phy2log), expected_version)
+        wait=False). Raises ValueError (InvalidRequest), changing nothing, when it is not a
+        valid placement."""
+        mig = self._c().apply_placement(np.asarray(phy2log), expected_version)
         if wait:
-            summary = self.wait_migration(summary["migration_id"], timeout_s)
-        return summary["migration_id"]
+            self.wait_migration(mig.migration_id, timeout_s)
+        return mig.migration_id
 
-    def wait_migration(self, migration_id: str, timeout_s: float = 600.0) -> dict:
+    def wait_migration(self, migration_id: str, timeout_s: float = 600.0) -> MigrationProgress:
+        """The migration once done; ClusterError when it was aborted or failed."""
         deadline = time.monotonic() + timeout_s
         while True:
-            s = self._c().call("wait_migration", migration_id, min(1.0, max(0.0, deadline - time.monotonic())))
-            if s["state"] in ("done", "aborted", "failed"):
-                if s["state"] != "done":
-                    raise ClusterError(f"migration {migration_id} {s['state']}: {s['error']}")
-                return s
+            mig = self._c().wait_migration(migration_id, min(1.0, max(0.0, deadline - time.monotonic())))
+            if mig.ended:
+                if mig.state != MigrationState.DONE:
+                    raise ClusterError(f"migration {migration_id} {mig.state}: {mig.error}")
+                return mig
             if time.monotonic() > deadline:
-                raise TimeoutError(f"migration {migration_id} not done after {timeout_s} s: {s}")
+                raise TimeoutError(f"migration {migration_id} not done after {timeout_s} s: {mig}")
 
-    def migration(self, migration_id: str) -> dict:
-        return self._c().call("migration", migration_id)
+    def migration(self, migration_id: str) -> MigrationProgress:
+        return self._c().migration(migration_id)
 
-    def expert_load(self):
+    def abort_migration(self) -> bool:
+        return self._c().abort_migration()
+
+    def expert_load(self) -> LoadReport:
         """The load window: ``.load`` [L, E] and per-layer ``.balancedness_measured`` /
-        ``.balancedness_predicted`` (see moeserve.router.leader.LoadReport)."""
-        return self._c().call("expert_load")
+        ``.balancedness_predicted``."""
+        return self._c().expert_load()
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since the cluster started."""
-        return self._c().call("total_load")
+        return self._c().total_load()
 
-    def status(self) -> dict:
-        return self._c().call("status")
+    def status(self) -> EngineStatus:
+        return self._c().status()
 
     def slot_digests(self) -> list[np.ndarray]:
         """Per worker, float64 [L, S, 2]: (sum, sum of squares) of the weights each slot holds,
         read from the workers at a step boundary (tests use it to check what moved where)."""
-        return self._c().call("slot_digests")
+        return self._c().slot_digests()

@@ -2,118 +2,116 @@
 
 Dimension letters: L MoE layers, E logical experts, P physical slots, W workers.
 
-Handlers call the leader's :class:`~moeserve.router.leader.Engine` directly: its admin methods
-only validate, record and enqueue work for the next step header, under short locks, so no
-handler ever waits for a step (waiting for a migration polls on the event loop). The server
-runs on its own uvloop event loop in a thread of its own (:class:`ThreadedServer`), beside the
-step driver.
+Handlers call the leader's engine through its typed API
+(:class:`~moeserve.router.engine.api.EngineAPI`): its methods only validate, record and enqueue
+work for the next step header, under short locks, so no handler ever waits for a step
+(waiting for a migration polls on the event loop). The server runs on its own uvloop event loop
+in a thread of its own (:class:`ThreadedServer`), beside the step driver. The leader starts it
+through its hook (:func:`serve_admin`, named in ``ClusterConfig.leader_hook``): the rank itself
+never imports gRPC.
 
-Errors: an invalid placement or argument -> INVALID_ARGUMENT, a stale expected version or a
-cluster without EPLB -> FAILED_PRECONDITION, an unknown migration -> NOT_FOUND, a cluster that
-failed or is stopping -> UNAVAILABLE; every message says what was wrong.
+Errors go through the one table of ``moeserve.services.errors``: an invalid placement or
+argument -> INVALID_ARGUMENT, a stale expected version or a cluster without EPLB ->
+FAILED_PRECONDITION, an unknown migration -> NOT_FOUND, a cluster that failed or is stopping ->
+UNAVAILABLE; every message says what was wrong.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from moeserve.placement import Placement
-from moeserve.router.leader import EplbDisabled
-from moeserve.router.migration import StaleVersion
+from moeserve.router.engine.api import EngineAPI, InvalidRequest
 from moeserve.rpc import admin_pb2, admin_pb2_grpc
-from moeserve.services.convert import (balancedness_msg, from_int64_matrix, int64_matrix, migration_msg,
-                                       placement_balancedness)
+from moeserve.services.errors import abort_for
 from moeserve.services.server import ADMIN, ServerOptions, ServiceServer, ThreadedServer
+from moeserve.wire import (from_int64_matrix, int64_matrix, migration_msg, placement_balancedness, placement_msg,
+                           worker_balancedness_msg)
 
 FILE_SUFFIX = {admin_pb2.PlacementFile.SGLANG_JSON: ".json", admin_pb2.PlacementFile.SGLANG_PT: ".pt"}
 
 
-async def _abort_for(context, e: Exception):
-    if isinstance(e, StaleVersion):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stale placement version: {e}")
-    if isinstance(e, EplbDisabled):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-    if isinstance(e, ValueError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-
-
 class AdminService(admin_pb2_grpc.AdminServicer):
-    """``engine``: the leader's Engine (its ``cfg`` is the ClusterConfig)."""
+    """``engine``: the leader's engine (its ``cfg`` is the ClusterConfig)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineAPI):
         self.engine = engine
         self.cfg = engine.cfg
         self._balancer_settings = admin_pb2.BalancerSettings()
 
     # -- placement ------------------------------------------------------------------------
 
-    def _placement_msg(self, p: Placement) -> admin_pb2.Placement:
-        return admin_pb2.Placement(phy2log=int64_matrix(p.phy2log), version=int(p.version),
-                                   layer_versions=[int(v) for v in p.layer_versions],
-                                   num_logical_experts=p.num_logical, num_workers=p.num_workers,
-                                   workers_per_node=p.workers_per_node)
-
     async def GetPlacement(self, request, context):
-        return self._placement_msg(self.engine.placement())
+        return placement_msg(self.engine.placement())
 
-    def _phy2log_of(self, request) -> np.ndarray:
+    def _target_of(self, request) -> Placement | object:
+        """The placement asked for: a phy2log [L, P] (the engine validates it) or a file parsed
+        into a Placement for this cluster's topology (validated as it is built)."""
         which = request.WhichOneof("source")
         if which == "phy2log":
             return from_int64_matrix(request.phy2log, "phy2log")
         if which != "file":
-            raise ValueError("give the placement: phy2log [L, P] or a placement file")
+            raise InvalidRequest("give the placement: phy2log [L, P] or a placement file")
         f = request.file
         cur = self.engine.placement()
         if f.format == admin_pb2.PlacementFile.MOESERVE_JSON:
-            return Placement.from_json(f.content.decode("utf-8", errors="replace")).phy2log
+            p = Placement.from_json(f.content.decode("utf-8", errors="replace"))
+            if (p.num_logical, p.num_workers, p.workers_per_node) != (cur.num_logical, cur.num_workers,
+                                                                    cur.workers_per_node):
+                raise InvalidRequest(f"the placement file is for {p.num_logical} logical experts on {p.num_workers} "
+                                     f"workers ({p.workers_per_node} per node); this cluster has {cur.num_logical} "
+                                     f"on {cur.num_workers} ({cur.workers_per_node} per node)")
+            return p.evolve(version=cur.version)
         if f.format not in FILE_SUFFIX:
-            raise ValueError(f"placement file format {f.format} is unknown (allowed: MOESERVE_JSON, SGLANG_JSON, SGLANG_PT)")
+            raise InvalidRequest(f"placement file format {f.format} is unknown (allowed: MOESERVE_JSON, SGLANG_JSON, "
+                                 f"SGLANG_PT)")
         shape = self.engine.shape
         with tempfile.NamedTemporaryFile(suffix=FILE_SUFFIX[f.format]) as tmp:
             tmp.write(f.content)
             tmp.flush()
-            p = Placement.from_sglang(tmp.name, shape.moe_layer_ids, cur.num_logical, cur.num_workers,
-                                      cur.workers_per_node, shape.num_decoder_layers or None)
-        return p.phy2log
+            return Placement.from_sglang(tmp.name, shape.moe_layer_ids, cur.num_logical, cur.num_workers,
+                                         cur.workers_per_node, shape.num_decoder_layers or None)
 
     async def ApplyPlacement(self, request, context):
         e = self.engine
         try:
-            phy2log = self._phy2log_of(request)
+            target = self._target_of(request)
             version = request.expected_version if request.HasField("expected_version") else None
             before = e.placement()
-            mig = (e.plan_placement if request.dry_run else e.apply_placement)(phy2log, version)
-        except (ValueError, StaleVersion, EplbDisabled, RuntimeError) as ex:
-            await _abort_for(context, ex)
-        s = mig.summary()
+            mig = (e.plan_placement if request.dry_run else e.apply_placement)(target, version)
+        except Exception as ex:
+            await abort_for(context, ex)
+        phy2log = target.phy2log if isinstance(target, Placement) else target
         load = e.expert_load().load
         return admin_pb2.ApplyPlacementResponse(
-            migration_id="" if request.dry_run else s["migration_id"], dry_run=request.dry_run,
-            migration=None if request.dry_run else migration_msg(s), moves=s["moves_total"], bytes=s["bytes_total"],
+            migration_id="" if request.dry_run else mig.migration_id, dry_run=request.dry_run,
+            migration=None if request.dry_run else migration_msg(mig), moves=mig.moves_total, bytes=mig.bytes_total,
             balancedness_before=placement_balancedness(load, before.phy2log, before.num_workers),
-            balancedness_after=placement_balancedness(load, mig.target, before.num_workers),
-            phy2log=int64_matrix(mig.target))
+            balancedness_after=placement_balancedness(load, phy2log, before.num_workers),
+            phy2log=int64_matrix(phy2log))
 
     async def GetMigration(self, request, context):
-        mig = self.engine.migration(request.migration_id)
-        if mig is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no migration with id {request.migration_id!r}")
         if request.wait_s < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
+        try:
+            mig = self.engine.migration(request.migration_id)
+        except Exception as ex:
+            await abort_for(context, ex)
         wait = request.wait_s
         left = context.time_remaining()
         if left is not None:
             wait = min(wait, max(0.0, left - 0.05))
         deadline = time.monotonic() + wait
-        while not mig.done.is_set() and time.monotonic() < deadline:
+        while not mig.ended and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        return migration_msg(mig.summary())
+            mig = self.engine.migration(request.migration_id)
+        return migration_msg(mig)
 
     async def AbortMigration(self, request, context):
         return admin_pb2.AbortMigrationResponse(aborted=self.engine.abort_migration())
@@ -129,7 +127,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         r = self.engine.expert_load(request.window_steps or None)
         return admin_pb2.ExpertLoad(
             load=int64_matrix(r.load), worker_load=int64_matrix(r.worker_load), steps=r.steps,
-            total_steps=r.total_steps, measured=balancedness_msg(r.balancedness_measured, r.worker_load),
+            total_steps=r.total_steps, measured=worker_balancedness_msg(r.worker_load),
             predicted=placement_balancedness(r.load, self.engine.placement().phy2log, self.cfg.workers),
             placement_version=r.placement_version, steps_since_placement_change=r.steps_since_placement_change,
             window_size=size)
@@ -144,23 +142,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     # -- status ---------------------------------------------------------------------------
 
     def _ranks(self) -> list[admin_pb2.RankInfo]:
-        c = self.cfg
-        out = []
-        for rank in range(c.world_size):
-            router = rank if rank < c.routers else -1
-            worker = rank if c.colocated else (rank - c.routers if rank >= c.routers else -1)
-            role = "router+worker" if c.colocated else ("router" if router >= 0 else "worker")
-            out.append(admin_pb2.RankInfo(rank=rank, role=role, router_index=router, worker_index=worker))
-        return out
+        roles = [self.cfg.role(rank) for rank in range(self.cfg.world_size)]
+        return [admin_pb2.RankInfo(rank=r.rank, role=r.name, router_index=r.router_index, worker_index=r.worker_index)
+                for r in roles]
 
     async def GetStatus(self, request, context):
         e, c = self.engine, self.cfg
         s = e.status()
         p = e.placement()
         msg = admin_pb2.ClusterStatus(
-            step=s["step"], forward_steps=s["forward_steps"], uptime_s=s["uptime_s"],
-            placement_version=s["placement_version"], layer_versions=s["layer_versions"],
-            waiting=s["waiting"], running=s["running"], ranks=self._ranks(), error=s["error"] or "",
+            step=s.step, forward_steps=s.forward_steps, uptime_s=s.uptime_s,
+            placement_version=s.placement_version, layer_versions=list(s.layer_versions),
+            waiting=s.waiting, running=s.running, ranks=self._ranks(), error=s.error or "",
             model=admin_pb2.ModelInfo(num_moe_layers=e.shape.num_moe_layers, num_logical_experts=e.shape.num_logical_experts,
                                       num_slots=p.num_slots, num_workers=p.num_workers,
                                       workers_per_node=p.workers_per_node, top_k=e.shape.top_k,
@@ -168,9 +161,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             eplb=admin_pb2.EplbInfo(enable_eplb=c.eplb.enable_eplb, num_redundant_experts=c.eplb.num_redundant_experts,
                                     window_size=c.eplb.window_size, step_interval=c.eplb.step_interval,
                                     log_balancedness=c.eplb.log_balancedness))
-        if s["migration"]:
-            msg.migration.CopyFrom(migration_msg(s["migration"]))
-        msg.metrics_ports.update(s["metrics_ports"])
+        if s.migration is not None:
+            msg.migration.CopyFrom(migration_msg(s.migration))
+        msg.metrics_ports.update(s.metrics_ports)
         return msg
 
     async def GetBalancerSettings(self, request, context):
@@ -182,17 +175,40 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return self._balancer_settings
 
 
-def start_admin(engine, token: str | None, interceptors: tuple = ()) -> ThreadedServer:
-    """Start the admin API for ``engine`` on its own thread and event loop (rank 0).
-    ``interceptors``: more grpc.aio server interceptors (the hook for metrics)."""
-    c = engine.cfg
-    opts = ServerOptions(host=c.admin_host, port=c.admin_port, max_message_bytes=c.max_message_bytes,
-                         tls_cert=c.admin_tls_cert or None, tls_key=c.admin_tls_key or None, token=token,
-                         grace_s=c.grace_s, interceptors=tuple(interceptors))
+@dataclass(frozen=True)
+class AdminHandle:
+    """What the leader's hook returns: the running admin server."""
+
+    name: str
+    address: tuple[str, int]
+    server: ThreadedServer
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_admin(engine: EngineAPI, options: ServerOptions) -> ThreadedServer:
+    """Start the admin API for ``engine`` on its own thread and event loop."""
     service = AdminService(engine)
-    server = ThreadedServer(ServiceServer(ADMIN, lambda s: admin_pb2_grpc.add_AdminServicer_to_server(service, s), opts))
+    server = ThreadedServer(ServiceServer(ADMIN, lambda s: admin_pb2_grpc.add_AdminServicer_to_server(service, s),
+                                          options))
     server.start()
     return server
 
 
-__all__ = ["AdminService", "start_admin"]
+def serve_admin(engine: EngineAPI, config_json: str, process_metrics=None) -> AdminHandle:
+    """The leader hook (``moeserve.config.admin_hook``): the admin API on the configured host
+    and port, guarded by the token in MOESERVE_ADMIN_TOKEN, counted in ``process_metrics``."""
+    c = json.loads(config_json)
+    interceptors = ()
+    if process_metrics is not None:
+        from moeserve.services.metrics import grpc_interceptor
+        interceptors = (grpc_interceptor(process_metrics, ADMIN),)
+    opts = ServerOptions(host=c["host"], port=c["port"], max_message_bytes=c["max_message_bytes"],
+                         tls_cert=c["tls_cert"], tls_key=c["tls_key"], grace_s=c["grace_s"],
+                         token=os.environ.get("MOESERVE_ADMIN_TOKEN") or None, interceptors=interceptors)
+    server = start_admin(engine, opts)
+    return AdminHandle("admin", (c["host"], server.server.port), server)
+
+
+__all__ = ["AdminService", "start_admin", "serve_admin"]

@@ -13,6 +13,9 @@ Every service is a :class:`ServiceServer`: a ``grpc.aio`` server with
 - TLS when given a certificate and key,
 - the interceptors passed in (the hook for metrics), before the two above, so that metrics
   count the calls they refuse too,
+- trailing metadata ``moeserve-server: <service>`` on every call a handler answers (aborted
+  ones too), so that a client can tell an UNAVAILABLE the server answered (not to be repeated)
+  from one of the transport (the call reached no server: safe to retry),
 - graceful shutdown: health NOT_SERVING first, then in-flight calls get ``grace_s`` to finish.
 
 Where a service shares a process with other work (the admin API in the leader), it runs in its
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import signal
 import threading
@@ -36,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from moeserve.rpc import admin_pb2, balancer_pb2, serving_pb2  # noqa: F401  (fill the descriptor pool)
+from moeserve.wire import SERVER_METADATA_KEY
 
 log = logging.getLogger("moeserve.services")
 
@@ -121,6 +126,44 @@ class ServiceCheck(grpc.aio.ServerInterceptor):
         return await continuation(details)
 
 
+class ServerMark(grpc.aio.ServerInterceptor):
+    """Sets trailing metadata ``moeserve-server: <service>`` on every call a handler answers.
+
+    The SDK retries only an UNAVAILABLE without it (the transport's: nothing reached a server),
+    never one a handler answered: Generate, ApplyPlacement and Rebalance must not run twice.
+    The mark is set first thing, before the handler runs, so that it also rides on the calls
+    the handler, the service check or the token check abort (``context.abort`` keeps trailing
+    metadata set before it).
+    """
+
+    def __init__(self, service: str):
+        self._mark = ((SERVER_METADATA_KEY, service),)
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:                          # an unknown method: grpc answers UNIMPLEMENTED
+            return None
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+                    if getattr(handler, k) is not None)
+        return handler._replace(**{kind: self._marking(getattr(handler, kind))})
+
+    def _marking(self, behavior):
+        mark = self._mark
+        if inspect.isasyncgenfunction(behavior):     # a streaming handler that yields its answers
+            async def stream(request, context):
+                context.set_trailing_metadata(mark)
+                async for item in behavior(request, context):
+                    yield item
+
+            return stream
+
+        async def call(request, context):            # a unary handler, or one writing with context.write()
+            context.set_trailing_metadata(mark)
+            return await behavior(request, context)
+
+        return call
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
     """Every call but health and reflection needs ``authorization: Bearer <token>``."""
 
@@ -166,9 +209,10 @@ class ServiceServer:
 
     async def start(self) -> int:
         o = self.options
-        # The interceptors passed in (metrics) come first, so that they also see the calls
-        # the service check and the token check answer themselves.
-        interceptors = [*o.interceptors, ServiceCheck(self.service)]
+        # The mark comes first so that it wraps every handler, the refusals included; then the
+        # interceptors passed in (metrics), so that they also see the calls the service check
+        # and the token check answer themselves.
+        interceptors = [ServerMark(self.service), *o.interceptors, ServiceCheck(self.service)]
         if o.token:
             interceptors.append(BearerAuth(o.token, self.service))
         limit = int(o.max_message_bytes)

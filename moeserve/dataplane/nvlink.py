@@ -4,7 +4,7 @@ Dimension letters: T tokens of a router, K top-k, N = T*K pairs, P physical slot
 W workers, S = P / W slots per worker, R ranks of the world, H hidden, C receive capacity
 (rows), B send capacity (pairs per router and step).
 
-The collective exchange (``moeserve.dispatch.Exchange``) needs the split sizes on the host:
+The collective exchange (``moeserve.dataplane.collective.CollectiveExchange``) needs the split sizes on the host:
 one synchronisation per MoE layer, then a row gather, the all-to-all, and an un-permute pass.
 This exchange needs none of that. Every rank allocates the same buffers in torch's symmetric
 memory (each rank can address every other rank's copy):
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve import kernels
-from moeserve.dispatch import Topology, count
+from moeserve.dataplane.exchange import Topology, count
 from moeserve.models.moe import RoutingResult
 
 
@@ -102,7 +102,7 @@ class NvlinkHandle:
 
 class NvlinkExchange:
     """The direct exchange of one world (see the module docstring). Same role as
-    ``moeserve.dispatch.Exchange``; ``dispatch`` / ``combine_rows`` / ``walk_layer`` are
+    ``moeserve.dataplane.collective.CollectiveExchange``; ``dispatch`` / ``combine_rows`` / ``walk_layer`` are
     what the router backend and idle ranks call.
 
     pair_capacity: B, the most (token, k) pairs one router sends in a layer; top_k: K.

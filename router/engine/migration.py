@@ -17,7 +17,6 @@ under one lock.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import uuid
@@ -25,18 +24,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeserve.cluster.protocol import LayerCommit, MigrationOps, MoveOp
-from moeserve.placement import Placement
-
-
-class StaleVersion(Exception):
-    """The caller's expected placement version is not the version in force."""
+from moeserve.dataplane.protocol import LayerCommit, MigrationOps, MoveOp
+from moeserve.placement import MigrationProgress, MigrationState, Placement
+from moeserve.router.engine.api import InvalidRequest, StaleVersion
 
 
 @dataclass
 class Migration:
-    """A migration's plan and progress. ``state``: planned -> staging -> moving -> done, or
-    aborted / failed (with ``error``)."""
+    """A migration's plan and progress (mutable, under the Migrator's lock; callers get
+    :meth:`progress` snapshots). ``state``: planned -> staging -> moving -> done, or aborted /
+    failed (with ``error``)."""
 
     id: str
     target: np.ndarray                         # [L, P] the phy2log asked for
@@ -45,17 +42,17 @@ class Migration:
     total_moves: int
     total_bytes: int
     staging_slots: int
-    state: str = "planned"
+    state: MigrationState = MigrationState.PLANNED
     error: str = ""
     moves_done: int = 0
     bytes_done: int = 0
     layers_committed: list[int] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
-    def summary(self) -> dict:
-        return dict(migration_id=self.id, state=self.state, error=self.error, target_version=self.target_version,
-                    moves_total=self.total_moves, moves_done=self.moves_done, bytes_total=self.total_bytes,
-                    bytes_done=self.bytes_done, layers_total=len(self.moves), layers_committed=len(self.layers_committed))
+    def progress(self) -> MigrationProgress:
+        return MigrationProgress(self.id, self.state, self.error, self.target_version, self.total_moves,
+                                 self.moves_done, self.total_bytes, self.bytes_done, len(self.moves),
+                                 len(self.layers_committed))
 
 
 class Migrator:
@@ -79,7 +76,6 @@ class Migrator:
         self._layer_idx = 0                           # index into active.moves' layers
         self._move_idx = 0                            # next move of that layer
         self._awaiting_commit: int | None = None      # layer whose moves all went out last step
-        self._staging_checked = False
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -87,20 +83,28 @@ class Migrator:
         with self._lock:
             return self.current
 
-    def plan(self, phy2log, expected_version: int | None = None) -> Migration:
-        """Validate ``phy2log`` [L, P] and diff it against the placement in force.
-        Raises ValueError (invalid placement) or StaleVersion."""
+    def plan(self, target: np.ndarray | Placement, expected_version: int | None = None) -> Migration:
+        """Diff ``target`` against the placement in force. ``target`` is a phy2log [L, P], which
+        is validated here (InvalidRequest says what is wrong), or a Placement the caller built
+        for this cluster's topology (validated when it was built: a placement is validated once
+        between a front door and the workers). Raises StaleVersion too."""
         with self._lock:
             cur = self.current
             if expected_version is not None and int(expected_version) != int(cur.version):
                 raise StaleVersion(f"expected placement version {expected_version}, but version {cur.version} is in force")
-            phy2log = np.asarray(phy2log)
-            if phy2log.shape != cur.phy2log.shape:
-                raise ValueError(f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = "
-                                 f"{cur.phy2log.shape}")
-            new = Placement(phy2log=phy2log, num_logical=cur.num_logical, num_workers=cur.num_workers,
-                            workers_per_node=cur.workers_per_node, version=cur.version)
-            diff = cur.diff(new, self.expert_bytes)
+            try:
+                if isinstance(target, Placement):
+                    new = target
+                else:
+                    phy2log = np.asarray(target)
+                    if phy2log.shape != cur.phy2log.shape:
+                        raise ValueError(f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = "
+                                         f"{cur.phy2log.shape}")
+                    new = Placement(phy2log=phy2log, num_logical=cur.num_logical, num_workers=cur.num_workers,
+                                    workers_per_node=cur.workers_per_node, version=cur.version)
+                diff = cur.diff(new, self.expert_bytes)
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
             s = cur.phy2log.shape[1] // cur.num_workers
             moves: dict[int, list[MoveOp]] = {}
             inflow = np.zeros((cur.phy2log.shape[0], cur.num_workers), dtype=np.int64)
@@ -128,14 +132,13 @@ class Migrator:
             mig.target_version = next(self._versions)
             self.history[mig.id] = mig
             if mig.total_moves == 0:                 # nothing changes: done at once, same state
-                mig.state = "done"
+                mig.state = MigrationState.DONE
                 mig.target_version = int(self.current.version)
                 mig.done.set()
                 return mig
             self.active = mig
             self._layer_idx = self._move_idx = 0
             self._awaiting_commit = None
-            self._staging_checked = False
             return mig
 
     def abort(self, reason: str = "aborted") -> bool:
@@ -149,21 +152,21 @@ class Migrator:
         with self._lock:
             return self.history.get(migration_id)
 
-    def moved_totals(self) -> dict:
-        """What migrations moved since start: ``slots`` and ``bytes`` sent (moves are counted
-        when scheduled into a header; they land at the end of that step), and ``results``,
-        the number of ended migrations per state (done, aborted, failed)."""
+    def active_progress(self) -> MigrationProgress | None:
+        with self._lock:
+            return self.active.progress() if self.active is not None else None
+
+    def moved_totals(self) -> tuple[int, int, dict[str, int]]:
+        """What migrations moved since start: (slots, bytes) sent (moves are counted when
+        scheduled into a header; they land at the end of that step), and the number of ended
+        migrations per state name (done, aborted, failed)."""
         with self._lock:
             migs = list(self.history.values())
         results: dict[str, int] = {}
         for m in migs:
             if m.done.is_set():
-                results[m.state] = results.get(m.state, 0) + 1
-        return dict(slots=sum(m.moves_done for m in migs), bytes=sum(m.bytes_done for m in migs), results=results)
-
-    def busy(self) -> bool:
-        with self._lock:
-            return self.active is not None or self._abort_pending is not None
+                results[str(m.state)] = results.get(str(m.state), 0) + 1
+        return sum(m.moves_done for m in migs), sum(m.bytes_done for m in migs), results
 
     # -- step driver ------------------------------------------------------------------------
 
@@ -176,10 +179,10 @@ class Migrator:
             mig = self.active
             if mig is None:
                 return None
-            if mig.state == "planned":
-                mig.state = "staging"
+            if mig.state == MigrationState.PLANNED:
+                mig.state = MigrationState.STAGING
                 return MigrationOps(mig.id, begin_staging_slots=mig.staging_slots)
-            if mig.state == "staging":
+            if mig.state == MigrationState.STAGING:
                 return None                           # waiting for the staging report
             commits: list[LayerCommit] = []
             layers = list(mig.moves)
@@ -216,13 +219,13 @@ class Migrator:
         """The workers' report after ``begin``: roll back when any could not allocate."""
         with self._lock:
             mig = self.active
-            if mig is None or mig.id != migration_id or mig.state != "staging":
+            if mig is None or mig.id != migration_id or mig.state != MigrationState.STAGING:
                 return
             if errors:
                 mig.error = "; ".join(errors)
-                self._abort_locked(mig.error, state="failed")
+                self._abort_locked(mig.error, state=MigrationState.FAILED)
             else:
-                mig.state = "moving"
+                mig.state = MigrationState.MOVING
 
     # -- internals (lock held) ---------------------------------------------------------------
 
@@ -232,24 +235,24 @@ class Migrator:
         p2l[layer] = mig.target[layer]
         lv = np.array(self.current.layer_versions, dtype=np.int64).copy()
         lv[layer] = mig.target_version
-        self.current = dataclasses.replace(self.current, phy2log=p2l, layer_versions=lv)
+        self.current = self.current.evolve(phy2log=p2l, layer_versions=lv)      # rows of a validated target
         mig.layers_committed.append(layer)
 
     def _finish_locked(self) -> None:
         mig = self.active
         lv = np.full_like(np.asarray(self.current.layer_versions, dtype=np.int64), mig.target_version)
-        self.current = dataclasses.replace(self.current, version=mig.target_version, layer_versions=lv)
-        mig.state = "done"
+        self.current = self.current.evolve(version=mig.target_version, layer_versions=lv)
+        mig.state = MigrationState.DONE
         self.active = None
         mig.done.set()
 
-    def _abort_locked(self, reason: str, state: str = "aborted") -> None:
+    def _abort_locked(self, reason: str, state: MigrationState = MigrationState.ABORTED) -> None:
         mig = self.active
         self.active = None
         mig.state = state
         mig.error = reason
         # The state in force (committed layers new, the others old) is a state of its own.
-        self.current = dataclasses.replace(self.current, version=next(self._versions))
+        self.current = self.current.evolve(version=next(self._versions))
         self._abort_pending = mig
         mig.done.set()
 

@@ -7,8 +7,9 @@ router per step. A new sequence goes to the router with the fewest running seque
 stays there (its KV cache lives there). Finished and cancelled sequences are released on
 their router in the next header.
 
-Requests are validated before they get here (``validate_request``), so nothing a client sends
-can make a rank fail in the middle of a step.
+Requests are validated before they get here (``EngineAPI.submit`` calls
+``api.validate_request`` once), so nothing a client sends can make a rank fail in the middle of
+a step.
 """
 from __future__ import annotations
 
@@ -17,79 +18,44 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
-from moeserve.cluster.config import Limits
-from moeserve.cluster.protocol import RouterWork, SeqWork
-from moeserve.sampling import SamplingParams
-
-
-class QueueFull(Exception):
-    """The admission queue is at ``max_waiting``: retry later."""
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """One generation request, as the engine accepts it (already in token ids)."""
-
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    return_logits: str = ""        # "", "last" (per generated token) or "all" (prompt too)
-
-
-def validate_request(req: GenerateRequest, vocab_size: int, limits: Limits) -> None:
-    """Raise ValueError saying what is wrong and what is allowed."""
-    if len(req.prompt_ids) == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    bad = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if req.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {req.max_tokens}")
-    total = len(req.prompt_ids) + req.max_tokens
-    if total > limits.max_model_len:
-        raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
-                         f"exceeds max_model_len {limits.max_model_len}")
-    if len(req.prompt_ids) > limits.max_num_batched_tokens:
-        raise ValueError(f"prompt of {len(req.prompt_ids)} tokens exceeds max_num_batched_tokens "
-                         f"{limits.max_num_batched_tokens} (no chunked prefill in this version)")
-    if req.return_logits not in ("", "last", "all"):
-        raise ValueError(f"return_logits must be '', 'last' or 'all', got {req.return_logits!r}")
+from moeserve.config import Limits
+from moeserve.dataplane.protocol import RouterWork, SeqWork
+from moeserve.router.engine.api import Event, Failed, Finished, FinishReason, GenerateRequest, QueueFull, Token
 
 
 @dataclass
 class Sequence:
-    """A request in flight. ``events`` receives ("token", id, logits|None), then ("done",
-    finish_reason) or ("error", message); finish reasons: "stop" (EOS or a stop id), "length"
-    (max_tokens or max_model_len), "cancelled"."""
+    """A request in flight. ``sink`` receives its events (``api.Token``\*, then one
+    ``api.Finished`` or ``api.Failed``) on the step driver's thread; by default they go to
+    ``events``, a queue."""
 
     seq_id: int
     req: GenerateRequest
     eos_ids: frozenset
+    sink: Callable[[Event], None] | None = None
     events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     router: int = -1
     output: list = field(default_factory=list)
     cached: int = 0                 # tokens in the router's KV cache
     next_tokens: tuple = ()         # what the next step feeds
     cancelled: bool = False
-    finished: str | None = None
+    finished: FinishReason | None = None
+
+    def emit(self, event: Event) -> None:
+        (self.sink or self.events.put)(event)
 
 
 class Scheduler:
     """Thread-safe: ``submit``/``cancel`` from any thread, ``schedule``/``on_results`` from
     the leader's step driver only."""
 
-    def __init__(self, num_routers: int, limits: Limits, vocab_size: int, eos_ids):
+    def __init__(self, num_routers: int, limits: Limits, eos_ids):
         self.num_routers = num_routers
         self.limits = limits
-        self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
         self._lock = threading.Lock()
         self._waiting: deque[Sequence] = deque()
@@ -100,12 +66,12 @@ class Scheduler:
 
     # -- any thread ------------------------------------------------------------------------
 
-    def submit(self, req: GenerateRequest) -> Sequence:
-        validate_request(req, self.vocab_size, self.limits)
+    def submit(self, req: GenerateRequest, sink: Callable[[Event], None] | None = None) -> Sequence:
+        """Queue a validated request; QueueFull when ``max_waiting`` requests wait already."""
         with self._lock:
             if len(self._waiting) >= self.limits.max_waiting:
                 raise QueueFull(f"the admission queue is full ({self.limits.max_waiting} waiting requests); retry later")
-            seq = Sequence(next(self._ids), req, frozenset() if req.ignore_eos else self.eos_ids)
+            seq = Sequence(next(self._ids), req, frozenset() if req.ignore_eos else self.eos_ids, sink)
             seq.next_tokens = tuple(req.prompt_ids)
             self._waiting.append(seq)
         self.work_available.set()
@@ -119,10 +85,6 @@ class Scheduler:
     def counts(self) -> dict:
         with self._lock:
             return dict(waiting=len(self._waiting), running=sum(len(r) for r in self._running))
-
-    def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._waiting) or any(self._running) or any(self._release)
 
     # -- step driver -----------------------------------------------------------------------
 
@@ -167,12 +129,12 @@ class Scheduler:
                     seq.cached = sw.start + len(sw.token_ids)
                     seq.output.append(tok)
                     seq.next_tokens = (tok,)
-                    seq.events.put(("token", tok, logits.get(sw.seq_id)))
+                    seq.emit(Token(tok, logits.get(sw.seq_id)))
                     reason = None
                     if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
-                        reason = "stop"
+                        reason = FinishReason.STOP
                     elif len(seq.output) >= seq.req.max_tokens:      # admission keeps prompt + max_tokens <= max_model_len
-                        reason = "length"
+                        reason = FinishReason.LENGTH
                     if reason:
                         self._finish(r, seq, reason)
 
@@ -180,24 +142,24 @@ class Scheduler:
         """The cluster is going down: every request in flight gets an error event."""
         with self._lock:
             for seq in list(self._waiting):
-                seq.events.put(("error", message))
+                seq.emit(Failed(message))
             self._waiting.clear()
             for running in self._running:
                 for seq in running.values():
-                    seq.events.put(("error", message))
+                    seq.emit(Failed(message))
                 running.clear()
 
-    def _finish(self, r: int, seq: Sequence, reason: str) -> None:
+    def _finish(self, r: int, seq: Sequence, reason: FinishReason) -> None:
         seq.finished = reason
         del self._running[r][seq.seq_id]
         self._release[r].append(seq.seq_id)
-        seq.events.put(("done", reason))
+        seq.emit(Finished(reason))
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._waiting if s.cancelled]:
             self._waiting.remove(seq)
-            seq.finished = "cancelled"
-            seq.events.put(("done", "cancelled"))
+            seq.finished = FinishReason.CANCELLED
+            seq.emit(Finished(FinishReason.CANCELLED))
         for r, running in enumerate(self._running):
             for seq in [s for s in running.values() if s.cancelled]:
-                self._finish(r, seq, "cancelled")
+                self._finish(r, seq, FinishReason.CANCELLED)

@@ -4,9 +4,10 @@ Dimension letters: L MoE layers, E logical experts, P physical slots, W workers.
 
 Two kinds of callers meet here. The step-driver thread calls ``next_header`` at the start of
 every step and ``on_results`` at its end; it is the only thread that touches
-torch.distributed. Every other thread (the local control channel, the gRPC admin and serving
-handlers) calls the request and admin methods, which only validate, record and enqueue work
-for the next header: they never wait for a step except where they say so (``wait_*``).
+torch.distributed. Every other thread (the local channel, the gRPC admin handlers) calls the
+methods of :class:`~moeserve.router.engine.api.EngineAPI`, which only validate, record and
+enqueue work for the next header: they never wait for a step except where they say so
+(``wait_migration``, ``slot_digests``).
 """
 from __future__ import annotations
 
@@ -14,67 +15,27 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
-from moeserve.cluster.config import ClusterConfig
-from moeserve.cluster.protocol import RankResult, StepHeader
-from moeserve.placement import Placement, balancedness, worker_balancedness
-from moeserve.router.migration import Migration, Migrator, StaleVersion
-from moeserve.router.scheduler import GenerateRequest, Scheduler, Sequence
+from moeserve.config import ClusterConfig
+from moeserve.dataplane.protocol import RankResult, StepHeader
+from moeserve.placement import MigrationProgress, Placement, balancedness, worker_balancedness
+from moeserve.router.engine.api import (EngineAPI, EngineStatus, EplbDisabled, GenerateRequest, LoadReport,
+                                        ModelShape, NotFound, Unavailable, validate_request)
+from moeserve.router.engine.migration import Migrator
+from moeserve.router.engine.scheduler import Scheduler, Sequence
 
 log = logging.getLogger("moeserve.leader")
 
 
-class EplbDisabled(Exception):
-    """A placement change was asked of a cluster started without EPLB."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the leader needs to know of the model."""
-
-    num_moe_layers: int
-    num_logical_experts: int
-    top_k: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    expert_bytes: int
-    moe_layer_ids: tuple[int, ...] = ()       # decoder-layer index of each MoE layer
-    num_decoder_layers: int = 0
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """The load window and what it says.
-
-    load:      int64 [L, E], pairs routed to each logical expert over the window (all routers).
-    worker_load: int64 [L, W], pairs sent to each worker over the window (measured under the
-               placements that were in force; may mix placements across a migration).
-    steps:     forward steps in the window (at most window_size).
-    balancedness_measured:  [L] mean/max of worker_load per layer (1.0 for a layer without tokens).
-    balancedness_predicted: [L] the same for ``load`` split evenly over the replicas of the
-               placement in force (what the policy's cost model predicts).
-    """
-
-    load: np.ndarray
-    worker_load: np.ndarray
-    steps: int
-    total_steps: int
-    balancedness_measured: np.ndarray
-    balancedness_predicted: np.ndarray
-    placement_version: int
-    steps_since_placement_change: int = 0
-
-
-class Engine:
+class Engine(EngineAPI):
     """The leader's state: scheduler, migrator, load window."""
 
     def __init__(self, cfg: ClusterConfig, shape: ModelShape, placement: Placement):
         self.cfg = cfg
         self.shape = shape
-        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.vocab_size, shape.eos_token_ids)
+        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
         self._load_lock = threading.Lock()
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
@@ -102,11 +63,13 @@ class Engine:
 
     # -- requests (any thread) ----------------------------------------------------------------
 
-    def submit(self, req: GenerateRequest) -> Sequence:
-        """Admit a request (ValueError when invalid, QueueFull when the queue is full)."""
+    def submit(self, req: GenerateRequest, sink=None) -> Sequence:
+        """Validate ``req`` (the one check between a front door and the step) and admit it."""
         if self._stop.is_set() or self.error:
-            raise RuntimeError(self.error or "the cluster is shutting down")
-        return self.scheduler.submit(req)
+            raise Unavailable(self.error or "the cluster is shutting down")
+        lim = self.cfg.limits
+        validate_request(req, self.shape.vocab_size, lim.max_model_len, lim.max_num_batched_tokens)
+        return self.scheduler.submit(req, sink)
 
     def cancel(self, seq: Sequence) -> None:
         self.scheduler.cancel(seq)
@@ -116,26 +79,37 @@ class Engine:
     def placement(self) -> Placement:
         return self.migrator.placement()
 
-    def plan_placement(self, phy2log, expected_version: int | None = None) -> Migration:
-        """Validate and diff without applying (dry run)."""
-        self._check_eplb(phy2log)
-        return self.migrator.plan(phy2log, expected_version)
+    def plan_placement(self, target, expected_version: int | None = None) -> MigrationProgress:
+        """Validate and diff ``target`` (phy2log [L, P] or a Placement) without applying."""
+        self._check_eplb()
+        return self.migrator.plan(target, expected_version).progress()
 
-    def apply_placement(self, phy2log, expected_version: int | None = None) -> Migration:
-        """Start migrating to ``phy2log`` [L, P]; returns at once with the migration."""
-        self._check_eplb(phy2log)
-        mig = self.migrator.plan(phy2log, expected_version)
+    def apply_placement(self, target, expected_version: int | None = None) -> MigrationProgress:
+        """Start migrating to ``target`` (phy2log [L, P] or a Placement); returns at once."""
+        self._check_eplb()
+        mig = self.migrator.plan(target, expected_version)
         mig = self.migrator.start(mig, expected_version)
         self._wake.set()
-        return mig
+        return mig.progress()
 
     def abort_migration(self) -> bool:
         ok = self.migrator.abort("aborted by request")
         self._wake.set()
         return ok
 
-    def migration(self, migration_id: str) -> Migration | None:
-        return self.migrator.get(migration_id)
+    def migration(self, migration_id: str) -> MigrationProgress:
+        return self._migration(migration_id).progress()
+
+    def wait_migration(self, migration_id: str, timeout_s: float) -> MigrationProgress:
+        mig = self._migration(migration_id)
+        mig.done.wait(max(0.0, float(timeout_s)))
+        return mig.progress()
+
+    def _migration(self, migration_id: str):
+        mig = self.migrator.get(migration_id)
+        if mig is None:
+            raise NotFound(f"no migration with id {migration_id!r}")
+        return mig
 
     def expert_load(self, window_steps: int | None = None) -> LoadReport:
         """The load over the window, or over its last ``window_steps`` steps."""
@@ -167,13 +141,16 @@ class Engine:
         with self._load_lock:
             return self._total_worker.copy()
 
-    def status(self) -> dict:
+    def status(self) -> EngineStatus:
         p = self.placement()
-        active = self.migrator.active
-        return dict(step=self.step, forward_steps=self.forward_steps, uptime_s=time.time() - self.started,
-                    placement_version=int(p.version), layer_versions=[int(v) for v in p.layer_versions],
-                    migration=active.summary() if active else None, error=self.error,
-                    metrics_ports=dict(self.metrics_ports), **self.scheduler.counts())
+        counts = self.scheduler.counts()
+        slots, nbytes, ended = self.migrator.moved_totals()
+        return EngineStatus(step=self.step, forward_steps=self.forward_steps, uptime_s=time.time() - self.started,
+                            placement_version=int(p.version), layer_versions=tuple(int(v) for v in p.layer_versions),
+                            migration=self.migrator.active_progress(), error=self.error,
+                            waiting=counts["waiting"], running=counts["running"],
+                            metrics_ports=dict(self.metrics_ports), moved_slots=slots, moved_bytes=nbytes,
+                            migrations_ended=ended)
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
         """Per worker, float64 [L, S, 2] digests (sum, sum of squares) of what each slot
@@ -183,18 +160,14 @@ class Engine:
             self._report_wanted = True
         self._wake.set()
         if not self._report_done.wait(timeout_s):
-            raise RuntimeError(f"no worker report within {timeout_s} s")
+            raise Unavailable(f"no worker report within {timeout_s} s")
         return self._report
-
-    def worker_ranks(self) -> list[int]:
-        c = self.cfg
-        return list(range(c.workers)) if c.colocated else list(range(c.routers, c.routers + c.workers))
 
     def request_stop(self) -> None:
         self._stop.set()
         self._wake.set()
 
-    def _check_eplb(self, phy2log) -> None:
+    def _check_eplb(self) -> None:
         if not self.cfg.eplb.enable_eplb:
             raise EplbDisabled("EPLB is disabled on this cluster (start it with enable_eplb): the placement cannot change")
 
@@ -229,7 +202,7 @@ class Engine:
             self.metrics.on_step(kind, time.perf_counter() - self._header_t)
         if header.report:
             with self._report_lock:
-                self._report = [results[r].slot_digest for r in self.worker_ranks()]
+                self._report = [results[r].slot_digest for r in self.cfg.worker_ranks]
                 self._report_wanted = False
                 self._report_done.set()
         if header.migration is not None and header.migration.begin_staging_slots:
@@ -275,4 +248,4 @@ class Engine:
         self.migrator.abort(message)
 
 
-__all__ = ["Engine", "EplbDisabled", "LoadReport", "ModelShape", "StaleVersion"]
+__all__ = ["Engine"]

@@ -1,4 +1,4 @@
-"""The dispatch wire format: which slot a (token, k) pair goes to, and the per-layer exchange.
+"""The collective exchange: one MoE layer's rows over all-to-all collectives on the data group.
 
 Dimension letters: T tokens on a router, K experts per token, N = T*K (token, k) pairs, E
 logical experts, X replicas at most per logical expert, P physical slots per MoE layer, W
@@ -9,7 +9,7 @@ One MoE layer moves rows in three collectives on the data group, identical on ev
 destination rank, zeros for ranks that hold no slots), dispatch (the rows, sorted by
 destination slot), combine (the expert outputs, back along the reversed splits). Routers
 need no expert ids on the wire: rows arrive sorted by slot and the counts say where each
-slot's rows start. :class:`Exchange` runs that sequence for any rank, router, worker or
+slot's rows start. :class:`CollectiveExchange` runs that sequence for any rank, router, worker or
 both; the router backend (``moeserve.router.dispatcher``) and the worker loop
 (``moeserve.expert_worker.worker``) both drive it.
 """
@@ -22,107 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Topology:
-    """Who is who in the world.
-
-    router_ranks[r] is the world rank of router r; worker_ranks[w] the world rank of worker w
-    (co-located: both are ``0 .. N-1``). Slot p of a MoE layer lives on worker p // S.
-    """
-
-    world_size: int
-    router_ranks: tuple[int, ...]
-    worker_ranks: tuple[int, ...]
-    slots_per_worker: int
-
-    @classmethod
-    def build(cls, routers: int, workers: int, colocated: bool, num_slots: int) -> "Topology":
-        if routers < 1 or workers < 1:
-            raise ValueError(f"need at least one router and one worker, got routers={routers}, workers={workers}")
-        if colocated and routers != workers:
-            raise ValueError(f"co-located ranks are each router and worker: routers ({routers}) must equal workers ({workers})")
-        if num_slots % workers:
-            raise ValueError(f"(E + R) % W != 0: {num_slots} slots per MoE layer cannot be split evenly "
-                             f"over {workers} workers; choose num_redundant_experts so that E + R is a multiple of W")
-        if colocated:
-            ranks = tuple(range(routers))
-            return cls(routers, ranks, ranks, num_slots // workers)
-        return cls(routers + workers, tuple(range(routers)), tuple(range(routers, routers + workers)),
-                   num_slots // workers)
-
-    @property
-    def num_routers(self) -> int:
-        return len(self.router_ranks)
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.worker_ranks)
-
-    @property
-    def num_slots(self) -> int:
-        return self.slots_per_worker * self.num_workers
-
-    @property
-    def colocated(self) -> bool:
-        return self.router_ranks == self.worker_ranks
-
-    def slot_positions(self) -> torch.Tensor:
-        """LongTensor [P]: where each global slot sits in a flattened per-(rank, local slot)
-        table [R*S] (the rank holding it, then its local index; ranks holding no slots have
-        zero columns). The counts on the wire and a router's recorded load use this layout."""
-        slot = torch.arange(self.num_slots)
-        rank_of_slot = torch.tensor(self.worker_ranks)[slot // self.slots_per_worker]
-        return rank_of_slot * self.slots_per_worker + slot % self.slots_per_worker
-
-    def router_index(self, rank: int) -> int | None:
-        return self.router_ranks.index(rank) if rank in self.router_ranks else None
-
-    def worker_index(self, rank: int) -> int | None:
-        return self.worker_ranks.index(rank) if rank in self.worker_ranks else None
-
-
-def count(values: torch.Tensor, n: int) -> torch.Tensor:
-    """LongTensor [n]: occurrences of each of 0 .. n-1 in ``values``. Unlike torch.bincount
-    on CUDA, this never reads the maximum back to the host (no synchronisation)."""
-    out = torch.zeros(n, dtype=torch.long, device=values.device)
-    return out.index_add_(0, values, torch.ones_like(values))
-
-
-def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int) -> torch.Tensor:
-    """Map each (token, k) pair to a physical slot, spreading tokens over replicas.
-
-    ids:     LongTensor [T, K] logical expert ids.
-    log2phy: LongTensor [E, X] replicas of each logical expert (-1 padded).
-    logcnt:  LongTensor [E] replica counts (>= 1).
-    offset:  router index + step number; rotates which replica gets the remainder.
-    returns  LongTensor [T*K] slots, in flat (token, k) order.
-
-    Token t's pair for expert e takes replica (t + offset) mod logcnt[e]. A token picks an
-    expert at most once, so the tokens of a hot expert (close to all of them) split evenly
-    over its replicas, give or take one, and the rest split evenly in expectation: the even
-    split the policy's cost model assumes (docs/dataplane.md explains why the token index and
-    not the flat pair index).
-    """
-    t, k = ids.shape
-    flat = ids.reshape(-1)                                                        # [N]
-    token = torch.arange(t, device=ids.device).repeat_interleave(k) if k > 1 else torch.arange(t, device=ids.device)
-    replica = (token + offset) % logcnt.index_select(0, flat)                     # [N]
-    return log2phy[flat, replica]
-
-
-@dataclass(frozen=True)
-class RecvCounts:
-    """Rows received per (source rank, local slot), [R, S]: a numpy array on the host (cheap
-    to read from Python, which matters per layer) and a tensor on the device."""
-
-    host: np.ndarray
-    device: torch.Tensor
+from moeserve.dataplane.exchange import RecvCounts, Topology, choose_slots, count  # noqa: F401
 
 
 @dataclass
 class Pending:
-    """An exchange in flight: :meth:`Exchange.start` -> :meth:`Exchange.send` -> :meth:`Exchange.finish`."""
+    """An exchange in flight: :meth:`CollectiveExchange.start` -> :meth:`CollectiveExchange.send` -> :meth:`CollectiveExchange.finish`."""
 
     counts_work: object             # the counts collective's Work handle (async)
     counts: torch.Tensor            # LongTensor [2, R, S]: rows sent to / received from each rank, per slot
@@ -133,7 +38,7 @@ class Pending:
     recv_splits: list[int] | None = None    # [R] rows this rank received from each rank
 
 
-class Exchange:
+class CollectiveExchange:
     """The per-MoE-layer collective sequence on the data group (counts, dispatch, combine).
 
     Every rank of the world calls ``start``, ``send`` and ``finish`` once per MoE layer per
@@ -210,7 +115,7 @@ class Exchange:
         dist.all_to_all_single(back, out, pending.send_splits, pending.recv_splits, group=self.group)
         return back
 
-    # -- the row-level interface shared with moeserve.nvlink.NvlinkExchange ----------------
+    # -- the row-level interface shared with moeserve.dataplane.nvlink.NvlinkExchange ----------------
 
     kind = "collective"
 
@@ -254,7 +159,7 @@ class Exchange:
 
 @dataclass
 class RowsHandle:
-    """A router's rows in flight through the collective exchange (``Exchange.dispatch``)."""
+    """A router's rows in flight through the collective exchange (``CollectiveExchange.dispatch``)."""
 
     moe_layer: int
     pending: Pending
@@ -262,7 +167,7 @@ class RowsHandle:
     counts: torch.Tensor            # int64 [R*S] pairs sent per (rank, local slot)
 
 
-def _dispatch_rows(ex: "Exchange", moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor) -> RowsHandle:
+def _dispatch_rows(ex: "CollectiveExchange", moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor) -> RowsHandle:
     t, k = routing.ids.shape
     counts = ex.new_counts()                                                       # [2, R, S]
     counts.view(2, -1)[0].index_add_(0, ex.slot_position.index_select(0, slots), torch.ones_like(slots))
@@ -277,23 +182,3 @@ def _dispatch_rows(ex: "Exchange", moe_layer: int, hidden: torch.Tensor, routing
     return RowsHandle(moe_layer, pending, order, counts[0].view(-1))
 
 
-def slot_major_index(received: RecvCounts) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Index that regroups received rows from (source rank, slot) blocks to slot-major order.
-
-    received: rows per (source rank, local slot) [R, S]; the received layout is source-major
-              with slots ascending inside each block.
-    returns   (index [m] on the device such that rows[index] is grouped by slot, rows per
-              slot [S] on the host, int32 cumulative rows per slot [S] on the device),
-              computed on the device without a host synchronisation.
-    """
-    counts = received.device
-    r, s = counts.shape
-    total = int(received.host.sum())
-    sizes = counts.reshape(-1)                                             # [R*S] received layout
-    block_start = (torch.cumsum(sizes, 0) - sizes).view(r, s)              # [R, S]
-    sizes_t = counts.t().reshape(-1)                                       # [S*R] slot-major blocks
-    start_t = torch.cumsum(sizes_t, 0) - sizes_t                           # where each block goes
-    # index[j] = block_start[b] + (j - start_t[b]) for the slot-major block b that holds j.
-    shift = torch.repeat_interleave(block_start.t().reshape(-1) - start_t, sizes_t, output_size=total)
-    index = shift + torch.arange(total, device=counts.device)
-    return index, received.host.sum(0).tolist(), torch.cumsum(counts.sum(0), 0).to(torch.int32)

@@ -58,6 +58,43 @@ class EplbConfig:
 EXCHANGES = ("auto", "collective", "nvlink")
 
 
+def check_topology(routers: int, workers: int, colocated: bool, num_slots: int | None = None) -> None:
+    """ValueError unless R routers and W workers (co-located or not) can hold ``num_slots`` slots
+    per MoE layer (P = E + R must split evenly over W). The one place these rules are checked."""
+    if routers < 1 or workers < 1:
+        raise ValueError(f"need at least one router and one worker, got routers={routers}, workers={workers}")
+    if colocated and routers != workers:
+        raise ValueError(f"co-located ranks are each router and worker: routers ({routers}) must equal workers ({workers})")
+    if num_slots is not None and num_slots % workers:
+        raise ValueError(f"(E + R) % W != 0: {num_slots} slots per MoE layer cannot be split evenly over "
+                         f"W={workers} workers; choose num_redundant_experts so that E + R is a multiple of W")
+
+
+def rank_layout(routers: int, workers: int, colocated: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(router ranks, worker ranks) of the world: routers first, then workers; co-located ranks
+    ``0 .. N-1`` are each both. The one place this rule is written."""
+    if colocated:
+        ranks = tuple(range(routers))
+        return ranks, ranks
+    return tuple(range(routers)), tuple(range(routers, routers + workers))
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What one rank of the world is: router index and worker index (-1 when it is not one)."""
+
+    rank: int
+    router_index: int
+    worker_index: int
+
+    @property
+    def name(self) -> str:
+        """"router", "worker" or "router+worker" (as status and metrics label it)."""
+        if self.router_index >= 0 and self.worker_index >= 0:
+            return "router+worker"
+        return "router" if self.router_index >= 0 else "worker"
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Everything every rank must agree on.
@@ -67,16 +104,17 @@ class ClusterConfig:
     max_staging_bytes: a worker refuses a migration whose staging would exceed this (the
     migration fails and rolls back, serving goes on).
     heartbeat_s: the longest gap between two steps; pg_timeout_s: process-group timeout.
-    admin_port: where the leader serves the gRPC admin API (-1: no admin API; 0: a free port,
-    written to ``admin.json`` in the run folder); admin_host, admin_tls_cert/key (PEM files),
-    max_message_bytes and grace_s (in-flight calls' time to finish at shutdown) configure it.
-    The bearer token comes from the environment (MOESERVE_ADMIN_TOKEN), never from this file.
+    host: where ranks serve their endpoints (metrics).
+    leader_hook: ``module:function`` the leader calls with its engine once it is ready, e.g.
+    ``moeserve.services.admin:serve_admin`` (the gRPC admin API, which the launcher asks for
+    with ``admin_port``); leader_hook_config: the JSON text handed to it. Ranks themselves never
+    import gRPC; secrets (the admin token) come from the environment, never from this file.
     per_expert_metrics: the leader's per-expert series (auto: while L x E <= 4096, on, off);
     metrics_peers: (name, port) of the metrics endpoints of other services (the balancer, the
     front end) that the leader reports in its status, beside every rank's.
     exchange: how rows travel per MoE layer: "collective" (all-to-all on the data group, any
     backend), "nvlink" (direct stores into peers' symmetric memory: one host, CUDA, Triton;
-    moeserve.nvlink), "auto" (nvlink where every rank can run it, else collective).
+    moeserve.dataplane.nvlink), "auto" (nvlink where every rank can run it, else collective).
     """
 
     model_dir: str
@@ -93,12 +131,9 @@ class ClusterConfig:
     max_staging_bytes: int = 0                  # 0: staging limited only by the device's memory
     heartbeat_s: float = 0.1
     pg_timeout_s: float = 30.0
-    admin_port: int = -1
-    admin_host: str = "127.0.0.1"
-    admin_tls_cert: str = ""
-    admin_tls_key: str = ""
-    max_message_bytes: int = 64 << 20
-    grace_s: float = 30.0
+    host: str = "127.0.0.1"
+    leader_hook: str = ""
+    leader_hook_config: str = ""
     per_expert_metrics: str = "auto"
     metrics_peers: tuple = ()
     exchange: str = "auto"
@@ -108,30 +143,33 @@ class ClusterConfig:
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {self.backend!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.routers < 1 or self.workers < 1:
-            raise ValueError(f"need at least one router and one worker, got routers={self.routers}, workers={self.workers}")
-        if self.colocated and self.routers != self.workers:
-            raise ValueError(f"co-located ranks are each router and worker: routers ({self.routers}) "
-                             f"must equal workers ({self.workers})")
+        check_topology(self.routers, self.workers, self.colocated)
         wpn = self.workers_per_node or self.workers
         if self.workers % wpn:
             raise ValueError(f"workers ({self.workers}) must be a multiple of workers_per_node ({wpn})")
         if self.heartbeat_s <= 0 or self.pg_timeout_s <= 0:
             raise ValueError("heartbeat_s and pg_timeout_s must be > 0")
-        if not -1 <= self.admin_port <= 65535:
-            raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {self.admin_port}")
+        if self.leader_hook and ":" not in self.leader_hook:
+            raise ValueError(f"leader_hook must be 'module:function', got {self.leader_hook!r}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.exchange == "nvlink" and self.backend != "nccl":
             raise ValueError("exchange='nvlink' needs backend='nccl' (CUDA devices); use 'auto' or 'collective'")
         if self.per_expert_metrics not in ("auto", "on", "off"):
             raise ValueError(f"per_expert_metrics must be auto, on or off, got {self.per_expert_metrics!r}")
-        if bool(self.admin_tls_cert) != bool(self.admin_tls_key):
-            raise ValueError("admin TLS needs both a certificate and a key")
 
     @property
     def world_size(self) -> int:
         return self.routers if self.colocated else self.routers + self.workers
+
+    @property
+    def worker_ranks(self) -> tuple[int, ...]:
+        return rank_layout(self.routers, self.workers, self.colocated)[1]
+
+    def role(self, rank: int) -> RankRole:
+        routers, workers = rank_layout(self.routers, self.workers, self.colocated)
+        return RankRole(rank, routers.index(rank) if rank in routers else -1,
+                        workers.index(rank) if rank in workers else -1)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -147,3 +185,25 @@ class ClusterConfig:
         d["metrics_peers"] = tuple((str(n), int(p)) for n, p in d.get("metrics_peers", ()))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+ADMIN_HOOK = "moeserve.services.admin:serve_admin"
+
+
+def admin_hook(port: int, host: str = "127.0.0.1", tls_cert: str = "", tls_key: str = "",
+               max_message_bytes: int = 64 << 20, grace_s: float = 30.0) -> dict:
+    """The ClusterConfig fields that make the leader serve the gRPC admin API on (host, port)
+    (0: a free port, written to ``admin.json`` in the run folder): ``leader_hook`` and
+    ``leader_hook_config``. Checked here, before any process starts; the token comes from the
+    leader's environment (MOESERVE_ADMIN_TOKEN)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {port}")
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("admin TLS needs both a certificate and a key")
+    if max_message_bytes < 1024:
+        raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+    if grace_s < 0:
+        raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+    return dict(leader_hook=ADMIN_HOOK, leader_hook_config=json.dumps(dict(
+        host=host, port=port, tls_cert=tls_cert or None, tls_key=tls_key or None,
+        max_message_bytes=max_message_bytes, grace_s=grace_s)))

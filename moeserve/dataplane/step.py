@@ -1,0 +1,98 @@
+"""The step loop every rank runs, and what a rank holds (docs/dataplane.md, "Steps").
+
+On every rank one step-driver thread (the main thread) owns every torch.distributed call, in
+one fixed order: the leader's header broadcast on the gloo control group -> this rank's
+migration work (staging, commits, weight moves) -> the forward pass (every MoE layer's
+exchange) -> the end-of-step gather of results to the leader.
+
+This module only drives: it knows a rank's roles by what they can do (a router runner, a
+worker store, the leader's engine), never which classes implement them, so the data plane
+imports neither the router, the worker, the engine nor any gRPC code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moeserve.dataplane.exchange import Exchange, Topology, idle_walk
+from moeserve.dataplane.protocol import RankResult, StepHeader
+
+
+@dataclass
+class RankState:
+    """What one rank holds: its roles' objects (None for a role it does not have).
+
+    runner:    router role: ``run(RouterWork, step) -> (tokens, logits)``, ``release(seq_ids)``,
+               ``experts.take_load() -> (logical [L, E], worker [L, W])``.
+    maps:      router role: the placement in force, ``set_layer(moe_layer, phy2log_row)``.
+    store:     worker role: the expert slots (``begin_staging``, ``commit``, ``end_staging``,
+               ``digest``, and the compute the exchange calls).
+    run_moves: worker role: runs one step's weight moves (``moeserve.expert_worker.migration``).
+    leader:    rank 0: ``next_header() -> StepHeader`` and ``on_results(header, [RankResult])``.
+    """
+
+    rank: int
+    topo: Topology
+    exchange: Exchange
+    control_group: object
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+    runner: object = None
+    maps: object = None
+    store: object = None
+    run_moves: Callable | None = None
+    leader: object = None
+
+
+def run_step(st: RankState, header: StepHeader) -> RankResult:
+    """This rank's part of one step, after the header (docs/dataplane.md, steps 2-4)."""
+    res = RankResult(st.rank)
+    mig = header.migration
+    if mig is not None:
+        if st.store is not None and mig.begin_staging_slots:
+            res.staging_error = st.store.begin_staging(mig.begin_staging_slots)
+        for c in mig.commits:                      # rows of a placement the leader validated: trusted
+            if st.maps is not None:
+                st.maps.set_layer(c.moe_layer, c.phy2log)
+            if st.store is not None:
+                st.store.commit(c.moe_layer, list(c.staged), c.phy2log)
+        if st.store is not None:
+            if mig.rollback:
+                st.store.end_staging()
+            if mig.moves:
+                st.run_moves(mig.moves)
+            if mig.end:
+                st.store.end_staging()
+    if header.report and st.store is not None:
+        res.slot_digest = st.store.digest()
+    router = st.topo.router_index(st.rank)
+    if header.forward:
+        if st.runner is not None:
+            res.tokens, res.logits = st.runner.run(header.work[router], header.step)
+            res.logical_load, res.worker_load = st.runner.experts.take_load()
+        else:
+            idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
+    elif header.work and st.runner is not None:
+        st.runner.release(header.work[router].release)
+    return res
+
+
+def step_loop(st: RankState) -> None:
+    """The step driver: header, this rank's work, gather; until a stop header."""
+    leader = st.leader
+    world = st.topo.world_size
+    while True:
+        box = [leader.next_header() if leader is not None else None]
+        dist.broadcast_object_list(box, src=0, group=st.control_group)
+        header: StepHeader = box[0]
+        if header.stop:
+            return
+        res = run_step(st, header)
+        out = [None] * world if leader is not None else None
+        dist.gather_object(res, out, dst=0, group=st.control_group)
+        if leader is not None:
+            leader.on_results(header, out)

@@ -1,0 +1,256 @@
+"""The engine's typed API: what the leader's engine accepts, answers and raises.
+
+Dimension letters: L MoE layers, E logical experts, P physical slots, W workers, V vocabulary.
+
+One interface, :class:`EngineAPI`, two front doors: the local channel
+(``moeserve.router.engine.channel``: the launcher and the serving front end, in other
+processes) and the gRPC admin service (``moeserve.services.admin``, in the leader's process).
+Both serve these methods with these values; both map these exceptions, the gRPC side through
+one table (``moeserve.services.errors``). Inside the engine values are typed and trusted:
+every boundary validates once (a request in :meth:`EngineAPI.submit`, a placement in
+:meth:`EngineAPI.plan_placement` / :meth:`EngineAPI.apply_placement`).
+
+Nothing here imports torch, torch.distributed or gRPC.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import numpy as np
+
+from moeserve.placement import MigrationProgress, MigrationState, Placement
+from moeserve.sampling import SamplingParams
+
+__all__ = ["EngineError", "InvalidRequest", "QueueFull", "StaleVersion", "EplbDisabled", "NotFound",
+           "Unavailable", "FinishReason", "GenerateRequest", "Token", "Finished", "Failed", "Event",
+           "ModelShape", "LoadReport", "EngineStatus", "EngineAPI", "MigrationProgress", "MigrationState",
+           "validate_request", "REMOTE_METHODS"]
+
+
+# -- exceptions: what went wrong, for the caller to map ---------------------------------------
+
+class EngineError(Exception):
+    """Base of everything the engine raises on purpose; the message says what and what is allowed."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """Bad input: a request, a placement, an argument (gRPC INVALID_ARGUMENT)."""
+
+
+class QueueFull(EngineError):
+    """The admission queue is at ``max_waiting``: retry later (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class StaleVersion(EngineError):
+    """The caller's expected placement version is not the version in force (FAILED_PRECONDITION)."""
+
+
+class EplbDisabled(EngineError):
+    """A placement change was asked of a cluster started without EPLB (FAILED_PRECONDITION)."""
+
+
+class NotFound(EngineError, LookupError):
+    """No such migration (NOT_FOUND)."""
+
+
+class Unavailable(EngineError, RuntimeError):
+    """The cluster failed or is stopping (UNAVAILABLE)."""
+
+
+# -- requests and their events ----------------------------------------------------------------
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"              # EOS or a stop token id
+    LENGTH = "length"          # max_tokens or max_model_len
+    CANCELLED = "cancelled"    # the client went away or cancelled
+
+
+RETURN_LOGITS = ("", "last", "all")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request, in token ids. ``return_logits``: "" (none), "last" (the logits
+    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill)."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logits: str = ""
+
+
+@dataclass(frozen=True)
+class Token:
+    """A generated token; ``logits`` float32 [n, V] when the request asked for them."""
+
+    token_id: int
+    logits: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The cluster failed under the request; ``message`` says how."""
+
+    message: str
+
+
+Event = Union[Token, Finished, Failed]
+"""A request's events: Token* then one Finished or Failed."""
+
+
+def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+    """Raise InvalidRequest saying what is wrong and what is allowed. Called once per request,
+    by :meth:`EngineAPI.submit`, before the request can reach a step."""
+    if not req.prompt_ids:
+        raise InvalidRequest("the prompt is empty: give at least one token")
+    ids = np.asarray(req.prompt_ids, dtype=np.int64)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise InvalidRequest(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if req.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {req.max_tokens}")
+    total = len(req.prompt_ids) + req.max_tokens
+    if total > max_model_len:
+        raise InvalidRequest(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
+                             f"exceeds max_model_len {max_model_len}")
+    if len(req.prompt_ids) > max_num_batched_tokens:
+        raise InvalidRequest(f"prompt of {len(req.prompt_ids)} tokens exceeds max_num_batched_tokens "
+                             f"{max_num_batched_tokens} (no chunked prefill in this version)")
+    if req.return_logits not in RETURN_LOGITS:
+        raise InvalidRequest(f"return_logits must be '', 'last' or 'all', got {req.return_logits!r}")
+
+
+# -- results ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the leader needs to know of the model."""
+
+    num_moe_layers: int
+    num_logical_experts: int
+    top_k: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    expert_bytes: int
+    moe_layer_ids: tuple[int, ...] = ()       # decoder-layer index of each MoE layer
+    num_decoder_layers: int = 0
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The load window and what it says.
+
+    load:      int64 [L, E], pairs routed to each logical expert over the window (all routers).
+    worker_load: int64 [L, W], pairs sent to each worker over the window (measured under the
+               placements that were in force; may mix placements across a migration).
+    steps:     forward steps in the window (at most window_size).
+    balancedness_measured:  [L] mean/max of worker_load per layer (1.0 for a layer without tokens).
+    balancedness_predicted: [L] the same for ``load`` split evenly over the replicas of the
+               placement in force (what the policy's cost model predicts).
+    """
+
+    load: np.ndarray
+    worker_load: np.ndarray
+    steps: int
+    total_steps: int
+    balancedness_measured: np.ndarray
+    balancedness_predicted: np.ndarray
+    placement_version: int
+    steps_since_placement_change: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The leader's state at one moment. ``metrics_ports``: name ("rank0", "balancer", ...) ->
+    Prometheus port; ``migration``: the running migration, if any."""
+
+    step: int
+    forward_steps: int
+    uptime_s: float
+    placement_version: int
+    layer_versions: tuple[int, ...]
+    migration: MigrationProgress | None
+    error: str | None
+    waiting: int
+    running: int
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    moved_slots: int = 0                     # slots and bytes moved by migrations since start
+    moved_bytes: int = 0
+    migrations_ended: dict[str, int] = field(default_factory=dict)   # state name -> count
+
+
+# -- the interface ----------------------------------------------------------------------------
+
+class EngineAPI:
+    """What the leader's engine offers to every front door. ``submit`` and ``cancel`` are for
+    callers in the leader's process (the channel streams requests for callers elsewhere); every
+    name in :data:`REMOTE_METHODS` can also be called through the local channel."""
+
+    shape: ModelShape
+
+    def submit(self, req: GenerateRequest, sink: Callable[[Event], None]) -> object:
+        """Validate (once) and admit ``req``; ``sink`` receives its events from the step thread.
+        Returns a handle for :meth:`cancel`. Raises InvalidRequest, QueueFull, Unavailable."""
+        raise NotImplementedError
+
+    def cancel(self, handle: object) -> None:
+        raise NotImplementedError
+
+    def placement(self) -> Placement:
+        raise NotImplementedError
+
+    def plan_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
+        """Validate ``phy2log [L, P]`` and diff it against the placement in force (dry run)."""
+        raise NotImplementedError
+
+    def apply_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
+        """Start migrating to ``phy2log [L, P]``; returns at once."""
+        raise NotImplementedError
+
+    def migration(self, migration_id: str) -> MigrationProgress:
+        raise NotImplementedError
+
+    def wait_migration(self, migration_id: str, timeout_s: float) -> MigrationProgress:
+        """The migration once it ended, or after ``timeout_s``, whichever comes first."""
+        raise NotImplementedError
+
+    def abort_migration(self) -> bool:
+        raise NotImplementedError
+
+    def expert_load(self, window_steps: int | None = None) -> LoadReport:
+        raise NotImplementedError
+
+    def total_load(self) -> np.ndarray:
+        """int64 [L, E]: pairs routed to each logical expert since start."""
+        raise NotImplementedError
+
+    def total_worker_load(self) -> np.ndarray:
+        """int64 [L, W]: pairs sent to each worker since start."""
+        raise NotImplementedError
+
+    def status(self) -> EngineStatus:
+        raise NotImplementedError
+
+    def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
+        """Per worker, float64 [L, S, 2] (sum, sum of squares) of what each slot holds."""
+        raise NotImplementedError
+
+    def request_stop(self) -> None:
+        raise NotImplementedError
+
+
+REMOTE_METHODS = frozenset({"placement", "plan_placement", "apply_placement", "migration", "wait_migration",
+                            "abort_migration", "expert_load", "total_load", "total_worker_load", "status", "slot_digests",
+                            "request_stop"})

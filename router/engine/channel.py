@@ -1,0 +1,433 @@
+"""The local channel to the leader's engine: the :class:`~moeserve.router.engine.api.EngineAPI`
+over a TCP socket with a shared key, for the launcher and the serving front end.
+
+Who sends what, in order, on one connection (a call or a stream opens its own):
+
+    server: b"MSCH" + 32-byte nonce                      (handshake, within HANDSHAKE_TIMEOUT_S)
+    client: HMAC-SHA256(key, server nonce) + 32-byte nonce
+    server: HMAC-SHA256(key, client nonce)               (both sides proved they hold the key)
+    client: ("call", method, args, kwargs)  -> server: ("ok", value) | ("error", EngineError)
+        or  ("generate", [GenerateRequest, ...])
+                                            -> server: ("event", i, Event)* ("end",) | ("error", EngineError)
+
+Every message after the handshake is a frame: an 8-byte big-endian length, then a pickle of
+plain values (the api module's dataclasses, numpy arrays). Pickle is read only after the peer
+proved it holds the key. ``method`` must be one of ``api.REMOTE_METHODS``; errors are the api's
+exception classes, so a caller here catches exactly what an in-process caller would.
+
+The server runs every connection as a task of one asyncio loop on one thread: a slow or silent
+peer (a connect without a handshake, a half-sent frame) holds only its own task, never the
+accept loop, and a streamed request costs no thread: the step driver hands each event to the
+loop (``call_soon_threadsafe``). Engine calls that may block (``wait_migration``,
+``slot_digests``) run on a small thread pool. A client that closes its connection while
+generating cancels its requests, also while they wait for a slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import pickle
+import secrets
+import socket
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from moeserve.router.engine.api import (REMOTE_METHODS, EngineAPI, EngineError, Event, Failed, Finished,
+                                        GenerateRequest, InvalidRequest, Unavailable)
+
+log = logging.getLogger("moeserve.channel")
+
+HANDSHAKE_TIMEOUT_S = 5.0
+MAGIC = b"MSCH"
+NONCE = 32
+_LEN = struct.Struct(">Q")
+
+
+class ClusterError(Unavailable):
+    """The cluster failed or went away (a rank died, the leader stopped)."""
+
+
+def _mac(key: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, nonce, hashlib.sha256).digest()
+
+
+def _frame(msg) -> bytes:
+    body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LEN.pack(len(body)) + body
+
+
+def _error_msg(e: BaseException) -> tuple:
+    """An exception as the channel sends it: the api's own classes as they are, anything else
+    as Unavailable (the engine failed under the call)."""
+    if isinstance(e, EngineError):
+        return ("error", e)
+    return ("error", Unavailable(f"{type(e).__name__}: {e}"))
+
+
+# -- server (the leader) ----------------------------------------------------------------------
+
+class ChannelServer:
+    """Serves ``engine`` on (host, port) to peers that hold ``authkey``; ``address`` is the
+    bound (host, port)."""
+
+    def __init__(self, engine: EngineAPI, authkey: bytes, host: str = "127.0.0.1", port: int = 0):
+        self.engine = engine
+        self.authkey = authkey
+        self._sock = socket.create_server((host, port), backlog=512)
+        self.address = self._sock.getsockname()[:2]
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="channel-call")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="channel", daemon=True)
+        self._server = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def write_address(self, path: str) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"host": self.address[0], "port": self.address[1]}, f)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, sock=self._sock))
+        self._loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if not await self._handshake(reader, writer):
+                return
+            msg = pickle.loads(await _read_frame(reader))
+            if msg[0] == "generate":
+                await self._generate(msg[1], reader, writer)
+            elif msg[0] == "call":
+                writer.write(_frame(await self._call(msg[1], msg[2], msg[3])))
+                await writer.drain()
+            else:
+                writer.write(_frame(_error_msg(InvalidRequest(f"unknown channel message {msg[0]!r}"))))
+                await writer.drain()
+        except (ConnectionError, OSError, EOFError, asyncio.IncompleteReadError, pickle.UnpicklingError):
+            pass                                       # the peer went away or spoke garbage: its task ends
+        except Exception:                              # never let one connection take the loop down
+            log.exception("channel connection failed")
+        finally:
+            writer.close()
+
+    async def _handshake(self, reader, writer) -> bool:
+        nonce = secrets.token_bytes(NONCE)
+        try:
+            writer.write(MAGIC + nonce)
+            await writer.drain()
+            reply = await asyncio.wait_for(reader.readexactly(2 * NONCE), HANDSHAKE_TIMEOUT_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
+            return False
+        if not hmac.compare_digest(reply[:NONCE], _mac(self.authkey, nonce)):
+            log.warning("channel connection refused: wrong key")
+            return False
+        writer.write(_mac(self.authkey, reply[NONCE:]))
+        await writer.drain()
+        return True
+
+    async def _call(self, method: str, args: tuple, kwargs: dict) -> tuple:
+        if method not in REMOTE_METHODS:
+            return _error_msg(InvalidRequest(f"unknown engine method {method!r} (allowed: {sorted(REMOTE_METHODS)})"))
+        fn = getattr(self.engine, method)
+        try:
+            return ("ok", await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs)))
+        except Exception as e:
+            return _error_msg(e)
+
+    async def _generate(self, reqs: list[GenerateRequest], reader, writer) -> None:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink_of(i: int):
+            def sink(ev: Event) -> None:                # on the step driver's thread
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (i, ev))
+                except RuntimeError:                    # the loop is closed (shutdown): nobody listens
+                    pass
+            return sink
+
+        seqs = []
+        try:                                           # all or nothing
+            for i, r in enumerate(reqs):
+                seqs.append(self.engine.submit(r, sink_of(i)))
+        except Exception as e:
+            for s in seqs:
+                self.engine.cancel(s)
+            writer.write(_frame(_error_msg(e)))
+            await writer.drain()
+            return
+        gone = asyncio.ensure_future(reader.read(1))   # b"" at EOF: the client closed, so it is gone
+        open_ = len(seqs)
+        try:
+            while open_:
+                get = asyncio.ensure_future(events.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    raise ConnectionResetError("the client closed the stream")
+                i, ev = get.result()
+                writer.write(_frame(("event", i, ev)))
+                await writer.drain()
+                if isinstance(ev, (Finished, Failed)):
+                    open_ -= 1
+            writer.write(_frame(("end",)))
+            await writer.drain()
+        except (ConnectionError, OSError):
+            for s in seqs:                             # the client went away: cancel its requests
+                self.engine.cancel(s)
+        finally:
+            gone.cancel()
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    return await reader.readexactly(n)
+
+
+# -- clients -----------------------------------------------------------------------------------
+
+def _raise(reply: tuple, on_failure):
+    if reply[0] == "ok":
+        return reply[1]
+    err = reply[1]
+    if isinstance(err, Unavailable) and on_failure is not None:
+        why = on_failure()
+        if why:
+            raise ClusterError(why) from err
+    raise err
+
+
+class EngineClient(EngineAPI):
+    """The engine's API in another process, over blocking sockets. ``on_failure()`` returns the
+    cluster's error (or None) when a connection breaks, so callers see why."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, on_failure=lambda: None,
+                 connect_timeout_s: float = 10.0):
+        self.address = tuple(address)
+        self.authkey = authkey
+        self.on_failure = on_failure
+        self.connect_timeout_s = connect_timeout_s
+
+    def _broken(self, e: BaseException, what: str) -> ClusterError:
+        return ClusterError(self.on_failure() or f"{what} ({self.address[0]}:{self.address[1]}): {e}")
+
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
+        except OSError as e:
+            raise self._broken(e, "cannot reach the leader") from e
+        try:
+            hello = _recv_exactly(sock, len(MAGIC) + NONCE)
+            if hello[:len(MAGIC)] != MAGIC:
+                raise ConnectionError("not a moeserve channel")
+            mine = secrets.token_bytes(NONCE)
+            sock.sendall(_mac(self.authkey, hello[len(MAGIC):]) + mine)
+            if not hmac.compare_digest(_recv_exactly(sock, NONCE), _mac(self.authkey, mine)):
+                raise ConnectionError("the leader did not prove the channel key")
+            sock.settimeout(None)
+            return sock
+        except (OSError, EOFError) as e:
+            sock.close()
+            raise self._broken(e, "the leader refused the channel handshake (wrong key?)") from e
+
+    def _call(self, method: str, *args, **kwargs):
+        sock = self._connect()
+        try:
+            sock.sendall(_frame(("call", method, args, kwargs)))
+            reply = pickle.loads(_recv_frame(sock))
+        except (OSError, EOFError) as e:
+            raise self._broken(e, "the leader closed the connection") from e
+        finally:
+            sock.close()
+        return _raise(reply, self.on_failure)
+
+    def placement(self):
+        return self._call("placement")
+
+    def plan_placement(self, target, expected_version=None):
+        return self._call("plan_placement", target, expected_version)
+
+    def apply_placement(self, target, expected_version=None):
+        return self._call("apply_placement", target, expected_version)
+
+    def migration(self, migration_id):
+        return self._call("migration", migration_id)
+
+    def wait_migration(self, migration_id, timeout_s):
+        return self._call("wait_migration", migration_id, timeout_s)
+
+    def abort_migration(self):
+        return self._call("abort_migration")
+
+    def expert_load(self, window_steps=None):
+        return self._call("expert_load", window_steps)
+
+    def total_load(self):
+        return self._call("total_load")
+
+    def total_worker_load(self):
+        return self._call("total_worker_load")
+
+    def status(self):
+        return self._call("status")
+
+    def slot_digests(self, timeout_s: float = 60.0):
+        return self._call("slot_digests", timeout_s)
+
+    def request_stop(self):
+        return self._call("request_stop")
+
+    def generate_stream(self, reqs):
+        """Yield (request index, Event) until every request ended; closing the generator early
+        cancels the requests that are still running."""
+        stream = self.open_stream(reqs)
+        try:
+            yield from stream
+        finally:
+            stream.close()
+
+    def open_stream(self, reqs) -> "GenerateStream":
+        """Submit ``reqs`` and return their event stream (see :class:`GenerateStream`)."""
+        sock = self._connect()
+        try:
+            sock.sendall(_frame(("generate", list(reqs))))
+        except OSError as e:
+            sock.close()
+            raise self._broken(e, "the leader closed the connection") from e
+        return GenerateStream(sock, self)
+
+
+class GenerateStream:
+    """Iterates (request index, Event) until every request ended; raises the engine's error
+    when it refused the requests. ``cancel()`` (any thread) cancels the requests still running
+    and ends the iteration quietly."""
+
+    def __init__(self, sock: socket.socket, client: EngineClient):
+        self._sock = sock
+        self._client = client
+        self.cancelled = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __iter__(self):
+        while True:
+            try:
+                msg = pickle.loads(_recv_frame(self._sock))
+            except (OSError, EOFError) as e:
+                if self.cancelled:
+                    return
+                raise self._client._broken(e, "the leader closed the connection") from e
+            if msg[0] == "end":
+                return
+            if msg[0] == "error":
+                _raise(msg, self._client.on_failure)
+            yield msg[1], msg[2]
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.cancelled or self._closed:
+                return
+            self.cancelled = True
+            try:                           # shutdown wakes a reader blocked in recv(); close alone would not
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._sock.close()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise EOFError("the connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (n,) = _LEN.unpack(_recv_exactly(sock, _LEN.size))
+    return _recv_exactly(sock, n)
+
+
+class AsyncEngineClient:
+    """The channel from an asyncio program (the serving front end): every call and stream is a
+    connection on the caller's event loop, no thread of its own."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes, connect_timeout_s: float = 10.0):
+        self.address = tuple(address)
+        self.authkey = authkey
+        self.connect_timeout_s = connect_timeout_s
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.address), self.connect_timeout_s)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise ClusterError(f"cannot reach the leader at {self.address[0]}:{self.address[1]}: {e}") from e
+        try:
+            hello = await asyncio.wait_for(reader.readexactly(len(MAGIC) + NONCE), HANDSHAKE_TIMEOUT_S)
+            if hello[:len(MAGIC)] != MAGIC:
+                raise ConnectionError("not a moeserve channel")
+            mine = secrets.token_bytes(NONCE)
+            writer.write(_mac(self.authkey, hello[len(MAGIC):]) + mine)
+            await writer.drain()
+            proof = await asyncio.wait_for(reader.readexactly(NONCE), HANDSHAKE_TIMEOUT_S)
+            if not hmac.compare_digest(proof, _mac(self.authkey, mine)):
+                raise ConnectionError("the leader did not prove the channel key")
+        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            writer.close()
+            raise ClusterError(f"the leader refused the channel handshake: {e}") from e
+        return reader, writer
+
+    async def call(self, method: str, *args, **kwargs):
+        reader, writer = await self._connect()
+        try:
+            writer.write(_frame(("call", method, args, kwargs)))
+            await writer.drain()
+            reply = pickle.loads(await _read_frame(reader))
+        except (OSError, EOFError, asyncio.IncompleteReadError) as e:
+            raise ClusterError(f"the leader closed the connection: {e}") from e
+        finally:
+            writer.close()
+        return _raise(reply, None)
+
+    async def generate(self, reqs: list[GenerateRequest]):
+        """Async iterator of (request index, Event) until every request ended. Leaving the
+        iteration early (break, cancellation) closes the connection, which cancels the
+        requests on the leader."""
+        reader, writer = await self._connect()
+        try:
+            writer.write(_frame(("generate", list(reqs))))
+            await writer.drain()
+            while True:
+                try:
+                    msg = pickle.loads(await _read_frame(reader))
+                except (OSError, EOFError, asyncio.IncompleteReadError) as e:
+                    raise ClusterError(f"the leader closed the connection: {e}") from e
+                if msg[0] == "end":
+                    return
+                if msg[0] == "error":
+                    _raise(msg, None)
+                yield msg[1], msg[2]
+        finally:
+            writer.close()
+
+
+__all__ = ["ChannelServer", "EngineClient", "AsyncEngineClient", "GenerateStream", "ClusterError", "Event"]

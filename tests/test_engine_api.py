@@ -1,0 +1,176 @@
+"""The engine's one typed API through both front doors, without rank processes: the local
+channel (as the front end and the launcher use it) and the gRPC admin service, on an engine
+whose steps a stand-in step driver answers. A prompt is validated once between the serving
+handler and the step; a placement once between the ApplyPlacement handler and the workers."""
+import socket
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from moeserve.client import Client, MoeserveError
+from moeserve.config import ClusterConfig, EplbConfig, Limits
+from moeserve.dataplane.protocol import RankResult
+from moeserve.placement import MigrationState, Placement
+from moeserve.router.engine import leader as leader_module
+from moeserve.router.engine.api import (Finished, FinishReason, GenerateRequest, InvalidRequest, ModelShape, NotFound,
+                                        QueueFull, StaleVersion, Token)
+from moeserve.router.engine.channel import AsyncEngineClient, ChannelServer, ClusterError, EngineClient
+from moeserve.router.engine.leader import Engine
+from moeserve.rpc import serving_pb2_grpc
+from moeserve.services.admin import start_admin
+from moeserve.services.frontend import ServingService
+from moeserve.services.server import SERVING, ServerOptions, ServiceServer, ThreadedServer
+
+L, E, W, VOCAB, TOKEN = 2, 4, 2, 100, 7
+
+
+class StandInRanks:
+    """The step driver of a cluster whose every router samples TOKEN and whose workers stage
+    and report without fault: it calls ``next_header`` / ``on_results`` as rank 0 does."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.world = engine.cfg.world_size
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop:
+            h = self.engine.next_header()
+            if h.stop:
+                return
+            results = [RankResult(r) for r in range(self.world)]
+            if h.forward:
+                results[0].tokens = {sw.seq_id: TOKEN for sw in h.work[0].seqs}
+                results[0].logical_load = np.zeros((L, E), dtype=np.int64)
+                results[0].worker_load = np.zeros((L, W), dtype=np.int64)
+            if h.report:
+                for r in self.engine.cfg.worker_ranks:
+                    results[r].slot_digest = np.zeros((L, (E + 2) // W, 2))
+            self.engine.on_results(h, results)
+
+    def stop(self):
+        self.engine.request_stop()
+        self.thread.join(5)
+
+
+@pytest.fixture()
+def engine():
+    cfg = ClusterConfig(model_dir="unused", routers=1, workers=W, eplb=EplbConfig(enable_eplb=True,
+                                                                                  num_redundant_experts=2),
+                        limits=Limits(max_model_len=64, max_waiting=4))
+    shape = ModelShape(L, E, 1, VOCAB, (2,), 16, (1, 3), 4)
+    eng = Engine(cfg, shape, Placement(np.tile(np.arange(E + 2) % E, (L, 1)), E, W, version=1))
+    ranks = StandInRanks(eng)
+    yield eng
+    ranks.stop()
+
+
+@pytest.fixture()
+def channel(engine):
+    key = b"k" * 16
+    server = ChannelServer(engine, key)
+    server.start()
+    yield server, key
+    server.close()
+
+
+def test_the_channel_serves_the_typed_api_and_its_errors(engine, channel):
+    server, key = channel
+    c = EngineClient(server.address, key)
+    assert c.placement() == engine.placement()
+    events = list(c.generate_stream([GenerateRequest((1, 2, 3), 2, ignore_eos=True)]))
+    assert events == [(0, Token(TOKEN)), (0, Token(TOKEN)), (0, Finished(FinishReason.LENGTH))]
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        list(c.generate_stream([GenerateRequest((1, VOCAB), 2)]))
+    with pytest.raises(NotFound):
+        c.migration("nope")
+    target = engine.placement().phy2log[:, ::-1].copy()
+    with pytest.raises(StaleVersion):
+        c.apply_placement(target, expected_version=99)
+    mig = c.apply_placement(target)
+    assert c.wait_migration(mig.migration_id, 10).state == MigrationState.DONE
+    assert (c.placement().phy2log == target).all()
+    assert c.status().placement_version == mig.target_version
+    with pytest.raises(ClusterError, match="handshake"):
+        EngineClient(server.address, b"wrong key 123456").placement()
+
+
+def test_a_silent_connection_does_not_stop_the_channel(engine, channel):
+    server, key = channel
+    idle = socket.create_connection(server.address)          # connects, never answers the handshake
+    closed = socket.create_connection(server.address)
+    closed.close()
+    try:
+        out = EngineClient(server.address, key).generate_stream([GenerateRequest((1,), 1, ignore_eos=True)])
+        assert [ev for _, ev in out][-1] == Finished(FinishReason.LENGTH)
+    finally:
+        idle.close()
+
+
+def test_a_prompt_is_validated_once_between_the_serving_handler_and_the_step(engine, channel, monkeypatch):
+    calls = []
+    real = leader_module.validate_request
+    monkeypatch.setattr(leader_module, "validate_request", lambda *a: calls.append(a) or real(*a))
+    server, key = channel
+    service = ServingService(AsyncEngineClient(server.address, key))
+    front = ThreadedServer(ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s),
+                                         ServerOptions()))
+    front.start()
+    try:
+        client = Client(f"127.0.0.1:{front.server.port}", timeout=20)
+        out = client.generate(prompt_token_ids=[1, 2], max_tokens=3, ignore_eos=True)
+        assert out.token_ids == [TOKEN] * 3 and len(calls) == 1
+        chunks = list(client.generate_stream(prompt_token_ids=[3], max_tokens=2, ignore_eos=True))
+        assert [t for ch in chunks for t in ch.token_ids] == [TOKEN] * 2 and len(calls) == 2
+        with pytest.raises(MoeserveError) as e:
+            client.generate(prompt_token_ids=[VOCAB + 5], max_tokens=2)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and len(calls) == 3
+    finally:
+        front.stop()
+
+
+def test_a_placement_is_validated_once_between_apply_placement_and_the_workers(engine, monkeypatch):
+    checks = []
+    real = Placement.__post_init__
+    monkeypatch.setattr(Placement, "__post_init__", lambda self: checks.append(1) or real(self))
+    admin = start_admin(engine, ServerOptions())
+    try:
+        client = Client(f"127.0.0.1:{admin.server.port}", timeout=20)
+        target = engine.placement().phy2log[:, ::-1].copy()
+        res = client.apply_placement(target)
+        deadline = time.monotonic() + 10
+        while engine.migration(res.migration_id).state != MigrationState.DONE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.migration(res.migration_id).layers_committed == L            # every layer committed
+        assert (engine.placement().phy2log == target).all()
+        assert len(checks) == 1
+        bad = target.copy()
+        bad[0, 0] = E                                                             # no such logical expert
+        with pytest.raises(MoeserveError) as e:
+            client.apply_placement(bad)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.value.message
+        assert (engine.placement().phy2log == target).all()
+    finally:
+        admin.stop()
+
+
+def test_a_full_queue_is_queue_full_through_the_channel(engine, channel):
+    server, key = channel
+    engine.request_stop()                                  # no step runs: requests wait
+    time.sleep(0.2)
+    engine._stop.clear()
+    c = EngineClient(server.address, key)
+    streams = [c.open_stream([GenerateRequest((1,), 1)]) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        with pytest.raises(QueueFull):
+            list(c.generate_stream([GenerateRequest((1,), 1)]))
+    finally:
+        for s in streams:
+            s.cancel()
+            s.close()
