@@ -312,7 +312,7 @@ class LocalCluster:
             elif isinstance(ev, Finished):
                 reasons[i] = str(ev.reason)
             elif isinstance(ev, Failed):
-                raise ClusterError(ev.message)
+                raise ClusterError(self._failure() or ev.message)     # the monitor names the rank that died first
         if not details:
             return toks
         return [Generation(t, r, np.concatenate(lg) if lg else None) for t, r, lg in zip(toks, reasons, logits)]
@@ -324,7 +324,7 @@ class LocalCluster:
             if isinstance(ev, Token):
                 return ev.logits
             if isinstance(ev, Failed):
-                raise ClusterError(ev.message)
+                raise ClusterError(self._failure() or ev.message)     # the monitor names the rank that died first
         raise ClusterError("no logits came back")
 
     def placement(self) -> Placement:
