@@ -94,14 +94,31 @@ class ChannelServer:
             json.dump({"host": self.address[0], "port": self.address[1]}, f)
         os.replace(tmp, path)
 
-    def close(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop serving: close the listener, end every connection's task, stop the loop."""
+        if not self._thread.is_alive():
+            return
+
+        async def shutdown():
+            if self._server is not None:
+                self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._loop.stop()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
+        self._thread.join(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, sock=self._sock))
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -116,8 +133,9 @@ class ChannelServer:
             else:
                 writer.write(_frame(_error_msg(InvalidRequest(f"unknown channel message {msg[0]!r}"))))
                 await writer.drain()
-        except (ConnectionError, OSError, EOFError, asyncio.IncompleteReadError, pickle.UnpicklingError):
-            pass                                       # the peer went away or spoke garbage: its task ends
+        except (ConnectionError, OSError, EOFError, asyncio.IncompleteReadError, pickle.UnpicklingError,
+                asyncio.CancelledError):
+            pass                                       # the peer went away, spoke garbage, or the server stops
         except Exception:                              # never let one connection take the loop down
             log.exception("channel connection failed")
         finally:
@@ -185,8 +203,8 @@ class ChannelServer:
                     open_ -= 1
             writer.write(_frame(("end",)))
             await writer.drain()
-        except (ConnectionError, OSError):
-            for s in seqs:                             # the client went away: cancel its requests
+        except (ConnectionError, OSError, asyncio.CancelledError):
+            for s in seqs:                             # the client went away (or the server stops): cancel
                 self.engine.cancel(s)
         finally:
             gone.cancel()
