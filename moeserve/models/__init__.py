@@ -2,7 +2,11 @@
 
 - config.py: ``load_config`` / ``ModelConfig`` (both published and transformers-5 spellings);
 - checkpoint.py: ``CheckpointReader``, a lazy safetensors reader (one expert = its own bytes);
+- dummy.py: ``DummyReader``, its drop-in for ``--load-format dummy`` (seeded random weights made on
+  the device from config.json alone);
 - layers.py, cache.py: norms, RoPE, attention over the ``KVCache``, the varlen ``StepBatch``;
+- paged.py, attention.py: the paged KV cache (``PagedKVCache``), a step's ``PagedBatch``, and
+  batched attention over them (torch, or Triton on CUDA: ``moeserve._triton_attention``);
 - llama4.py, ernie45.py: each family's router-side MoE block and weight names;
 - model.py: ``load_model`` -> ``DecoderModel`` (step / forward / generate) and ``MoEInfo``;
 - init.py: ``init_model`` writes a small random checkpoint without transformers.
@@ -13,10 +17,13 @@ side sees; ``MoEInfo.moe_layer_ids[m]`` is the decoder-layer index of MoE layer 
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.checkpoint import CheckpointReader
 from moeserve.models.config import CheckpointError, ModelConfig, RopeConfig, load_config
+from moeserve.models.dummy import LOAD_FORMATS, DummyReader, open_reader
 from moeserve.models.init import init_model
 from moeserve.models.model import DecoderModel, MoEInfo, load_model
+from moeserve.models.paged import PagedBatch, PagedKVCache
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "DecoderModel", "KVCache", "MoEInfo", "ModelConfig",
-    "RopeConfig", "StepBatch", "init_model", "load_config", "load_model",
+    "CheckpointError", "CheckpointReader", "DecoderModel", "DummyReader", "KVCache", "LOAD_FORMATS", "MoEInfo",
+    "ModelConfig", "PagedBatch", "PagedKVCache", "RopeConfig", "StepBatch", "init_model", "load_config",
+    "load_model", "open_reader",
 ]

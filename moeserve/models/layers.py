@@ -4,6 +4,10 @@ Dimension letters: T tokens in a step (flattened over sequences), H hidden size,
 heads, Hkv key/value heads, G = Hq / Hkv, D head dim, n new tokens of one sequence, L keys of
 one sequence, F an MLP's intermediate size.
 
+``Attention`` runs over either cache: the eager ``KVCache`` sequence by sequence (the oracle,
+which ``generate`` uses), or the ``PagedKVCache`` with one batched call per layer for the whole
+mixed step (``moeserve.models.attention``).
+
 Weights are plain tensors (no nn.Module, no autograd): the model is inference only, and the
 router and expert sides load different subsets of them.
 """
@@ -15,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeserve.models.attention import paged_attention
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.config import ModelConfig, RopeConfig
+from moeserve.models.paged import PagedBatch, PagedKVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,9 +122,14 @@ class Attention:
         self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
         self.softmax_fp32 = softmax_fp32
 
-    def __call__(self, x: torch.Tensor, batch: StepBatch, positions: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
-        """x [T, H] (normalised), positions [T], rope = (cos, sin) [T, D/2] -> [T, H]."""
+    def __call__(self, x: torch.Tensor, batch: StepBatch | PagedBatch, positions: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | PagedKVCache) -> torch.Tensor:
+        """x [T, H] (normalised), positions [T], rope = (cos, sin) [T, D/2] -> [T, H].
+
+        With a ``PagedKVCache`` (and a ``PagedBatch``) the step's k/v are written at
+        ``batch.slot_mapping`` and every sequence is attended in one batched call
+        (``moeserve.models.attention``); with a ``KVCache`` (the eager oracle) sequence by sequence.
+        """
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)        # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
@@ -129,6 +140,11 @@ class Attention:
             q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
         if self.temperature_tuning:
             q = (q * temperature_scales(positions, self.floor_scale, self.attn_scale)[:, None, None]).to(q.dtype)
+        if isinstance(cache, PagedKVCache):
+            cache.write(self.layer, batch.slot_mapping, k, v)
+            out = paged_attention(q, cache.k[self.layer], cache.v[self.layer], batch, scale=self.scale,
+                                  chunk=self.chunk, softmax_fp32=self.softmax_fp32)       # [T, Hq, D]
+            return self.o_proj(out.view(t, self.num_heads * self.head_dim))
         out = torch.empty_like(q)                                        # [T, Hq, D]
         for s, (sid, start) in enumerate(zip(batch.seq_ids, batch.starts)):
             a, b = batch.offsets[s], batch.offsets[s + 1]

@@ -28,6 +28,7 @@ from moeserve.models.checkpoint import CheckpointReader
 from moeserve.models.config import ModelConfig
 from moeserve.models.layers import Attention, Linear, SwiGLU, load_linear, rms_norm, rope_cos_sin, rope_inv_freq
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
+from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.sampling import Sampler, SamplingParams
 
 FAMILY_MODULES = {"llama4": llama4, "ernie45": ernie45}
@@ -97,16 +98,27 @@ class DecoderModel:
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
+    def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for this model's
+        layers, dtype and device (pools [num_layers, num_blocks * block_size, Hkv, D])."""
+        c = self.config
+        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype, self.device)
+
     # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache,
+    def step(self, input_ids: torch.Tensor, batch: StepBatch | PagedBatch, cache: KVCache | PagedKVCache,
              experts: ExpertsBackend | None = None) -> torch.Tensor:
         """Run the new tokens of several sequences through the model, appending to ``cache``.
 
         input_ids: LongTensor [T], the sequences' new tokens back to back, in ``batch`` order.
         Returns the hidden states after the final norm: [T, H]. An empty batch (T = 0) still
         calls the backend once per MoE layer.
+
+        ``(StepBatch, KVCache)``: the eager cache, which tracks each sequence's length itself.
+        ``(PagedBatch, PagedKVCache)``: the caller owns the block tables (it allocated the
+        blocks the batch's slots and tables name) and the batch's tensors are on the model's
+        device; each layer writes its k/v at ``batch.slot_mapping`` and attends in one call.
         """
         experts = experts if experts is not None else self.experts
         if experts is None and self.config.num_moe_layers:
@@ -114,7 +126,13 @@ class DecoderModel:
         input_ids = self._check_ids(input_ids.reshape(-1))
         if input_ids.numel() != batch.num_tokens:
             raise ValueError(f"input_ids has {input_ids.numel()} tokens but the batch's lens sum to {batch.num_tokens}")
-        cache.begin(batch)
+        paged = isinstance(cache, PagedKVCache)
+        if paged:
+            self._check_paged(batch, cache)
+        elif isinstance(batch, PagedBatch):
+            raise TypeError("a PagedBatch needs a PagedKVCache (model.new_paged_cache)")
+        else:
+            cache.begin(batch)
         positions = batch.positions.to(self.device)                      # [T]
         rope = rope_cos_sin(positions, self.inv_freq)                     # 2 x [T, D/2]
         eps = self.config.rms_norm_eps
@@ -131,8 +149,27 @@ class DecoderModel:
             shared = block.shared(u)                                      # [T, H] or None
             routed = experts.combine(handle)                              # [T, H]
             h = h + (routed if shared is None else routed + shared)
-        cache.commit(batch)
+        if not paged:
+            cache.commit(batch)
         return rms_norm(h, self.norm, eps)
+
+    def _check_paged(self, batch: PagedBatch, cache: PagedKVCache) -> None:
+        """Host-side checks of a paged step (no device synchronisation)."""
+        if not isinstance(batch, PagedBatch):
+            raise TypeError(f"a PagedKVCache needs a PagedBatch, found {type(batch).__name__}")
+        c = self.config
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, _dev(cache.device)) != \
+                (c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, _dev(self.device)):
+            raise ValueError(f"the PagedKVCache (layers {cache.num_layers}, kv heads {cache.num_kv_heads}, head dim "
+                             f"{cache.head_dim}, {cache.dtype} on {cache.device}) does not fit this model (layers "
+                             f"{c.num_layers}, kv heads {c.num_kv_heads}, head dim {c.head_dim}, {self.dtype} on "
+                             f"{self.device})")
+        if batch.block_size != cache.block_size:
+            raise ValueError(f"the PagedBatch was built for block_size {batch.block_size} but the cache's is "
+                             f"{cache.block_size}")
+        if _dev(batch.positions.device) != _dev(cache.device):
+            raise ValueError(f"the PagedBatch is on {batch.positions.device} but the cache on {cache.device}: "
+                             f"build it with device=model.device")
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -224,15 +261,27 @@ class DecoderModel:
         return new
 
 
+def _dev(d: torch.device) -> tuple[str, int]:
+    """A device as (type, index), "cuda" meaning the current CUDA device (tensors always carry an index)."""
+    if d.index is None and d.type == "cuda":
+        return d.type, torch.cuda.current_device()
+    return d.type, d.index or 0
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               load_experts: bool = True) -> DecoderModel:
+               load_experts: bool = True, load_format: str = "auto", reader=None) -> DecoderModel:
     """Load a Llama 4 or ERNIE-4.5-MoE checkpoint folder.
 
     ``load_experts=False`` builds the router-side model only: no routed-expert weight is read
     and ``model.experts`` is None (an expert backend is then passed to ``step``).
+    ``load_format="dummy"`` makes seeded random weights on ``device`` from config.json alone
+    (``moeserve.models.dummy``); ``reader`` (a CheckpointReader or DummyReader) overrides both.
     """
     device = torch.device(device)
-    with CheckpointReader(path) as reader:
+    if reader is None:
+        from moeserve.models.dummy import open_reader
+        reader = open_reader(path, load_format, device)
+    with reader:
         cfg = reader.config
         fam = FAMILY_MODULES[cfg.family]
         h, v = cfg.hidden_size, cfg.vocab_size

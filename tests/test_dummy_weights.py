@@ -1,0 +1,121 @@
+"""``load_format="dummy"``: seeded random weights from config.json alone, the same bytes for a
+tensor or an expert in every reader and on every rank, so a cluster (redundant replicas, a live
+migration) generates what the single-process model with the same dummy weights generates."""
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cluster_util import assert_workers_hold, moe_info, prompts_for, random_placement, reference_generate
+from moeserve.cluster import LocalCluster
+from moeserve.config import ClusterConfig
+from moeserve.models import CheckpointError, DummyReader, init_model, load_model
+from moeserve.models.checkpoint import CheckpointReader
+
+WORKERS = 2
+REDUNDANT = 4
+MAX_TOKENS = 24
+
+
+def config_only(tmp_path, family: str, **overrides):
+    """A folder holding config.json and generation_config.json of a tiny model, and nothing else."""
+    full = init_model(tmp_path / "full", family, seed=5, **overrides)
+    folder = tmp_path / "dummy"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(full / name, folder / name)
+    return folder
+
+
+def dummy_digests(path) -> np.ndarray:
+    """float64 [L, E, 2]: (sum, sum of squares) of every logical expert as a worker would hold it."""
+    info = moe_info(path)
+    spec = info.expert_spec
+    out = np.zeros((info.num_moe_layers, info.num_logical_experts, 2))
+    with DummyReader(path) as r:
+        for layer in range(info.num_moe_layers):
+            for e in range(info.num_logical_experts):
+                flat = spec.flat(r.read_expert(layer, e, dtype=spec.dtype)).double()
+                out[layer, e] = [flat.sum().item(), (flat * flat).sum().item()]
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama4", "ernie45"])
+def test_two_readers_make_identical_tensors_whatever_they_read_before(tmp_path, family):
+    path = config_only(tmp_path, family)
+    a, b = DummyReader(path), DummyReader(path)
+    names = a.names()
+    assert names == sorted(CheckpointReader(init_model(tmp_path / "ref", family, seed=5)).names())
+    for name in reversed(names):                     # b reads in the other order
+        b.read(name)
+    for name in names:
+        ta, tb = a.read(name), b.read(name)
+        assert ta.shape == a.shape(name) and ta.dtype == a.stored_dtype(name)
+        assert torch.equal(ta, tb), name
+        if not name.endswith("norm.weight"):
+            assert 0 < ta.abs().max() <= 1e-3 and len(ta.unique()) > 1, name
+        else:
+            assert torch.equal(ta, torch.ones_like(ta))
+    assert 2 * a.bytes_read == b.bytes_read > 0 and 2 * a.tensors_read == b.tensors_read   # b read everything twice
+    # An expert read alone equals its share of the whole (fused or per-expert) tensors, in any
+    # order, and a bf16 read is the float32 numbers rounded.
+    layer, e = a.config.num_moe_layers - 1, a.config.num_experts - 1
+    alone = DummyReader(path).read_expert(layer, e)
+    stacked = a.read_experts(layer, [e, 0, e])
+    for k in ("gate_up", "down"):
+        assert torch.equal(alone[k], stacked[k][0]) and torch.equal(alone[k], stacked[k][2])
+    assert torch.equal(a.read_expert(layer, e, dtype=torch.bfloat16)["down"], alone["down"].to(torch.bfloat16))
+    assert not torch.equal(a.read_expert(layer, 0)["down"], alone["down"])
+    # Another seed gives other numbers; an unknown name or a wrong shape is refused as a checkpoint would.
+    assert not torch.equal(DummyReader(path, seed=1).read(names[0]), a.read(names[0]))
+    with pytest.raises(CheckpointError, match="missing"):
+        a.read("model.layers.99.nothing.weight")
+    with pytest.raises(CheckpointError, match="shape"):
+        a.read("model.embed_tokens.weight", shape=(1, 2))
+
+
+def test_load_model_dummy_needs_only_config_json_and_the_load_format_is_checked(tmp_path):
+    path = config_only(tmp_path, "llama4")
+    with pytest.raises(CheckpointError):
+        load_model(path)                             # auto: the safetensors files are missing
+    m1 = load_model(path, load_format="dummy")
+    m2 = load_model(path, reader=DummyReader(path))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(m1(ids), m2(ids))
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(path, load_format="nope")
+    with pytest.raises(ValueError, match="load_format"):
+        ClusterConfig(model_dir=str(path), load_format="nope")
+    assert ClusterConfig.from_json(ClusterConfig(model_dir=str(path), load_format="dummy").to_json()).load_format == "dummy"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama4", "ernie45"])
+def test_cluster_with_dummy_weights_generates_the_single_process_tokens_through_a_migration(tmp_path, family):
+    path = config_only(tmp_path, family)
+    info = moe_info(path)
+    model = load_model(path, load_format="dummy")
+    prompts = prompts_for(model.config.vocab_size, lengths=(4, 7, 2, 9))
+    tokens = [reference_generate(model, p, MAX_TOKENS) for p in prompts]
+    digests = dummy_digests(path)
+    slots = info.num_logical_experts + REDUNDANT
+    start = random_placement(info.num_moe_layers, info.num_logical_experts, slots, seed=1)
+    target = random_placement(info.num_moe_layers, info.num_logical_experts, slots, seed=2)
+    with LocalCluster(path, routers=1, workers=WORKERS, num_redundant_experts=REDUNDANT, placement=start,
+                      load_format="dummy", migration_bytes_per_step=info.expert_bytes) as c:
+        assert c.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True) == tokens
+        assert_workers_hold(c, start, digests)         # replicas on both workers are bit-identical
+        result = {}
+        t = threading.Thread(target=lambda: result.update(out=c.generate(prompts, max_tokens=MAX_TOKENS,
+                                                                         ignore_eos=True)))
+        t.start()
+        time.sleep(0.2)
+        c.apply_placement(target, wait=True)           # one expert per worker per step: spans many steps
+        t.join(120)
+        assert result["out"] == tokens
+        np.testing.assert_array_equal(c.placement().phy2log, target)
+        assert_workers_hold(c, target, digests)        # a moved expert equals the one read in place
+        assert c.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True) == tokens

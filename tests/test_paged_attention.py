@@ -1,0 +1,294 @@
+"""The paged KV cache and batched attention (moeserve.models.paged, moeserve.models.attention,
+moeserve._triton_attention): the whole model through (PagedBatch, PagedKVCache) equals the eager
+(StepBatch, KVCache) oracle; the Triton kernel, run by Triton's interpreter on CPU tensors in
+fp32 with IEEE dots, equals the torch path; PagedBatch.build's metadata on a golden example.
+
+Dimension letters as in moeserve/models/attention.py: T new tokens, S sequences, Hq / Hkv
+query / key-value heads, D head dim, N flat slots.
+"""
+import functools
+import math
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeserve.models import PagedBatch, PagedKVCache, StepBatch, init_model, load_model
+from moeserve.models import attention as attn
+from moeserve.models.layers import Attention
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:                                   # the test extra installs it; CI=true requires it
+    if os.environ.get("CI") == "true":
+        raise
+    HAVE_TRITON = False
+
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+if HAVE_TRITON and not torch.cuda.is_available():
+    # conftest.py sets it before Triton is imported; without a GPU the interpreter is the only way.
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# -- PagedBatch ----------------------------------------------------------------------------------
+
+def test_paged_batch_build_golden_example():
+    # block size 4; a prefill of 3 (blocks 7, 2), a decode at position 6 (blocks 4, 0: block 0 is a
+    # real block, not padding), a chunk of 5 at positions 2..6 after 2 cached tokens (blocks 9, 1, 3)
+    b = PagedBatch.build([3, 1, 5], [0, 6, 2], [[7, 2], [4, 0], [9, 1, 3]], 4)
+    assert (b.num_tokens, b.num_seqs, b.max_query_len, b.max_seq_len, b.block_size) == (9, 3, 5, 7, 4)
+    assert b.positions.tolist() == [0, 1, 2, 6, 2, 3, 4, 5, 6]
+    assert b.slot_mapping.tolist() == [28, 29, 30, 2, 38, 39, 4, 5, 6]
+    assert b.block_tables.tolist() == [[7, 2, 0], [4, 0, 0], [9, 1, 3]]
+    assert b.seq_lens.tolist() == [3, 7, 7]
+    assert b.query_start.tolist() == [0, 3, 4, 9]
+    assert b.last_token_index.tolist() == [2, 3, 8]
+    assert b.positions.dtype == b.slot_mapping.dtype == b.last_token_index.dtype == torch.int64
+    assert b.block_tables.dtype == b.seq_lens.dtype == b.query_start.dtype == torch.int32
+
+
+def test_paged_batch_empty_and_invalid():
+    e = PagedBatch.build([], [], [], 16)
+    assert (e.num_tokens, e.num_seqs, e.max_query_len, e.max_seq_len) == (0, 0, 0, 0)
+    assert e.block_tables.shape == (0, 0) and e.query_start.tolist() == [0]
+    with pytest.raises(ValueError, match="needs 2 blocks of 4, but its block table has 1"):
+        PagedBatch.build([3], [2], [[5]], 4)
+    with pytest.raises(ValueError, match=">= 1 new token"):
+        PagedBatch.build([0], [0], [[0]], 4)
+    with pytest.raises(ValueError, match="outside 0..7"):
+        PagedBatch.build([1], [0], [[8]], 4, num_blocks=8)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        PagedBatch.build([1, 1], [0], [[0]], 4)
+
+
+def test_bytes_per_block_and_pool_layout():
+    assert PagedKVCache.bytes_per_block(4, 2, 16, 8, torch.bfloat16) == 2 * 4 * 8 * 2 * 16 * 2
+    c = PagedKVCache(4, 2, 16, num_blocks=5, block_size=8)
+    assert c.k.shape == c.v.shape == (4, 40, 2, 16) and c.num_slots == 40
+
+
+# -- the whole model: paged equals eager -----------------------------------------------------------
+
+class Blocks:
+    """The caller's side of the paged cache, as the router runner keeps it: a shuffled free list
+    (so block ids are neither contiguous nor ordered) and each sequence's block table."""
+
+    def __init__(self, num_blocks, block_size, seed):
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.block_size, self.tables = block_size, {}
+
+    def batch(self, step, device):
+        """step: {seq: (start, end)} -> PagedBatch, allocating the blocks the new tokens need."""
+        for sid, (_, end) in step.items():
+            table = self.tables.setdefault(sid, [])
+            while len(table) * self.block_size < end:
+                table.append(self.free.pop())
+        return PagedBatch.build([e - s for s, e in step.values()], [s for s, _ in step.values()],
+                                [self.tables[sid] for sid in step], self.block_size, device)
+
+
+# Prefills of different lengths, a long prompt in chunks (3, then 14 crossing two chunk
+# boundaries of Llama 4's chunk 8, then 4), a late-starting prefill, decodes, an empty step.
+PROMPTS = {"a": 12, "b": 5, "c": 21, "d": 9}
+SCHEDULE = [
+    {"a": (0, 12), "b": (0, 5), "c": (0, 3)},
+    {"a": (12, 13), "b": (5, 6), "c": (3, 17), "d": (0, 9)},
+    {},
+    {"d": (9, 10), "c": (17, 21), "a": (13, 14), "b": (6, 7)},
+    {"b": (7, 8), "a": (14, 15), "c": (21, 22), "d": (10, 11)},
+    {"c": (22, 23)},
+]
+
+
+@pytest.fixture(scope="module", params=["llama4", "ernie45"])
+def model(request, tmp_path_factory):
+    return load_model(init_model(tmp_path_factory.mktemp(request.param), request.param, seed=3))
+
+
+def _run_schedule(model, block_size, seed=0):
+    """Every step of SCHEDULE through both caches: the eager and paged hidden states [T, H]."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = {k: torch.randint(3, model.config.vocab_size, (n + 8,), generator=g) for k, n in PROMPTS.items()}
+    eager, paged = model.new_cache(), model.new_paged_cache(num_blocks=40, block_size=block_size)
+    blocks = Blocks(40, block_size, seed)
+    out = []
+    for step in SCHEDULE:
+        ids = torch.cat([tokens[k][s:e] for k, (s, e) in step.items()]) if step else torch.zeros(0, dtype=torch.long)
+        sb = StepBatch(tuple(step), tuple(e - s for s, e in step.values()), tuple(s for s, _ in step.values()))
+        pb = blocks.batch(step, model.device)
+        want = model.step(ids, sb, eager)
+        got = model.step(ids, pb, paged)
+        assert torch.equal(pb.last_token_index, sb.last_token_index) and torch.equal(pb.positions, sb.positions)
+        out.append((want, got, pb))
+    return out
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_model_step_equals_the_eager_oracle(model, block_size):
+    if model.config.family == "llama4":   # the features the schedule must exercise
+        c = model.config
+        assert c.attention_chunk_size == 8 and any(c.chunked_attention) and not all(c.use_rope)
+        assert c.attn_temperature_tuning and c.use_qk_norm
+    for want, got, pb in _run_schedule(model, block_size):
+        assert got.shape == want.shape
+        if want.numel():
+            assert (got - want).abs().max() < 1e-5
+            # Logits relative to their size: the LM head (ERNIE's tied embedding, std 0.3) turns
+            # a hidden difference of a few fp32 ulps into ~1e-5 on logits of magnitude ~12.
+            lw = model.logits(want[pb.last_token_index])
+            lg = model.logits(got[pb.last_token_index])
+            assert (lg - lw).abs().max() < 1e-5 * max(1.0, lw.abs().max().item())
+
+
+@needs_triton
+def test_paged_model_step_with_the_triton_kernel_equals_the_eager_oracle(model, monkeypatch):
+    """The model's Attention routed through the Triton kernel (as on CUDA), under the interpreter."""
+    monkeypatch.setattr("moeserve.models.layers.paged_attention",
+                        functools.partial(attn.paged_attention, backend="triton"))
+    for want, got, _ in _run_schedule(model, 4, seed=1):
+        if want.numel():
+            assert (got - want).abs().max() < 1e-5
+
+
+def test_paged_and_eager_caches_do_not_mix(model):
+    pb = PagedBatch.build([2], [0], [[0]], 4)
+    with pytest.raises(TypeError, match="PagedBatch needs a PagedKVCache"):
+        model.step(torch.tensor([5, 6]), pb, model.new_cache())
+    with pytest.raises(TypeError, match="PagedKVCache needs a PagedBatch"):
+        model.step(torch.tensor([5, 6]), StepBatch.prefill([0], [2]), model.new_paged_cache(4, 4))
+    with pytest.raises(ValueError, match="built for block_size 4 but the cache's is 8"):
+        model.step(torch.tensor([5, 6]), pb, model.new_paged_cache(4, 8))
+
+
+# -- the attention functions -----------------------------------------------------------------------
+
+def _case(lens, starts, block_size, hq, hkv, d, seed, extra_blocks=3):
+    """Random q [T, Hq, D], pools [N, Hkv, D] filled everywhere, shuffled block tables, and the batch."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil((s + n) / block_size) for s, n in zip(starts, lens)]
+    num_blocks = sum(need) + extra_blocks
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for k in need:
+        tables.append(ids[:k])
+        ids = ids[k:]
+    batch = PagedBatch.build(lens, starts, tables, block_size, num_blocks=num_blocks)
+    q = torch.randn(batch.num_tokens, hq, d, generator=g)
+    k_pool = torch.randn(num_blocks * block_size, hkv, d, generator=g)
+    v_pool = torch.randn(num_blocks * block_size, hkv, d, generator=g)
+    return q, k_pool, v_pool, batch
+
+
+def _eager(q, k_pool, v_pool, batch, chunk, hq, hkv, d):
+    """Attention._attend sequence by sequence, on keys read back through the block tables."""
+    me = SimpleNamespace(chunk=chunk, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5, softmax_fp32=True)
+    out = torch.empty_like(q)
+    qs, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+    for s in range(batch.num_seqs):
+        a, b = qs[s], qs[s + 1]
+        slots = [batch.block_tables[s, p // batch.block_size].item() * batch.block_size + p % batch.block_size
+                 for p in range(lens[s])]
+        out[a:b] = Attention._attend(me, q[a:b], k_pool[slots], v_pool[slots], lens[s] - (b - a))
+    return out
+
+
+def _poisoned(k_pool, v_pool, batch, chunk):
+    """Copies of the pools with NaN in every slot no query of the step may read: slots past a
+    sequence's length, blocks no sequence owns, and (chunked) keys before the chunk of a
+    sequence's first new token. A kernel that reads one of them returns NaN there."""
+    keep = torch.zeros(k_pool.shape[0], dtype=torch.bool)
+    bs, qs = batch.block_size, batch.query_start.tolist()
+    for s, n in enumerate(batch.seq_lens.tolist()):
+        first = n - (qs[s + 1] - qs[s])
+        lo = (first // chunk) * chunk if chunk else 0
+        for p in range(lo, n):
+            keep[batch.block_tables[s, p // bs].item() * bs + p % bs] = True
+    k, v = k_pool.clone(), v_pool.clone()
+    k[~keep], v[~keep] = float("nan"), float("nan")
+    return k, v
+
+
+CASES = {   # name: (lens, starts)
+    "decode": ([1, 1, 1, 1, 1], [0, 3, 17, 40, 70]),
+    "prefill": ([7, 20, 1, 33], [0, 0, 0, 0]),
+    "mixed": ([1, 9, 1, 30, 4], [50, 0, 7, 13, 21]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (4, 2, 16), (6, 2, 24), (8, 1, 32)])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_torch_path_equals_the_eager_attention(case, hq, hkv, d, chunk):
+    lens, starts = CASES[case]
+    q, k_pool, v_pool, batch = _case(lens, starts, 4, hq, hkv, d, seed=hq * 10 + d)
+    want = _eager(q, k_pool, v_pool, batch, chunk, hq, hkv, d)
+    # the torch path reads padding slots too, and must not let them leak (0 * NaN)
+    kp, vp = _poisoned(k_pool, v_pool, batch, None)
+    got = attn.paged_attention_torch(q, kp, vp, batch, scale=d ** -0.5, chunk=chunk, softmax_fp32=True)
+    assert (got - want).abs().max() < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (4, 2, 16), (6, 2, 24), (8, 1, 32)])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_triton_kernel_equals_the_torch_path(case, block_size, hq, hkv, d, chunk):
+    lens, starts = CASES[case]
+    q, k_pool, v_pool, batch = _case(lens, starts, block_size, hq, hkv, d, seed=block_size + hq + d)
+    want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=d ** -0.5, chunk=chunk, softmax_fp32=True)
+    kp, vp = _poisoned(k_pool, v_pool, batch, chunk)
+    got = attn.paged_attention_triton(q, kp, vp, batch, scale=d ** -0.5, chunk=chunk)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert (got - want).abs().max() < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("segments", [2, 8])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_triton_split_key_range_equals_the_torch_path(segments, chunk):
+    """Long decodes with the key range split into segments (more segments than key tiles for
+    the short ones: empty segments must weigh nothing)."""
+    lens, starts = [1, 1, 1, 2], [300, 5, 131, 200]
+    q, k_pool, v_pool, batch = _case(lens, starts, 16, 8, 2, 16, seed=segments)
+    want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=0.25, chunk=chunk, softmax_fp32=True)
+    kp, vp = _poisoned(k_pool, v_pool, batch, chunk)
+    got = attn.paged_attention_triton(q, kp, vp, batch, scale=0.25, chunk=chunk, num_segments=segments)
+    assert (got - want).abs().max() < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("skip_mask", [False, True])
+@pytest.mark.parametrize("lens,starts", [([1, 40, 1, 70, 3], [90, 0, 33, 20, 64]), ([1, 1, 1], [90, 33, 64])])
+def test_triton_mask_free_key_tiles_equal_the_torch_path(monkeypatch, skip_mask, lens, starts):
+    """Key tiles of 16 and a chunk of 32: many tiles every row of a query tile sees, which skip
+    the mask with SKIP_MASK, next to the chunk's and the causal edges."""
+    monkeypatch.setattr(attn, "TUNING", {k: dict(v, BN=16, SKIP_MASK=skip_mask) for k, v in attn.TUNING.items()})
+    for chunk in (None, 32):
+        q, k_pool, v_pool, batch = _case(lens, starts, 4, 4, 2, 16, seed=7)
+        want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=0.25, chunk=chunk, softmax_fp32=True)
+        kp, vp = _poisoned(k_pool, v_pool, batch, chunk)
+        got = attn.paged_attention_triton(q, kp, vp, batch, scale=0.25, chunk=chunk)
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_empty_step_attention():
+    batch = PagedBatch.build([], [], [], 4)
+    q, pool = torch.zeros(0, 4, 16), torch.zeros(8, 2, 16)
+    assert attn.paged_attention_torch(q, pool, pool, batch, scale=0.25, chunk=None, softmax_fp32=True).shape == (0, 4, 16)
+    if HAVE_TRITON:
+        assert attn.paged_attention_triton(q, pool, pool, batch, scale=0.25, chunk=None).shape == (0, 4, 16)
+
+
+def test_launch_config_shapes():
+    decode = PagedBatch.build([1] * 4, [4000] * 4, [list(range(i * 300, i * 300 + 251)) for i in range(4)], 16)
+    cfg = attn.attention_config(decode, 40, 8, 128, num_sms=132)     # Llama 4 Scout's heads: G = 5
+    assert (cfg["BM"], cfg["BQ"], cfg["tiles"]) == (16, 3, 4 // 3 + 4)
+    assert cfg["NS"] > 1                                              # 32 programs for 132 SMs: split
+    prefill = PagedBatch.build([100, 1], [0, 50], [list(range(7)), [9, 10, 11, 12]], 16)
+    cfg = attn.attention_config(prefill, 40, 8, 128, num_sms=132)
+    assert (cfg["BM"], cfg["BQ"], cfg["NS"], cfg["tiles"]) == (64, 12, 1, 101 // 12 + 2)
