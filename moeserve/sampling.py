@@ -1,31 +1,88 @@
-"""Token sampling, deterministic per request and independent of how requests are batched.
+"""Token sampling for the whole batch on the device, deterministic per request.
 
-Each request owns a :class:`Sampler` with its own ``torch.Generator``, seeded from the request's
-seed, and rows of logits are sampled one at a time: the tokens a request gets depend only on
-its own logits and seed, never on which other requests share the step or in which order (the
-distributed router batches differently from the single-process model and must get the same
-tokens). Dimension letter: V vocabulary size.
+Dimension letters: B rows (sequences sampled in a step), V vocabulary, F rows that filter
+(top-k / top-p), Q = ceil(V / 4) Philox counters per row.
+
+**What a row's token depends on.** Only its logits, its ``SamplingParams``, its seed and the
+*position* of the token among the request's outputs (0 for the first). The randomness is a
+counter-based generator: the uniform of vocabulary entry i is Philox-4x32-10 (Random123's;
+``tl.philox`` in Triton) keyed by the 64-bit seed, counter (i // 4, position lo, position hi, 0),
+word i % 4. So there is no generator state: which other requests share the step, the row's
+index in the batch and a preemption (the sequence recomputed later samples the same position
+again) change nothing, and the single-process model (``Sampler``) and the distributed routers
+(``sample`` on a batch) share one implementation. The 32-bit words are integer arithmetic,
+identical on every device; what follows them is fp32 (log, division, softmax, cumsum), whose
+last bits may differ between CPU and GPU libraries, so two devices can disagree only where two
+candidates tie to an ulp.
+
+**How a row is sampled.** Greedy (temperature 0, and every temperature below 1e-5, as vLLM):
+argmax of the logits, lowest index on ties (``torch.argmax``). Otherwise, with scores = logits /
+T: top-k keeps the tokens whose logit reaches the k-th largest (ties at the k-th kept), then
+top-p keeps the smallest set of most likely tokens whose probability, under the softmax of the
+top-k-kept scores, reaches top_p (the most likely always stays). Both filters end as one
+threshold per row on the logits (the logit of the last kept token, so that every token tied with
+it stays too: the kept set never depends on how a sort orders ties). The token is then drawn
+from softmax(scores) over the kept set by the exponential race (Gumbel-max):
+
+    token = argmax over kept i of  x_i - T * log(E_i),   E_i = -log(1 - u_i) ~ Exp(1)
+
+which is argmax of p_i / E_i multiplied through by T: exact sampling from p, with no
+normalisation, sort, cumsum or host sync, and T = 0 gives the argmax (greedy rows of a mixed
+batch take the same path). Nothing can be inf/NaN for finite (or -inf) logits: T is 0 or in
+[1e-5, 1e30] (larger is uniform anyway), u in [2**-33, 1 - 2**-24] so log E is finite, and the
+top-p softmax is taken of (x - max) / T <= 0.
+
+**Cost per step at B = 256, V = 202,048 on an H200** (51.7 M logits, 207 MB in fp32; ~4.3 TB/s
+reached by copies; estimates from bytes and instructions, not yet timed on the GPU):
+- all greedy: one ``argmax``, one read of the logits: ~50 us.
+- random rows, no filter: one launch of ``_triton_sampling.race_kernel`` over (row, vocabulary
+  chunk): reads the logits once and keeps the Philox words and the keys in registers (nothing
+  [B, V] is written). Floor 207 MB / 4.3 TB/s = 48 us; per logit ~25 integer ops (a Philox-10
+  call, 40 multiplies, serves 4 logits), 2 logs and a division: ~60 instructions, ~3 G lane
+  instructions / 33 T per s = ~0.1 ms, so compute-bound at ~0.1 ms. Greedy rows skip the hash.
+- rows with top-k only: ``torch.topk`` of the largest k among them, ~0.1 ms at k = 50.
+- rows with top-p: gather, one ``torch.sort`` (radix passes over fp32 keys and int64 indices,
+  ~5 GB moved at F = 256: ~1.2 ms) and ~8 elementwise / scan passes (~1.7 GB: ~0.4 ms):
+  ~1.5-2 ms when all 256 rows use top-p, in proportion to F, skipped when F = 0. The sort is
+  what a sort-free threshold search (a later kernel) would remove.
+- ``logprobs`` (20 top): max, exp-sum, gather, topk: ~6 passes, ~0.3 ms, for the rows that ask.
+- the torch path (CPU, or CUDA without Triton) materialises the Philox state as int64 [B, Q]
+  tensors, ~120 elementwise ops of 103 MB each at this size (~37 GB, ~9 ms on an H200): for
+  tests and the CPU model (~0.6 ms a token at B = 1 on one CPU core, dominated by op overhead).
 """
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from moeserve import kernels
+
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_TEMPERATURE = 1e30    # larger temperatures are clamped here: T * log E stays finite in fp32
+
+_M32 = 0xFFFFFFFF
+# Philox-4x32 constants (Random123; triton.language.random)
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token of a request.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it (> 0).
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it (> 0). Values
+                 below 1e-5 are greedy too, and values above 1e30 count as 1e30.
     top_p:       nucleus sampling: keep the smallest set of most likely tokens whose probability
                  reaches top_p, in (0, 1]; 1 keeps all.
     top_k:       keep the k most likely tokens; 0 keeps all.
-    seed:        seeds the request's generator, 0 .. 2**63-1; None draws a random seed.
+    seed:        seeds the request's random stream, 0 .. 2**63-1; None draws a random seed.
     """
 
     temperature: float = 0.0
@@ -49,34 +106,246 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """True when tokens are the argmax: temperature 0 or below 1e-5."""
+        return self.temperature < GREEDY_BELOW
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The request's seed: ``params.seed``, or a fresh random one. Drawn once per request (the
+    leader calls it at admission and keeps it for the request's life, preemptions included)."""
+    return params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row parameters on the device. B rows.
+
+    temperature float32 [B]: 0 = greedy (values < 1e-5 are stored as 0; > 1e30 as 1e30).
+    top_p       float32 [B]: 1 for greedy rows (they never filter).
+    top_k       int64 [B]: 0 = all (also stored for greedy rows).
+    seed        int64 [B].
+    position    int64 [B]: index of the token being sampled among the request's outputs (0 for
+                the first).
+    all_greedy  host flag: skip the random path entirely.
+    The remaining fields are host-side hints that ``build`` fills: ``filter_rows`` int64 [F] on
+    the device, the random rows with top-k or top-p (None: unknown, every row goes through the
+    filter, which is correct and slower); ``needs_sort``: some filtered row has top_p < 1 (else
+    ``torch.topk`` of ``max_top_k`` replaces the sort); ``max_top_k``: the largest top_k among the
+    filtered rows.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+    all_greedy: bool
+    filter_rows: torch.Tensor | None = None
+    needs_sort: bool = True
+    max_top_k: int = 0
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
+              device: torch.device | str) -> "SamplingTensors":
+        """One row per request: its params, its seed (``request_seed``) and the position of the
+        token it samples now. Two host-to-device copies (pinned when the device is CUDA)."""
+        b = len(params)
+        if len(seeds) != b or len(positions) != b:
+            raise ValueError(f"need one seed and one position per row, found {len(seeds)} and {len(positions)} "
+                             f"for {b} rows")
+        if any(not 0 <= s <= MAX_SEED for s in seeds) or any(p < 0 for p in positions):
+            raise ValueError(f"seeds must be in 0..{MAX_SEED} and positions >= 0")
+        greedy = [p.greedy for p in params]
+        temp = np.array([0.0 if g else min(float(p.temperature), MAX_TEMPERATURE) for p, g in zip(params, greedy)],
+                        dtype=np.float32)
+        top_p = np.array([1.0 if g else float(p.top_p) for p, g in zip(params, greedy)], dtype=np.float32)
+        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        # Decided on the fp32 values the device sees (a top_p that rounds to 1 filters nothing).
+        rows = [i for i in range(b) if not greedy[i] and (top_k[i] > 0 or top_p[i] < 1)]
+        device = torch.device(device)
+        floats = torch.from_numpy(np.stack([temp, top_p]) if b else np.zeros((2, 0), np.float32))
+        ints = torch.tensor(top_k + list(seeds) + list(positions) + rows, dtype=torch.long)
+        if device.type == "cuda":
+            floats, ints = floats.pin_memory(), ints.pin_memory()
+        floats = floats.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
+        return cls(temperature=floats[0], top_p=floats[1], top_k=ints[:b], seed=ints[b:2 * b],
+                   position=ints[2 * b:3 * b], all_greedy=all(greedy), filter_rows=ints[3 * b:],
+                   needs_sort=any(top_p[i] < 1 for i in rows), max_top_k=max((top_k[i] for i in rows), default=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# The random words: Philox-4x32-10 on int64 tensors
+
+
+def philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: torch.Tensor,
+               k1: torch.Tensor, rounds: int = PHILOX_ROUNDS) -> tuple[torch.Tensor, ...]:
+    """Philox-4x32 (Random123, and ``tl.philox`` bit for bit): counters c0..c3 and key k0, k1 are
+    int64 tensors (broadcastable) holding unsigned 32-bit values; returns the 4 output words,
+    the same way. torch has no uint32 arithmetic: a 32 x 32-bit product can pass 2**63 and wraps
+    in int64 two's complement, which keeps all 64 bits of it, and the arithmetic right shift is
+    masked back to 32 bits, so hi and lo words are exact."""
+    for _ in range(rounds):
+        p0 = c0 * _ROUND_A
+        p2 = c2 * _ROUND_B
+        c0, c1, c2, c3 = ((p2 >> 32) & _M32) ^ c1 ^ k0, p2 & _M32, ((p0 >> 32) & _M32) ^ c3 ^ k1, p0 & _M32
+        k0 = (k0 + _KEY_A) & _M32
+        k1 = (k1 + _KEY_B) & _M32
+    return c0, c1, c2, c3
+
+
+def random_bits(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The 32-bit random word of every (row, vocabulary entry): int64 [B, V] in 0 .. 2**32-1, from
+    seed and position int64 [B]. Entry i is word i % 4 of Philox counter (i // 4, position lo,
+    position hi, 0) under key (seed lo, seed hi)."""
+    q = (vocab + 3) // 4
+    n = torch.arange(q, dtype=torch.long, device=seed.device)[None, :]                  # [1, Q]
+    pos, sd = position[:, None], seed[:, None]                                           # [B, 1]
+    zero = torch.zeros_like(pos)
+    words = philox4x32(n, pos & _M32, (pos >> 32) & _M32, zero, sd & _M32, (sd >> 32) & _M32)
+    return torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seed.shape[0], 4 * q)[:, :vocab]
+
+
+def exponentials(bits: torch.Tensor) -> torch.Tensor:
+    """E = -log(1 - w) ~ Exp(1) in fp32 from 32-bit words, w = (m + 0.5) / 2**32 kept below 1.
+    -log1p(-w) by Goldberg's trick (log(y) * w / (y - 1), y = 1 - w), the formula the Triton kernel
+    uses: precise for tiny w, where E is tiny and its token the likely winner of the race."""
+    w = ((bits.to(torch.float32) + 0.5) * 2.0**-32).clamp_(max=1.0 - 2.0**-24)
+    y = 1.0 - w
+    return torch.where(y == 1.0, w, w * (torch.log(y) / (y - 1.0)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Filters: one logit threshold per row
+
+
+def thresholds(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None:
+    """The top-k / top-p threshold of each row: float32 [B], a token is kept iff its logit >= it
+    (-inf keeps all). None when no row filters. At most one sort (of the F filtering rows only)."""
+    b, v = logits.shape
+    rows = st.filter_rows
+    if st.all_greedy or (rows is not None and rows.numel() == 0):
+        return None
+    x = logits.float() if rows is None else logits.index_select(0, rows).float()          # [F, V]
+    sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+    temp, top_p, top_k = sel(st.temperature), sel(st.top_p), sel(st.top_k)
+    k = torch.where((top_k <= 0) | (top_k >= v), v, top_k)                               # [F] 1..V
+    if st.needs_sort or rows is None:
+        vals = torch.sort(x, dim=-1, descending=True).values                              # [F, V]
+    else:
+        kmax = min(st.max_top_k, v)
+        vals = torch.topk(x, kmax, dim=-1).values                                         # [F, kmax] sorted
+        k = k.clamp(max=kmax)
+    kth = vals.gather(1, (k - 1)[:, None])                                                # [F, 1]
+    thr = kth
+    if st.needs_sort or rows is None:
+        # Softmax of the top-k-kept scores, shifted by the row max so that nothing overflows.
+        t = torch.where(temp > 0, temp, 1.0)[:, None]
+        probs = torch.softmax(((vals - vals[:, :1]) / t).masked_fill_(vals < kth, float("-inf")), dim=-1)
+        mass = probs.cumsum_(dim=-1)                           # mass[j]: of the j + 1 most likely
+        # Token j stays while the tokens before it hold less than top_p (token 0 always stays).
+        n_keep = 1 + (mass[:, :-1] < top_p[:, None]).sum(-1, keepdim=True)                # [F, 1]
+        thr = torch.where(top_p[:, None] < 1, torch.maximum(vals.gather(1, n_keep - 1), kth), kth)
+    thr = torch.where(temp[:, None] > 0, thr, float("-inf")).squeeze(1)                   # greedy rows keep all
+    if rows is None:
+        return thr
+    return torch.full((b,), float("-inf"), device=logits.device).index_copy_(0, rows, thr)
+
+
+# ----------------------------------------------------------------------------------------------
+# The race
+
+
+def _race_torch(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | None) -> torch.Tensor:
+    """The exponential race with torch ops (CPU, or CUDA without Triton): [B, V] -> int64 [B]."""
+    x = logits.float()
+    e = exponentials(random_bits(st.seed, st.position, x.shape[1]))                     # [B, V]
+    key = x - st.temperature[:, None] * torch.log(e)          # T = 0: the logits themselves
+    if thr is not None:
+        key = key.masked_fill(x < thr[:, None], float("-inf"))
+    return key.argmax(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import importlib
+    return importlib.import_module("moeserve._triton_sampling").race_kernel
+
+
+RACE_TILE = 1024           # logits per iteration of the race kernel (256 Philox counters)
+RACE_PROGRAMS = 4096       # programs aimed at: B rows x S chunks (132 SMs, several waves)
+
+
+def _race_triton(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | None) -> torch.Tensor:
+    """The race in one Triton launch over (row, chunk of the vocabulary), then the first best
+    chunk per row: [B, V] -> int64 [B]. Same keys as ``_race_torch`` (its fp32 ops in its order)."""
+    b, v = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    tile = min(RACE_TILE, max(16, 1 << (v - 1).bit_length()))
+    chunks = max(1, min((v + tile - 1) // tile, (RACE_PROGRAMS + b - 1) // max(b, 1)))
+    chunk = ((v + chunks - 1) // chunks + tile - 1) // tile * tile
+    s = (v + chunk - 1) // chunk
+    best_val = torch.empty(b, s, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(b, s, dtype=torch.long, device=logits.device)
+    _kernel()[(b, s)](logits, logits.stride(0), st.temperature, thr if thr is not None else st.temperature,
+                      st.seed, st.position, best_val, best_idx, v, chunk, S=s, HAS_THR=thr is not None,
+                      N=tile // 4, num_warps=4, enable_fp_fusion=False)
+    return best_idx.gather(1, best_val.argmax(-1, keepdim=True)).squeeze(1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, backend: str | None = None) -> torch.Tensor:
+    """logits [B, V] (float32, or any float dtype, read as fp32) on any device -> token ids int64
+    [B] on that device, with no host sync.
+
+    backend: "torch" or "triton" (the fused race kernel; on CPU tensors only under
+    ``TRITON_INTERPRET=1``); None picks Triton for CUDA tensors when it is installed.
+    """
+    if logits.dim() != 2 or logits.shape[0] != st.temperature.shape[0]:
+        raise ValueError(f"logits must be [B, V] with B = {st.temperature.shape[0]} rows, found {list(logits.shape)}")
+    if st.all_greedy:
+        return logits.argmax(-1)
+    thr = thresholds(logits, st)
+    if backend is None:
+        backend = "triton" if logits.is_cuda and kernels.available() else "torch"
+    if backend == "triton":
+        return _race_triton(logits, st, thr)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'torch', 'triton' or None, found {backend!r}")
+    return _race_torch(logits, st, thr)
+
+
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+             num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From log_softmax(logits) in fp32, the raw logits before temperature and filters (vLLM's
+    default): (logprob of each chosen token float32 [B], top ids int64 [B, num_top], their
+    logprobs float32 [B, num_top], most likely first). Computed as log_softmax does it, (x - max)
+    - log(sum(exp(x - max))), without writing the [B, V] log-probabilities."""
+    b, v = logits.shape
+    if not 0 <= num_top <= v:
+        raise ValueError(f"num_top must be in 0..{v}, found {num_top}")
+    x = logits.float()
+    m = x.amax(-1, keepdim=True)                                                         # [B, 1]
+    lse = torch.exp(x - m).sum(-1, keepdim=True).log_()                                  # [B, 1]
+    chosen = ((x.gather(1, tokens.view(b, 1)) - m) - lse).squeeze(1)
+    top_vals, top_ids = torch.topk(x, num_top, dim=-1)
+    return chosen, top_ids, (top_vals - m) - lse
 
 
 class Sampler:
-    """Turns one row of logits [V] into a token id for one request, with the request's own generator."""
+    """One request's tokens, one row at a time: ``sample`` on a batch of one, at position = the
+    number of tokens this sampler drew so far. The single-process model's way to sample; the
+    distributed routers call ``sample`` on whole batches and get the same tokens."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED + 1)
-        # Always on the CPU: the same logits give the same token whatever device computed them.
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(self.seed)
+        self.seed = request_seed(params)
+        self.position = 0
 
     def sample(self, logits: torch.Tensor) -> int:
-        """logits [V] (any float dtype, any device; processed in fp32 on the CPU) -> the next token id."""
-        p = self.params
-        logits = logits.detach().float().cpu()
-        if p.greedy:
-            return int(torch.argmax(logits))
-        scores = logits / p.temperature                                   # [V]
-        if p.top_k and p.top_k < scores.numel():
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)     # [V]
-            probs = torch.softmax(sorted_scores, dim=-1)
-            before = torch.cumsum(probs, dim=-1) - probs                   # mass of strictly more likely tokens
-            drop = before >= p.top_p                                        # the most likely token always stays
-            scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        """logits [V] (any float dtype, any device; processed in fp32 on the CPU, so that the
+        same logits give the same token whatever device computed them) -> the next token id."""
+        row = logits.detach().float().cpu().reshape(1, -1)
+        st = SamplingTensors.build([self.params], [self.seed], [self.position], "cpu")
+        self.position += 1
+        return int(sample(row, st)[0])

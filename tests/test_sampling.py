@@ -1,4 +1,9 @@
-"""Sampling: validation, greedy, filters, and determinism per request independent of batching."""
+"""Sampling: validation, greedy, filters, and determinism per request independent of batching.
+
+``Sampler`` is ``moeserve.sampling.sample`` on a batch of one at position = tokens drawn so far
+(tests/test_batch_sampling.py tests the batch path); its random stream is the counter-based one
+(Philox keyed by seed and position), no longer a ``torch.Generator``: the draws below changed,
+the properties they check did not."""
 import pytest
 import torch
 
@@ -63,6 +68,25 @@ def test_same_seed_same_tokens_whatever_else_is_sampled_in_between():
     assert got_a == expected == got_b
     other_seed = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=124))
     assert [other_seed.sample(r) for r in rows] != expected
+
+
+def test_a_temperature_that_rounds_to_zero_is_greedy_not_an_error():
+    # 1e-320 is 0 in fp32: the old Sampler divided by it and torch.multinomial raised on NaN
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    for t in (1e-320, 5e-324, 1e-6):
+        assert _draws(SamplingParams(temperature=t, top_p=0.5, seed=0), logits, 20) == [1] * 20
+
+
+def test_each_draw_is_keyed_by_its_position():
+    rows = torch.randn(6, 30, generator=torch.Generator().manual_seed(1))
+    s = Sampler(SamplingParams(temperature=1.0, seed=5))
+    first = [s.sample(r) for r in rows]
+    assert s.position == 6
+    again = Sampler(SamplingParams(temperature=1.0, seed=5))
+    assert [again.sample(r) for r in rows] == first
+    later = Sampler(SamplingParams(temperature=1.0, seed=5))
+    later.position = 3                      # a sampler resumed at its 4th token draws the 4th token
+    assert [later.sample(r) for r in rows[3:]] == first[3:]
 
 
 def test_no_seed_draws_a_random_one():
