@@ -55,7 +55,39 @@ class EplbConfig:
             raise ValueError(f"eplb step_interval must be >= 1, got {self.step_interval}")
 
 
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache of every router rank, with vLLM's names.
+
+    block_size:              tokens per KV block.
+    gpu_memory_utilization:  the share of the GPU's memory this rank may use in all; the KV
+                             pool gets what is left of it after the weights, the exchange's
+                             buffers and room for a step's activations.
+    num_gpu_blocks_override: use exactly this many blocks per router (0: size from memory).
+    cpu_kv_cache_gib:        on CPU ranks (gloo), the pool's size in GiB (vLLM's
+                             VLLM_CPU_KVCACHE_SPACE), at most what max_num_seqs sequences of
+                             max_model_len tokens need.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int = 0
+    cpu_kv_cache_gib: float = 1.0
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override < 0:
+            raise ValueError(f"num_gpu_blocks_override must be >= 0 (0 = size from memory), got "
+                             f"{self.num_gpu_blocks_override}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+
+
 EXCHANGES = ("auto", "collective", "nvlink")
+LOAD_FORMATS = ("auto", "dummy")            # as moeserve.models.dummy.LOAD_FORMATS (config imports no torch)
 
 
 def check_topology(routers: int, workers: int, colocated: bool, num_slots: int | None = None) -> None:
@@ -115,6 +147,9 @@ class ClusterConfig:
     exchange: how rows travel per MoE layer: "collective" (all-to-all on the data group, any
     backend), "nvlink" (direct stores into peers' symmetric memory: one host, CUDA, Triton;
     moeserve.dataplane.nvlink), "auto" (nvlink where every rank can run it, else collective).
+    load_format: "auto" reads the checkpoint's safetensors files; "dummy" (vLLM's name) makes
+    seeded random weights on each rank's device from config.json alone, the same bytes for a
+    tensor or expert on every rank (moeserve.models.dummy).
     """
 
     model_dir: str
@@ -125,6 +160,7 @@ class ClusterConfig:
     dtype: str = "float32"
     eplb: EplbConfig = field(default_factory=EplbConfig)
     limits: Limits = field(default_factory=Limits)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     workers_per_node: int = 0                   # 0: all workers on one node
     phy2log: tuple | None = None
     migration_bytes_per_step: int = 512 << 20
@@ -137,6 +173,7 @@ class ClusterConfig:
     per_expert_metrics: str = "auto"
     metrics_peers: tuple = ()
     exchange: str = "auto"
+    load_format: str = "auto"
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -155,6 +192,8 @@ class ClusterConfig:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         if self.exchange == "nvlink" and self.backend != "nccl":
             raise ValueError("exchange='nvlink' needs backend='nccl' (CUDA devices); use 'auto' or 'collective'")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.per_expert_metrics not in ("auto", "on", "off"):
             raise ValueError(f"per_expert_metrics must be auto, on or off, got {self.per_expert_metrics!r}")
 
@@ -180,6 +219,7 @@ class ClusterConfig:
         d = json.loads(text)
         d["eplb"] = EplbConfig(**d["eplb"])
         d["limits"] = Limits(**d["limits"])
+        d["cache"] = CacheConfig(**d.get("cache", {}))
         if d.get("phy2log") is not None:
             d["phy2log"] = tuple(tuple(r) for r in d["phy2log"])
         d["metrics_peers"] = tuple((str(n), int(p)) for n, p in d.get("metrics_peers", ()))

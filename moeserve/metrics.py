@@ -171,6 +171,12 @@ class _LeaderCollector(Collector):
                                 value=float(status.waiting))
         yield GaugeMetricFamily("moeserve_requests_running", "Sequences running on the routers.",
                                 value=float(status.running))
+        yield GaugeMetricFamily("moeserve_kv_cache_usage_ratio", "KV blocks in use / KV blocks of all routers.",
+                                value=status.kv_blocks_used / status.kv_blocks_total if status.kv_blocks_total else 0.0)
+        yield GaugeMetricFamily("moeserve_kv_cache_blocks", "KV blocks of all routers' paged caches.",
+                                value=float(status.kv_blocks_total))
+        yield CounterMetricFamily("moeserve_preemptions", "Sequences preempted (freed, to be recomputed) because "
+                                  "KV blocks ran out.", value=float(status.preemptions))
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:

@@ -1,41 +1,48 @@
 """A router rank's share of a step: attention, gate and shared experts for its sequences.
 
-Dimension letters: T new tokens of this router in the step, H hidden, V vocabulary.
+Dimension letters: T new tokens of this router in the step, S its sequences in the step, B the
+sequences that sample a token, H hidden, V vocabulary.
 
 The router holds everything of the model but the routed experts (``load_model(...,
-load_experts=False)``), a KV cache and a sampler per sequence. Sequences are pinned to one
-router for their whole life (their KV cache lives here); the leader says which.
+load_experts=False)``), one paged KV pool, and per sequence its block table and sampling
+parameters. Sequences are pinned to one router for their whole life; the leader says which,
+and which KV blocks each one gains (the runner never allocates). A step runs every sequence
+through the model at once (batched attention over the block tables), then samples the rows
+that need a token in one call on the device.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from moeserve.dataplane.protocol import RouterWork
-from moeserve.models import StepBatch
-from moeserve.sampling import Sampler
 from moeserve.dataplane.exchange import idle_walk
+from moeserve.dataplane.protocol import RouterWork
+from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.router.dispatcher import DistributedExperts
+from moeserve.sampling import SamplingParams, SamplingTensors, sample
 
 
 class RouterRunner:
-    """Runs ``RouterWork`` on the router-side model with the distributed experts backend."""
+    """Runs ``RouterWork`` on the router-side model with the distributed experts backend.
+    ``num_blocks`` x ``block_size``: the rank's KV pool."""
 
-    def __init__(self, model, experts: DistributedExperts):
+    def __init__(self, model, experts: DistributedExperts, num_blocks: int, block_size: int):
         self.model = model
         self.experts = experts
-        self.cache = model.new_cache()
-        self.samplers: dict[int, Sampler] = {}
         self.device = experts.exchange.device
+        self.block_size = block_size
+        self.cache: PagedKVCache = model.new_paged_cache(num_blocks, block_size)
+        self.tables: dict[int, list[int]] = {}             # seq id -> block ids
+        self.params: dict[int, SamplingParams] = {}
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
-            self.cache.release(sid)
-            self.samplers.pop(sid, None)
+            self.tables.pop(sid, None)
+            self.params.pop(sid, None)
 
     @torch.inference_mode()
     def run(self, work: RouterWork, step: int) -> tuple[dict[int, int], dict[int, np.ndarray]]:
-        """Run one step; returns (sampled token per sequence, requested logits per sequence)."""
+        """Run one step; returns (sampled token per sequence that samples, requested logits per sequence)."""
         self.release(work.release)
         self.experts.step = step
         info = self.model.moe_info
@@ -44,21 +51,32 @@ class RouterRunner:
                       info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
             return {}, {}
         for sw in work.seqs:
-            if sw.sampling is not None:
-                self.samplers[sw.seq_id] = Sampler(sw.sampling)
-        ids = torch.tensor([t for sw in work.seqs for t in sw.token_ids], dtype=torch.long, device=self.device)  # [T]
-        batch = StepBatch(seq_ids=tuple(sw.seq_id for sw in work.seqs), lens=tuple(len(sw.token_ids) for sw in work.seqs),
-                          starts=tuple(sw.start for sw in work.seqs))
-        hidden = self.model.step(ids, batch, self.cache, experts=self.experts)                           # [T, H]
-        ends = np.cumsum(batch.lens)
-        last = torch.tensor(ends - 1, dtype=torch.long, device=self.device)
-        logits = self.model.logits(hidden.index_select(0, last)).float()                                 # [B, V]
+            if sw.start == 0:                                 # new, or recomputed after a preemption
+                self.tables[sw.seq_id] = list(sw.new_blocks)
+                self.params[sw.seq_id] = sw.sampling
+            else:
+                self.tables[sw.seq_id].extend(sw.new_blocks)
+        flat = [t for sw in work.seqs for t in sw.token_ids]
+        ids = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)               # [T]
+        batch = PagedBatch.build([len(sw.token_ids) for sw in work.seqs], [sw.start for sw in work.seqs],
+                                 [self.tables[sw.seq_id] for sw in work.seqs], self.block_size, self.device)
+        hidden = self.model.step(ids, batch, self.cache, experts=self.experts)                       # [T, H]
+        rows = [i for i, sw in enumerate(work.seqs) if sw.sample]
         tokens, out_logits = {}, {}
+        if rows:
+            last = batch.last_token_index[torch.tensor(rows, device=batch.last_token_index.device)]
+            logits = self.model.logits(hidden.index_select(0, last)).float()                        # [B, V]
+            sampled = [work.seqs[i] for i in rows]
+            st = SamplingTensors.build([self.params[sw.seq_id] for sw in sampled],
+                                       [self.params[sw.seq_id].seed for sw in sampled],
+                                       [sw.out_pos for sw in sampled], self.device)
+            for sw, tok in zip(sampled, sample(logits, st).tolist()):      # the step's one host read
+                tokens[sw.seq_id] = tok
+            for j, sw in enumerate(sampled):
+                if sw.return_logits == "last":
+                    out_logits[sw.seq_id] = logits[j:j + 1].cpu().numpy()
+        starts = np.cumsum([0] + [len(sw.token_ids) for sw in work.seqs])
         for i, sw in enumerate(work.seqs):
-            tokens[sw.seq_id] = self.samplers[sw.seq_id].sample(logits[i])
-            if sw.return_logits == "last":
-                out_logits[sw.seq_id] = logits[i:i + 1].cpu().numpy()
-            elif sw.return_logits == "all":
-                lo = int(ends[i]) - len(sw.token_ids)
-                out_logits[sw.seq_id] = self.model.logits(hidden[lo:int(ends[i])]).float().cpu().numpy()
+            if sw.return_logits == "all":
+                out_logits[sw.seq_id] = self.model.logits(hidden[starts[i]:starts[i + 1]]).float().cpu().numpy()
         return tokens, out_logits

@@ -45,11 +45,12 @@ def test_max_num_seqs_and_max_num_batched_tokens_bound_each_router_per_step():
         s.submit(req(n=3))
     work = run_step(s)
     assert len(work[0].seqs) == 2                          # 3 + 3 tokens fit, the third prompt waits
-    assert s.counts() == dict(waiting=1, running=2)
+    assert (s.counts()["waiting"], s.counts()["running"]) == (1, 2)
     s = sched(routers=1, max_num_seqs=8, max_num_batched_tokens=7)
     for _ in range(3):
         s.submit(req(n=3))
-    assert sum(len(sw.token_ids) for sw in s.schedule()[0].seqs) == 6
+    work = s.schedule()[0].seqs                            # chunked prefill fills the budget: 3 + 3 + 1
+    assert sum(len(sw.token_ids) for sw in work) == 7 and [sw.sample for sw in work] == [True, True, False]
 
 
 def test_sequences_finish_at_max_tokens_or_eos_and_are_released_on_their_router():
@@ -103,4 +104,65 @@ def test_a_full_queue_refuses_new_requests():
 ])
 def test_invalid_requests_are_refused_with_what_is_allowed(request_, match):
     with pytest.raises(ValueError, match=match):
-        validate_request(request_, VOCAB, max_model_len=100, max_num_batched_tokens=4096)
+        validate_request(request_, VOCAB, max_model_len=100, max_kv_tokens=4096)
+
+
+def feed(s, work, token=7):
+    """Answer a scheduled step: every sequence that samples gets ``token``."""
+    s.on_results(work, {sw.seq_id: token for rw in work for sw in rw.seqs if sw.sample}, {})
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_after_the_decodes_and_samples_once():
+    s = Scheduler(1, Limits(max_num_batched_tokens=4), [EOS], block_size=4, num_blocks=64)
+    short = s.submit(req(n=2, max_tokens=5))
+    feed(s, s.schedule())                                   # short: prefill, first token
+    long = s.submit(req(n=10, max_tokens=2))
+    chunks = []
+    while long.cached < 10:
+        work = s.schedule()
+        mine = {sw.seq_id: sw for sw in work[0].seqs}
+        assert mine[short.seq_id].token_ids == (7,)         # the decode goes first, every step
+        sw = mine[long.seq_id]
+        chunks.append((sw.start, len(sw.token_ids), sw.sample))
+        feed(s, work)
+    assert chunks == [(0, 3, False), (3, 3, False), (6, 3, False), (9, 1, True)]
+    assert long.output == [7] and len(long.blocks) == 3      # 11 tokens known, 10 cached: blocks for 10
+
+
+def test_admission_waits_for_free_blocks_and_blocks_come_back_when_a_sequence_finishes():
+    s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=4)
+    a, b, c = (s.submit(req(n=7, max_tokens=1)) for _ in range(3))      # 2 blocks each
+    work = s.schedule()
+    assert [sw.seq_id for sw in work[0].seqs] == [a.seq_id, b.seq_id]
+    assert sorted(sw.new_blocks for sw in work[0].seqs) == [(0, 1), (2, 3)]
+    assert s.counts()["kv_blocks_used"] == 4 and s.counts()["waiting"] == 1
+    feed(s, work)                                           # max_tokens 1: both finish, blocks free
+    work = s.schedule()
+    assert [sw.seq_id for sw in work[0].seqs] == [c.seq_id] and set(work[0].release) == {a.seq_id, b.seq_id}
+
+
+def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed_later():
+    s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=3)
+    old = s.submit(req(n=4, max_tokens=6, ignore_eos=True))
+    new = s.submit(req(n=3, max_tokens=6, ignore_eos=True))
+    released, recomputed = [], []
+    for step in range(40):
+        work = s.schedule()
+        if work is None:
+            break
+        released += work[0].release
+        for sw in work[0].seqs:
+            if sw.seq_id == new.seq_id and sw.start == 0 and new.output:     # recomputed after its preemption
+                recomputed.append((sw.token_ids, sw.out_pos, list(new.output)))
+        assert s.counts()["kv_blocks_used"] <= 3
+        feed(s, work, token=20 + step)
+    assert s.counts()["preemptions"] >= 1 and new.seq_id in released and old.seq_id not in released[:1]
+    tokens, out_pos, before = recomputed[0]
+    assert tokens == tuple(new.req.prompt_ids) + tuple(before) and out_pos == len(before)
+    assert old.finished == "length" and new.finished == "length" and len(new.output) == 6
+    assert s.counts()["kv_blocks_used"] == 0
+
+
+def test_a_request_that_can_never_fit_the_kv_cache_is_refused():
+    with pytest.raises(ValueError, match="can never fit"):
+        validate_request(GenerateRequest((1,) * 10, 10), VOCAB, max_model_len=100, max_kv_tokens=16)

@@ -34,6 +34,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exchange", choices=("auto", "collective", "nvlink"), default="auto",
                    help="how rows travel per MoE layer: nvlink (direct stores into peers' memory, one host, "
                         "CUDA + Triton), collective (all-to-all), auto (nvlink where every rank can, default)")
+    g.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto: read the checkpoint's safetensors files (default); dummy: seeded random weights "
+                        "made on each rank's device from config.json alone (vLLM's name; for benchmarks)")
     g.add_argument("--migration-bytes-per-step", type=int, default=512 << 20, metavar="B",
                    help="weight bytes moved per destination worker per step during a migration (default 512 MiB)")
     e = p.add_argument_group("EPLB")
@@ -53,6 +56,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="new tokens per router per step (default 4096)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests waiting for admission; more answer RESOURCE_EXHAUSTED (default 1024)")
+    k = p.add_argument_group("KV cache")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    k.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="share of each GPU's memory a rank may use; the KV cache gets what the weights leave "
+                        "(default 0.9)")
+    k.add_argument("--num-gpu-blocks-override", type=int, default=0, metavar="N",
+                   help="exactly N KV blocks per router instead of sizing from memory (default: size from memory)")
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -64,6 +74,60 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     g.add_argument("--grace-period", type=float, default=30.0, metavar="S",
                    help="seconds in-flight calls get to finish at shutdown (default 30)")
+
+
+API_KEY_ENV = "MOESERVE_API_KEY"
+
+
+def add_http_flags(p: argparse.ArgumentParser, http_port: bool = True, max_model_len: bool = True) -> None:
+    """The serving front end's OpenAI-compatible HTTP API and the serving API key."""
+    g = p.add_argument_group("OpenAI-compatible HTTP API")
+    if http_port:
+        g.add_argument("--http-port", type=port, default=None, metavar="PORT",
+                       help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                            "/v1/models, /health, /version, /metrics) on this port (0 = any free; default: none)")
+    g.add_argument("--api-key", metavar="KEY",
+                   help=f"clients of the serving API (HTTP and gRPC) must send 'Authorization: Bearer KEY' "
+                        f"(default: ${API_KEY_ENV}; none: open)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model name(s) requests use and /v1/models lists (default: the model as given)")
+    if max_model_len:
+        g.add_argument("--max-model-len", type=int, default=4096,
+                       help="the cluster's max_model_len: longer prompts are refused before tokenization ends "
+                            "(default 4096)")
+
+
+def api_key(args) -> str | None:
+    return getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
+
+
+VLLM_EPLB_KEYS = ("use_async", "log_balancedness_interval", "policy")
+
+
+def add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's parallelism flags, with what each means here (``moeserve serve``)."""
+    g = p.add_argument_group("vLLM compatibility")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="accepted: experts are always sharded over the expert-worker ranks")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                   help="with --enable-expert-parallel: N co-located ranks (each a router and an expert worker)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="1 only (moeserve shards experts, not layers): use --data-parallel-size N "
+                        "--enable-expert-parallel for N GPUs")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N", help="1 only")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted and unused: moeserve runs its own model code")
+
+
+def add_hub_flags(p: argparse.ArgumentParser) -> None:
+    """Models by Hugging Face id (moeserve.hub)."""
+    g = p.add_argument_group("models by Hugging Face id")
+    g.add_argument("--revision", metavar="REV", help="the model's branch, tag or commit (default main)")
+    g.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="tokenizer folder or id (default: the model's)")
+    g.add_argument("--tokenizer-revision", metavar="REV", help="the tokenizer's branch, tag or commit")
+    g.add_argument("--download-dir", metavar="DIR",
+                   help="the Hugging Face cache to read and download into (default: $HF_HUB_CACHE, $HF_HOME/hub "
+                        "or ~/.cache/huggingface/hub); $HF_HUB_OFFLINE=1 resolves from it alone")
 
 
 def add_token_flag(p: argparse.ArgumentParser) -> None:
@@ -160,6 +224,13 @@ def cluster_kwargs(args) -> dict:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if getattr(args, "exchange", "auto") == "nvlink" and args.backend != "nccl":
         raise UsageError("--exchange nvlink needs --backend nccl (CUDA devices); use auto or collective")
+    from moeserve.config import CacheConfig
+    cache = dict(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                 num_gpu_blocks_override=args.num_gpu_blocks_override)
+    try:
+        CacheConfig(**cache)
+    except ValueError as e:
+        raise UsageError(f"--{str(e).replace('_', '-')}") from None
     eplb = eplb_settings(args)
     from moeserve.config import EplbConfig
     try:
@@ -170,7 +241,8 @@ def cluster_kwargs(args) -> dict:
                 dtype=args.dtype, workers_per_node=args.workers_per_node,
                 migration_bytes_per_step=args.migration_bytes_per_step, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_waiting=args.max_waiting, exchange=getattr(args, "exchange", "auto"), **eplb)
+                max_waiting=args.max_waiting, exchange=getattr(args, "exchange", "auto"),
+                load_format=getattr(args, "load_format", "auto"), **cache, **eplb)
 
 
 def server_options(args, port: int, token: str | None = None):

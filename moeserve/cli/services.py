@@ -50,6 +50,7 @@ def register(subparsers) -> None:
     p.add_argument("--control-address", default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}", metavar="HOST:PORT",
                    help=f"the leader's local channel (key from ${F.CONTROL_KEY_ENV})")
     p.add_argument("--model", metavar="DIR", help="checkpoint folder, for its tokenizer (optional)")
+    F.add_http_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p)
     p.set_defaults(func=run_frontend)
@@ -109,7 +110,7 @@ def control_key() -> bytes:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    from moeserve.config import ClusterConfig, EplbConfig, Limits, admin_hook, rank_layout
+    from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, rank_layout
 
     kw = F.cluster_kwargs(args)
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
@@ -128,11 +129,13 @@ def run_rank(args: argparse.Namespace) -> int:
     key = control_key() if args.rank == 0 else b""
     eplb = EplbConfig(**{k: kw.pop(k) for k in list(kw) if k in EplbConfig.__dataclass_fields__})
     limits = Limits(**{k: kw.pop(k) for k in list(kw) if k in Limits.__dataclass_fields__})
+    cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__})
     opts = F.server_options(args, args.admin_port or 0)
     try:
         hook = {} if args.admin_port is None else admin_hook(args.admin_port, args.host, args.tls_cert or "",
                                                              args.tls_key or "", opts.max_message_bytes, opts.grace_s)
-        cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits, host=args.host, **hook,
+        cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits, cache=cache,
+                            host=args.host, **hook,
                             per_expert_metrics=args.per_expert_metrics, **kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -155,24 +158,71 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 def run_frontend(args: argparse.Namespace) -> int:
     from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.services import server
+    from moeserve.services.admission import Admission, AdmissionLimits
     from moeserve.services.frontend import load_tokenizer, make_server
 
     address = _host_port(args.control_address, "--control-address")
     key = control_key()
     opts = F.server_options(args, args.port)
+    api_key = F.api_key(args)
+    if args.max_model_len < 1:
+        raise UsageError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.http_port is not None and args.http_port == args.port and args.port != 0:
+        raise UsageError(f"--http-port and --port must differ, got {args.port} for both")
     _logging("frontend")
     _parent_watch()
     metrics = None
     pm = F.start_metrics(args, "frontend")
+    if pm is None and args.http_port is not None:       # /metrics on the HTTP port
+        from moeserve.metrics import ProcessMetrics
+        pm = ProcessMetrics("frontend")
     if pm is not None:
         from moeserve.metrics import FrontendMetrics
         from moeserve.services.server import SERVING
         metrics = FrontendMetrics(pm.registry)
         from moeserve.services.metrics import grpc_interceptor
         opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, grpc_interceptor(pm, SERVING)))
-    srv = make_server(AsyncEngineClient(address, key), load_tokenizer(args.model), opts, metrics)
-    server.run(server.serve_forever(srv, lambda port: print(f"serving front end on {args.host}:{port}", flush=True)))
+    admission = Admission(AsyncEngineClient(address, key), load_tokenizer(args.model), metrics,
+                          AdmissionLimits(max_model_len=args.max_model_len))
+    srv = make_server(None, None, opts, admission=admission, api_key=api_key)
+    if args.http_port is None:
+        server.run(server.serve_forever(srv, lambda port: print(f"serving front end on {args.host}:{port}",
+                                                                flush=True)))
+        return 0
+    from moeserve.services.http import HttpApi, HttpServer
+    names = args.served_model_name or [args.model or "default"]
+    api = HttpApi(admission, names, os.path.abspath(args.model) if args.model else "", api_key,
+                  pm.registry, max_body_bytes=opts.max_message_bytes)
+    http = HttpServer(api, args.host, args.http_port, opts.grace_s)
+    try:
+        server.run(_serve_both(srv, http, args.host))
+    except OSError as e:
+        print(f"moeserve frontend: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+async def _serve_both(grpc_server, http, host: str) -> None:
+    """The HTTP API and the gRPC serving service on one event loop until SIGTERM or SIGINT;
+    then both drain at once (new requests refused, in-flight ones get the grace period)."""
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await http.start()
+    print(f"HTTP API on http://{host}:{port}/v1", flush=True)
+    try:
+        await grpc_server.start()
+    except BaseException:
+        await http.stop()
+        raise
+    print(f"serving front end on {host}:{grpc_server.port}", flush=True)
+    await stop.wait()
+    logging.getLogger("moeserve.services").info("front end: shutting down (grace %.0f s)", http.grace_s)
+    await asyncio.gather(http.stop(), grpc_server.stop())
 
 
 def run_balancer(args: argparse.Namespace) -> int:

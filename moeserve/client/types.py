@@ -176,7 +176,8 @@ class EplbInfo:
 @dataclass(frozen=True)
 class ClusterStatus:
     """Steps, versions (layer_versions [L]), the running migration, the queue, the ranks, the
-    metrics ports (service -> port) and the model's shape; error: set when the cluster failed."""
+    metrics ports (service -> port) and the model's shape; error: set when the cluster failed;
+    the routers' KV blocks (total, in use) and the preemptions since start."""
 
     step: int
     forward_steps: int
@@ -191,12 +192,16 @@ class ClusterStatus:
     model: ModelInfo
     eplb: EplbInfo
     error: str
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    preemptions: int = 0
 
     @classmethod
     def from_msg(cls, m: admin_pb2.ClusterStatus) -> "ClusterStatus":
         return cls(m.step, m.forward_steps, m.uptime_s, m.placement_version, list(m.layer_versions),
                    _migration_or_none(m), m.waiting, m.running, [_flat(RankInfo, r) for r in m.ranks],
-                   dict(m.metrics_ports), _flat(ModelInfo, m.model), _flat(EplbInfo, m.eplb), m.error)
+                   dict(m.metrics_ports), _flat(ModelInfo, m.model), _flat(EplbInfo, m.eplb), m.error,
+                   m.kv_blocks_total, m.kv_blocks_used, m.preemptions)
 
 
 @dataclass(frozen=True)

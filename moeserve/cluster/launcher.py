@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeserve.config import ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
+from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
 from moeserve.router.engine.channel import ClusterError, EngineClient
@@ -74,11 +74,14 @@ class LocalCluster:
     num_redundant_experts: redundant slots per MoE layer ((E + R) % W must be 0).
     placement: initial phy2log [L, P] (default: slot p holds expert p mod E).
     backend: "gloo" (CPU) or "nccl" (one GPU per rank). Other keywords: see ClusterConfig,
-    EplbConfig and Limits (vLLM's names).
+    EplbConfig, Limits and CacheConfig (vLLM's names: block_size, gpu_memory_utilization,
+    num_gpu_blocks_override).
     admin_port: the leader serves the gRPC admin API there (-1: none, 0: a free port; see
     ``admin_address``), guarded by ``admin_token`` (passed to the leader in its environment).
     metrics_ports: one Prometheus port per rank (0: a free one), or None for no metrics;
     per_expert_metrics and metrics_peers: see ClusterConfig.
+    load_format: "auto" (the checkpoint's files) or "dummy" (seeded random weights made on each
+    rank's device from config.json alone; moeserve.models.dummy).
     """
 
     def __init__(self, model_dir, routers: int = 1, workers: int = 1, colocated: bool = False,
@@ -91,7 +94,9 @@ class LocalCluster:
                  admin_port: int = -1, admin_host: str = "127.0.0.1", admin_token: str | None = None,
                  admin_tls_cert: str = "", admin_tls_key: str = "", max_message_bytes: int = 64 << 20,
                  grace_s: float = 30.0, metrics_ports=None, per_expert_metrics: str = "auto",
-                 metrics_peers: dict | None = None, exchange: str = "auto"):
+                 metrics_peers: dict | None = None, exchange: str = "auto", block_size: int = 16,
+                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int = 0,
+                 cpu_kv_cache_gib: float = 1.0, load_format: str = "auto"):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
@@ -121,10 +126,12 @@ class LocalCluster:
                             window_size=window_size, step_interval=step_interval, log_balancedness=log_balancedness),
             limits=Limits(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting),
+            cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                              num_gpu_blocks_override=num_gpu_blocks_override, cpu_kv_cache_gib=cpu_kv_cache_gib),
             workers_per_node=workers_per_node, phy2log=phy2log, migration_bytes_per_step=migration_bytes_per_step,
             max_staging_bytes=max_staging_bytes,
             heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, host=admin_host, **hook,
-            per_expert_metrics=per_expert_metrics, exchange=exchange,
+            per_expert_metrics=per_expert_metrics, exchange=exchange, load_format=load_format,
             metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
         if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
             raise ValueError(f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}")

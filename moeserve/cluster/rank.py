@@ -51,7 +51,7 @@ def initial_placement(cfg: ClusterConfig, num_layers: int, num_logical: int) -> 
 
 def build(cfg: ClusterConfig, rank: int) -> RankState:
     """Load this rank's share of the model and join the process groups."""
-    from moeserve.models import CheckpointReader, load_config, load_model
+    from moeserve.models import load_config, load_model, open_reader
 
     world = cfg.world_size
     if cfg.backend == "nccl":
@@ -72,7 +72,8 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     topo = None
     role = cfg.role(rank)
     if role.router_index >= 0:
-        info_model = load_model(cfg.model_dir, dtype=dtype, device=device, load_experts=False)
+        info_model = load_model(cfg.model_dir, dtype=dtype, device=device, load_experts=False,
+                                load_format=cfg.load_format)
         info = info_model.moe_info
     else:
         info = _moe_info(cfg.model_dir, dtype)
@@ -85,16 +86,17 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     if role.worker_index >= 0:
         from moeserve.expert_worker.migration import run_moves
         from moeserve.expert_worker.store import ExpertStore
-        reader = CheckpointReader(cfg.model_dir)
-        st.store = ExpertStore.from_checkpoint(reader, info.expert_spec, role.worker_index, placement.phy2log,
-                                               topo.num_workers, device, cfg.max_staging_bytes)
+        # "dummy": every worker makes an expert from (seed, its name), so replicas are identical
+        with open_reader(cfg.model_dir, cfg.load_format, device) as reader:
+            st.store = ExpertStore.from_checkpoint(reader, info.expert_spec, role.worker_index, placement.phy2log,
+                                                   topo.num_workers, device, cfg.max_staging_bytes)
         st.run_moves = partial(run_moves, store=st.store, topo=topo)
     if role.router_index >= 0:
         from moeserve.router.dispatcher import DistributedExperts, RouterMaps
         from moeserve.router.runner import RouterRunner
         st.maps = RouterMaps(placement.phy2log, e, cfg.eplb.num_redundant_experts + 1, device)
         experts = DistributedExperts(exchange, st.maps, role.router_index, info.num_moe_layers, st.store)
-        st.runner = RouterRunner(info_model, experts)
+        st.runner = RouterRunner(info_model, experts, kv_blocks(cfg, mcfg, dtype, device), cfg.cache.block_size)
     if rank == 0:
         from moeserve.router.engine.api import ModelShape
         from moeserve.router.engine.leader import Engine
@@ -105,6 +107,36 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     from moeserve.expert_worker.migration import warm_up_pairs
     warm_up_pairs(rank, world, device)
     return st
+
+
+def kv_blocks(cfg: ClusterConfig, mcfg, dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks of this router's KV pool: ``num_gpu_blocks_override``, else what the memory left
+    after the weights and the exchange's buffers allows (GPU: gpu_memory_utilization of the
+    device, less room for one step's activations; CPU: cpu_kv_cache_gib), at most what
+    max_num_seqs sequences of max_model_len tokens need."""
+    from moeserve.models.paged import PagedKVCache
+    c, lim = cfg.cache, cfg.limits
+    per_block = PagedKVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, c.block_size, dtype)
+    enough = lim.max_num_seqs * -(-lim.max_model_len // c.block_size) + 1
+    if c.num_gpu_blocks_override:
+        return c.num_gpu_blocks_override
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # A step's activations: hidden states and MLP of max_num_batched_tokens tokens, and the
+        # logits of max_num_seqs rows (fp32) with the sampler's temporaries.
+        width = max(mcfg.intermediate_size, mcfg.hidden_size * 4)
+        activations = (lim.max_num_batched_tokens * (mcfg.hidden_size * 8 + width * 3) * dtype.itemsize
+                       + lim.max_num_seqs * mcfg.vocab_size * 4 * 6 + (1 << 30))
+        budget = int(total * c.gpu_memory_utilization) - used - activations
+    else:
+        budget = int(c.cpu_kv_cache_gib * (1 << 30))
+    blocks = min(enough, budget // per_block)
+    if blocks < 1:
+        raise RuntimeError(f"no memory is left for the KV cache ({budget / 2**30:.2f} GiB after the weights and "
+                           f"activations; one block of {c.block_size} tokens needs {per_block} bytes): raise "
+                           f"gpu_memory_utilization, lower max_num_batched_tokens, or use more GPUs")
+    return int(blocks)
 
 
 def make_exchange(cfg: ClusterConfig, topo: Topology, rank: int, device: torch.device, control,
@@ -149,8 +181,9 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
     local channel on (control_host, control_port) and runs ``cfg.leader_hook`` with its engine;
     with ``run_dir`` it writes what the hook returns as ``<name>.json`` and then
     ``control.json`` there once it is ready. With ``metrics_port`` (0: a free port) the rank
-    serves Prometheus metrics on ``cfg.host``; every rank's port reaches the leader in one
-    gather at start (-1 for a rank without metrics), which reports them in its status."""
+    serves Prometheus metrics on ``cfg.host``; every rank's port (-1 for a rank without
+    metrics) and KV blocks (0 for a worker) reach the leader in one gather at start: it reports
+    the ports in its status and admits requests by the blocks."""
     st = None
     hooked = None
     metrics = None
@@ -162,13 +195,15 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
             log.info("metrics on http://%s:%d/metrics", cfg.host, metrics.port)
         st = build(cfg, rank)
         ports = [None] * cfg.world_size if rank == 0 else None
-        dist.gather_object(metrics.port if metrics else -1, ports, dst=0, group=st.control_group)
+        blocks = st.runner.cache.num_blocks if st.runner is not None else 0
+        dist.gather_object((metrics.port if metrics else -1, blocks), ports, dst=0, group=st.control_group)
         if metrics is not None:
             _record_metrics(metrics, st, cfg)
         if st.leader is not None:
             engine = st.leader
-            engine.metrics_ports = {**{f"rank{r}": int(p) for r, p in enumerate(ports) if p >= 0},
+            engine.metrics_ports = {**{f"rank{r}": int(p) for r, (p, _) in enumerate(ports) if p >= 0},
                                     **dict(cfg.metrics_peers)}
+            engine.set_kv_capacity([ports[r][1] for r in range(cfg.world_size) if cfg.role(r).router_index >= 0])
             from moeserve.router.engine.channel import ChannelServer
             server = ChannelServer(engine, authkey, control_host, control_port)
             server.start()

@@ -21,10 +21,15 @@ from moeserve.sampling import SamplingParams
 class SeqWork:
     """One sequence's share of a step on its router.
 
-    token_ids: the new tokens of this step (the whole prompt at prefill, else the last sampled
-    token); start: tokens already in this sequence's KV cache on the router; sampling: set
-    when the sequence is new (start == 0) and its sampler must be created; return_logits:
-    "" (none), "last" (the logits the token is sampled from) or "all" (every new position).
+    token_ids: the new tokens of this step (a prompt or a chunk of it, a recomputed prompt plus
+    the tokens it had produced, or the last sampled token); start: tokens already in this
+    sequence's KV cache on the router (0: a new, or recomputed, sequence: the router starts a
+    fresh block table); new_blocks: KV block ids the leader appended to its block table for
+    this step; sampling: set when start == 0 (its seed is always set, by the leader);
+    sample: whether a token is sampled at the end of this step (False for a prefill chunk that
+    is not the prompt's last); out_pos: the index of that token among the request's outputs
+    (the sampler's counter); return_logits: "" (none), "last" (the logits the token is sampled
+    from) or "all" (every new position).
     """
 
     seq_id: int
@@ -32,6 +37,9 @@ class SeqWork:
     start: int
     sampling: SamplingParams | None = None
     return_logits: str = ""
+    new_blocks: tuple[int, ...] = ()
+    sample: bool = True
+    out_pos: int = 0
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             step=s.step, forward_steps=s.forward_steps, uptime_s=s.uptime_s,
             placement_version=s.placement_version, layer_versions=list(s.layer_versions),
             waiting=s.waiting, running=s.running, ranks=self._ranks(), error=s.error or "",
+            kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, preemptions=s.preemptions,
             model=admin_pb2.ModelInfo(num_moe_layers=e.shape.num_moe_layers, num_logical_experts=e.shape.num_logical_experts,
                                       num_slots=p.num_slots, num_workers=p.num_workers,
                                       workers_per_node=p.workers_per_node, top_k=e.shape.top_k,

@@ -107,9 +107,10 @@ Event = Union[Token, Finished, Failed]
 """A request's events: Token* then one Finished or Failed."""
 
 
-def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, max_kv_tokens: int) -> None:
     """Raise InvalidRequest saying what is wrong and what is allowed. Called once per request,
-    by :meth:`EngineAPI.submit`, before the request can reach a step."""
+    by :meth:`EngineAPI.submit`, before the request can reach a step. ``max_kv_tokens``: the
+    most tokens one router's KV cache holds (a request that could never fit is refused)."""
     if not req.prompt_ids:
         raise InvalidRequest("the prompt is empty: give at least one token")
     ids = np.asarray(req.prompt_ids, dtype=np.int64)
@@ -125,9 +126,10 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
     if total > max_model_len:
         raise InvalidRequest(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
                              f"exceeds max_model_len {max_model_len}")
-    if len(req.prompt_ids) > max_num_batched_tokens:
-        raise InvalidRequest(f"prompt of {len(req.prompt_ids)} tokens exceeds max_num_batched_tokens "
-                             f"{max_num_batched_tokens} (no chunked prefill in this version)")
+    if total > max_kv_tokens:
+        raise InvalidRequest(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
+                             f"can never fit in a router's KV cache ({max_kv_tokens} tokens): lower max_tokens "
+                             f"or give the cache more memory")
     if req.return_logits not in RETURN_LOGITS:
         raise InvalidRequest(f"return_logits must be '', 'last' or 'all', got {req.return_logits!r}")
 
@@ -186,6 +188,9 @@ class EngineStatus:
     waiting: int
     running: int
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    kv_blocks_total: int = 0                 # KV blocks of every router, and those in use
+    kv_blocks_used: int = 0
+    preemptions: int = 0                     # sequences preempted (recomputed later) since start
     moved_slots: int = 0                     # slots and bytes moved by migrations since start
     moved_bytes: int = 0
     migrations_ended: dict[str, int] = field(default_factory=dict)   # state name -> count

@@ -11,6 +11,7 @@ enqueue work for the next header: they never wait for a step except where they s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from moeserve.router.engine.api import (EngineAPI, EngineStatus, EplbDisabled, G
                                         ModelShape, NotFound, Unavailable, validate_request)
 from moeserve.router.engine.migration import Migrator
 from moeserve.router.engine.scheduler import Scheduler, Sequence
+from moeserve.sampling import request_seed
 
 log = logging.getLogger("moeserve.leader")
 
@@ -35,7 +37,7 @@ class Engine(EngineAPI):
     def __init__(self, cfg: ClusterConfig, shape: ModelShape, placement: Placement):
         self.cfg = cfg
         self.shape = shape
-        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids)
+        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids, cfg.cache.block_size)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
         self._load_lock = threading.Lock()
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
@@ -68,8 +70,14 @@ class Engine(EngineAPI):
         if self._stop.is_set() or self.error:
             raise Unavailable(self.error or "the cluster is shutting down")
         lim = self.cfg.limits
-        validate_request(req, self.shape.vocab_size, lim.max_model_len, lim.max_num_batched_tokens)
+        validate_request(req, self.shape.vocab_size, lim.max_model_len, self.scheduler.max_kv_tokens)
+        if req.sampling.seed is None:            # fixed now: a recomputed (preempted) request samples the same
+            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=request_seed(req.sampling)))
         return self.scheduler.submit(req, sink)
+
+    def set_kv_capacity(self, blocks_per_router: list[int]) -> None:
+        """The KV blocks each router allocated (reported once at start, before any request)."""
+        self.scheduler.set_capacity(blocks_per_router)
 
     def cancel(self, seq: Sequence) -> None:
         self.scheduler.cancel(seq)
@@ -149,6 +157,8 @@ class Engine(EngineAPI):
                             placement_version=int(p.version), layer_versions=tuple(int(v) for v in p.layer_versions),
                             migration=self.migrator.active_progress(), error=self.error,
                             waiting=counts["waiting"], running=counts["running"],
+                            kv_blocks_total=counts["kv_blocks_total"], kv_blocks_used=counts["kv_blocks_used"],
+                            preemptions=counts["preemptions"],
                             metrics_ports=dict(self.metrics_ports), moved_slots=slots, moved_bytes=nbytes,
                             migrations_ended=ended)
 

@@ -1,11 +1,17 @@
-"""Continuous batching on the leader: which sequences each router runs in the next step.
+"""Continuous batching on the leader: which sequences each router runs in the next step, and
+which KV blocks they hold.
 
-Every step, each router decodes one token for each of its running sequences and admits
-waiting prompts (whole prompts: no chunked prefill in wave 1) while its limits allow:
-``max_num_seqs`` running sequences per router, ``max_num_batched_tokens`` new tokens per
-router per step. A new sequence goes to the router with the fewest running sequences and
-stays there (its KV cache lives there). Finished and cancelled sequences are released on
-their router in the next header.
+Every step, per router and within its limits (``max_num_seqs`` running sequences,
+``max_num_batched_tokens`` new tokens per step): running sequences go first, oldest first
+(a decode feeds one token, a prompt longer than the budget continues with its next chunk:
+chunked prefill), then waiting prompts are admitted in arrival order while free KV blocks
+allow. A new sequence goes to the router with the fewest running sequences and stays there
+(its KV blocks live there). When a running sequence needs a block and none is free, the
+newest running sequence of that router is preempted: its blocks are freed and it waits at the
+head of the queue, to be recomputed later from its prompt and the tokens it already produced
+(its sampling is keyed by (seed, output position), so it produces the same tokens). Finished,
+cancelled and preempted sequences are released on their router in the next header; their
+blocks are free at once, since the router applies releases before the step's work.
 
 Requests are validated before they get here (``EngineAPI.submit`` calls
 ``api.validate_request`` once), so nothing a client sends can make a rank fail in the middle of
@@ -25,13 +31,15 @@ import numpy as np
 from moeserve.config import Limits
 from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.router.engine.api import Event, Failed, Finished, FinishReason, GenerateRequest, QueueFull, Token
+from moeserve.router.engine.blocks import BlockAllocator, blocks_for
 
 
 @dataclass
 class Sequence:
-    """A request in flight. ``sink`` receives its events (``api.Token``\*, then one
+    """A request in flight. ``sink`` receives its events (``api.Token`` s, then one
     ``api.Finished`` or ``api.Failed``) on the step driver's thread; by default they go to
-    ``events``, a queue."""
+    ``events``, a queue. ``known`` is the prompt and the tokens generated so far: what the KV
+    cache must hold before the next token is sampled; ``cached`` of them are in it."""
 
     seq_id: int
     req: GenerateRequest
@@ -39,9 +47,13 @@ class Sequence:
     sink: Callable[[Event], None] | None = None
     events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     router: int = -1
+    known: list = field(default_factory=list)
     output: list = field(default_factory=list)
-    cached: int = 0                 # tokens in the router's KV cache
-    next_tokens: tuple = ()         # what the next step feeds
+    cached: int = 0
+    blocks: list = field(default_factory=list)     # the block table on its router
+    new_blocks: list = field(default_factory=list) # blocks it gained in the step being scheduled
+    admitted: int = 0                              # admission order: the newest is preempted first
+    partial_logits: list = field(default_factory=list)   # "all" logits of earlier prefill chunks
     cancelled: bool = False
     finished: FinishReason | None = None
 
@@ -51,18 +63,35 @@ class Sequence:
 
 class Scheduler:
     """Thread-safe: ``submit``/``cancel`` from any thread, ``schedule``/``on_results`` from
-    the leader's step driver only."""
+    the leader's step driver only. ``num_blocks``: KV blocks of each router (``set_capacity``
+    once the routers reported theirs)."""
 
-    def __init__(self, num_routers: int, limits: Limits, eos_ids):
+    def __init__(self, num_routers: int, limits: Limits, eos_ids, block_size: int = 16,
+                 num_blocks: int | list[int] = 1 << 20):
         self.num_routers = num_routers
         self.limits = limits
         self.eos_ids = frozenset(eos_ids)
+        self.block_size = block_size
         self._lock = threading.Lock()
         self._waiting: deque[Sequence] = deque()
         self._running: list[dict[int, Sequence]] = [dict() for _ in range(num_routers)]
         self._release: list[list[int]] = [[] for _ in range(num_routers)]
         self._ids = itertools.count(1)
+        self._admissions = itertools.count(1)
+        self.preemptions = 0
         self.work_available = threading.Event()
+        self.set_capacity(num_blocks)
+
+    def set_capacity(self, num_blocks: int | list[int]) -> None:
+        """The KV blocks of each router (before any request runs)."""
+        per = [num_blocks] * self.num_routers if isinstance(num_blocks, int) else list(num_blocks)
+        with self._lock:
+            self._blocks = [BlockAllocator(n, self.block_size) for n in per]
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """The longest sequence (prompt + max_tokens) any router can hold alone."""
+        return min(a.num_blocks for a in self._blocks) * self.block_size
 
     # -- any thread ------------------------------------------------------------------------
 
@@ -72,7 +101,7 @@ class Scheduler:
             if len(self._waiting) >= self.limits.max_waiting:
                 raise QueueFull(f"the admission queue is full ({self.limits.max_waiting} waiting requests); retry later")
             seq = Sequence(next(self._ids), req, frozenset() if req.ignore_eos else self.eos_ids, sink)
-            seq.next_tokens = tuple(req.prompt_ids)
+            seq.known = list(req.prompt_ids)
             self._waiting.append(seq)
         self.work_available.set()
         return seq
@@ -84,7 +113,9 @@ class Scheduler:
 
     def counts(self) -> dict:
         with self._lock:
-            return dict(waiting=len(self._waiting), running=sum(len(r) for r in self._running))
+            return dict(waiting=len(self._waiting), running=sum(len(r) for r in self._running),
+                        kv_blocks_total=sum(a.num_blocks for a in self._blocks),
+                        kv_blocks_used=sum(a.num_used for a in self._blocks), preemptions=self.preemptions)
 
     # -- step driver -----------------------------------------------------------------------
 
@@ -94,28 +125,63 @@ class Scheduler:
             self._drop_cancelled()
             budget = [self.limits.max_num_batched_tokens] * self.num_routers
             seqs: list[list[SeqWork]] = [[] for _ in range(self.num_routers)]
-            for r, running in enumerate(self._running):
-                for seq in running.values():
-                    if seq.cached > 0:                          # decoding: one token
-                        seqs[r].append(SeqWork(seq.seq_id, seq.next_tokens, seq.cached,
-                                               return_logits=seq.req.return_logits and "last"))
-                        budget[r] -= 1
+            for r in range(self.num_routers):
+                for seq in sorted(self._running[r].values(), key=lambda s: s.admitted):
+                    if seq.seq_id not in self._running[r]:           # preempted earlier in this loop
+                        continue
+                    take = min(len(seq.known) - seq.cached, budget[r])
+                    if take > 0 and self._reserve(r, seq, take):
+                        seqs[r].append(self._work(seq, take))
+                        budget[r] -= take
             while self._waiting:
                 seq = self._waiting[0]
                 r = int(np.argmin([len(x) for x in self._running]))
-                need = len(seq.next_tokens)
-                if len(self._running[r]) >= self.limits.max_num_seqs or need > budget[r]:
+                take = min(len(seq.known), budget[r])
+                need = blocks_for(take, self.block_size)
+                if len(self._running[r]) >= self.limits.max_num_seqs or take == 0 or need > self._blocks[r].num_free:
                     break
                 self._waiting.popleft()
-                seq.router = r
+                seq.router, seq.admitted = r, next(self._admissions)
                 self._running[r][seq.seq_id] = seq
-                seqs[r].append(SeqWork(seq.seq_id, seq.next_tokens, 0, seq.req.sampling, seq.req.return_logits))
-                budget[r] -= need
+                self._reserve(r, seq, take)
+                seqs[r].append(self._work(seq, take))
+                budget[r] -= take
             release = [tuple(x) for x in self._release]
             self._release = [[] for _ in range(self.num_routers)]
             if not any(seqs) and not any(release):
                 return None
             return tuple(RouterWork(tuple(s), rel) for s, rel in zip(seqs, release))
+
+    def _reserve(self, r: int, seq: Sequence, take: int) -> bool:
+        """Give ``seq`` the blocks for ``take`` more tokens, preempting the newest running
+        sequences of router r while none are free; False when ``seq`` itself was preempted."""
+        alloc = self._blocks[r]
+        need = blocks_for(seq.cached + take, self.block_size) - len(seq.blocks)
+        while need > alloc.num_free:
+            victim = max(self._running[r].values(), key=lambda s: s.admitted)
+            self._preempt(r, victim)
+            if victim is seq:
+                return False
+        seq.new_blocks = alloc.allocate(max(0, need))
+        seq.blocks.extend(seq.new_blocks)
+        return True
+
+    def _work(self, seq: Sequence, take: int) -> SeqWork:
+        start = seq.cached
+        last = start + take == len(seq.known)
+        logits = seq.req.return_logits
+        return SeqWork(seq.seq_id, tuple(seq.known[start:start + take]), start,
+                       sampling=seq.req.sampling if start == 0 else None,
+                       return_logits=logits if start == 0 or logits == "all" else logits and "last",
+                       new_blocks=tuple(seq.new_blocks), sample=last, out_pos=len(seq.output))
+
+    def _preempt(self, r: int, seq: Sequence) -> None:
+        self._blocks[r].free(seq.blocks)
+        seq.blocks, seq.cached, seq.partial_logits = [], 0, []
+        del self._running[r][seq.seq_id]
+        self._release[r].append(seq.seq_id)
+        self._waiting.appendleft(seq)
+        self.preemptions += 1
 
     def on_results(self, work: tuple[RouterWork, ...], tokens: dict[int, int], logits: dict[int, np.ndarray]) -> None:
         """Record the tokens sampled in a step and finish the sequences that are done."""
@@ -125,11 +191,19 @@ class Scheduler:
                     seq = self._running[r].get(sw.seq_id)
                     if seq is None:
                         continue
-                    tok = tokens[sw.seq_id]
                     seq.cached = sw.start + len(sw.token_ids)
+                    lg = logits.get(sw.seq_id)
+                    if not sw.sample:                               # a prefill chunk: nothing sampled yet
+                        if lg is not None:
+                            seq.partial_logits.append(lg)
+                        continue
+                    if seq.partial_logits and lg is not None:
+                        lg = np.concatenate([*seq.partial_logits, lg])
+                        seq.partial_logits = []
+                    tok = tokens[sw.seq_id]
                     seq.output.append(tok)
-                    seq.next_tokens = (tok,)
-                    seq.emit(Token(tok, logits.get(sw.seq_id)))
+                    seq.known.append(tok)
+                    seq.emit(Token(tok, lg))
                     reason = None
                     if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
                         reason = FinishReason.STOP
@@ -152,6 +226,8 @@ class Scheduler:
     def _finish(self, r: int, seq: Sequence, reason: FinishReason) -> None:
         seq.finished = reason
         del self._running[r][seq.seq_id]
+        self._blocks[r].free(seq.blocks)
+        seq.blocks = []
         self._release[r].append(seq.seq_id)
         seq.emit(Finished(reason))
 
