@@ -14,7 +14,8 @@ import sys
 from moeserve import __version__
 
 # Modules under moeserve.cli that provide subcommands, in the order ``--help`` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "init_model", "generate", "up", "services", "ops", "health")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "init_model", "generate", "serve", "up", "services", "ops",
+                                        "health")
 
 
 class UsageError(Exception):

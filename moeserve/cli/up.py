@@ -8,6 +8,10 @@ stops, then the ranks; every child exits (no orphans). The balancer keeps no sta
 dies it is started again (serving goes on meanwhile); when a rank or the front end dies,
 everything is torn down and the exit code is 1.
 
+``--http-port H``: the front end also serves the OpenAI-compatible HTTP API on H
+(``moeserve.services.http``; ``moeserve serve`` is ``up`` with the HTTP API on ``--port``).
+``--api-key`` (or $MOESERVE_API_KEY) guards the serving API, HTTP and gRPC alike.
+
 ``--metrics-port M``: every process serves Prometheus metrics: the router leader (rank 0) on
 M, the balancer on M+1, the front end on M+2, then every other rank in rank order (M+3, ...);
 M = 0 gives each a free port. The list is printed once ready, and the leader reports it in
@@ -38,6 +42,7 @@ def register(subparsers) -> None:
     g.add_argument("--admin-port", type=F.port, default=8001, help="admin API of the leader (default 8001)")
     g.add_argument("--balancer-port", type=F.port, default=8002, help="balancer (default 8002)")
     F.add_token_flag(p)
+    F.add_http_flags(p, max_model_len=False)
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
@@ -89,13 +94,19 @@ def metrics_layout(base: int | None, world_size: int) -> dict[str, int] | None:
 
 def run(args: argparse.Namespace) -> int:
     from moeserve.cluster.launcher import LocalCluster, _die_with_parent, free_port
+    from moeserve.router.engine.channel import ClusterError
 
+    prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
     kw = F.cluster_kwargs(args)
     opts = F.server_options(args, 0)                    # validates the server flags
     token = F.token(args) or secrets.token_urlsafe(18)
+    http_port = getattr(args, "http_port", None)
     ports = {k: getattr(args, k) or free_port() for k in ("port", "admin_port", "balancer_port")}
-    if len(set(ports.values())) < 3:
-        raise UsageError(f"--port, --admin-port and --balancer-port must differ, got {sorted(ports.values())}")
+    if http_port is not None:
+        ports["http_port"] = http_port or free_port()
+    if len(set(ports.values())) < len(ports):
+        names = "--port, --admin-port, --balancer-port" + (" and the HTTP port" if http_port is not None else "")
+        raise UsageError(f"{names} must differ, got {sorted(ports.values())}")
     loop = F.loop_config(args, None, kw.get("step_interval"))   # validates the balancer flags
     host = args.host
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
@@ -112,21 +123,42 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
 
+    # Ctrl-C at a terminal reaches the whole foreground process group: the ranks block SIGINT
+    # (a blocked mask survives fork and exec) and the front end and the balancer sit in
+    # sessions of their own, so that this process alone decides: a signal while starting stops
+    # everything at once, a signal once ready drains the front end first, as SIGTERM does.
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    starting = [True]
+
+    def on_signal(*_):
+        stop.set()
+        if starting[0]:
+            raise KeyboardInterrupt
+
     children: list[subprocess.Popen] = []
-    cluster.start()
     try:
+        try:
+            _start_cluster(cluster, world, on_signal, getattr(args, "startup_progress", False), args.model)
+        except ClusterError as e:
+            print(f"{prog}: the cluster did not start: {e}", file=sys.stderr, flush=True)
+            return 1
         env = dict(os.environ, MOESERVE_PARENT_PID=str(os.getpid()), MOESERVE_ADMIN_TOKEN=token,
                    **{F.CONTROL_KEY_ENV: cluster.authkey.hex()})
+        api_key = F.api_key(args)
+        if api_key:
+            env[F.API_KEY_ENV] = api_key                  # not on the command line, where ps shows it
         common = ["--host", host, "--max-message-bytes", str(opts.max_message_bytes),
                   "--grace-period", str(opts.grace_s)]
         if args.tls_cert:
             common += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
         chost, cport = cluster.control_address
+        tokenizer = getattr(args, "tokenizer_dir", None) or args.model
         front = [sys.executable, "-m", "moeserve", "frontend", "--port", str(ports["port"]),
-                 "--control-address", f"{chost}:{cport}", "--model", args.model, *common]
+                 "--control-address", f"{chost}:{cport}", "--model", tokenizer,
+                 "--max-model-len", str(args.max_model_len), *common]
+        names = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
+        if http_port is not None:
+            front += ["--http-port", str(ports["http_port"]), "--served-model-name", *names]
         bal = [sys.executable, "-m", "moeserve", "balancer", "--balancer-port", str(ports["balancer_port"]),
                "--admin-address", f"{host}:{ports['admin_port']}", "--eplb-step-interval", str(loop.step_interval),
                "--eplb-min-balancedness", str(loop.min_balancedness), "--eplb-min-gain", str(loop.min_gain),
@@ -141,39 +173,148 @@ def run(args: argparse.Namespace) -> int:
 
         def spawn(name, cmd):
             with open(os.path.join(logs, f"{name}.log"), "ab") as out:
-                return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
         children.extend([spawn("frontend", front), spawn("balancer", bal)])
         addrs = {"serving": f"{host}:{ports['port']}", "admin": f"{host}:{ports['admin_port']}",
                  "balancer": f"{host}:{ports['balancer_port']}"}
         ca = args.tls_cert if args.tls_cert else None
+        alive = lambda: cluster.alive and all(c.poll() is None for c in children)   # noqa: E731
         for name, addr in addrs.items():
-            wait_serving(addr, args.startup_timeout, ca, alive=lambda: cluster.alive and all(c.poll() is None for c in children))
+            wait_serving(addr, args.startup_timeout, ca, alive=alive)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        if http_port is not None:
+            wait_http(f"http://{shown}:{ports['http_port']}/health", args.startup_timeout, alive=alive)
         print(f"serving  {addrs['serving']}\nadmin    {addrs['admin']}\nbalancer {addrs['balancer']}", flush=True)
+        if http_port is not None:
+            base = f"http://{shown}:{ports['http_port']}"
+            print(f"http     {base}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models; "
+                  f"{base}/health, /version, /metrics)\nmodel    {', '.join(names)}"
+                  f"{'' if args.model in names else f' ({args.model})'}"
+                  f"{'; API key required' if api_key else ''}", flush=True)
         if metrics is not None:
             print(metrics_list(metrics, host, cluster.config), flush=True)
         if not F.token(args):
             print(f"admin token {token}", flush=True)
+        starting[0] = False
         print("ready", flush=True)
+        if stop.is_set():
+            return 0
         code = 0
         while not stop.wait(0.2):
             if children[1].poll() is not None and cluster.alive and not stop.is_set():
-                print(f"moeserve up: the balancer exited ({children[1].returncode}); starting it again",
+                print(f"{prog}: the balancer exited ({children[1].returncode}); starting it again",
                       file=sys.stderr, flush=True)
                 children[1] = spawn("balancer", bal)
             dead = [c for c in children[:1] if c.poll() is not None]
             if dead or not cluster.alive:
-                print(f"moeserve up: a process exited ({cluster.error or [c.args[3] for c in dead]}); stopping",
+                print(f"{prog}: a process exited ({cluster.error or [c.args[3] for c in dead]}); stopping",
                       file=sys.stderr, flush=True)
                 code = 1
                 break
+        if stop.is_set():
+            print(f"{prog}: stopping: draining in-flight requests (up to {opts.grace_s:.0f} s)", file=sys.stderr,
+                  flush=True)
         return code
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted while starting; stopped", file=sys.stderr, flush=True)
+        return 130
     except (RuntimeError, TimeoutError) as e:
-        print(f"moeserve up: {e}", file=sys.stderr, flush=True)
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
+        starting[0] = False
         _shutdown(children, cluster, opts.grace_s)
+
+
+def _start_cluster(cluster, world: int, on_signal, progress: bool, model: str) -> None:
+    """``cluster.start()`` from this (main) thread, which must spawn the ranks: the launcher
+    asks the kernel to kill a rank when the thread that spawned it ends. SIGINT is blocked in
+    this thread meanwhile, so that the ranks inherit the blocked mask (Ctrl-C at a terminal
+    reaches the whole foreground process group: this process alone must decide); a helper
+    thread, started before the block, receives it, and ``on_signal`` still runs here. With
+    ``progress``, the helper shows the time spent loading."""
+    done = threading.Event()
+    show = Progress(model, world) if progress else None
+
+    def tick():
+        while not done.wait(0.1):
+            if show is not None:
+                show.tick()
+
+    helper = threading.Thread(target=tick, name="startup-signals", daemon=True)
+    helper.start()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    ok = False
+    try:
+        cluster.start()
+        ok = True
+    except BaseException:
+        cluster.stop(timeout_s=0)
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        done.set()
+        helper.join(1)
+        if show is not None:
+            show.end(ok)
+
+
+class Progress:
+    """One line while the ranks load the weights: what is loaded and for how long (on a
+    terminal it is rewritten in place, elsewhere a line every 10 s)."""
+
+    def __init__(self, model: str, world: int):
+        from pathlib import Path
+        files = sorted(Path(model).glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in files)
+        self.what = f"{size / 2**30:.2f} GiB in {len(files)} file{'s' if len(files) != 1 else ''}"
+        self.world = world
+        self.start = time.monotonic()
+        self.tty = sys.stdout.isatty()
+        self.last = -1
+        print(f"loading {model} ({self.what}) into {world} rank{'s' if world != 1 else ''}", flush=True)
+
+    def tick(self) -> None:
+        s = int(time.monotonic() - self.start)
+        if self.tty:
+            if s != self.last:
+                print(f"\r  loading weights and warming up ... {s} s", end="", flush=True)
+        elif s // 10 != self.last // 10 and s >= 10:
+            print(f"  loading weights and warming up ... {s} s", flush=True)
+        self.last = s
+
+    def end(self, ok: bool) -> None:
+        took = time.monotonic() - self.start
+        if self.tty:
+            print("\r", end="")
+        if ok:
+            print(f"  weights loaded, {self.world} rank{'s' if self.world != 1 else ''} ready in {took:.1f} s",
+                  flush=True)
+
+
+def wait_http(url: str, timeout_s: float, alive=lambda: True) -> None:
+    """Block until ``url`` answers 200."""
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))     # a local address: no proxy
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with opener.open(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if not alive():
+            raise RuntimeError(f"the process serving {url} exited")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def metrics_list(metrics: dict[str, int], host: str, cfg) -> str:

@@ -2,9 +2,9 @@
 
 ``init_model(dir, family)`` writes ``config.json`` (the transformers-5 spelling, which
 transformers itself loads), ``generation_config.json``, ``model.safetensors`` and a small
-byte-level BPE tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` +
-``special_tokens_map.json``), so that a fresh machine has a model to serve and nothing is
-downloaded. Weights are deterministic for a seed.
+byte-level BPE tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with a small chat
+template + ``special_tokens_map.json``), so that a fresh machine has a model to serve and
+nothing is downloaded. Weights are deterministic for a seed. Every file is written 0644.
 
 The defaults are small enough for a 2-core CPU and still exercise every feature:
 
@@ -37,6 +37,13 @@ from moeserve.models.config import DTYPES, ModelConfig, parse_config
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")       # ids 0, 1, 2: pad, bos, eos
 WRITTEN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json")
+# A small chat template (the tokenizer has no chat tokens of its own: roles are spelled as text),
+# so that /v1/chat/completions serves these checkpoints; rendered as transformers renders it.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+                 "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+FILE_MODE = 0o644                               # readable by every user (a container's non-root user too)
 HOT_CHANNEL = 0                                 # the hidden channel the Llama 4 hot-expert skew rides on
 HOT_SHARE = 0.8                                 # Llama 4: share of routed tokens the hot experts receive
 
@@ -112,7 +119,17 @@ def init_model(path: str | Path, family: str = "llama4", seed: int = 0, hot_expe
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
     _write_tokenizer(out, cfg.vocab_size)
+    _make_readable(out)
     return out
+
+
+def _make_readable(out: Path) -> None:
+    """Every written file 0644 and the folder readable and searchable by all (safetensors 0.8
+    writes its files 0600, which a container's other users cannot read)."""
+    for name in WRITTEN_FILES:
+        if (out / name).is_file():
+            (out / name).chmod(FILE_MODE)
+    out.chmod(out.stat().st_mode | 0o555)
 
 
 def _spell_out(raw: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
@@ -313,4 +330,4 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
-         "clean_up_tokenization_spaces": False, **specials}, indent=2) + "\n")
+         "clean_up_tokenization_spaces": False, **specials, "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")

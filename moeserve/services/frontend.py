@@ -4,112 +4,125 @@ It turns gRPC requests into :class:`~moeserve.router.engine.api.GenerateRequest`
 them to the leader over the local channel (:class:`~moeserve.router.engine.channel.AsyncEngineClient`):
 one connection per request on this process's event loop, no thread per request, so the step
 loop never waits for it and it never waits for a step. Text prompts are tokenized here and
-generated ids detokenized when the model folder has ``tokenizer.json``.
+generated ids detokenized when the model folder has ``tokenizer.json``. The same process can
+also serve the OpenAI-compatible HTTP API (``moeserve.services.http``): both go through one
+admission path, :class:`moeserve.services.admission.Admission` (limits, tokenization off the
+event loop, request building, event streaming with cancellation).
 
 Validation: this side checks only what the leader cannot (text, which fields are set, the
 sampling values a ``SamplingParams`` accepts); the leader's engine validates the request once,
 as it admits it. Errors go through the one table of ``moeserve.services.errors``: bad input ->
 INVALID_ARGUMENT, a full admission queue -> RESOURCE_EXHAUSTED, the leader gone or stopping ->
 UNAVAILABLE. A call that is cancelled or passes its deadline closes its connection, which
-cancels its request on the leader.
+cancels its request on the leader. With an API key (``--api-key``) every call but health and
+reflection needs ``authorization: Bearer <key>``, compared in constant time.
 """
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
+import hmac
 
 import grpc
 
-from moeserve.router.engine.api import Failed, Finished, GenerateRequest, InvalidRequest, Token
+from moeserve.router.engine.api import Finished, GenerateRequest, InvalidRequest, Token
 from moeserve.router.engine.channel import AsyncEngineClient
 from moeserve.rpc import serving_pb2, serving_pb2_grpc
-from moeserve.sampling import SamplingParams
+from moeserve.services.admission import Admission, ModelTokenizer, RequestFailed
 from moeserve.services.errors import abort_for
-from moeserve.services.server import SERVING, ServerOptions, ServiceServer
+from moeserve.services.server import SERVING, UNGUARDED, ServerOptions, ServiceServer, _abort_handler
 from moeserve.wire import FINISH_REASONS
 
 DEFAULT_MAX_TOKENS = 16
+API_KEY_ENV = "MOESERVE_API_KEY"
 
 
 def load_tokenizer(model_dir: str | None):
-    """The model folder's tokenizer.json, or None."""
-    if not model_dir:
-        return None
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(path))
+    """The model folder's tokenizer (tokenizer.json with its special tokens and chat template), or None."""
+    return ModelTokenizer.load(model_dir)
+
+
+class ApiKeyAuth(grpc.aio.ServerInterceptor):
+    """The serving API's key (``--api-key``): every call but health and reflection needs
+    ``authorization: Bearer <key>``; the comparison takes constant time."""
+
+    def __init__(self, key: str):
+        if not key:
+            raise ValueError("the API key must not be empty")
+        self._key = key.encode()
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(UNGUARDED):
+            return await continuation(details)
+        auth = dict(details.invocation_metadata or ()).get("authorization")
+        if auth is None:
+            msg = (f"this server needs an API key: send metadata 'authorization: Bearer <key>' "
+                   f"(the key of --api-key or ${API_KEY_ENV})")
+        elif not auth.startswith("Bearer "):
+            msg = "the authorization metadata must read 'Bearer <key>'"
+        elif not hmac.compare_digest(auth[len("Bearer "):].encode(), self._key):
+            msg = "wrong API key"
+        else:
+            return await continuation(details)
+        return _abort_handler(details.method, grpc.StatusCode.UNAUTHENTICATED, msg)
 
 
 class ServingService(serving_pb2_grpc.ServingServicer):
-    """``engine``: an AsyncEngineClient to the leader; ``tokenizer``: a tokenizers.Tokenizer or
-    None; ``metrics``: a moeserve.metrics.FrontendMetrics (request latencies and tokens) or None."""
+    """``engine``: an AsyncEngineClient to the leader; ``tokenizer``: a ModelTokenizer, a
+    tokenizers.Tokenizer or None; ``metrics``: a moeserve.metrics.FrontendMetrics (request
+    latencies and tokens) or None; ``admission``: the shared admission path (built from the
+    other three when not given)."""
 
-    def __init__(self, engine: AsyncEngineClient, tokenizer=None, metrics=None):
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.metrics = metrics
+    def __init__(self, engine: AsyncEngineClient | None = None, tokenizer=None, metrics=None,
+                 admission: Admission | None = None):
+        self.admission = admission if admission is not None else Admission(engine, tokenizer, metrics)
+        self.engine = self.admission.engine
+        self.tokenizer = self.admission.tokenizer
+        self.metrics = self.admission.metrics
 
-    def to_request(self, r: serving_pb2.GenerateRequest) -> GenerateRequest:
+    async def to_request(self, r: serving_pb2.GenerateRequest) -> GenerateRequest:
         """The request in token ids; InvalidRequest for what only this side can check (the text,
         which fields are set, sampling values). The leader validates the rest, once."""
+        a = self.admission
         if r.prompt and r.prompt_token_ids:
             raise InvalidRequest("give either prompt (text) or prompt_token_ids, not both")
         if r.prompt:
-            if self.tokenizer is None:
+            if a.tokenizer is None:
                 raise InvalidRequest("this server has no tokenizer (no tokenizer.json in the model folder): "
                                      "send prompt_token_ids instead of prompt text")
-            ids = tuple(self.tokenizer.encode(r.prompt).ids)
-            if not ids:
-                raise InvalidRequest("the prompt text encodes to no tokens: give a non-empty prompt")
+            ids = await a.encode(r.prompt)
         else:
-            ids = tuple(int(t) for t in r.prompt_token_ids)
+            ids = a.token_ids(r.prompt_token_ids)
         max_tokens = r.max_tokens if r.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        try:
-            sp = SamplingParams(temperature=float(r.temperature), top_p=r.top_p if r.HasField("top_p") else 1.0,
-                                top_k=int(r.top_k), seed=int(r.seed) if r.HasField("seed") else None)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        return GenerateRequest(ids, int(max_tokens), sp, tuple(int(t) for t in r.stop_token_ids), bool(r.ignore_eos))
+        return a.request(ids, int(max_tokens), temperature=float(r.temperature),
+                         top_p=r.top_p if r.HasField("top_p") else 1.0, top_k=int(r.top_k),
+                         seed=int(r.seed) if r.HasField("seed") else None,
+                         stop_token_ids=list(r.stop_token_ids), ignore_eos=bool(r.ignore_eos))
 
     def _text(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True) if self.tokenizer is not None else ""
+        return self.admission.decode(ids)
 
     async def _events(self, req: GenerateRequest, context):
         """Async iterator of the request's events from the leader, ending the call with the
         right status when the leader refuses it or fails."""
-        record = self.metrics.request(len(req.prompt_ids)) if self.metrics is not None else None
-        reason = "error"
-        stream = self.engine.generate([req])
+        stream = self.admission.open(req)
         try:
             try:
-                async for _, ev in stream:
-                    if isinstance(ev, Failed):
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, ev.message)
-                    if isinstance(ev, Token):
-                        if record is not None:
-                            record.token()
-                    elif isinstance(ev, Finished):
-                        reason = str(ev.reason)
+                async for ev in stream:
                     yield ev
+            except RequestFailed as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except Exception as e:
-                if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                    raise
                 await abort_for(context, e)
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away or its deadline passed
-            reason = "cancelled"
-            raise
         finally:                                      # closing the stream closes its connection: cancels
             await stream.aclose()
-            if record is not None:
-                record.finish(reason)
 
-    async def Generate(self, request, context):
+    async def _admit(self, request, context) -> GenerateRequest:
         try:
-            req = self.to_request(request)
+            return await self.to_request(request)
         except InvalidRequest as e:
             await abort_for(context, e)
+
+    async def Generate(self, request, context):
+        req = await self._admit(request, context)
         tokens, reason = [], ""
         async for ev in self._events(req, context):
             if isinstance(ev, Token):
@@ -121,10 +134,7 @@ class ServingService(serving_pb2_grpc.ServingServicer):
             usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens)))
 
     async def GenerateStream(self, request, context):
-        try:
-            req = self.to_request(request)
-        except InvalidRequest as e:
-            await abort_for(context, e)
+        req = await self._admit(request, context)
         tokens: list[int] = []
         sent = ""
         pending: list[int] = []
@@ -145,6 +155,11 @@ class ServingService(serving_pb2_grpc.ServingServicer):
                     usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens)))
 
 
-def make_server(engine: AsyncEngineClient, tokenizer, options: ServerOptions, metrics=None) -> ServiceServer:
-    service = ServingService(engine, tokenizer, metrics)
+def make_server(engine: AsyncEngineClient | None, tokenizer, options: ServerOptions, metrics=None,
+                admission: Admission | None = None, api_key: str | None = None) -> ServiceServer:
+    """The gRPC serving front end; with ``api_key`` every serving call needs it."""
+    service = ServingService(engine, tokenizer, metrics, admission=admission)
+    if api_key:
+        import dataclasses
+        options = dataclasses.replace(options, interceptors=(*options.interceptors, ApiKeyAuth(api_key)))
     return ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), options)

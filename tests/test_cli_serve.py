@@ -1,0 +1,250 @@
+"""``moeserve serve MODEL``: a Hugging Face id resolved from an offline hub cache starts the whole
+cluster with the HTTP API; a vLLM command line from the README's table starts and serves; a
+port in use, a missing model, vLLM flags moeserve cannot honour and Ctrl-C each give one clear
+message and an exit code, no traceback; init-model's files are readable by every user."""
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import test_hub as H
+from cluster_util import reference_generate, reference_model, tiny_checkpoint
+from control_util import TOKEN, alive, children_of, free_ports
+from moeserve.cli import main
+
+pytestmark = pytest.mark.timeout(300)
+
+KEY = "sk-serve"
+REPO = "tiny-org/tiny-llama4"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("serve") / "llama4", "llama4")
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory, tiny):
+    """An HF_HOME whose hub cache holds REPO (laid out as huggingface_hub lays it out)."""
+    home = tmp_path_factory.mktemp("hf")
+    H.make_hub_cache(home / "hub", REPO, tiny)
+    return home
+
+
+def offline_env(hf_home, **more) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
+                                                            "MOESERVE_API_KEY")}
+    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **more)
+    return env
+
+
+class Serve:
+    """``moeserve serve ...`` as a subprocess, ready when it printed "ready"."""
+
+    def __init__(self, args, env, wait_ready=True, timeout_s=240.0):
+        self.http, self.grpc, self.admin, self.balancer = free_ports(4)
+        self.log_dir = tempfile.mkdtemp(prefix="moeserve-serve-")
+        self.out_path = os.path.join(self.log_dir, "serve.out")
+        self.cmd = [sys.executable, "-m", "moeserve", "serve", *args, "--port", str(self.http), "--grpc-port",
+                    str(self.grpc), "--admin-port", str(self.admin), "--balancer-port", str(self.balancer),
+                    "--admin-token", TOKEN, "--log-dir", self.log_dir, "--grace-period", "10"]
+        with open(self.out_path, "wb") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env)
+        if wait_ready:
+            self.wait_for("ready", timeout_s)
+
+    def output(self) -> str:
+        return Path(self.out_path).read_text(errors="replace")
+
+    def wait_for(self, word: str, timeout_s: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while word not in self.output().splitlines():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                logs = "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
+                                 for p in sorted(Path(self.log_dir).glob("*.log")))
+                raise RuntimeError(f"moeserve serve did not print {word!r}:\n{self.output()}\n{logs}")
+            time.sleep(0.1)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http}/v1"
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _no_traceback(text: str) -> None:
+    assert "Traceback" not in text, text
+
+
+def test_serve_a_hub_id_from_an_offline_cache(tiny, hf_home):
+    """`moeserve serve <hub id>` with HF_HUB_OFFLINE=1: the snapshot in HF_HOME serves the HTTP
+    API (openai client, API key), gRPC serving takes the same key; Ctrl-C drains and exits 0."""
+    import openai
+
+    from moeserve.client import Client
+    want_ids = reference_generate(reference_model(tiny), [1, 5, 6, 7], 8)
+    s = Serve([REPO, "--api-key", KEY, "--max-model-len", "256"], offline_env(hf_home))
+    try:
+        out = s.output()
+        for line in ("loading ", "weights loaded", f"http     http://127.0.0.1:{s.http}/v1", f"model    {REPO}",
+                     f"serving  127.0.0.1:{s.grpc}", f"admin    127.0.0.1:{s.admin}"):
+            assert line in out, out
+        c = openai.OpenAI(base_url=s.base, api_key=KEY, max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == [REPO]
+        got = c.completions.create(model=REPO, prompt=[1, 5, 6, 7], max_tokens=8, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        from moeserve.services.admission import ModelTokenizer
+        assert got.choices[0].text == ModelTokenizer.load(tiny).decode(want_ids)
+        chat = c.chat.completions.create(model=REPO, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                         temperature=0)
+        assert chat.choices[0].finish_reason in ("length", "stop")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.base, api_key="wrong", max_retries=0).models.list()
+        grpc_out = Client(f"127.0.0.1:{s.grpc}", token=KEY, timeout=60).generate(
+            prompt_token_ids=[1, 5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert grpc_out.token_ids == want_ids
+        kids = children_of(s.proc.pid)
+        assert kids
+    finally:
+        code = s.stop(signal.SIGINT)                         # Ctrl-C: drains as SIGTERM does
+    out = s.output()
+    assert code == 0, out
+    _no_traceback(out)
+    assert "draining" in out
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in kids), "a child outlived moeserve serve"
+
+
+def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
+    """The README table's vLLM line: -dp 2 with expert parallelism = 2 co-located ranks, tp 1,
+    vLLM's --eplb-config keys, --served-model-name, --dtype auto, --trust-remote-code."""
+    import openai
+
+    from moeserve.client import Client
+    s = Serve([REPO, "--served-model-name", "tiny", "--data-parallel-size", "2", "--enable-expert-parallel",
+               "--tensor-parallel-size", "1", "--enable-eplb", "--eplb-config",
+               '{"window_size": 100, "step_interval": 500, "num_redundant_experts": 2, "use_async": true, '
+               '"policy": "default", "log_balancedness": true, "log_balancedness_interval": 500}',
+               "--max-model-len", "256", "--dtype", "auto", "--trust-remote-code"], offline_env(hf_home))
+    try:
+        c = openai.OpenAI(base_url=s.base, api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        events = list(c.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+        assert events[-1].choices[0].finish_reason == "length"
+        status = Client(f"127.0.0.1:{s.admin}", TOKEN, timeout=30).status()
+        assert [r.role for r in status.ranks] == ["router+worker", "router+worker"]
+        assert status.eplb.enable_eplb and status.eplb.num_redundant_experts == 2
+        assert status.eplb.window_size == 100 and status.eplb.step_interval == 500
+        assert "use_async" in s.output()
+    finally:
+        code = s.stop()
+    assert code == 0, s.output()
+    _no_traceback(s.output())
+
+
+def test_ctrl_c_while_loading_stops_everything_at_once(tiny, hf_home):
+    s = Serve([REPO, "--max-model-len", "256"], offline_env(hf_home), wait_ready=False)
+    deadline = time.monotonic() + 60
+    while "loading " not in s.output():
+        assert s.proc.poll() is None and time.monotonic() < deadline, s.output()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    kids = children_of(s.proc.pid)
+    started = time.monotonic()
+    code = s.stop(signal.SIGINT, timeout_s=30)
+    assert code == 130, s.output()
+    assert time.monotonic() - started < 20
+    assert "interrupted while starting" in s.output()
+    _no_traceback(s.output())
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in kids)
+
+
+@pytest.mark.timeout(60)
+def test_a_missing_model_is_one_line_and_exit_1(hf_home):
+    p = subprocess.run([sys.executable, "-m", "moeserve", "serve", "tiny-org/not-there", "--port", "0"],
+                       env=offline_env(hf_home), capture_output=True, text=True, timeout=50)
+    assert p.returncode == 1
+    err = p.stderr.strip()
+    assert err.startswith("moeserve serve: error: model tiny-org/not-there") and "HF_HUB_OFFLINE" in err, err
+    assert len(err.splitlines()) == 1
+    _no_traceback(p.stderr + p.stdout)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_one_line_and_exit_1(tiny, capsys):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tiny), "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 (--port (the HTTP API)) is already in use" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv,message", [
+    (["--tensor-parallel-size", "2"], "use --data-parallel-size N --enable-expert-parallel"),
+    (["--pipeline-parallel-size", "2"], "moeserve does not split layers"),
+    (["--data-parallel-size", "2"], "add --enable-expert-parallel"),
+    (["--data-parallel-size", "2", "--enable-expert-parallel", "--routers", "3"], "disagrees with --routers 3"),
+    (["--eplb-config", '{"policy": "flashlb"}'], "policy 'flashlb' is not available"),
+    (["--eplb-config", '{"use_async": "yes"}'], "'use_async' must be true or false"),
+    (["--eplb-config", '{"log_balancedness": true, "step_interval": 100, "log_balancedness_interval": 7}'],
+     "set step_interval to 7"),
+    (["--eplb-config", '{"window": 3}'], "unknown keys ['window']"),
+    (["--model", "/elsewhere"], "disagree"),
+])
+def test_vllm_flags_moeserve_cannot_honour_exit_2_with_what_to_do(tiny, argv, message, capsys):
+    assert main(["serve", str(tiny), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_vllm_flags_map_to_the_cluster(tiny):
+    from moeserve.cli import build_parser, serve
+    from moeserve.cli import flags as F
+    args = build_parser().parse_args(["serve", str(tiny), "-dp", "2", "--enable-expert-parallel", "--enable-eplb",
+                                      "--eplb-config", '{"use_async": false, "num_redundant_experts": 2}'])
+    serve.parallel(args)
+    notes = serve.vllm_eplb_config(args)
+    args.model = str(tiny)
+    kw = F.cluster_kwargs(args)
+    assert (kw["routers"], kw["workers"], kw["colocated"], kw["num_redundant_experts"]) == (2, 2, True, 2)
+    assert kw["migration_bytes_per_step"] >= 1 << 40 and "one step" in notes[0]
+    assert serve._dtype(args, Path(tiny)) == "float32"
+
+
+def test_init_model_files_are_readable_by_every_user(tmp_path):
+    from moeserve.models.init import WRITTEN_FILES, init_model
+    old = os.umask(0o077)                                   # as strict as a umask gets
+    try:
+        out = init_model(tmp_path / "m", "ernie45", seed=1)
+    finally:
+        os.umask(old)
+    for name in WRITTEN_FILES:
+        mode = stat.S_IMODE((out / name).stat().st_mode)
+        assert mode == 0o644, (name, oct(mode))
+    assert stat.S_IMODE(out.stat().st_mode) & 0o005 == 0o005, "others cannot list the folder"
