@@ -1,0 +1,107 @@
+"""benchmarks/serving.py --smoke runs end to end on the CPU (moeserve up with dummy weights, the
+front end, SDK clients in two processes, transformers) and writes every figure of the JSON."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serving.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(240)
+def test_smoke_run_writes_every_figure(tmp_path):
+    bench = _bench()
+    out = tmp_path / "serving.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
+                         capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert {"shape", "command", "git", "gpu", "device", "model", "workload", "hbm", "configs", "elapsed_s"} <= set(res)
+    assert res["shape"] == "tiny" and res["smoke"] and "--smoke" in res["command"]
+    assert res["hbm"]["datasheet_Bps"] == 4.8e12 and res["hbm"]["measured_copy_Bps"] > 0
+    assert set(res["configs"]) == {"moeserve-1rank", "transformers"}
+
+    ms = res["configs"]["moeserve-1rank"]
+    assert ms["error"] is None, ms["error"]
+    burst, online, roof = ms["burst"], ms["online"], ms["roofline"]
+    assert set(bench.BURST_KEYS) <= set(burst) and set(bench.ONLINE_KEYS) <= set(online)
+    assert set(bench.ROOFLINE_KEYS) <= set(roof)
+    n, new = burst["requests"], burst["output_tokens_per_request"]
+    assert burst["completed"] == n and burst["output_tokens"] == n * new and not burst["errors"]
+    assert burst["steady_all_running"] and burst["steady_gaps"] > 0
+    assert 0 < burst["steady_step_p10_s"] <= burst["steady_step_s"] <= burst["steady_step_p90_s"]
+    assert burst["output_tok_s"] > 0 and burst["ttft_p50_s"] <= burst["ttft_p99_s"]
+    assert online["completed"] == online["requests"] >= 1 and online["cancelled"] == 0 and not online["errors"]
+    assert online["arrival_rate_req_s"] > 0 and online["itl_p99_over_p50"] >= 1.0
+    assert online["ttft_p50_s"] > 0 and online["e2e_p99_s"] >= online["e2e_p50_s"]
+    for rate in ("datasheet", "measured_copy"):
+        r = roof[rate]
+        assert r["step_s"] > 0 and r["step_over_roofline"] == pytest.approx(burst["steady_step_s"] / r["step_s"])
+    assert roof["weight_bytes_per_gpu"] > 0 and roof["kv_bytes_per_step_per_gpu"] > 0
+    assert ms["engine"]["burst_forward_steps"] >= new
+
+    hf = res["configs"]["transformers"]
+    assert hf["error"] is None, hf.get("error_detail")
+    assert hf["burst"]["output_tokens"] == n * new and hf["burst"]["steady_step_s"] > 0
+    assert hf["roofline"]["weight_bytes_per_gpu"] == hf["run"]["weight_bytes"]
+    assert "moeserve-1rank" in run.stdout and "transformers" in run.stdout      # the table
+
+
+def test_the_steady_window_is_where_every_stream_decodes():
+    bench = _bench()
+    # Two streams in lockstep at 10 ms steps; the second's prompt is prefilled one step later.
+    a = [0.10 + 0.01 * k for k in range(30)]
+    b = [0.11 + 0.01 * k for k in range(30)]
+    recs = [{"tokens": a, "prompt_len": 4}, {"tokens": b, "prompt_len": 4}]
+    s = bench.steady_steps(recs, trim=2)
+    assert s["steady_all_running"] and s["steady_window_s"] == [0.11, a[-1]]
+    assert s["steady_step_s"] == pytest.approx(0.01) and s["steady_step_mean_s"] == pytest.approx(0.01)
+
+
+def test_roofline_counts_chunked_layers_up_to_their_chunk():
+    bench = _bench()
+    sizes = {"chunked": [True, False], "chunk": 8, "kv_layer_token": 10}
+    assert bench.kv_bytes_read(sizes, [20]) == (4 + 20) * 10       # position 20 is 4 tokens into its chunk
+    r = bench.roofline(1000, 200, 0.002, {"x": 1e6}, 1, 1, 20)
+    assert r["x"]["step_s"] == pytest.approx(1.2e-3) and r["x"]["step_over_roofline"] == pytest.approx(0.002 / 1.2e-3)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "scout8", "ernie28"])
+def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
+    """The roofline's weight bytes (router side, one expert) add up to the tensors a checkpoint
+    of the shape's config.json holds (moeserve.models.dummy's table; no tensor is made)."""
+    from moeserve.models.config import load_config
+    from moeserve.models.dummy import FP32_NAMES, checkpoint_shapes
+
+    bench = _bench()
+    folder = bench.write_model(str(tmp_path / shape), bench.SHAPES[shape]["config"])
+    sizes = bench.model_sizes(folder, 2)
+    cfg = load_config(folder)
+    router = experts = 0
+    for name, shape_ in checkpoint_shapes(cfg).items():
+        n = 1
+        for d in shape_:
+            n *= d
+        if ".experts." in name:
+            experts += n * 2
+        else:
+            router += n * (4 if name.endswith(FP32_NAMES) else 2)
+    assert sizes["router_bytes"] == router and sizes["all_experts_bytes"] == experts
+    if shape == "scout8":
+        assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (8, 5120, 202048, 16, 1)
+        assert cfg.use_rope == (True, True, True, False) * 2 and cfg.moe_layer_ids == tuple(range(8))
+        assert cfg.rope.type == "llama3" and cfg.attention_chunk_size == 8192
+    if shape == "ernie28":
+        assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (28, 2560, 103424, 64, 6)
+        assert cfg.moe_layer_ids == tuple(range(1, 28)) and cfg.shared_intermediate_size == 3072
+        assert 20e9 < sizes["router_bytes"] / 2 + sizes["all_experts_bytes"] / 2 < 22.5e9     # 21B parameters
