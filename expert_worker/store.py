@@ -61,6 +61,22 @@ class ExpertStore:
             buffers.append(buf)
         return cls(spec, worker, buffers, logical, max_staging_bytes)
 
+    def resync(self, reader, phy2log: np.ndarray) -> int:
+        """Make every slot hold what ``phy2log [L, P]`` says, reading from the checkpoint the
+        experts of the slots that differ (after a lost peer, a commit may have reached some
+        ranks and not others; the leader's placement in force is what counts). Drops staging.
+        Returns the number of slots reloaded."""
+        s0 = self.worker * self.slots_per_worker
+        want = np.asarray(phy2log, dtype=np.int64)[:, s0:s0 + self.slots_per_worker]    # [L, S]
+        reloaded = 0
+        for layer, slot in zip(*np.nonzero(want != self.logical)):
+            one = reader.read_experts(int(layer), [int(want[layer, slot])], dtype=self.spec.dtype)
+            self.buffers[layer][slot] = self.spec.flat({k: v[0] for k, v in one.items()}).to(self.buffers[layer].device)
+            reloaded += 1
+        self.logical = want.copy()
+        self.staging = None
+        return reloaded
+
     def weights(self, layer: int) -> dict[str, torch.Tensor]:
         """Canonical tensors of a layer's slots, stacked: gate_up [S, H, 2I], down [S, I, H]..."""
         return self._views[layer]

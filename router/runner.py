@@ -34,6 +34,7 @@ class RouterRunner:
         self.cache: PagedKVCache = model.new_paged_cache(num_blocks, block_size)
         self.tables: dict[int, list[int]] = {}             # seq id -> block ids
         self.params: dict[int, SamplingParams] = {}
+        self._applied_step = -1                             # the step whose block updates are in the tables
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -50,12 +51,14 @@ class RouterRunner:
             idle_walk(self.experts.exchange, info.num_moe_layers, self.model.config.hidden_size,
                       info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
             return {}, {}
-        for sw in work.seqs:
-            if sw.start == 0:                                 # new, or recomputed after a preemption
-                self.tables[sw.seq_id] = list(sw.new_blocks)
-                self.params[sw.seq_id] = sw.sampling
-            else:
-                self.tables[sw.seq_id].extend(sw.new_blocks)
+        if step != self._applied_step:                       # a step run again after a lost peer: applied already
+            for sw in work.seqs:
+                if sw.start == 0:                             # new, or recomputed after a preemption
+                    self.tables[sw.seq_id] = list(sw.new_blocks)
+                    self.params[sw.seq_id] = sw.sampling
+                else:
+                    self.tables[sw.seq_id].extend(sw.new_blocks)
+            self._applied_step = step
         flat = [t for sw in work.seqs for t in sw.token_ids]
         ids = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)               # [T]
         batch = PagedBatch.build([len(sw.token_ids) for sw in work.seqs], [sw.start for sw in work.seqs],

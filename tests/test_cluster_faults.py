@@ -20,8 +20,8 @@ def path(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_worker_turns_into_an_error_within_30_s_and_no_process_is_left(path):
-    c = LocalCluster(path, routers=1, workers=2).start()
+def test_a_killed_worker_that_is_not_replaced_turns_into_an_error_within_30_s_and_no_process_is_left(path):
+    c = LocalCluster(path, routers=1, workers=2, max_worker_restarts=0).start()
     try:
         assert c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
         pids = [p.pid for p in c.procs]

@@ -34,13 +34,16 @@ from moeserve.router.engine.channel import ClusterError, EngineClient
 from moeserve.sampling import SamplingParams
 
 
+RESTART_WINDOW_S = 60.0      # more replacements of one rank than max_worker_restarts within this: a crash loop
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _describe(code: int) -> str:
+def describe_exit(code: int) -> str:
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
@@ -96,7 +99,8 @@ class LocalCluster:
                  grace_s: float = 30.0, metrics_ports=None, per_expert_metrics: str = "auto",
                  metrics_peers: dict | None = None, exchange: str = "auto", block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int = 0,
-                 cpu_kv_cache_gib: float = 1.0, load_format: str = "auto"):
+                 cpu_kv_cache_gib: float = 1.0, max_worker_restarts: int = 3, load_format: str = "auto",
+                 state_dir: str = ""):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
@@ -132,6 +136,7 @@ class LocalCluster:
             max_staging_bytes=max_staging_bytes,
             heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, host=admin_host, **hook,
             per_expert_metrics=per_expert_metrics, exchange=exchange, load_format=load_format,
+            state_dir=os.path.abspath(state_dir) if state_dir else "",
             metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
         if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
             raise ValueError(f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}")
@@ -148,6 +153,8 @@ class LocalCluster:
         self.procs: list[subprocess.Popen] = []
         self.run_dir: str | None = None
         self.error: str | None = None
+        self.max_worker_restarts = max_worker_restarts
+        self.replaced: list[tuple[int, int, float]] = []      # (rank, exit code, time) of each replacement
         self._stopping = False
         self._client: EngineClient | None = None
         self._monitor: threading.Thread | None = None
@@ -180,10 +187,12 @@ class LocalCluster:
         if cfg.backend == "gloo":
             base.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         self.log_paths = []
+        self._envs = []
         for rank in range(cfg.world_size):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
             if self.metrics_ports is not None:
                 env["MOESERVE_METRICS_PORT"] = str(self.metrics_ports[rank])
+            self._envs.append(env)
             path = os.path.join(logs, f"rank{rank}.log")
             self.log_paths.append(path)
             out = open(path, "wb")
@@ -191,6 +200,7 @@ class LocalCluster:
                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                preexec_fn=_die_with_parent))
             out.close()
+        # The monitor also starts replacements: they die with the thread that started them (PDEATHSIG).
         self._monitor = threading.Thread(target=self._watch, name="cluster-monitor", daemon=True)
         self._monitor.start()
         ready = os.path.join(self.run_dir, "control.json")
@@ -232,7 +242,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 pass
         self._kill_all()
-        if self.run_dir and not self.log_dir and self.error is None:
+        # The run folder holds the config and the addresses, and the logs unless log_dir has them:
+        # it goes, except when a failed cluster's logs are in it.
+        if self.run_dir and (self.log_dir or self.error is None):
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _kill_all(self) -> None:
@@ -256,13 +268,38 @@ class LocalCluster:
             if exited:
                 time.sleep(0.3)                     # let peers that saw the failure exit too
                 exited = [(rank, p.poll()) for rank, p in enumerate(self.procs) if p.poll() is not None]
+                if self._replace(exited):
+                    continue
                 # A rank killed by a signal is the likely cause; the others died of losing it.
                 exited.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
                 first, code = exited[0]
-                what = "; ".join(f"rank {r} exited with {_describe(c)}" for r, c in exited)
+                what = "; ".join(f"rank {r} ({self.config.role(r).name}) exited with {describe_exit(c)}"
+                                 for r, c in exited)
                 self.error = f"{what}\n--- end of rank {first}'s log ---\n{self._log_tail(first)}"
                 self._kill_all()
                 return
+
+    def _replace(self, exited: list[tuple[int, int]]) -> bool:
+        """Start a replacement for a lost expert worker (the other ranks wait for it, re-form
+        their groups and run the failed step again: docs/dataplane.md, "When a peer dies").
+        Only expert-worker ranks (not routers, whose KV caches die with them) are replaced, and
+        not a rank already replaced ``max_worker_restarts`` times in the last
+        ``RESTART_WINDOW_S`` (a crash loop); a rank that exited 0 was not lost."""
+        if len(exited) != 1 or not self.max_worker_restarts:
+            return False
+        rank, code = exited[0]
+        now = time.time()
+        recent = [t for r, _, t in self.replaced if r == rank and now - t < RESTART_WINDOW_S]
+        if code == 0 or self.config.role(rank).router_index >= 0 or len(recent) >= self.max_worker_restarts:
+            return False
+        self.replaced.append((rank, code, now))
+        with open(self.log_paths[rank], "ab") as out:
+            out.write(f"--- rank {rank} exited with {describe_exit(code)}: starting its replacement ---\n".encode())
+            out.flush()
+            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "moeserve.cluster.rank"], env=self._envs[rank],
+                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                preexec_fn=_die_with_parent)
+        return True
 
     def _failure(self, wait_s: float = 3.0) -> str | None:
         """The cluster's error; when a connection just broke, give the monitor a moment to see why."""
@@ -285,7 +322,9 @@ class LocalCluster:
 
     @property
     def alive(self) -> bool:
-        return bool(self.procs) and self.error is None and all(p.poll() is None for p in self.procs)
+        """Started, not stopped, and not failed. A lost expert worker being replaced is not a
+        failure: the monitor decides (it sets ``error`` when the cluster cannot go on)."""
+        return bool(self.procs) and self.error is None and not self._stopping
 
     # -- use --------------------------------------------------------------------------------
 

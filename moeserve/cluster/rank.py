@@ -49,8 +49,47 @@ def initial_placement(cfg: ClusterConfig, num_layers: int, num_logical: int) -> 
                      workers_per_node=cfg.workers_per_node or cfg.workers, version=1)
 
 
-def build(cfg: ClusterConfig, rank: int) -> RankState:
-    """Load this rank's share of the model and join the process groups."""
+_LISTEN: list = []          # the leader's listening socket of the store, kept open for the process's life
+
+
+def open_store(cfg: ClusterConfig, rank: int):
+    """The torch.distributed store of the cluster. The leader (rank 0, never replaced) hosts it
+    on MASTER_ADDR:MASTER_PORT through a socket bound to that address only, not on every
+    interface; the other ranks connect to it."""
+    import socket
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=max(60.0, cfg.pg_timeout_s))
+    if rank != 0:
+        return dist.TCPStore(host, port, cfg.world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(512)
+    _LISTEN.append(sock)
+    return dist.TCPStore(host, port, cfg.world_size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=sock.fileno())
+
+
+def join(cfg: ClusterConfig, rank: int, device: torch.device, store, generation: int):
+    """Join the world of ``generation`` (0 at start; one more each time a lost expert worker was
+    replaced): the data group and the gloo control group. Returns the control group. Gloo
+    (and NCCL's bootstrap) use the interface that holds this rank's address towards the
+    leader, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise."""
+    from moeserve.cluster.netif import data_interface
+    iface = data_interface(os.environ["MASTER_ADDR"])
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
+    dist.init_process_group(cfg.backend, store=dist.PrefixStore(f"generation{generation}", store), rank=rank,
+                            world_size=cfg.world_size, timeout=timeout,
+                            device_id=device if cfg.backend == "nccl" else None)
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankState:
+    """Load this rank's share of the model and join the process groups. A worker that replaces
+    a lost one (``generation`` > 0) loads the experts of the placement the leader sends it."""
     from moeserve.models import load_config, load_model, open_reader
 
     world = cfg.world_size
@@ -60,10 +99,7 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
-    dist.init_process_group(cfg.backend, rank=rank, world_size=world, timeout=timeout,
-                            device_id=device if cfg.backend == "nccl" else None)
-    control = dist.new_group(backend="gloo", timeout=timeout)
+    control = join(cfg, rank, device, store, generation)
 
     dtype = DTYPES[cfg.dtype]
     mcfg = load_config(cfg.model_dir)
@@ -80,6 +116,8 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
     e = info.num_logical_experts
     topo = Topology.build(cfg.routers, cfg.workers, cfg.colocated, e + cfg.eplb.num_redundant_experts)
     placement = initial_placement(cfg, info.num_moe_layers, e)
+    if generation:                                        # a replacement: the placement in force
+        placement = _placement_from_leader(control, placement)
     exchange = make_exchange(cfg, topo, rank, device, control, mcfg.hidden_size, dtype, info.top_k)
     st = RankState(rank, topo, exchange, control, info.num_moe_layers, mcfg.hidden_size, dtype)
 
@@ -106,7 +144,85 @@ def build(cfg: ClusterConfig, rank: int) -> RankState:
 
     from moeserve.expert_worker.migration import warm_up_pairs
     warm_up_pairs(rank, world, device)
+    st.recover = partial(_recover, st, cfg, store, device, [generation])
     return st
+
+
+def _placement_from_leader(control, placement: Placement) -> Placement:
+    """The leader's placement in force, broadcast on the control group after a re-join."""
+    box = [placement.phy2log if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    return placement.evolve(phy2log=box[0])
+
+
+def _next_generation(store, current: int, timeout_s: float) -> int | None:
+    """The generation a replacement announced (the store's counter), or None within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            gen = int(store.add("generation", 0))
+        except Exception:                                 # the store (the leader) is gone: fatal
+            return None
+        if gen > current:
+            return gen
+        time.sleep(0.05)
+    return None
+
+
+def _recover(st: RankState, cfg: ClusterConfig, store, device: torch.device, generation: list[int],
+             error: BaseException) -> bool:
+    """A step's collective failed. When a replacement for a lost expert worker announces a new
+    generation (within pg_timeout_s + 30 s), re-form the groups with it, install the leader's
+    placement in force on every rank (a commit may have reached some ranks and not others),
+    and let the leader run the failed step again. Otherwise the failure is fatal (False)."""
+    if not _peer_lost(error):
+        return False
+    t0 = time.monotonic()
+    log.warning("step failed (%s: %s): waiting for a replaced peer", type(error).__name__, str(error)[:200])
+    gen = _next_generation(store, generation[0], cfg.pg_timeout_s + 30.0)
+    if gen is None:
+        return False
+    try:
+        dist.destroy_process_group()
+    except Exception:                                     # a group whose peer died may not close cleanly
+        pass
+    st.control_group = join(cfg, st.rank, device, store, gen)
+    placement = st.leader.on_peer_lost() if st.leader is not None else None
+    box = [placement.phy2log if placement is not None else None]
+    dist.broadcast_object_list(box, src=0, group=st.control_group)
+    phy2log = box[0]
+    if st.maps is not None:
+        for layer in range(phy2log.shape[0]):
+            st.maps.set_layer(layer, phy2log[layer])
+    if st.store is not None:
+        from moeserve.models import open_reader
+        with open_reader(cfg.model_dir, cfg.load_format, device) as reader:
+            st.store.resync(reader, phy2log)
+    st.exchange = make_exchange(cfg, st.topo, st.rank, device, st.control_group, st.hidden_size, st.dtype,
+                                st.runner.model.moe_info.top_k if st.runner is not None else _top_k(cfg))
+    if st.runner is not None:
+        st.runner.experts.exchange = st.exchange
+        st.runner.experts.sent.zero_()                    # the failed step's partial load
+    from moeserve.expert_worker.migration import warm_up_pairs
+    warm_up_pairs(st.rank, cfg.world_size, device)
+    generation[0] = gen
+    log.warning("re-formed the groups as generation %d in %.2f s", gen, time.monotonic() - t0)
+    return True
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """Whether a step failed because a peer of a collective went away (gloo: its connections
+    closed or timed out; NCCL: a backend error), not because of this rank's own fault."""
+    if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        m in text for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out"))
+
+
+def _top_k(cfg: ClusterConfig) -> int:
+    from moeserve.models import load_config
+    return load_config(cfg.model_dir).top_k
 
 
 def kv_blocks(cfg: ClusterConfig, mcfg, dtype: torch.dtype, device: torch.device) -> int:
@@ -193,10 +309,13 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
             metrics = ProcessMetrics(cfg.role(rank).name, rank)
             metrics.serve(metrics_port, cfg.host)
             log.info("metrics on http://%s:%d/metrics", cfg.host, metrics.port)
-        st = build(cfg, rank)
-        ports = [None] * cfg.world_size if rank == 0 else None
-        blocks = st.runner.cache.num_blocks if st.runner is not None else 0
-        dist.gather_object((metrics.port if metrics else -1, blocks), ports, dst=0, group=st.control_group)
+        store = open_store(cfg, rank)
+        generation = _rejoining(cfg, rank, store)
+        st = build(cfg, rank, store, generation)
+        if generation == 0:                            # a replacement joins a running cluster: no start gather
+            ports = [None] * cfg.world_size if rank == 0 else None
+            blocks = st.runner.cache.num_blocks if st.runner is not None else 0
+            dist.gather_object((metrics.port if metrics else -1, blocks), ports, dst=0, group=st.control_group)
         if metrics is not None:
             _record_metrics(metrics, st, cfg)
         if st.leader is not None:
@@ -214,6 +333,7 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
                     _write_json(os.path.join(run_dir, f"{hooked.name}.json"), {"host": hooked.address[0],
                                                                                "port": hooked.address[1]})
                 log.info("%s on %s:%d", hooked.name, *hooked.address)
+            store.set("running", "1")                  # from now on a restarted worker is a replacement
             if run_dir:
                 server.write_address(os.path.join(run_dir, "control.json"))
             log.info("leader ready: %d routers, %d workers, world %d, local channel on %s:%d",
@@ -230,6 +350,21 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
         hooked.stop()
     dist.destroy_process_group()
     return 0
+
+
+def _rejoining(cfg: ClusterConfig, rank: int, store) -> int:
+    """0 at the cluster's start; for a rank started while the cluster runs, the generation it
+    announces as the replacement of a lost expert worker. A router cannot be replaced: its KV
+    cache and its sequences died with it."""
+    if rank == 0 or not store.check(["running"]):
+        return 0
+    role = cfg.role(rank)
+    if role.router_index >= 0:
+        raise RuntimeError(f"rank {rank} ({role.name}) cannot rejoin a running cluster: a router's KV cache and "
+                           f"sequences are lost with it; restart the whole cluster")
+    gen = int(store.add("generation", 1))
+    log.warning("rank %d (worker %d) replaces a lost worker: generation %d", rank, role.worker_index, gen)
+    return gen
 
 
 def _load_hook(spec: str):

@@ -32,6 +32,9 @@ class RankState:
                ``digest``, and the compute the exchange calls).
     run_moves: worker role: runs one step's weight moves (``moeserve.expert_worker.migration``).
     leader:    rank 0: ``next_header() -> StepHeader`` and ``on_results(header, [RankResult])``.
+    recover:   called with the exception when a step's torch.distributed call fails; True when
+               the groups were re-formed (a lost expert worker was replaced) and the loop goes
+               on, False when the failure is fatal. None: every failure is fatal.
     """
 
     rank: int
@@ -46,6 +49,7 @@ class RankState:
     store: object = None
     run_moves: Callable | None = None
     leader: object = None
+    recover: Callable[[BaseException], bool] | None = None
 
 
 def run_step(st: RankState, header: StepHeader) -> RankResult:
@@ -82,17 +86,30 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
 
 
 def step_loop(st: RankState) -> None:
-    """The step driver: header, this rank's work, gather; until a stop header."""
-    leader = st.leader
-    world = st.topo.world_size
+    """The step driver: header, this rank's work, gather; until a stop header. A step whose
+    collectives fail because a peer was lost is handed to ``st.recover``; once the groups are
+    re-formed the leader issues that step's work again (docs/dataplane.md, "When a peer dies")."""
     while True:
-        box = [leader.next_header() if leader is not None else None]
-        dist.broadcast_object_list(box, src=0, group=st.control_group)
-        header: StepHeader = box[0]
+        try:
+            header = _one_step(st)
+        except Exception as e:
+            if st.recover is None or not st.recover(e):
+                raise
+            continue
         if header.stop:
             return
-        res = run_step(st, header)
-        out = [None] * world if leader is not None else None
-        dist.gather_object(res, out, dst=0, group=st.control_group)
-        if leader is not None:
-            leader.on_results(header, out)
+
+
+def _one_step(st: RankState) -> StepHeader:
+    leader = st.leader
+    box = [leader.next_header() if leader is not None else None]
+    dist.broadcast_object_list(box, src=0, group=st.control_group)
+    header: StepHeader = box[0]
+    if header.stop:
+        return header
+    res = run_step(st, header)
+    out = [None] * st.topo.world_size if leader is not None else None
+    dist.gather_object(res, out, dst=0, group=st.control_group)
+    if leader is not None:
+        leader.on_results(header, out)
+    return header

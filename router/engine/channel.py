@@ -42,7 +42,7 @@ from moeserve.router.engine.api import (REMOTE_METHODS, EngineAPI, EngineError, 
 
 log = logging.getLogger("moeserve.channel")
 
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 30.0          # generous: a loaded leader may take a while; a silent peer holds only its task
 MAGIC = b"MSCH"
 NONCE = 32
 _LEN = struct.Struct(">Q")

@@ -38,6 +38,8 @@ class Engine(EngineAPI):
         self.cfg = cfg
         self.shape = shape
         self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids, cfg.cache.block_size)
+        placement, self._saver = _saved_state(cfg, placement)      # --state-dir: versions back, saves on
+        self._saved_key = _placement_key(placement)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
         self._load_lock = threading.Lock()
         self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
@@ -62,6 +64,10 @@ class Engine(EngineAPI):
         self.metrics = None              # moeserve.metrics.LeaderMetrics when this rank exports metrics
         self.metrics_ports: dict[str, int] = {}   # name ("rank0", "balancer", ...) -> metrics port
         self._header_t = time.perf_counter()
+        self._last_step_t = time.monotonic()          # when the last step completed (health: a stall)
+        self._in_flight: StepHeader | None = None     # the header whose results have not come back
+        self._replay: StepHeader | None = None        # to issue again after a lost peer was replaced
+        self.peers_replaced = 0
 
     # -- requests (any thread) ----------------------------------------------------------------
 
@@ -160,7 +166,7 @@ class Engine(EngineAPI):
                             kv_blocks_total=counts["kv_blocks_total"], kv_blocks_used=counts["kv_blocks_used"],
                             preemptions=counts["preemptions"],
                             metrics_ports=dict(self.metrics_ports), moved_slots=slots, moved_bytes=nbytes,
-                            migrations_ended=ended)
+                            migrations_ended=ended, last_step_age_s=time.monotonic() - self._last_step_t)
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
         """Per worker, float64 [L, S, 2] digests (sum, sum of squares) of what each slot
@@ -185,7 +191,14 @@ class Engine(EngineAPI):
 
     def next_header(self) -> StepHeader:
         """The header of the next step; when there is nothing to do, waits up to heartbeat_s
-        for work and then returns a heartbeat."""
+        for work and then returns a heartbeat. After a lost peer was replaced, the step that
+        failed comes first, again."""
+        if self._replay is not None:
+            self._in_flight, self._replay = self._replay, None
+            self._header_t = time.perf_counter()
+            return self._in_flight
+        if self.step == 0:                       # the loop starts: its age counts from here
+            self._last_step_t = time.monotonic()
         deadline = time.monotonic() + self.cfg.heartbeat_s
         while True:
             if self._stop.is_set():
@@ -202,11 +215,26 @@ class Engine(EngineAPI):
             self._wake.clear()
         forward = work is not None and any(w.seqs for w in work)
         self._header_t = time.perf_counter()
-        return StepHeader(self.step, forward=forward, work=work or (), migration=ops, report=report)
+        self._in_flight = StepHeader(self.step, forward=forward, work=work or (), migration=ops, report=report)
+        return self._in_flight
+
+    def on_peer_lost(self) -> Placement:
+        """A step failed because an expert worker was lost and has been replaced. The running
+        migration is aborted (its uncommitted layers roll back; the replacement loads the
+        placement in force), and the failed step's work is issued again with the same step
+        number, so the same tokens take the same slots and get the same samples. Returns the
+        placement in force, which every rank installs before the next step."""
+        self.migrator.abort("an expert worker was lost during the migration: the placement in force stands")
+        h = self._in_flight
+        self._replay = dataclasses.replace(h, migration=None) if h is not None and h.work else None
+        self.peers_replaced += 1
+        return self.placement()
 
     def on_results(self, header: StepHeader, results: list[RankResult]) -> None:
         """Consume the end-of-step gather (one RankResult per rank)."""
+        self._in_flight = None
         self.step += 1
+        self._last_step_t = time.monotonic()
         if self.metrics is not None:
             kind = "forward" if header.forward else "migration" if header.migration is not None else "heartbeat"
             self.metrics.on_step(kind, time.perf_counter() - self._header_t)
@@ -218,10 +246,16 @@ class Engine(EngineAPI):
         if header.migration is not None and header.migration.begin_staging_slots:
             errors = [r.staging_error for r in results if r.staging_error]
             self.migrator.on_staging(header.migration.migration_id, errors)
-        version = int(self.migrator.placement().version)
+        placement = self.migrator.placement()
+        version = int(placement.version)
         if version != self._seen_version:
             with self._load_lock:
                 self._seen_version, self._placement_step = version, self.forward_steps
+        if self._saver is not None:              # --state-dir: every commit, finish or abort is saved
+            key = _placement_key(placement)
+            if key != self._saved_key:
+                self._saved_key = key
+                self._saver.save(placement)
         if header.forward:
             loads = [r for r in results if r.logical_load is not None]
             logical = sum(r.logical_load for r in loads)
@@ -256,6 +290,34 @@ class Engine(EngineAPI):
         self.error = message
         self.scheduler.fail_all(message)
         self.migrator.abort(message)
+
+
+def _placement_key(p: Placement) -> tuple:
+    return int(p.version), tuple(int(v) for v in p.layer_versions)
+
+
+def _saved_state(cfg: ClusterConfig, placement: Placement):
+    """With ``cfg.state_dir``: the placement the ranks start from, with the versions saved in the
+    folder when it is the saved placement (the CLI handed it to the ranks), so that versions keep
+    increasing across restarts; and the saver that keeps the folder up to date. A mixed state
+    (the leader stopped in the middle of a migration) gets a fresh version, as an abort does."""
+    if not getattr(cfg, "state_dir", ""):
+        return placement, None
+    from moeserve import state
+    try:
+        saved = state.read_placement(cfg.state_dir)
+    except state.StateError as e:
+        log.warning("%s", e)
+        saved = None
+    if saved is not None and saved.phy2log.shape == placement.phy2log.shape \
+            and np.array_equal(saved.phy2log, placement.phy2log):
+        lv = np.asarray(saved.layer_versions, dtype=np.int64)
+        version = int(saved.version) if not len(lv) or lv.max() <= saved.version else int(lv.max()) + 1
+        placement = placement.evolve(version=version, layer_versions=lv)
+        log.info("placement version %d restored from %s", version, cfg.state_dir)
+    saver = state.PlacementSaver(cfg.state_dir)
+    saver.save(placement)
+    return placement, saver
 
 
 __all__ = ["Engine"]
