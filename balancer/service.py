@@ -12,6 +12,14 @@ placement in force, predicts what it buys (:func:`moeserve.balancer.policy.evalu
 it through ApplyPlacement with ``expected_version`` and follows the migration to its end.
 Only one runs at a time: a Rebalance while one runs (or while any migration runs) answers
 ABORTED. The policy runs in a worker thread, so the service stays responsive meanwhile.
+
+Settings are validated like every other input: SetConfig with a negative window or interval, a
+NaN or a threshold outside [0, 1] answers INVALID_ARGUMENT saying what is allowed, and so does
+the admin API for the settings it stores; settings read back from the leader that a loop could
+not run with are ignored (the flags' values stay; ``last_error`` says why), so no stored value
+can stop the loop or make Pause fail. The service's health follows the cluster's readiness
+(``moeserve.services.readiness``): NOT_SERVING while the admin API does not answer, the cluster
+failed, or the leader's step count stands still.
 """
 from __future__ import annotations
 
@@ -72,12 +80,18 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     # -- settings stored on the leader -------------------------------------------------------
 
     def _merge(self, s) -> None:
-        """``s``: the client.BalancerSettings kept on the leader; None fields keep the flags."""
+        """``s``: the client.BalancerSettings kept on the leader; None fields keep the flags.
+        Values no loop can run with (stored before the admin API checked them) are ignored."""
         c = self.flags
-        self.config = dataclasses.replace(
-            c, window_steps=c.window_steps if s.window_steps is None else s.window_steps,
-            step_interval=c.step_interval if s.step_interval is None else s.step_interval,
-            min_balancedness=c.min_balancedness if s.min_balancedness is None else s.min_balancedness)
+        try:
+            self.config = dataclasses.replace(
+                c, window_steps=c.window_steps if s.window_steps is None else s.window_steps,
+                step_interval=c.step_interval if s.step_interval is None else s.step_interval,
+                min_balancedness=c.min_balancedness if s.min_balancedness is None else s.min_balancedness)
+        except (ValueError, TypeError) as e:
+            self.config = c
+            self.last_error = f"the settings stored on the leader are ignored: {e}"
+            log.warning("%s", self.last_error)
         self.paused = bool(s.paused)
 
     async def _admin(self, coro):
@@ -281,8 +295,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             s = dataclasses.replace(s, **{k: v for k, v in changes.items() if v is not None})
             self._merge(await self._admin(self.admin.put_balancer_settings(s)))
         except MoeserveError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"cannot store the balancer's settings on the leader: {e.message}")
+            code = e.code if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) \
+                else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, f"cannot store the balancer's settings on the leader: {e.message}")
         return self._status()
 
     async def SetConfig(self, request, context):
@@ -291,7 +306,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         try:
             dataclasses.replace(self.config, **{k: v for k, v in new.items() if v is not None})
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"balancer settings: {e}")
         if new["window_steps"] is not None:
             try:
                 rep = await self._admin(self.admin.expert_load())
@@ -319,8 +334,16 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
     """Run the balancer until SIGTERM (call inside an event loop). ``process_metrics``: the
     process's moeserve.metrics.ProcessMetrics, which gets the balancer's and gRPC metrics."""
     from moeserve.services.server import serve_forever
+    from moeserve.services.readiness import Readiness, StepWatch
     admin = AsyncClient(admin_address, token, timeout=call_timeout_s, ca_file=ca_file)
     service = BalancerService(admin, config, poll_s)
+    watch = StepWatch()
+
+    async def probe():
+        s = await admin.status()
+        return watch.verdict(s.step, s.error)
+
+    readiness_metrics = None
     if process_metrics is not None:
         from moeserve.metrics import BalancerMetrics
         service.metrics = BalancerMetrics(process_metrics.registry, paused=lambda: service.paused,
@@ -328,7 +351,15 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
         from moeserve.services.metrics import grpc_interceptor
         options = dataclasses.replace(options, interceptors=(*options.interceptors,
                                                              grpc_interceptor(process_metrics, BALANCER)))
+        from moeserve.metrics import ReadinessMetrics
+        readiness_metrics = ReadinessMetrics(process_metrics.registry)
     server = ServiceServer(BALANCER, lambda s: balancer_pb2_grpc.add_BalancerServicer_to_server(service, s), options)
+    server.readiness = Readiness(probe, readiness_metrics)
+
+    try:                                        # the stored settings (Pause) hold from the first answer on
+        service._merge(await service._admin(asyncio.wait_for(admin.balancer_settings(), call_timeout_s)))
+    except Exception as e:                      # the loop reads them on its first iteration
+        log.warning("cannot read the balancer's settings from the admin API yet: %s", e)
 
     def started(port):
         service.start()

@@ -150,6 +150,8 @@ class ClusterConfig:
     load_format: "auto" reads the checkpoint's safetensors files; "dummy" (vLLM's name) makes
     seeded random weights on each rank's device from config.json alone, the same bytes for a
     tensor or expert on every rank (moeserve.models.dummy).
+    state_dir: the leader keeps the placement in force (and the admin service the balancer's
+    settings) there, replaced atomically on every change (moeserve.state; "" = nowhere).
     """
 
     model_dir: str
@@ -174,6 +176,7 @@ class ClusterConfig:
     metrics_peers: tuple = ()
     exchange: str = "auto"
     load_format: str = "auto"
+    state_dir: str = ""
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):

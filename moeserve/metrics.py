@@ -1,9 +1,10 @@
 """Prometheus metrics of every moeserve process: one registry and one ``/metrics`` endpoint per
 process (:class:`ProcessMetrics`) and the groups of metrics each role records: the leader
 (:class:`LeaderMetrics`, read from the engine's public API at scrape time), router ranks
-(:class:`RouterMetrics`), the front end (:class:`FrontendMetrics`) and the balancer
-(:class:`BalancerMetrics`). The gRPC servers' interceptor is in ``moeserve.services.metrics``:
-nothing here imports gRPC or protobuf, so a rank records its metrics without them.
+(:class:`RouterMetrics`), the front end (:class:`FrontendMetrics`), the balancer
+(:class:`BalancerMetrics`) and the readiness of every service (:class:`ReadinessMetrics`). The
+gRPC servers' interceptor is in ``moeserve.services.metrics``: nothing here imports gRPC or
+protobuf, so a rank records its metrics without them.
 
 docs/metrics.md is the one list of the metrics, their types, labels and meaning.
 
@@ -305,6 +306,32 @@ class BalancerMetrics:
         self.rebalances.labels(result).inc()
         if result != "dry_run":
             self.duration.observe(seconds)
+
+
+# -- readiness (the front end, the admin service in the leader, the balancer) -----------------
+
+READY_REASONS = ("step_stalled", "leader_unreachable", "cluster_failed")   # as moeserve.services.readiness
+
+
+class ReadinessMetrics:
+    """Whether this process's health says SERVING (the cluster can take a request) and, when
+    not, why: one of :data:`READY_REASONS`. Not ready until the first look."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.ready = Gauge("moeserve_ready", "1 while this process's health says SERVING (the cluster can take a "
+                           "request), else 0; moeserve_not_ready_reason says why.", registry=registry)
+        self.reason = Gauge("moeserve_not_ready_reason", "1 for the reason this process is not ready: step_stalled "
+                            "(no step for the stall deadline), leader_unreachable, cluster_failed; 0 for the others.",
+                            ("reason",), registry=registry)
+        self._reasons = {r: self.reason.labels(r) for r in READY_REASONS}
+
+    def set(self, reason: str | None) -> None:
+        """None: ready; else the reason (one of READY_REASONS)."""
+        if reason is not None and reason not in self._reasons:
+            raise ValueError(f"not-ready reason must be one of {READY_REASONS}, got {reason!r}")
+        self.ready.set(1.0 if reason is None else 0.0)
+        for r, g in self._reasons.items():
+            g.set(1.0 if r == reason else 0.0)
 
 
 def scrape_text(registry: CollectorRegistry) -> str:

@@ -239,7 +239,8 @@ BAD = {  # name: (call, status, what the message says)
     "placement with an expert missing": (_missing, grpc.StatusCode.INVALID_ARGUMENT, "logical expert 0 has no replica"),
     "placement with ids out of range": (_out_of_range, grpc.StatusCode.INVALID_ARGUMENT, "99 is out of range 0..7"),
     "stale version": (_stale, grpc.StatusCode.FAILED_PRECONDITION, "expected placement version"),
-    "oversized message": (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED, r"larger than max \(\d+ vs. 1048576\)"),
+    # the serving port receives nothing larger than the largest valid request (here under --max-message-bytes)
+    "oversized message": (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED, r"larger than max \(\d+ vs. \d+\)"),
     "admin call without a token": (_no_token, grpc.StatusCode.UNAUTHENTICATED, "needs a bearer token"),
     "admin call with a wrong token": (_wrong_token, grpc.StatusCode.UNAUTHENTICATED, "wrong bearer token"),
     "balancer call without a token": (_balancer_no_token, grpc.StatusCode.UNAUTHENTICATED, "needs a bearer token"),
@@ -349,3 +350,24 @@ def test_a_generation_past_its_deadline_is_cancelled_on_the_leader(setup):
     while s["admin"].status().running:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+@pytest.mark.timeout(200)
+def test_the_front_end_killed_comes_back_and_clients_that_retry_are_served(setup):
+    import os
+    import signal
+    s, up = setup, setup["up"]
+    old = up.child("frontend")
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    served = None
+    while served is None:                                    # a client that retries, as a user would
+        assert time.monotonic() < deadline, up.logs()
+        try:
+            served = Client(up.serving, timeout=10).generate(prompt_token_ids=s["prompts"][0], max_tokens=MAX_TOKENS,
+                                                             ignore_eos=True)
+        except MoeserveError as e:
+            assert e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e
+            time.sleep(0.2)
+    assert served.token_ids == s["want"][0]
+    assert up.child("frontend") not in (None, old) and not alive(old)

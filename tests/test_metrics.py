@@ -328,6 +328,7 @@ def _every_group():
     M.RouterMetrics(pm.registry)
     M.FrontendMetrics(pm.registry)
     M.BalancerMetrics(pm.registry)
+    M.ReadinessMetrics(pm.registry)
     GM.grpc_interceptor(pm, GM.HEALTH)
     forward(eng, np.ones((LAYERS, EXPERTS), dtype=np.int64), np.ones((LAYERS, WORKERS), dtype=np.int64))
     return pm

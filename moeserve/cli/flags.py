@@ -65,6 +65,67 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="exactly N KV blocks per router instead of sizing from memory (default: size from memory)")
 
 
+def add_state_flags(p: argparse.ArgumentParser) -> None:
+    """Operator state across restarts (moeserve.state) and the placement at start."""
+    g = p.add_argument_group("state")
+    g.add_argument("--state-dir", metavar="DIR",
+                   help="keep the placement in force and the balancer's settings (pause included) in DIR, replaced "
+                        "atomically on every change, and start from them (created mode 0700; default: none, a "
+                        "restart starts from the default placement and forgets the settings)")
+    g.add_argument("--init-expert-location", metavar="FILE",
+                   help="start from this placement (SGLang's flag): moeserve placement JSON (moeserve placement "
+                        "dump) or an SGLang expert-location file (.json or .pt with physical_to_logical_map); "
+                        "a placement saved in --state-dir takes precedence")
+
+
+def start_placement(args, model_dir: str, workers: int, workers_per_node: int, num_redundant_experts: int):
+    """(phy2log [L, P] or None, where it came from) for a cluster starting now: the placement
+    saved in --state-dir, else --init-expert-location, else None (the default). UsageError
+    naming the file when it cannot be read or does not fit the model and topology."""
+    state_dir = getattr(args, "state_dir", None)
+    init = getattr(args, "init_expert_location", None)
+    if not state_dir and not init:
+        return None, ""
+    from moeserve import state
+    from moeserve.placement import Placement
+    from moeserve.models import load_config
+    try:
+        mcfg = load_config(model_dir)
+    except Exception as e:
+        raise UsageError(f"--model {model_dir}: {e}") from None
+    layers, experts = mcfg.num_moe_layers, mcfg.num_experts
+    slots = experts + num_redundant_experts
+    wpn = workers_per_node or workers
+    fits = dict(num_layers=layers, num_logical=experts, num_slots=slots, num_workers=workers, workers_per_node=wpn)
+    if state_dir:
+        try:
+            saved = state.read_placement(state_dir)
+            if saved is not None:
+                path = os.path.join(state_dir, state.PLACEMENT_FILE)
+                state.check_topology(saved, what=f"{path} (the placement saved in --state-dir)", **fits)
+                return saved.phy2log, path
+        except state.StateError as e:
+            raise UsageError(f"{e}; or start with another --state-dir") from None
+    if not init:
+        return None, ""
+    path = Path(init)
+    if not path.is_file():
+        raise UsageError(f"--init-expert-location {init}: no such file")
+    try:
+        text = path.read_text(errors="replace") if path.suffix != ".pt" else ""
+        if '"moeserve.placement/' in text:
+            p = Placement.from_json(text)
+        else:
+            p = Placement.from_sglang(path, mcfg.moe_layer_ids, experts, workers, wpn, mcfg.num_layers)
+        state.check_topology(p, what=f"--init-expert-location {init}", **fits)
+    except state.StateError as e:
+        raise UsageError(str(e)) from None
+    except Exception as e:                    # whatever a parser raises on a file that is not a placement
+        msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--init-expert-location {init}: not a placement: {msg}") from None
+    return p.phy2log, str(init)
+
+
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("gRPC servers")
     g.add_argument("--host", default="127.0.0.1", help="address the services listen on (default 127.0.0.1)")
@@ -214,8 +275,10 @@ def eplb_settings(args) -> dict:
     return cfg
 
 
-def cluster_kwargs(args) -> dict:
-    """Keywords of LocalCluster / ClusterConfig from the model and cluster flags."""
+def cluster_kwargs(args, leader: bool = True) -> dict:
+    """Keywords of LocalCluster / ClusterConfig from the model and cluster flags; with
+    ``--state-dir`` / ``--init-expert-location`` also ``state_dir`` and the ``placement`` to
+    start from (``leader``: this process keeps the state folder, so it must be writable)."""
     if not Path(args.model).is_dir():
         raise UsageError(f"--model {args.model}: no such folder")
     for name in ("routers", "workers", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
@@ -237,12 +300,27 @@ def cluster_kwargs(args) -> dict:
         EplbConfig(**eplb)
     except ValueError as e:
         raise UsageError(f"{e} (pass --enable-eplb to use redundant experts)" if "enable_eplb" in str(e) else str(e)) from None
-    return dict(routers=args.routers, workers=args.workers, colocated=args.colocated, backend=args.backend,
-                dtype=args.dtype, workers_per_node=args.workers_per_node,
-                migration_bytes_per_step=args.migration_bytes_per_step, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_waiting=args.max_waiting, exchange=getattr(args, "exchange", "auto"),
-                load_format=getattr(args, "load_format", "auto"), **cache, **eplb)
+    kw = dict(routers=args.routers, workers=args.workers, colocated=args.colocated, backend=args.backend,
+              dtype=args.dtype, workers_per_node=args.workers_per_node,
+              migration_bytes_per_step=args.migration_bytes_per_step, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_waiting=args.max_waiting, exchange=getattr(args, "exchange", "auto"),
+              load_format=getattr(args, "load_format", "auto"), **cache, **eplb)
+    state_dir = getattr(args, "state_dir", None)
+    if state_dir and leader:
+        from moeserve import state
+        try:
+            state.prepare(state_dir)
+            state.read_balancer_settings(state_dir, eplb.get("window_size", 1000))     # readable, valid
+        except state.StateError as e:
+            raise UsageError(str(e)) from None
+    phy2log, _ = start_placement(args, args.model, args.workers, args.workers_per_node,
+                                 eplb.get("num_redundant_experts", 0))
+    if phy2log is not None:
+        kw["placement"] = phy2log
+    if state_dir:
+        kw["state_dir"] = os.path.abspath(state_dir)
+    return kw
 
 
 def server_options(args, port: int, token: str | None = None):

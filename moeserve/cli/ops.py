@@ -89,12 +89,14 @@ def _jsonable(v):
     return v
 
 
-def _call(fn):
+def _call(fn, about: str = ""):
+    """``fn()``; a failed call prints its status and message (after ``about``: the file the call
+    was about) and exits 1."""
     from moeserve.client import MoeserveError
     try:
         return fn()
     except MoeserveError as e:
-        print(f"error: {e.code.name}: {e.message}", file=sys.stderr)
+        print(f"error: {e.code.name}: {about + ': ' if about else ''}{e.message}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -119,9 +121,11 @@ def run_placement(args: argparse.Namespace) -> int:
         try:
             res = _call(lambda: c.apply_placement(file=args.file, file_format=args.format,
                                                   expected_version=args.expected_version, dry_run=args.dry_run,
-                                                  wait=not args.no_wait))
+                                                  wait=not args.no_wait), args.file)
         except OSError as e:
             raise UsageError(f"cannot read {args.file}: {e.strerror}") from None
+        except ValueError as e:                       # the SDK's own checks (an unknown format name)
+            raise UsageError(f"{args.file}: {e}") from None
         if args.json:
             print(json.dumps(_jsonable(res)))
         else:

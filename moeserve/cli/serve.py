@@ -50,6 +50,7 @@ def register(subparsers) -> None:
                     "the OpenAI-compatible HTTP API on --port, until Ctrl-C or SIGTERM.")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a checkpoint folder or a Hugging Face model id")
     F.add_model_flags(p)
+    F.add_state_flags(p)
     for action in p._actions:                            # serve's MODEL is positional; vLLM's dtype and backend names
         if action.dest == "model":
             action.required = False

@@ -29,6 +29,7 @@ def register(subparsers) -> None:
         p = subparsers.add_parser(name, help=f"run {what} of a multi-process cluster",
                                   description=f"Run {what}. Every rank gets the same model and cluster flags.")
         F.add_model_flags(p)
+        F.add_state_flags(p)
         g = p.add_argument_group("rank")
         _env_arg(g, "--rank", "RANK", int, None, "this rank")
         _env_arg(g, "--world-size", "WORLD_SIZE", int, None, "routers + workers (co-located: routers)")
@@ -112,7 +113,8 @@ def control_key() -> bytes:
 def run_rank(args: argparse.Namespace) -> int:
     from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, rank_layout
 
-    kw = F.cluster_kwargs(args)
+    kw = F.cluster_kwargs(args, leader=args.rank == 0)
+    placement = kw.pop("placement", None)              # --state-dir / --init-expert-location: every rank loads it
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
     if args.world_size != world:
         raise UsageError(f"--world-size {args.world_size} does not match the cluster flags: "
@@ -136,6 +138,7 @@ def run_rank(args: argparse.Namespace) -> int:
                                                              args.tls_key or "", opts.max_message_bytes, opts.grace_s)
         cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits, cache=cache,
                             host=args.host, **hook,
+                            phy2log=None if placement is None else tuple(tuple(int(x) for x in r) for r in placement),
                             per_expert_metrics=args.per_expert_metrics, **kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -182,9 +185,16 @@ def run_frontend(args: argparse.Namespace) -> int:
         metrics = FrontendMetrics(pm.registry)
         from moeserve.services.metrics import grpc_interceptor
         opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, grpc_interceptor(pm, SERVING)))
-    admission = Admission(AsyncEngineClient(address, key), load_tokenizer(args.model), metrics,
+    from moeserve.services.readiness import Readiness, channel_probe
+    engine = AsyncEngineClient(address, key)
+    admission = Admission(engine, load_tokenizer(args.model), metrics,
                           AdmissionLimits(max_model_len=args.max_model_len))
-    srv = make_server(None, None, opts, admission=admission, api_key=api_key)
+    readiness_metrics = None
+    if pm is not None:
+        from moeserve.metrics import ReadinessMetrics
+        readiness_metrics = ReadinessMetrics(pm.registry)
+    readiness = Readiness(channel_probe(engine), readiness_metrics)     # grpc.health and /health follow it
+    srv = make_server(None, None, opts, admission=admission, api_key=api_key, readiness=readiness)
     if args.http_port is None:
         server.run(server.serve_forever(srv, lambda port: print(f"serving front end on {args.host}:{port}",
                                                                 flush=True)))
@@ -193,6 +203,7 @@ def run_frontend(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model or "default"]
     api = HttpApi(admission, names, os.path.abspath(args.model) if args.model else "", api_key,
                   pm.registry, max_body_bytes=opts.max_message_bytes)
+    api.readiness = readiness
     http = HttpServer(api, args.host, args.http_port, opts.grace_s)
     try:
         server.run(_serve_both(srv, http, args.host))

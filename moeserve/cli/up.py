@@ -5,8 +5,9 @@ serving front end and the balancer as child processes; ready when all three answ
 grpc.health.v1, then prints their addresses. On SIGTERM or SIGINT: the front end drains first
 (health NOT_SERVING, in-flight requests finish within ``--grace-period``), then the balancer
 stops, then the ranks; every child exits (no orphans). The balancer keeps no state, so when it
-dies it is started again (serving goes on meanwhile); when a rank or the front end dies,
-everything is torn down and the exit code is 1.
+dies it is started again (serving goes on meanwhile), and so is the front end (clients that
+retry are served); a lost expert worker is replaced by the launcher (docs/dataplane.md, "When a
+peer dies"); when a router or the leader dies, everything is torn down and the exit code is 1.
 
 ``--http-port H``: the front end also serves the OpenAI-compatible HTTP API on H
 (``moeserve.services.http``; ``moeserve serve`` is ``up`` with the HTTP API on ``--port``).
@@ -37,6 +38,7 @@ def register(subparsers) -> None:
                               description="Run routers, workers, the serving front end and the balancer on this "
                                           "machine until SIGTERM.")
     F.add_model_flags(p)
+    F.add_state_flags(p)
     g = p.add_argument_group("ports")
     g.add_argument("--port", type=F.port, default=8000, help="serving front end (default 8000; 0 = any free)")
     g.add_argument("--admin-port", type=F.port, default=8001, help="admin API of the leader (default 8001)")
@@ -93,7 +95,7 @@ def metrics_layout(base: int | None, world_size: int) -> dict[str, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.cluster.launcher import LocalCluster, _die_with_parent, free_port
+    from moeserve.cluster.launcher import LocalCluster, _die_with_parent, describe_exit, free_port
     from moeserve.router.engine.channel import ClusterError
 
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
@@ -203,14 +205,17 @@ def run(args: argparse.Namespace) -> int:
             return 0
         code = 0
         while not stop.wait(0.2):
-            if children[1].poll() is not None and cluster.alive and not stop.is_set():
-                print(f"{prog}: the balancer exited ({children[1].returncode}); starting it again",
-                      file=sys.stderr, flush=True)
-                children[1] = spawn("balancer", bal)
-            dead = [c for c in children[:1] if c.poll() is not None]
-            if dead or not cluster.alive:
-                print(f"{prog}: a process exited ({cluster.error or [c.args[3] for c in dead]}); stopping",
-                      file=sys.stderr, flush=True)
+            # The front end and the balancer keep no state: a lost one is started again while the
+            # ranks serve on (clients that retry are served); a lost rank the launcher could not
+            # replace ends the cluster.
+            for i, (name, cmd) in enumerate((("frontend", front), ("balancer", bal))):
+                if children[i].poll() is not None and cluster.alive and not stop.is_set():
+                    print(f"{prog}: the {'front end' if name == 'frontend' else name} exited "
+                          f"({describe_exit(children[i].returncode)}); starting it again", file=sys.stderr, flush=True)
+                    children[i] = spawn(name, cmd)
+            if not cluster.alive:
+                print(f"{prog}: the cluster stopped: {cluster.error or 'a rank exited'}; stopping", file=sys.stderr,
+                      flush=True)
                 code = 1
                 break
         if stop.is_set():

@@ -22,7 +22,11 @@ def channel_args(address: str, token: str | None, tls: bool, ca_file: str | None
     """(target, credentials or None, options, metadata)."""
     if not isinstance(address, str) or ":" not in address:
         raise ValueError(f"address must be 'host:port', got {address!r}")
-    opts = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", -1)]
+    # A server that was down and came up is reconnected to within a second (gRPC's default
+    # backoff grows to two minutes, during which calls fail fast without trying the server).
+    opts = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", -1),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
     creds = None
     if tls or ca_file:
         root = Path(ca_file).read_bytes() if ca_file else None

@@ -10,8 +10,19 @@ in a thread of its own (:class:`ThreadedServer`), beside the step driver. The le
 through its hook (:func:`serve_admin`, named in ``ClusterConfig.leader_hook``): the rank itself
 never imports gRPC.
 
+With a state folder (``ClusterConfig.state_dir``, ``--state-dir``) the balancer's settings
+are saved there (``balancer.json``, replaced atomically) before PutBalancerSettings answers, and
+read back at start; the leader's engine saves the placement in force there (``moeserve.state``).
+Settings are validated like every other input: a negative interval, a NaN or a balancedness
+outside [0, 1] answers INVALID_ARGUMENT saying what is allowed, and nothing is stored.
+
+The server's health follows the cluster's readiness (``moeserve.services.readiness``): it reads
+``engine.status()`` once a second and says NOT_SERVING while the step loop is stalled or the
+cluster failed.
+
 Errors go through the one table of ``moeserve.services.errors``: an invalid placement or
-argument -> INVALID_ARGUMENT, a stale expected version or a cluster without EPLB ->
+argument (a placement file that does not parse included, named by its format and size) ->
+INVALID_ARGUMENT, a stale expected version or a cluster without EPLB ->
 FAILED_PRECONDITION, an unknown migration -> NOT_FOUND, a cluster that failed or is stopping ->
 UNAVAILABLE; every message says what was wrong.
 """
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import tempfile
 import time
@@ -26,6 +38,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from moeserve import state
 from moeserve.placement import Placement
 from moeserve.router.engine.api import EngineAPI, InvalidRequest
 from moeserve.rpc import admin_pb2, admin_pb2_grpc
@@ -34,7 +47,23 @@ from moeserve.services.server import ADMIN, ServerOptions, ServiceServer, Thread
 from moeserve.wire import (from_int64_matrix, int64_matrix, migration_msg, placement_balancedness, placement_msg,
                            worker_balancedness_msg)
 
+log = logging.getLogger("moeserve.admin")
+
 FILE_SUFFIX = {admin_pb2.PlacementFile.SGLANG_JSON: ".json", admin_pb2.PlacementFile.SGLANG_PT: ".pt"}
+SETTINGS_FIELDS = ("window_steps", "step_interval", "min_balancedness", "paused")
+
+
+def settings_dict(msg: admin_pb2.BalancerSettings) -> dict:
+    """The set fields of a BalancerSettings message (None for unset ones)."""
+    return {k: (getattr(msg, k) if msg.HasField(k) else None) for k in SETTINGS_FIELDS}
+
+
+def settings_msg(d: dict) -> admin_pb2.BalancerSettings:
+    msg = admin_pb2.BalancerSettings()
+    for k in SETTINGS_FIELDS:
+        if d.get(k) is not None:
+            setattr(msg, k, d[k])
+    return msg
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -43,7 +72,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     def __init__(self, engine: EngineAPI):
         self.engine = engine
         self.cfg = engine.cfg
-        self._balancer_settings = admin_pb2.BalancerSettings()
+        self.state_dir = getattr(self.cfg, "state_dir", "") or ""
+        saved = {}
+        if self.state_dir:
+            try:
+                saved = state.read_balancer_settings(self.state_dir, self.cfg.eplb.window_size)
+            except state.StateError as e:       # the CLI checked it at start; never fail the leader for it
+                log.error("the balancer's saved settings are ignored: %s", e)
+        self._balancer_settings = settings_msg(saved)
 
     # -- placement ------------------------------------------------------------------------
 
@@ -59,24 +95,43 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if which != "file":
             raise InvalidRequest("give the placement: phy2log [L, P] or a placement file")
         f = request.file
+        if f.format not in FILE_SUFFIX and f.format != admin_pb2.PlacementFile.MOESERVE_JSON:
+            raise InvalidRequest(f"placement file format {f.format} is unknown (allowed: MOESERVE_JSON, SGLANG_JSON, "
+                                 f"SGLANG_PT)")
+        name = admin_pb2.PlacementFile.Format.Name(f.format)
+        what = f"the placement file ({name}, {len(f.content)} bytes)"
+        try:
+            return self._parse_file(f)
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{what}: {e}") from None
+        except Exception as e:                  # whatever a parser raises on bytes that are not a placement
+            msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InvalidRequest(f"{what} is not a valid {name} placement: {msg}") from None
+
+    def _parse_file(self, f) -> Placement:
         cur = self.engine.placement()
         if f.format == admin_pb2.PlacementFile.MOESERVE_JSON:
-            p = Placement.from_json(f.content.decode("utf-8", errors="replace"))
+            try:
+                text = f.content.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InvalidRequest(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+            p = Placement.from_json(text)
             if (p.num_logical, p.num_workers, p.workers_per_node) != (cur.num_logical, cur.num_workers,
                                                                     cur.workers_per_node):
-                raise InvalidRequest(f"the placement file is for {p.num_logical} logical experts on {p.num_workers} "
+                raise InvalidRequest(f"it is for {p.num_logical} logical experts on {p.num_workers} "
                                      f"workers ({p.workers_per_node} per node); this cluster has {cur.num_logical} "
                                      f"on {cur.num_workers} ({cur.workers_per_node} per node)")
             return p.evolve(version=cur.version)
-        if f.format not in FILE_SUFFIX:
-            raise InvalidRequest(f"placement file format {f.format} is unknown (allowed: MOESERVE_JSON, SGLANG_JSON, "
-                                 f"SGLANG_PT)")
         shape = self.engine.shape
-        with tempfile.NamedTemporaryFile(suffix=FILE_SUFFIX[f.format]) as tmp:
-            tmp.write(f.content)
-            tmp.flush()
-            return Placement.from_sglang(tmp.name, shape.moe_layer_ids, cur.num_logical, cur.num_workers,
-                                         cur.workers_per_node, shape.num_decoder_layers or None)
+        with tempfile.TemporaryDirectory(prefix="moeserve-placement-") as d:
+            path = os.path.join(d, "placement" + FILE_SUFFIX[f.format])
+            with open(path, "wb") as tmp:
+                tmp.write(f.content)
+            try:
+                return Placement.from_sglang(path, shape.moe_layer_ids, cur.num_logical, cur.num_workers,
+                                             cur.workers_per_node, shape.num_decoder_layers or None)
+            except Exception as e:              # the message names the temporary file: not the client's
+                raise InvalidRequest(str(e).replace(path + ": ", "").replace(path, "the file")) from None
 
     async def ApplyPlacement(self, request, context):
         e = self.engine
@@ -97,7 +152,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             phy2log=int64_matrix(phy2log))
 
     async def GetMigration(self, request, context):
-        if request.wait_s < 0:
+        if not request.wait_s >= 0:                       # NaN too
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
         try:
             mig = self.engine.migration(request.migration_id)
@@ -171,8 +226,19 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return self._balancer_settings
 
     async def PutBalancerSettings(self, request, context):
-        self._balancer_settings = admin_pb2.BalancerSettings()
-        self._balancer_settings.CopyFrom(request)
+        new = settings_dict(request)
+        try:
+            state.check_balancer_settings(new, self.cfg.eplb.window_size)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"balancer settings: {e}")
+        if self.state_dir:                      # saved before it answers: an answered change survives a restart
+            try:
+                await asyncio.to_thread(state.write_balancer_settings, self.state_dir, new)
+            except OSError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"cannot save the balancer's settings in the state folder {self.state_dir}: "
+                                    f"{e.strerror or e}; nothing changed")
+        self._balancer_settings = settings_msg(new)
         return self._balancer_settings
 
 
@@ -188,11 +254,18 @@ class AdminHandle:
         self.server.stop()
 
 
-def start_admin(engine: EngineAPI, options: ServerOptions) -> ThreadedServer:
-    """Start the admin API for ``engine`` on its own thread and event loop."""
+def start_admin(engine: EngineAPI, options: ServerOptions, process_metrics=None) -> ThreadedServer:
+    """Start the admin API for ``engine`` on its own thread and event loop; its health follows
+    the cluster's readiness (recorded in ``process_metrics`` when given)."""
+    from moeserve.services.readiness import Readiness, engine_probe
     service = AdminService(engine)
-    server = ThreadedServer(ServiceServer(ADMIN, lambda s: admin_pb2_grpc.add_AdminServicer_to_server(service, s),
-                                          options))
+    srv = ServiceServer(ADMIN, lambda s: admin_pb2_grpc.add_AdminServicer_to_server(service, s), options)
+    metrics = None
+    if process_metrics is not None:
+        from moeserve.metrics import ReadinessMetrics
+        metrics = ReadinessMetrics(process_metrics.registry)
+    srv.readiness = Readiness(engine_probe(engine, getattr(engine.cfg, "heartbeat_s", None)), metrics)
+    server = ThreadedServer(srv)
     server.start()
     return server
 
@@ -208,7 +281,7 @@ def serve_admin(engine: EngineAPI, config_json: str, process_metrics=None) -> Ad
     opts = ServerOptions(host=c["host"], port=c["port"], max_message_bytes=c["max_message_bytes"],
                          tls_cert=c["tls_cert"], tls_key=c["tls_key"], grace_s=c["grace_s"],
                          token=os.environ.get("MOESERVE_ADMIN_TOKEN") or None, interceptors=interceptors)
-    server = start_admin(engine, opts)
+    server = start_admin(engine, opts, process_metrics)
     return AdminHandle("admin", (c["host"], server.server.port), server)
 
 

@@ -63,6 +63,15 @@ class AdmissionLimits:
     def max_prompt_chars(self) -> int:
         return self.max_model_len * self.max_chars_per_token
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest serialized gRPC GenerateRequest that can be valid: a prompt text of
+        ``max_prompt_chars`` characters (4 bytes each at most in UTF-8) or ``max_model_len`` ids,
+        and ``max_stop_ids`` stop ids (11 bytes each at most on the wire), and the scalar
+        fields. The serving server receives nothing larger (gRPC answers RESOURCE_EXHAUSTED
+        before parsing it)."""
+        return 4 * self.max_prompt_chars + 11 * (self.max_model_len + self.max_stop_ids) + (64 << 10)
+
 
 # -- the tokenizer, its special tokens and its chat template ----------------------------------
 
@@ -454,7 +463,9 @@ class Admission:
     def request(self, prompt_ids: tuple[int, ...], max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
                 top_k: int = 0, seed: int | None = None, stop_token_ids=(), ignore_eos: bool = False,
                 return_logits: str = "") -> GenerateRequest:
-        """The engine request; InvalidRequest for what only this side checks."""
+        """The engine request; InvalidRequest for what only this side checks. ``stop_token_ids``
+        may be any sized sequence (a protobuf repeated field): its length is checked before it
+        is converted."""
         if len(stop_token_ids) > self.limits.max_stop_ids:
             raise InvalidRequest(f"{len(stop_token_ids)} stop token ids; at most {self.limits.max_stop_ids}")
         stop = self._ints(stop_token_ids, "stop token ids") if stop_token_ids else ()

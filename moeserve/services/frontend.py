@@ -10,8 +10,17 @@ admission path, :class:`moeserve.services.admission.Admission` (limits, tokeniza
 event loop, request building, event streaming with cancellation).
 
 Validation: this side checks only what the leader cannot (text, which fields are set, the
-sampling values a ``SamplingParams`` accepts); the leader's engine validates the request once,
-as it admits it. Errors go through the one table of ``moeserve.services.errors``: bad input ->
+sampling values a ``SamplingParams`` accepts) and the limits that keep a request cheap, before
+converting anything: gRPC itself refuses (RESOURCE_EXHAUSTED) a message larger than the largest
+valid request (:attr:`AdmissionLimits.max_request_bytes`: a prompt of ``max_model_len`` ids or
+of the most characters the front end tokenizes, and ``max_stop_ids`` stop ids; at most
+``--max-message-bytes``), so a 50 MB id list costs nothing; a prompt or stop id list over its
+limit is INVALID_ARGUMENT. The leader's engine validates the request once, as it admits it.
+
+Health: the server's grpc.health follows the cluster's readiness
+(``moeserve.services.readiness``, the leader's status over the local channel once a second).
+
+Errors go through the one table of ``moeserve.services.errors``: bad input ->
 INVALID_ARGUMENT, a full admission queue -> RESOURCE_EXHAUSTED, the leader gone or stopping ->
 UNAVAILABLE. A call that is cancelled or passes its deadline closes its connection, which
 cancels its request on the leader. With an API key (``--api-key``) every call but health and
@@ -26,7 +35,7 @@ import grpc
 from moeserve.router.engine.api import Finished, GenerateRequest, InvalidRequest, Token
 from moeserve.router.engine.channel import AsyncEngineClient
 from moeserve.rpc import serving_pb2, serving_pb2_grpc
-from moeserve.services.admission import Admission, ModelTokenizer, RequestFailed
+from moeserve.services.admission import Admission, Detokenizer, ModelTokenizer, RequestFailed
 from moeserve.services.errors import abort_for
 from moeserve.services.server import SERVING, UNGUARDED, ServerOptions, ServiceServer, _abort_handler
 from moeserve.wire import FINISH_REASONS
@@ -95,7 +104,7 @@ class ServingService(serving_pb2_grpc.ServingServicer):
         return a.request(ids, int(max_tokens), temperature=float(r.temperature),
                          top_p=r.top_p if r.HasField("top_p") else 1.0, top_k=int(r.top_k),
                          seed=int(r.seed) if r.HasField("seed") else None,
-                         stop_token_ids=list(r.stop_token_ids), ignore_eos=bool(r.ignore_eos))
+                         stop_token_ids=r.stop_token_ids, ignore_eos=bool(r.ignore_eos))
 
     def _text(self, ids) -> str:
         return self.admission.decode(ids)
@@ -135,31 +144,30 @@ class ServingService(serving_pb2_grpc.ServingServicer):
 
     async def GenerateStream(self, request, context):
         req = await self._admit(request, context)
-        tokens: list[int] = []
-        sent = ""
+        detok = Detokenizer(self.tokenizer)                # incremental: no re-decoding of the whole output
         pending: list[int] = []
         async for ev in self._events(req, context):
             if isinstance(ev, Token):
-                tokens.append(ev.token_id)
                 pending.append(ev.token_id)
-                text = self._text(tokens)
-                delta = ""
-                if not text.endswith("\ufffd"):          # hold back an incomplete character
-                    delta, sent = text[len(sent):], text
-                yield serving_pb2.GenerateStreamResponse(token_ids=pending, text=delta)
+                yield serving_pb2.GenerateStreamResponse(token_ids=pending, text=detok.add(ev.token_id))
                 pending = []
             elif isinstance(ev, Finished):
-                text = self._text(tokens)
                 yield serving_pb2.GenerateStreamResponse(
-                    text=text[len(sent):], finish_reason=FINISH_REASONS.get(str(ev.reason), 0),
-                    usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens)))
+                    text=detok.flush(), finish_reason=FINISH_REASONS.get(str(ev.reason), 0),
+                    usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(detok.ids)))
 
 
 def make_server(engine: AsyncEngineClient | None, tokenizer, options: ServerOptions, metrics=None,
-                admission: Admission | None = None, api_key: str | None = None) -> ServiceServer:
-    """The gRPC serving front end; with ``api_key`` every serving call needs it."""
+                admission: Admission | None = None, api_key: str | None = None, readiness=None) -> ServiceServer:
+    """The gRPC serving front end; with ``api_key`` every serving call needs it; with
+    ``readiness`` (moeserve.services.readiness.Readiness) its health follows the cluster's. It
+    receives no message larger than the largest valid request (nor than ``max_message_bytes``)."""
+    import dataclasses
     service = ServingService(engine, tokenizer, metrics, admission=admission)
+    limit = min(options.max_message_bytes, service.admission.limits.max_request_bytes)
+    options = dataclasses.replace(options, max_message_bytes=max(limit, 1024))
     if api_key:
-        import dataclasses
         options = dataclasses.replace(options, interceptors=(*options.interceptors, ApiKeyAuth(api_key)))
-    return ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), options)
+    server = ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), options)
+    server.readiness = readiness
+    return server

@@ -11,9 +11,11 @@ Routes, all on one port:
   ``stream_options.include_usage`` (server-sent events ending with ``data: [DONE]``).
   Parameters moeserve does not support (penalties, logit_bias, tools, ...) answer 400 naming
   them; so do unknown ones.
-- ``GET /v1/models``, ``GET /health`` (200 when the leader answers, 503 when it does not or
-  while the server drains), ``GET /version``, ``GET /metrics`` (Prometheus: the front end's
-  registry, the same series the gRPC path records).
+- ``GET /v1/models``, ``GET /health`` (200 while the cluster can take a request; 503 while it
+  cannot (the front end's readiness, ``moeserve.services.readiness``: the leader unreachable,
+  its step loop stalled, the cluster failed) and while the server drains), ``GET /version``,
+  ``GET /metrics`` (Prometheus: the front end's registry, the same series the gRPC path
+  records).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 bad
 request, 401 missing or wrong API key (``Authorization: Bearer <key>``, compared in constant
@@ -50,6 +52,15 @@ MAX_N = 64
 MAX_CHOICES = 256                  # prompts x n of one request
 MAX_LOGPROBS = 20
 MAX_BODY_BYTES = 64 << 20
+PARSE_OFF_LOOP_BYTES = 256 << 10
+
+
+def body_limit(limits) -> int:
+    """The largest request body this front end reads (413 above it, before reading it): room for
+    one prompt text of the most characters it tokenizes (up to 8 bytes a character in JSON with
+    escapes), a batch of MAX_N prompts of ``max_model_len`` ids or text (12 bytes a token), and
+    the other fields; a 50 MB list of ids is refused before a byte of it is parsed."""
+    return 8 * limits.max_prompt_chars + 12 * MAX_N * limits.max_model_len + (1 << 20)
 DEFAULT_COMPLETION_TOKENS = 16
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -236,10 +247,10 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
     stops: tuple[str, ...] = ()
     if stop is not None:
         items = [stop] if isinstance(stop, str) else stop
+        if isinstance(items, list) and len(items) > 64:          # the length first: nothing else is read
+            raise bad(f"stop has {len(items)} strings; at most 64", "stop")
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise bad(f"stop must be a string or a list of strings, got {_show(stop)}", "stop")
-        if len(items) > 64:
-            raise bad(f"stop has {len(items)} strings; at most 64", "stop")
         if any(not s or len(s) > 1024 for s in items):
             raise bad("every stop string must have 1..1024 characters", "stop")
         stops = tuple(items)
@@ -542,7 +553,8 @@ class HttpApi:
     admission: the front end's shared admission path; served_models: the names a request's
     ``model`` may take (the first is the default); model_root: the model folder (shown by
     /v1/models); api_key: guards ``/v1/`` (None: open); registry: the Prometheus registry of
-    /metrics (None: an empty answer); max_body_bytes: the largest request body.
+    /metrics (None: an empty answer); max_body_bytes: the largest request body (at most
+    :func:`body_limit` of the admission limits).
     """
 
     def __init__(self, admission: Admission, served_models: list[str], model_root: str = "",
@@ -558,8 +570,9 @@ class HttpApi:
         self.model_root = model_root
         self._key = api_key.encode() if api_key else None
         self.registry = registry
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = min(max_body_bytes, body_limit(admission.limits))
         self.draining = False
+        self.readiness = None          # moeserve.services.readiness.Readiness of the front end (None: ask the leader)
         self.created = int(time.time())
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -605,8 +618,8 @@ class HttpApi:
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
             chunks.append(chunk)
         raw = b"".join(chunks)
-        try:
-            body = json.loads(raw)
+        try:                                   # a large body is parsed off the event loop
+            body = json.loads(raw) if len(raw) < PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
@@ -660,6 +673,12 @@ class HttpApi:
     async def health(self, request):
         if self.draining:
             return ApiError(503, "the server is shutting down", code="unavailable").response()
+        r = self.readiness
+        if r is not None:
+            if not r.ready:
+                return ApiError(503, f"the cluster cannot take a request ({r.reason}): {r.detail}",
+                                code="unavailable").response()
+            return _json({"status": "ok"})
         call = getattr(self.admission.engine, "call", None)
         if call is not None:
             try:
@@ -689,7 +708,7 @@ class HttpApi:
             return [await a.encode(prompt)]
         if not isinstance(prompt, list) or not prompt:
             raise bad(f"prompt must be a non-empty string or list, got {_show(prompt)}", "prompt")
-        if all(_is_int(t) for t in prompt):
+        if _is_int(prompt[0]):                 # ids: the length is checked before any element is read
             return [a.token_ids(prompt)]
         if len(prompt) > MAX_N:
             raise bad(f"prompt is a batch of {len(prompt)}; at most {MAX_N}", "prompt")
@@ -697,7 +716,7 @@ class HttpApi:
         for p in prompt:
             if isinstance(p, str):
                 out.append(await a.encode(p))
-            elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+            elif isinstance(p, list) and p and _is_int(p[0]):
                 out.append(a.token_ids(p))
             else:
                 raise bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of "

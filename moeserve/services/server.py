@@ -5,7 +5,9 @@ Every service is a :class:`ServiceServer`: a ``grpc.aio`` server with
 
 - explicit message-size limits (``max_message_bytes`` both ways; a larger request answers
   RESOURCE_EXHAUSTED and the server goes on),
-- grpc.health.v1 (the service's own name and "" are SERVING while it serves) and reflection,
+- grpc.health.v1 (the service's own name and "" are SERVING while it serves; with a
+  ``readiness`` (``moeserve.services.readiness``) only while the cluster can take a request)
+  and reflection,
 - a *service check*: a method of another moeserve service answers UNIMPLEMENTED with a message
   naming the service and the flag of the port that serves it,
 - an optional bearer token (metadata ``authorization: Bearer <token>``; health and reflection
@@ -13,6 +15,9 @@ Every service is a :class:`ServiceServer`: a ``grpc.aio`` server with
 - TLS when given a certificate and key,
 - the interceptors passed in (the hook for metrics), before the two above, so that metrics
   count the calls they refuse too,
+- a request whose bytes do not parse as the method's message answers INVALID_ARGUMENT (the
+  handler never runs), and a handler that raises what it did not map answers INTERNAL with what
+  it was (logged), never grpc's UNKNOWN,
 - trailing metadata ``moeserve-server: <service>`` on every call a handler answers (aborted
   ones too), so that a client can tell an UNAVAILABLE the server answered (not to be repeated)
   from one of the transport (the call reached no server: safe to retry),
@@ -145,23 +150,70 @@ class ServerMark(grpc.aio.ServerInterceptor):
             return None
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
                     if getattr(handler, k) is not None)
-        return handler._replace(**{kind: self._marking(getattr(handler, kind))})
+        changes = {kind: self._marking(getattr(handler, kind), details.method)}
+        if not handler.request_streaming and handler.request_deserializer is not None:
+            changes["request_deserializer"] = _tolerant(handler.request_deserializer)
+        return handler._replace(**changes)
 
-    def _marking(self, behavior):
+    def _marking(self, behavior, method: str):
         mark = self._mark
         if inspect.isasyncgenfunction(behavior):     # a streaming handler that yields its answers
             async def stream(request, context):
                 context.set_trailing_metadata(mark)
-                async for item in behavior(request, context):
-                    yield item
+                if isinstance(request, Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                except Exception as e:
+                    await _internal(context, method, e)
 
             return stream
 
         async def call(request, context):            # a unary handler, or one writing with context.write()
             context.set_trailing_metadata(mark)
-            return await behavior(request, context)
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            try:
+                return await behavior(request, context)
+            except Exception as e:
+                await _internal(context, method, e)
 
         return call
+
+
+class Malformed:
+    """A request whose bytes did not parse as the method's message: the handler is not called,
+    the call answers INVALID_ARGUMENT (grpc itself would answer UNKNOWN naming a Python class)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _tolerant(deserialize):
+    """``deserialize`` that returns a :class:`Malformed` instead of raising."""
+    owner = getattr(deserialize, "__self__", None)
+    name = getattr(getattr(owner, "DESCRIPTOR", None), "full_name", "the method's request")
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception:
+            return Malformed(f"the request ({len(data)} bytes) does not parse as a {name} message: the protobuf "
+                             f"wire format is corrupt")
+
+    return parse
+
+
+async def _internal(context, method: str, e: Exception):
+    """A handler raised something it did not turn into a status: INTERNAL with what it was,
+    logged with its traceback (never grpc's UNKNOWN). An abort passes through."""
+    if isinstance(e, grpc.aio.AbortError):
+        raise e
+    log.exception("%s failed", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(e).__name__}: {e}")
 
 
 class BearerAuth(grpc.aio.ServerInterceptor):
@@ -206,6 +258,7 @@ class ServiceServer:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
+        self.readiness = None        # a moeserve.services.readiness.Readiness: health follows the cluster's
 
     async def start(self) -> int:
         o = self.options
@@ -233,8 +286,12 @@ class ServiceServer:
         if not self.port:
             raise OSError(f"cannot listen on {addr}")
         await self.server.start()
-        for name in ("", self.service):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.readiness is not None:               # SERVING only while the cluster can take a request
+            self.readiness.attach(self)
+            await self.readiness.start()
+        else:
+            for name in ("", self.service):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("%s listening on %s:%d%s", self.service, o.host, self.port, " (TLS)" if o.tls_cert else "")
         return self.port
 
@@ -242,6 +299,8 @@ class ServiceServer:
         """NOT_SERVING first, then refuse new calls and give in-flight ones ``grace_s``."""
         if self.server is None:
             return
+        if self.readiness is not None:
+            self.readiness.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.options.grace_s if grace_s is None else grace_s)
 

@@ -194,6 +194,7 @@ class EngineStatus:
     moved_slots: int = 0                     # slots and bytes moved by migrations since start
     moved_bytes: int = 0
     migrations_ended: dict[str, int] = field(default_factory=dict)   # state name -> count
+    last_step_age_s: float = 0.0             # seconds since the last step completed (a stall: health)
 
 
 # -- the interface ----------------------------------------------------------------------------
