@@ -4,6 +4,7 @@
     python benchmarks/serving.py --shape scout8       # 2 GPUs, about 8 minutes
     python benchmarks/serving.py --shape ernie28
     python benchmarks/serving.py --smoke              # CPU: tiny shape, gloo, 1 rank, a few requests
+    python benchmarks/serving.py --shape scout8 --apis grpc,http     # also through the HTTP API
 
 Weights are seeded random numbers made on the device (``--load-format dummy``): the model
 folder is a ``config.json`` written here, nothing is downloaded. Shapes (bf16):
@@ -40,6 +41,42 @@ Workloads (``--workloads burst,online``):
   (at most ``--requests``). Output tok/s, TTFT p50/p99, inter-token latency p50/p99 and the
   ratio ITL p99 / p50. Requests still running ``--drain`` seconds after the last arrival are
   cancelled and counted.
+
+APIs (``--apis grpc,http``, default ``grpc``): each moeserve configuration's workloads run
+through each API in turn, back to back against the same running cluster (``moeserve up`` then
+also serves the HTTP API, ``--http-port``), workload by workload (burst through gRPC, burst
+through HTTP, then online through each at the same arrival plan and rate, the rate taken from
+the first API's burst), each API with its own warm-up first:
+
+- ``grpc``: the SDK's streaming call, as above;
+- ``http``: ``POST /v1/completions`` with ``stream: true`` (prompt as token ids, ``max_tokens``,
+  ``ignore_eos``, ``temperature: 0``, ``stream_options.include_usage``) through httpx (or its
+  successor httpx2, which this checkout's environment carries with openai), one connection per
+  stream in flight (opened by the warm-up, kept alive), every token's arrival time taken from
+  the server-sent events as they come in. A chunk's tokens are counted from its ``token_ids``
+  when the server sends them (the warm-up asks for ``return_token_ids`` and drops it when it is
+  refused), else one token per chunk with text (or its ``logprobs.tokens``); the count is
+  checked against the final ``usage.completion_tokens``, and tokens a chunk did not show are
+  added at the time of the last chunk (``tokens_from_usage`` says how many). httpx is imported
+  only by the HTTP clients: the gRPC command lines need nothing new; on a GPU machine without
+  it, the HTTP mode needs httpx and its dependencies brought as wheels (``pip download httpx``
+  beside the others of the offline install).
+
+  The model folder then also gets a word-level ``tokenizer.json`` (id i is the word ``t<i>``;
+  ``--tokenizer``, default ``auto``: only when the HTTP API is measured): the HTTP API streams a
+  chunk per token only when the token adds text, and without a tokenizer no token does. With a
+  tokenizer both APIs detokenize, on the same cluster, so the comparison stays even.
+
+  Reported per API (``by_api``) with the front end's CPU time during each run
+  (``frontend_cpu_s``, ``frontend_cpu_us_per_token``, from /proc) and the clients' own
+  (``client_cpu_s``), and per configuration and workload ``http_over_grpc_output_tok_s``.
+  The configuration's top-level ``burst`` / ``online`` / ``roofline`` / ``engine`` are the first
+  API's. ``--rounds N`` (for a noisy machine) runs the burst N times through each API, every
+  other round in the reverse order: each API's burst figures are those of its median round
+  (``rounds`` lists every round), the ratio is the median of the rounds' ratios
+  (``http_over_grpc_output_tok_s_rounds`` lists them); rounds where a request failed through
+  either API (``rounds_with_failed_requests``) are left out of both medians unless every round
+  has one.
 
 Roofline per GPU beside each measured step: (bytes of every weight the GPU holds, redundant
 slots included, + the KV bytes the step reads) / HBM rate, for the datasheet's 4.8 TB/s and
@@ -119,6 +156,7 @@ TINY = {  # the smoke shape: moeserve init-model's small Llama 4
 SHAPES = {"scout8": dict(config=SCOUT8, redundant=2), "ernie28": dict(config=ERNIE28, redundant=2),
           "tiny": dict(config=TINY, redundant=2)}
 CONFIGS = ("moeserve-ep2", "moeserve-1rank", "transformers")
+APIS = ("grpc", "http")
 
 BURST_KEYS = ("requests", "prompt_tokens", "output_tokens_per_request", "completed", "errors", "wall_s",
               "output_tokens", "output_tok_s", "max_request_rate", "ttft_p50_s", "ttft_p99_s",
@@ -128,6 +166,8 @@ ONLINE_KEYS = ("requests", "load", "arrival_rate_req_s", "arrival_span_s", "prom
                "output_tokens_range", "completed", "cancelled", "errors", "wall_s", "output_tokens",
                "output_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "itl_p99_over_p50",
                "e2e_p50_s", "e2e_p99_s")
+ROUND_KEYS = ("api", "requests", "completed", "errors", "output_tok_s", "wall_s", "ttft_p50_s", "steady_step_s", "frontend_cpu_us_per_token",
+              "client_cpu_s")
 ROOFLINE_KEYS = ("gpus", "weight_bytes_per_gpu", "kv_bytes_per_step_per_gpu", "bytes_per_step_per_gpu",
                  "sequences_per_gpu", "mean_context", "datasheet", "measured_copy")
 
@@ -220,6 +260,18 @@ def write_model(folder: str, config: dict) -> str:
         json.dump({"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos,
                    "pad_token_id": config.get("pad_token_id")}, f, indent=2)
     return folder
+
+
+def write_tokenizer(folder: str, vocab_size: int) -> str:
+    """A word-level ``tokenizer.json`` for the model folder: id i is the word ``t<i>``, no special
+    tokens, so every generated id adds text (``t5 t7``) and a streamed HTTP completion sends one
+    chunk per token. Written with the ``tokenizers`` library (a moeserve dependency)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = os.path.join(folder, "tokenizer.json")
+    tok.save(path)
+    return path
 
 
 def model_sizes(model_dir: str, dtype_bytes: int) -> dict:
@@ -325,18 +377,33 @@ def gpu_facts(gpus: int, smoke: bool) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------
-# clients: processes with an asyncio loop each, streaming through the SDK
+# clients: processes with an asyncio loop each, streaming through the SDK or the HTTP API
 
 
-def client_main(address: str, plan: list, t0_value, go, results, warm: bool, deadline_s: float) -> None:
-    """Run ``plan`` [(index, offset_s, prompt_ids, max_tokens)]; every time is relative to t0
-    (``time.monotonic()``, one clock for every process of the host), set by the parent."""
+def client_main(address: str, plan: list, t0_value, go, results, warm: bool, deadline_s: float,
+                api: str = "grpc") -> None:
+    """Run ``plan`` [(index, offset_s, prompt_ids, max_tokens)] through ``api`` (``grpc``: the
+    SDK at ``address`` HOST:PORT; ``http``: /v1/completions at ``address`` http://HOST:PORT);
+    every time is relative to t0 (``time.monotonic()``, one clock for every process of the
+    host), set by the parent."""
     try:
         import uvloop
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(_client(address, plan, t0_value, go, results, warm, deadline_s))
+    run = _client_http if api == "http" else _client
+    asyncio.run(run(address, plan, t0_value, go, results, warm, deadline_s))
+
+
+async def _start(go, t0_value) -> float:
+    while not go.wait(0.05):
+        await asyncio.sleep(0)
+    return t0_value.value
+
+
+def _record(i, offset, prompt, n, t0) -> dict:
+    return {"i": i, "submit": time.monotonic() - t0, "tokens": [], "prompt_len": len(prompt), "max_tokens": n,
+            "finish": None, "error": None}
 
 
 async def _client(address, plan, t0_value, go, results, warm, deadline_s) -> None:
@@ -346,15 +413,13 @@ async def _client(address, plan, t0_value, go, results, warm, deadline_s) -> Non
         async for _ in client.generate_stream(prompt_token_ids=[5, 6, 7], max_tokens=1, ignore_eos=True):
             pass
     results.put(("ready", None))
-    while not go.wait(0.05):
-        await asyncio.sleep(0)
-    t0 = t0_value.value
+    t0 = await _start(go, t0_value)
+    cpu0 = time.process_time()
     deadline = t0 + deadline_s
 
     async def one(i, offset, prompt, n):
         await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
-        rec = {"i": i, "submit": time.monotonic() - t0, "tokens": [], "prompt_len": len(prompt), "max_tokens": n,
-               "finish": None, "error": None}
+        rec = _record(i, offset, prompt, n, t0)
 
         async def stream():
             async for chunk in client.generate_stream(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True):
@@ -371,37 +436,199 @@ async def _client(address, plan, t0_value, go, results, warm, deadline_s) -> Non
         return rec
 
     recs = await asyncio.gather(*(one(*p) for p in plan))
+    cpu = time.process_time() - cpu0
     await client.close()
-    results.put(("done", recs))
+    results.put(("done", {"recs": recs, "cpu_s": cpu}))
 
 
-def drive(address: str, plan: list, procs: int, deadline_s: float) -> list[dict]:
-    """Split ``plan`` round-robin over ``procs`` client processes, start them together, and
-    return every request's record (times relative to the common start)."""
+def http_module():
+    """The async HTTP client's module, imported here only (the HTTP clients' processes): httpx,
+    or httpx2 (its successor, with the same API), whichever is installed."""
+    try:
+        import httpx
+    except ImportError:
+        try:
+            import httpx2 as httpx
+        except ImportError:
+            raise ImportError("--apis http needs httpx (pip install httpx; on a machine without a package "
+                              "registry, bring its wheels: pip download httpx)") from None
+    return httpx
+
+
+class HttpStatusError(Exception):
+    def __init__(self, status: int, body: str):
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status, self.body = status, body
+
+
+class SseTokens:
+    """The server-sent events of one streamed completion, fed as bytes arrive: :meth:`feed`
+    answers how many new tokens they carry. A chunk's tokens: its ``token_ids`` when the server
+    sends them, else its ``logprobs.tokens``, else one for a chunk with text and no
+    finish_reason (the last chunk may carry text a finished detokenizer flushed, or a stop
+    string's token: :meth:`missing` gets those from ``usage.completion_tokens``)."""
+
+    def __init__(self):
+        self.buf = b""
+        self.counted = 0
+        self.usage_tokens: int | None = None
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.done = False
+        self.chunks = 0
+        self.token_ids = False
+
+    def feed(self, data: bytes) -> int:
+        self.buf += data
+        new = 0
+        while True:
+            end = self.buf.find(b"\n\n")
+            if end < 0:
+                break
+            event, self.buf = self.buf[:end], self.buf[end + 2:]
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    self.done = True
+                else:
+                    new += self._chunk(json.loads(payload))
+        self.counted += new
+        return new
+
+    def _chunk(self, obj: dict) -> int:
+        if "error" in obj:
+            err = obj["error"]
+            self.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+            return 0
+        self.chunks += 1
+        usage = obj.get("usage")
+        if usage:
+            self.usage_tokens = usage.get("completion_tokens")
+        n = 0
+        for ch in obj.get("choices") or ():
+            ids = ch.get("token_ids")
+            if ids is not None:
+                self.token_ids = True
+                n += len(ids)
+            elif ch.get("finish_reason") is None:
+                lp = ch.get("logprobs")
+                n += len(lp.get("tokens") or ()) if lp else (1 if ch.get("text") else 0)
+            if ch.get("finish_reason") is not None:
+                self.finish = ch["finish_reason"]
+        return n
+
+    def missing(self) -> int:
+        """Tokens the usage counts that no chunk showed (0 when every chunk showed its tokens)."""
+        return max(0, (self.usage_tokens or 0) - self.counted)
+
+
+async def _client_http(base, plan, t0_value, go, results, warm, deadline_s) -> None:
+    httpx = http_module()
+    client = httpx.AsyncClient(base_url=base, trust_env=False,
+                               timeout=httpx.Timeout(deadline_s, connect=60.0, pool=deadline_s),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                                                   keepalive_expiry=max(60.0, deadline_s)))
+    extra = {"return_token_ids": True}
+
+    async def stream(prompt, n, on_tokens) -> SseTokens:
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, **extra}
+        sse = SseTokens()
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise HttpStatusError(resp.status_code, (await resp.aread()).decode(errors="replace"))
+            async for data in resp.aiter_raw():
+                now = time.monotonic()
+                k = sse.feed(data)
+                if k:
+                    on_tokens(now, k)
+        if sse.error:
+            raise RuntimeError(f"the stream ended with an error: {sse.error}")
+        if not sse.done:
+            raise RuntimeError("the stream ended without data: [DONE]")
+        return sse
+
+    if warm:
+        try:                                              # does the server send each chunk's token ids?
+            await stream([5, 6, 7], 1, lambda *_: None)
+        except HttpStatusError as e:
+            if e.status != 400 or "return_token_ids" not in e.body:
+                raise
+            extra = {}
+        # one connection per stream this process will have in flight (at most 256), kept alive
+        await asyncio.gather(*(stream([5, 6, 7], 1, lambda *_: None) for _ in range(min(len(plan), 256))))
+    results.put(("ready", None))
+    t0 = await _start(go, t0_value)
+    cpu0 = time.process_time()
+    deadline = t0 + deadline_s
+
+    async def one(i, offset, prompt, n):
+        await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
+        rec = _record(i, offset, prompt, n, t0)
+        rec["from_usage"] = 0
+
+        def on_tokens(now, k):
+            rec["tokens"].extend([now - t0] * k)
+
+        try:
+            sse = await asyncio.wait_for(stream(prompt, n, on_tokens), timeout=max(0.1, deadline - time.monotonic()))
+            rec["finish"] = sse.finish
+            k = sse.missing()
+            if k:
+                rec["tokens"].extend([rec["tokens"][-1] if rec["tokens"] else time.monotonic() - t0] * k)
+                rec["from_usage"] = k
+        except asyncio.TimeoutError:
+            rec["finish"] = "timeout"
+        except Exception as e:                                # noqa: BLE001 - recorded per request
+            rec["error"] = f"{type(e).__name__}: {e}"
+        return rec
+
+    recs = await asyncio.gather(*(one(*p) for p in plan))
+    cpu = time.process_time() - cpu0
+    await client.aclose()
+    results.put(("done", {"recs": recs, "cpu_s": cpu, "token_ids": bool(extra)}))
+
+
+def drive(address: str, plan: list, procs: int, deadline_s: float, api: str = "grpc",
+          stats: dict | None = None) -> list[dict]:
+    """Split ``plan`` round-robin over ``procs`` client processes of ``api``, start them
+    together, and return every request's record (times relative to the common start);
+    ``stats`` (when given) gets the clients' CPU seconds during the run (``client_cpu_s``) and,
+    for HTTP, whether the server sent each chunk's token ids (``http_token_ids``)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     t0 = ctx.Value("d", 0.0)
     go = ctx.Event()
     shares = [plan[k::procs] for k in range(procs)]
     shares = [s for s in shares if s]
-    ps = [ctx.Process(target=client_main, args=(address, s, t0, go, results, True, deadline_s), daemon=True)
+    ps = [ctx.Process(target=_client_entry, args=(address, s, t0, go, results, True, deadline_s, api), daemon=True)
           for s in shares]
     for p in ps:
         p.start()
+
+    def fail(what: str):
+        for p in ps:
+            p.kill()
+        raise RuntimeError(what)
+
     ready = 0
     limit = time.monotonic() + 120
     while ready < len(ps):
         try:
-            kind, _ = results.get(timeout=1.0)
+            kind, payload = results.get(timeout=1.0)
+            if kind == "error":
+                fail(f"a {api} client process failed: {payload}")
             ready += kind == "ready"
+        except RuntimeError:
+            raise
         except Exception:                                        # queue.Empty
             if any(not p.is_alive() for p in ps) or time.monotonic() > limit:
-                for p in ps:
-                    p.kill()
-                raise RuntimeError("a client process did not start")
+                fail(f"a {api} client process did not start")
     t0.value = time.monotonic() + 0.2
     go.set()
-    recs = []
+    recs, cpu, token_ids = [], 0.0, []
     done = 0
     limit = time.monotonic() + deadline_s + 60
     while done < len(ps):
@@ -409,16 +636,32 @@ def drive(address: str, plan: list, procs: int, deadline_s: float) -> list[dict]
             kind, payload = results.get(timeout=1.0)
         except Exception:                                        # queue.Empty
             if time.monotonic() > limit or all(not p.is_alive() for p in ps):
-                for p in ps:
-                    p.kill()
-                raise RuntimeError("a client process did not finish")
+                fail(f"a {api} client process did not finish")
             continue
+        if kind == "error":
+            fail(f"a {api} client process failed: {payload}")
         if kind == "done":
-            recs.extend(payload)
+            recs.extend(payload["recs"])
+            cpu += payload["cpu_s"]
+            if "token_ids" in payload:
+                token_ids.append(payload["token_ids"])
             done += 1
     for p in ps:
         p.join(10)
+    if stats is not None:
+        stats["client_cpu_s"] = cpu
+        if token_ids:
+            stats["http_token_ids"] = all(token_ids)
     return sorted(recs, key=lambda r: r["i"])
+
+
+def _client_entry(*args) -> None:
+    results = args[4]
+    try:
+        client_main(*args)
+    except BaseException as e:                                   # noqa: BLE001 - reported to the parent
+        results.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+        raise
 
 
 # ------------------------------------------------------------------------------------------
@@ -506,6 +749,23 @@ def online_figures(recs: list[dict], load: float, rate: float, prompts: tuple, o
                 e2e_p50_s=pct(e2e, 50), e2e_p99_s=pct(e2e, 99))
 
 
+def api_figures(api: str, recs: list[dict], stats: dict, frontend_cpu_s: float | None, tokens: int) -> dict:
+    """What one API's run cost outside the engine: the front end's CPU seconds (all its threads)
+    and per output token, the clients' CPU seconds; for HTTP, tokens no chunk showed."""
+    out = dict(api=api, frontend_cpu_s=frontend_cpu_s,
+               frontend_cpu_us_per_token=(1e6 * frontend_cpu_s / tokens) if frontend_cpu_s is not None and tokens
+               else None,
+               client_cpu_s=stats.get("client_cpu_s"))
+    if api == "http":
+        out.update(tokens_from_usage=sum(r.get("from_usage", 0) for r in recs),
+                   http_token_ids=stats.get("http_token_ids"))
+    return out
+
+
+def ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
 # ------------------------------------------------------------------------------------------
 # moeserve: ``moeserve up`` with the clients in front
 
@@ -513,10 +773,13 @@ def online_figures(recs: list[dict], load: float, rate: float, prompts: tuple, o
 class Up:
     """``python -m moeserve up ...`` as a child process, until ``stop``."""
 
-    def __init__(self, model_dir: str, ranks: int, redundant: int, a, log_dir: str):
+    def __init__(self, model_dir: str, ranks: int, redundant: int, a, log_dir: str, http: bool = False):
         self.ports = {"port": free_port(), "admin": free_port(), "balancer": free_port()}
-        while len(set(self.ports.values())) < 3:
-            self.ports["balancer"] = free_port()
+        if http:
+            self.ports["http"] = free_port()
+        while len(set(self.ports.values())) < len(self.ports):
+            for k in list(self.ports)[2:]:
+                self.ports[k] = free_port()
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
         cmd = [sys.executable, "-m", "moeserve", "up", "--model", model_dir, "--load-format", "dummy",
@@ -530,6 +793,8 @@ class Up:
                "--eplb-step-interval", "1000000000"]                # the balancer never rebalances here
         if redundant:
             cmd += ["--enable-eplb", "--num-redundant-experts", str(redundant)]
+        if http:
+            cmd += ["--http-port", str(self.ports["http"])]
         self.cmd = cmd
         self.out_path = os.path.join(log_dir, "up.out")
         self.t0 = time.monotonic()
@@ -545,6 +810,38 @@ class Up:
         self.startup_s = time.monotonic() - self.t0
         self.serving = f"127.0.0.1:{self.ports['port']}"
         self.admin = f"127.0.0.1:{self.ports['admin']}"
+        self.http = f"http://127.0.0.1:{self.ports['http']}" if http else None
+        self._frontend_pid: int | None = None
+
+    def address(self, api: str) -> str:
+        return self.http if api == "http" else self.serving
+
+    def frontend_cpu_s(self) -> float | None:
+        """CPU seconds (user + system, every thread) the front end process has used so far, from
+        /proc (None where there is none); the front end is ``moeserve up``'s child."""
+        try:
+            if self._frontend_pid is None:
+                for name in os.listdir("/proc"):
+                    if not name.isdigit():
+                        continue
+                    try:
+                        with open(f"/proc/{name}/stat") as f:
+                            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                        if ppid != self.proc.pid:
+                            continue
+                        with open(f"/proc/{name}/cmdline", "rb") as f:
+                            if b"frontend" in f.read().split(b"\0"):
+                                self._frontend_pid = int(name)
+                                break
+                    except (OSError, ValueError, IndexError):
+                        continue
+            if self._frontend_pid is None:
+                return None
+            with open(f"/proc/{self._frontend_pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
 
     def _out(self) -> str:
         try:
@@ -587,37 +884,99 @@ class Up:
 
 def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: dict, a, rates: dict,
                  plans: dict, log_root: str) -> dict:
+    apis = list(getattr(a, "apis", None) or ["grpc"])
     res: dict = dict(kind="moeserve", ranks=ranks, gpus=ranks if a.backend == "nccl" else 0,
                      redundant_experts=redundant, backend=a.backend, exchange=a.exchange, error=None,
-                     burst=None, online=None, roofline=None, engine=None)
+                     burst=None, online=None, roofline=None, engine=None, apis=apis,
+                     by_api={api: dict(burst=None, online=None, roofline=None, engine=None) for api in apis})
+    if "grpc" in apis and "http" in apis:
+        res["http_over_grpc_output_tok_s"] = {}
+    first = apis[0]
     up = None
+
+    def record(api: str, key: str, value) -> None:
+        res["by_api"][api][key] = value
+        if api == first:                           # the configuration's own figures: the first API's
+            res[key] = value
+
+    def compare(workload: str) -> None:
+        if "http_over_grpc_output_tok_s" in res:
+            g, h = (res["by_api"][api][workload] or {} for api in ("grpc", "http"))
+            res["http_over_grpc_output_tok_s"][workload] = ratio(h.get("output_tok_s"), g.get("output_tok_s"))
+
+    def run(api: str, plan: list, deadline_s: float):
+        """(records, the API's cost figures less the token count) of one workload through ``api``."""
+        stats: dict = {}
+        cpu0 = up.frontend_cpu_s()
+        recs = drive(up.address(api), plan, a.client_procs, deadline_s, api=api, stats=stats)
+        cpu1 = up.frontend_cpu_s()
+        fe = (cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else None
+        return recs, lambda tokens: api_figures(api, recs, stats, fe, tokens)
+
     try:
-        up = Up(model_dir, ranks, redundant, a, os.path.join(log_root, name))
+        up = Up(model_dir, ranks, redundant, a, os.path.join(log_root, name), http="http" in apis)
         res["startup_s"] = up.startup_s
         print(f"[{name}] ready in {up.startup_s:.0f} s", flush=True)
-        # warm-up: the burst's batch through prefill and a few decode steps
-        drive(up.serving, [(i, 0.0, p, min(16, n)) for i, _, p, n in plans["burst"]], a.client_procs, 300)
+        # warm-up, through each API: the burst's batch through prefill and a few decode steps
+        for api in apis:
+            drive(up.address(api), [(i, 0.0, p, min(16, n)) for i, _, p, n in plans["burst"]], a.client_procs, 300,
+                  api=api)
+        weights = sizes["router_bytes"] + (sizes["num_experts"] + redundant) // ranks * \
+            sizes["num_moe_layers"] * sizes["expert_bytes"]
         if "burst" in plans:
-            s0 = up.status()
-            recs = drive(up.serving, plans["burst"], a.client_procs, a.burst_timeout)
-            s1 = up.status()
-            b = burst_figures(recs, a.burst_prompt, a.burst_output, a.trim)
-            steps = s1["forward_steps"] - s0["forward_steps"]
-            res["engine"] = dict(burst_forward_steps=steps,
-                                 burst_wall_per_step_s=(b["wall_s"] / steps) if steps else None,
-                                 preemptions=s1["preemptions"] - s0["preemptions"],
-                                 kv_blocks_total=s1["kv_blocks_total"])
-            res["burst"] = b
-            weights = sizes["router_bytes"] + (sizes["num_experts"] + redundant) // ranks * \
-                sizes["num_moe_layers"] * sizes["expert_bytes"]
-            per_gpu = a.burst_requests / ranks
-            ctx = b["steady_mean_context"] or (a.burst_prompt + a.burst_output / 2)
-            kv = kv_bytes_read(sizes, [int(round(ctx))]) * per_gpu
-            res["roofline"] = roofline(weights, kv, b["steady_step_s"], rates, max(1, ranks), per_gpu, ctx)
-            print(f"[{name}] burst: {b['output_tok_s'] or 0:.0f} tok/s, step {1e3 * (b['steady_step_s'] or 0):.2f} ms",
-                  flush=True)
+            rounds: dict = {api: [] for api in apis}
+            for r in range(a.rounds):                   # odd rounds in the reverse order of the APIs
+                for api in (apis if r % 2 == 0 else apis[::-1]):
+                    s0 = up.status()
+                    recs, cost = run(api, plans["burst"], a.burst_timeout)
+                    s1 = up.status()
+                    b = burst_figures(recs, a.burst_prompt, a.burst_output, a.trim)
+                    b.update(cost(b["output_tokens"]))
+                    steps = s1["forward_steps"] - s0["forward_steps"]
+                    engine = dict(burst_forward_steps=steps,
+                                  burst_wall_per_step_s=(b["wall_s"] / steps) if steps else None,
+                                  preemptions=s1["preemptions"] - s0["preemptions"],
+                                  kv_blocks_total=s1["kv_blocks_total"])
+                    rounds[api].append((b, engine))
+                    fe = b.get("frontend_cpu_us_per_token")
+                    print(f"[{name}] burst via {api}{f' (round {r + 1})' if a.rounds > 1 else ''}: "
+                          f"{b['output_tok_s'] or 0:.0f} tok/s, step {1e3 * (b['steady_step_s'] or 0):.2f} ms"
+                          + (f", front end {fe:.0f} us CPU/token" if fe is not None else ""), flush=True)
+            def clean(b: dict) -> bool:                 # every request of the round completed
+                return b["completed"] == b["requests"] and not b["errors"]
+
+            for api in apis:
+                runs = rounds[api]
+                pool = [j for j in range(len(runs)) if clean(runs[j][0])] or list(range(len(runs)))
+                k = sorted(pool, key=lambda j: runs[j][0]["output_tok_s"] or 0)[len(pool) // 2]
+                b, engine = runs[k]
+                if len(runs) > 1:                       # the round with the median output tok/s, and every round
+                    b = dict(b, round=k, rounds=[{key: x[0].get(key) for key in ROUND_KEYS} for x in runs])
+                record(api, "engine", engine)
+                record(api, "burst", b)
+                per_gpu = a.burst_requests / ranks
+                ctx = b["steady_mean_context"] or (a.burst_prompt + a.burst_output / 2)
+                kv = kv_bytes_read(sizes, [int(round(ctx))]) * per_gpu
+                record(api, "roofline", roofline(weights, kv, b["steady_step_s"], rates, max(1, ranks), per_gpu, ctx))
+            if "http_over_grpc_output_tok_s" in res:
+                pairs = list(zip(rounds["grpc"], rounds["http"]))
+                per_round = [ratio(h[0]["output_tok_s"], g[0]["output_tok_s"]) for g, h in pairs]
+                failed = [r for r, (g, h) in enumerate(pairs) if not (clean(g[0]) and clean(h[0]))]
+                known = [x for r, x in enumerate(per_round) if x is not None and r not in failed] or \
+                    [x for x in per_round if x is not None]
+                res["http_over_grpc_output_tok_s"]["burst"] = float(np.median(known)) if known else None
+                if a.rounds > 1:
+                    res.setdefault("http_over_grpc_output_tok_s_rounds", {})["burst"] = per_round
+                    res.setdefault("rounds_with_failed_requests", {})["burst"] = failed
+                print(f"[{name}] burst http/grpc output tok/s: "
+                      + ", ".join((f"{x:.3f}" if x is not None else "-") + ("*" if r in failed else "")
+                                  for r, x in enumerate(per_round))
+                      + (f" (median {res['http_over_grpc_output_tok_s']['burst'] or 0:.3f}"
+                         + ("; * a request failed, left out" if failed and len(failed) < len(per_round) else "")
+                         + ")" if a.rounds > 1 else ""),
+                      flush=True)
         if "online" in plans:
-            base = res["burst"]["output_tok_s"] if res["burst"] else None
+            base = (res["by_api"][first]["burst"] or {}).get("output_tok_s")
             if not base:
                 raise RuntimeError("the online workload needs the burst's throughput")
             mean_out = (a.online_output[0] + a.online_output[1]) / 2
@@ -625,11 +984,15 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
             count = max(1, min(a.requests, int(math.ceil(rate * a.duration))))
             plan = online_plan(np.random.default_rng(a.seed + 1), rate, count, tuple(a.online_prompt),
                                tuple(a.online_output), sizes["vocab_size"], first=10 ** 6)
-            recs = drive(up.serving, plan, a.client_procs, plan[-1][1] + a.drain)
-            res["online"] = online_figures(recs, a.load, rate, tuple(a.online_prompt), tuple(a.online_output))
-            o = res["online"]
-            print(f"[{name}] online: {o['requests']} requests at {rate:.1f}/s, {o['output_tok_s'] or 0:.0f} tok/s, "
-                  f"ITL p50 {1e3 * (o['itl_p50_s'] or 0):.1f} ms p99 {1e3 * (o['itl_p99_s'] or 0):.1f} ms", flush=True)
+            for api in apis:
+                recs, cost = run(api, plan, plan[-1][1] + a.drain)
+                o = online_figures(recs, a.load, rate, tuple(a.online_prompt), tuple(a.online_output))
+                o.update(cost(o["output_tokens"]))
+                record(api, "online", o)
+                print(f"[{name}] online via {api}: {o['requests']} requests at {rate:.1f}/s, "
+                      f"{o['output_tok_s'] or 0:.0f} tok/s, ITL p50 {1e3 * (o['itl_p50_s'] or 0):.1f} ms "
+                      f"p99 {1e3 * (o['itl_p99_s'] or 0):.1f} ms", flush=True)
+            compare("online")
         if not up.alive():
             raise RuntimeError(f"moeserve up exited during the run:\n{up.tail()}")
     except Exception as e:                                       # noqa: BLE001 - one configuration's failure
@@ -750,6 +1113,30 @@ def table(result: dict) -> str:
                      f"{_ms(mc.get('step_s'))}{_num(mc.get('step_over_roofline'), '8.2f')}"
                      f"{_num(o.get('output_tok_s'), '10.0f')} {_ms(o.get('ttft_p50_s'))} {_ms(o.get('ttft_p99_s'))}"
                      f"{_ms(o.get('itl_p50_s'))}{_ms(o.get('itl_p99_s'))}{_num(o.get('itl_p99_over_p50'), '7.2f')}")
+    if len(result.get("apis") or ()) > 1 or (result.get("apis") or ["grpc"]) != ["grpc"]:
+        lines.append(f"by API (same cluster, back to back; the rows above are {result['apis'][0]}'s): output tok/s, "
+                     f"front end CPU us per output token, clients' CPU s")
+        lines.append(f"{'config':<16}{'workload':<9}{'api':<6}{'tok/s':>9}{'TTFT50 ms':>10}{'ITL50 ms':>9}"
+                     f"{'ITL99 ms':>9}{'FE us/tok':>10}{'client s':>9}{'http/grpc':>10}")
+        for name, c in result["configs"].items():
+            for w in ("burst", "online"):
+                for api, r in (c.get("by_api") or {}).items():
+                    f = r.get(w)
+                    if not f:
+                        continue
+                    cmp = (c.get("http_over_grpc_output_tok_s") or {}).get(w) if api == "http" else None
+                    lines.append(f"{name:<16}{w:<9}{api:<6}{_num(f.get('output_tok_s'), '9.0f')}"
+                                 f" {_ms(f.get('ttft_p50_s'))}{_ms(f.get('itl_p50_s'))}{_ms(f.get('itl_p99_s'))}"
+                                 f"{_num(f.get('frontend_cpu_us_per_token'), '10.0f')}"
+                                 f"{_num(f.get('client_cpu_s'), '9.1f')}{_num(cmp, '10.3f')}")
+                per_round = (c.get("http_over_grpc_output_tok_s_rounds") or {}).get(w)
+                if per_round:
+                    failed = (c.get("rounds_with_failed_requests") or {}).get(w) or []
+                    lines.append(f"{'':<16}{w:<9}http/grpc by round: "
+                                 + ", ".join((f"{x:.3f}" if x is not None else "-") + ("*" if r in failed else "")
+                                             for r, x in enumerate(per_round))
+                                 + " (median above" + ("; * a request failed, left out" if 0 < len(failed) < len(per_round)
+                                                                       else "") + ")")
     hb = result["hbm"]
     lines.append(f"roofline: (weights on a GPU + KV read per step) / HBM rate; roof = datasheet "
                  f"{hb['datasheet_Bps'] / 1e12:.1f} TB/s, roofc = measured copy {hb['measured_copy_Bps'] / 1e12:.2f} TB/s; "
@@ -771,6 +1158,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default=None, help=f"comma list of {','.join(CONFIGS)} (default: all; smoke: "
                                                    "moeserve-1rank,transformers)")
     p.add_argument("--workloads", default="burst,online", help="burst,online (online needs burst)")
+    p.add_argument("--apis", default="grpc", help="comma list of grpc,http: each moeserve configuration's "
+                                                  "workloads through each API in turn, on the same cluster (grpc)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="burst runs per API, round by round, every other round in the reverse API order; each "
+                        "API's burst figures are its median round's, the ratio the median of the rounds' (1)")
+    p.add_argument("--tokenizer", choices=("auto", "words", "none"), default="auto",
+                   help="a word-level tokenizer.json in the model folder (auto: when the HTTP API is measured)")
     p.add_argument("--burst-requests", type=int, default=None)
     p.add_argument("--burst-prompt", type=int, default=None)
     p.add_argument("--burst-output", type=int, default=None)
@@ -813,6 +1207,15 @@ def parse(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown configs {bad}; choose from {CONFIGS}")
     a.workloads = a.workloads.split(",")
+    a.apis = [x.strip() for x in a.apis.split(",") if x.strip()]
+    if not a.apis or not set(a.apis) <= set(APIS) or len(set(a.apis)) < len(a.apis):
+        p.error(f"--apis is a comma list of {','.join(APIS)} without repeats, got {','.join(a.apis) or 'nothing'}")
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
+    if a.tokenizer == "auto":
+        a.tokenizer = "words" if "http" in a.apis else "none"
+    if "http" in a.apis and a.tokenizer == "none":
+        p.error("--apis http needs --tokenizer words: without a tokenizer the HTTP API streams no chunk per token")
     if not set(a.workloads) <= {"burst", "online"} or "burst" not in a.workloads:
         p.error("--workloads is burst or burst,online (the online rate comes from the burst)")
     a.backend = "gloo" if smoke else "nccl"
@@ -829,6 +1232,8 @@ def main(argv=None) -> int:
     out_path = a.json or os.path.join(ROOT, "benchmarks", "results", f"serving-{'smoke' if a.smoke else a.shape}.json")
     work = tempfile.mkdtemp(prefix="moeserve-serving-")
     model_dir = write_model(os.path.join(work, "model"), SHAPES[a.shape]["config"])
+    if a.tokenizer == "words":
+        write_tokenizer(model_dir, SHAPES[a.shape]["config"]["vocab_size"])
     dtype_bytes = 4 if a.dtype == "float32" else 2
     sizes = model_sizes(model_dir, dtype_bytes)
 
@@ -845,10 +1250,11 @@ def main(argv=None) -> int:
     result = dict(shape=a.shape, smoke=a.smoke, command=" ".join([os.path.basename(sys.executable), *sys.argv]),
                   git=git_commit(), gpu=facts[0].get("name", "cpu"), device="cpu" if a.smoke else "cuda",
                   gpus=len(facts) if not a.smoke else 0, dtype=a.dtype, load_format="dummy",
+                  apis=a.apis, tokenizer=a.tokenizer,
                   model={k: v for k, v in sizes.items() if k not in ("chunked", "kv_layer_token", "eos")},
                   config_json=SHAPES[a.shape]["config"],
                   workload=dict(burst=dict(requests=a.burst_requests, prompt=a.burst_prompt, output=a.burst_output,
-                                           trim=a.trim),
+                                           trim=a.trim, rounds=a.rounds),
                                 online=dict(load=a.load, duration_s=a.duration, max_requests=a.requests,
                                             prompt=a.online_prompt, output=a.online_output, drain_s=a.drain)
                                 if "online" in a.workloads else None,
@@ -882,6 +1288,10 @@ def main(argv=None) -> int:
             result["configs"][name] = run_moeserve(name, ranks, redundant, model_dir, sizes, a, rates,
                                                    {k: v for k, v in plans.items()}, log_root)
         result["configs"][name]["elapsed_s"] = time.monotonic() - t
+    ratios = {n: c["http_over_grpc_output_tok_s"] for n, c in result["configs"].items()
+              if "http_over_grpc_output_tok_s" in c}
+    if ratios:
+        result["http_over_grpc_output_tok_s"] = ratios
     result["elapsed_s"] = time.monotonic() - started
 
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)

@@ -1,5 +1,6 @@
 """benchmarks/serving.py --smoke runs end to end on the CPU (moeserve up with dummy weights, the
-front end, SDK clients in two processes, transformers) and writes every figure of the JSON."""
+front end, SDK clients in two processes, transformers) and writes every figure of the JSON; with
+--apis grpc,http the same workloads also go through the HTTP API's streamed completions."""
 import importlib.util
 import json
 import subprocess
@@ -55,6 +56,78 @@ def test_smoke_run_writes_every_figure(tmp_path):
     assert hf["burst"]["output_tokens"] == n * new and hf["burst"]["steady_step_s"] > 0
     assert hf["roofline"]["weight_bytes_per_gpu"] == hf["run"]["weight_bytes"]
     assert "moeserve-1rank" in run.stdout and "transformers" in run.stdout      # the table
+
+
+@pytest.mark.timeout(240)
+def test_smoke_run_through_grpc_and_http_on_one_cluster(tmp_path):
+    """--apis grpc,http: the same workloads through the SDK and through /v1/completions with
+    stream: true, back to back on one cluster; every token of every SSE stream is counted from
+    its own chunk (none only from the usage), and the ratio is reported."""
+    bench = _bench()
+    out = tmp_path / "serving.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--configs", "moeserve-1rank", "--apis", "grpc,http",
+                          "--burst-requests", "4", "--burst-output", "12", "--requests", "3", "--json", str(out)],
+                         capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["apis"] == ["grpc", "http"] and res["tokenizer"] == "words"
+    ms = res["configs"]["moeserve-1rank"]
+    assert ms["error"] is None, ms["error"]
+    assert ms["burst"] == ms["by_api"]["grpc"]["burst"] and ms["online"] == ms["by_api"]["grpc"]["online"]
+    for api in ("grpc", "http"):
+        burst, online = ms["by_api"][api]["burst"], ms["by_api"][api]["online"]
+        assert set(bench.BURST_KEYS) <= set(burst) and set(bench.ONLINE_KEYS) <= set(online)
+        assert burst["api"] == api and burst["completed"] == 4 and burst["output_tokens"] == 4 * 12
+        assert not burst["errors"] and burst["output_tok_s"] > 0 and burst["ttft_p50_s"] > 0
+        assert online["completed"] == online["requests"] >= 1 and not online["errors"]
+        # CPU times come from /proc in clock ticks (10 ms): a short smoke burst may round to 0.
+        assert burst["frontend_cpu_s"] >= 0 and burst["frontend_cpu_us_per_token"] >= 0
+        assert burst["client_cpu_s"] >= 0
+        assert ms["by_api"][api]["engine"]["burst_forward_steps"] >= 12
+        assert set(bench.ROOFLINE_KEYS) <= set(ms["by_api"][api]["roofline"])
+    http = ms["by_api"]["http"]
+    assert http["burst"]["tokens_from_usage"] == 0 and http["online"]["tokens_from_usage"] == 0
+    ratios = ms["http_over_grpc_output_tok_s"]
+    for w in ("burst", "online"):
+        assert ratios[w] == pytest.approx(http[w]["output_tok_s"] / ms["by_api"]["grpc"][w]["output_tok_s"])
+    assert res["http_over_grpc_output_tok_s"] == {"moeserve-1rank": ratios}
+    assert "http/grpc" in run.stdout
+
+
+def test_sse_tokens_are_counted_per_chunk_and_checked_against_the_usage():
+    bench = _bench()
+
+    def event(obj):
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def chunk(**choice):
+        return event({"object": "text_completion", "choices": [{"index": 0, "logprobs": None, "finish_reason": None,
+                                                                 **choice}], "usage": None})
+
+    s = bench.SseTokens()
+    stream = (chunk(text="t5") + chunk(text=" t7") + chunk(text="") + chunk(text=" t9") +
+              chunk(text="", finish_reason="length") +
+              event({"object": "text_completion", "choices": [], "usage": {"completion_tokens": 4}}) +
+              b"data: [DONE]\n\n")
+    got = [s.feed(stream[k:k + 7]) for k in range(0, len(stream), 7)]          # split anywhere
+    assert sum(got) == 3 and s.counted == 3 and s.finish == "length" and s.done and s.error is None
+    assert s.usage_tokens == 4 and s.missing() == 1               # the token the empty chunk held back
+
+    s = bench.SseTokens()
+    assert s.feed(chunk(text="ab", token_ids=[3, 4])) == 2 and s.token_ids    # a chunk with several tokens
+    assert s.feed(chunk(text="", token_ids=[5], finish_reason="stop")) == 1 and s.finish == "stop"
+    assert s.feed(chunk(text="x", logprobs={"tokens": ["x"]})) == 1
+    assert s.feed(event({"error": {"message": "boom"}})) == 0 and s.error == "boom"
+
+
+def test_apis_flag():
+    bench = _bench()
+    assert bench.parse(["--shape", "scout8"]).apis == ["grpc"] and bench.parse(["--shape", "scout8"]).tokenizer == "none"
+    a = bench.parse(["--shape", "scout8", "--apis", "grpc,http"])
+    assert a.apis == ["grpc", "http"] and a.tokenizer == "words"
+    for bad in (["--apis", "grpc,rest"], ["--apis", "http,http"], ["--apis", "http", "--tokenizer", "none"]):
+        with pytest.raises(SystemExit):
+            bench.parse(["--smoke", *bad])
 
 
 def test_the_steady_window_is_where_every_stream_decodes():
