@@ -43,14 +43,18 @@ def available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
+def fresh_module(name: str):
+    """Import a module of Triton kernels anew: TRITON_INTERPRET is read when kernels are
+    defined, so each cache generation (tests switch it) gets its own copy. Callers cache it."""
     import importlib
     import sys
-    name = "moeserve._triton_kernels"
-    # A fresh module per cache generation: TRITON_INTERPRET is read when the kernels are defined.
     sys.modules.pop(name, None)
-    k = importlib.import_module(name)
+    return importlib.import_module(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    k = fresh_module("moeserve._triton_kernels")
     return dict(route=k.route_kernel, publish=k.publish_kernel, prep=k.prep_kernel, scatter=k.scatter_pairs_kernel,
                 ret=k.return_rows_kernel, silu_mul=k.silu_mul_kernel, weighted_sum=k.weighted_sum_kernel)
 

@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from moeserve.kernels import available as triton_available
+from moeserve.kernels import fresh_module
 from moeserve.models.paged import PagedBatch
 
 
@@ -105,23 +107,8 @@ def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 # -- Triton --------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """True when Triton can be imported."""
-    try:
-        import triton  # noqa: F401
-    except Exception:                                    # ImportError, or a broken install
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
 def _kernels():
-    import importlib
-    import sys
-    name = "moeserve._triton_attention"
-    # A fresh module per cache generation: TRITON_INTERPRET is read when the kernels are defined.
-    sys.modules.pop(name, None)
-    return importlib.import_module(name)
+    return fresh_module("moeserve._triton_attention")
 
 
 def _interpreted() -> bool:
