@@ -229,10 +229,34 @@ def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(clu
 
 # -- 2. no silent wedge -------------------------------------------------------------------------
 
+def _store_port(up) -> int:
+    """The torch.distributed store's port: MASTER_PORT in the leader rank's environment."""
+    from control_util import children_of
+    for pid in _descendants(up.proc.pid, children_of):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"RANK") == b"0" and b"MASTER_PORT" in env:
+            return int(env[b"MASTER_PORT"])
+    raise AssertionError("no leader rank found")
+
+
+def _descendants(pid: int, children_of) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def _every_port(c) -> dict[str, int]:
     up = c["up"]
     ports = {"serving gRPC": up.port, "HTTP": c["http"], "admin gRPC": up.admin_port,
-             "balancer gRPC": up.balancer_port, "leader's local channel": c["channel"][1]}
+             "balancer gRPC": up.balancer_port, "leader's local channel": c["channel"][1],
+             "torch.distributed store": _store_port(up)}
     ports.update({f"metrics of {name}": port for name, port in c["metrics"].items()})
     return ports
 
