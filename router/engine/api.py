@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, Protocol, Union
 
 import numpy as np
 
@@ -199,8 +199,9 @@ class EngineStatus:
 
 # -- the interface ----------------------------------------------------------------------------
 
-class EngineAPI:
-    """What the leader's engine offers to every front door. ``submit`` and ``cancel`` are for
+class EngineAPI(Protocol):
+    """What the leader's engine offers to every front door (a Protocol: the engine implements
+    it, the channel's client serves it remotely). ``submit`` and ``cancel`` are for
     callers in the leader's process (the channel streams requests for callers elsewhere); every
     name in :data:`REMOTE_METHODS` can also be called through the local channel."""
 
@@ -209,52 +210,52 @@ class EngineAPI:
     def submit(self, req: GenerateRequest, sink: Callable[[Event], None]) -> object:
         """Validate (once) and admit ``req``; ``sink`` receives its events from the step thread.
         Returns a handle for :meth:`cancel`. Raises InvalidRequest, QueueFull, Unavailable."""
-        raise NotImplementedError
+        ...
 
     def cancel(self, handle: object) -> None:
-        raise NotImplementedError
+        ...
 
     def placement(self) -> Placement:
-        raise NotImplementedError
+        ...
 
     def plan_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
         """Validate ``phy2log [L, P]`` and diff it against the placement in force (dry run)."""
-        raise NotImplementedError
+        ...
 
     def apply_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
         """Start migrating to ``phy2log [L, P]``; returns at once."""
-        raise NotImplementedError
+        ...
 
     def migration(self, migration_id: str) -> MigrationProgress:
-        raise NotImplementedError
+        ...
 
     def wait_migration(self, migration_id: str, timeout_s: float) -> MigrationProgress:
         """The migration once it ended, or after ``timeout_s``, whichever comes first."""
-        raise NotImplementedError
+        ...
 
     def abort_migration(self) -> bool:
-        raise NotImplementedError
+        ...
 
     def expert_load(self, window_steps: int | None = None) -> LoadReport:
-        raise NotImplementedError
+        ...
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since start."""
-        raise NotImplementedError
+        ...
 
     def total_worker_load(self) -> np.ndarray:
         """int64 [L, W]: pairs sent to each worker since start."""
-        raise NotImplementedError
+        ...
 
     def status(self) -> EngineStatus:
-        raise NotImplementedError
+        ...
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
         """Per worker, float64 [L, S, 2] (sum, sum of squares) of what each slot holds."""
-        raise NotImplementedError
+        ...
 
     def request_stop(self) -> None:
-        raise NotImplementedError
+        ...
 
 
 REMOTE_METHODS = frozenset({"placement", "plan_placement", "apply_placement", "migration", "wait_migration",
