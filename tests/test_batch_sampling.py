@@ -88,6 +88,8 @@ def test_random_bits_are_philox_words_keyed_by_seed_and_position():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_rows_token_is_the_same_alone_and_in_any_batch_at_any_row(backend):
     if backend == "triton" and not kernels.available():
+        if os.environ.get("CI") == "true":                 # the test extra installs it; CI=true requires it
+            pytest.fail("triton is not installed")
         pytest.skip("triton is not installed")
     v = 61 if backend == "triton" else 300
     pool = MIX * 2

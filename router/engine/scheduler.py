@@ -48,7 +48,6 @@ class Sequence:
     events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     router: int = -1
     known: list = field(default_factory=list)
-    output: list = field(default_factory=list)
     cached: int = 0
     blocks: list = field(default_factory=list)     # the block table on its router
     new_blocks: list = field(default_factory=list) # blocks it gained in the step being scheduled
@@ -59,6 +58,15 @@ class Sequence:
 
     def emit(self, event: Event) -> None:
         (self.sink or self.events.put)(event)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.known) - len(self.req.prompt_ids)
+
+    @property
+    def output(self) -> list[int]:
+        """The tokens generated so far (the tail of ``known``)."""
+        return self.known[len(self.req.prompt_ids):]
 
 
 class Scheduler:
@@ -173,7 +181,7 @@ class Scheduler:
         return SeqWork(seq.seq_id, tuple(seq.known[start:start + take]), start,
                        sampling=seq.req.sampling if start == 0 else None,
                        return_logits=logits if start == 0 or logits == "all" else logits and "last",
-                       new_blocks=tuple(seq.new_blocks), sample=last, out_pos=len(seq.output))
+                       new_blocks=tuple(seq.new_blocks), sample=last, out_pos=seq.num_output)
 
     def _preempt(self, r: int, seq: Sequence) -> None:
         self._blocks[r].free(seq.blocks)
@@ -201,13 +209,12 @@ class Scheduler:
                         lg = np.concatenate([*seq.partial_logits, lg])
                         seq.partial_logits = []
                     tok = tokens[sw.seq_id]
-                    seq.output.append(tok)
                     seq.known.append(tok)
                     seq.emit(Token(tok, lg))
                     reason = None
                     if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
                         reason = FinishReason.STOP
-                    elif len(seq.output) >= seq.req.max_tokens:      # admission keeps prompt + max_tokens <= max_model_len
+                    elif seq.num_output >= seq.req.max_tokens:      # admission keeps prompt + max_tokens <= max_model_len
                         reason = FinishReason.LENGTH
                     if reason:
                         self._finish(r, seq, reason)
