@@ -88,20 +88,30 @@ def run(family, dtype, args, root):
         r += 1
     p = info.num_logical_experts + r
     out = {}
+    log_dir = os.path.join(root, f"logs-{family}-{dtype}")
     with LocalCluster(path, routers=args.ranks, workers=args.ranks, colocated=True, num_redundant_experts=r,
                       backend=args.backend, dtype=dtype, placement=random_placement(info.num_moe_layers, info.num_logical_experts, p, 2),
-                      migration_bytes_per_step=4 * info.expert_bytes, exchange=args.exchange) as c:
+                      migration_bytes_per_step=4 * info.expert_bytes, exchange=args.exchange,
+                      enforce_eager=args.enforce_eager, log_dir=log_dir) as c:
         box = {}
         th = threading.Thread(target=lambda: box.update(g=c.generate(prompts, max_tokens=args.tokens, ignore_eos=True,
                                                                       return_logits=True, details=True)))
         t0 = time.time()
         th.start()
-        time.sleep(0.5)
-        mid = c.apply_placement(random_placement(info.num_moe_layers, info.num_logical_experts, p, 3), wait=True)
+        mig = None
+        if not args.no_migration:
+            time.sleep(0.5)
+            mid = c.apply_placement(random_placement(info.num_moe_layers, info.num_logical_experts, p, 3), wait=True)
         th.join()
         wall = time.time() - t0
         gens = box["g"]
-        mig = c.migration(mid)
+        if not args.no_migration:
+            mig = c.migration(mid)
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            for line in f:
+                if "CUDA graph" in line or "eagerly" in line or "Traceback" in line:
+                    print(f"  {name}: {line.rstrip()[:200]}", flush=True)
     toks = [g.token_ids for g in gens]
     match = np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(toks, ref)])
     div = [first_divergence(a, b) for a, b in zip(toks, ref)]
@@ -111,9 +121,11 @@ def run(family, dtype, args, root):
     out = dict(family=family, dtype=dtype, ranks=args.ranks, exchange=args.exchange, slots=p, prompts=len(prompts), tokens=args.tokens,
                token_match=float(match), identical=all(a == b for a, b in zip(toks, ref)),
                first_divergence=[d for d in div], max_logit_diff_until_divergence=maxdiff,
-               migration_state=str(mig.state), migration_moves=mig.moves_total, wall_s=wall)
+               migration_state=str(mig.state) if mig else "none", migration_moves=mig.moves_total if mig else 0,
+               wall_s=wall, graphs=not args.enforce_eager)
     print(f"{family:8s} {dtype:9s} {args.exchange:10s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
-          f"first divergence {[d for d in div if d is not None][:5]} migration {mig.state} ({mig.moves_total} moves)",
+          f"first divergence {[d for d in div if d is not None][:5]} migration {out['migration_state']} "
+          f"({out['migration_moves']} moves){'' if out['graphs'] else ' enforce_eager'}",
           flush=True)
     return out
 
@@ -130,6 +142,8 @@ def main():
                     help="the data plane's exchange (default: nvlink with nccl, collective with gloo)")
     ap.add_argument("--cases", default="llama4:float32,llama4:bfloat16,ernie45:float32,ernie45:bfloat16",
                     help="family:dtype pairs, comma separated")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--no-migration", action="store_true", help="no live migration during the run")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.exchange = args.exchange or ("nvlink" if args.backend == "nccl" else "collective")

@@ -770,6 +770,50 @@ def ratio(a, b):
 # moeserve: ``moeserve up`` with the clients in front
 
 
+def read_profiles(folder: str) -> dict:
+    """The ranks' step profiles (``moeserve.profiling``) with the breakdown of a step's device
+    time: attention, expert matmuls (and their weight-read rate when known), exchange (dispatch
+    and combine less the matmuls inside them), LM head + sampling, the rest; and host times."""
+    out: dict = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            p = json.load(f)
+        sp = {k: v for k, v in p["spans"].items()}
+
+        def dev(k):
+            return sp.get(k, {}).get("device_s", 0.0)
+
+        def host(k):
+            return sp.get(k, {}).get("host_s", 0.0)
+        busy = p["device_busy_per_step_s"]
+        parts = {"attention": dev("attention"), "expert_matmul": dev("expert_matmul"),
+                 "exchange": max(0.0, dev("moe_dispatch") + dev("moe_combine") - dev("expert_matmul")),
+                 "gate_shared_dense": dev("gate") + dev("shared_expert") + dev("dense_mlp"),
+                 "lm_head_sampling": dev("lm_head") + dev("sampling")}
+        parts["rest"] = max(0.0, busy - sum(parts.values()))
+        p["breakdown_device_s"] = parts
+        p["host_s"] = {k: host(k) for k in ("schedule", "header_broadcast", "batch_build", "result_gather",
+                                            "load_read", "sampling")}
+        out[name[:-5]] = p
+    return out
+
+
+def profile_table(profiles: dict) -> list[str]:
+    lines = []
+    for rank, p in profiles.items():
+        b = p["breakdown_device_s"]
+        lines.append(f"profile {rank}: wall {1e3 * p['wall_per_step_s']:.2f} ms/step, device busy "
+                     f"{1e3 * p['device_busy_per_step_s']:.2f} ms: "
+                     + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in b.items()))
+        lines.append(f"profile {rank}: host ms/step: "
+                     + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in p["host_s"].items()))
+        for k in p["kernels"][:8]:
+            lines.append(f"    {1e3 * k['device_s']:7.3f} ms x{k['calls_per_step']:.0f}  {k['name'][:90]}")
+    return lines
+
+
 class Up:
     """``python -m moeserve up ...`` as a child process, until ``stop``."""
 
@@ -798,8 +842,13 @@ class Up:
         self.cmd = cmd
         self.out_path = os.path.join(log_dir, "up.out")
         self.t0 = time.monotonic()
+        env = child_env()
+        self.profile_dir = None
+        if getattr(a, "profile", None):                 # ranks profile forward steps START .. START+COUNT-1
+            self.profile_dir = os.path.join(log_dir, "profile")
+            env["MOESERVE_PROFILE"] = f"{self.profile_dir}:{a.profile}"
         with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + a.startup_timeout + 30
         while "ready" not in self._out().split():
@@ -871,6 +920,19 @@ class Up:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def warnings(self) -> list[str]:
+        """Lines of the cluster's logs that say a step ran eagerly or a graph failed."""
+        found = []
+        for root, _, files in os.walk(self.log_dir):
+            for f in files:
+                try:
+                    with open(os.path.join(root, f), errors="replace") as fh:
+                        found += [f"{f}: {ln.strip()}"[:300] for ln in fh
+                                  if "CUDA graph" in ln or "run eagerly" in ln or "Traceback" in ln]
+                except OSError:
+                    continue
+        return found
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -993,6 +1055,13 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
                       f"{o['output_tok_s'] or 0:.0f} tok/s, ITL p50 {1e3 * (o['itl_p50_s'] or 0):.1f} ms "
                       f"p99 {1e3 * (o['itl_p99_s'] or 0):.1f} ms", flush=True)
             compare("online")
+        res["log_warnings"] = up.warnings()
+        for line in res["log_warnings"][:5]:
+            print(f"[{name}] log: {line}", flush=True)
+        if up.profile_dir:
+            res["profile"] = read_profiles(up.profile_dir)
+            for line in profile_table(res["profile"]):
+                print(f"[{name}] {line}", flush=True)
         if not up.alive():
             raise RuntimeError(f"moeserve up exited during the run:\n{up.tail()}")
     except Exception as e:                                       # noqa: BLE001 - one configuration's failure
@@ -1185,6 +1254,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--burst-timeout", type=float, default=None)
     p.add_argument("--hf-timeout", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, metavar="START:COUNT",
+                   help="profile forward steps START .. START+COUNT-1 on every rank (moeserve.profiling); "
+                        "e.g. 80:20 lands in the burst's steady decode")
     p.add_argument("--json", default=None, help="output file (default benchmarks/results/serving-<shape>.json)")
     a = p.parse_args(argv)
     smoke = a.smoke

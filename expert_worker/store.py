@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from moeserve.dataplane.exchange import RecvCounts, slot_major_index
+from moeserve.profiling import span
 from moeserve.models.moe import ExpertSpec, grouped_expert_forward
 
 
@@ -95,6 +96,10 @@ class ExpertStore:
         """
         if rows.shape[0] == 0:
             return rows
+        with span("expert_matmul"):
+            return self._compute(layer, rows, received)
+
+    def _compute(self, layer: int, rows: torch.Tensor, received: RecvCounts) -> torch.Tensor:
         host = received.host
         busy = np.flatnonzero(host.sum(1))                  # source ranks that sent rows
         if busy.size == 1:                                  # one block: already grouped by slot
@@ -123,6 +128,11 @@ class ExpertStore:
         take the device-side offsets and the activation kernel stops at ``total``. Otherwise the
         per-slot counts are read back (one synchronisation) and the slot loop runs.
         """
+        with span("expert_matmul"):
+            return self._compute_slot_major(layer, rows, offs, total)
+
+    def _compute_slot_major(self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
+                            ) -> torch.Tensor:
         spec = self.spec
         weights = self.weights(layer)
         if grouped_mm_applies(spec, rows.device, rows.dtype):

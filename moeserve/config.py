@@ -152,6 +152,8 @@ class ClusterConfig:
     tensor or expert on every rank (moeserve.models.dummy).
     state_dir: the leader keeps the placement in force (and the admin service the balancer's
     settings) there, replaced atomically on every change (moeserve.state; "" = nowhere).
+    enforce_eager: never replay decode steps as CUDA graphs (vLLM's name; graphs need CUDA and
+    the direct exchange: moeserve.router.graphs).
     """
 
     model_dir: str
@@ -177,6 +179,7 @@ class ClusterConfig:
     exchange: str = "auto"
     load_format: str = "auto"
     state_dir: str = ""
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):

@@ -34,6 +34,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exchange", choices=("auto", "collective", "nvlink"), default="auto",
                    help="how rows travel per MoE layer: nvlink (direct stores into peers' memory, one host, "
                         "CUDA + Triton), collective (all-to-all), auto (nvlink where every rank can, default)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no CUDA graphs for decode steps (vLLM's name; graphs need CUDA "
+                        "and the direct exchange)")
     g.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: read the checkpoint's safetensors files (default); dummy: seeded random weights "
                         "made on each rank's device from config.json alone (vLLM's name; for benchmarks)")
@@ -305,7 +308,8 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
               migration_bytes_per_step=args.migration_bytes_per_step, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_waiting=args.max_waiting, exchange=getattr(args, "exchange", "auto"),
-              load_format=getattr(args, "load_format", "auto"), **cache, **eplb)
+              load_format=getattr(args, "load_format", "auto"), enforce_eager=getattr(args, "enforce_eager", False),
+              **cache, **eplb)
     state_dir = getattr(args, "state_dir", None)
     if state_dir and leader:
         from moeserve import state

@@ -134,7 +134,12 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
         from moeserve.router.runner import RouterRunner
         st.maps = RouterMaps(placement.phy2log, e, cfg.eplb.num_redundant_experts + 1, device)
         experts = DistributedExperts(exchange, st.maps, role.router_index, info.num_moe_layers, st.store)
-        st.runner = RouterRunner(info_model, experts, kv_blocks(cfg, mcfg, dtype, device), cfg.cache.block_size)
+        from moeserve.router.graphs import applies
+        use_graphs, why = applies(info_model, exchange, st.store, cfg.enforce_eager)
+        if not use_graphs and device.type == "cuda":
+            log.info("decode steps run eagerly: %s", why)
+        st.runner = RouterRunner(info_model, experts, kv_blocks(cfg, mcfg, dtype, device), cfg.cache.block_size,
+                                 graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len) if use_graphs else None)
     if rank == 0:
         from moeserve.router.engine.api import ModelShape
         from moeserve.router.engine.leader import Engine
@@ -314,7 +319,7 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
         st = build(cfg, rank, store, generation)
         if generation == 0:                            # a replacement joins a running cluster: no start gather
             ports = [None] * cfg.world_size if rank == 0 else None
-            blocks = st.runner.cache.num_blocks if st.runner is not None else 0
+            blocks = st.runner.num_blocks if st.runner is not None else 0
             dist.gather_object((metrics.port if metrics else -1, blocks), ports, dst=0, group=st.control_group)
         if metrics is not None:
             _record_metrics(metrics, st, cfg)

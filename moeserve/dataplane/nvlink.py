@@ -166,6 +166,12 @@ class NvlinkExchange:
         self._seen: dict = {}                   # key -> tensors kept alive (first, eager use)
         self._pool = None
         self._in_flight = False
+        # Whole-step graphs (moeserve.router.graphs): per MoE layer a device row like ``args``
+        # whose addresses are written inside the capture and whose N and offset are set before
+        # each replay (``set_step_args``); ``valid_pairs`` caps N when a padded batch runs eagerly.
+        self.step_args: torch.Tensor | None = None
+        self.valid_pairs: int | None = None
+        self.out.zero_()                                      # rows of padded pairs are read, never used
         self._barrier()                                       # every rank's counts are zero
 
     def _barrier(self) -> None:
@@ -177,8 +183,8 @@ class NvlinkExchange:
         afterwards. ``key`` names everything the body bakes in (layer, flags, the addresses of
         tensors it reads that this exchange does not own); ``keep`` holds those tensors, so that
         no address in a key can be freed and reused while its graph exists."""
-        if not (self.graphs and capturable):
-            body()
+        if not (self.graphs and capturable) or torch.cuda.is_current_stream_capturing():
+            body()                  # (inside a whole-step capture: recorded into that graph)
             return
         entry = self._graphs.get(key)
         if entry is None:
@@ -203,19 +209,31 @@ class NvlinkExchange:
         self._graphs.clear()
         self._seen.clear()
 
-    def _send_half(self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor) -> None:
+    def prepare_step_graphs(self, num_moe_layers: int) -> None:
+        """Allocate the per-layer argument rows a whole-step CUDA graph reads (before capturing)."""
+        if self.step_args is None or self.step_args.shape[0] < num_moe_layers:
+            self.step_args = torch.zeros(num_moe_layers, 5, dtype=torch.long, device=self.device)
+
+    def set_step_args(self, pairs: int, offset: int) -> None:
+        """N (the valid pairs) and the replica offset of the next whole-step graph replay."""
+        self.step_args[:, 3:].copy_(torch.tensor([[pairs, offset]], dtype=torch.long).expand(self.step_args.shape[0], 2))
+
+    def _send_half(self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor,
+                   args: torch.Tensor | None = None) -> None:
         """Steps 1-3: publish this router's counts, barrier, layout, rows, barrier (any rank)."""
+        args = self.args if args is None else args
+
         def body():
             if self.router is not None:
-                slots, hist = kernels.route(self.args, maps.log2phy[moe_layer], maps.logcnt[moe_layer],
+                slots, hist = kernels.route(args, maps.log2phy[moe_layer], maps.logcnt[moe_layer],
                                             self.topo.num_slots, single, self.top_k, self.pair_capacity)
                 prefix = torch.empty_like(hist)
-                kernels.publish(self.args, hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
+                kernels.publish(args, hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
             self._barrier()
             kernels.prep(self.counts, self.rank, -1 if self.worker is None else self.worker,
                          self.topo.num_workers, self.shift, self.offs)
             if self.router is not None:
-                kernels.scatter_pairs(self.args, self.dtype, self.hidden_size, self.top_k, scaled, slots, prefix,
+                kernels.scatter_pairs(args, self.dtype, self.hidden_size, self.top_k, scaled, slots, prefix,
                                       self.shift, self.topo.slots_per_worker, self.worker_base, self.rows_table,
                                       self.meta_table, self.rank * self.pair_capacity)
             self._barrier()
@@ -250,12 +268,21 @@ class NvlinkExchange:
         ids = routing.ids.contiguous()
         scaled = bool(routing.weights_on_input)
         w = routing.weights.reshape(-1).to(self.dtype).contiguous() if scaled else None
-        self.args.copy_(kernels.pair_args(x, ids, w, n, offset))          # read by the kernels, graphs too
+        args = None
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A whole-step capture: this layer's row of step_args gets the addresses (fills
+            # recorded in the graph); N and the offset are set before each replay.
+            args = self.step_args[moe_layer]
+            for i, t in enumerate((x, ids, w)):
+                args[i].fill_(0 if t is None else t.data_ptr())
+        else:
+            valid = n if self.valid_pairs is None else min(n, self.valid_pairs)
+            self.args.copy_(kernels.pair_args(x, ids, w, valid, offset))  # read by the kernels, graphs too
         self._scaled = scaled
         # In graphs the general replica rule always runs (logcnt 1 gives replica 0): a commit that
         # changes whether a layer has replicas must not force a new capture mid-migration.
         single = bool(maps.single[moe_layer]) and not self.graphs
-        self._send_half(moe_layer, maps, single, scaled, self.sent_slice(sent_row))
+        self._send_half(moe_layer, maps, single, scaled, self.sent_slice(sent_row), args)
         self._in_flight = True
         # The tensors the kernels read stay referenced until the layer is combined.
         return NvlinkHandle(moe_layer, routing, n, (x, ids, w))

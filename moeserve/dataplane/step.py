@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from moeserve import profiling
+
 from moeserve.dataplane.exchange import Exchange, Topology, idle_walk
 from moeserve.dataplane.protocol import RankResult, StepHeader
 
@@ -77,7 +79,8 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
     if header.forward:
         if st.runner is not None:
             res.tokens, res.logits = st.runner.run(header.work[router], header.step)
-            res.logical_load, res.worker_load = st.runner.experts.take_load()
+            with profiling.span("load_read"):
+                res.logical_load, res.worker_load = st.runner.experts.take_load()
         else:
             idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
     elif header.work and st.runner is not None:
@@ -89,27 +92,37 @@ def step_loop(st: RankState) -> None:
     """The step driver: header, this rank's work, gather; until a stop header. A step whose
     collectives fail because a peer was lost is handed to ``st.recover``; once the groups are
     re-formed the leader issues that step's work again (docs/dataplane.md, "When a peer dies")."""
-    while True:
-        try:
-            header = _one_step(st)
-        except Exception as e:
-            if st.recover is None or not st.recover(e):
-                raise
-            continue
-        if header.stop:
-            return
+    prof = profiling.StepProfiler.from_env(st.rank)
+    try:
+        while True:
+            try:
+                header = _one_step(st, prof)
+            except Exception as e:
+                if st.recover is None or not st.recover(e):
+                    raise
+                continue
+            if header.stop:
+                return
+    finally:
+        if prof is not None:
+            prof.finish()
 
 
-def _one_step(st: RankState) -> StepHeader:
+def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> StepHeader:
     leader = st.leader
-    box = [leader.next_header() if leader is not None else None]
-    dist.broadcast_object_list(box, src=0, group=st.control_group)
+    with profiling.span("schedule"):
+        box = [leader.next_header() if leader is not None else None]
+    with profiling.span("header_broadcast"):
+        dist.broadcast_object_list(box, src=0, group=st.control_group)
     header: StepHeader = box[0]
     if header.stop:
         return header
+    if prof is not None:
+        prof.step(header.forward)
     res = run_step(st, header)
     out = [None] * st.topo.world_size if leader is not None else None
-    dist.gather_object(res, out, dst=0, group=st.control_group)
-    if leader is not None:
-        leader.on_results(header, out)
+    with profiling.span("result_gather"):
+        dist.gather_object(res, out, dst=0, group=st.control_group)
+        if leader is not None:
+            leader.on_results(header, out)
     return header

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from moeserve.models import ernie45, llama4
+from moeserve.profiling import span
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.checkpoint import CheckpointReader
 from moeserve.models.config import ModelConfig
@@ -108,7 +109,7 @@ class DecoderModel:
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, batch: StepBatch | PagedBatch, cache: KVCache | PagedKVCache,
-             experts: ExpertsBackend | None = None) -> torch.Tensor:
+             experts: ExpertsBackend | None = None, check_ids: bool = True) -> torch.Tensor:
         """Run the new tokens of several sequences through the model, appending to ``cache``.
 
         input_ids: LongTensor [T], the sequences' new tokens back to back, in ``batch`` order.
@@ -119,11 +120,14 @@ class DecoderModel:
         ``(PagedBatch, PagedKVCache)``: the caller owns the block tables (it allocated the
         blocks the batch's slots and tables name) and the batch's tensors are on the model's
         device; each layer writes its k/v at ``batch.slot_mapping`` and attends in one call.
+
+        ``check_ids=False``: the caller checked the ids on the host (the range check reads the
+        device tensor back, which a CUDA graph cannot capture and a step should not pay for).
         """
         experts = experts if experts is not None else self.experts
         if experts is None and self.config.num_moe_layers:
             raise ValueError("this model was loaded with load_experts=False: pass an experts backend to step()")
-        input_ids = self._check_ids(input_ids.reshape(-1))
+        input_ids = self._check_ids(input_ids.reshape(-1)) if check_ids else input_ids.reshape(-1)
         if input_ids.numel() != batch.num_tokens:
             raise ValueError(f"input_ids has {input_ids.numel()} tokens but the batch's lens sum to {batch.num_tokens}")
         paged = isinstance(cache, PagedKVCache)
@@ -136,18 +140,25 @@ class DecoderModel:
         positions = batch.positions.to(self.device)                      # [T]
         rope = rope_cos_sin(positions, self.inv_freq)                     # 2 x [T, D/2]
         eps = self.config.rms_norm_eps
-        h = self.embed[input_ids.to(self.device)]                         # [T, H]
+        with span("embed"):
+            h = self.embed[input_ids.to(self.device)]                     # [T, H]
         for layer in self.layers:
-            h = h + layer.attn(rms_norm(h, layer.input_norm, eps), batch, positions, rope, cache)
+            with span("attention"):
+                h = h + layer.attn(rms_norm(h, layer.input_norm, eps), batch, positions, rope, cache)
             u = rms_norm(h, layer.post_norm, eps)                         # [T, H]
             if layer.moe_index is None:
-                h = h + layer.mlp(u)
+                with span("dense_mlp"):
+                    h = h + layer.mlp(u)
                 continue
             block = self.moe_blocks[layer.moe_index]
-            routing = block.route(u)                                      # ids, weights [T, K]
-            handle = experts.dispatch(layer.moe_index, u, routing)
-            shared = block.shared(u)                                      # [T, H] or None
-            routed = experts.combine(handle)                              # [T, H]
+            with span("gate"):
+                routing = block.route(u)                                  # ids, weights [T, K]
+            with span("moe_dispatch"):
+                handle = experts.dispatch(layer.moe_index, u, routing)
+            with span("shared_expert"):
+                shared = block.shared(u)                                  # [T, H] or None
+            with span("moe_combine"):
+                routed = experts.combine(handle)                          # [T, H]
             h = h + (routed if shared is None else routed + shared)
         if not paged:
             cache.commit(batch)
