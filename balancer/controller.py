@@ -24,7 +24,9 @@ class LoopConfig:
     """The balancer's knobs. window_steps: forward steps of load to plan on (0: the leader's
     whole window); step_interval: steps between periodic rebalances; min_balancedness: the
     threshold (0 = off); min_gain, move_cost: when a plan pays; move_budget: the policy's share
-    of slots it may move per plan (None: unlimited)."""
+    of slots it may move per plan (None: unlimited); step_model: a
+    :class:`moeserve.balancer.policy.cost.StepModel` (None, the default: plan for token balance)
+    with which the policy picks plans by the predicted time of each layer's slowest worker."""
 
     window_steps: int = 0
     step_interval: int = 3000
@@ -32,6 +34,7 @@ class LoopConfig:
     min_gain: float = 0.01
     move_cost: float = 0.5
     move_budget: float | None = 0.10
+    step_model: object | None = None        # a policy.cost.StepModel: plan for predicted step time
 
     def __post_init__(self):
         if self.window_steps < 0:

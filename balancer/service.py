@@ -206,8 +206,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         load = rep.load.astype(np.float64)
         cur = placement.phy2log
         workers, wpn = placement.num_workers, placement.workers_per_node
-        policy = make_policy(self.config.move_budget)
-        plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur)
+        policy = make_policy(self.config.move_budget, step_model=self.config.step_model)
+        steps = int(rep.steps) if self.config.step_model is not None and rep.steps > 0 else None
+        plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur, steps=steps)
         plan = np.asarray(plan, dtype=np.int64)
         report = evaluate(load, cur, plan, workers, status.model.expert_bytes)
         resp = balancer_pb2.RebalanceResponse(

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Placement policies side by side: the project's policy vs the DeepSeek reference drop-in.
 
-    python benchmarks/policy.py [--traces DIR] [--json OUT] [--seed N] [--only SUBSTR]
+    python benchmarks/policy.py [--traces DIR] [--json OUT] [--seed N] [--only SUBSTR] [--follow-check]
 
 Scenarios (the yardstick's, ../shared/eval/policy_yardstick.py, with its generator written
 anew here so the project runs on its own): Zipf(s) expert popularity permuted per layer,
@@ -18,6 +18,13 @@ over the reference drop-in measured side by side and over the published referenc
 (ANCHORS.md). Also: the trade-off curve (next, moved at move budgets 5, 10, 20, 100 % and
 unlimited), and the hierarchical scenario with groups pinned to nodes vs hot experts'
 redundant replicas allowed off their node, with the share of tokens that then cross nodes.
+
+``--follow-check`` adds issue 15's check of replica counts following the traffic: every
+synthetic scenario at seeds 1-3 with Zipf (1.0, 1.5) and drift 0.2, and at the defaults (seed
+--seed, Zipf (0.8, 1.2), drift 0.1): next-window balancedness of the policy (counts follow the
+traffic), of the policy before (``follow_counts=False``) and of the reference, slots moved per
+call and ms per call; "ok" when the policy's next is within 0.01 of the reference's and it
+moves at most 10 % of the slots per call.
 
 Expert bytes (bf16, 2 bytes per parameter; gate, up and down projections):
   DeepSeek-V3 44 M parameters (7168 x 2048 x 3), Llama 4 Scout 126 M (5120 x 8192 x 3),
@@ -130,6 +137,8 @@ def main(argv=None) -> int:
                     help="where to write the results (default: benchmarks/results/policy.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default="", help="run scenarios whose name contains this")
+    ap.add_argument("--follow-check", action="store_true",
+                    help="add issue 15's check: seeds 1-3 at Zipf (1.0, 1.5) with drift 0.2, and the defaults")
     a = ap.parse_args(argv)
     if a.traces is not None and not Path(a.traces).is_dir():
         ap.error(f"--traces {a.traces}: no such directory")
@@ -173,6 +182,8 @@ def main(argv=None) -> int:
             ours["speedup_vs_published"] = PUBLISHED_MS[key] / ours["ms"]
             results["real"][key] = {"policy": ours, "reference": ref}
 
+    if a.follow_check:
+        results["follow_check"] = follow_check(a.seed, a.only)
     results["env"]["loadavg_after"] = os.getloadavg()[0]
     print_tables(results)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
@@ -181,6 +192,30 @@ def main(argv=None) -> int:
           f"({results['env']['cpus']} CPUs; times above are one thread)")
     print(f"wrote {a.json}")
     return 0
+
+
+FOLLOW_RUNS = [(1, (1.0, 1.5), 0.2), (2, (1.0, 1.5), 0.2), (3, (1.0, 1.5), 0.2)]
+
+
+def follow_check(default_seed: int, only: str) -> dict:
+    """Issue 15's scenarios: the policy, the policy before replica counts followed the traffic,
+    and the reference, on every synthetic scenario (see the module's docstring)."""
+    before = make_policy(follow_counts=False)
+    out = {}
+    for seed, zipfs, drift in FOLLOW_RUNS + [(default_seed, ZIPF, 0.1)]:
+        for name, s in SYNTHETIC.items():
+            for z in zipfs:
+                key = f"{name}/zipf{z}"
+                if only not in key:
+                    continue
+                wins = windows(np.random.default_rng(seed), s["layers"], s["log"], s["tokens"], WINDOWS, z, drift)
+                eb = s["params"] * BF16
+                row = {"policy": run_synthetic(place, s, wins, eb), "before": run_synthetic(before, s, wins, eb),
+                       "reference": run_synthetic(place_reference, s, wins, eb)}
+                row["ok"] = bool(row["policy"]["next"] >= row["reference"]["next"] - 0.01
+                                 and row["policy"]["moved"] <= 0.10)
+                out[f"seed{seed}/drift{drift}/{key}"] = row
+    return out
 
 
 def environment() -> dict:
@@ -209,6 +244,19 @@ def print_tables(res: dict) -> None:
     print(f"{'scenario':34s} " + " ".join(f"{n:>15s}" for n in names))
     for key, c in res["tradeoff"].items():
         print(f"{key:34s} " + " ".join(f"{c[n]['next']:.3f} / {c[n]['moved']:.3f}".rjust(15) for n in names))
+    if res.get("follow_check"):
+        print("\nreplica counts follow the traffic (issue 15): next balancedness, slots moved per call, ms per call "
+              "(median / max of 5)")
+        print(f"{'scenario':52s} {'before':>15s} {'policy':>22s} {'reference':>15s} {'diff':>7s} ok")
+        for key, r in res["follow_check"].items():
+            b, p, f = r["before"], r["policy"], r["reference"]
+            print(f"{key:52s} {b['next']:.4f} / {b['moved']:.3f} {p['next']:.4f} / {p['moved']:.3f} "
+                  f"{p['ms']:4.1f}/{p['ms_max']:4.1f} {f['next']:.4f} / {f['moved']:.3f} "
+                  f"{p['next'] - f['next']:+7.4f} {'yes' if r['ok'] else 'NO'}")
+        rows = list(res["follow_check"].values())
+        print(f"all ok: {all(r['ok'] for r in rows)}; worst diff {min(r['policy']['next'] - r['reference']['next'] for r in rows):+.4f}; "
+              f"largest ms per call (median of 5) {max(r['policy']['ms'] for r in rows):.1f}, slowest call "
+              f"{max(r['policy']['ms_max'] for r in rows):.1f}")
     if res["hierarchical"]:
         print("\nhierarchical: groups pinned to nodes vs redundant replicas allowed off their node")
         print(f"{'scenario':34s} {'variant':20s} {'in':>6s} {'next':>6s} {'moved':>6s} {'x-node tokens':>13s}")

@@ -3,6 +3,7 @@
 - :mod:`.policy`: the project's policy (``place``, ``make_policy``, ``cross_node_share``):
   migration-aware, budgeted, hierarchical or not.
 - :mod:`.report`: what a proposed placement buys (``evaluate``, ``PlanReport``).
+- :mod:`.cost`: the step-time model of one MoE layer on one worker and its calibration table.
 - :mod:`.packing`: fresh plans (replica counts, packing replicas onto workers).
 - :mod:`.search`: the local search that moves slots off the heaviest workers, and the choice
   of how far along it each layer goes within a move budget.
@@ -11,7 +12,8 @@
 """
 from moeserve.balancer.policy.policy import NOISE_K, PolicyConfig, cross_node_share, make_policy, place
 from moeserve.balancer.policy.reference import place_reference, rebalance_experts
+from moeserve.balancer.policy.cost import StepModel, StepModelError, load_table
 from moeserve.balancer.policy.report import PlanReport, evaluate
 
 __all__ = ["place", "make_policy", "PolicyConfig", "evaluate", "PlanReport", "cross_node_share", "NOISE_K",
-           "rebalance_experts", "place_reference"]
+           "rebalance_experts", "place_reference", "StepModel", "StepModelError", "load_table"]

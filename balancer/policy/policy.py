@@ -36,13 +36,15 @@ How a call decides (the primitives: :mod:`~moeserve.balancer.policy.packing` for
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moeserve.balancer.policy.packing import expand_counts, pack, pack_greedy, replica_counts
+from moeserve.balancer.policy.cost import StepModel, worker_times
+from moeserve.balancer.policy.packing import (expand_counts, pack, pack_greedy, replica_counts, slot_load,
+                                              worker_load_rows)
 from moeserve.balancer.policy.relabel import greedy_match, relabel
-from moeserve.balancer.policy.search import SearchSettings, refine, select_prefix
+from moeserve.balancer.policy.search import SearchSettings, follow_counts, refine, select_prefix
 from moeserve.placement import logical_counts
 
 __all__ = ["place", "make_policy", "PolicyConfig", "cross_node_share", "NOISE_K"]
@@ -58,28 +60,48 @@ class PolicyConfig:
       group's node (their first replica stays). Off by default. Such plans are made afresh
       every call and relabelled to the placement in force; the move budget does not apply.
     max_iter: iterations of the local search per call.
+    follow_counts: with a move budget, also let each layer walk its replica counts toward a
+      fresh plan's (then search on from there) where that buys more balancedness per slot
+      moved; off: replica counts change only where one replica outweighs most of a worker
+      (the policy before issue 15).
+    step_model: a :class:`~moeserve.balancer.policy.cost.StepModel`: with it, a call given the
+      window's ``steps`` (or a per-step ``histogram``) and a move budget picks, per layer, among
+      the plans the search offers the one with the least predicted time of the layer's slowest
+      worker (weights read by busy slots against matmul time, see
+      :mod:`~moeserve.balancer.policy.cost`), spending the budget where it saves the most time
+      per slot moved, and never a plan predicted slower than the placement in force. Without
+      ``steps``, or without a placement in force, it plans for token balance as without a model.
     """
 
     move_budget: float | None = 0.10
     cross_node_replicas: bool = False
     max_iter: int = 24
+    follow_counts: bool = True
+    step_model: StepModel | None = None
 
     def __post_init__(self):
         if self.move_budget is not None and not (0.0 <= self.move_budget <= 1.0):
             raise ValueError(f"move_budget must be a fraction in [0, 1] or None (unlimited), got {self.move_budget!r}")
         if not isinstance(self.max_iter, int) or self.max_iter < 0:
             raise ValueError(f"max_iter must be a non-negative integer, got {self.max_iter!r}")
+        if self.step_model is not None and not isinstance(self.step_model, StepModel):
+            raise ValueError(f"step_model must be a StepModel (see cost.load_table) or None, got {self.step_model!r}")
 
 
-def make_policy(move_budget: float | None = 0.10, *, cross_node_replicas: bool = False, max_iter: int = 24):
+def make_policy(move_budget: float | None = 0.10, *, cross_node_replicas: bool = False, max_iter: int = 24,
+                follow_counts: bool = True, step_model: StepModel | None = None):
     """A policy with the yardstick's signature and these settings (see :class:`PolicyConfig`).
 
-    The function returned has a ``config`` attribute.
+    The function returned has a ``config`` attribute, and takes two optional keywords beyond the
+    yardstick's: ``steps``, the forward steps the window's ``load`` was summed over, and
+    ``histogram [L, E, K]``, steps per power-of-two bin of each expert's per-step count (see
+    :mod:`~moeserve.balancer.policy.cost`); with ``step_model`` set they make it cost-aware.
     """
-    cfg = PolicyConfig(move_budget, cross_node_replicas, max_iter)
+    cfg = PolicyConfig(move_budget, cross_node_replicas, max_iter, follow_counts, step_model)
 
-    def policy(load, num_slots, num_workers, num_groups=1, num_nodes=1, current=None):
-        return _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg)
+    def policy(load, num_slots, num_workers, num_groups=1, num_nodes=1, current=None, *, steps=None,
+               histogram=None):
+        return _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg, steps, histogram)
 
     policy.config = cfg
     policy.__doc__ = place.__doc__
@@ -188,18 +210,55 @@ def _check(load, num_slots, num_workers, num_groups, num_nodes, current):
 
 # ---- the plan --------------------------------------------------------------------------------
 
-def _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg: PolicyConfig) -> np.ndarray:
+def _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg: PolicyConfig, steps=None,
+          histogram=None) -> np.ndarray:
     """:func:`place` with the settings ``cfg``: phy2log [L, P]."""
     load, shape, current = _check(load, num_slots, num_workers, num_groups, num_nodes, current)
     budget = None if (current is None or cfg.move_budget is None) else int(cfg.move_budget * shape.layers * shape.slots)
+    cost = _cost_context(cfg, steps, histogram, load)
     if shape.hierarchical and cfg.cross_node_replicas:
         return _plan_cross_node(load, shape, current, cfg)
     if shape.hierarchical:
-        return _plan_hierarchical(load, shape, current, budget, cfg)
+        return _plan_hierarchical(load, shape, current, budget, cfg, cost)
     if budget is None:
         fresh = _fresh(load, shape.slots, shape.workers, cfg)
         return fresh if current is None else relabel(current, fresh, shape.workers, shape.experts)
-    return _budgeted(load, current, shape.workers, budget, cfg, layer_of_row=None)
+    return _budgeted(load, current, shape.workers, budget, cfg, layer_of_row=None, cost=cost)
+
+
+@dataclass(frozen=True)
+class _Cost:
+    """What the cost-aware choice needs: the model, the window's steps, and the histogram
+    ``[B, e, K]`` of the rows planned (or None)."""
+
+    model: StepModel
+    steps: int
+    histogram: np.ndarray | None
+
+    def rows(self, local2global: np.ndarray, rows: int) -> "_Cost":
+        """The same for node rows (``local2global [L, N, E/N]``)."""
+        if self.histogram is None:
+            return self
+        k = self.histogram.shape[2]
+        layers = local2global.shape[0]
+        hist = np.take_along_axis(self.histogram, local2global.reshape(layers, -1)[:, :, None], 1)
+        return _Cost(self.model, self.steps, hist.reshape(rows, -1, k))
+
+
+def _cost_context(cfg: PolicyConfig, steps, histogram, load) -> _Cost | None:
+    """The cost-aware settings of a call, or None (token balance): a model and the steps."""
+    if cfg.step_model is None or steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be a positive integer (forward steps summed in load), got {steps!r}")
+    if histogram is not None:
+        histogram = np.asarray(histogram, dtype=np.float64)
+        if histogram.ndim != 3 or histogram.shape[:2] != load.shape or histogram.shape[2] < 1:
+            raise ValueError(f"histogram must be [layers, experts, bins] with [layers, experts] = {load.shape}, "
+                             f"got shape {histogram.shape}")
+        if not np.isfinite(histogram).all() or (histogram < 0).any():
+            raise ValueError("histogram must be finite and non-negative")
+    return _Cost(cfg.step_model, int(steps), histogram)
 
 
 def _fresh(load: np.ndarray, p: int, w: int, cfg: PolicyConfig, skip_below=None, ldm=True) -> np.ndarray:
@@ -240,28 +299,116 @@ def _pairs_for(budget_per_row: float) -> int:
     return int(np.clip(round(budget_per_row / 8), 1, 4))
 
 
-def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip_below=None) -> np.ndarray:
+def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip_below=None, cost=None) -> np.ndarray:
     """Local search from ``current [B, p]`` within ``budget`` slots over all rows: phy2log [B, p].
 
     layer_of_row [B] (hierarchical rows) groups rows into layers: a row then counts only as
     far as it sets its layer's peak (``layer_mean [B]``: the mean worker load of its layer).
+
+    With ``cfg.follow_counts`` every row has a second way to go: its replica counts walk toward
+    those of a fresh plan for this window (:func:`~moeserve.balancer.policy.search.follow_counts`),
+    then the local search goes on from there. Each row takes the prefix of either way that the
+    budget buys the most balancedness per slot moved with (doing nothing is always an option).
+
+    With ``cost`` (a :class:`_Cost`) the rows then choose among a few plans of those paths
+    (the token-balanced choices at a quarter, half and all of the budget, and each path's end)
+    the one that saves the most predicted time of the row's slowest worker per slot moved,
+    within the budget; a row whose plans all predict no saving keeps the placement in force.
     """
-    rows = load.shape[0]
-    layers = rows if layer_of_row is None else int(layer_of_row.max()) + 1
+    rows, p = current.shape
     settings = SearchSettings(max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), replicate=True,
                               stop_cost=1.2 * budget)
-    search = refine(load, current, w, settings, tol=_noise_tol(load, w, 1e-9), skip_below=skip_below)
-    peak, cost = search.curves()                                            # [T+1, B]
+    tol = _noise_tol(load, w, 1e-9)
+    search = refine(load, current, w, settings, tol=tol, skip_below=skip_below)
+    paths = [_Path(search, *search.curves())]
+    if cfg.follow_counts and budget > 0:
+        paths += _follow_paths(load, current, w, budget, settings, tol, skip_below)
+    value = _value(np.concatenate([path.peak for path in paths]), search.mean, layer_of_row, layer_mean)
+    cost_ = np.concatenate([path.cost for path in paths])
+    if cost is None:
+        return _replay(paths, select_prefix(value, cost_, budget))
+    options = [current] + [_replay(paths, select_prefix(value, cost_, f * budget)) for f in (0.25, 0.5, 1.0)]
+    end = 0
+    for i, path in enumerate(paths):
+        end += path.peak.shape[0]
+        options.append(_replay(paths, np.full(rows, end - 1)))
+    return _cheapest(load, current, options, w, budget, cost)
+
+
+def _cheapest(load, current, options: list[np.ndarray], w: int, budget: int, cost: "_Cost") -> np.ndarray:
+    """Per row, the option (``options[0]`` the placement in force) saving the most predicted time
+    of the row's slowest worker per slot moved, within ``budget`` slots over all rows."""
+    stack = np.stack(options)                                                # [K, B, p]
+    k, rows, p = stack.shape
+    times = np.stack([worker_times(cost.model, load, o, w, cost.steps, cost.histogram).max(1) for o in options])
+    moved = (stack != current[None]).sum(2)                                 # [K, B]
+    # a plan predicted no faster than the placement in force counts as worse than it: never taken
+    value = np.where(times < times[:1], -times, -times[:1] - 1.0)
+    value[0] = -times[0]
+    pick = select_prefix(value, moved, budget)
+    return stack[pick, np.arange(rows)]
+
+
+class _Path:
+    """One way a row may go: its :class:`~moeserve.balancer.policy.search.Search` (which may
+    start where another path ends), the row's peak and cumulative cost (from the placement in
+    force) after each step, ``[T, B]`` each (the first path also has step 0: no move)."""
+
+    def __init__(self, search, peak, cost):
+        self.search, self.peak, self.cost = search, peak, cost
+
+
+_THEN_ITER = 12          # the search after the counts moved: a shorter one (its moves come on top)
+
+
+def _follow_paths(load, current, w, budget, settings, tol, skip_below) -> list[_Path]:
+    """Replica counts toward a fresh plan's (``replica_counts``), then the local search from
+    there: the two paths after the plain local search (their step 0 left out, it repeats it)."""
+    rows, p = current.shape
+    e = load.shape[1]
+    target = replica_counts(load, p, w)
+    searched = None
+    if skip_below is not None:
+        searched = worker_load_rows(slot_load(load, current, logical_counts(current, e)), w).max(1) > np.maximum(skip_below, 0)
+    steps = int(min(p - e, max(4, np.ceil(2.0 * budget / rows))))
+    follow = follow_counts(load, current, w, target, steps, rows=searched)
+    f_peak, f_cost = follow.curves()
+    moved = f_cost[-1] > 0
+    if not moved.any():
+        return []
+    out = [_Path(follow, f_peak[1:], f_cost[1:])]
+    skip = np.where(moved, -np.inf if skip_below is None else skip_below, np.inf)   # only the rows that moved
+    then = refine(load, follow.final, w, replace(settings, max_iter=min(settings.max_iter, _THEN_ITER)), tol=tol,
+                  skip_below=skip)
+    t_peak, t_cost = then.curves()
+    out.append(_Path(then, t_peak[1:], t_cost[1:] + f_cost[-1]))
+    return out
+
+
+def _value(peak, mean, layer_of_row, layer_mean) -> np.ndarray:
+    """Balancedness of every row after every step, ``[T+1, B]`` (hierarchical rows: their layer's,
+    as far as they set it)."""
     if layer_of_row is None:
-        value = np.where(peak > 0, search.mean / np.where(peak > 0, peak, 1.0), 1.0)
-    else:
-        # a node below its layer's hottest node buys nothing by going lower still
-        floor = np.zeros(layers)
-        np.maximum.at(floor, layer_of_row, peak[-1])
-        top = np.maximum(peak, floor[layer_of_row])
-        value = np.where(top > 0, layer_mean / np.where(top > 0, top, 1.0), 1.0)
-    steps = select_prefix(value, cost, budget)
-    return search.replay(steps)
+        return np.where(peak > 0, mean / np.where(peak > 0, peak, 1.0), 1.0)
+    # a node below its layer's hottest node buys nothing by going lower still
+    floor = np.zeros(int(layer_of_row.max()) + 1)
+    np.maximum.at(floor, layer_of_row, peak.min(0))                 # the least peak each row reaches
+    top = np.maximum(peak, floor[layer_of_row])
+    return np.where(top > 0, layer_mean / np.where(top > 0, top, 1.0), 1.0)
+
+
+def _replay(paths: list[_Path], choice: np.ndarray) -> np.ndarray:
+    """The placement after step ``choice[b]`` of the paths laid end to end: ``[B, p]``. The first
+    path covers steps 0 .. T of its search, every later one steps 1 .. T of its own."""
+    first = paths[0]
+    end = first.peak.shape[0]
+    out = first.search.replay(np.where(choice < end, choice, 0))
+    for path in paths[1:]:
+        mine = (choice >= end) & (choice < end + path.peak.shape[0])
+        if mine.any():
+            out[mine] = path.search.replay(np.where(mine, choice - end + 1, 0))[mine]
+        end += path.peak.shape[0]
+    return out
 
 
 # ---- hierarchical ----------------------------------------------------------------------------
@@ -319,7 +466,7 @@ def _node_rows(node_of_group, shape: _Shape):
     return local2global, global2local
 
 
-def _plan_hierarchical(load, shape: _Shape, current, budget, cfg) -> np.ndarray:
+def _plan_hierarchical(load, shape: _Shape, current, budget, cfg, cost=None) -> np.ndarray:
     """Groups pinned to nodes, each node a sub-problem (rows of local ids): phy2log [L, P]."""
     layers, n = shape.layers, shape.nodes
     local_experts, local_workers = shape.experts_per_node, shape.workers_per_node
@@ -336,7 +483,8 @@ def _plan_hierarchical(load, shape: _Shape, current, budget, cfg) -> np.ndarray:
         current_rows, repaired = _current_rows(current, node_of_group, global2local, shape, row_load)
         layer_mean = np.repeat(load.sum(1) / shape.workers, n)
         out = _budgeted(row_load, current_rows, local_workers, max(budget - repaired, 0), cfg,
-                        layer_of_row=np.repeat(np.arange(layers), n), layer_mean=layer_mean, skip_below=floor)
+                        layer_of_row=np.repeat(np.arange(layers), n), layer_mean=layer_mean, skip_below=floor,
+                        cost=None if cost is None else cost.rows(local2global, layers * n))
     phy2log = np.take_along_axis(local2global.reshape(layers * n, local_experts), out, 1)
     return phy2log.reshape(layers, shape.slots)
 

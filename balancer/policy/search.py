@@ -27,7 +27,7 @@ import numpy as np
 from moeserve.balancer.policy.packing import slot_load, worker_load_rows
 from moeserve.placement import logical_counts
 
-__all__ = ["SearchSettings", "refine", "Search", "Moves", "select_prefix"]
+__all__ = ["SearchSettings", "refine", "Search", "Moves", "select_prefix", "follow_counts"]
 
 # a replica carrying more than this share of a worker's mean load cannot be balanced by swaps
 # alone: its expert needs another replica
@@ -485,3 +485,86 @@ def select_prefix(value: np.ndarray, cost: np.ndarray, budget: float | None, gri
         k = int(np.argmax(spend <= budget))                              # first price within budget
         low, high = (price[k - 1] if k > 0 else low), price[k]
     return np.argmax(gain - high * row_cost, 1)
+
+
+def follow_counts(load: np.ndarray, phy2log: np.ndarray, num_workers: int, target: np.ndarray, max_steps: int,
+                  rows: np.ndarray | None = None) -> Search:
+    """Move replica counts toward ``target [B, e]``, one slot per row and step: a :class:`Search`.
+
+    The local search keeps replica counts unless one replica outweighs most of a worker, so
+    counts planned for old traffic stay when traffic drifts; this walks them toward the counts
+    a fresh plan would give (``target``, each row summing to p). Each step, in every row whose
+    counts differ from its target (and that is in ``rows``, a boolean [B], if given), the
+    expert with a replica short of its target that has the heaviest load per replica takes
+    one slot of an expert with a replica over its target: of those slots, the one whose change
+    lowers the sum of squared worker loads the most (to first order in the replicas that
+    change load elsewhere, exactly on the slot's own worker). Recorded as re-replications with
+    one pair per iteration, so :meth:`Search.curves` and :meth:`Search.replay` apply; a row's
+    peak may rise on a step (the caller's choice of a prefix weighs that).
+    """
+    batch, p = phy2log.shape
+    e = load.shape[1]
+    w = num_workers
+    s = p // w
+    start = phy2log.astype(np.int64, copy=True)
+    load = np.ascontiguousarray(load, dtype=np.float64)
+    logcnt = logical_counts(start, e)
+    loads = slot_load(load, start, logcnt)
+    worker_load = worker_load_rows(loads, w)
+    search = Search(start.copy(), worker_load.max(1), worker_load.mean(1), 1)
+    active = (logcnt != target).any(1)
+    if rows is not None:
+        active &= rows
+    idx = np.flatnonzero(active)
+    if idx.size == 0 or s == 0 or max_steps <= 0:
+        search.final = start
+        return search
+    cur, cnt, tgt, lo = start[idx], logcnt[idx], np.asarray(target, dtype=np.int64)[idx], load[idx]
+    n = idx.size
+    r = np.arange(n)
+    e_base = (r * e)[:, None]
+    wl = worker_load[idx]
+    # the slots that may give: those of experts over their target (a set that only shrinks), [n, C]
+    cnt_flat, lo_flat, tgt_flat = cnt.reshape(-1), lo.reshape(-1), tgt.reshape(-1)   # views
+    over = (cnt > tgt).reshape(-1)[cur + e_base]
+    cand = np.argsort(~over, axis=1, kind="stable")[:, :max(int(over.sum(1).max()), 1)]
+    cand_ok = np.take_along_axis(over, cand, 1)
+    cand_worker = cand // s
+    w_base = (r * w)[:, None]
+    slot_worker = np.arange(p) // s
+    for _ in range(max_steps):
+        deficit = cnt < tgt
+        live = deficit.any(1)
+        if not live.any():
+            break
+        per_replica = lo / cnt
+        b = np.where(deficit, per_replica, -np.inf).argmax(1)                       # [n] the expert gaining
+        cb, lb = cnt[r, b], lo[r, b]
+        d = wl - wl.mean(1, keepdims=True)                                          # [n, w]
+        flat_cur = cur + e_base
+        g = np.bincount(flat_cur.reshape(-1), weights=d[:, slot_worker].reshape(-1), minlength=n * e)
+        a = np.take_along_axis(cur, cand, 1)                                        # [n, C] the expert losing
+        flat_a = a + e_base
+        ca, la = cnt_flat[flat_a], lo_flat[flat_a]
+        ok = cand_ok & (ca > tgt_flat[flat_a]) & live[:, None]
+        d_here = d.reshape(-1)[cand_worker + w_base]
+        own = (lb / (cb + 1))[:, None] - la / ca                                    # change on the slot's worker
+        delta_a = la / np.maximum(ca - 1, 1) - la / ca                              # each other replica of a
+        delta_b = lb / (cb + 1) - lb / cb                                           # each replica of b
+        score = d_here * own + 0.5 * own * own + delta_a * (g[flat_a] - d_here) + (delta_b * g[r * e + b])[:, None]
+        score[~ok] = np.inf
+        pick = score.argmin(1)
+        made = ok[r, pick]
+        k = cand[r, pick]
+        old = cur[r, k]
+        rows_made = r[made]
+        cur[rows_made, k[made]] = b[made]
+        cnt[rows_made, b[made]] += 1
+        cnt[rows_made, old[made]] -= 1
+        flat_cur = (cur + e_base).reshape(-1)
+        wl = (lo_flat[flat_cur] / cnt_flat[flat_cur]).reshape(n, w, s).sum(2)
+        search.record(Moves(idx, k[:, None], k[:, None], b[:, None], old[:, None], made[:, None],
+                            np.ones((n, 1), dtype=bool), wl.max(1)[:, None], made[:, None].astype(np.int64)))
+    start[idx] = cur
+    search.final = start
+    return search
