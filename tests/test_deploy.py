@@ -1,6 +1,7 @@
 """deploy/: the compose cluster validates with the Compose v2 binary (and a broken file fails),
 every service command is a real ``moeserve`` subcommand with real flags, Prometheus scrapes
-every service, Grafana's provisioning and dashboards fit together."""
+every service, Grafana's provisioning and dashboards fit together; the offline variant's
+moeserve services are the base file's. tests/test_compose_live.py starts the cluster for real."""
 import json
 import os
 import re
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 ENV = {"MOESERVE_ADMIN_TOKEN": "test-token", "MOESERVE_CONTROL_KEY": "00112233445566778899aabbccddeeff"}
 BASE = DEPLOY / "docker-compose.yml"
 GPU = DEPLOY / "docker-compose.gpu.yml"
+OFFLINE = DEPLOY / "docker-compose.offline.yml"
 DATASOURCE_UID = "moeserve-prometheus"
 
 
@@ -38,17 +40,50 @@ def config(*files: Path) -> dict:
     return json.loads(p.stdout)
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
+@pytest.fixture(scope="module", params=["cpu", "gpu", "offline"])
 def project(request) -> dict:
-    return config(BASE) if request.param == "cpu" else config(BASE, GPU)
+    return {"cpu": lambda: config(BASE), "gpu": lambda: config(BASE, GPU), "offline": lambda: config(OFFLINE)}[
+        request.param]()
 
 
 def moeserve_services(project: dict) -> dict:
     return {n: s for n, s in project["services"].items() if str(s.get("image", "")).startswith("moeserve:")}
 
 
-def test_the_compose_file_and_its_gpu_variant_validate_with_compose_v2(project):
-    assert {"router", "worker-1", "worker-2", "frontend", "balancer", "prometheus", "grafana"} <= set(project["services"])
+def test_the_compose_file_and_its_gpu_and_offline_variants_validate_with_compose_v2(project):
+    assert {"router", "worker-1", "worker-2", "frontend", "balancer", "prometheus"} <= set(project["services"])
+
+
+def test_the_offline_variant_has_the_base_files_moeserve_services_a_local_prometheus_and_no_grafana():
+    base, offline = config(BASE), config(OFFLINE)
+    assert "grafana" in base["services"] and "grafana" not in offline["services"]
+    for name, s in moeserve_services(base).items():
+        o = dict(offline["services"][name])
+        if "build" in o:
+            assert o["build"].pop("args") == {"BASE_IMAGE": "localhost/moeserve-base:bookworm"}
+        assert o == s, f"{name} differs between docker-compose.yml and docker-compose.offline.yml"
+    prom = offline["services"]["prometheus"]
+    assert prom["build"]["args"]["BASE_IMAGE"] == "localhost/moeserve-base:bookworm"
+    assert Path(prom["build"]["context"]) == DEPLOY / "prometheus"
+    assert {v["target"] for v in prom["volumes"]} == {v["target"] for v in base["services"]["prometheus"]["volumes"]}
+    assert offline["volumes"].keys() == {"state", "prometheus"}
+
+
+def test_the_compose_file_takes_secrets_from_the_environment_and_keeps_state_on_a_named_volume():
+    svc = config(BASE)["services"]
+    assert svc["frontend"]["environment"].get("MOESERVE_API_KEY") is None      # passed through when set
+    p = compose(BASE, env={**ENV, "MOESERVE_API_KEY": "k"})
+    assert json.loads(p.stdout)["services"]["frontend"]["environment"]["MOESERVE_API_KEY"] == "k"
+    for name in ("router", "worker-1", "worker-2"):
+        cmd = svc[name]["command"]
+        state = cmd[cmd.index("--state-dir") + 1]
+        (vol,) = [v for v in svc[name]["volumes"] if v["target"] == state]
+        assert vol["type"] == "volume" and vol["source"] == "state"
+        assert vol.get("read_only", False) is (name != "router")      # the leader writes, workers read at start
+    assert svc["worker-1"]["restart"] == svc["worker-2"]["restart"] == "on-failure"
+    front = svc["frontend"]["command"]
+    assert front[front.index("--http-port") + 1] == "8000" and front[front.index("--port") + 1] == "8003"
+    assert {(p["target"], p["published"]) for p in svc["frontend"]["ports"]} == {(8000, "8000"), (8003, "8003")}
 
 
 @pytest.mark.parametrize("breakage,message", [
@@ -82,22 +117,21 @@ def test_ranks_talk_on_an_internal_network_only_and_services_wait_for_a_healthy_
             assert env["WORLD_SIZE"] == str(world) and env["MASTER_ADDR"] == "router"
             ranks[int(env["RANK"])] = name
             assert s.get("ipc") == "host" or s.get("shm_size"), f"{name}: torch needs shared memory"
-            if name != "router":
-                assert set(s["networks"]) == {"ranks"}, f"{name} must be on the internal network only"
-                assert not s.get("ports")
-            # gloo binds the first interface: the internal network must be it on every rank.
-            assert env["GLOO_SOCKET_IFNAME"] == "eth0"
-            priority = {n: (v or {}).get("priority", 0) for n, v in s["networks"].items()}
-            others = [p for n, p in priority.items() if n != "ranks"]
-            assert all(p < priority["ranks"] for p in others), f"{name}: the internal network must come first"
+            # Every rank, the leader too, is on the internal network only and publishes nothing:
+            # MASTER_ADDR names one address, on which the leader binds the store and by which
+            # each rank's gloo picks its interface (no interface name is set).
+            assert set(s["networks"]) == {"ranks"}, f"{name} must be on the internal network only"
+            assert not s.get("ports"), f"{name} publishes a port"
+            assert "GLOO_SOCKET_IFNAME" not in env and "NCCL_SOCKET_IFNAME" not in env
     assert sorted(ranks) == list(range(world)) and ranks[0] == "router"
     for name in ("frontend", "balancer"):
         assert svc[name]["depends_on"]["router"]["condition"] == "service_healthy"
     for name, s in moeserve_services(project).items():
         assert s.get("healthcheck", {}).get("test"), f"{name} has no health check"
-    # Nothing published from the internal network but the leader's admin API (token-guarded).
-    for p in svc["router"].get("ports", []):
-        assert int(p["target"]) == 8001 and p.get("host_ip") == "127.0.0.1"
+    # The balancer reaches the admin API on the internal network and publishes its own port on
+    # the host's loopback only.
+    assert set(svc["balancer"]["networks"]) == {"ranks", "edge"}
+    assert all(p.get("host_ip") == "127.0.0.1" for p in svc["balancer"]["ports"])
 
 
 def test_the_gpu_variant_reserves_one_gpu_per_rank_and_uses_nccl():
@@ -118,6 +152,10 @@ def test_the_dockerfile_copies_what_the_package_needs_and_takes_a_cuda_base_as_a
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11", text, re.M)
     assert "download.pytorch.org/whl/cpu" in text
+    # Offline: the wheels of scripts/image-wheels, bind-mounted (never in a layer), with --no-index.
+    assert text.count("--mount=type=bind,source=deploy,target=/tmp/deploy") == 3
+    assert text.count("--no-index --find-links /tmp/deploy/wheels") == 3
+    assert not re.search(r"^VOLUME", text, re.M)      # an anonymous volume per service would outlive `down -v`
     for src in re.findall(r"^COPY (.+) \S+$", text, re.M):
         for part in src.split():
             assert (REPO / part).exists(), f"COPY {part}: not in the repository"
