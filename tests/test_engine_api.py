@@ -174,3 +174,77 @@ def test_a_full_queue_is_queue_full_through_the_channel(engine, channel):
         for s in streams:
             s.cancel()
             s.close()
+
+
+def _count_connections(monkeypatch) -> list:
+    opened = []
+    real = AsyncEngineClient._connect
+
+    async def counting(self):
+        opened.append(1)
+        return await real(self)
+    monkeypatch.setattr(AsyncEngineClient, "_connect", counting)
+    return opened
+
+
+def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame(engine, channel, monkeypatch):
+    import asyncio
+    from moeserve.router.engine import channel as channel_module
+    server, key = channel
+    opened = _count_connections(monkeypatch)
+    frames = []
+    real_frame = channel_module._frame
+    monkeypatch.setattr(channel_module, "_frame",
+                        lambda msg: frames.append(len(msg[1]) if msg[0] == "events" else 0) or real_frame(msg))
+
+    async def main():
+        client = AsyncEngineClient(server.address, key)
+
+        async def one(n):
+            return [ev async for _, ev in client.generate([GenerateRequest((1, 2), n, ignore_eos=True)])]
+        outs = await asyncio.gather(*(one(12) for _ in range(4)))      # max_waiting is 4
+        await client.close()
+        return outs
+    outs = asyncio.run(main())
+    assert outs == [[Token(TOKEN)] * 12 + [Finished(FinishReason.LENGTH)]] * 4
+    assert len(opened) == 1                                   # one connection for 4 streams
+    events = [n for n in frames if n]
+    assert sum(events) == 4 * 13
+    assert len(events) <= sum(events) / 2                     # events leave a step together, not one by one
+
+
+def test_leaving_one_stream_cancels_only_it_and_closing_the_session_cancels_the_rest(engine, channel, monkeypatch):
+    import asyncio
+    server, key = channel
+    opened = _count_connections(monkeypatch)
+    engine.request_stop()                                     # no step runs until the streams are set up
+    time.sleep(0.2)
+    engine._stop.clear()
+
+    async def main():
+        client = AsyncEngineClient(server.address, key)
+        started = asyncio.Event()
+
+        async def long_stream():
+            async for _ in client.generate([GenerateRequest((1,), 50, ignore_eos=True)]):
+                started.set()
+        keep = asyncio.ensure_future(long_stream())
+        gen = client.generate([GenerateRequest((1,), 50, ignore_eos=True)])
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.3)
+        assert engine.status().waiting == 2                   # both submitted on the one session
+        StandInRanks(engine)                                  # steps start
+        await first
+        await gen.aclose()                                    # leave the second stream: cancels it alone
+        await started.wait()
+        short = [ev async for _, ev in client.generate([GenerateRequest((1,), 2, ignore_eos=True)])]
+        assert short[-1] == Finished(FinishReason.LENGTH)
+        await client.close()                                  # closing the session cancels the long stream
+        keep.cancel()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (engine.status().running or engine.status().waiting):
+            await asyncio.sleep(0.05)
+        return engine.status()
+    status = asyncio.run(main())
+    assert status.running == 0 and status.waiting == 0
+    assert len(opened) == 1

@@ -1,7 +1,8 @@
 """The local channel to the leader's engine: the :class:`~moeserve.router.engine.api.EngineAPI`
 over a TCP socket with a shared key, for the launcher and the serving front end.
 
-Who sends what, in order, on one connection (a call or a stream opens its own):
+Who sends what, in order, on one connection (a call or a stream opens its own; a session
+carries many streams):
 
     server: b"MSCH" + 32-byte nonce                      (handshake, within HANDSHAKE_TIMEOUT_S)
     client: HMAC-SHA256(key, server nonce) + 32-byte nonce
@@ -9,6 +10,16 @@ Who sends what, in order, on one connection (a call or a stream opens its own):
     client: ("call", method, args, kwargs)  -> server: ("ok", value) | ("error", EngineError)
         or  ("generate", [GenerateRequest, ...])
                                             -> server: ("event", i, Event)* ("end",) | ("error", EngineError)
+        or  ("session",), then any number of, in any order:
+            client: ("submit", sid, [GenerateRequest, ...])   (sid: the client's id of the stream)
+            client: ("cancel", sid)
+            server: ("events", [(sid, i, Event), ...])        (every event of a step, one frame)
+            server: ("error", sid, EngineError)               (a submit refused; nothing of it runs)
+
+A session is how the serving front end talks to the leader: all its streams share one
+connection, and the events of a step leave the leader as one frame (the step driver hands them
+to the loop once per step, not once per token). A stream ends when each of its requests has
+had its Finished or Failed event; closing the session cancels every stream still open in it.
 
 Every message after the handshake is a frame: an 8-byte big-endian length, then a pickle of
 plain values (the api module's dataclasses, numpy arrays). Pickle is read only after the peer
@@ -27,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -127,6 +139,8 @@ class ChannelServer:
             msg = pickle.loads(await _read_frame(reader))
             if msg[0] == "generate":
                 await self._generate(msg[1], reader, writer)
+            elif msg[0] == "session":
+                await _Session(self.engine, reader, writer).run()
             elif msg[0] == "call":
                 writer.write(_frame(await self._call(msg[1], msg[2], msg[3])))
                 await writer.drain()
@@ -208,6 +222,91 @@ class ChannelServer:
                 self.engine.cancel(s)
         finally:
             gone.cancel()
+
+
+class _Session:
+    """The server side of one session (see the module docstring): a reader of submits and
+    cancels, and a writer that sends every event the step driver produced since its last
+    frame as one frame."""
+
+    def __init__(self, engine: EngineAPI, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.engine, self.reader, self.writer = engine, reader, writer
+        self.loop = asyncio.get_running_loop()
+        self.lock = threading.Lock()
+        self.pending: list = []                  # (sid, i, Event), appended by the step driver
+        self.wake = asyncio.Event()
+        self.streams: dict = {}                  # sid -> [open request count, [Sequence, ...]]
+
+    def _sink(self, sid: int, i: int):
+        def sink(ev: Event) -> None:             # on the step driver's thread
+            with self.lock:
+                first = not self.pending
+                self.pending.append((sid, i, ev))
+            if first:                            # one wake-up per batch of events, not per event
+                try:
+                    self.loop.call_soon_threadsafe(self.wake.set)
+                except RuntimeError:             # the loop is closed (shutdown): nobody listens
+                    pass
+        return sink
+
+    async def run(self) -> None:
+        writer_task = asyncio.ensure_future(self._write_events())
+        try:
+            while True:
+                msg = pickle.loads(await _read_frame(self.reader))
+                if msg[0] == "submit":
+                    await self._submit(msg[1], msg[2])
+                elif msg[0] == "cancel":
+                    self._cancel(msg[1])
+                else:
+                    raise ConnectionError(f"unknown session message {msg[0]!r}")
+        finally:
+            writer_task.cancel()
+            for sid in list(self.streams):       # the client went away (or the server stops): cancel
+                self._cancel(sid)
+
+    async def _submit(self, sid: int, reqs: list) -> None:
+        seqs = []
+        self.streams[sid] = [len(reqs), seqs]
+        try:                                     # all or nothing
+            for i, r in enumerate(reqs):
+                seqs.append(self.engine.submit(r, self._sink(sid, i)))
+        except Exception as e:
+            for s in seqs:
+                self.engine.cancel(s)
+            del self.streams[sid]
+            self.writer.write(_frame(("error", sid, _error_msg(e)[1])))
+            await self.writer.drain()
+
+    def _cancel(self, sid: int) -> None:
+        stream = self.streams.pop(sid, None)
+        if stream is not None:
+            for s in stream[1]:
+                self.engine.cancel(s)
+
+    async def _write_events(self) -> None:
+        try:
+            await self._write_loop()
+        except (ConnectionError, OSError):
+            self.writer.close()                  # the reader then sees EOF and cancels every stream
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            with self.lock:
+                batch, self.pending = self.pending, []
+            if not batch:
+                continue
+            for sid, _, ev in batch:
+                if isinstance(ev, (Finished, Failed)):
+                    stream = self.streams.get(sid)
+                    if stream is not None:
+                        stream[0] -= 1
+                        if stream[0] <= 0:
+                            del self.streams[sid]
+            self.writer.write(_frame(("events", batch)))
+            await self.writer.drain()
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:
@@ -385,14 +484,82 @@ def _recv_frame(sock: socket.socket) -> bytes:
     return _recv_exactly(sock, n)
 
 
+class _ClientSession:
+    """The client side of a session: one connection, one reader task that routes each event
+    to its stream's queue. Once broken, every open stream gets the error and the next
+    ``generate`` opens a new session."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.broken: ClusterError | None = None
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        err = ClusterError("the channel to the leader closed")
+        try:
+            while True:
+                msg = pickle.loads(await _read_frame(self.reader))
+                if msg[0] == "events":
+                    for sid, i, ev in msg[1]:
+                        q = self.queues.get(sid)
+                        if q is not None:
+                            q.put_nowait((i, ev))
+                elif msg[0] == "error":
+                    q = self.queues.get(msg[1])
+                    if q is not None:
+                        q.put_nowait((None, msg[2]))
+        except (OSError, EOFError, asyncio.IncompleteReadError, pickle.UnpicklingError) as e:
+            err = ClusterError(f"the leader closed the connection: {e}")
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.broken = err
+            for q in self.queues.values():
+                q.put_nowait((None, err))
+            self.writer.close()
+
+    def send(self, msg) -> None:
+        if self.broken is not None:
+            raise self.broken
+        self.writer.write(_frame(msg))
+
+
 class AsyncEngineClient:
-    """The channel from an asyncio program (the serving front end): every call and stream is a
-    connection on the caller's event loop, no thread of its own."""
+    """The channel from an asyncio program (the serving front end), on the caller's event loop
+    with no thread of its own: each call is a connection; every stream shares one session
+    connection (see the module docstring)."""
 
     def __init__(self, address: tuple[str, int], authkey: bytes, connect_timeout_s: float = 10.0):
         self.address = tuple(address)
         self.authkey = authkey
         self.connect_timeout_s = connect_timeout_s
+        self._session_obj: _ClientSession | None = None
+        self._session_lock: asyncio.Lock | None = None
+        self._sids = itertools.count(1)
+
+    async def _session(self) -> _ClientSession:
+        if self._session_lock is None:
+            self._session_lock = asyncio.Lock()
+        async with self._session_lock:
+            s = self._session_obj
+            if s is None or s.broken is not None:
+                reader, writer = await self._connect()
+                try:
+                    writer.write(_frame(("session",)))
+                    await writer.drain()
+                except OSError as e:
+                    writer.close()
+                    raise ClusterError(f"the leader closed the connection: {e}") from e
+                s = self._session_obj = _ClientSession(reader, writer)
+            return s
+
+    async def close(self) -> None:
+        """Close the session (cancelling its streams on the leader)."""
+        s, self._session_obj = self._session_obj, None
+        if s is not None:
+            s.task.cancel()
+            s.writer.close()
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
@@ -427,25 +594,37 @@ class AsyncEngineClient:
         return _raise(reply, None)
 
     async def generate(self, reqs: list[GenerateRequest]):
-        """Async iterator of (request index, Event) until every request ended. Leaving the
-        iteration early (break, cancellation) closes the connection, which cancels the
-        requests on the leader."""
-        reader, writer = await self._connect()
+        """Async iterator of (request index, Event) until every request ended (its Finished or
+        Failed event). Leaving the iteration early (break, cancellation) cancels the requests
+        on the leader; a broken session raises ClusterError in every stream it carried."""
+        reqs = list(reqs)
+        session = await self._session()
+        sid = next(self._sids)
+        queue: asyncio.Queue = asyncio.Queue()
+        session.queues[sid] = queue
+        open_, ended = len(reqs), False
         try:
-            writer.write(_frame(("generate", list(reqs))))
-            await writer.drain()
-            while True:
-                try:
-                    msg = pickle.loads(await _read_frame(reader))
-                except (OSError, EOFError, asyncio.IncompleteReadError) as e:
-                    raise ClusterError(f"the leader closed the connection: {e}") from e
-                if msg[0] == "end":
-                    return
-                if msg[0] == "error":
-                    _raise(msg, None)
-                yield msg[1], msg[2]
+            try:
+                session.send(("submit", sid, reqs))
+                await session.writer.drain()
+            except OSError as e:
+                raise ClusterError(f"the leader closed the connection: {e}") from e
+            while open_:
+                i, ev = await queue.get()
+                if i is None:                           # the submit was refused, or the session broke
+                    ended = True
+                    raise ev
+                if isinstance(ev, (Finished, Failed)):
+                    open_ -= 1
+                yield i, ev
+            ended = True
         finally:
-            writer.close()
+            session.queues.pop(sid, None)
+            if not ended and session.broken is None:
+                try:
+                    session.send(("cancel", sid))       # no drain: this may run while the generator closes
+                except (ClusterError, OSError, RuntimeError):
+                    pass
 
 
 __all__ = ["ChannelServer", "EngineClient", "AsyncEngineClient", "GenerateStream", "ClusterError", "Event"]
