@@ -35,8 +35,9 @@ Workloads (``--workloads burst,online``):
   stream's consecutive tokens are the step times; taken in the window where all sequences
   are running (after the last first token, before the first last token: no prefill in the
   step), the first and last ``--trim`` (10) gaps of each stream left out; the median.
-- online: Poisson arrivals at ``--load`` (70 %) of the maximum rate measured by the burst
-  (burst output tok/s / the online requests' mean output length), prompts of 64-1,024 and
+- online: Poisson arrivals at ``--load`` (70 %) of the maximum rate of the online mix (first,
+  ``--burst-requests`` requests of that mix all at once: their output tok/s / the mean output
+  length; ``--online-capacity burst`` takes the fixed burst's tok/s instead), prompts of 64-1,024 and
   outputs of 64-512 tokens (uniform, seeded), ignore_eos; ``--duration`` seconds of arrivals
   (at most ``--requests``). Output tok/s, TTFT p50/p99, inter-token latency p50/p99 and the
   ratio ITL p99 / p50. Requests still running ``--drain`` seconds after the last arrival are
@@ -1042,6 +1043,18 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
             if not base:
                 raise RuntimeError("the online workload needs the burst's throughput")
             mean_out = (a.online_output[0] + a.online_output[1]) / 2
+            if a.online_capacity == "probe":
+                # The maximum rate of the online mix itself: its requests all at once (closed
+                # loop, as many as the burst), output tok/s over the run / mean output length.
+                probe = online_plan(np.random.default_rng(a.seed + 2), 1e9, a.burst_requests, tuple(a.online_prompt),
+                                    tuple(a.online_output), sizes["vocab_size"], first=2 * 10 ** 6)
+                recs, _ = run(first, [(i, 0.0, p, n) for i, _, p, n in probe], a.burst_timeout)
+                cap = burst_figures(recs, 0, 0, a.trim)
+                res["online_capacity"] = {k: cap[k] for k in ("requests", "completed", "wall_s", "output_tokens",
+                                                              "output_tok_s", "ttft_p50_s", "ttft_p99_s")}
+                base = cap["output_tok_s"] or base
+                print(f"[{name}] online mix all at once: {base:.0f} tok/s, max rate {base / mean_out:.1f} req/s",
+                      flush=True)
             rate = a.load * base / mean_out
             count = max(1, min(a.requests, int(math.ceil(rate * a.duration))))
             plan = online_plan(np.random.default_rng(a.seed + 1), rate, count, tuple(a.online_prompt),
@@ -1238,7 +1251,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--burst-prompt", type=int, default=None)
     p.add_argument("--burst-output", type=int, default=None)
     p.add_argument("--trim", type=int, default=None, help="steps left out at each end of the steady window (10)")
-    p.add_argument("--load", type=float, default=0.7, help="online arrival rate as a share of the burst's (0.7)")
+    p.add_argument("--load", type=float, default=0.7, help="online arrival rate as a share of the maximum rate (0.7)")
+    p.add_argument("--online-capacity", choices=("probe", "burst"), default="probe",
+                   help="the maximum rate: probe = the online mix's own throughput, its requests all at once "
+                        "(default); burst = the fixed burst's output tok/s / the mean online output")
     p.add_argument("--duration", type=float, default=None, help="seconds of online arrivals (30; smoke 2)")
     p.add_argument("--requests", type=int, default=None, help="at most this many online requests (2000; smoke 6)")
     p.add_argument("--online-prompt", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
