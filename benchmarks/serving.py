@@ -795,15 +795,43 @@ def read_profiles(folder: str) -> dict:
                  "lm_head_sampling": dev("lm_head") + dev("sampling")}
         parts["rest"] = max(0.0, busy - sum(parts.values()))
         p["breakdown_device_s"] = parts
+        p["breakdown_by_kernel_s"] = kernel_breakdown(p["kernels"])
         p["host_s"] = {k: host(k) for k in ("schedule", "header_broadcast", "batch_build", "result_gather",
                                             "load_read", "sampling")}
         out[name[:-5]] = p
     return out
 
 
-def profile_table(profiles: dict) -> list[str]:
+KERNEL_CLASSES = (          # (class, substrings of kernel names), first match wins
+    ("exchange", ("barrier_kernel", "route_kernel", "expert_count_kernel", "publish_kernel", "prep_kernel", "scatter_pairs_kernel",
+                  "return_rows_kernel", "nccl", "all_to_all", "AllToAll")),
+    ("expert_matmul", ("GroupProblem", "grouped", "silu_mul_kernel", "weighted_sum_kernel")),
+    ("attention", ("paged_attention",)),
+    ("sampling", ("sample", "philox", "race", "argmax", "ArgMax")),
+)
+
+
+def kernel_breakdown(kernels: list[dict]) -> dict:
+    """Device seconds per step by kernel class (``KERNEL_CLASSES``; the rest: dense matmuls of
+    attention projections, shared experts, LM head, norms, elementwise)."""
+    out = {name: 0.0 for name, _ in KERNEL_CLASSES}
+    out["rest"] = 0.0
+    for k in kernels:
+        cls = next((name for name, keys in KERNEL_CLASSES if any(s in k["name"] for s in keys)), "rest")
+        out[cls] += k["device_s"]
+    return out
+
+
+def profile_table(profiles: dict, expert_bytes_per_step: float | None = None) -> list[str]:
     lines = []
     for rank, p in profiles.items():
+        kb = p.get("breakdown_by_kernel_s") or {}
+        if kb:
+            rate = ""
+            if expert_bytes_per_step and kb.get("expert_matmul"):
+                rate = f" ({expert_bytes_per_step / kb['expert_matmul'] / 1e9:.0f} GB/s of expert weights)"
+            lines.append(f"profile {rank}: kernels ms/step: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in kb.items())
+                         + rate)
         b = p["breakdown_device_s"]
         lines.append(f"profile {rank}: wall {1e3 * p['wall_per_step_s']:.2f} ms/step, device busy "
                      f"{1e3 * p['device_busy_per_step_s']:.2f} ms: "
@@ -1073,7 +1101,9 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
             print(f"[{name}] log: {line}", flush=True)
         if up.profile_dir:
             res["profile"] = read_profiles(up.profile_dir)
-            for line in profile_table(res["profile"]):
+            ebytes = (sizes["num_experts"] + redundant) // max(1, ranks) * sizes["num_moe_layers"] * sizes["expert_bytes"]
+            res["profile_expert_bytes_per_step"] = ebytes
+            for line in profile_table(res["profile"], ebytes):
                 print(f"[{name}] {line}", flush=True)
         if not up.alive():
             raise RuntimeError(f"moeserve up exited during the run:\n{up.tail()}")

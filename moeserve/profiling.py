@@ -9,7 +9,9 @@ START+COUNT-1 (defaults 40 and 20) with ``torch.profiler`` and writes ``DIR/rank
 - ``device_busy_per_step_s``: the sum of every device kernel's time per step (on CPU: 0);
 - ``spans``: per named span (``SPANS``), calls per step, host time per step, and the device
   time of the kernels launched inside it (children included) per step;
-- ``kernels``: the 25 kernels with the most device time, per step.
+- ``kernels``: the 200 kernels with the most device time, per step (inside a replayed CUDA
+  graph the spans are not recorded, only kernels: ``benchmarks/serving.py`` then classifies
+  kernels by name).
 
 Spans cost nothing when profiling is off (``span`` returns one shared null context). Spans
 nest (``moe_combine`` holds ``expert_matmul`` on a co-located rank), so their times do not add
@@ -131,7 +133,7 @@ class StepProfiler:
         kernels.sort(reverse=True)
         report = {"rank": self.rank, "steps": steps, "wall_per_step_s": wall / steps,
                   "device_busy_per_step_s": busy * us / steps, "spans": spans,
-                  "kernels": [{"name": k[:160], "device_s": t, "calls_per_step": c} for t, c, k in kernels[:25]]}
+                  "kernels": [{"name": k[:160], "device_s": t, "calls_per_step": c} for t, c, k in kernels[:200]]}
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / f"rank{self.rank}.json").write_text(json.dumps(report, indent=1))
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
