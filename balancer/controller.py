@@ -13,20 +13,33 @@ A plan from a trigger of the loop is applied only when it *pays*: its predicted 
 balancedness is at least ``min_gain`` and at least ``move_cost`` times the share of all slots
 whose weights cross workers (moving 10 % of the slots with move_cost 0.5 must buy 0.05). An
 operator's request applies any plan that moves something and does not lower balancedness.
+
+**With a step model** (``LoopConfig.step_model``, a ``policy.cost.StepModel``) the same tests
+use predicted step time instead of token balance (docs/eplb.md): the threshold compares the
+*step efficiency* (:func:`step_efficiency`: per layer the mean worker's predicted time over
+the slowest worker's, summed over layers) with ``min_balancedness``, and a plan pays when its
+*relative predicted step-time gain* (:func:`step_gain`: (before - after) / before of the
+predicted MoE time of a step) clears the same bar; a request applies any plan that does not
+slow the step down. Balancedness stays what the balancer reports. A caller that passes no
+step-time figures (``step_efficiency`` / ``step_gain`` None) gets the balancedness tests.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
 class LoopConfig:
     """The balancer's knobs. window_steps: forward steps of load to plan on (0: the leader's
     whole window); step_interval: steps between periodic rebalances; min_balancedness: the
-    threshold (0 = off); min_gain, move_cost: when a plan pays; move_budget: the policy's share
-    of slots it may move per plan (None: unlimited); step_model: a
+    threshold (0 = off; with a step model, on the step efficiency); min_gain, move_cost: when a
+    plan pays (with a step model, in relative predicted step time); move_budget: the policy's
+    share of slots it may move per plan (None: unlimited); step_model: a
     :class:`moeserve.balancer.policy.cost.StepModel` (None, the default: plan for token balance)
-    with which the policy picks plans by the predicted time of each layer's slowest worker."""
+    with which the policy picks plans by the predicted time of each layer's slowest worker, and
+    the trigger and the pay test use predicted step time (the module's docstring)."""
 
     window_steps: int = 0
     step_interval: int = 3000
@@ -50,31 +63,80 @@ class LoopConfig:
 
 
 def trigger(cfg: LoopConfig, steps: int, steps_since_change: int, steps_since_plan: int | None,
-            predicted_balancedness: float) -> str | None:
+            predicted_balancedness: float, step_efficiency: float | None = None) -> str | None:
     """The loop's trigger now, or None. ``steps``: forward steps in the load window (no load,
-    no plan); ``steps_since_plan``: since this process last planned (None: never)."""
+    no plan); ``steps_since_plan``: since this process last planned (None: never).
+    ``step_efficiency``: with a step model, :func:`step_efficiency` of the placement in force;
+    the threshold then compares it (not ``predicted_balancedness``) with ``min_balancedness``."""
     if steps == 0:
         return None
     quiet = steps_since_plan is None or steps_since_plan >= cfg.step_interval
     if steps_since_change >= cfg.step_interval and quiet:
         return "interval"
-    if cfg.min_balancedness > 0 and predicted_balancedness < cfg.min_balancedness and \
+    measure = predicted_balancedness
+    if cfg.step_model is not None and step_efficiency is not None:
+        measure = step_efficiency
+    if cfg.min_balancedness > 0 and measure < cfg.min_balancedness and \
             (steps_since_plan is None or steps_since_plan >= min(cfg.step_interval, steps)):
         return "threshold"
     return None
 
 
 def pays(cfg: LoopConfig, gain: float, slots_moved: int, slots_across: int, total_slots: int,
-         requested: bool) -> tuple[bool, str]:
-    """Whether to apply a plan, and why not when it is not applied."""
+         requested: bool, step_gain: float | None = None) -> tuple[bool, str]:
+    """Whether to apply a plan, and why not when it is not applied. ``gain``: its gain in mean
+    balancedness; ``step_gain``: with a step model, its relative predicted step-time gain
+    (:func:`step_gain`), which then decides in place of ``gain``."""
     if slots_moved == 0:
         return False, "the plan equals the placement in force: nothing to move"
+    timed = cfg.step_model is not None and step_gain is not None
+    value = step_gain if timed else gain
     if requested:
-        if gain < 0:
-            return False, f"the plan would lower balancedness by {-gain:.4f}"
+        if value < 0:
+            if timed:
+                return False, f"the plan would slow the predicted step down by {-value:.2%}"
+            return False, f"the plan would lower balancedness by {-value:.4f}"
         return True, ""
     need = max(cfg.min_gain, cfg.move_cost * slots_across / max(total_slots, 1))
-    if gain < need:
-        return False, (f"predicted gain {gain:.4f} does not pay for moving {slots_across} of {total_slots} slots "
-                       f"(needs {need:.4f})")
+    if value < need:
+        what = f"predicted step-time gain {value:.2%}" if timed else f"predicted gain {value:.4f}"
+        bar = f"{need:.2%}" if timed else f"{need:.4f}"
+        return False, f"{what} does not pay for moving {slots_across} of {total_slots} slots (needs {bar})"
     return True, ""
+
+
+@dataclass(frozen=True)
+class StepGain:
+    """Predicted MoE seconds of a step on the placement in force and on a plan (the step model's
+    sum over layers of each layer's slowest worker)."""
+
+    before_s: float
+    after_s: float
+
+    @property
+    def gain(self) -> float:
+        """The relative gain, (before - after) / before (0 when nothing runs)."""
+        return (self.before_s - self.after_s) / self.before_s if self.before_s > 0 else 0.0
+
+
+def step_gain(cfg: LoopConfig, load, current, proposed, num_workers: int, steps: int,
+              histogram=None) -> StepGain | None:
+    """What ``proposed [L, P]`` saves over ``current [L, P]`` in predicted step time under the
+    window's ``load [L, E]`` over ``steps`` forward steps (``histogram [L, E, K]``, optional:
+    per-step counts); None without a step model or without steps."""
+    if cfg.step_model is None or steps < 1:
+        return None
+    from moeserve.balancer.policy.cost import step_time
+    load = np.asarray(load, dtype=np.float64)
+    before = step_time(cfg.step_model, load, current, num_workers, steps, histogram)
+    after = step_time(cfg.step_model, load, proposed, num_workers, steps, histogram)
+    return StepGain(before, after)
+
+
+def step_efficiency(cfg: LoopConfig, load, phy2log, num_workers: int, steps: int, histogram=None) -> float | None:
+    """The trigger's step-time measure of the placement in force (``policy.cost.step_efficiency``);
+    None without a step model or without steps."""
+    if cfg.step_model is None or steps < 1:
+        return None
+    from moeserve.balancer.policy.cost import step_efficiency as efficiency
+    return efficiency(cfg.step_model, np.asarray(load, dtype=np.float64), phy2log, num_workers, steps, histogram)

@@ -9,12 +9,32 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, K: tl.constexpr,
-                 X: tl.constexpr, SINGLE: tl.constexpr, B: tl.constexpr, PB: tl.constexpr):
+def expert_count_kernel(args_ptr, ecnt_ptr, B: tl.constexpr, EB: tl.constexpr):
+    # Block b of B pairs of the N in args: its pairs per logical expert, added to ecnt [EB] (int32,
+    # zeroed before the launch). Blocks past N (the grid covers the capacity) do nothing.
+    b = tl.program_id(0).to(tl.int64)
+    n = tl.load(args_ptr + 3)
+    if b * B < n:
+        ids_ptr = tl.load(args_ptr + 1).to(tl.pointer_type(tl.int64))
+        i = b * B + tl.arange(0, B)
+        m = i < n
+        e = tl.load(ids_ptr + i, mask=m, other=0).to(tl.int32)
+        h = tl.histogram(e, EB, mask=m)
+        bins = tl.arange(0, EB)
+        tl.atomic_add(ecnt_ptr + bins, h, mask=h > 0)
+
+
+@triton.jit
+def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, ecnt_ptr, b_ptr, router,
+                 K: tl.constexpr, X: tl.constexpr, SINGLE: tl.constexpr, BREAKEVEN: tl.constexpr, NR: tl.constexpr,
+                 B: tl.constexpr, PB: tl.constexpr):
     # args = (x address, ids address, weights address, N, offset). Block b of B pairs (flat (token, k)
     # order): the slot of each pair by the replica rule (token + offset) mod logcnt[e] (replica 0
     # when every expert has one), and the block's histogram over the slots [PB]. Blocks past N
-    # (the grid covers the capacity) do nothing.
+    # (the grid covers the capacity) do nothing. BREAKEVEN: the rule with break-even counts b [E]
+    # and this router's pairs per expert ecnt [E] (from expert_count_kernel): with n = ecnt[e] * NR,
+    # b[e] > 0 and n <= b[e], replica (offset - router) mod logcnt[e] (the step's, the same on every
+    # router); else (token + offset) mod u, u = min(logcnt[e], ceil(n / b[e])) (logcnt[e] when b[e] = 0).
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(args_ptr + 3)
     if b * B < n:
@@ -26,7 +46,18 @@ def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, K: tl.c
             rep = tl.zeros((B,), dtype=tl.int64)
         else:
             offset = tl.load(args_ptr + 4)
-            rep = (i // K + offset) % tl.load(logcnt_ptr + e, mask=m, other=1)
+            cnt = tl.load(logcnt_ptr + e, mask=m, other=1)
+            if BREAKEVEN:
+                est = tl.load(ecnt_ptr + e, mask=m, other=0).to(tl.int64) * NR
+                be = tl.load(b_ptr + e, mask=m, other=0).to(tl.int64)
+                on = be > 0
+                used = tl.where(on, tl.minimum(cnt, (est + be - 1) // tl.maximum(be, 1)), cnt)
+                used = tl.maximum(used, 1)
+                step = offset - router
+                alone = ((step % cnt) + cnt) % cnt
+                rep = tl.where(on & (est <= be), alone, (i // K + offset) % used)
+            else:
+                rep = (i // K + offset) % cnt
         slot = tl.load(log2phy_ptr + e * X + rep, mask=m, other=0).to(tl.int32)
         tl.store(slots_ptr + i, slot, mask=m)
         tl.store(hist_ptr + b * PB + tl.arange(0, PB), tl.histogram(slot, PB, mask=m))

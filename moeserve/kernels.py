@@ -9,11 +9,12 @@ needed anywhere in a MoE layer: a kernel is launched over an upper bound of rows
 host (N, or C) and rows past the device-side total do nothing. Peers' buffers are reached
 through tables of raw device addresses [R] (int64), one per rank, from torch's symmetric
 memory (``moeserve.dataplane.nvlink``); a store through a peer's address goes over NVLink. Each step of
-the exchange is one launch, and there is no sort: slot choice and per-block histograms
-(``route``), block prefixes and the counts' publication (``publish``), the layout (``prep``),
-the rows (``scatter_pairs``, which ranks each pair within its slot as a stable sort would) and
-the way back (``return_rows``): at a few thousand tokens a layer is bound by host launches,
-not bytes (a stable ``torch.sort`` alone costs ~60 us of host time on an H200 machine).
+the exchange is one launch (two for the slot choice with break-even counts), and there is no
+sort: slot choice and per-block histograms (``route``), block prefixes and the counts'
+publication (``publish``), the layout (``prep``), the rows (``scatter_pairs``, which ranks each
+pair within its slot as a stable sort would) and the way back (``return_rows``): at a few
+thousand tokens a layer is bound by host launches, not bytes (a stable ``torch.sort`` alone
+costs ~60 us of host time on an H200 machine).
 
 Rounding follows torch's: a scaled row is ``x * w`` computed in fp32 and rounded once to the
 dtype (as ``torch.mul`` does); silu is ``x / (1 + exp(-x))`` with IEEE division and libdevice's
@@ -55,7 +56,8 @@ def fresh_module(name: str):
 @functools.lru_cache(maxsize=None)
 def _kernels():
     k = fresh_module("moeserve._triton_kernels")
-    return dict(route=k.route_kernel, publish=k.publish_kernel, prep=k.prep_kernel, scatter=k.scatter_pairs_kernel,
+    return dict(route=k.route_kernel, expert_count=k.expert_count_kernel, publish=k.publish_kernel,
+                prep=k.prep_kernel, scatter=k.scatter_pairs_kernel,
                 ret=k.return_rows_kernel, silu_mul=k.silu_mul_kernel, weighted_sum=k.weighted_sum_kernel)
 
 
@@ -103,25 +105,41 @@ def pair_args(x: torch.Tensor | None, ids: torch.Tensor | None, weights: torch.T
 
 
 def route(args: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, num_slots: int,
-          single: bool, k: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots of a router's pairs and their per-block histogram, in one launch.
+          single: bool, k: int, capacity: int, breakeven: torch.Tensor | None = None, router: int = 0,
+          num_routers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of a router's pairs and their per-block histogram.
 
-    args:     device int64 [5] from ``pair_args``: ids int64 [T, K] contiguous, N = T*K, and
-              the offset, router index + step (the replica rule of ``moeserve.dataplane.collective.
-              choose_slots``: token t takes replica (t + offset) mod logcnt[e]; replica 0 when
-              ``single``).
-    log2phy:  int64 [E, X] (-1 padded), logcnt int64 [E].
-    capacity: the most pairs (the grid covers it; blocks past N do nothing).
-    returns   (slots int32 [capacity], first N valid, in flat (token, k) order; hist int32
-              [capacity blocks, PB]: pairs per slot in each block of BLOCK_PAIRS pairs, first
-              ceil(N / BLOCK_PAIRS) valid; PB = next power of two >= num_slots).
+    args:      device int64 [5] from ``pair_args``: ids int64 [T, K] contiguous, N = T*K, and
+               the offset, router index + step (the replica rule of ``moeserve.dataplane.exchange.
+               choose_slots``: token t takes replica (t + offset) mod logcnt[e]; replica 0 when
+               ``single``).
+    log2phy:   int64 [E, X] (-1 padded), logcnt int64 [E].
+    breakeven: int64 [E] break-even counts b, or None (no threshold: one launch). With it, a
+               first kernel counts this router's N pairs per expert (a histogram over all of
+               them, atomically summed over blocks into a zeroed [E] buffer) and the route kernel
+               applies choose_slots' break-even rule: estimate n = count x ``num_routers``; at or
+               below b[e] > 0 every pair of e takes replica (offset - ``router``) mod logcnt[e]
+               (the step's, the same on every router), above it (t + offset) mod
+               min(logcnt[e], ceil(n / b[e])). Fixed grids, nothing read back: capturable.
+    capacity:  the most pairs (the grid covers it; blocks past N do nothing).
+    returns    (slots int32 [capacity], first N valid, in flat (token, k) order; hist int32
+               [capacity blocks, PB]: pairs per slot in each block of BLOCK_PAIRS pairs, first
+               ceil(N / BLOCK_PAIRS) valid; PB = next power of two >= num_slots).
     """
     pb = _pow2(num_slots)
     nb = max(1, num_blocks(capacity))
-    slots = torch.empty(nb * BLOCK_PAIRS, dtype=torch.int32, device=log2phy.device)
-    hist = torch.empty(nb, pb, dtype=torch.int32, device=log2phy.device)
-    _kernels()["route"][(nb,)](args, log2phy, logcnt, slots, hist, K=k, X=log2phy.shape[1],
-                               SINGLE=single, B=BLOCK_PAIRS, PB=pb, num_warps=4)
+    dev = log2phy.device
+    slots = torch.empty(nb * BLOCK_PAIRS, dtype=torch.int32, device=dev)
+    hist = torch.empty(nb, pb, dtype=torch.int32, device=dev)
+    use_b = breakeven is not None and not single
+    if use_b:
+        eb = _pow2(max(2, log2phy.shape[0]))
+        ecnt = torch.zeros(eb, dtype=torch.int32, device=dev)
+        _kernels()["expert_count"][(nb,)](args, ecnt, B=BLOCK_PAIRS, EB=eb, num_warps=4)
+    else:
+        ecnt = breakeven = logcnt                                     # not read
+    _kernels()["route"][(nb,)](args, log2phy, logcnt, slots, hist, ecnt, breakeven, router, K=k, X=log2phy.shape[1],
+                               SINGLE=single, BREAKEVEN=use_b, NR=num_routers, B=BLOCK_PAIRS, PB=pb, num_warps=4)
     return slots, hist
 
 

@@ -13,6 +13,7 @@ does not depend on where the experts sit.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,28 +24,74 @@ from moeserve.placement import log2phy
 from moeserve.models.moe import RoutingResult, combine_pairs
 
 
+BREAKEVEN_ENV = "MOESERVE_EPLB_BREAKEVEN"
+
+
+def default_breakeven() -> int:
+    """The break-even count a router uses where none was given: ``MOESERVE_EPLB_BREAKEVEN`` (one
+    integer for every MoE layer and expert) when set, else 0 (every replica always used).
+    An interim knob until b travels with the placement (docs/eplb.md)."""
+    raw = os.environ.get(BREAKEVEN_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{BREAKEVEN_ENV} must be an integer count of tokens (0 = off), got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{BREAKEVEN_ENV} must be >= 0 (0 = off), got {value}")
+    return value
+
+
 class RouterMaps:
     """The placement in force as the router uses it, per MoE layer, on the router's device.
 
-    log2phy: LongTensor [L, E, X] (-1 padded); logcnt: LongTensor [L, E]. X is fixed at start
-    (R + 1) so the tables never change shape; a commit rewrites one layer's rows.
+    log2phy: LongTensor [L, E, X] (-1 padded); logcnt: LongTensor [L, E]; breakeven: LongTensor
+    [L, E], the break-even counts b of the replica rule (``moeserve.dataplane.exchange.
+    choose_slots``; 0: every replica always used). X is fixed at start (R + 1) so the tables
+    never change shape; a commit rewrites one layer's rows. ``logcnt`` and ``breakeven`` are
+    two rows of one allocation, so whatever keeps ``logcnt`` alive (a captured graph) keeps
+    ``breakeven`` alive at a fixed address too.
+
+    breakeven: b for every layer: None (the default: ``default_breakeven()``), an integer, or
+    an array [L, E] (floats are floored: the rule compares integer counts).
     """
 
-    def __init__(self, phy2log: np.ndarray, num_logical: int, max_replicas: int, device: torch.device | str = "cpu"):
+    def __init__(self, phy2log: np.ndarray, num_logical: int, max_replicas: int, device: torch.device | str = "cpu",
+                 breakeven=None):
         phy2log = np.asarray(phy2log, dtype=np.int64)
         layers = phy2log.shape[0]
         self.num_logical = num_logical
         self.max_replicas = max_replicas
         self.phy2log = phy2log.copy()                                    # [L, P] host copy
         self.single = [False] * layers                                   # no logical expert has 2 replicas
+        self.thresholded = [False] * layers                              # some expert of the layer has b > 0
+        self.default_breakeven = default_breakeven()
         self.log2phy = torch.full((layers, num_logical, max_replicas), -1, dtype=torch.long, device=device)
-        self.logcnt = torch.zeros(layers, num_logical, dtype=torch.long, device=device)
+        self._tables = torch.zeros(2, layers, num_logical, dtype=torch.long, device=device)
+        self.logcnt = self._tables[0]                                    # [L, E]
+        self.breakeven = self._tables[1]                                 # [L, E]
+        rows = self._breakeven_rows(breakeven, layers)
         for layer in range(layers):
-            self.set_layer(layer, phy2log[layer])
+            self.set_layer(layer, phy2log[layer], rows[layer])
 
-    def set_layer(self, layer: int, phy2log_row) -> None:
+    def _breakeven_rows(self, breakeven, layers: int) -> np.ndarray:
+        """int64 [layers, E] from None, a number, a row [E] or a matrix [layers, E]."""
+        value = self.default_breakeven if breakeven is None else breakeven
+        b = np.floor(np.asarray(value, dtype=np.float64))
+        try:
+            b = np.broadcast_to(b, (layers, self.num_logical))
+        except ValueError:
+            raise ValueError(f"breakeven must be a number, [E] or [L, E] with E = {self.num_logical}, "
+                             f"got shape {np.shape(value)}") from None
+        if not np.isfinite(b).all() or (b < 0).any():
+            raise ValueError("breakeven counts must be finite and >= 0 (0 = every replica always used)")
+        return b.astype(np.int64)
+
+    def set_layer(self, layer: int, phy2log_row, breakeven=None) -> None:
         """Install the map of one MoE layer from its phy2log row [P] (a row of a placement the
-        leader validated: not checked again)."""
+        leader validated: not checked again) and its break-even counts (a number or [E];
+        None: the maps' default, ``default_breakeven()``, 0 unless set)."""
         row = np.asarray(phy2log_row, dtype=np.int64)
         table = log2phy(row[None, :], self.num_logical, self.max_replicas)[0]          # [E, X]
         counts = (table >= 0).sum(1)                                                   # [E]
@@ -52,13 +99,33 @@ class RouterMaps:
         self.logcnt[layer].copy_(torch.from_numpy(counts))
         self.phy2log[layer] = row
         self.single[layer] = bool(counts.max() == 1)
+        self.set_breakeven(breakeven, layer)
 
-    def slots_of(self, layer: int, ids: torch.Tensor, offset: int) -> torch.Tensor:
-        """Slots [T*K] for the logical ids [T, K] of a layer (the replica rule of choose_slots;
-        a plain look-up when every expert of the layer has one replica)."""
+    def set_breakeven(self, breakeven, layer: int | None = None) -> None:
+        """Set the break-even counts b of one layer (a number or [E]) or, with ``layer`` None, of
+        every layer (a number, [E] or [L, E]); None: the maps' default. Takes effect at the next
+        dispatch of the layer (call it between steps, as commits are applied)."""
+        layers = range(self.logcnt.shape[0]) if layer is None else [layer]
+        rows = self._breakeven_rows(breakeven, len(layers))
+        for i, l in enumerate(layers):
+            self.breakeven[l].copy_(torch.from_numpy(rows[i]))
+            self.thresholded[l] = bool(rows[i].max() > 0) if rows[i].size else False
+
+    def route_breakeven(self, layer: int, always: bool = False) -> torch.Tensor | None:
+        """The break-even row [E] a route kernel applies to ``layer``, or None when the layer
+        has no threshold (the rule without one; ``always``: the row anyway, as a CUDA graph
+        needs, which must stay valid when a later commit sets b)."""
+        return self.breakeven[layer] if always or self.thresholded[layer] else None
+
+    def slots_of(self, layer: int, ids: torch.Tensor, offset: int, router: int = 0, num_routers: int = 1
+                 ) -> torch.Tensor:
+        """Slots [T*K] for the logical ids [T, K] of a layer (the replica rule of choose_slots
+        with this layer's break-even counts; a plain look-up when every expert of the layer has
+        one replica). ``router``: this router's index (offset - router is the step)."""
         if self.single[layer]:
             return self.log2phy[layer, :, 0].index_select(0, ids.reshape(-1))
-        return choose_slots(ids, self.log2phy[layer], self.logcnt[layer], offset)
+        return choose_slots(ids, self.log2phy[layer], self.logcnt[layer], offset,
+                            self.route_breakeven(layer), router, num_routers)
 
 
 @dataclass(frozen=True)

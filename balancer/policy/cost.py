@@ -44,7 +44,7 @@ import numpy as np
 from moeserve.placement import logical_counts
 
 __all__ = ["FORMAT", "StepModel", "StepModelTable", "StepModelError", "load_table", "busy_probability",
-           "expected_busy", "worker_times", "layer_times", "step_time"]
+           "expected_busy", "worker_times", "layer_times", "step_time", "breakeven", "step_efficiency"]
 
 FORMAT = "moeserve-step-model/1"
 _TOP_KEYS = {"format": str, "entries": list}
@@ -88,6 +88,23 @@ class StepModel:
         read = busy * (self.expert_bytes / self.hbm_bytes_per_s)
         compute = pairs * (self.flops_per_pair / self.matmul_flops_per_s)
         return self.layer_overhead_s + self.slot_overhead_s * busy + np.maximum(read, compute)
+
+    @property
+    def breakeven_count(self) -> int:
+        """b, the break-even count of the data plane's replica rule (docs/eplb.md): the pairs
+        whose matmul takes as long as one copy of the expert costs its worker to hold busy,
+
+            b = floor((expert_bytes / hbm_bytes_per_s + slot_overhead_s)
+                      / (flops_per_pair / matmul_flops_per_s)),   at least 1.
+
+        A copy given at most b pairs spends no less time reading its weights than multiplying,
+        so at or below b pairs in a step one copy takes them all (another copy would add a
+        read and take no time off the first); above, ceil(n / b) copies (as many as exist)
+        keep each copy's matmul within about one read: a copy is read only when the matmul
+        time it takes off its peers (about b pairs) covers its own read."""
+        read = self.expert_bytes / self.hbm_bytes_per_s + self.slot_overhead_s
+        per_pair = self.flops_per_pair / self.matmul_flops_per_s
+        return max(1, int(math.floor(read / per_pair)))
 
     def to_entry(self) -> dict:
         return {k: getattr(self, k) for k in ("gpu", "shape", *_ENTRY_INTS, *_ENTRY_RATES, *_ENTRY_TIMES)}
@@ -253,3 +270,22 @@ def step_time(model: StepModel, load, phy2log, num_workers: int, steps: int | No
               histogram=None) -> float:
     """Predicted seconds of a step's MoE layers (the sum of every layer's slowest worker)."""
     return float(layer_times(model, load, phy2log, num_workers, steps, histogram).sum())
+
+
+# ---- the break-even counts the data plane applies, and the trigger's step-time measure ---------
+
+def breakeven(model: StepModel | None, num_layers: int, num_experts: int) -> np.ndarray:
+    """int64 [L, E]: the break-even count b of every (MoE layer, logical expert) for the data
+    plane's replica rule (``StepModel.breakeven_count``: every expert of a model has one
+    shape, so one value); zeros (every replica always used) without a model."""
+    value = 0 if model is None else model.breakeven_count
+    return np.full((num_layers, num_experts), value, dtype=np.int64)
+
+
+def step_efficiency(model: StepModel, load, phy2log, num_workers: int, steps: int, histogram=None) -> float:
+    """The step-time analogue of balancedness, in (0, 1]: the sum over layers of the mean
+    worker's predicted time over the sum of the slowest worker's (1.0: no worker waits on
+    another); 1.0 when nothing is predicted to run."""
+    t = worker_times(model, load, phy2log, num_workers, steps, histogram)          # [L, W]
+    slowest = float(t.max(1).sum())
+    return float(t.mean(1).sum()) / slowest if slowest > 0 else 1.0

@@ -122,11 +122,14 @@ class CollectiveExchange:
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing, maps, offset: int,
                  sent_row: torch.Tensor) -> RowsHandle:
         """Send a router's rows: hidden [T, H], routing [T, K]; each pair's slot by the replica
-        rule of ``maps`` (``RouterMaps``) with ``offset`` (router + step). Rows are sorted by slot
+        rule of ``maps`` (``RouterMaps``: its break-even counts included) with ``offset`` (router +
+        step); this rank's router index and the number of routers make the rule's estimate of the
+        step's count (docs/dataplane.md, "Replica choice"). Rows are sorted by slot
         (so by destination), scaled first when the weights scale the input, and start
         travelling; the counts go ahead of them. Adds the pairs sent per (rank, local slot) to
         ``sent_row`` [R*S]. The same call as ``NvlinkExchange.dispatch``."""
-        slots = maps.slots_of(moe_layer, routing.ids, offset)                          # [N]
+        slots = maps.slots_of(moe_layer, routing.ids, offset, self.topo.router_index(self.rank) or 0,
+                              self.topo.num_routers)                                     # [N]
         handle = _dispatch_rows(self, moe_layer, hidden, routing, slots)
         sent_row += handle.counts
         return handle

@@ -79,26 +79,59 @@ def count(values: torch.Tensor, n: int) -> torch.Tensor:
     return out.index_add_(0, values, torch.ones_like(values))
 
 
-def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int) -> torch.Tensor:
-    """Map each (token, k) pair to a physical slot, spreading tokens over replicas.
+def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int,
+                 breakeven: torch.Tensor | None = None, router: int = 0, num_routers: int = 1) -> torch.Tensor:
+    """Map each (token, k) pair to a physical slot, spreading tokens over replicas that pay.
 
-    ids:     LongTensor [T, K] logical expert ids.
-    log2phy: LongTensor [E, X] replicas of each logical expert (-1 padded).
-    logcnt:  LongTensor [E] replica counts (>= 1).
-    offset:  router index + step number; rotates which replica gets the remainder.
-    returns  LongTensor [T*K] slots, in flat (token, k) order.
+    ids:       LongTensor [T, K] logical expert ids.
+    log2phy:   LongTensor [E, X] replicas of each logical expert (-1 padded).
+    logcnt:    LongTensor [E] replica counts (>= 1).
+    offset:    router index + step number; rotates which replica gets the remainder.
+    breakeven: LongTensor [E] or None, the break-even counts b (0 or None: every replica is
+               always used, the rule without a threshold).
+    router, num_routers: this router's index (so the step is ``offset - router``) and how many
+               routers there are (the step's count of an expert is estimated as this router's
+               count x num_routers: no extra exchange).
+    returns    LongTensor [T*K] slots, in flat (token, k) order.
 
-    Token t's pair for expert e takes replica (t + offset) mod logcnt[e]. A token picks an
-    expert at most once, so the tokens of a hot expert (close to all of them) split evenly
-    over its replicas, give or take one, and the rest split evenly in expectation: the even
-    split the policy's cost model assumes (docs/dataplane.md explains why the token index and
-    not the flat pair index).
+    Token t's pair for expert e takes replica (t + offset) mod u[e] of the first u[e] replicas.
+    Without a threshold (b[e] = 0) u[e] = logcnt[e]. With one, the step's count of e is
+    estimated as n[e] = (this router's pairs of e in the layer) x num_routers; at or below b[e]
+    every router sends e's pairs to the one replica (step mod logcnt[e]), the same on every
+    router, so one copy's weights are read; above it u[e] = min(logcnt[e], ceil(n[e] / b[e])).
+    A token picks an expert at most once, so the tokens of a hot expert (close to all of them)
+    split evenly over the replicas used, give or take one, and the rest split evenly in
+    expectation: the even split the policy's cost model assumes (docs/dataplane.md explains
+    why the token index and not the flat pair index). All on the device: no host read.
     """
     t, k = ids.shape
     flat = ids.reshape(-1)                                                        # [N]
     token = torch.arange(t, device=ids.device).repeat_interleave(k) if k > 1 else torch.arange(t, device=ids.device)
-    replica = (token + offset) % logcnt.index_select(0, flat)                     # [N]
+    if breakeven is None:
+        replica = (token + offset) % logcnt.index_select(0, flat)                 # [N]
+        return log2phy[flat, replica]
+    used, alone = replicas_used(count(flat, logcnt.numel()) * num_routers, logcnt, breakeven, offset - router)
+    replica = torch.where(alone.index_select(0, flat) >= 0, alone.index_select(0, flat),
+                          (token + offset) % used.index_select(0, flat))          # [N]
     return log2phy[flat, replica]
+
+
+def replicas_used(estimate: torch.Tensor, logcnt: torch.Tensor, breakeven: torch.Tensor, step: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The break-even rule per logical expert (the torch reference of the route kernel's).
+
+    estimate: LongTensor [E], the step's estimated pairs of each expert; logcnt [E]; breakeven
+    [E] (b, an integer count; <= 0: no threshold); step: the step number.
+    returns   (used [E]: replicas the expert's pairs spread over, >= 1; alone [E]: the one
+              replica every router takes, step mod logcnt, where estimate <= b with b > 0;
+              -1 elsewhere).
+    """
+    b = breakeven.to(torch.long)
+    on = b > 0
+    wide = torch.minimum(logcnt, (estimate + b - 1) // b.clamp(min=1)).clamp(min=1)
+    used = torch.where(on, wide, logcnt)
+    alone = torch.where(on & (estimate <= b), step % logcnt.clamp(min=1), torch.full_like(logcnt, -1))
+    return used, alone
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,9 @@ class NvlinkExchange:
         def body():
             if self.router is not None:
                 slots, hist = kernels.route(args, maps.log2phy[moe_layer], maps.logcnt[moe_layer],
-                                            self.topo.num_slots, single, self.top_k, self.pair_capacity)
+                                            self.topo.num_slots, single, self.top_k, self.pair_capacity,
+                                            maps.route_breakeven(moe_layer, always=self.graphs), self.router,
+                                            self.topo.num_routers)
                 prefix = torch.empty_like(hist)
                 kernels.publish(args, hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
             self._barrier()
