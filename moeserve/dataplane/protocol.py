@@ -1,9 +1,12 @@
 """Messages of the step protocol (docs/dataplane.md): the header every rank receives at the
 start of a step, and what each rank sends back to the leader at its end.
 
-They travel pickled on the gloo control group; all are frozen dataclasses of plain Python
-values and numpy arrays (never torch tensors on a device), so a header means the same on every
-rank whatever its device.
+They travel pickled on the gloo control group; all are immutable values of plain Python values
+and numpy arrays (never torch tensors on a device), so a header means the same on every rank
+whatever its device. The per-sequence and per-router work are named tuples, which pickle as
+plain tuples: a decode step's header carries one per running sequence, and a frozen
+dataclass (pickled with its field names and state dict) cost 2-3x as much to pickle and
+unpickle.
 
 Dimension letters: L MoE layers, E logical experts, P physical slots per MoE layer, W workers,
 V vocabulary.
@@ -11,14 +14,14 @@ V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from moeserve.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
-class SeqWork:
+class SeqWork(NamedTuple):
     """One sequence's share of a step on its router.
 
     token_ids: the new tokens of this step (a prompt or a chunk of it, a recomputed prompt plus
@@ -42,8 +45,7 @@ class SeqWork:
     out_pos: int = 0
 
 
-@dataclass(frozen=True)
-class RouterWork:
+class RouterWork(NamedTuple):
     """What one router does in a step: run ``seqs`` and then forget ``release`` (finished or
     cancelled sequences whose KV cache and sampler can go)."""
 

@@ -163,6 +163,9 @@ class Scheduler:
     def _reserve(self, r: int, seq: Sequence, take: int) -> bool:
         """Give ``seq`` the blocks for ``take`` more tokens, preempting the newest running
         sequences of router r while none are free; False when ``seq`` itself was preempted."""
+        if seq.cached + take <= len(seq.blocks) * self.block_size:      # most decode steps: room left
+            seq.new_blocks = []
+            return True
         alloc = self._blocks[r]
         need = blocks_for(seq.cached + take, self.block_size) - len(seq.blocks)
         while need > alloc.num_free:
@@ -176,12 +179,13 @@ class Scheduler:
 
     def _work(self, seq: Sequence, take: int) -> SeqWork:
         start = seq.cached
-        last = start + take == len(seq.known)
+        known = seq.known
+        last = start + take == len(known)
         logits = seq.req.return_logits
-        return SeqWork(seq.seq_id, tuple(seq.known[start:start + take]), start,
-                       sampling=seq.req.sampling if start == 0 else None,
-                       return_logits=logits if start == 0 or logits == "all" else logits and "last",
-                       new_blocks=tuple(seq.new_blocks), sample=last, out_pos=seq.num_output)
+        return SeqWork(seq.seq_id, tuple(known[start:start + take]), start,
+                       seq.req.sampling if start == 0 else None,
+                       logits if start == 0 or logits == "all" else logits and "last",
+                       tuple(seq.new_blocks), last, len(known) - len(seq.req.prompt_ids))
 
     def _preempt(self, r: int, seq: Sequence) -> None:
         self._blocks[r].free(seq.blocks)

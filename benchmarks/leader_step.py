@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""The leader's host work per decode step, without ranks: schedule, the header's pickle round
+trip, and consuming the results, for 512 running sequences over 2 routers (256 each).
+
+    python benchmarks/leader_step.py
+
+Prints one line (ms per step, mean of 100 steps after 10). This host work sits between two
+GPU steps in the synchronous step protocol, so every millisecond of it is a millisecond of
+decode step time (docs/dataplane.md, "Steps").
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import pickle
+import time
+
+import numpy as np
+from moeserve.config import ClusterConfig, EplbConfig, Limits
+from moeserve.dataplane.protocol import RankResult
+from moeserve.placement import Placement
+from moeserve.router.engine.api import GenerateRequest, ModelShape
+from moeserve.router.engine.leader import Engine
+L, E, W = 8, 16, 2
+cfg = ClusterConfig(model_dir="unused", routers=2, workers=W, colocated=True, eplb=EplbConfig(enable_eplb=True, num_redundant_experts=0),
+                    limits=Limits(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, max_waiting=100000))
+shape = ModelShape(L, E, 1, 200000, (2,), 16, tuple(range(L)), L)
+eng = Engine(cfg, shape, Placement(np.tile(np.arange(E), (L, 1)), E, W, version=1))
+eng.scheduler.set_capacity([40000, 40000])
+events = []
+for i in range(512):
+    eng.submit(GenerateRequest(tuple(range(5, 133)), 256, ignore_eos=True), events.append)
+t_sched = t_res = t_pick = 0.0; n = 0
+while True:
+    t0 = time.perf_counter(); h = eng.next_header(); t1 = time.perf_counter()
+    if not h.forward: break
+    d = pickle.dumps(h); pickle.loads(d); t2 = time.perf_counter()
+    res = [RankResult(r) for r in range(2)]
+    for r in range(2):
+        res[r].tokens = {sw.seq_id: 7 for sw in h.work[r].seqs if sw.sample}
+        res[r].logical_load = np.zeros((L, E), np.int64); res[r].worker_load = np.zeros((L, W), np.int64)
+    res = [pickle.loads(pickle.dumps(x)) for x in res]
+    t3 = time.perf_counter(); eng.on_results(h, res); t4 = time.perf_counter()
+    n += 1
+    if n > 10: t_sched += t1 - t0; t_pick += t2 - t1; t_res += t4 - t3
+    if n == 110: break
+k = n - 10
+print(f"per step, 512 seqs over 2 routers: schedule {1e3*t_sched/k:.2f} ms, header pickle+unpickle {1e3*t_pick/k:.2f} ms, on_results {1e3*t_res/k:.2f} ms, header bytes {len(d)}")
