@@ -10,6 +10,14 @@ A rebalance (from the loop or a Rebalance call) plans with the placement policy
 (:func:`moeserve.balancer.policy.make_policy`) on the window's load, starting from the
 placement in force, predicts what it buys (:func:`moeserve.balancer.policy.evaluate`), applies
 it through ApplyPlacement with ``expected_version`` and follows the migration to its end.
+
+With a step model (``LoopConfig.step_model``, ``--eplb-step-model``; docs/eplb.md) the policy
+picks plans by predicted step time, the trigger compares the *step efficiency* of the placement
+in force with the threshold and a plan pays by its relative predicted step-time gain
+(:mod:`moeserve.balancer.controller`); every plan goes out with the break-even counts
+``cost.breakeven(step_model, L, E)`` of the data plane's replica rule, and when a plan does not
+pay but those counts differ from the ones in force, they are applied alone (no weight moves).
+Status and metrics show the predicted step time and the step efficiency beside balancedness.
 Only one runs at a time: a Rebalance while one runs (or while any migration runs) answers
 ABORTED. The policy runs in a worker thread, so the service stays responsive meanwhile.
 
@@ -31,8 +39,9 @@ import time
 import grpc
 import numpy as np
 
-from moeserve.balancer.controller import LoopConfig, pays, trigger
+from moeserve.balancer.controller import LoopConfig, pays, step_efficiency, step_gain, trigger
 from moeserve.balancer.policy import evaluate, make_policy
+from moeserve.balancer.policy.cost import breakeven, step_time
 from moeserve.client import AsyncClient, MoeserveError
 from moeserve.placement import MigrationState
 from moeserve.rpc import balancer_pb2, balancer_pb2_grpc
@@ -66,6 +75,8 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         self.last_error = ""
         self.admin_reachable = False
         self.balancedness = 0.0
+        self.predicted_step_s = 0.0                   # with a step model, of the placement in force, last seen
+        self.step_efficiency = 0.0
         self.placement_version = 0
         self.iterations = 0
         self._planned_at: int | None = None           # total_steps when this process last planned
@@ -139,7 +150,17 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         rep = await self._admin(self.admin.expert_load(self.config.window_steps))
         self.balancedness, self.placement_version = rep.predicted.mean, rep.placement_version
         since_plan = None if self._planned_at is None else rep.total_steps - self._planned_at
-        why = trigger(self.config, rep.steps, rep.steps_since_placement_change, since_plan, rep.predicted.mean)
+        efficiency = None
+        model = self.config.step_model
+        if model is not None and rep.steps > 0:
+            placement = await self._admin(self.admin.placement())
+            load = rep.load.astype(np.float64)
+            if placement.phy2log.shape[0] == load.shape[0]:
+                efficiency = step_efficiency(self.config, load, placement.phy2log, placement.num_workers, rep.steps)
+                self.step_efficiency = float(efficiency)
+                self.predicted_step_s = step_time(model, load, placement.phy2log, placement.num_workers, rep.steps)
+        why = trigger(self.config, rep.steps, rep.steps_since_placement_change, since_plan, rep.predicted.mean,
+                      step_efficiency=efficiency)
         if why is not None:
             await self.rebalance(why, dry_run=False, wait=True)
 
@@ -216,16 +237,36 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             balancedness_after=placement_balancedness(load, plan, workers), slots_moved=report.slots_moved,
             slots_moved_across_workers=report.slots_moved_across_workers, bytes_moved=report.bytes_moved,
             base_version=placement.version)
+        model = self.config.step_model
+        b = timed = None
+        if model is not None:
+            b = breakeven(model, cur.shape[0], placement.num_logical)
+            resp.breakeven.CopyFrom(int64_matrix(b))
+            timed = step_gain(self.config, load, cur, plan, workers, int(rep.steps))
+            if timed is not None:
+                resp.predicted_step_s_before, resp.predicted_step_s_after = timed.before_s, timed.after_s
         if dry_run:
             resp.note = "dry run: nothing applied"
             return resp
         ok, note = pays(self.config, report.gain, report.slots_moved, report.slots_moved_across_workers,
-                        cur.size, requested=why == "request")
+                        cur.size, requested=why == "request", step_gain=None if timed is None else timed.gain)
+        target = plan
         if not ok:
-            resp.note = note
-            log.info("rebalance (%s) not applied: %s", why, note)
-            return resp
-        applied = await self._admin(self.admin.apply_placement(plan, expected_version=placement.version))
+            if b is None or np.array_equal(b, placement.breakeven):
+                resp.note = note
+                log.info("rebalance (%s) not applied: %s", why, note)
+                return resp
+            # the plan does not pay, but the step model's break-even counts differ from those in
+            # force: apply them alone (no weight moves)
+            target = cur
+            resp.note = f"{note}; the step model's break-even counts were applied alone"
+            resp.phy2log.CopyFrom(int64_matrix(cur))
+            resp.balancedness_after.CopyFrom(resp.balancedness_before)
+            resp.slots_moved = resp.slots_moved_across_workers = resp.bytes_moved = 0
+            if timed is not None:
+                resp.predicted_step_s_after = timed.before_s
+        applied = await self._admin(self.admin.apply_placement(target, expected_version=placement.version,
+                                                               breakeven=b))
         self.rebalances += 1
         self.last_trigger, self.last_migration_id = why, applied.migration_id
         log.info("rebalance (%s): migration %s, %d slots (%d across workers), balancedness %.4f -> %.4f",
@@ -287,7 +328,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             paused=self.paused, state=self.state, rebalances=self.rebalances, last_trigger=self.last_trigger,
             last_migration_id=self.last_migration_id, last_error=self.last_error,
             admin_reachable=self.admin_reachable, balancedness=self.balancedness,
-            placement_version=self.placement_version, loop_iterations=self.iterations)
+            placement_version=self.placement_version, loop_iterations=self.iterations,
+            step_model="" if c.step_model is None else f"{c.step_model.gpu} / {c.step_model.shape}",
+            predicted_step_s=self.predicted_step_s, step_efficiency=self.step_efficiency)
 
     async def _store(self, context, **changes) -> balancer_pb2.BalancerStatus:
         """Merge ``changes`` into the settings kept on the leader, then apply them here."""
@@ -348,7 +391,12 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
     if process_metrics is not None:
         from moeserve.metrics import BalancerMetrics
         service.metrics = BalancerMetrics(process_metrics.registry, paused=lambda: service.paused,
-                                          admin_reachable=lambda: service.admin_reachable)
+                                          admin_reachable=lambda: service.admin_reachable,
+                                          balancedness=lambda: service.balancedness,
+                                          predicted_step_s=(lambda: service.predicted_step_s)
+                                          if config.step_model is not None else None,
+                                          step_efficiency=(lambda: service.step_efficiency)
+                                          if config.step_model is not None else None)
         from moeserve.services.metrics import grpc_interceptor
         options = dataclasses.replace(options, interceptors=(*options.interceptors,
                                                              grpc_interceptor(process_metrics, BALANCER)))

@@ -6,6 +6,7 @@ agree on it. Validation happens here, before any process starts.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -127,11 +128,33 @@ class RankRole:
         return "router" if self.router_index >= 0 else "worker"
 
 
+BREAKEVEN_ENV = "MOESERVE_EPLB_BREAKEVEN"
+
+
+def default_breakeven() -> int:
+    """The break-even count b (one integer for every MoE layer and expert) of a cluster's start
+    placement when that placement carries none (``ClusterConfig.breakeven`` None: no b in the
+    --state-dir or --init-expert-location placement, none given to LocalCluster):
+    ``MOESERVE_EPLB_BREAKEVEN`` when set in the ranks' environment, else 0 (every replica
+    always used). Every later placement (ApplyPlacement, the balancer) carries its own b."""
+    raw = os.environ.get(BREAKEVEN_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{BREAKEVEN_ENV} must be an integer count of tokens (0 = off), got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{BREAKEVEN_ENV} must be >= 0 (0 = off), got {value}")
+    return value
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Everything every rank must agree on.
 
     phy2log: the initial placement [L][P] (None: slot p holds logical expert p mod E).
+    breakeven: the initial placement's break-even counts [L][E] (None: ``default_breakeven()``).
     migration_bytes_per_step: byte budget of weight moves per destination worker per step.
     max_staging_bytes: a worker refuses a migration whose staging would exceed this (the
     migration fails and rolls back, serving goes on).
@@ -167,6 +190,7 @@ class ClusterConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     workers_per_node: int = 0                   # 0: all workers on one node
     phy2log: tuple | None = None
+    breakeven: tuple | None = None
     migration_bytes_per_step: int = 512 << 20
     max_staging_bytes: int = 0                  # 0: staging limited only by the device's memory
     heartbeat_s: float = 0.1
@@ -228,6 +252,8 @@ class ClusterConfig:
         d["cache"] = CacheConfig(**d.get("cache", {}))
         if d.get("phy2log") is not None:
             d["phy2log"] = tuple(tuple(r) for r in d["phy2log"])
+        if d.get("breakeven") is not None:
+            d["breakeven"] = tuple(tuple(r) for r in d["breakeven"])
         d["metrics_peers"] = tuple((str(n), int(p)) for n, p in d.get("metrics_peers", ()))
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})

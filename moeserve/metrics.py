@@ -283,10 +283,12 @@ class RequestRecord:
 # -- the balancer -----------------------------------------------------------------------------
 
 class BalancerMetrics:
-    """Rebalances by result and their duration. ``paused`` and ``admin_reachable``: callables
-    read at scrape time."""
+    """Rebalances by result and their duration. ``paused``, ``admin_reachable`` and (each
+    optional, no series without it) ``balancedness``, ``predicted_step_s``, ``step_efficiency``:
+    callables read at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, paused=lambda: False, admin_reachable=lambda: True):
+    def __init__(self, registry: CollectorRegistry, paused=lambda: False, admin_reachable=lambda: True,
+                 balancedness=None, predicted_step_s=None, step_efficiency=None):
         self.rebalances = Counter("moeserve_rebalances", "Rebalances by result: done (applied, migration "
                                   "finished), skipped (the plan did not pay), failed, dry_run.", ("result",),
                                   registry=registry)
@@ -299,6 +301,20 @@ class BalancerMetrics:
         g.set_function(lambda: float(bool(paused())))
         g = Gauge("moeserve_balancer_admin_reachable", "1 when the last admin call answered.", registry=registry)
         g.set_function(lambda: float(bool(admin_reachable())))
+        if balancedness is not None:
+            g = Gauge("moeserve_balancer_balancedness", "Predicted balancedness (mean over MoE layers) of the "
+                      "placement in force on the load window, as the balancer last saw it.", registry=registry)
+            g.set_function(lambda: float(balancedness()))
+        if predicted_step_s is not None:
+            g = Gauge("moeserve_balancer_predicted_step_seconds", "With a step model (--eplb-step-model): the "
+                      "predicted MoE seconds of a step (sum over MoE layers of the slowest worker's) of the "
+                      "placement in force on the load window, as the balancer last saw it.", registry=registry)
+            g.set_function(lambda: float(predicted_step_s()))
+        if step_efficiency is not None:
+            g = Gauge("moeserve_balancer_step_efficiency", "With a step model: the mean worker's predicted MoE "
+                      "time over the slowest worker's, summed over layers, in (0, 1] (the step-time analogue of "
+                      "balancedness; the threshold trigger compares it).", registry=registry)
+            g.set_function(lambda: float(step_efficiency()))
 
     def record(self, result: str, seconds: float) -> None:
         if result not in REBALANCE_RESULTS:

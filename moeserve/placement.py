@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Placement", "Move", "MigrationState", "MigrationProgress", "balancedness", "log2phy", "model_balancedness", "worker_load", "logical_counts",
+__all__ = ["Placement", "check_breakeven", "Move", "MigrationState", "MigrationProgress", "balancedness", "log2phy", "model_balancedness", "worker_load", "logical_counts",
            "load_from_sglang", "FORMAT"]
 
 FORMAT = "moeserve.placement/1"
@@ -165,6 +165,27 @@ class Move:
         return self.src_worker == self.dst_worker
 
 
+def check_breakeven(breakeven, num_layers: int, num_logical: int) -> np.ndarray:
+    """The break-even counts b of a placement as int64 ``[L, E]`` (None: zeros, every replica
+    always used); ValueError naming the shape expected when ``breakeven`` has another shape, or
+    holds a negative or non-integer count."""
+    if breakeven is None:
+        return np.zeros((num_layers, num_logical), dtype=np.int64)
+    b = np.asarray(breakeven)
+    if b.shape != (num_layers, num_logical):
+        raise ValueError(f"breakeven must have shape (L, E) = ({num_layers}, {num_logical}) (one break-even count "
+                         f"per MoE layer and logical expert), got shape {b.shape}")
+    if b.size and not np.issubdtype(b.dtype, np.integer):
+        if not np.issubdtype(b.dtype, np.number) or not np.isfinite(b).all() or not np.all(np.mod(b, 1) == 0):
+            raise ValueError(f"breakeven must hold integer counts of tokens, got dtype {b.dtype}")
+    b = b.astype(np.int64, copy=True)
+    if (b < 0).any():
+        l, x = map(int, np.argwhere(b < 0)[0])
+        raise ValueError(f"breakeven counts must be >= 0 (0 = every replica always used); layer {l} expert {x} "
+                         f"has {int(b[l, x])}")
+    return b
+
+
 def _as_int_matrix(a: Any, what: str) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != 2:
@@ -186,6 +207,8 @@ class Placement:
     version: the placement's version; layer_versions [L]: the version each layer was last
     committed at. The data plane commits a migration layer by layer, so while one runs the
     committed layers carry the target version, ahead of ``version``.
+    breakeven: [L, E] int64, the break-even counts b of the data plane's replica rule
+    (docs/eplb.md; 0, the default: every replica always used); None means zeros.
     Arrays are copied and made read-only.
     """
 
@@ -195,6 +218,7 @@ class Placement:
     workers_per_node: int | None = None
     version: int = 0
     layer_versions: np.ndarray | None = field(default=None)
+    breakeven: np.ndarray | None = field(default=None)
 
     def __post_init__(self):
         p2l = _as_int_matrix(self.phy2log, "phy2log").copy()
@@ -229,8 +253,11 @@ class Placement:
             raise ValueError(f"layer_versions must have shape ({layers},), got {lv.shape}")
         if (lv < 0).any():
             raise ValueError(f"layer_versions must be non-negative, got {lv.min()}")
+        b = check_breakeven(self.breakeven, layers, e)
         p2l.setflags(write=False)
         lv.setflags(write=False)
+        b.setflags(write=False)
+        object.__setattr__(self, "breakeven", b)
         object.__setattr__(self, "phy2log", p2l)
         object.__setattr__(self, "workers_per_node", int(wpn))
         object.__setattr__(self, "layer_versions", lv)
@@ -241,7 +268,8 @@ class Placement:
         return ((self.num_logical, self.num_workers, self.workers_per_node, self.version)
                 == (other.num_logical, other.num_workers, other.workers_per_node, other.version)
                 and np.array_equal(self.phy2log, other.phy2log)
-                and np.array_equal(self.layer_versions, other.layer_versions))
+                and np.array_equal(self.layer_versions, other.layer_versions)
+                and np.array_equal(self.breakeven, other.breakeven))
 
     __hash__ = None  # mutable-looking arrays inside: not hashable
 
@@ -303,13 +331,14 @@ class Placement:
 
     # ---- changes ---------------------------------------------------------------------------
     def evolve(self, *, phy2log: np.ndarray | None = None, version: int | None = None,
-               layer_versions: np.ndarray | None = None) -> "Placement":
+               layer_versions: np.ndarray | None = None, breakeven: np.ndarray | None = None) -> "Placement":
         """This placement with some fields replaced, *without* validating again: for the engine,
         whose new maps come row by row from a placement it validated already (a migration's
         target), so a per-layer commit costs no second validation."""
         new = object.__new__(Placement)
         for name, value in (("phy2log", self.phy2log if phy2log is None else phy2log),
-                            ("layer_versions", self.layer_versions if layer_versions is None else layer_versions)):
+                            ("layer_versions", self.layer_versions if layer_versions is None else layer_versions),
+                            ("breakeven", self.breakeven if breakeven is None else breakeven)):
             arr = np.array(value, dtype=np.int64)
             arr.setflags(write=False)
             object.__setattr__(new, name, arr)
@@ -318,10 +347,12 @@ class Placement:
         object.__setattr__(new, "version", self.version if version is None else int(version))
         return new
 
-    def replace(self, phy2log: np.ndarray, version: int | None = None) -> "Placement":
-        """A placement with the same shape and topology, new maps and (by default) version + 1."""
+    def replace(self, phy2log: np.ndarray, version: int | None = None, breakeven=None) -> "Placement":
+        """A placement with the same shape and topology, new maps and (by default) version + 1;
+        ``breakeven`` None keeps this placement's break-even counts."""
         v = self.version + 1 if version is None else version
-        return Placement(phy2log, self.num_logical, self.num_workers, self.workers_per_node, v)
+        b = self.breakeven if breakeven is None else breakeven
+        return Placement(phy2log, self.num_logical, self.num_workers, self.workers_per_node, v, breakeven=b)
 
     def diff(self, new: "Placement", expert_bytes: int) -> list[Move]:
         """The moves that turn this placement into ``new``: one per slot whose logical expert changes.
@@ -373,7 +404,8 @@ class Placement:
         return json.dumps({
             "format": FORMAT, "num_logical": self.num_logical, "num_workers": self.num_workers,
             "workers_per_node": self.workers_per_node, "version": self.version,
-            "layer_versions": self.layer_versions.tolist(), "phy2log": self.phy2log.tolist()})
+            "layer_versions": self.layer_versions.tolist(), "phy2log": self.phy2log.tolist(),
+            "breakeven": self.breakeven.tolist()})
 
     @classmethod
     def from_json(cls, text: str) -> "Placement":
@@ -387,7 +419,7 @@ class Placement:
         if missing:
             raise ValueError(f"placement JSON lacks {sorted(missing)}")
         return cls(np.asarray(d["phy2log"], dtype=np.int64), int(d["num_logical"]), int(d["num_workers"]),
-                   d.get("workers_per_node"), int(d.get("version", 0)), d.get("layer_versions"))
+                   d.get("workers_per_node"), int(d.get("version", 0)), d.get("layer_versions"), d.get("breakeven"))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

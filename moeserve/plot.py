@@ -9,7 +9,9 @@ One column per load dump (two dumps: before and after a rebalance, side by side)
 - bottom, when the dump carries the placement: the load of every physical slot, the expert's
   load split evenly over its replicas (the rule the data plane follows), slots grouped by
   worker, each cell labelled with the logical expert it holds, and each layer's balancedness
-  (mean worker load / max worker load) at the right.
+  (mean worker load / max worker load) at the right. Replicas that stayed idle over the window
+  (their expert got no pair, so no copy of it was read: a slot spent on nothing) are hatched
+  and labelled "idle" (:func:`idle_slots`).
 
 A dump is the JSON ``moeserve load --dump`` writes (``format`` ``moeserve.load/1``): it
 plots ``window_load`` (or ``total_load`` when the window is empty) and ``placement.phy2log``.
@@ -63,6 +65,16 @@ class LoadPicture:
             raise ValueError(f"{path}: placement shape {phy2log.shape} does not match the load's {load.shape}")
         return cls(title or d.get("title") or Path(path).stem, load, phy2log,
                    int(p["num_workers"]) if p else 0, steps or int(d.get("total_steps") or 0))
+
+
+def idle_slots(load: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
+    """bool [L, P]: the slots that stayed idle over the window, i.e. whose logical expert got
+    no (token, k) pair in ``load [L, E]`` (a slot receives pairs of its own expert only, so this
+    is exact; a replica of an expert that got pairs may still have been idle in many single
+    steps, which window sums cannot tell)."""
+    load = np.asarray(load)
+    phy2log = np.asarray(phy2log, dtype=np.int64)
+    return load[np.arange(load.shape[0])[:, None], phy2log] <= 0
 
 
 def _pyplot():
@@ -132,18 +144,30 @@ def _slot_panel(ax, pic: LoadPicture, vmax: float) -> None:
     per_slot = share[rows, pic.phy2log] / cnt[rows, pic.phy2log]                     # [L, P] even split
     bal = balancedness(pic.load, pic.phy2log, w)                                     # [L]
     ax.imshow(per_slot, aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
+    idle = idle_slots(pic.load, pic.phy2log)                                          # [L, P]
+    for i, j in zip(*np.nonzero(idle)):
+        ax.add_patch(_patch(j, i))
     s = slots // w
     for k in range(1, w):
         ax.axvline(k * s - 0.5, color="white", linewidth=3)
     ax.set_xticks([k * s + (s - 1) / 2 for k in range(w)], [f"worker {k}" for k in range(w)])
     ax.set_yticks(range(layers), [f"{i}  ({b:.2f})" for i, b in enumerate(bal)])
     ax.set_ylabel("MoE layer  (balancedness)")
+    n_idle = int(idle.sum())
     ax.set_title(f"load per physical slot (an expert's load split evenly over its replicas)\n"
-                 f"mean balancedness {bal.mean():.3f}", fontsize=10)
+                 f"mean balancedness {bal.mean():.3f}"
+                 + (f"; {n_idle} replica{'s' if n_idle != 1 else ''} idle (hatched: no pair in the window)"
+                    if n_idle else ""), fontsize=10)
     if layers * slots <= ANNOTATE_MAX_CELLS:
         for i in range(layers):
             for j in range(slots):
-                _label(ax, j, i, f"e{pic.phy2log[i, j]}", per_slot[i, j] / vmax)
+                _label(ax, j, i, f"e{pic.phy2log[i, j]}" + ("\nidle" if idle[i, j] else ""), per_slot[i, j] / vmax)
+
+
+def _patch(x: int, y: int):
+    """A hatched box over the cell (x, y): an idle replica."""
+    from matplotlib.patches import Rectangle
+    return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="xx", edgecolor="red", linewidth=0.8)
 
 
 def _ticks(ax, n_x: int, n_y: int) -> None:

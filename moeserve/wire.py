@@ -85,13 +85,24 @@ def balancedness_from_msg(m: common_pb2.Balancedness) -> Balancedness:
 def placement_msg(p: Placement) -> admin_pb2.Placement:
     return admin_pb2.Placement(phy2log=int64_matrix(p.phy2log), version=int(p.version),
                                layer_versions=p.layer_versions.tolist(), num_logical_experts=p.num_logical,
-                               num_workers=p.num_workers, workers_per_node=p.workers_per_node)
+                               num_workers=p.num_workers, workers_per_node=p.workers_per_node,
+                               breakeven=int64_matrix(p.breakeven))
+
+
+def breakeven_from_msg(m, field: str = "breakeven") -> np.ndarray | None:
+    """The ``breakeven`` [L, E] matrix of a message (Placement, ApplyPlacementRequest), or None
+    when it is unset; ValueError when its values do not fill its shape."""
+    if not m.HasField(field):
+        return None
+    return from_int64_matrix(getattr(m, field), "breakeven")
 
 
 def placement_from_msg(m: admin_pb2.Placement) -> Placement:
-    """ValueError when the message is not a valid placement (Placement checks it whole)."""
+    """ValueError when the message is not a valid placement (Placement checks it whole; an
+    unset breakeven is all zeros)."""
     return Placement(from_int64_matrix(m.phy2log, "phy2log"), m.num_logical_experts, m.num_workers,
-                     m.workers_per_node, m.version, np.asarray(m.layer_versions, dtype=np.int64))
+                     m.workers_per_node, m.version, np.asarray(m.layer_versions, dtype=np.int64),
+                     breakeven_from_msg(m))
 
 
 # -- migrations ---------------------------------------------------------------------------------
@@ -115,4 +126,4 @@ def migration_from_msg(m: common_pb2.MigrationProgress) -> MigrationProgress:
 
 __all__ = ["SERVER_METADATA_KEY", "FINISH_REASONS", "FINISH_NAMES", "int64_matrix", "from_int64_matrix",
            "Balancedness", "worker_balancedness_msg", "placement_balancedness", "balancedness_from_msg",
-           "placement_msg", "placement_from_msg", "migration_msg", "migration_from_msg"]
+           "placement_msg", "placement_from_msg", "breakeven_from_msg", "migration_msg", "migration_from_msg"]

@@ -13,7 +13,6 @@ does not depend on where the experts sit.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,23 +23,8 @@ from moeserve.placement import log2phy
 from moeserve.models.moe import RoutingResult, combine_pairs
 
 
-BREAKEVEN_ENV = "MOESERVE_EPLB_BREAKEVEN"
-
-
-def default_breakeven() -> int:
-    """The break-even count a router uses where none was given: ``MOESERVE_EPLB_BREAKEVEN`` (one
-    integer for every MoE layer and expert) when set, else 0 (every replica always used).
-    An interim knob until b travels with the placement (docs/eplb.md)."""
-    raw = os.environ.get(BREAKEVEN_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{BREAKEVEN_ENV} must be an integer count of tokens (0 = off), got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{BREAKEVEN_ENV} must be >= 0 (0 = off), got {value}")
-    return value
+# The environment knob lives in moeserve.config (the default b of a start placement that carries none).
+from moeserve.config import BREAKEVEN_ENV, default_breakeven  # noqa: E402,F401  (re-exported)
 
 
 class RouterMaps:
@@ -53,8 +37,10 @@ class RouterMaps:
     two rows of one allocation, so whatever keeps ``logcnt`` alive (a captured graph) keeps
     ``breakeven`` alive at a fixed address too.
 
-    breakeven: b for every layer: None (the default: ``default_breakeven()``), an integer, or
-    an array [L, E] (floats are floored: the rule compares integer counts).
+    breakeven: b for every layer: None (the default: 0, every replica always used), an integer,
+    or an array [L, E] (floats are floored: the rule compares integer counts). A cluster passes
+    its placement's ``Placement.breakeven`` at start and on recovery, and each layer's commit
+    carries its row.
     """
 
     def __init__(self, phy2log: np.ndarray, num_logical: int, max_replicas: int, device: torch.device | str = "cpu",
@@ -66,7 +52,7 @@ class RouterMaps:
         self.phy2log = phy2log.copy()                                    # [L, P] host copy
         self.single = [False] * layers                                   # no logical expert has 2 replicas
         self.thresholded = [False] * layers                              # some expert of the layer has b > 0
-        self.default_breakeven = default_breakeven()
+        self.default_breakeven = 0
         self.log2phy = torch.full((layers, num_logical, max_replicas), -1, dtype=torch.long, device=device)
         self._tables = torch.zeros(2, layers, num_logical, dtype=torch.long, device=device)
         self.logcnt = self._tables[0]                                    # [L, E]
@@ -91,7 +77,7 @@ class RouterMaps:
     def set_layer(self, layer: int, phy2log_row, breakeven=None) -> None:
         """Install the map of one MoE layer from its phy2log row [P] (a row of a placement the
         leader validated: not checked again) and its break-even counts (a number or [E];
-        None: the maps' default, ``default_breakeven()``, 0 unless set)."""
+        None: the maps' default, 0)."""
         row = np.asarray(phy2log_row, dtype=np.int64)
         table = log2phy(row[None, :], self.num_logical, self.max_replicas)[0]          # [E, X]
         counts = (table >= 0).sum(1)                                                   # [E]

@@ -3,6 +3,7 @@ choice, on the torch path (choose_slots: the collective exchange and the referen
 direct exchange's route kernel (run by Triton's interpreter); the break-even count from the
 step model; the balancer's trigger and pay test on predicted step time; and a live migration on
 a gloo cluster with b set, which changes no token."""
+import dataclasses
 import os
 import threading
 import time
@@ -14,7 +15,8 @@ import torch
 from moeserve.balancer.controller import LoopConfig, StepGain, pays, step_efficiency, step_gain, trigger
 from moeserve.balancer.policy.cost import StepModel, breakeven, step_time
 from moeserve.dataplane.exchange import choose_slots, replicas_used
-from moeserve.router.dispatcher import BREAKEVEN_ENV, RouterMaps
+from moeserve.config import BREAKEVEN_ENV
+from moeserve.router.dispatcher import RouterMaps
 
 try:
     import triton  # noqa: F401
@@ -168,7 +170,7 @@ def test_router_maps_keep_b_beside_logcnt_and_a_commit_sets_it(monkeypatch):
     ptr = m.breakeven.data_ptr()
     m.set_layer(1, PHY2LOG, np.arange(6) * 2.7)       # floats are floored: integer counts
     assert m.breakeven[1].tolist() == [0, 2, 5, 8, 10, 13] and m.thresholded == [False, True]
-    m.set_layer(1, PHY2LOG)                           # a commit without b: the default, 0
+    m.set_layer(1, PHY2LOG)                           # without b: 0
     assert m.breakeven[1].tolist() == [0] * 6 and m.thresholded == [False, False]
     m.set_breakeven(np.full((2, 6), 3))
     assert m.breakeven.tolist() == [[3] * 6] * 2 and all(m.thresholded)
@@ -179,15 +181,25 @@ def test_router_maps_keep_b_beside_logcnt_and_a_commit_sets_it(monkeypatch):
         m.set_breakeven(-1)
 
 
-def test_the_interim_environment_knob_sets_the_default(monkeypatch):
+def test_the_environment_knob_is_only_the_start_placement_s_default(monkeypatch, tmp_path):
+    """MOESERVE_EPLB_BREAKEVEN sets b of a start placement that carries none; RouterMaps and
+    commits never read it (b travels with the placement)."""
+    from moeserve.cluster.rank import initial_placement
+    from moeserve.config import ClusterConfig, EplbConfig
     monkeypatch.setenv(BREAKEVEN_ENV, "5")
     m = RouterMaps(np.asarray([PHY2LOG]), 6, 4)
-    assert m.breakeven[0].tolist() == [5] * 6
-    m.set_layer(0, PHY2LOG)                           # a commit keeps the default
-    assert m.breakeven[0].tolist() == [5] * 6
+    assert m.breakeven[0].tolist() == [0] * 6
+    cfg = ClusterConfig(str(tmp_path), workers=2, eplb=EplbConfig(enable_eplb=True, num_redundant_experts=2))
+    p = initial_placement(cfg, 3, 6)
+    assert p.breakeven.shape == (3, 6) and (p.breakeven == 5).all()
+    given = np.arange(18).reshape(3, 6)
+    cfg = ClusterConfig(str(tmp_path), workers=2, eplb=EplbConfig(enable_eplb=True, num_redundant_experts=2),
+                        breakeven=tuple(tuple(int(x) for x in r) for r in given))
+    np.testing.assert_array_equal(initial_placement(cfg, 3, 6).breakeven, given)    # a placement's own b wins
+    assert ClusterConfig.from_json(cfg.to_json()) == cfg
     monkeypatch.setenv(BREAKEVEN_ENV, "many")
     with pytest.raises(ValueError, match=BREAKEVEN_ENV):
-        RouterMaps(np.asarray([PHY2LOG]), 6, 4)
+        initial_placement(dataclasses.replace(cfg, breakeven=None), 3, 6)
 
 
 # ---- b from the step model ----------------------------------------------------------------------

@@ -248,3 +248,69 @@ def test_init_model_files_are_readable_by_every_user(tmp_path):
         mode = stat.S_IMODE((out / name).stat().st_mode)
         assert mode == 0o644, (name, oct(mode))
     assert stat.S_IMODE(out.stat().st_mode) & 0o005 == 0o005, "others cannot list the folder"
+
+
+@pytest.mark.timeout(60)
+def test_vllm_ssl_flags_are_the_tls_files_of_every_server(tiny, tmp_path, capsys):
+    """--ssl-certfile / --ssl-keyfile (vLLM's names for HTTPS) are --tls-cert / --tls-key: one
+    certificate for the HTTP API and the gRPC services; giving half of it, or both spellings with
+    other files, is a usage error (exit 2)."""
+    from moeserve.cli import build_parser
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    for cmd in (["serve", str(tiny)], ["up", "--model", str(tiny)], ["frontend", "--http-port", "0"]):
+        args = build_parser().parse_args([*cmd, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
+        assert (args.tls_cert, args.tls_key) == (str(cert), str(key)), cmd
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", str(tiny), "--tls-cert", "a.pem", "--ssl-certfile", "b.pem"])
+    assert e.value.code == 2 and "--ssl-certfile b.pem disagrees with --tls-cert a.pem" in capsys.readouterr().err
+    assert main(["serve", str(tiny), "--ssl-certfile", str(cert)]) == 2
+    assert "HTTPS needs both --ssl-certfile and --ssl-keyfile" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", [["--tokenizer", "none"], ["--skip-tokenizer-init"]])
+def test_tokenizer_none_gives_the_front_end_no_tokenizer(tiny, flag, monkeypatch):
+    from moeserve.cli import up
+    from moeserve.services.admission import ModelTokenizer
+    seen = {}
+
+    def fake_run(args):
+        folder = Path(args.tokenizer_dir)
+        seen.update(folder=folder, files=sorted(p.name for p in folder.iterdir()), model=args.model,
+                    tokenizer=ModelTokenizer.load(folder))
+        return 0
+
+    monkeypatch.setattr(up, "run", fake_run)
+    assert main(["serve", str(tiny), *flag, "--port", "0"]) == 0
+    assert seen["files"] == [] and seen["tokenizer"] is None and seen["model"] == str(tiny)
+    assert ModelTokenizer.load(tiny) is not None, "the model folder has a tokenizer that was left out"
+    assert not seen["folder"].exists(), "the empty folder is removed when serve ends"
+
+
+def test_serve_with_vllm_ssl_flags_serves_https(tiny, hf_home, tmp_path):
+    """``moeserve serve MODEL --ssl-certfile C --ssl-keyfile K``: the HTTP API answers a client that
+    trusts the certificate; plain HTTP to that port gets no answer."""
+    import http.client
+    import json
+    import ssl
+
+    from test_http_api import _self_signed
+    cert, key = _self_signed(tmp_path)
+    s = Serve([str(tiny), "--ssl-certfile", cert, "--ssl-keyfile", key], offline_env(hf_home))
+    try:
+        assert f"https://127.0.0.1:{s.http}/v1" in s.output()
+        conn = http.client.HTTPSConnection("127.0.0.1", s.http, context=ssl.create_default_context(cafile=cert),
+                                           timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [5, 6, 7], "max_tokens": 3,
+                                                                 "temperature": 0, "ignore_eos": True,
+                                                                 "return_token_ids": True}),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        out = json.loads(r.read())
+        assert r.status == 200 and len(out["choices"][0]["token_ids"]) == 3
+        with pytest.raises((http.client.HTTPException, OSError)):
+            plain = http.client.HTTPConnection("127.0.0.1", s.http, timeout=10)
+            plain.request("GET", "/health")
+            plain.getresponse().read()
+    finally:
+        s.stop()

@@ -38,7 +38,7 @@ class Front:
     """The front end's production parts (Admission, HttpApi + HttpServer, the gRPC servicer
     with the API key) on one uvloop event loop in a thread."""
 
-    def __init__(self, engine, tokenizer, api_key=KEY, names=(MODEL,), max_model_len=MAX_MODEL_LEN):
+    def __init__(self, engine, tokenizer, api_key=KEY, names=(MODEL,), max_model_len=MAX_MODEL_LEN, tls=(None, None)):
         import uvloop
 
         from moeserve.metrics import FrontendMetrics, ProcessMetrics
@@ -52,14 +52,14 @@ class Front:
                                    AdmissionLimits(max_model_len=max_model_len))
         self.api = HttpApi(self.admission, list(names), "/models/tiny", api_key, self.pm.registry,
                            max_body_bytes=MAX_BODY)
-        self.http = HttpServer(self.api, "127.0.0.1", 0, grace_s=5)
+        self.http = HttpServer(self.api, "127.0.0.1", 0, grace_s=5, ssl_certfile=tls[0], ssl_keyfile=tls[1])
         self.grpc = make_server(None, None, ServerOptions(grace_s=1), admission=self.admission, api_key=api_key)
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.port = self.run(self.http.start())
         self.grpc_port = self.run(self.grpc.start())
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"{self.http.scheme}://127.0.0.1:{self.port}"
 
     def run(self, coro, timeout=60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -396,6 +396,123 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(served, family):
         np.testing.assert_allclose([x["logprob"] for x in e["top_logprobs"]], cwant[i, top], atol=1e-4, rtol=0)
 
 
+# -- return_token_ids, no tokenizer -----------------------------------------------------------
+
+def _sdk_ids(s, prompt_ids, n) -> list:
+    """The SDK's greedy tokens (gRPC, the same admission path) for a prompt of ids."""
+    from moeserve.client import Client
+    c = Client(f"127.0.0.1:{s.front.grpc_port}", token=KEY, timeout=60)
+    return list(c.generate(prompt_token_ids=list(prompt_ids), max_tokens=n, temperature=0.0,
+                           ignore_eos=True).token_ids)
+
+
+def _choice_ids(events, index=0) -> list:
+    return [t for e in events[:-1] for c in e["choices"] if c["index"] == index for t in c["token_ids"]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_return_token_ids_are_the_sdks_greedy_tokens_and_the_tokenizers_prompt_ids(served, family):
+    s = served(family)
+    port = s.front.port
+    ids = s.hf_tok(PROMPT).input_ids
+    want = _sdk_ids(s, ids, 12)
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    st, out, _ = post(port, C, base)
+    ch = out["choices"][0]
+    assert st == 200 and ch["prompt_token_ids"] == ids and ch["token_ids"] == want
+    assert ch["text"] == s.hf_tok.decode(want, skip_special_tokens=True)
+    # streamed: each choice's first chunk carries the prompt's ids, every chunk the ids it adds (one
+    # chunk per token, whether or not its text is held back), the last one none
+    events = sse(port, C, {**base, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in e["choices"][0] for e in chunks[1:])
+    assert _choice_ids(events) == want
+    assert [len(e["choices"][0]["token_ids"]) for e in chunks] == [1] * 12 + [0]
+    assert "".join(e["choices"][0]["text"] for e in chunks) == ch["text"]
+    assert events[-2]["usage"]["completion_tokens"] == 12
+    # a stop string: the ids end with the token that completed it, as usage counts them
+    text = ch["text"]
+    k = next(k for k in range(2, len(text) - 2) if text.find(text[k:k + 2]) == k and text[k:k + 2].strip())
+    st, out, _ = post(port, C, {**base, "stop": text[k:k + 2]})
+    ch = out["choices"][0]
+    assert ch["finish_reason"] == "stop" and ch["text"] == text[:k]
+    assert ch["token_ids"] == want[:out["usage"]["completion_tokens"]]
+    events = sse(port, C, {**base, "stop": text[k:k + 2], "stream": True})
+    assert _choice_ids(events) == ch["token_ids"]
+    # a batch of prompts with n: each choice carries its own prompt's ids
+    ids2 = [5, 6, 7, 8]
+    want2 = _sdk_ids(s, ids2, 12)
+    st, out, _ = post(port, C, {**base, "prompt": [PROMPT, ids2], "n": 2})
+    assert [c["prompt_token_ids"] for c in out["choices"]] == [ids, ids, ids2, ids2]
+    assert [c["token_ids"] for c in out["choices"]] == [want, want, want2, want2]
+    events = sse(port, C, {**base, "prompt": [PROMPT, ids2], "n": 2, "stream": True})
+    assert [_choice_ids(events, i) for i in range(4)] == [want, want, want2, want2]
+    # without it, no ids (the answer is as before)
+    st, out, _ = post(port, C, {**base, "return_token_ids": False})
+    assert "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out["choices"][0]
+    assert all("token_ids" not in c for e in sse(port, C, {**base, "return_token_ids": False, "stream": True})[:-1]
+               for c in e["choices"])
+    # the official client: vLLM's extension through extra_body
+    o = openai_client(s.front).completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert o.choices[0].token_ids == want and o.choices[0].prompt_token_ids == ids
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_return_token_ids_carry_the_rendered_prompt_and_the_generated_ids(served, family):
+    s = served(family)
+    port = s.front.port
+    text = s.hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    cids = s.hf_tok(text, add_special_tokens=False).input_ids
+    want = _sdk_ids(s, cids, 10)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    st, out, _ = post(port, CC, body)
+    assert st == 200 and out["prompt_token_ids"] == cids and out["choices"][0]["token_ids"] == want
+    assert out["choices"][0]["message"]["content"] == s.hf_tok.decode(want, skip_special_tokens=True)
+    events = sse(port, CC, {**body, "stream": True})
+    assert events[0]["prompt_token_ids"] == cids
+    assert all("prompt_token_ids" not in e for e in events[1:-1])
+    assert _choice_ids(events) == want
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]) == \
+        out["choices"][0]["message"]["content"]
+    o = openai_client(s.front).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert o.prompt_token_ids == cids and o.choices[0].token_ids == want
+
+
+def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
+    """A front end without a tokenizer (a model folder without tokenizer.json, --tokenizer none)
+    on the same cluster: prompts of ids stream one chunk per token, without text; with
+    return_token_ids the ids are the content."""
+    from moeserve.router.engine.channel import AsyncEngineClient
+    s = served("llama4")
+    front = Front(AsyncEngineClient(s.cluster.control_address, s.cluster.authkey), None)
+    try:
+        ids = s.hf_tok(PROMPT).input_ids
+        want = _sdk_ids(s, ids, 8)
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        events = sse(front.port, C, {**body, "stream": True})
+        assert events[-1] == "[DONE]" and len(events) == 8 + 2
+        assert all(e["choices"][0]["text"] == "" and "token_ids" not in e["choices"][0] for e in events[:-1])
+        assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * 8 + ["length"]
+        events = sse(front.port, C, {**body, "stream": True, "return_token_ids": True})
+        assert [e["choices"][0]["token_ids"] for e in events[:-1]] == [[t] for t in want] + [[]]
+        assert events[0]["choices"][0]["prompt_token_ids"] == ids
+        st, out, _ = post(front.port, C, {**body, "return_token_ids": True, "n": 2, "seed": 1})
+        assert st == 200 and [c["token_ids"] for c in out["choices"]] == [want, want]
+        assert [c["text"] for c in out["choices"]] == ["", ""] and out["usage"]["completion_tokens"] == 16
+        # text, chat and stop strings need the tokenizer: 400 saying so
+        for path, b in ((C, {**body, "prompt": PROMPT}), (CC, {"model": MODEL, "messages": MESSAGES}),
+                        (C, {**body, "stop": "x"})):
+            st, out, _ = post(front.port, path, b)
+            assert st == 400 and is_openai_error(out) and "tokenizer" in out["error"]["message"], out
+    finally:
+        front.stop()
+
+
 # -- routes, auth, gRPC with the key ----------------------------------------------------------
 
 def test_models_health_version_metrics_on_the_same_port(served):
@@ -473,6 +590,8 @@ BAD = [
     ("stop_token_ids of strings", C, {**OK, "stop_token_ids": ["a"]}, None, 400, "list of integers",
      "stop_token_ids"),
     ("too many stop ids", C, {**OK, "stop_token_ids": [3] * 300}, None, 400, "at most 256", "stop_token_ids"),
+    ("return_token_ids a string", C, {**OK, "return_token_ids": "yes"}, None, 400, "must be true or false",
+     "return_token_ids"),
     ("body over the limit", C, {**OK, "prompt": "a" * (MAX_BODY - 10)}, None, 413, "bytes", None),
     ("no API key", C, OK, {"key": None}, 401, "needs an API key", None),
     ("wrong API key", C, OK, {"key": "sk-wrong"}, 401, "wrong API key", None),
@@ -597,3 +716,94 @@ def test_a_client_that_disconnects_cancels_its_request(served, stream):
     while _cancelled_count(port) < before + 1:
         assert time.monotonic() < deadline, "the request was not recorded as cancelled"
         time.sleep(0.05)
+
+
+# -- HTTPS ------------------------------------------------------------------------------------
+
+def _self_signed(tmp_path):
+    """A self-signed certificate for 127.0.0.1 and localhost, made now: with ``cryptography`` (a
+    declared test dependency), else with the ``openssl`` command."""
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    try:
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        import os
+        import shutil
+        import subprocess
+        if shutil.which("openssl") is None:
+            why = "making a test certificate needs cryptography (a declared test dependency) or the openssl command"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(why)
+            pytest.skip(why)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key_path),
+                        "-out", str(cert_path), "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                       check=True, capture_output=True, timeout=60)
+        return str(cert_path), str(key_path)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+def _https(port, ctx, body, path=C):
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_https_serves_a_client_that_trusts_the_certificate_and_not_plain_http(tmp_path):
+    import ssl
+
+    from moeserve.services.http import HttpServer
+    cert, key = _self_signed(tmp_path)
+    front = Front(StandIn(), None, api_key=None, tls=(cert, key))
+    try:
+        assert front.base.startswith("https://")
+        trusting = ssl.create_default_context(cafile=cert)
+        ok = {"model": MODEL, "prompt": [5, 6], "max_tokens": 1, "return_token_ids": True}
+        st, raw = _https(front.port, trusting, ok)
+        out = json.loads(raw)
+        assert st == 200 and out["choices"][0]["token_ids"] == [5] and out["choices"][0]["prompt_token_ids"] == [5, 6]
+        st, raw = _https(front.port, trusting, {**ok, "stream": True})
+        assert st == 200 and raw.endswith(b"data: [DONE]\n\n") and b'"token_ids":[5]' in raw
+        # a client that does not trust the certificate refuses the server
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _https(front.port, ssl.create_default_context(), ok)
+        # plain HTTP to the HTTPS port gets no answer
+        with pytest.raises((http.client.HTTPException, OSError)):
+            request(front.port, "GET", "/health", key=None, timeout=10)
+        with pytest.raises((http.client.HTTPException, OSError)):
+            post(front.port, C, ok, key=None, timeout=10)
+        st, raw = _https(front.port, trusting, ok)                 # and it still serves
+        assert st == 200
+    finally:
+        front.stop()
+    # a certificate and key that do not load: one OSError naming them, before the port is bound
+    for files, fragment in (((key, key), "cannot serve HTTPS"), ((cert, str(tmp_path / "none.pem")), "not a file")):
+        server = HttpServer(front.api, "127.0.0.1", 0, ssl_certfile=files[0], ssl_keyfile=files[1])
+        with pytest.raises(OSError, match=fragment):
+            asyncio.run(server.start())
+    with pytest.raises(ValueError, match="both"):
+        HttpServer(front.api, ssl_certfile=cert)

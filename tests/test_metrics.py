@@ -327,7 +327,8 @@ def _every_group():
     pm = leader_registry(eng)
     M.RouterMetrics(pm.registry)
     M.FrontendMetrics(pm.registry)
-    M.BalancerMetrics(pm.registry)
+    M.BalancerMetrics(pm.registry, balancedness=lambda: 0.9, predicted_step_s=lambda: 0.01,
+                      step_efficiency=lambda: 0.8)          # the step-time series: with --eplb-step-model
     M.ReadinessMetrics(pm.registry)
     GM.grpc_interceptor(pm, GM.HEALTH)
     forward(eng, np.ones((LAYERS, EXPERTS), dtype=np.int64), np.ones((LAYERS, WORKERS), dtype=np.int64))

@@ -75,3 +75,20 @@ def test_without_matplotlib_the_message_says_how_to_install_it(tmp_path, monkeyp
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(PlotUnavailable, match=r"moeserve\[plot\]"):
         plot_load([LoadPicture("x", LOAD)], tmp_path / "x.png")
+
+
+def test_replicas_that_stayed_idle_are_marked(tmp_path, monkeypatch):
+    from moeserve import plot
+    load = LOAD.copy()
+    load[0, 1] = 0                                  # expert 1 of layer 0 got no pair: both its copies idle
+    load[1, 7] = 0
+    idle = plot.idle_slots(load, BEFORE)
+    assert idle.shape == BEFORE.shape
+    assert sorted(zip(*np.nonzero(idle))) == [(0, 1), (0, 9), (1, 7)]
+    assert not plot.idle_slots(LOAD, BEFORE).any()
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    marked = []
+    real = plot._patch
+    monkeypatch.setattr(plot, "_patch", lambda x, y: marked.append((y, x)) or real(x, y))
+    assert is_png(plot_load([LoadPicture("window", load, BEFORE, 2, 32)], tmp_path / "idle.png"))
+    assert sorted(marked) == [(0, 1), (0, 9), (1, 7)]

@@ -85,6 +85,15 @@ def start_placement(args, model_dir: str, workers: int, workers_per_node: int, n
     """(phy2log [L, P] or None, where it came from) for a cluster starting now: the placement
     saved in --state-dir, else --init-expert-location, else None (the default). UsageError
     naming the file when it cannot be read or does not fit the model and topology."""
+    p, where = start_placement_with_breakeven(args, model_dir, workers, workers_per_node, num_redundant_experts)
+    return (None if p is None else p[0]), where
+
+
+def start_placement_with_breakeven(args, model_dir: str, workers: int, workers_per_node: int,
+                                   num_redundant_experts: int):
+    """((phy2log [L, P], breakeven [L, E] or None) or None, where it came from): as
+    :func:`start_placement`, with the break-even counts b of a moeserve placement file that has
+    them (None: the file carries none, and the ranks use MOESERVE_EPLB_BREAKEVEN or 0)."""
     state_dir = getattr(args, "state_dir", None)
     init = getattr(args, "init_expert_location", None)
     if not state_dir and not init:
@@ -106,7 +115,9 @@ def start_placement(args, model_dir: str, workers: int, workers_per_node: int, n
             if saved is not None:
                 path = os.path.join(state_dir, state.PLACEMENT_FILE)
                 state.check_topology(saved, what=f"{path} (the placement saved in --state-dir)", **fits)
-                return saved.phy2log, path
+                with open(path) as f:
+                    has_b = '"breakeven"' in f.read()
+                return (saved.phy2log, saved.breakeven if has_b else None), path
         except state.StateError as e:
             raise UsageError(f"{e}; or start with another --state-dir") from None
     if not init:
@@ -116,8 +127,10 @@ def start_placement(args, model_dir: str, workers: int, workers_per_node: int, n
         raise UsageError(f"--init-expert-location {init}: no such file")
     try:
         text = path.read_text(errors="replace") if path.suffix != ".pt" else ""
+        has_b = False
         if '"moeserve.placement/' in text:
             p = Placement.from_json(text)
+            has_b = '"breakeven"' in text
         else:
             p = Placement.from_sglang(path, mcfg.moe_layer_ids, experts, workers, wpn, mcfg.num_layers)
         state.check_topology(p, what=f"--init-expert-location {init}", **fits)
@@ -126,7 +139,7 @@ def start_placement(args, model_dir: str, workers: int, workers_per_node: int, n
     except Exception as e:                    # whatever a parser raises on a file that is not a placement
         msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--init-expert-location {init}: not a placement: {msg}") from None
-    return p.phy2log, str(init)
+    return (p.phy2log, p.breakeven if has_b else None), str(init)
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -143,6 +156,17 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
 API_KEY_ENV = "MOESERVE_API_KEY"
 
 
+class _SameAs(argparse.Action):
+    """Another spelling of a flag that stores into the same ``dest``: given after that flag with
+    another value, it is an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        prev = getattr(namespace, self.dest, None)
+        if prev is not None and prev != values:
+            parser.error(f"{option_string} {values} disagrees with --{self.dest.replace('_', '-')} {prev}: give one")
+        setattr(namespace, self.dest, values)
+
+
 def add_http_flags(p: argparse.ArgumentParser, http_port: bool = True, max_model_len: bool = True) -> None:
     """The serving front end's OpenAI-compatible HTTP API and the serving API key."""
     g = p.add_argument_group("OpenAI-compatible HTTP API")
@@ -155,6 +179,13 @@ def add_http_flags(p: argparse.ArgumentParser, http_port: bool = True, max_model
                         f"(default: ${API_KEY_ENV}; none: open)")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="the model name(s) requests use and /v1/models lists (default: the model as given)")
+    # vLLM's names of the HTTPS files; moeserve serves one certificate on every port (the HTTP API,
+    # gRPC serving, admin, balancer): they are --tls-cert and --tls-key spelled as vLLM spells them.
+    g.add_argument("--ssl-certfile", dest="tls_cert", action=_SameAs, metavar="PEM",
+                   help="serve the HTTP API over HTTPS with this certificate (vLLM's name; the same as --tls-cert: "
+                        "the gRPC services use it too; needs --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", dest="tls_key", action=_SameAs, metavar="PEM",
+                   help="the certificate's private key (vLLM's name; the same as --tls-key)")
     if max_model_len:
         g.add_argument("--max-model-len", type=int, default=4096,
                        help="the cluster's max_model_len: longer prompts are refused before tokenization ends "
@@ -212,6 +243,16 @@ def add_balancer_flags(p: argparse.ArgumentParser) -> None:
                    help="share of slots one plan may move (default 0.10)")
     g.add_argument("--balancer-poll-interval", type=float, default=0.5, metavar="S",
                    help="seconds between looks at the load (default 0.5)")
+    g.add_argument("--eplb-step-model", metavar="FILE", default=None,
+                   help="a step-model table (moeserve-step-model/1, made by benchmarks/calibrate.py, e.g. "
+                        "benchmarks/results/step_model_h200.json): plan, trigger and judge plans by predicted step "
+                        "time, and send the break-even counts of the replica rule with every plan (docs/eplb.md); "
+                        "the entry is the one for the GPU kind and the model's expert shape")
+    g.add_argument("--eplb-step-model-gpu", metavar="NAME", default=None,
+                   help="the table entry's GPU name (default: the table's only GPU kind)")
+    g.add_argument("--eplb-step-model-shape", metavar="NAME", default=None,
+                   help="the table entry's shape name (default: the entry whose hidden and expert sizes and "
+                        "dtype are the model's; without --model, the table's only entry)")
 
 
 def add_metrics_flags(p: argparse.ArgumentParser, per_expert: bool = False) -> None:
@@ -318,10 +359,12 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
             state.read_balancer_settings(state_dir, eplb.get("window_size", 1000))     # readable, valid
         except state.StateError as e:
             raise UsageError(str(e)) from None
-    phy2log, _ = start_placement(args, args.model, args.workers, args.workers_per_node,
-                                 eplb.get("num_redundant_experts", 0))
-    if phy2log is not None:
-        kw["placement"] = phy2log
+    start, _ = start_placement_with_breakeven(args, args.model, args.workers, args.workers_per_node,
+                                              eplb.get("num_redundant_experts", 0))
+    if start is not None:
+        kw["placement"] = start[0]
+        if start[1] is not None:
+            kw["breakeven"] = start[1]
     if state_dir:
         kw["state_dir"] = os.path.abspath(state_dir)
     return kw
@@ -341,14 +384,69 @@ def server_options(args, port: int, token: str | None = None):
         raise UsageError(str(e)) from None
 
 
-def loop_config(args, window_size: int | None = None, step_interval: int | None = None):
+def loop_config(args, window_size: int | None = None, step_interval: int | None = None,
+                model_dir: str | None = None, dtype: str | None = None):
     from moeserve.balancer.controller import LoopConfig
+    model = step_model(args, model_dir, dtype)
     try:
         return LoopConfig(window_steps=window_size or 0, step_interval=step_interval or 3000,
                           min_balancedness=args.eplb_min_balancedness, min_gain=args.eplb_min_gain,
-                          move_cost=args.eplb_move_cost, move_budget=args.eplb_move_budget)
+                          move_cost=args.eplb_move_cost, move_budget=args.eplb_move_budget, step_model=model)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def step_model(args, model_dir: str | None = None, dtype: str | None = None):
+    """The StepModel of ``--eplb-step-model FILE`` (None without it): the table's entry for the
+    GPU kind (``--eplb-step-model-gpu``, else the table's only one) and the model's shape
+    (``--eplb-step-model-shape``, else the entry whose hidden size, expert intermediate size and
+    dtype bytes are those of ``model_dir`` at ``dtype``, else, without a model, the only entry
+    left). UsageError (exit code 2) saying what is wrong when the file cannot be used or has no
+    such entry."""
+    path = getattr(args, "eplb_step_model", None)
+    if not path:
+        return None
+    from moeserve.balancer.policy.cost import StepModelError, load_table
+    try:
+        table = load_table(path)
+    except StepModelError as e:
+        raise UsageError(f"--eplb-step-model: {e}") from None
+    entries = list(table.entries)
+    have = "; ".join(f"gpu {m.gpu!r} shape {m.shape!r} (H={m.hidden_size}, I={m.intermediate_size}, "
+                     f"{m.dtype_bytes}-byte dtype)" for m in entries)
+    gpu = getattr(args, "eplb_step_model_gpu", None)
+    if gpu:
+        entries = [m for m in entries if m.gpu == gpu]
+        if not entries:
+            raise UsageError(f"--eplb-step-model {path} has no entry for gpu {gpu!r}; it has: {have}")
+    shape = getattr(args, "eplb_step_model_shape", None)
+    if shape:
+        entries = [m for m in entries if m.shape == shape]
+        if not entries:
+            raise UsageError(f"--eplb-step-model {path} has no entry for shape {shape!r}"
+                             f"{f' on gpu {gpu!r}' if gpu else ''}; it has: {have}")
+    elif model_dir:
+        from moeserve.models import load_config
+        try:
+            mcfg = load_config(model_dir)
+        except Exception as e:
+            raise UsageError(f"--model {model_dir}: {e}") from None
+        dims = (mcfg.hidden_size, mcfg.moe_intermediate_size, DTYPE_BYTES.get(dtype or "bfloat16", 2))
+        entries = [m for m in entries if (m.hidden_size, m.intermediate_size, m.dtype_bytes) == dims]
+        if not entries:
+            raise UsageError(f"--eplb-step-model {path} has no entry for this model's shape (hidden size {dims[0]}, "
+                             f"expert intermediate size {dims[1]}, {dims[2]}-byte dtype){f' on gpu {gpu!r}' if gpu else ''}; "
+                             f"it has: {have}. Calibrate one (python benchmarks/calibrate.py --shape NAME=H,I) or "
+                             "name an entry with --eplb-step-model-shape")
+    if len(entries) > 1:
+        which = sorted({m.gpu for m in entries})
+        flag = "--eplb-step-model-gpu" if len(which) > 1 else "--eplb-step-model-shape"
+        raise UsageError(f"--eplb-step-model {path} has {len(entries)} entries that fit; pick one with {flag}: "
+                         + "; ".join(f"gpu {m.gpu!r} shape {m.shape!r}" for m in entries))
+    return entries[0]
 
 
 def port(value: str) -> int:

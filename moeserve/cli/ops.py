@@ -117,6 +117,11 @@ def run_placement(args: argparse.Namespace) -> int:
             for layer, row in enumerate(p.phy2log):
                 workers = " | ".join(" ".join(map(str, row[w * s:(w + 1) * s])) for w in range(p.num_workers))
                 print(f"  layer {layer} (v{p.layer_versions[layer]}): {workers}")
+            b = p.breakeven
+            if b.any():
+                print("break-even counts b (the replica rule; 0: every replica always used): "
+                      + (f"{int(b.flat[0])} for every layer and expert" if (b == b.flat[0]).all()
+                         else f"{int(b.min())}..{int(b.max())} per (layer, expert)"))
     elif args.action == "apply":
         try:
             res = _call(lambda: c.apply_placement(file=args.file, file_format=args.format,
@@ -156,7 +161,8 @@ def _dump_of(c) -> dict:
     d = _call(c.dump_load)
     p = _call(c.placement)
     return {"format": "moeserve.load/1", **_jsonable(d),
-            "placement": {"phy2log": p.phy2log.tolist(), "version": int(p.version), "num_workers": p.num_workers}}
+            "placement": {"phy2log": p.phy2log.tolist(), "version": int(p.version), "num_workers": p.num_workers,
+                          "breakeven": p.breakeven.tolist()}}
 
 
 def run_load(args: argparse.Namespace) -> int:
@@ -208,6 +214,11 @@ def run_rebalance(args: argparse.Namespace) -> int:
           f"across workers, {res.bytes_moved} bytes")
     print(f"balancedness before: {_bal(res.balancedness_before)}")
     print(f"balancedness after:  {_bal(res.balancedness_after)}")
+    if res.predicted_step_s_before > 0:
+        print(f"predicted MoE step time: {res.predicted_step_s_before * 1e3:.3f} ms -> "
+              f"{res.predicted_step_s_after * 1e3:.3f} ms (step model)")
+    if res.breakeven is not None and res.breakeven.size:
+        print(f"break-even counts sent: {int(res.breakeven.min())}..{int(res.breakeven.max())}")
     if res.applied:
         state = res.migration.state if res.migration else "started"
         print(f"applied: migration {res.migration_id} {state}")

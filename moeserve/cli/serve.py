@@ -21,7 +21,11 @@ vLLM's flags, with what they mean here:
   (``default``: the balancer's policy; others refused);
 - ``--dtype auto`` (the default: the checkpoint's dtype), ``half``, ``float``; ``--backend auto``
   (the default: nccl when there is a CUDA device per rank, else gloo);
-- ``--trust-remote-code``: accepted and unused.
+- ``--trust-remote-code``: accepted and unused;
+- ``--ssl-certfile`` / ``--ssl-keyfile``: HTTPS on the HTTP port; the same files as ``--tls-cert``
+  / ``--tls-key``, which the gRPC services serve too (one certificate for the cluster);
+- ``--tokenizer none`` / ``--skip-tokenizer-init``: no tokenizer: prompts are token ids, chat and
+  stop strings are refused, completions carry no text (``return_token_ids`` gives the ids).
 
 A port in use, a model that cannot be found, a bad flag: one line saying what and the exit code
 (1, or 2 for a usage error), no traceback. Ctrl-C while starting stops everything (exit 130);
@@ -31,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from moeserve.cli import UsageError
@@ -77,6 +83,9 @@ def register(subparsers) -> None:
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="serve without a tokenizer (vLLM's name; the same as --tokenizer none): prompts are token "
+                        "ids, completions carry no text (ask for return_token_ids to get the ids)")
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S", help="seconds to become ready")
     p.add_argument("--log-dir", metavar="DIR", help="keep every process's log here")
     p.set_defaults(func=run)
@@ -197,14 +206,19 @@ def run(args: argparse.Namespace) -> int:
     parallel(args)
     notes = vllm_eplb_config(args)
     prog = "moeserve serve"
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("HTTPS needs both --ssl-certfile and --ssl-keyfile (the same as --tls-cert and --tls-key)")
+    no_tokenizer = args.skip_tokenizer_init or (args.tokenizer or "").lower() == "none"
     try:
         folder = hub.resolve(model, args.revision, args.download_dir)
         tokenizer = folder
-        if args.tokenizer:
+        if args.tokenizer and not no_tokenizer:
             tokenizer = hub.resolve_tokenizer(args.tokenizer, args.tokenizer_revision, args.download_dir)
     except hub.ModelNotFound as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
+    if no_tokenizer:                                      # the front end reads its tokenizer from a folder with none
+        tokenizer = Path(tempfile.mkdtemp(prefix="moeserve-no-tokenizer-"))
     world = args.routers if args.colocated else args.routers + args.workers
     args.dtype = _dtype(args, folder)
     args.backend = _backend(args, world)
@@ -222,4 +236,8 @@ def run(args: argparse.Namespace) -> int:
     if folder != Path(model):
         print(f"model    {model} -> {folder}", flush=True)
     from moeserve.cli import up
-    return up.run(args)
+    try:
+        return up.run(args)
+    finally:
+        if no_tokenizer:
+            shutil.rmtree(tokenizer, ignore_errors=True)

@@ -115,6 +115,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
     kw = F.cluster_kwargs(args, leader=args.rank == 0)
     placement = kw.pop("placement", None)              # --state-dir / --init-expert-location: every rank loads it
+    breakeven = kw.pop("breakeven", None)              # ... with its break-even counts, when it has them
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
     if args.world_size != world:
         raise UsageError(f"--world-size {args.world_size} does not match the cluster flags: "
@@ -139,6 +140,7 @@ def run_rank(args: argparse.Namespace) -> int:
         cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits, cache=cache,
                             host=args.host, **hook,
                             phy2log=None if placement is None else tuple(tuple(int(x) for x in r) for r in placement),
+                            breakeven=None if breakeven is None else tuple(tuple(int(x) for x in r) for r in breakeven),
                             per_expert_metrics=args.per_expert_metrics, **kw)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -204,7 +206,8 @@ def run_frontend(args: argparse.Namespace) -> int:
     api = HttpApi(admission, names, os.path.abspath(args.model) if args.model else "", api_key,
                   pm.registry, max_body_bytes=opts.max_message_bytes)
     api.readiness = readiness
-    http = HttpServer(api, args.host, args.http_port, opts.grace_s)
+    http = HttpServer(api, args.host, args.http_port, opts.grace_s,      # HTTPS with the gRPC side's files
+                      ssl_certfile=opts.tls_cert, ssl_keyfile=opts.tls_key)
     try:
         server.run(_serve_both(srv, http, args.host))
     except OSError as e:
@@ -224,7 +227,7 @@ async def _serve_both(grpc_server, http, host: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     port = await http.start()
-    print(f"HTTP API on http://{host}:{port}/v1", flush=True)
+    print(f"HTTP API on {http.scheme}://{host}:{port}/v1", flush=True)
     try:
         await grpc_server.start()
     except BaseException:

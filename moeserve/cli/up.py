@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if len(set(ports.values())) < len(ports):
         names = "--port, --admin-port, --balancer-port" + (" and the HTTP port" if http_port is not None else "")
         raise UsageError(f"{names} must differ, got {sorted(ports.values())}")
-    loop = F.loop_config(args, None, kw.get("step_interval"))   # validates the balancer flags
+    loop = F.loop_config(args, None, kw.get("step_interval"), args.model, kw.get("dtype"))   # validates the balancer flags
     host = args.host
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
     metrics = metrics_layout(args.metrics_port, world)
@@ -166,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
                "--eplb-min-balancedness", str(loop.min_balancedness), "--eplb-min-gain", str(loop.min_gain),
                "--eplb-move-cost", str(loop.move_cost), "--eplb-move-budget", str(loop.move_budget),
                "--balancer-poll-interval", str(args.balancer_poll_interval), *common]
+        if loop.step_model is not None:                   # the entry picked here, by name
+            bal += ["--eplb-step-model", os.path.abspath(args.eplb_step_model),
+                    "--eplb-step-model-gpu", loop.step_model.gpu, "--eplb-step-model-shape", loop.step_model.shape]
         if args.tls_cert:
             bal += ["--ca-file", args.tls_cert]
         if metrics is not None:
@@ -186,11 +189,13 @@ def run(args: argparse.Namespace) -> int:
         for name, addr in addrs.items():
             wait_serving(addr, args.startup_timeout, ca, alive=alive)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        scheme = "https" if args.tls_cert else "http"       # the HTTP API serves the same certificate
         if http_port is not None:
-            wait_http(f"http://{shown}:{ports['http_port']}/health", args.startup_timeout, alive=alive)
+            wait_http(f"{scheme}://{shown}:{ports['http_port']}/health", args.startup_timeout, alive=alive,
+                      ca_file=ca)
         print(f"serving  {addrs['serving']}\nadmin    {addrs['admin']}\nbalancer {addrs['balancer']}", flush=True)
         if http_port is not None:
-            base = f"http://{shown}:{ports['http_port']}"
+            base = f"{scheme}://{shown}:{ports['http_port']}"
             print(f"http     {base}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models; "
                   f"{base}/health, /version, /metrics)\nmodel    {', '.join(names)}"
                   f"{'' if args.model in names else f' ({args.model})'}"
@@ -301,12 +306,16 @@ class Progress:
                   flush=True)
 
 
-def wait_http(url: str, timeout_s: float, alive=lambda: True) -> None:
-    """Block until ``url`` answers 200."""
+def wait_http(url: str, timeout_s: float, alive=lambda: True, ca_file: str | None = None) -> None:
+    """Block until ``url`` answers 200 (an https URL: trusting ``ca_file``)."""
+    import ssl
     import urllib.error
     import urllib.request
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))     # a local address: no proxy
+    handlers = [urllib.request.ProxyHandler({})]                             # a local address: no proxy
+    if ca_file:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca_file)))
+    opener = urllib.request.build_opener(*handlers)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -57,10 +57,13 @@ def file_format(path: str, fmt: str | None) -> int:
     return FILE_FORMATS[fmt]
 
 
-def apply_request(phy2log, expected_version, dry_run, file, file_format_name) -> admin_pb2.ApplyPlacementRequest:
+def apply_request(phy2log, expected_version, dry_run, file, file_format_name,
+                  breakeven=None) -> admin_pb2.ApplyPlacementRequest:
     if (phy2log is None) == (file is None):
         raise ValueError("give either phy2log [L, P] or file=PATH")
     r = admin_pb2.ApplyPlacementRequest(dry_run=bool(dry_run))
+    if breakeven is not None:
+        r.breakeven.CopyFrom(int64_matrix(np.asarray(breakeven)))
     if phy2log is not None:
         r.phy2log.CopyFrom(int64_matrix(np.asarray(phy2log)))
     else:

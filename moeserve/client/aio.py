@@ -89,8 +89,8 @@ class AsyncClient:
 
     async def apply_placement(self, phy2log=None, *, expected_version: int | None = None, dry_run: bool = False,
                               wait: bool = False, file: str | None = None, file_format: str | None = None,
-                              timeout: float | None = None) -> ApplyResult:
-        req = _base.apply_request(phy2log, expected_version, dry_run, file, file_format)
+                              timeout: float | None = None, breakeven=None) -> ApplyResult:
+        req = _base.apply_request(phy2log, expected_version, dry_run, file, file_format, breakeven)
         res = ApplyResult.from_msg(await self._call(self._admin.ApplyPlacement, req))
         if wait and not dry_run and res.migration_id:
             mig = await self.wait_migration(res.migration_id, timeout or _base.WAIT_TIMEOUT_S)

@@ -94,17 +94,19 @@ class Client:
 
     def placement(self) -> Placement:
         """The placement in force: ``.phy2log`` [L, P], ``.version``, ``.layer_versions`` [L],
-        ``.num_logical``, ``.num_workers``, ``.workers_per_node``."""
+        ``.num_logical``, ``.num_workers``, ``.workers_per_node``, ``.breakeven`` [L, E]."""
         return placement_from_msg(self._call(self._admin.GetPlacement, admin_pb2.GetPlacementRequest()))
 
     def apply_placement(self, phy2log=None, *, expected_version: int | None = None, dry_run: bool = False,
                         wait: bool = False, file: str | None = None, file_format: str | None = None,
-                        timeout: float | None = None) -> ApplyResult:
+                        timeout: float | None = None, breakeven=None) -> ApplyResult:
         """Migrate to ``phy2log`` [L, P] (or a placement file: moeserve JSON, SGLang .json/.pt)
         live. ``expected_version``: refuse (FAILED_PRECONDITION) unless it is in force;
         ``dry_run``: validate and plan only; ``wait``: return when the migration ended (an
-        aborted or failed one raises ABORTED)."""
-        req = _base.apply_request(phy2log, expected_version, dry_run, file, file_format)
+        aborted or failed one raises ABORTED). ``breakeven`` [L, E]: the break-even counts b of
+        the data plane's replica rule that take effect with it (None: a phy2log or an SGLang
+        file keeps those in force)."""
+        req = _base.apply_request(phy2log, expected_version, dry_run, file, file_format, breakeven)
         res = ApplyResult.from_msg(self._call(self._admin.ApplyPlacement, req))
         if wait and not dry_run and res.migration_id:
             mig = self.wait_migration(res.migration_id, timeout or _base.WAIT_TIMEOUT_S)

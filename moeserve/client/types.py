@@ -16,8 +16,8 @@ import numpy as np
 
 from moeserve.placement import MigrationProgress
 from moeserve.rpc import admin_pb2, balancer_pb2, serving_pb2
-from moeserve.wire import (FINISH_NAMES, Balancedness, balancedness_from_msg, from_int64_matrix,
-                           migration_from_msg)
+from moeserve.wire import (FINISH_NAMES, Balancedness, balancedness_from_msg, breakeven_from_msg,
+                           from_int64_matrix, migration_from_msg)
 
 
 class MoeserveError(Exception):
@@ -80,7 +80,8 @@ class GenerateChunk:
 class ApplyResult:
     """What ApplyPlacement answered: the migration (None on a dry run), the plan's size, and
     the balancedness of the placement in force and of the new one under the load window.
-    phy2log: the new placement [L, P]."""
+    phy2log: the new placement [L, P]; breakeven: its break-even counts [L, E] (None from a
+    server that does not send them)."""
 
     migration_id: str
     dry_run: bool
@@ -90,12 +91,13 @@ class ApplyResult:
     balancedness_before: Balancedness
     balancedness_after: Balancedness
     phy2log: np.ndarray
+    breakeven: np.ndarray | None = None
 
     @classmethod
     def from_msg(cls, m: admin_pb2.ApplyPlacementResponse) -> "ApplyResult":
         return cls(m.migration_id, m.dry_run, _migration_or_none(m), m.moves, m.bytes,
                    balancedness_from_msg(m.balancedness_before), balancedness_from_msg(m.balancedness_after),
-                   from_int64_matrix(m.phy2log, "phy2log"))
+                   from_int64_matrix(m.phy2log, "phy2log"), breakeven_from_msg(m))
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,9 @@ class BalancerSettings:
 @dataclass(frozen=True)
 class RebalanceResult:
     """A plan (phy2log [L, P]) with its predicted balancedness and size; ``applied`` with the
-    migration when it was applied; ``note`` says why not otherwise."""
+    migration when it was applied; ``note`` says why not otherwise. With a step model: the
+    break-even counts sent with it (``breakeven`` [L, E]) and the predicted MoE seconds of a step
+    before and after."""
 
     phy2log: np.ndarray
     balancedness_before: Balancedness
@@ -238,18 +242,24 @@ class RebalanceResult:
     migration_id: str
     migration: MigrationProgress | None
     note: str
+    breakeven: np.ndarray | None = None
+    predicted_step_s_before: float = 0.0
+    predicted_step_s_after: float = 0.0
 
     @classmethod
     def from_msg(cls, m: balancer_pb2.RebalanceResponse) -> "RebalanceResult":
         return cls(from_int64_matrix(m.phy2log, "phy2log"), balancedness_from_msg(m.balancedness_before),
                    balancedness_from_msg(m.balancedness_after), m.slots_moved, m.slots_moved_across_workers,
-                   m.bytes_moved, m.base_version, m.applied, m.migration_id, _migration_or_none(m), m.note)
+                   m.bytes_moved, m.base_version, m.applied, m.migration_id, _migration_or_none(m), m.note,
+                   breakeven_from_msg(m), m.predicted_step_s_before, m.predicted_step_s_after)
 
 
 @dataclass(frozen=True)
 class BalancerStatus:
     """state: "idle", "planning" or "migrating"; balancedness: the predicted mean of the
-    placement in force on the window, last seen; last_error: "" when the admin API answered."""
+    placement in force on the window, last seen; last_error: "" when the admin API answered;
+    with a step model (``step_model``: "GPU / shape"), predicted_step_s and step_efficiency of the
+    placement in force on the window, last seen (0 without one)."""
 
     window_steps: int
     step_interval: int
@@ -264,6 +274,9 @@ class BalancerStatus:
     balancedness: float
     placement_version: int
     loop_iterations: int
+    step_model: str = ""
+    predicted_step_s: float = 0.0
+    step_efficiency: float = 0.0
 
     @classmethod
     def from_msg(cls, m: balancer_pb2.BalancerStatus) -> "BalancerStatus":

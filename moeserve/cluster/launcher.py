@@ -75,7 +75,10 @@ class LocalCluster:
 
     routers, workers: R and W; colocated=True makes N = R = W ranks that are each both.
     num_redundant_experts: redundant slots per MoE layer ((E + R) % W must be 0).
-    placement: initial phy2log [L, P] (default: slot p holds expert p mod E).
+    placement: initial phy2log [L, P] (default: slot p holds expert p mod E), or a Placement
+    (its maps and break-even counts).
+    breakeven: the initial placement's break-even counts b, [L, E] (default: a Placement's own,
+    else ``MOESERVE_EPLB_BREAKEVEN`` in ``env`` or 0: every replica always used).
     backend: "gloo" (CPU) or "nccl" (one GPU per rank). Other keywords: see ClusterConfig,
     EplbConfig, Limits and CacheConfig (vLLM's names: block_size, gpu_memory_utilization,
     num_gpu_blocks_override).
@@ -100,7 +103,7 @@ class LocalCluster:
                  metrics_peers: dict | None = None, exchange: str = "auto", block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int = 0,
                  cpu_kv_cache_gib: float = 1.0, max_worker_restarts: int = 3, load_format: str = "auto",
-                 state_dir: str = "", enforce_eager: bool = False):
+                 state_dir: str = "", enforce_eager: bool = False, breakeven=None):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
@@ -115,9 +118,16 @@ class LocalCluster:
             raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {admin_port}")
         hook = {} if admin_port < 0 else admin_hook(admin_port, admin_host, admin_tls_cert, admin_tls_key,
                                                     max_message_bytes, grace_s)
-        phy2log = None
+        phy2log = b_start = None
+        if breakeven is None and isinstance(placement, Placement):
+            breakeven = placement.breakeven
+        if breakeven is not None:
+            from moeserve.placement import check_breakeven
+            b_start = tuple(tuple(int(x) for x in row) for row in check_breakeven(
+                breakeven, info.num_moe_layers, info.num_logical_experts))
         if placement is not None:
-            p = Placement(phy2log=np.asarray(placement), num_logical=info.num_logical_experts, num_workers=workers,
+            p = Placement(phy2log=np.asarray(getattr(placement, "phy2log", placement)),
+                          num_logical=info.num_logical_experts, num_workers=workers,
                           workers_per_node=workers_per_node or workers, version=1)
             if p.phy2log.shape != (info.num_moe_layers, num_slots):
                 raise ValueError(f"placement has shape {p.phy2log.shape}, expected (L, P) = "
@@ -132,7 +142,7 @@ class LocalCluster:
                           max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting),
             cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                               num_gpu_blocks_override=num_gpu_blocks_override, cpu_kv_cache_gib=cpu_kv_cache_gib),
-            workers_per_node=workers_per_node, phy2log=phy2log, migration_bytes_per_step=migration_bytes_per_step,
+            workers_per_node=workers_per_node, phy2log=phy2log, breakeven=b_start, migration_bytes_per_step=migration_bytes_per_step,
             max_staging_bytes=max_staging_bytes,
             heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, host=admin_host, **hook,
             per_expert_metrics=per_expert_metrics, exchange=exchange, load_format=load_format,
@@ -374,15 +384,22 @@ class LocalCluster:
         raise ClusterError("no logits came back")
 
     def placement(self) -> Placement:
-        """The placement in force (``.phy2log`` [L, P], ``.version``, ``.layer_versions``)."""
+        """The placement in force (``.phy2log`` [L, P], ``.version``, ``.layer_versions``,
+        ``.breakeven`` [L, E])."""
         return self._c().placement()
 
     def apply_placement(self, phy2log, wait: bool = True, expected_version: int | None = None,
-                        timeout_s: float = 600.0) -> str:
+                        timeout_s: float = 600.0, breakeven=None) -> str:
         """Migrate to ``phy2log`` [L, P] live; returns the migration id (at once with
-        wait=False). Raises ValueError (InvalidRequest), changing nothing, when it is not a
-        valid placement."""
-        mig = self._c().apply_placement(np.asarray(phy2log), expected_version)
+        wait=False). ``breakeven`` [L, E]: the break-even counts b that come with it (None:
+        those in force stay). Raises ValueError (InvalidRequest), changing nothing, when it is
+        not a valid placement."""
+        target = np.asarray(phy2log)
+        if breakeven is not None:
+            cur = self.placement()
+            target = Placement(target, cur.num_logical, cur.num_workers, cur.workers_per_node, cur.version,
+                               breakeven=breakeven)
+        mig = self._c().apply_placement(target, expected_version)
         if wait:
             self.wait_migration(mig.migration_id, timeout_s)
         return mig.migration_id
@@ -421,3 +438,8 @@ class LocalCluster:
         """Per worker, float64 [L, S, 2]: (sum, sum of squares) of the weights each slot holds,
         read from the workers at a step boundary (tests use it to check what moved where)."""
         return self._c().slot_digests()
+
+    def router_maps(self, timeout_s: float = 60.0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per router, the maps it routes with, read at a step boundary: (phy2log int64 [L, P],
+        breakeven int64 [L, E]) (tests use it to check that a placement reached every router)."""
+        return self._c().router_maps(timeout_s)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeserve.config import ClusterConfig
+from moeserve.config import ClusterConfig, default_breakeven
 from moeserve.dataplane.collective import CollectiveExchange
 from moeserve.dataplane.exchange import Topology
 from moeserve.dataplane.step import RankState, step_loop
@@ -39,14 +39,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def initial_placement(cfg: ClusterConfig, num_layers: int, num_logical: int) -> Placement:
-    """The placement a cluster starts with: cfg.phy2log, or slot p holding expert p mod E."""
+    """The placement a cluster starts with: cfg.phy2log, or slot p holding expert p mod E; its
+    break-even counts cfg.breakeven, or ``config.default_breakeven()`` (0 unless
+    MOESERVE_EPLB_BREAKEVEN is set) for every layer and expert."""
     p = num_logical + cfg.eplb.num_redundant_experts
     if cfg.phy2log is not None:
         phy2log = np.asarray(cfg.phy2log, dtype=np.int64)
     else:
         phy2log = np.tile(np.arange(p, dtype=np.int64) % num_logical, (num_layers, 1))
+    if cfg.breakeven is not None:
+        b = np.asarray(cfg.breakeven, dtype=np.int64)
+    else:
+        b = np.full((num_layers, num_logical), default_breakeven(), dtype=np.int64)
     return Placement(phy2log=phy2log, num_logical=num_logical, num_workers=cfg.workers,
-                     workers_per_node=cfg.workers_per_node or cfg.workers, version=1)
+                     workers_per_node=cfg.workers_per_node or cfg.workers, version=1, breakeven=b)
 
 
 _LISTEN: list = []          # the leader's listening socket of the store, kept open for the process's life
@@ -132,7 +138,8 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
     if role.router_index >= 0:
         from moeserve.router.dispatcher import DistributedExperts, RouterMaps
         from moeserve.router.runner import RouterRunner
-        st.maps = RouterMaps(placement.phy2log, e, cfg.eplb.num_redundant_experts + 1, device)
+        st.maps = RouterMaps(placement.phy2log, e, cfg.eplb.num_redundant_experts + 1, device,
+                             breakeven=placement.breakeven)
         experts = DistributedExperts(exchange, st.maps, role.router_index, info.num_moe_layers, st.store)
         from moeserve.router.graphs import applies
         use_graphs, why = applies(info_model, exchange, st.store, cfg.enforce_eager)
@@ -154,10 +161,11 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
 
 
 def _placement_from_leader(control, placement: Placement) -> Placement:
-    """The leader's placement in force, broadcast on the control group after a re-join."""
-    box = [placement.phy2log if dist.get_rank() == 0 else None]
+    """The leader's placement in force (maps and break-even counts), broadcast on the control
+    group after a re-join."""
+    box = [(placement.phy2log, placement.breakeven) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=control)
-    return placement.evolve(phy2log=box[0])
+    return placement.evolve(phy2log=box[0][0], breakeven=box[0][1])
 
 
 def _next_generation(store, current: int, timeout_s: float) -> int | None:
@@ -193,12 +201,12 @@ def _recover(st: RankState, cfg: ClusterConfig, store, device: torch.device, gen
         pass
     st.control_group = join(cfg, st.rank, device, store, gen)
     placement = st.leader.on_peer_lost() if st.leader is not None else None
-    box = [placement.phy2log if placement is not None else None]
+    box = [(placement.phy2log, placement.breakeven) if placement is not None else None]
     dist.broadcast_object_list(box, src=0, group=st.control_group)
-    phy2log = box[0]
+    phy2log, breakeven = box[0]
     if st.maps is not None:
         for layer in range(phy2log.shape[0]):
-            st.maps.set_layer(layer, phy2log[layer])
+            st.maps.set_layer(layer, phy2log[layer], breakeven[layer])
     if st.store is not None:
         from moeserve.models import open_reader
         with open_reader(cfg.model_dir, cfg.load_format, device) as reader:

@@ -70,14 +70,16 @@ class MoveOp:
 
 @dataclass(frozen=True)
 class LayerCommit:
-    """Switch MoE layer ``moe_layer`` to ``phy2log`` ([P] logical expert per slot) at version
-    ``version``. Workers copy each staged entry into its slot: ``staged`` lists
-    (global slot, staging entry) pairs of this layer's moves."""
+    """Switch MoE layer ``moe_layer`` to ``phy2log`` ([P] logical expert per slot) and its
+    break-even counts ``breakeven`` ([E], the replica rule's b; empty: 0, every replica always
+    used) at version ``version``. Workers copy each staged entry into its slot: ``staged``
+    lists (global slot, staging entry) pairs of this layer's moves (none when only b changes)."""
 
     moe_layer: int
     phy2log: tuple[int, ...]
     version: int
     staged: tuple[tuple[int, int], ...]
+    breakeven: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class RankResult:
     expert) and ``worker_load`` int64 [L, W] (pairs sent to each worker) of this step.
     Workers: ``staging_error`` when staging could not be allocated (the migration is then
     rolled back); ``slot_digest`` when the header asked for a report.
+    Routers, when the header asked for a report: ``router_maps``, the maps they route with
+    (phy2log int64 [L, P], breakeven int64 [L, E]).
     """
 
     rank: int
@@ -128,3 +132,4 @@ class RankResult:
     worker_load: np.ndarray | None = None
     staging_error: str | None = None
     slot_digest: np.ndarray | None = None     # float64 [L, S, 2] (sum, sum of squares) per slot, when asked
+    router_maps: tuple | None = None          # (phy2log [L, P], breakeven [L, E]) of a router, when asked

@@ -29,7 +29,7 @@ class RankState:
 
     runner:    router role: ``run(RouterWork, step) -> (tokens, logits)``, ``release(seq_ids)``,
                ``experts.take_load() -> (logical [L, E], worker [L, W])``.
-    maps:      router role: the placement in force, ``set_layer(moe_layer, phy2log_row)``.
+    maps:      router role: the placement in force, ``set_layer(moe_layer, phy2log_row, breakeven_row)``.
     store:     worker role: the expert slots (``begin_staging``, ``commit``, ``end_staging``,
                ``digest``, and the compute the exchange calls).
     run_moves: worker role: runs one step's weight moves (``moeserve.expert_worker.migration``).
@@ -63,7 +63,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
             res.staging_error = st.store.begin_staging(mig.begin_staging_slots)
         for c in mig.commits:                      # rows of a placement the leader validated: trusted
             if st.maps is not None:
-                st.maps.set_layer(c.moe_layer, c.phy2log)
+                st.maps.set_layer(c.moe_layer, c.phy2log, c.breakeven or 0)
             if st.store is not None:
                 st.store.commit(c.moe_layer, list(c.staged), c.phy2log)
         if st.store is not None:
@@ -75,6 +75,8 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
                 st.store.end_staging()
     if header.report and st.store is not None:
         res.slot_digest = st.store.digest()
+    if header.report and st.maps is not None:
+        res.router_maps = (st.maps.phy2log.copy(), st.maps.breakeven.cpu().numpy().copy())
     router = st.topo.router_index(st.rank)
     if header.forward:
         if st.runner is not None:

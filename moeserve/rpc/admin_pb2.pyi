@@ -13,20 +13,22 @@ class GetPlacementRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Placement(_message.Message):
-    __slots__ = ("phy2log", "version", "layer_versions", "num_logical_experts", "num_workers", "workers_per_node")
+    __slots__ = ("phy2log", "version", "layer_versions", "num_logical_experts", "num_workers", "workers_per_node", "breakeven")
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYER_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGICAL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    BREAKEVEN_FIELD_NUMBER: _ClassVar[int]
     phy2log: _common_pb2.Int64Matrix
     version: int
     layer_versions: _containers.RepeatedScalarFieldContainer[int]
     num_logical_experts: int
     num_workers: int
     workers_per_node: int
-    def __init__(self, phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., version: _Optional[int] = ..., layer_versions: _Optional[_Iterable[int]] = ..., num_logical_experts: _Optional[int] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ...) -> None: ...
+    breakeven: _common_pb2.Int64Matrix
+    def __init__(self, phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., version: _Optional[int] = ..., layer_versions: _Optional[_Iterable[int]] = ..., num_logical_experts: _Optional[int] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., breakeven: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ...) -> None: ...
 
 class PlacementFile(_message.Message):
     __slots__ = ("format", "content")
@@ -47,19 +49,21 @@ class PlacementFile(_message.Message):
     def __init__(self, format: _Optional[_Union[PlacementFile.Format, str]] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class ApplyPlacementRequest(_message.Message):
-    __slots__ = ("phy2log", "file", "expected_version", "dry_run")
+    __slots__ = ("phy2log", "file", "expected_version", "dry_run", "breakeven")
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    BREAKEVEN_FIELD_NUMBER: _ClassVar[int]
     phy2log: _common_pb2.Int64Matrix
     file: PlacementFile
     expected_version: int
     dry_run: bool
-    def __init__(self, phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., file: _Optional[_Union[PlacementFile, _Mapping]] = ..., expected_version: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    breakeven: _common_pb2.Int64Matrix
+    def __init__(self, phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., file: _Optional[_Union[PlacementFile, _Mapping]] = ..., expected_version: _Optional[int] = ..., dry_run: _Optional[bool] = ..., breakeven: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ...) -> None: ...
 
 class ApplyPlacementResponse(_message.Message):
-    __slots__ = ("migration_id", "dry_run", "migration", "moves", "bytes", "balancedness_before", "balancedness_after", "phy2log")
+    __slots__ = ("migration_id", "dry_run", "migration", "moves", "bytes", "balancedness_before", "balancedness_after", "phy2log", "breakeven")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +72,7 @@ class ApplyPlacementResponse(_message.Message):
     BALANCEDNESS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     BALANCEDNESS_AFTER_FIELD_NUMBER: _ClassVar[int]
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
+    BREAKEVEN_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     dry_run: bool
     migration: _common_pb2.MigrationProgress
@@ -76,7 +81,8 @@ class ApplyPlacementResponse(_message.Message):
     balancedness_before: _common_pb2.Balancedness
     balancedness_after: _common_pb2.Balancedness
     phy2log: _common_pb2.Int64Matrix
-    def __init__(self, migration_id: _Optional[str] = ..., dry_run: _Optional[bool] = ..., migration: _Optional[_Union[_common_pb2.MigrationProgress, _Mapping]] = ..., moves: _Optional[int] = ..., bytes: _Optional[int] = ..., balancedness_before: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., balancedness_after: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ...) -> None: ...
+    breakeven: _common_pb2.Int64Matrix
+    def __init__(self, migration_id: _Optional[str] = ..., dry_run: _Optional[bool] = ..., migration: _Optional[_Union[_common_pb2.MigrationProgress, _Mapping]] = ..., moves: _Optional[int] = ..., bytes: _Optional[int] = ..., balancedness_before: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., balancedness_after: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., breakeven: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ...) -> None: ...
 
 class GetMigrationRequest(_message.Message):
     __slots__ = ("migration_id", "wait_s")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moeserve.rpc import common_pb2 as moeserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoeserve/v1/balancer.proto\x12\x0bmoeserve.v1\x1a\x18moeserve/v1/common.proto\"1\n\x10RebalanceRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\x12\x0c\n\x04wait\x18\x02 \x01(\x08\"\xf9\x02\n\x11RebalanceResponse\x12)\n\x07phy2log\x18\x01 \x01(\x0b\x32\x18.moeserve.v1.Int64Matrix\x12\x36\n\x13\x62\x61lancedness_before\x18\x02 \x01(\x0b\x32\x19.moeserve.v1.Balancedness\x12\x35\n\x12\x62\x61lancedness_after\x18\x03 \x01(\x0b\x32\x19.moeserve.v1.Balancedness\x12\x13\n\x0bslots_moved\x18\x04 \x01(\x03\x12\"\n\x1aslots_moved_across_workers\x18\x05 \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x06 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x08 \x01(\x08\x12\x14\n\x0cmigration_id\x18\t \x01(\t\x12\x31\n\tmigration\x18\n \x01(\x0b\x32\x1e.moeserve.v1.MigrationProgress\x12\x0c\n\x04note\x18\x0b \x01(\t\"\x9e\x01\n\x0e\x42\x61lancerConfig\x12\x19\n\x0cwindow_steps\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\rstep_interval\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1d\n\x10min_balancedness\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0f\n\r_window_stepsB\x10\n\x0e_step_intervalB\x13\n\x11_min_balancedness\"\x0e\n\x0cPauseRequest\"\x0f\n\rResumeRequest\"\x1a\n\x18GetBalancerStatusRequest\"\xb2\x02\n\x0e\x42\x61lancerStatus\x12\x14\n\x0cwindow_steps\x18\x01 \x01(\x03\x12\x15\n\rstep_interval\x18\x02 \x01(\x03\x12\x18\n\x10min_balancedness\x18\x03 \x01(\x01\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nrebalances\x18\x06 \x01(\x03\x12\x14\n\x0clast_trigger\x18\x07 \x01(\t\x12\x19\n\x11last_migration_id\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x17\n\x0f\x61\x64min_reachable\x18\n \x01(\x08\x12\x14\n\x0c\x62\x61lancedness\x18\x0b \x01(\x01\x12\x19\n\x11placement_version\x18\x0c \x01(\x03\x12\x17\n\x0floop_iterations\x18\r \x01(\x03\x32\xfa\x02\n\x08\x42\x61lancer\x12J\n\tRebalance\x12\x1d.moeserve.v1.RebalanceRequest\x1a\x1e.moeserve.v1.RebalanceResponse\x12\x45\n\tSetConfig\x12\x1b.moeserve.v1.BalancerConfig\x1a\x1b.moeserve.v1.BalancerStatus\x12?\n\x05Pause\x12\x19.moeserve.v1.PauseRequest\x1a\x1b.moeserve.v1.BalancerStatus\x12\x41\n\x06Resume\x12\x1a.moeserve.v1.ResumeRequest\x1a\x1b.moeserve.v1.BalancerStatus\x12W\n\x11GetBalancerStatus\x12%.moeserve.v1.GetBalancerStatusRequest\x1a\x1b.moeserve.v1.BalancerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1amoeserve/v1/balancer.proto\x12\x0bmoeserve.v1\x1a\x18moeserve/v1/common.proto\"1\n\x10RebalanceRequest\x12\x0f\n\x07\x64ry_run\x18\x01 \x01(\x08\x12\x0c\n\x04wait\x18\x02 \x01(\x08\"\xe7\x03\n\x11RebalanceResponse\x12)\n\x07phy2log\x18\x01 \x01(\x0b\x32\x18.moeserve.v1.Int64Matrix\x12\x36\n\x13\x62\x61lancedness_before\x18\x02 \x01(\x0b\x32\x19.moeserve.v1.Balancedness\x12\x35\n\x12\x62\x61lancedness_after\x18\x03 \x01(\x0b\x32\x19.moeserve.v1.Balancedness\x12\x13\n\x0bslots_moved\x18\x04 \x01(\x03\x12\"\n\x1aslots_moved_across_workers\x18\x05 \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x06 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x07 \x01(\x03\x12\x0f\n\x07\x61pplied\x18\x08 \x01(\x08\x12\x14\n\x0cmigration_id\x18\t \x01(\t\x12\x31\n\tmigration\x18\n \x01(\x0b\x32\x1e.moeserve.v1.MigrationProgress\x12\x0c\n\x04note\x18\x0b \x01(\t\x12+\n\tbreakeven\x18\x0c \x01(\x0b\x32\x18.moeserve.v1.Int64Matrix\x12\x1f\n\x17predicted_step_s_before\x18\r \x01(\x01\x12\x1e\n\x16predicted_step_s_after\x18\x0e \x01(\x01\"\x9e\x01\n\x0e\x42\x61lancerConfig\x12\x19\n\x0cwindow_steps\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\rstep_interval\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x1d\n\x10min_balancedness\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x0f\n\r_window_stepsB\x10\n\x0e_step_intervalB\x13\n\x11_min_balancedness\"\x0e\n\x0cPauseRequest\"\x0f\n\rResumeRequest\"\x1a\n\x18GetBalancerStatusRequest\"\xf9\x02\n\x0e\x42\x61lancerStatus\x12\x14\n\x0cwindow_steps\x18\x01 \x01(\x03\x12\x15\n\rstep_interval\x18\x02 \x01(\x03\x12\x18\n\x10min_balancedness\x18\x03 \x01(\x01\x12\x0e\n\x06paused\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x12\n\nrebalances\x18\x06 \x01(\x03\x12\x14\n\x0clast_trigger\x18\x07 \x01(\t\x12\x19\n\x11last_migration_id\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x17\n\x0f\x61\x64min_reachable\x18\n \x01(\x08\x12\x14\n\x0c\x62\x61lancedness\x18\x0b \x01(\x01\x12\x19\n\x11placement_version\x18\x0c \x01(\x03\x12\x17\n\x0floop_iterations\x18\r \x01(\x03\x12\x12\n\nstep_model\x18\x0e \x01(\t\x12\x18\n\x10predicted_step_s\x18\x0f \x01(\x01\x12\x17\n\x0fstep_efficiency\x18\x10 \x01(\x01\x32\xfa\x02\n\x08\x42\x61lancer\x12J\n\tRebalance\x12\x1d.moeserve.v1.RebalanceRequest\x1a\x1e.moeserve.v1.RebalanceResponse\x12\x45\n\tSetConfig\x12\x1b.moeserve.v1.BalancerConfig\x1a\x1b.moeserve.v1.BalancerStatus\x12?\n\x05Pause\x12\x19.moeserve.v1.PauseRequest\x1a\x1b.moeserve.v1.BalancerStatus\x12\x41\n\x06Resume\x12\x1a.moeserve.v1.ResumeRequest\x1a\x1b.moeserve.v1.BalancerStatus\x12W\n\x11GetBalancerStatus\x12%.moeserve.v1.GetBalancerStatusRequest\x1a\x1b.moeserve.v1.BalancerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REBALANCEREQUEST']._serialized_start=69
   _globals['_REBALANCEREQUEST']._serialized_end=118
   _globals['_REBALANCERESPONSE']._serialized_start=121
-  _globals['_REBALANCERESPONSE']._serialized_end=498
-  _globals['_BALANCERCONFIG']._serialized_start=501
-  _globals['_BALANCERCONFIG']._serialized_end=659
-  _globals['_PAUSEREQUEST']._serialized_start=661
-  _globals['_PAUSEREQUEST']._serialized_end=675
-  _globals['_RESUMEREQUEST']._serialized_start=677
-  _globals['_RESUMEREQUEST']._serialized_end=692
-  _globals['_GETBALANCERSTATUSREQUEST']._serialized_start=694
-  _globals['_GETBALANCERSTATUSREQUEST']._serialized_end=720
-  _globals['_BALANCERSTATUS']._serialized_start=723
-  _globals['_BALANCERSTATUS']._serialized_end=1029
-  _globals['_BALANCER']._serialized_start=1032
-  _globals['_BALANCER']._serialized_end=1410
+  _globals['_REBALANCERESPONSE']._serialized_end=608
+  _globals['_BALANCERCONFIG']._serialized_start=611
+  _globals['_BALANCERCONFIG']._serialized_end=769
+  _globals['_PAUSEREQUEST']._serialized_start=771
+  _globals['_PAUSEREQUEST']._serialized_end=785
+  _globals['_RESUMEREQUEST']._serialized_start=787
+  _globals['_RESUMEREQUEST']._serialized_end=802
+  _globals['_GETBALANCERSTATUSREQUEST']._serialized_start=804
+  _globals['_GETBALANCERSTATUSREQUEST']._serialized_end=830
+  _globals['_BALANCERSTATUS']._serialized_start=833
+  _globals['_BALANCERSTATUS']._serialized_end=1210
+  _globals['_BALANCER']._serialized_start=1213
+  _globals['_BALANCER']._serialized_end=1591
 # @@protoc_insertion_point(module_scope)

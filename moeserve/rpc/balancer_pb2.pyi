@@ -15,7 +15,7 @@ class RebalanceRequest(_message.Message):
     def __init__(self, dry_run: _Optional[bool] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class RebalanceResponse(_message.Message):
-    __slots__ = ("phy2log", "balancedness_before", "balancedness_after", "slots_moved", "slots_moved_across_workers", "bytes_moved", "base_version", "applied", "migration_id", "migration", "note")
+    __slots__ = ("phy2log", "balancedness_before", "balancedness_after", "slots_moved", "slots_moved_across_workers", "bytes_moved", "base_version", "applied", "migration_id", "migration", "note", "breakeven", "predicted_step_s_before", "predicted_step_s_after")
     PHY2LOG_FIELD_NUMBER: _ClassVar[int]
     BALANCEDNESS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     BALANCEDNESS_AFTER_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,9 @@ class RebalanceResponse(_message.Message):
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    BREAKEVEN_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_S_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_S_AFTER_FIELD_NUMBER: _ClassVar[int]
     phy2log: _common_pb2.Int64Matrix
     balancedness_before: _common_pb2.Balancedness
     balancedness_after: _common_pb2.Balancedness
@@ -38,7 +41,10 @@ class RebalanceResponse(_message.Message):
     migration_id: str
     migration: _common_pb2.MigrationProgress
     note: str
-    def __init__(self, phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., balancedness_before: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., balancedness_after: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., slots_moved: _Optional[int] = ..., slots_moved_across_workers: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., base_version: _Optional[int] = ..., applied: _Optional[bool] = ..., migration_id: _Optional[str] = ..., migration: _Optional[_Union[_common_pb2.MigrationProgress, _Mapping]] = ..., note: _Optional[str] = ...) -> None: ...
+    breakeven: _common_pb2.Int64Matrix
+    predicted_step_s_before: float
+    predicted_step_s_after: float
+    def __init__(self, phy2log: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., balancedness_before: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., balancedness_after: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., slots_moved: _Optional[int] = ..., slots_moved_across_workers: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., base_version: _Optional[int] = ..., applied: _Optional[bool] = ..., migration_id: _Optional[str] = ..., migration: _Optional[_Union[_common_pb2.MigrationProgress, _Mapping]] = ..., note: _Optional[str] = ..., breakeven: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., predicted_step_s_before: _Optional[float] = ..., predicted_step_s_after: _Optional[float] = ...) -> None: ...
 
 class BalancerConfig(_message.Message):
     __slots__ = ("window_steps", "step_interval", "min_balancedness")
@@ -63,7 +69,7 @@ class GetBalancerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BalancerStatus(_message.Message):
-    __slots__ = ("window_steps", "step_interval", "min_balancedness", "paused", "state", "rebalances", "last_trigger", "last_migration_id", "last_error", "admin_reachable", "balancedness", "placement_version", "loop_iterations")
+    __slots__ = ("window_steps", "step_interval", "min_balancedness", "paused", "state", "rebalances", "last_trigger", "last_migration_id", "last_error", "admin_reachable", "balancedness", "placement_version", "loop_iterations", "step_model", "predicted_step_s", "step_efficiency")
     WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     MIN_BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +83,9 @@ class BalancerStatus(_message.Message):
     BALANCEDNESS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOOP_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_EFFICIENCY_FIELD_NUMBER: _ClassVar[int]
     window_steps: int
     step_interval: int
     min_balancedness: float
@@ -90,4 +99,7 @@ class BalancerStatus(_message.Message):
     balancedness: float
     placement_version: int
     loop_iterations: int
-    def __init__(self, window_steps: _Optional[int] = ..., step_interval: _Optional[int] = ..., min_balancedness: _Optional[float] = ..., paused: _Optional[bool] = ..., state: _Optional[str] = ..., rebalances: _Optional[int] = ..., last_trigger: _Optional[str] = ..., last_migration_id: _Optional[str] = ..., last_error: _Optional[str] = ..., admin_reachable: _Optional[bool] = ..., balancedness: _Optional[float] = ..., placement_version: _Optional[int] = ..., loop_iterations: _Optional[int] = ...) -> None: ...
+    step_model: str
+    predicted_step_s: float
+    step_efficiency: float
+    def __init__(self, window_steps: _Optional[int] = ..., step_interval: _Optional[int] = ..., min_balancedness: _Optional[float] = ..., paused: _Optional[bool] = ..., state: _Optional[str] = ..., rebalances: _Optional[int] = ..., last_trigger: _Optional[str] = ..., last_migration_id: _Optional[str] = ..., last_error: _Optional[str] = ..., admin_reachable: _Optional[bool] = ..., balancedness: _Optional[float] = ..., placement_version: _Optional[int] = ..., loop_iterations: _Optional[int] = ..., step_model: _Optional[str] = ..., predicted_step_s: _Optional[float] = ..., step_efficiency: _Optional[float] = ...) -> None: ...

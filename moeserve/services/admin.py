@@ -44,8 +44,8 @@ from moeserve.router.engine.api import EngineAPI, InvalidRequest
 from moeserve.rpc import admin_pb2, admin_pb2_grpc
 from moeserve.services.errors import abort_for
 from moeserve.services.server import ADMIN, ServerOptions, ServiceServer, ThreadedServer
-from moeserve.wire import (from_int64_matrix, int64_matrix, migration_msg, placement_balancedness, placement_msg,
-                           worker_balancedness_msg)
+from moeserve.wire import (breakeven_from_msg, from_int64_matrix, int64_matrix, migration_msg, placement_balancedness,
+                           placement_msg, worker_balancedness_msg)
 
 log = logging.getLogger("moeserve.admin")
 
@@ -87,11 +87,22 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         return placement_msg(self.engine.placement())
 
     def _target_of(self, request) -> Placement | object:
-        """The placement asked for: a phy2log [L, P] (the engine validates it) or a file parsed
-        into a Placement for this cluster's topology (validated as it is built)."""
+        """The placement asked for: a phy2log [L, P] (the engine validates it; the break-even
+        counts in force stay) or a Placement for this cluster's topology (validated as it is
+        built): a phy2log with the request's ``breakeven`` [L, E], or a file parsed (with the
+        request's b, else a moeserve JSON file's own, else the b in force)."""
         which = request.WhichOneof("source")
+        b = breakeven_from_msg(request)
         if which == "phy2log":
-            return from_int64_matrix(request.phy2log, "phy2log")
+            phy2log = from_int64_matrix(request.phy2log, "phy2log")
+            if b is None:
+                return phy2log
+            cur = self.engine.placement()
+            if phy2log.shape != cur.phy2log.shape:
+                raise InvalidRequest(f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = "
+                                     f"{cur.phy2log.shape}")
+            return self._with_breakeven(Placement(phy2log, cur.num_logical, cur.num_workers, cur.workers_per_node,
+                                                  cur.version), b)
         if which != "file":
             raise InvalidRequest("give the placement: phy2log [L, P] or a placement file")
         f = request.file
@@ -101,14 +112,27 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         name = admin_pb2.PlacementFile.Format.Name(f.format)
         what = f"the placement file ({name}, {len(f.content)} bytes)"
         try:
-            return self._parse_file(f)
+            p, has_b = self._parse_file(f)
         except InvalidRequest as e:
             raise InvalidRequest(f"{what}: {e}") from None
         except Exception as e:                  # whatever a parser raises on bytes that are not a placement
             msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequest(f"{what} is not a valid {name} placement: {msg}") from None
+        return self._with_breakeven(p, b if b is not None or has_b else self.engine.placement().breakeven)
 
-    def _parse_file(self, f) -> Placement:
+    def _with_breakeven(self, p: Placement, b) -> Placement:
+        """``p`` with the break-even counts ``b`` [L, E] (None: its own); InvalidRequest naming
+        the shape expected when b has another shape or a negative count."""
+        if b is None:
+            return p
+        try:
+            return Placement(p.phy2log, p.num_logical, p.num_workers, p.workers_per_node, p.version,
+                             p.layer_versions, breakeven=b)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+
+    def _parse_file(self, f) -> tuple[Placement, bool]:
+        """The file's placement, and whether it brought its own break-even counts."""
         cur = self.engine.placement()
         if f.format == admin_pb2.PlacementFile.MOESERVE_JSON:
             try:
@@ -116,12 +140,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             except UnicodeDecodeError as e:
                 raise InvalidRequest(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
             p = Placement.from_json(text)
+            has_b = '"breakeven"' in text
             if (p.num_logical, p.num_workers, p.workers_per_node) != (cur.num_logical, cur.num_workers,
                                                                     cur.workers_per_node):
                 raise InvalidRequest(f"it is for {p.num_logical} logical experts on {p.num_workers} "
                                      f"workers ({p.workers_per_node} per node); this cluster has {cur.num_logical} "
                                      f"on {cur.num_workers} ({cur.workers_per_node} per node)")
-            return p.evolve(version=cur.version)
+            return p.evolve(version=cur.version), has_b
         shape = self.engine.shape
         with tempfile.TemporaryDirectory(prefix="moeserve-placement-") as d:
             path = os.path.join(d, "placement" + FILE_SUFFIX[f.format])
@@ -129,7 +154,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 tmp.write(f.content)
             try:
                 return Placement.from_sglang(path, shape.moe_layer_ids, cur.num_logical, cur.num_workers,
-                                             cur.workers_per_node, shape.num_decoder_layers or None)
+                                             cur.workers_per_node, shape.num_decoder_layers or None), False
             except Exception as e:              # the message names the temporary file: not the client's
                 raise InvalidRequest(str(e).replace(path + ": ", "").replace(path, "the file")) from None
 
@@ -143,13 +168,14 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         except Exception as ex:
             await abort_for(context, ex)
         phy2log = target.phy2log if isinstance(target, Placement) else target
+        breakeven = target.breakeven if isinstance(target, Placement) else before.breakeven
         load = e.expert_load().load
         return admin_pb2.ApplyPlacementResponse(
             migration_id="" if request.dry_run else mig.migration_id, dry_run=request.dry_run,
             migration=None if request.dry_run else migration_msg(mig), moves=mig.moves_total, bytes=mig.bytes_total,
             balancedness_before=placement_balancedness(load, before.phy2log, before.num_workers),
             balancedness_after=placement_balancedness(load, phy2log, before.num_workers),
-            phy2log=int64_matrix(phy2log))
+            phy2log=int64_matrix(phy2log), breakeven=int64_matrix(breakeven))
 
     async def GetMigration(self, request, context):
         if not request.wait_s >= 0:                       # NaN too

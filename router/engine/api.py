@@ -254,10 +254,14 @@ class EngineAPI(Protocol):
         """Per worker, float64 [L, S, 2] (sum, sum of squares) of what each slot holds."""
         ...
 
+    def router_maps(self, timeout_s: float = 60.0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per router, the maps it routes with: (phy2log int64 [L, P], breakeven int64 [L, E])."""
+        ...
+
     def request_stop(self) -> None:
         ...
 
 
 REMOTE_METHODS = frozenset({"placement", "plan_placement", "apply_placement", "migration", "wait_migration",
                             "abort_migration", "expert_load", "total_load", "total_worker_load", "status", "slot_digests",
-                            "request_stop"})
+                            "router_maps", "request_stop"})

@@ -404,6 +404,9 @@ class EngineClient(EngineAPI):
     def slot_digests(self, timeout_s: float = 60.0):
         return self._call("slot_digests", timeout_s)
 
+    def router_maps(self, timeout_s: float = 60.0):
+        return self._call("router_maps", timeout_s)
+
     def request_stop(self):
         return self._call("request_stop")
 

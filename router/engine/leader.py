@@ -59,6 +59,7 @@ class Engine(EngineAPI):
         self._report_wanted = False
         self._report_done = threading.Event()
         self._report: list[np.ndarray] | None = None
+        self._router_maps: list[tuple[np.ndarray, np.ndarray]] = []
         self._seen_version = int(placement.version)
         self._placement_step = 0                 # forward_steps when the placement last changed
         self.metrics = None              # moeserve.metrics.LeaderMetrics when this rank exports metrics
@@ -179,6 +180,13 @@ class Engine(EngineAPI):
             raise Unavailable(f"no worker report within {timeout_s} s")
         return self._report
 
+    def router_maps(self, timeout_s: float = 60.0) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per router, the maps it routes with, taken at a step boundary: (phy2log int64 [L, P],
+        breakeven int64 [L, E]) (to check that a placement and its break-even counts reached
+        every router)."""
+        self.slot_digests(timeout_s)
+        return self._router_maps
+
     def request_stop(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -241,6 +249,7 @@ class Engine(EngineAPI):
         if header.report:
             with self._report_lock:
                 self._report = [results[r].slot_digest for r in self.cfg.worker_ranks]
+                self._router_maps = [r.router_maps for r in results if r.router_maps is not None]
                 self._report_wanted = False
                 self._report_done.set()
         if header.migration is not None and header.migration.begin_staging_slots:

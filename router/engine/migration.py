@@ -37,8 +37,9 @@ class Migration:
 
     id: str
     target: np.ndarray                         # [L, P] the phy2log asked for
+    target_breakeven: np.ndarray               # [L, E] its break-even counts b
     target_version: int
-    moves: dict[int, list[MoveOp]]             # per MoE layer, in layer order
+    moves: dict[int, list[MoveOp]]             # per MoE layer to commit, in layer order (empty: only b changes)
     total_moves: int
     total_bytes: int
     staging_slots: int
@@ -85,9 +86,11 @@ class Migrator:
 
     def plan(self, target: np.ndarray | Placement, expected_version: int | None = None) -> Migration:
         """Diff ``target`` against the placement in force. ``target`` is a phy2log [L, P], which
-        is validated here (InvalidRequest says what is wrong), or a Placement the caller built
-        for this cluster's topology (validated when it was built: a placement is validated once
-        between a front door and the workers). Raises StaleVersion too."""
+        is validated here (InvalidRequest says what is wrong) and keeps the break-even counts in
+        force, or a Placement the caller built for this cluster's topology (validated when it
+        was built: a placement is validated once between a front door and the workers), whose
+        ``breakeven`` [L, E] then takes effect with it. A layer whose b changes is committed
+        too, with or without moves. Raises StaleVersion too."""
         with self._lock:
             cur = self.current
             if expected_version is not None and int(expected_version) != int(cur.version):
@@ -101,7 +104,11 @@ class Migrator:
                         raise ValueError(f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = "
                                          f"{cur.phy2log.shape}")
                     new = Placement(phy2log=phy2log, num_logical=cur.num_logical, num_workers=cur.num_workers,
-                                    workers_per_node=cur.workers_per_node, version=cur.version)
+                                    workers_per_node=cur.workers_per_node, version=cur.version,
+                                    breakeven=cur.breakeven)
+                if new.breakeven.shape != cur.breakeven.shape:
+                    raise ValueError(f"breakeven must have shape (L, E) = {cur.breakeven.shape}, got "
+                                     f"{new.breakeven.shape}")
                 diff = cur.diff(new, self.expert_bytes)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
@@ -117,8 +124,11 @@ class Migrator:
                 inflow[m.moe_layer, m.dst_worker] += 1
                 moves.setdefault(m.moe_layer, []).append(
                     MoveOp(m.moe_layer, m.slot, m.logical, m.src_worker, src_slot, m.dst_worker, stage))
+            for layer in np.flatnonzero((new.breakeven != cur.breakeven).any(1)).tolist():
+                moves.setdefault(int(layer), [])      # b changes: committed, with no moves of its own
             moves = dict(sorted(moves.items()))
-            return Migration(id=uuid.uuid4().hex[:12], target=new.phy2log.copy(), target_version=-1, moves=moves,
+            return Migration(id=uuid.uuid4().hex[:12], target=new.phy2log.copy(),
+                             target_breakeven=np.array(new.breakeven, dtype=np.int64), target_version=-1, moves=moves,
                              total_moves=len(diff), total_bytes=len(diff) * self.expert_bytes,
                              staging_slots=int(inflow.max()) if diff else 0)
 
@@ -131,11 +141,13 @@ class Migrator:
                 self._abort_locked("superseded by migration " + mig.id)
             mig.target_version = next(self._versions)
             self.history[mig.id] = mig
-            if mig.total_moves == 0:                 # nothing changes: done at once, same state
+            if not mig.moves:                        # nothing changes: done at once, same state
                 mig.state = MigrationState.DONE
                 mig.target_version = int(self.current.version)
                 mig.done.set()
                 return mig
+            if mig.total_moves == 0:                 # only b changes: no staging, commits only
+                mig.state = MigrationState.MOVING
             self.active = mig
             self._layer_idx = self._move_idx = 0
             self._awaiting_commit = None
@@ -188,13 +200,16 @@ class Migrator:
             layers = list(mig.moves)
             if self._awaiting_commit is not None:
                 layer = self._awaiting_commit
-                row = mig.target[layer]
-                commits.append(LayerCommit(layer, tuple(int(x) for x in row), mig.target_version,
-                                           tuple((m.slot, m.stage) for m in mig.moves[layer])))
+                commits.append(self._commit_op(mig, layer))
                 self._commit_locked(layer)
                 self._awaiting_commit = None
                 self._layer_idx += 1
                 self._move_idx = 0
+            while self._layer_idx < len(layers) and not mig.moves[layers[self._layer_idx]]:
+                layer = layers[self._layer_idx]           # only b changes: nothing to wait for
+                commits.append(self._commit_op(mig, layer))
+                self._commit_locked(layer)
+                self._layer_idx += 1
             if self._layer_idx >= len(layers):
                 self._finish_locked()
                 return MigrationOps(mig.id, commits=tuple(commits), end=True)
@@ -229,13 +244,21 @@ class Migrator:
 
     # -- internals (lock held) ---------------------------------------------------------------
 
+    @staticmethod
+    def _commit_op(mig: Migration, layer: int) -> LayerCommit:
+        return LayerCommit(layer, tuple(int(x) for x in mig.target[layer]), mig.target_version,
+                           tuple((m.slot, m.stage) for m in mig.moves[layer]),
+                           tuple(int(x) for x in mig.target_breakeven[layer]))
+
     def _commit_locked(self, layer: int) -> None:
         mig = self.active
         p2l = self.current.phy2log.copy()
         p2l[layer] = mig.target[layer]
         lv = np.array(self.current.layer_versions, dtype=np.int64).copy()
         lv[layer] = mig.target_version
-        self.current = self.current.evolve(phy2log=p2l, layer_versions=lv)      # rows of a validated target
+        b = np.array(self.current.breakeven, dtype=np.int64)
+        b[layer] = mig.target_breakeven[layer]
+        self.current = self.current.evolve(phy2log=p2l, layer_versions=lv, breakeven=b)   # rows of a validated target
         mig.layers_committed.append(layer)
 
     def _finish_locked(self) -> None:

@@ -1,0 +1,177 @@
+"""The generation state of one HTTP request of the OpenAI-compatible API
+(``moeserve.services.http``): a :class:`Choice` per choice (its text so far, cut by stop
+strings matched across token boundaries; its token ids; its logprobs, the log-softmax of the
+logits the engine returns with each token), the :class:`Run` of the request streams of all
+choices (cancelled on the leader when it closes) and :func:`drive`, which feeds events to
+choices until every one is done.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeserve.router.engine.api import Finished, FinishReason, Token, Unavailable
+from moeserve.services.admission import Admission, Detokenizer, StopStrings
+
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
+
+
+def log_softmax_row(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64).reshape(-1)
+    m = x.max()
+    return x - (m + math.log(np.exp(x - m).sum()))
+
+
+@dataclass
+class Choice:
+    """One choice's state: its text so far (stop strings cut it), its tokens and logprobs.
+    ``token_ids``: every id generated (the one that completed a stop string included, as
+    ``usage`` counts it); :meth:`new_ids` hands out those not yet sent in a chunk."""
+
+    index: int
+    detok: Detokenizer
+    stops: StopStrings
+    stop_ids: frozenset
+    top_n: int | None
+    include_stop: bool
+    prompt_ids: tuple = ()
+    tokens: int = 0
+    text: str = ""
+    done: bool = False
+    finish_reason: str | None = None
+    stop_reason: object = None
+    last_token: int | None = None
+    logprobs: list = field(default_factory=list)      # (token id, logprob, [(id, logprob)], text offset)
+    ids_sent: int = 0                                 # token ids already sent in chunks
+    prompt_sent: bool = False                         # a chunk already carried prompt_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detok.ids
+
+    def new_ids(self) -> list[int]:
+        """The ids generated since the last call (for the next chunk)."""
+        ids = self.detok.ids[self.ids_sent:]
+        self.ids_sent = len(self.detok.ids)
+        return ids
+
+    def on_token(self, ev: Token) -> tuple[str, list]:
+        self.tokens += 1
+        self.last_token = ev.token_id
+        entries = []
+        if self.top_n is not None:
+            lp = log_softmax_row(ev.logits[-1]) if ev.logits is not None else None
+            if lp is None:
+                raise Unavailable("the leader returned no logits for a request that asked for logprobs")
+            top = []
+            if self.top_n:
+                k = min(self.top_n, lp.size)
+                idx = np.argpartition(-lp, k - 1)[:k]
+                idx = idx[np.argsort(-lp[idx], kind="stable")]
+                top = [(int(t), float(lp[t])) for t in idx]
+            entries.append((ev.token_id, float(lp[ev.token_id]), top, len(self.detok.text)))
+            self.logprobs.extend(entries)
+        self.detok.add(ev.token_id)
+        out, stopped = self.stops.feed(self.detok.text)
+        if stopped:
+            self._stop(out)
+            out = out + (self.stops.matched if self.include_stop else "")
+        self.text += out
+        return out, entries
+
+    def _stop(self, out: str) -> None:
+        self.done = True
+        self.finish_reason = "stop"
+        self.stop_reason = self.stops.matched
+
+    def on_finish(self, reason) -> str:
+        self.detok.flush()
+        out, stopped = self.stops.feed(self.detok.text, final=True)
+        self.done = True
+        if stopped:
+            self._stop(out)
+            out = out + (self.stops.matched if self.include_stop else "")
+        else:
+            self.finish_reason = FINISH.get(reason, str(reason))
+            if reason == FinishReason.STOP and self.last_token in self.stop_ids:
+                self.stop_reason = self.last_token
+        self.text += out
+        return out
+
+
+class Run:
+    """The request streams of one HTTP request's choices, each iterated by a task of its own
+    into one queue. Closing it (or a choice) cancels the requests on the leader."""
+
+    def __init__(self, admission: Admission, reqs):
+        self.streams = [admission.open(r) for r in reqs]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.buffer: list = []
+        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self.streams)]
+
+    async def _pump(self, i: int, stream) -> None:
+        try:
+            async for ev in stream:
+                self.queue.put_nowait((i, ev))
+            self.queue.put_nowait((i, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.queue.put_nowait((i, e))
+        finally:
+            await stream.aclose()
+
+    async def prime(self) -> None:
+        """Wait until every choice has its first event; raise the first refusal."""
+        seen = set()
+        while len(seen) < len(self.streams):
+            i, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            seen.add(i)
+            self.buffer.append((i, item))
+
+    async def next(self):
+        if self.buffer:
+            return self.buffer.pop(0)
+        return await self.queue.get()
+
+    def end(self, i: int, reason: str) -> None:
+        """Choice ``i`` is done (a stop string): cancel its request on the leader."""
+        self.streams[i].close_reason = reason
+        self.tasks[i].cancel()
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+async def drive(run: Run, choices: list[Choice]):
+    """(choice, new text, new logprob entries) as events arrive, until every choice is done."""
+    left = sum(not c.done for c in choices)
+    while left:
+        i, item = await run.next()
+        c = choices[i]
+        if c.done:
+            continue
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            raise Unavailable("the leader ended a request without a finish event")
+        if isinstance(item, Token):
+            text, entries = c.on_token(item)
+            if c.done:
+                run.end(i, "stop")
+                left -= 1
+            yield c, text, entries
+        elif isinstance(item, Finished):
+            text = c.on_finish(item.reason)
+            left -= 1
+            yield c, text, []
+
+
+__all__ = ["Choice", "Run", "drive", "log_softmax_row", "FINISH"]
