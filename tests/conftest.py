@@ -17,3 +17,14 @@ def demo_checkpoint(tmp_path_factory):
     from moeserve.demo import ensure_checkpoint
     folder, _ = ensure_checkpoint(tmp_path_factory.mktemp("demo-cache"))
     return folder
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The live compose test's phase times and image size, in the run's log (tests/test_compose_live.py)."""
+    import sys
+    mod = sys.modules.get("test_compose_live")
+    lines = getattr(mod, "SUMMARY", None) if mod is not None else None
+    if lines:
+        terminalreporter.section("live compose cluster")
+        for line in lines:
+            terminalreporter.line(line)
