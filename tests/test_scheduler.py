@@ -53,6 +53,14 @@ def test_max_num_seqs_and_max_num_batched_tokens_bound_each_router_per_step():
     assert sum(len(sw.token_ids) for sw in work) == 7 and [sw.sample for sw in work] == [True, True, False]
 
 
+def test_a_router_out_of_budget_does_not_stop_admission_to_another():
+    s = sched(routers=2, max_num_batched_tokens=4)
+    a, b, c = s.submit(req(n=4)), s.submit(req(n=1)), s.submit(req(n=1))
+    work = s.schedule()            # a fills router 0's budget; router 0 and 1 then run one each, c goes to 1
+    assert [len(w.seqs) for w in work] == [1, 2]
+    assert (a.router, b.router, c.router) == (0, 1, 1) and s.counts()["waiting"] == 0
+
+
 def test_sequences_finish_at_max_tokens_or_eos_and_are_released_on_their_router():
     s = sched(routers=1)
     long, short = s.submit(req(max_tokens=3)), s.submit(req(max_tokens=10))

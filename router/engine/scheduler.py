@@ -5,8 +5,9 @@ Every step, per router and within its limits (``max_num_seqs`` running sequences
 ``max_num_batched_tokens`` new tokens per step): running sequences go first, oldest first
 (a decode feeds one token, a prompt longer than the budget continues with its next chunk:
 chunked prefill), then waiting prompts are admitted in arrival order while free KV blocks
-allow. A new sequence goes to the router with the fewest running sequences and stays there
-(its KV blocks live there). When a running sequence needs a block and none is free, the
+allow. A new sequence goes to the router with the fewest running sequences among those that
+can take it in this step (room under max_num_seqs, token budget left, a free block for its
+first chunk), and stays there (its KV blocks live there); admission stops when none can. When a running sequence needs a block and none is free, the
 newest running sequence of that router is preempted: its blocks are freed and it waits at the
 head of the queue, to be recomputed later from its prompt and the tokens it already produced
 (its sampling is keyed by (seed, output position), so it produces the same tokens). Finished,
@@ -143,11 +144,16 @@ class Scheduler:
                         budget[r] -= take
             while self._waiting:
                 seq = self._waiting[0]
-                r = int(np.argmin([len(x) for x in self._running]))
-                take = min(len(seq.known), budget[r])
-                need = blocks_for(take, self.block_size)
-                if len(self._running[r]) >= self.limits.max_num_seqs or take == 0 or need > self._blocks[r].num_free:
+                # the router with the fewest sequences among those that can take a new one this
+                # step (room, token budget, a free block): one router out of budget or room no
+                # longer stops admission to the others
+                open_ = [r for r in range(self.num_routers)
+                         if len(self._running[r]) < self.limits.max_num_seqs and budget[r] > 0
+                         and blocks_for(min(len(seq.known), budget[r]), self.block_size) <= self._blocks[r].num_free]
+                if not open_:
                     break
+                r = min(open_, key=lambda x: len(self._running[x]))
+                take = min(len(seq.known), budget[r])
                 self._waiting.popleft()
                 seq.router, seq.admitted = r, next(self._admissions)
                 self._running[r][seq.seq_id] = seq
