@@ -33,8 +33,8 @@ def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, ecnt_pt
     # when every expert has one), and the block's histogram over the slots [PB]. Blocks past N
     # (the grid covers the capacity) do nothing. BREAKEVEN: the rule with break-even counts b [E]
     # and this router's pairs per expert ecnt [E] (from expert_count_kernel): with n = ecnt[e] * NR,
-    # b[e] > 0 and n <= b[e], replica (offset - router) mod logcnt[e] (the step's, the same on every
-    # router); else (token + offset) mod u, u = min(logcnt[e], ceil(n / b[e])) (logcnt[e] when b[e] = 0).
+    # b[e] > 0 and n <= b[e], replica (offset - router + e) mod logcnt[e] (the step's, staggered by
+    # expert, the same on every router); else (token + offset) mod u, u = min(logcnt[e], ceil(n / b[e])) (logcnt[e] when b[e] = 0).
     b = tl.program_id(0).to(tl.int64)
     n = tl.load(args_ptr + 3)
     if b * B < n:
@@ -54,7 +54,7 @@ def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, ecnt_pt
                 used = tl.where(on, tl.minimum(cnt, (est + be - 1) // tl.maximum(be, 1)), cnt)
                 used = tl.maximum(used, 1)
                 step = offset - router
-                alone = ((step % cnt) + cnt) % cnt
+                alone = (((step + e) % cnt) + cnt) % cnt
                 rep = tl.where(on & (est <= be), alone, (i // K + offset) % used)
             else:
                 rep = (i // K + offset) % cnt

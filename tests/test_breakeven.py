@@ -112,7 +112,19 @@ def test_replicas_used_per_expert():
     est = torch.tensor([5, 6, 100, 50, 5, 0])
     used, alone = replicas_used(est, logcnt, b, step=7)
     assert used.tolist() == [1, 2, 4, 1, 3, 1]
-    assert alone.tolist() == [3, -1, -1, -1, -1, 1]   # at or below b: step mod logcnt
+    assert alone.tolist() == [3, -1, -1, -1, -1, 0]   # at or below b: (step + e) mod logcnt
+
+
+def test_below_b_experts_doubled_on_the_same_workers_take_turns():
+    """Experts 0-3, each with a replica on worker 0 (slots 0-3) and one on worker 1 (slots
+    4-7), all below b: in every step two of them read worker 0's copy and two worker 1's."""
+    log2phy = torch.tensor([[e, 4 + e] for e in range(4)])
+    logcnt = torch.full((4,), 2)
+    ids = torch.arange(4).view(4, 1)                      # one pair per expert
+    for step in range(4):
+        slots = choose_slots(ids, log2phy, logcnt, step, torch.full((4,), 10), 0, 1)
+        workers = (slots >= 4).long()
+        assert workers.sum().item() == 2, (step, slots.tolist())
 
 
 @needs_triton

@@ -97,8 +97,9 @@ def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
     Token t's pair for expert e takes replica (t + offset) mod u[e] of the first u[e] replicas.
     Without a threshold (b[e] = 0) u[e] = logcnt[e]. With one, the step's count of e is
     estimated as n[e] = (this router's pairs of e in the layer) x num_routers; at or below b[e]
-    every router sends e's pairs to the one replica (step mod logcnt[e]), the same on every
-    router, so one copy's weights are read; above it u[e] = min(logcnt[e], ceil(n[e] / b[e])).
+    every router sends e's pairs to the one replica (step + e) mod logcnt[e], the same on every
+    router, so one copy's weights are read (staggered by e: experts doubled on the same pair
+    of workers take turns rather than all reading the same worker's copy); above it u[e] = min(logcnt[e], ceil(n[e] / b[e])).
     A token picks an expert at most once, so the tokens of a hot expert (close to all of them)
     split evenly over the replicas used, give or take one, and the rest split evenly in
     expectation: the even split the policy's cost model assumes (docs/dataplane.md explains
@@ -123,14 +124,15 @@ def replicas_used(estimate: torch.Tensor, logcnt: torch.Tensor, breakeven: torch
     estimate: LongTensor [E], the step's estimated pairs of each expert; logcnt [E]; breakeven
     [E] (b, an integer count; <= 0: no threshold); step: the step number.
     returns   (used [E]: replicas the expert's pairs spread over, >= 1; alone [E]: the one
-              replica every router takes, step mod logcnt, where estimate <= b with b > 0;
+              replica every router takes, (step + e) mod logcnt, where estimate <= b with b > 0;
               -1 elsewhere).
     """
     b = breakeven.to(torch.long)
     on = b > 0
     wide = torch.minimum(logcnt, (estimate + b - 1) // b.clamp(min=1)).clamp(min=1)
     used = torch.where(on, wide, logcnt)
-    alone = torch.where(on & (estimate <= b), step % logcnt.clamp(min=1), torch.full_like(logcnt, -1))
+    expert = torch.arange(logcnt.numel(), device=logcnt.device)
+    alone = torch.where(on & (estimate <= b), (step + expert) % logcnt.clamp(min=1), torch.full_like(logcnt, -1))
     return used, alone
 
 
