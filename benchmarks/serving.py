@@ -5,6 +5,8 @@
     python benchmarks/serving.py --shape ernie28
     python benchmarks/serving.py --smoke              # CPU: tiny shape, gloo, 1 rank, a few requests
     python benchmarks/serving.py --shape scout8 --apis grpc,http     # also through the HTTP API
+    python3 benchmarks/serving.py --shape scout8 --configs moeserve-ep2 --workloads eplb   # EPLB end to end, 2 GPUs
+    python benchmarks/serving.py --smoke --workloads eplb                 # the same on the CPU (gloo, 2 ranks)
 
 Weights are seeded random numbers made on the device (``--load-format dummy``): the model
 folder is a ``config.json`` written here, nothing is downloaded. Shapes (bf16):
@@ -42,6 +44,24 @@ Workloads (``--workloads burst,online``):
   (at most ``--requests``). Output tok/s, TTFT p50/p99, inter-token latency p50/p99 and the
   ratio ITL p99 / p50. Requests still running ``--drain`` seconds after the last arrival are
   cancelled and counted.
+
+- eplb (``--workloads eplb``, alone, ``moeserve-ep2`` only): the EPLB measurement on one cluster
+  (docs/eplb.md, "The end-to-end measurement"). The dummy weights get hot experts
+  (``--hot-experts 2:0.8``: experts R .. R+1 take about 80 % of every MoE layer's routed tokens,
+  config.json's ``moeserve_dummy_hot_experts``), both on worker 0 in the start placement; the
+  balancer may move every slot in one plan (``--eplb-move-budget 1.0``). Phases: a decode burst
+  (the burst's flags) and the prefill-heavy burst (``--eplb-requests`` 256 x ``--eplb-prompt``
+  2,048 tokens, ``--eplb-output`` 32, ``--max-num-batched-tokens`` 8192) on the start placement
+  ("EPLB off"): prefill and output tok/s, step times, the routers' measured balancedness over
+  the burst's steps; a rebalance now through the balancer (slots and bytes moved, seconds,
+  bytes/s); the same two bursts on the new placement; the ideal MoE time (measured x
+  balancedness); then, back on the start placement, a live rebalance at ``--eplb-rebalance-at``
+  seconds into a Poisson online load (``--load`` of the online mix's capacity, ``--duration``):
+  its wall time (target <= 30 s), inter-token p99 of the gaps that overlap it against the steady
+  ones (target <= 1.1x) and failed requests (target 0). Written under the configuration's
+  ``eplb`` key and printed as a table of its own. ``--eplb-step-model FILE`` (e.g.
+  benchmarks/results/step_model_h200.json, with ``--eplb-step-model-shape NAME``) makes the
+  balancer plan by predicted step time and send break-even counts (issue 15's cost-aware EPLB).
 
 APIs (``--apis grpc,http``, default ``grpc``): each moeserve configuration's workloads run
 through each API in turn, back to back against the same running cluster (``moeserve up`` then
@@ -103,6 +123,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -593,7 +614,7 @@ async def _client_http(base, plan, t0_value, go, results, warm, deadline_s) -> N
 
 
 def drive(address: str, plan: list, procs: int, deadline_s: float, api: str = "grpc",
-          stats: dict | None = None) -> list[dict]:
+          stats: dict | None = None, on_start=None) -> list[dict]:
     """Split ``plan`` round-robin over ``procs`` client processes of ``api``, start them
     together, and return every request's record (times relative to the common start);
     ``stats`` (when given) gets the clients' CPU seconds during the run (``client_cpu_s``) and,
@@ -629,6 +650,8 @@ def drive(address: str, plan: list, procs: int, deadline_s: float, api: str = "g
                 fail(f"a {api} client process did not start")
     t0.value = time.monotonic() + 0.2
     go.set()
+    if on_start is not None:                                     # the common start (time.monotonic())
+        on_start(t0.value)
     recs, cpu, token_ids = [], 0.0, []
     done = 0
     limit = time.monotonic() + deadline_s + 60
@@ -846,7 +869,8 @@ def profile_table(profiles: dict, expert_bytes_per_step: float | None = None) ->
 class Up:
     """``python -m moeserve up ...`` as a child process, until ``stop``."""
 
-    def __init__(self, model_dir: str, ranks: int, redundant: int, a, log_dir: str, http: bool = False):
+    def __init__(self, model_dir: str, ranks: int, redundant: int, a, log_dir: str, http: bool = False,
+                 extra: list | None = None):
         self.ports = {"port": free_port(), "admin": free_port(), "balancer": free_port()}
         if http:
             self.ports["http"] = free_port()
@@ -868,6 +892,7 @@ class Up:
             cmd += ["--enable-eplb", "--num-redundant-experts", str(redundant)]
         if http:
             cmd += ["--http-port", str(self.ports["http"])]
+        cmd += list(extra or ())
         self.cmd = cmd
         self.out_path = os.path.join(log_dir, "up.out")
         self.t0 = time.monotonic()
@@ -889,6 +914,7 @@ class Up:
         self.serving = f"127.0.0.1:{self.ports['port']}"
         self.admin = f"127.0.0.1:{self.ports['admin']}"
         self.http = f"http://127.0.0.1:{self.ports['http']}" if http else None
+        self.balancer = f"127.0.0.1:{self.ports['balancer']}"
         self._frontend_pid: int | None = None
 
     def address(self, api: str) -> str:
@@ -1005,11 +1031,20 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
         return recs, lambda tokens: api_figures(api, recs, stats, fe, tokens)
 
     try:
-        up = Up(model_dir, ranks, redundant, a, os.path.join(log_root, name), http="http" in apis)
+        eplb = "eplb" in plans
+        up = Up(model_dir, ranks, redundant, a, os.path.join(log_root, name), http="http" in apis,
+                extra=(["--eplb-move-budget", "1.0"]              # one rebalance may move every layer
+                       + (["--eplb-step-model", os.path.abspath(a.eplb_step_model)]
+                          if getattr(a, "eplb_step_model", None) else [])
+                       + (["--eplb-step-model-shape", a.eplb_step_model_shape]
+                          if getattr(a, "eplb_step_model_shape", None) else [])) if eplb else None)
         res["startup_s"] = up.startup_s
         print(f"[{name}] ready in {up.startup_s:.0f} s", flush=True)
+        if eplb:
+            res["eplb"] = run_eplb(name, up, a, sizes, plans)
+            plans = {}
         # warm-up, through each API: the burst's batch through prefill and a few decode steps
-        for api in apis:
+        for api in apis if "burst" in plans else ():
             drive(up.address(api), [(i, 0.0, p, min(16, n)) for i, _, p, n in plans["burst"]], a.client_procs, 300,
                   api=api)
         weights = sizes["router_bytes"] + (sizes["num_experts"] + redundant) // ranks * \
@@ -1119,6 +1154,289 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
 
 
 # ------------------------------------------------------------------------------------------
+# eplb: the EPLB measurement end to end, on one running cluster (``--workloads eplb``)
+
+
+class StepPoller:
+    """Samples the leader's forward-step count (admin status) every ``period`` seconds in a thread,
+    so that the steps of a time window (a burst's prefill) can be counted afterwards."""
+
+    def __init__(self, admin: str, period: float = 0.1):
+        from moeserve.client import Client
+        self.samples: list[tuple[float, int]] = []
+        self._client = Client(admin, TOKEN, timeout=10)
+        self._stop = threading.Event()
+        self._period = period
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                steps = self._client.status().forward_steps
+                self.samples.append((time.monotonic(), steps))
+            except Exception:                                   # noqa: BLE001 - a missed sample
+                pass
+            self._stop.wait(self._period)
+
+    def steps_at(self, t: float) -> float | None:
+        """Forward steps at monotonic time t, interpolated between samples."""
+        xs = self.samples
+        if not xs or t < xs[0][0] or t > xs[-1][0]:
+            return None
+        return float(np.interp(t, [x[0] for x in xs], [x[1] for x in xs]))
+
+    def steps_between(self, t0: float, t1: float) -> float | None:
+        a, b = self.steps_at(t0), self.steps_at(t1)
+        return (b - a) if a is not None and b is not None else None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._client.close()
+
+
+def _balancedness(load) -> dict:
+    return dict(measured=float(load.measured.mean), measured_per_layer=[float(x) for x in load.measured.per_layer],
+                predicted=float(load.predicted.mean), steps=int(load.steps),
+                placement_version=int(load.placement_version))
+
+
+def eplb_burst(up, admin, poller: StepPoller, a, plan: list, prompt: int, output: int, window: int) -> dict:
+    """One burst (all at once) with its prefill and decode figures, the engine's step count and
+    the balancedness the routers measured over the burst's steps."""
+    started: dict = {}
+    s0 = admin.status().forward_steps
+    recs = drive(up.serving, plan, a.client_procs, a.burst_timeout, on_start=lambda t: started.update(t0=t))
+    s1 = admin.status().forward_steps
+    time.sleep(2 * poller._period)
+    b = burst_figures(recs, prompt, output, a.trim)
+    steps = s1 - s0
+    firsts = [r["tokens"][0] for r in recs if r["tokens"]]
+    prompt_tokens = sum(r["prompt_len"] for r in recs)
+    prefill_s = max(firsts) if firsts else None                   # from the common start to the last first token
+    prefill_steps = poller.steps_between(started["t0"], started["t0"] + prefill_s) if prefill_s else None
+    b.update(forward_steps=steps, wall_per_step_s=(b["wall_s"] / steps) if steps else None,
+             prompt_tokens_total=prompt_tokens, prefill_s=prefill_s,
+             prefill_tok_s=(prompt_tokens / prefill_s) if prefill_s else None,
+             prefill_steps=prefill_steps,
+             prefill_step_s=(prefill_s / prefill_steps) if prefill_s and prefill_steps else None,
+             failed=sum(1 for r in recs if r["error"] or r["finish"] in (None, "timeout")))
+    b["balancedness"] = _balancedness(admin.expert_load(window_steps=max(1, min(steps, window))))
+    return b
+
+
+def rebalance_now(balancer, label: str) -> dict:
+    """The balancer plans on its load window and applies the plan; the call returns when the
+    migration ended."""
+    t = time.monotonic()
+    rb = balancer.rebalance(wait=True, timeout=600)
+    wall = time.monotonic() - t
+    mig = rb.migration
+    out = dict(applied=bool(rb.applied), note=rb.note, wall_s=wall, slots_moved=int(rb.slots_moved),
+               slots_moved_across_workers=int(rb.slots_moved_across_workers), bytes_moved=int(rb.bytes_moved),
+               bytes_per_s=rb.bytes_moved / wall if wall > 0 else None,
+               predicted_balancedness_before=float(rb.balancedness_before.mean),
+               predicted_balancedness_after=float(rb.balancedness_after.mean),
+               predicted_step_s_before=float(rb.predicted_step_s_before) or None,
+               predicted_step_s_after=float(rb.predicted_step_s_after) or None,
+               breakeven_sent=rb.breakeven is not None and bool(np.asarray(rb.breakeven).size),
+               migration_state=str(mig.state) if mig is not None else None,
+               migration_layers_committed=int(mig.layers_committed) if mig is not None else None,
+               migration_layers_total=int(mig.layers_total) if mig is not None else None)
+    print(f"[eplb] {label}: {'applied' if rb.applied else 'NOT applied'}, {rb.slots_moved} slots "
+          f"({rb.bytes_moved / 2**20:.1f} MiB) in {wall:.2f} s"
+          + (f" = {out['bytes_per_s'] / 1e9:.2f} GB/s" if out["bytes_per_s"] else "")
+          + f", predicted balancedness {out['predicted_balancedness_before']:.3f} -> "
+            f"{out['predicted_balancedness_after']:.3f}" + (f" ({rb.note})" if rb.note else ""), flush=True)
+    return out
+
+
+def _gaps(recs: list[dict], keep) -> list[float]:
+    return [b - a for r in recs for a, b in zip(r["tokens"], r["tokens"][1:]) if keep(a, b)]
+
+
+def run_eplb(name: str, up, a, sizes: dict, plans: dict) -> dict:
+    """The phases of ``--workloads eplb`` on one running cluster; see the module docstring."""
+    from moeserve.client import Client
+    admin = Client(up.admin, TOKEN, timeout=60)
+    balancer = Client(up.balancer, TOKEN, timeout=60)
+    poller = StepPoller(up.admin)
+    out: dict = dict(hot_experts=a.hot_experts_cfg, prompt=a.eplb_prompt, output=a.eplb_output,
+                     requests=a.eplb_requests, max_num_batched_tokens=a.max_num_batched_tokens,
+                     decode=dict(requests=a.burst_requests, prompt=a.burst_prompt, output=a.burst_output))
+    try:
+        st = admin.status()
+        window = int(st.eplb.window_size) or 1000
+        initial = admin.placement()
+        out["initial_phy2log"] = initial.phy2log.tolist()
+        vocab = sizes["vocab_size"]
+        rng = np.random.default_rng(a.seed + 7)
+        prefill_plan = burst_plan(rng, a.eplb_requests, a.eplb_prompt, a.eplb_output, vocab)
+        decode_plan = plans["burst"]
+        # warm-up: a few long prompts, then the decode burst's batch through a few steps
+        drive(up.serving, [(i, 0.0, p, 2) for i, _, p, _ in prefill_plan[:max(2, a.client_procs)]], a.client_procs, 300)
+        drive(up.serving, [(i, 0.0, p, min(16, n)) for i, _, p, n in decode_plan], a.client_procs, 300)
+
+        def decode(label: str) -> dict:
+            d = eplb_burst(up, admin, poller, a, decode_plan, a.burst_prompt, a.burst_output, window)
+            print(f"[eplb] decode burst {label}: {d['output_tok_s'] or 0:.0f} tok/s, steady step "
+                  f"{1e3 * (d['steady_step_s'] or 0):.2f} ms, balancedness {d['balancedness']['measured']:.3f}",
+                  flush=True)
+            return d
+
+        def prefill(label: str) -> dict:
+            b = eplb_burst(up, admin, poller, a, prefill_plan, a.eplb_prompt, a.eplb_output, window)
+            print(f"[eplb] prefill burst {label}: prefill {b['prefill_tok_s'] or 0:.0f} tok/s "
+                  f"({1e3 * (b['prefill_step_s'] or 0):.1f} ms/step), output {b['output_tok_s'] or 0:.0f} tok/s, "
+                  f"balancedness {b['balancedness']['measured']:.3f}", flush=True)
+            return b
+
+        # (e) decode at the initial placement; (a) the skewed prefill-heavy burst, EPLB off
+        out["decode_before"] = decode("before")
+        out["before"] = prefill("before (initial placement)")
+        # (b) rebalance now, every layer (--eplb-move-budget 1.0), idle cluster
+        out["rebalance"] = rebalance_now(balancer, "rebalance")
+        out["rebalance"]["phy2log"] = admin.placement().phy2log.tolist()
+        # (c) the same burst on the new placement; (e) decode on it
+        out["after"] = prefill("after")
+        out["decode_after"] = decode("after")
+        # (d) the ideal: MoE time scales with the slowest worker's load, so a perfectly balanced
+        # placement would take (measured MoE time) x balancedness
+        bb, ba = out["before"]["balancedness"]["measured"], out["after"]["balancedness"]["measured"]
+        sb, sa = out["before"].get("prefill_step_s"), out["after"].get("prefill_step_s")
+        out["ideal"] = dict(
+            moe_time_ideal_over_measured_before=bb, moe_time_ideal_over_measured_after=ba,
+            moe_speedup_predicted=ratio(ba, bb) if bb else None,
+            prefill_step_speedup_measured=ratio(sb, sa), prefill_tok_s_speedup_measured=ratio(
+                out["after"].get("prefill_tok_s"), out["before"].get("prefill_tok_s")),
+            output_tok_s_speedup_measured=ratio(out["after"].get("output_tok_s"), out["before"].get("output_tok_s")),
+            prefill_step_if_all_moe_balanced_s=(sb * bb) if sb else None,
+            note="balancedness = mean / max worker load; the MoE part of a step scales with the max, so "
+                 "ideal MoE time = measured MoE time x balancedness; the step also holds attention, the "
+                 "shared expert and the LM head, which balance does not change (their share: --profile)")
+        out["decode_cost"] = dict(step_before_s=out["decode_before"].get("steady_step_s"),
+                                  step_after_s=out["decode_after"].get("steady_step_s"),
+                                  step_after_over_before=ratio(out["decode_after"].get("steady_step_s"),
+                                                               out["decode_before"].get("steady_step_s")))
+        # (f) back to the initial placement, then a live rebalance during the online load
+        t = time.monotonic()
+        restore = admin.apply_placement(np.asarray(initial.phy2log), wait=True, timeout=600)
+        out["restore"] = dict(wall_s=time.monotonic() - t, moves=int(restore.moves), bytes=int(restore.bytes))
+        mean_out = (a.online_output[0] + a.online_output[1]) / 2
+        probe = online_plan(np.random.default_rng(a.seed + 2), 1e9, a.burst_requests, tuple(a.online_prompt),
+                            tuple(a.online_output), vocab, first=2 * 10 ** 6)
+        cap = burst_figures(drive(up.serving, [(i, 0.0, p, n) for i, _, p, n in probe], a.client_procs,
+                                  a.burst_timeout), 0, 0, a.trim)
+        rate = a.load * (cap["output_tok_s"] or 1.0) / mean_out
+        count = max(1, min(a.requests, int(math.ceil(rate * a.duration))))
+        plan = online_plan(np.random.default_rng(a.seed + 1), rate, count, tuple(a.online_prompt),
+                           tuple(a.online_output), vocab, first=10 ** 6)
+        span = plan[-1][1]
+        at = a.eplb_rebalance_at if a.eplb_rebalance_at is not None else 0.4 * span
+        go, live = threading.Event(), {}
+
+        def live_rebalance():
+            go.wait()
+            time.sleep(max(0.0, live["t0"] + at - time.monotonic()))
+            live["start"] = time.monotonic() - live["t0"]
+            try:
+                live["result"] = rebalance_now(balancer, "live rebalance during the online load")
+            except Exception as e:                               # noqa: BLE001 - reported
+                live["error"] = f"{type(e).__name__}: {e}"
+            live["end"] = time.monotonic() - live["t0"]
+
+        th = threading.Thread(target=live_rebalance, daemon=True)
+        th.start()
+        recs = drive(up.serving, plan, a.client_procs, span + a.drain,
+                     on_start=lambda t0: (live.update(t0=t0), go.set()))
+        th.join(600)
+        o = online_figures(recs, a.load, rate, tuple(a.online_prompt), tuple(a.online_output))
+        ts, te = live.get("start"), live.get("end")
+        lv = dict(live.get("result") or {}, error=live.get("error"), start_s=ts, end_s=te, rebalance_at_s=at,
+                  arrival_span_s=span, requests=len(recs), completed=o["completed"], cancelled=o["cancelled"],
+                  errors=o["errors"], failed=sum(1 for r in recs if r["error"] or r["finish"] in (None, "timeout")),
+                  output_tok_s=o["output_tok_s"], capacity_output_tok_s=cap["output_tok_s"], arrival_rate_req_s=rate,
+                  itl_p50_s=o["itl_p50_s"], itl_p99_s=o["itl_p99_s"])
+        if ts is not None and te is not None:
+            during = _gaps(recs, lambda x, y: x < te and y > ts)          # gaps that overlap the migration
+            steady = _gaps(recs, lambda x, y: (0.25 * ts <= y < ts) or (te < x and y <= span))
+            lv.update(itl_during_n=len(during), itl_steady_n=len(steady), itl_p50_during_s=pct(during, 50),
+                      itl_p99_during_s=pct(during, 99), itl_p50_steady_s=pct(steady, 50),
+                      itl_p99_steady_s=pct(steady, 99), itl_p99_during_over_steady=ratio(pct(during, 99),
+                                                                                           pct(steady, 99)))
+        lv["targets"] = dict(
+            rebalance_within_30s=bool(lv.get("wall_s") is not None and lv["wall_s"] <= 30.0),
+            itl_p99_during_within_1_1x_steady=bool(lv.get("itl_p99_during_over_steady") is not None
+                                                   and lv["itl_p99_during_over_steady"] <= 1.1),
+            no_request_failed=lv["failed"] == 0 and not lv["errors"])
+        out["live"] = lv
+        print(f"[eplb] live: {lv.get('slots_moved')} slots in {lv.get('wall_s') or 0:.2f} s during the online load "
+              f"({count} requests at {rate:.2f}/s), ITL p99 during {1e3 * (lv.get('itl_p99_during_s') or 0):.1f} ms vs "
+              f"steady {1e3 * (lv.get('itl_p99_steady_s') or 0):.1f} ms, {lv['failed']} failed", flush=True)
+        out["failed_requests"] = sum(out[k]["failed"] for k in ("decode_before", "before", "after", "decode_after")) \
+            + lv["failed"]
+    finally:
+        poller.close()
+        admin.close()
+        balancer.close()
+    return out
+
+
+def eplb_table(result: dict) -> list[str]:
+    lines = []
+    for name, c in result["configs"].items():
+        e = c.get("eplb")
+        if not e:
+            continue
+        hot = e.get("hot_experts") or {}
+        lines.append(f"EPLB end to end ({name}): {e['requests']} x {e['prompt']}-token prompts, {e['output']} out, "
+                     f"max-num-batched-tokens {e['max_num_batched_tokens']}, hot experts {hot.get('ids')} taking "
+                     f"~{hot.get('share')} of the tokens in every MoE layer")
+        lines.append(f"  {'phase':<26}{'balanced':>9}{'prefill tok/s':>14}{'pf ms/step':>11}{'out tok/s':>10}"
+                     f"{'ms/step':>9}{'TTFT99 ms':>10}{'failed':>7}")
+        for key, label in (("before", "(a) EPLB off (initial)"), ("after", "(c) after rebalance"),
+                           ("decode_before", "(e) decode, initial"), ("decode_after", "(e) decode, rebalanced")):
+            b = e.get(key)
+            if not b:
+                continue
+            step = b.get("steady_step_s") if key.startswith("decode") else b.get("prefill_step_s")
+            lines.append(f"  {label:<26}{_num(b['balancedness']['measured'], '9.3f')}"
+                         f"{_num(b.get('prefill_tok_s'), '14.0f')}{_ms(b.get('prefill_step_s'))[-11:]:>11}"
+                         f"{_num(b.get('output_tok_s'), '10.0f')}{_ms(step)}{_ms(b.get('ttft_p99_s'))[-10:]:>10}"
+                         f"{b.get('failed', 0):>7}")
+        r = e.get("rebalance") or {}
+        if r:
+            lines.append(f"  (b) rebalance: {'applied' if r.get('applied') else 'NOT applied'}, {r.get('slots_moved')} "
+                         f"slots ({r.get('slots_moved_across_workers')} across workers), "
+                         f"{(r.get('bytes_moved') or 0) / 2**20:.1f} MiB in {r.get('wall_s') or 0:.2f} s = "
+                         f"{(r.get('bytes_per_s') or 0) / 1e9:.2f} GB/s; predicted balancedness "
+                         f"{r.get('predicted_balancedness_before', 0):.3f} -> {r.get('predicted_balancedness_after', 0):.3f}")
+        i = e.get("ideal") or {}
+        if i:
+            lines.append(f"  (d) ideal MoE time = measured x balancedness: {_f(i.get('moe_time_ideal_over_measured_before'))}"
+                         f" x before, {_f(i.get('moe_time_ideal_over_measured_after'))} x after; MoE "
+                         f"speed-up predicted {_f(i.get('moe_speedup_predicted'))}, prefill step "
+                         f"speed-up measured {_f(i.get('prefill_step_speedup_measured'))}, prefill tok/s "
+                         f"{_f(i.get('prefill_tok_s_speedup_measured'))}")
+        d = e.get("decode_cost") or {}
+        if d:
+            lines.append(f"  (e) decode step rebalanced / initial: {_f(d.get('step_after_over_before'))}")
+        lv = e.get("live") or {}
+        if lv:
+            t = lv.get("targets") or {}
+            lines.append(f"  (f) live rebalance during the online load ({lv.get('requests')} requests at "
+                         f"{lv.get('arrival_rate_req_s') or 0:.2f}/s): {lv.get('slots_moved')} slots, "
+                         f"{(lv.get('bytes_moved') or 0) / 2**20:.1f} MiB in {lv.get('wall_s') or 0:.2f} s "
+                         f"({'ok' if t.get('rebalance_within_30s') else 'over'} 30 s); ITL p99 during "
+                         f"{_ms(lv.get('itl_p99_during_s')).strip()} ms vs steady {_ms(lv.get('itl_p99_steady_s')).strip()} ms = "
+                         f"{_f(lv.get('itl_p99_during_over_steady'), '.2f')}x "
+                         f"({'ok' if t.get('itl_p99_during_within_1_1x_steady') else 'over'} 1.1x); "
+                         f"{lv.get('failed')} failed")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------
 # transformers, in its own process
 
 
@@ -1207,6 +1525,10 @@ def _num(x, fmt="8.0f") -> str:
     return text.rjust(width) if len(text) < width else (" " + format(x, ".3g")).rjust(width)
 
 
+def _f(x, fmt: str = ".3f") -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
 def table(result: dict) -> str:
     lines = [f"serving benchmark: {result['shape']} on {result['gpu']} ({result['device']})",
              f"{'config':<16}{'burst tok/s':>12}{'step ms':>9}{'roof ms':>9}{'x roof':>8}{'roofc ms':>9}{'x roofc':>8}"
@@ -1249,6 +1571,7 @@ def table(result: dict) -> str:
                                              for r, x in enumerate(per_round))
                                  + " (median above" + ("; * a request failed, left out" if 0 < len(failed) < len(per_round)
                                                                        else "") + ")")
+    lines += eplb_table(result)
     hb = result["hbm"]
     lines.append(f"roofline: (weights on a GPU + KV read per step) / HBM rate; roof = datasheet "
                  f"{hb['datasheet_Bps'] / 1e12:.1f} TB/s, roofc = measured copy {hb['measured_copy_Bps'] / 1e12:.2f} TB/s; "
@@ -1269,7 +1592,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shape, gloo, 1 rank, a few requests")
     p.add_argument("--configs", default=None, help=f"comma list of {','.join(CONFIGS)} (default: all; smoke: "
                                                    "moeserve-1rank,transformers)")
-    p.add_argument("--workloads", default="burst,online", help="burst,online (online needs burst)")
+    p.add_argument("--workloads", default="burst,online",
+                   help="burst,online (online needs burst), or eplb alone (moeserve-ep2: the EPLB measurement)")
     p.add_argument("--apis", default="grpc", help="comma list of grpc,http: each moeserve configuration's "
                                                   "workloads through each API in turn, on the same cluster (grpc)")
     p.add_argument("--rounds", type=int, default=1,
@@ -1292,6 +1616,19 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--drain", type=float, default=None, help="seconds after the last arrival before cancelling (45)")
     p.add_argument("--client-procs", type=int, default=None, help="client processes (8; smoke 2)")
     p.add_argument("--redundant-experts", type=int, default=None, help="redundant slots per MoE layer of the EP run")
+    p.add_argument("--eplb-requests", type=int, default=None, help="eplb: prompts of the prefill-heavy burst (256; smoke 8)")
+    p.add_argument("--eplb-prompt", type=int, default=None, help="eplb: tokens per prompt (2048; smoke 64)")
+    p.add_argument("--eplb-output", type=int, default=None, help="eplb: output tokens per request (32; smoke 8)")
+    p.add_argument("--hot-experts", default="2:0.8", metavar="K:SHARE",
+                   help="eplb: K experts per MoE layer take about SHARE of the routed tokens (dummy weights; 2:0.8)")
+    p.add_argument("--eplb-step-model", default=None, metavar="FILE",
+                   help="eplb: the balancer plans and judges by this step-model table (moeserve up --eplb-step-model; "
+                        "made by benchmarks/calibrate.py); default: token balance")
+    p.add_argument("--eplb-step-model-shape", default=None, metavar="NAME",
+                   help="eplb: the table's entry to use (moeserve up --eplb-step-model-shape; default: the one "
+                        "matching the model)")
+    p.add_argument("--eplb-rebalance-at", type=float, default=None, metavar="S",
+                   help="eplb: seconds into the online load when the live rebalance starts (0.4 x the arrival span)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -1315,12 +1652,16 @@ def parse(argv=None) -> argparse.Namespace:
                     online_output=([8, 32], [64, 512]), drain=(30.0, 45.0), client_procs=(2, 8),
                     max_num_seqs=(64, 256), max_num_batched_tokens=(512, 8192), max_model_len=(256, 2048),
                     startup_timeout=(120.0, 420.0), burst_timeout=(120.0, 300.0), hf_timeout=(180.0, 300.0))
+    given_max_model_len = a.max_model_len is not None
+    defaults.update(eplb_requests=(8, 256), eplb_prompt=(64, 2048), eplb_output=(8, 32))
     for k, (small, big) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, small if smoke else big)
     if a.redundant_experts is None:
         a.redundant_experts = SHAPES[a.shape]["redundant"]
-    a.configs = (a.configs or ("moeserve-1rank,transformers" if smoke else ",".join(CONFIGS))).split(",")
+    eplb = "eplb" in a.workloads.split(",")
+    a.configs = (a.configs or ("moeserve-ep2" if eplb else "moeserve-1rank,transformers" if smoke
+                               else ",".join(CONFIGS))).split(",")
     bad = [c for c in a.configs if c not in CONFIGS]
     if bad:
         p.error(f"unknown configs {bad}; choose from {CONFIGS}")
@@ -1334,11 +1675,40 @@ def parse(argv=None) -> argparse.Namespace:
         a.tokenizer = "words" if "http" in a.apis else "none"
     if "http" in a.apis and a.tokenizer == "none":
         p.error("--apis http needs --tokenizer words: without a tokenizer the HTTP API streams no chunk per token")
-    if not set(a.workloads) <= {"burst", "online"} or "burst" not in a.workloads:
-        p.error("--workloads is burst or burst,online (the online rate comes from the burst)")
+    a.hot_experts_cfg = None
+    if eplb:
+        if a.workloads != ["eplb"]:
+            p.error("--workloads eplb runs alone (its model has hot experts, which would skew the other workloads)")
+        if a.configs != ["moeserve-ep2"]:
+            p.error("--workloads eplb measures the EP configuration with redundant experts: --configs moeserve-ep2")
+        if a.apis != ["grpc"]:
+            p.error("--workloads eplb runs through the gRPC API only (--apis grpc)")
+        if a.redundant_experts < 1:
+            p.error("--workloads eplb needs --redundant-experts >= 1")
+        from moeserve.models.dummy import parse_hot
+        try:
+            hot = parse_hot(a.hot_experts)
+        except ValueError as e:
+            p.error(f"--hot-experts: {e}")
+        if hot is None:
+            p.error("--hot-experts must name at least one hot expert")
+        conf = SHAPES[a.shape]["config"]
+        experts = conf.get("num_local_experts") or conf.get("moe_num_experts")
+        r = a.redundant_experts
+        # the start placement puts expert p mod E on slot p (workers take consecutive slots), so
+        # experts R .. R+K-1 have one copy each, all on worker 0 when they fit: the skew EPLB is for
+        first = r if r + hot[0] <= min(experts, (experts + r) // 2) else 0
+        a.hot_experts_cfg = dict(experts=hot[0], share=hot[1], ids=list(range(first, first + hot[0])))
+        if a.eplb_step_model and not os.path.isfile(a.eplb_step_model):
+            p.error(f"--eplb-step-model {a.eplb_step_model}: no such file")
+        if not given_max_model_len:
+            a.max_model_len = max(a.max_model_len, -(-(a.eplb_prompt + a.eplb_output) // 256) * 256)
+    elif not set(a.workloads) <= {"burst", "online"} or "burst" not in a.workloads:
+        p.error("--workloads is burst or burst,online (the online rate comes from the burst), or eplb")
     a.backend = "gloo" if smoke else "nccl"
     a.dtype = "float32" if smoke else "bfloat16"
-    need = max(a.burst_prompt + a.burst_output, a.online_prompt[1] + a.online_output[1])
+    need = max(a.burst_prompt + a.burst_output, a.online_prompt[1] + a.online_output[1],
+               a.eplb_prompt + a.eplb_output if eplb else 0)
     if a.max_model_len < need:
         p.error(f"--max-model-len {a.max_model_len} < {need} tokens the workloads need")
     return a
@@ -1349,7 +1719,11 @@ def main(argv=None) -> int:
     started = time.monotonic()
     out_path = a.json or os.path.join(ROOT, "benchmarks", "results", f"serving-{'smoke' if a.smoke else a.shape}.json")
     work = tempfile.mkdtemp(prefix="moeserve-serving-")
-    model_dir = write_model(os.path.join(work, "model"), SHAPES[a.shape]["config"])
+    config = dict(SHAPES[a.shape]["config"])
+    if a.hot_experts_cfg:                               # --workloads eplb: skewed routing (moeserve.models.dummy)
+        from moeserve.models.dummy import HOT_CONFIG_KEY
+        config[HOT_CONFIG_KEY] = a.hot_experts_cfg
+    model_dir = write_model(os.path.join(work, "model"), config)
     if a.tokenizer == "words":
         write_tokenizer(model_dir, SHAPES[a.shape]["config"]["vocab_size"])
     dtype_bytes = 4 if a.dtype == "float32" else 2
@@ -1365,17 +1739,24 @@ def main(argv=None) -> int:
     plans = {"burst": burst_plan(rng, a.burst_requests, a.burst_prompt, a.burst_output, sizes["vocab_size"])}
     if "online" in a.workloads:
         plans["online"] = True
+    if "eplb" in a.workloads:
+        plans["eplb"] = True
     result = dict(shape=a.shape, smoke=a.smoke, command=" ".join([os.path.basename(sys.executable), *sys.argv]),
                   git=git_commit(), gpu=facts[0].get("name", "cpu"), device="cpu" if a.smoke else "cuda",
                   gpus=len(facts) if not a.smoke else 0, dtype=a.dtype, load_format="dummy",
                   apis=a.apis, tokenizer=a.tokenizer,
                   model={k: v for k, v in sizes.items() if k not in ("chunked", "kv_layer_token", "eos")},
-                  config_json=SHAPES[a.shape]["config"],
+                  config_json=config,
                   workload=dict(burst=dict(requests=a.burst_requests, prompt=a.burst_prompt, output=a.burst_output,
                                            trim=a.trim, rounds=a.rounds),
                                 online=dict(load=a.load, duration_s=a.duration, max_requests=a.requests,
                                             prompt=a.online_prompt, output=a.online_output, drain_s=a.drain)
                                 if "online" in a.workloads else None,
+                                eplb=dict(requests=a.eplb_requests, prompt=a.eplb_prompt, output=a.eplb_output,
+                                          hot_experts=a.hot_experts_cfg, rebalance_at_s=a.eplb_rebalance_at,
+                                          move_budget=1.0, step_model=a.eplb_step_model,
+                                          step_model_shape=a.eplb_step_model_shape)
+                                if "eplb" in a.workloads else None,
                                 client_procs=a.client_procs, max_num_seqs=a.max_num_seqs,
                                 max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len),
                   hbm=dict(datasheet_Bps=DATASHEET_HBM_BPS, measured_copy_Bps=measured, per_device=facts),

@@ -119,3 +119,73 @@ def test_cluster_with_dummy_weights_generates_the_single_process_tokens_through_
         np.testing.assert_array_equal(c.placement().phy2log, target)
         assert_workers_hold(c, target, digests)        # a moved expert equals the one read in place
         assert c.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True) == tokens
+
+
+def routed_ids(model, prompts: int = 8, length: int = 64, seed: int = 3) -> list[torch.Tensor]:
+    """The expert ids [T, K] every MoE layer routes a prefill of random prompts to."""
+    from moeserve.models.cache import StepBatch
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (prompts * length,), generator=gen)
+    seen: dict[int, torch.Tensor] = {}
+
+    class Spy:
+        def dispatch(self, layer, hidden, routing):
+            seen[layer] = routing.ids
+            return model.experts.dispatch(layer, hidden, routing)
+
+        def combine(self, handle):
+            return model.experts.combine(handle)
+
+    model.step(ids, StepBatch.prefill(range(prompts), [length] * prompts), model.new_cache(), experts=Spy())
+    return [seen[m] for m in sorted(seen)]
+
+
+@pytest.mark.parametrize("family", ["llama4", "ernie45"])
+def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_path, family, monkeypatch):
+    from moeserve.models.dummy import HOT_CONFIG_KEY, HOT_ENV, hot_margin, parse_hot
+    monkeypatch.delenv(HOT_ENV, raising=False)
+    path = config_only(tmp_path, family)
+    plain = DummyReader(path)
+    assert plain.hot is None and plain.hot_experts(0) == []
+    k = 2
+    cfg = plain.config
+    share = 0.8 if family == "llama4" else 0.9 * k / cfg.top_k       # ERNIE top-4: at most k / top_k
+    hot = DummyReader(path, hot=(k, share))
+    # Only the embedding (Llama 4) and the routers' hot parameters differ from the plain weights.
+    differ = [n for n in plain.names() if not torch.equal(plain.read(n), hot.read(n))]
+    allowed = ("router.weight", "embed_tokens.weight") if family == "llama4" else \
+        ("e_score_correction_bias", "embed_tokens.weight")
+    assert differ and all(n.endswith(allowed) for n in differ), differ
+    assert all(torch.equal(DummyReader(path, hot=(k, share)).read(n), hot.read(n)) for n in differ)  # same on every rank
+    layers = hot.config.num_moe_layers
+    hot_ids = [hot.hot_experts(m) for m in range(layers)]
+    assert all(len(h) == k for h in hot_ids)
+    # Routing: the hot experts take about `share` of the pairs in every MoE layer; without, about k / E.
+    base = [float(np.isin(r.numpy(), h).mean()) for r, h in zip(routed_ids(load_model(path, reader=plain)), hot_ids)]
+    got = [float(np.isin(r.numpy(), h).mean()) for r, h in zip(routed_ids(load_model(path, reader=hot)), hot_ids)]
+    print(family, "hot share asked", share, "got", got, "plain", base)
+    assert all(abs(g - share) < 0.1 for g in got), (got, share)
+    assert np.mean(base) < share - 0.15, base
+    # The forms of the option, and where it comes from: the argument, the environment, config.json.
+    assert parse_hot("2:0.8") == (2, 0.8) == parse_hot({"experts": 2, "share": 0.8}) and parse_hot("0:0.5") is None
+    with pytest.raises(ValueError, match="k:share"):
+        parse_hot("two")
+    with pytest.raises(ValueError, match="share"):
+        parse_hot("2:1.5")
+    monkeypatch.setenv(HOT_ENV, f"{k}:{share}")
+    assert DummyReader(path).hot == (k, share)
+    monkeypatch.delenv(HOT_ENV)
+    import json
+    conf = json.loads((path / "config.json").read_text())
+    conf[HOT_CONFIG_KEY] = {"experts": k, "share": share}
+    (path / "config.json").write_text(json.dumps(conf))
+    assert DummyReader(path).hot == (k, share)
+    conf[HOT_CONFIG_KEY]["ids"] = [3, 1]
+    (path / "config.json").write_text(json.dumps(conf))
+    assert all(DummyReader(path).hot_experts(m) == [1, 3] for m in range(layers))
+    conf[HOT_CONFIG_KEY]["ids"] = [1]
+    (path / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="distinct"):
+        DummyReader(path)
+    assert 0 < hot_margin(16, 1, 2, 0.8) < hot_margin(16, 1, 2, 0.9) and hot_margin(16, 1, 2, 0.05) == 0.0

@@ -178,3 +178,71 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
         assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (28, 2560, 103424, 64, 6)
         assert cfg.moe_layer_ids == tuple(range(1, 28)) and cfg.shared_intermediate_size == 3072
         assert 20e9 < sizes["router_bytes"] / 2 + sizes["all_experts_bytes"] / 2 < 22.5e9     # 21B parameters
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("step_model", [False, True], ids=["token-balance", "step-model"])
+def test_smoke_eplb_workload_measures_a_rebalance_end_to_end(tmp_path, step_model):
+    """--workloads eplb on the CPU: 2 co-located ranks over gloo with hot experts; the skewed burst
+    before and after a rebalance through the balancer, decode bursts, and a live rebalance during
+    the online load; every figure is present and sane. With a step-model table (the CPU example's
+    entry) the balancer plans by predicted step time and sends break-even counts."""
+    out = tmp_path / "eplb.json"
+    extra = ["--eplb-step-model", str(SCRIPT.parent / "results" / "step_model_cpu_example.json"),
+             "--eplb-step-model-shape", "smoke-tiny"] if step_model else []
+    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--workloads", "eplb", "--json", str(out), *extra],
+                         capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert set(res["configs"]) == {"moeserve-ep2"}
+    c = res["configs"]["moeserve-ep2"]
+    assert c["error"] is None, c["error"]
+    assert c["ranks"] == 2 and c["redundant_experts"] >= 1
+    hot = res["config_json"]["moeserve_dummy_hot_experts"]
+    assert hot["experts"] == 2 and len(hot["ids"]) == 2
+    e = c["eplb"]
+    for phase in ("before", "after", "decode_before", "decode_after"):
+        b = e[phase]
+        assert b["completed"] == b["requests"] and b["failed"] == 0 and not b["errors"], (phase, b["errors"])
+        assert b["output_tok_s"] > 0 and b["forward_steps"] > 0 and b["wall_per_step_s"] > 0
+        assert 0 < b["balancedness"]["measured"] <= 1 and b["balancedness"]["steps"] > 0
+    for phase in ("before", "after"):
+        b = e[phase]
+        assert b["prompt_tokens_total"] == b["requests"] * e["prompt"] and b["prefill_tok_s"] > 0
+        assert b["prefill_steps"] > 0 and b["prefill_step_s"] > 0
+    # the hot experts start on one worker: the initial placement is skewed, the rebalance fixes it
+    assert e["before"]["balancedness"]["measured"] < 0.8
+    assert e["after"]["balancedness"]["measured"] >= e["before"]["balancedness"]["measured"] + 0.1
+    r = e["rebalance"]
+    assert r["applied"] and r["slots_moved"] > 0 and r["bytes_moved"] > 0 and r["wall_s"] > 0 and r["bytes_per_s"] > 0
+    assert r["migration_state"] == "done" and r["predicted_balancedness_after"] > r["predicted_balancedness_before"]
+    assert r["phy2log"] != e["initial_phy2log"]
+    assert r["breakeven_sent"] == step_model and (r["predicted_step_s_before"] is not None) == step_model
+    i = e["ideal"]
+    assert i["moe_time_ideal_over_measured_before"] == e["before"]["balancedness"]["measured"]
+    assert i["moe_speedup_predicted"] > 1 and i["prefill_step_speedup_measured"] > 0
+    assert e["decode_cost"]["step_after_over_before"] > 0
+    assert e["restore"]["moves"] > 0
+    lv = e["live"]
+    assert lv["applied"] and lv["slots_moved"] > 0 and lv["migration_state"] == "done" and lv["error"] is None
+    assert 0 <= lv["start_s"] <= lv["end_s"] and lv["wall_s"] > 0
+    assert lv["failed"] == 0 and lv["completed"] == lv["requests"] >= 1 and not lv["errors"]
+    assert lv["itl_during_n"] > 0 and lv["itl_steady_n"] > 0 and lv["itl_p99_during_over_steady"] > 0
+    assert set(lv["targets"]) == {"rebalance_within_30s", "itl_p99_during_within_1_1x_steady", "no_request_failed"}
+    assert lv["targets"]["rebalance_within_30s"] and lv["targets"]["no_request_failed"]
+    assert e["failed_requests"] == 0
+    assert "EPLB end to end" in run.stdout and "(f) live rebalance" in run.stdout      # the table
+
+
+def test_eplb_flags():
+    bench = _bench()
+    a = bench.parse(["--shape", "scout8", "--configs", "moeserve-ep2", "--workloads", "eplb"])
+    assert a.eplb_prompt == 2048 and a.eplb_output == 32 and a.max_num_batched_tokens == 8192
+    assert a.max_model_len >= 2048 + 32
+    assert a.hot_experts_cfg == {"experts": 2, "share": 0.8, "ids": [2, 3]}       # one copy each, both on worker 0
+    assert bench.parse(["--smoke", "--workloads", "eplb"]).configs == ["moeserve-ep2"]
+    for bad in (["--workloads", "eplb,burst"], ["--workloads", "eplb", "--configs", "moeserve-1rank"],
+                ["--workloads", "eplb", "--hot-experts", "x"], ["--workloads", "eplb", "--redundant-experts", "0"],
+                ["--workloads", "eplb", "--apis", "grpc,http"]):
+        with pytest.raises(SystemExit):
+            bench.parse(["--smoke", *bad])

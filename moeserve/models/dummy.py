@@ -25,11 +25,41 @@ counts what it read.
 Names are those a checkpoint of the config would hold, in the layout the families publish:
 Llama 4 with fused experts (``experts.gate_up_proj [E, H, 2I]``, ``experts.down_proj [E, I, H]``),
 ERNIE with per-expert tensors and ``mlp.moe_statics.e_score_correction_bias [1, E]``.
+
+**Hot experts (skewed routing, off by default).** ``hot=(k, share)`` (the reader's argument), else
+the environment's ``MOESERVE_DUMMY_HOT_EXPERTS=k:share``, else config.json's
+``"moeserve_dummy_hot_experts": {"experts": k, "share": share}`` makes k experts of every MoE
+layer (chosen per layer from ``(seed, layer)``, the same on every rank; config.json's ``"ids"``
+names them instead, the same in every layer) take about ``share`` of
+the routed (token, k) pairs, so that a load balancer has something to fix. Without it every
+tensor is as above, byte for byte. With it:
+
+- Llama 4 (top-k on the router's logits): the embedding is made 1,000 times larger (uniform in
+  [-1, 1]) so that it dominates the residual stream (every sublayer adds about 1e-3), and its
+  hidden channel 0 is the constant 1: every MoE input then carries about the same positive value
+  there. The hot experts' router rows get a weight ``b`` on channel 0, the others 0. Given a
+  token, the other channels' logits are about Gaussian, independent over experts, with standard
+  deviation ``sqrt(H - 1) * sigma_e * sigma_w`` relative to channel 0 (sigma: a uniform draw's);
+  ``b`` is that times the margin ``d`` under which k of E standard normals shifted by d take
+  ``share`` of the top-k picks (:func:`hot_margin`, a seeded Monte Carlo bisection).
+- ERNIE (top-k on softmax + correction bias): the embedding is made 1,000 times larger too (so
+  that the routers see each token's own embedding, not a state every token shares), and the
+  correction bias is 0 but ``d * sqrt(H) * sigma_w / E`` on the hot experts (the softmax of small
+  logits is about ``(1 + l) / E``).
+
+The share is about what the argument asks (within a few points on random prompts; decode steps
+route the generated tokens, whatever they are); at most ``k / top_k`` (every token picks every hot
+expert) and at least the uniform ``k / E``.
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import os
 from pathlib import Path
+
+import numpy as np
 
 import torch
 
@@ -40,6 +70,11 @@ from moeserve.models.moe import ExpertSpec
 LOAD_FORMATS = ("auto", "dummy")
 LOW, HIGH = -1e-3, 1e-3                    # vLLM's dummy init range
 FP32_NAMES = ("mlp.gate.weight", "e_score_correction_bias")   # stored in fp32 in ERNIE checkpoints
+HOT_ENV = "MOESERVE_DUMMY_HOT_EXPERTS"     # "k:share", e.g. "2:0.8"
+HOT_CONFIG_KEY = "moeserve_dummy_hot_experts"   # config.json: {"experts": k, "share": share}
+HOT_EMBED_SCALE = 1e3                      # hot experts: the embedding dominates the residual stream
+HOT_CHANNEL = 0                            # ... and carries the constant 1 on this channel
+SIGMA_UNIFORM = (HIGH - LOW) / math.sqrt(12.0)   # standard deviation of a dummy value
 
 
 def open_reader(path: str | Path, load_format: str = "auto", device: torch.device | str = "cpu",
@@ -51,6 +86,53 @@ def open_reader(path: str | Path, load_format: str = "auto", device: torch.devic
     if load_format == "dummy":
         return DummyReader(path, seed=seed, device=device)
     raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+
+
+def parse_hot(spec) -> tuple[int, float] | None:
+    """``"k:share"``, ``{"experts": k, "share": share}``, ``(k, share)`` or nothing -> (k, share)
+    or None (also for k = 0). Raises ValueError naming the form expected."""
+    if spec is None or spec == "" or spec == {}:
+        return None
+    try:
+        if isinstance(spec, str):
+            k_text, _, share_text = spec.partition(":")
+            k, share = int(k_text), float(share_text or 0.8)
+        elif isinstance(spec, dict):
+            k, share = int(spec["experts"]), float(spec.get("share", 0.8))
+        else:
+            k, share = int(spec[0]), float(spec[1])
+    except (ValueError, KeyError, TypeError, IndexError):
+        raise ValueError(f"hot experts must be 'k:share' (e.g. 2:0.8) or {{\"experts\": k, \"share\": s}}, "
+                         f"got {spec!r}") from None
+    if k < 0 or not 0.0 < share < 1.0:
+        raise ValueError(f"hot experts: k must be >= 0 and share in (0, 1), got k={k}, share={share}")
+    return (k, share) if k else None
+
+
+def hot_margin(num_experts: int, top_k: int, hot: int, share: float, samples: int = 20000) -> float:
+    """The shift d >= 0 of ``hot`` of ``num_experts`` standard normal scores under which the hot
+    ones take ``share`` of the top-``top_k`` picks (seeded Monte Carlo, bisection on common draws:
+    the same number in every process). Capped at 12 (every token picks every hot expert)."""
+    if hot >= num_experts:
+        return 0.0
+    z = np.random.default_rng(12345).standard_normal((samples, num_experts))
+    kth = num_experts - top_k
+
+    def got(d: float) -> float:
+        s = z.copy()
+        s[:, :hot] += d
+        top = np.argpartition(s, kth, axis=1)[:, kth:]
+        return float((top < hot).mean())
+
+    lo, hi = 0.0, 12.0
+    if got(lo) >= share:
+        return 0.0
+    if got(hi) <= share:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if got(mid) < share else (lo, mid)
+    return (lo + hi) / 2
 
 
 def tensor_seed(seed: int, key: str) -> int:
@@ -117,7 +199,7 @@ class DummyReader:
 
     prefix = ""
 
-    def __init__(self, path: str | Path, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, path: str | Path, seed: int = 0, device: torch.device | str = "cpu", hot=None):
         self.path = Path(path)
         self.config: ModelConfig = load_config(self.path)
         self.seed = int(seed)
@@ -125,6 +207,44 @@ class DummyReader:
         self.bytes_read = 0
         self.tensors_read = 0
         self._shapes = checkpoint_shapes(self.config)
+        if hot is None:
+            hot = os.environ.get(HOT_ENV) or None
+        if hot is None:
+            try:
+                with open(self.path / "config.json") as f:
+                    hot = json.load(f).get(HOT_CONFIG_KEY)
+            except (OSError, ValueError):
+                hot = None
+        self.hot = parse_hot(hot)
+        cfg = self.config
+        ids = hot.get("ids") if isinstance(hot, dict) and self.hot else None
+        self._fixed_hot = None
+        if ids is not None:
+            ids = sorted(int(e) for e in ids)
+            if len(ids) != self.hot[0] or len(set(ids)) != len(ids) or not all(0 <= e < cfg.num_experts for e in ids):
+                raise ValueError(f"hot experts: ids must be {self.hot[0]} distinct experts of 0..{cfg.num_experts - 1}, "
+                                 f"got {ids}")
+            self._fixed_hot = ids
+        if self.hot and self.hot[0] > cfg.num_experts:
+            raise ValueError(f"hot experts: k={self.hot[0]} > {cfg.num_experts} experts")
+        self._hot_value = 0.0
+        if self.hot:
+            d = hot_margin(cfg.num_experts, cfg.top_k, self.hot[0], self.hot[1])
+            sigma_w = SIGMA_UNIFORM
+            if cfg.family == "llama4":
+                sigma_e = SIGMA_UNIFORM * HOT_EMBED_SCALE
+                self._hot_value = d * math.sqrt(cfg.hidden_size - 1) * sigma_e * sigma_w
+            else:
+                self._hot_value = d * math.sqrt(cfg.hidden_size) * sigma_w / cfg.num_experts
+
+    def hot_experts(self, moe_layer: int) -> list[int]:
+        """The hot experts of MoE layer ``moe_layer`` (the ordinal), [] without hot experts."""
+        if not self.hot:
+            return []
+        if self._fixed_hot is not None:
+            return list(self._fixed_hot)
+        rng = np.random.default_rng(tensor_seed(self.seed, f"hot-experts:{moe_layer}"))
+        return sorted(int(e) for e in rng.permutation(self.config.num_experts)[:self.hot[0]])
 
     def close(self) -> None:
         """Hand the float32 temporaries back to the device, so that what is free afterwards (the
@@ -166,7 +286,36 @@ class DummyReader:
         full = self.shape(name)
         if self._fused(name):
             return self.read_rows(name, 0, full[0], dtype)
+        if self.hot:
+            skewed = self._skewed(name, full)
+            if skewed is not None:
+                dtype = dtype or self.stored_dtype(name)
+                return skewed if skewed.dtype == dtype else skewed.to(dtype)
         return self._make(name, full, dtype or self.stored_dtype(name), ones=_is_norm(name))
+
+    def _skewed(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """With hot experts: the tensors that differ from the plain dummy ones (float32), else None."""
+        cfg = self.config
+        if name == "model.embed_tokens.weight":
+            t = self._make(name, shape, torch.float32) * HOT_EMBED_SCALE
+            if cfg.family == "llama4":
+                t[:, HOT_CHANNEL] = 1.0
+            return t
+        router = ".feed_forward.router.weight" if cfg.family == "llama4" else ".mlp.moe_statics.e_score_correction_bias"
+        if not name.endswith(router):
+            return None
+        decoder_layer = int(name.split(".")[2])
+        hot = self.hot_experts(cfg.moe_layer_ids.index(decoder_layer))
+        if cfg.family == "llama4":
+            t = self._make(name, shape, torch.float32)
+            t[:, HOT_CHANNEL] = 0.0
+            t[hot, HOT_CHANNEL] = self._hot_value
+        else:
+            t = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            t[0, hot] = self._hot_value
+            self.bytes_read += t.numel() * t.element_size()
+            self.tensors_read += 1
+        return t
 
     def read_rows(self, name: str, start: int, count: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows ``start .. start+count-1`` of dim 0: [count, *shape[1:]]. A fused expert tensor's
