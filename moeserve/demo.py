@@ -193,7 +193,7 @@ class UpProcess:
                     # The whole demo fits in the window; the balancer's loop waits for the demo's call.
                     "--eplb-window-size", "100000", "--eplb-step-interval", "100000000",
                     "--eplb-move-budget", str(opts.move_budget),
-                    "--port", "0", "--admin-port", "0", "--balancer-port", "0", "--admin-token", self.token,
+                    "--port", "0", "--admin-port", "0", "--balancer-port", "0", f"--admin-token={self.token}",  # "=": a token may start with "-"
                     "--metrics-port", str(opts.metrics_port), "--log-dir", str(log_dir)]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         from moeserve.cluster.launcher import _die_with_parent
