@@ -260,20 +260,6 @@ def build_rows(rank, world, device, dtype, name, m, kind, tokens, capacity, plac
     return rows
 
 
-def timed(fn, iters: int, device) -> float:
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # ---- one process per rank --------------------------------------------------------------------------
 
 def cases(args):
@@ -372,7 +358,7 @@ def run_case(rank, world, device, dtype, args, out, name, m, kind, tokens, capac
             row.run()
     for rep in range(args.repeats):
         for row in rows[rep % len(rows):] + rows[:rep % len(rows)]:       # interleaved, order rotated
-            row.times.append(D.max_over_ranks(timed(row.run, args.iters, device)) * 1e3 / args.layers)
+            row.times.append(D.max_over_ranks(D.timed(row.run, args.iters, device)) * 1e3 / args.layers)
     seconds = [0.0]
     if rank == 0:
         record(out, rows, m, world, model, args)

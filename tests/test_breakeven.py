@@ -4,7 +4,6 @@ direct exchange's route kernel (run by Triton's interpreter); the break-even cou
 step model; the balancer's trigger and pay test on predicted step time; and a live migration on
 a gloo cluster with b set, which changes no token."""
 import dataclasses
-import os
 import threading
 import time
 
@@ -18,15 +17,7 @@ from moeserve.dataplane.exchange import choose_slots, replicas_used
 from moeserve.config import BREAKEVEN_ENV
 from moeserve.router.dispatcher import RouterMaps
 
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:                                   # the test extra installs it; CI=true requires it
-    if os.environ.get("CI") == "true":
-        raise
-    HAVE_TRITON = False
-
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
 
 
 def maps_for(phy2log, num_logical, max_replicas, breakeven=None):

@@ -19,15 +19,7 @@ from moeserve.models import PagedBatch, PagedKVCache, StepBatch, init_model, loa
 from moeserve.models import attention as attn
 from moeserve.models.layers import Attention
 
-try:
-    import triton  # noqa: F401
-    HAVE_TRITON = True
-except ImportError:                                   # the test extra installs it; CI=true requires it
-    if os.environ.get("CI") == "true":
-        raise
-    HAVE_TRITON = False
-
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (pip install -e '.[test]')")
+from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
 if HAVE_TRITON and not torch.cuda.is_available():
     # conftest.py sets it before Triton is imported; without a GPU the interpreter is the only way.
     assert os.environ.get("TRITON_INTERPRET") == "1"
