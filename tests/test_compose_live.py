@@ -436,8 +436,12 @@ def test_the_compose_prometheus_scraped_the_expert_load_and_every_dashboard_quer
                 break
             time.sleep(2)
         assert not missing, "panels without data:\n" + "\n".join(missing)
-        moved = prom_query(c, "moeserve_slots_moved_total")
-        assert float(moved[0]["value"][1]) >= c.rebalance.slots_moved > 0     # the balancer may have moved some before
+        # the panels may all have data from a scrape taken before the rebalance's migration ended: wait for a
+        # scrape (every 5 s) that counts its slots; the balancer may have moved some before, hence >=.
+        assert c.rebalance.slots_moved > 0
+        moved = wait_for("moeserve_slots_moved_total counts the rebalance", lambda: (lambda r: r and float(
+            r[0]["value"][1]) >= c.rebalance.slots_moved and r)(prom_query(c, "moeserve_slots_moved_total")), 30)
+        assert float(moved[0]["value"][1]) >= c.rebalance.slots_moved
 
 
 def test_a_killed_worker_container_is_restarted_and_rejoins_without_losing_a_stream(cluster):
