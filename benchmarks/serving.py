@@ -25,6 +25,8 @@ Configurations, side by side in one run, each in its own processes, freed before
   through the SDK's streaming call (``AsyncClient.generate_stream``), each recording per
   request the submit time, the first token's time and every token's time;
 - ``moeserve-1rank``: the same on 1 GPU (1 co-located rank), when the model fits;
+- ``moeserve-ep2-sync``, ``moeserve-1rank-sync`` (only when named in ``--configs``): the same
+  with ``--no-async-scheduling``, every step's tokens back in its own gather;
 - ``transformers``: ``AutoModelForCausalLM.from_config`` (random init, bf16) and ``generate``
   (greedy, ``min_new_tokens`` = ``max_new_tokens``) on 1 GPU at the burst's batch; reported,
   not a target.
@@ -178,6 +180,9 @@ TINY = {  # the smoke shape: moeserve init-model's small Llama 4
 SHAPES = {"scout8": dict(config=SCOUT8, redundant=2), "ernie28": dict(config=ERNIE28, redundant=2),
           "tiny": dict(config=TINY, redundant=2)}
 CONFIGS = ("moeserve-ep2", "moeserve-1rank", "transformers")
+# named with --configs only: the same with synchronous steps (--no-async-scheduling), to measure
+# what the asynchronous step protocol gains side by side in one run
+SYNC_CONFIGS = ("moeserve-ep2-sync", "moeserve-1rank-sync")
 APIS = ("grpc", "http")
 
 BURST_KEYS = ("requests", "prompt_tokens", "output_tokens_per_request", "completed", "errors", "wall_s",
@@ -1033,11 +1038,12 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
     try:
         eplb = "eplb" in plans
         up = Up(model_dir, ranks, redundant, a, os.path.join(log_root, name), http="http" in apis,
-                extra=(["--eplb-move-budget", "1.0"]              # one rebalance may move every layer
-                       + (["--eplb-step-model", os.path.abspath(a.eplb_step_model)]
-                          if getattr(a, "eplb_step_model", None) else [])
-                       + (["--eplb-step-model-shape", a.eplb_step_model_shape]
-                          if getattr(a, "eplb_step_model_shape", None) else [])) if eplb else None)
+                extra=((["--eplb-move-budget", "1.0"]              # one rebalance may move every layer
+                        + (["--eplb-step-model", os.path.abspath(a.eplb_step_model)]
+                           if getattr(a, "eplb_step_model", None) else [])
+                        + (["--eplb-step-model-shape", a.eplb_step_model_shape]
+                           if getattr(a, "eplb_step_model_shape", None) else [])) if eplb else [])
+                + (["--no-async-scheduling"] if name.endswith("-sync") else []))
         res["startup_s"] = up.startup_s
         print(f"[{name}] ready in {up.startup_s:.0f} s", flush=True)
         if eplb:
@@ -1662,9 +1668,9 @@ def parse(argv=None) -> argparse.Namespace:
     eplb = "eplb" in a.workloads.split(",")
     a.configs = (a.configs or ("moeserve-ep2" if eplb else "moeserve-1rank,transformers" if smoke
                                else ",".join(CONFIGS))).split(",")
-    bad = [c for c in a.configs if c not in CONFIGS]
+    bad = [c for c in a.configs if c not in CONFIGS + SYNC_CONFIGS]
     if bad:
-        p.error(f"unknown configs {bad}; choose from {CONFIGS}")
+        p.error(f"unknown configs {bad}; choose from {CONFIGS + SYNC_CONFIGS}")
     a.workloads = a.workloads.split(",")
     a.apis = [x.strip() for x in a.apis.split(",") if x.strip()]
     if not a.apis or not set(a.apis) <= set(APIS) or len(set(a.apis)) < len(a.apis):
@@ -1729,7 +1735,7 @@ def main(argv=None) -> int:
     dtype_bytes = 4 if a.dtype == "float32" else 2
     sizes = model_sizes(model_dir, dtype_bytes)
 
-    facts = gpu_facts(2 if "moeserve-ep2" in a.configs else 1, a.smoke)
+    facts = gpu_facts(2 if any(c.startswith("moeserve-ep2") for c in a.configs) else 1, a.smoke)
     measured = float(min(f["rate_Bps"] for f in facts))
     rates = {"datasheet": DATASHEET_HBM_BPS, "measured_copy": measured}
     print(f"{facts[0].get('name', 'cpu')}: device-to-device copy {measured / 1e12:.2f} TB/s "
@@ -1774,7 +1780,7 @@ def main(argv=None) -> int:
         if name == "transformers":
             result["configs"][name] = run_transformers(model_dir, sizes, a, rates, plans)
         else:
-            ranks = 2 if name == "moeserve-ep2" else 1
+            ranks = 2 if name.startswith("moeserve-ep2") else 1
             redundant = a.redundant_experts if ranks > 1 else 0
             weights = sizes["router_bytes"] + (sizes["num_experts"] + redundant) // ranks * \
                 sizes["num_moe_layers"] * sizes["expert_bytes"]

@@ -177,6 +177,12 @@ class ClusterConfig:
     settings) there, replaced atomically on every change (moeserve.state; "" = nowhere).
     enforce_eager: never replay decode steps as CUDA graphs (vLLM's name; graphs need CUDA and
     the direct exchange: moeserve.router.graphs).
+    async_scheduling: the leader learns a step's sampled tokens one step late, so that it
+    schedules step N+1 while the GPUs run step N (vLLM's name; docs/dataplane.md, "Asynchronous
+    steps"); False: every step's tokens come back in its own gather.
+    load_read_steps: routers keep the expert load on the device and send it every this many
+    forward steps (and when the load is asked for, before a commit, and when the cluster goes
+    idle), not every step.
     """
 
     model_dir: str
@@ -204,6 +210,8 @@ class ClusterConfig:
     load_format: str = "auto"
     state_dir: str = ""
     enforce_eager: bool = False
+    async_scheduling: bool = True
+    load_read_steps: int = 16
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -211,6 +219,8 @@ class ClusterConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         check_topology(self.routers, self.workers, self.colocated)
+        if self.load_read_steps < 1:
+            raise ValueError(f"load_read_steps must be >= 1, got {self.load_read_steps}")
         wpn = self.workers_per_node or self.workers
         if self.workers % wpn:
             raise ValueError(f"workers ({self.workers}) must be a multiple of workers_per_node ({wpn})")

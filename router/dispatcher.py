@@ -128,7 +128,9 @@ class DistributedExperts:
     or ``moeserve.dataplane.nvlink.NvlinkExchange``, direct); maps: the placement in force; router: this
     router's index (0 .. R-1); store: this rank's ``ExpertStore`` when it is also a worker.
     ``step`` must be set before each forward (it rotates the replica choice); the pairs sent
-    to each (rank, local slot) accumulate in ``sent`` [L, R*S] until ``take_load``.
+    to each (rank, local slot) in a step are counted in ``sent`` [L, R*S] (a CUDA graph writes
+    to it: never reallocated), which ``end_step`` adds to ``total`` on the device; the load is
+    read to the host only when asked (``snapshot_load`` then ``finish_load``, or ``take_load``).
     """
 
     def __init__(self, exchange, maps: RouterMaps, router: int, num_layers: int, store=None):
@@ -140,6 +142,8 @@ class DistributedExperts:
         self.num_slots = exchange.topo.num_slots
         self.sent = torch.zeros(num_layers, exchange.topo.world_size * exchange.topo.slots_per_worker,
                                 dtype=torch.long, device=exchange.device)
+        self.total = torch.zeros_like(self.sent)
+        self.steps = 0                     # forward steps in ``total``
 
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
         # The exchange picks each pair's slot (the collective one with torch ops, the direct one in
@@ -152,20 +156,54 @@ class DistributedExperts:
         out = self.exchange.combine_rows(handle.rows, self.store)                   # [N, H] (token, k) order
         return combine_pairs(out, handle.routing)                                    # [T, H]
 
-    def take_load(self) -> tuple[np.ndarray, np.ndarray]:
-        """Return and reset the load of the step: (logical [L, E], worker [L, W]) int64.
+    def end_step(self) -> None:
+        """A forward step ended: its counts join the unread total (on the device, no host read)."""
+        self.total.add_(self.sent)
+        self.sent.zero_()
+        self.steps += 1
+
+    def discard_load(self) -> None:
+        """Forget the unread load (a step failed after a lost peer; the maps are re-installed)."""
+        self.sent.zero_()
+        self.total.zero_()
+        self.steps = 0
+
+    def snapshot_load(self) -> tuple:
+        """Start copying the unread total to the host and reset it; the copy waits only for the
+        steps already enqueued. Returns the snapshot for ``finish_load`` (which takes the maps
+        in force now: commits come after a snapshot, never between it and the counted steps)."""
+        pin = self.total.is_cuda
+        host = torch.empty(self.total.shape, dtype=torch.long, pin_memory=pin)
+        host.copy_(self.total, non_blocking=pin)
+        event = None
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        self.total.zero_()                  # stream-ordered after the copy
+        snap = (host, event, self.maps.phy2log.copy(), self.steps)
+        self.steps = 0
+        return snap
+
+    def finish_load(self, snap: tuple) -> tuple[np.ndarray, np.ndarray, int]:
+        """(logical [L, E], worker [L, W], steps) int64 of a ``snapshot_load``.
 
         Only per-slot counts are recorded on the device; since every pair sent to a slot was
         routed to the expert that slot holds, the logical counts follow exactly from the maps
-        in force during the step (commits happen between steps).
-        """
-        sent = self.sent.cpu().numpy().copy()                  # [L, R*S]; on CPU .cpu() shares memory
-        self.sent.zero_()
+        in force during the counted steps."""
+        host, event, phy2log, steps = snap
+        if event is not None:
+            event.synchronize()
+        sent = host.numpy()                                                            # [L, R*S]
         slot = sent[:, self.exchange.slot_position.cpu().numpy()]                      # [L, P]
         layers, p = slot.shape
-        e = self.maps.num_logical
-        logical = np.zeros((layers, e), dtype=np.int64)
+        logical = np.zeros((layers, self.maps.num_logical), dtype=np.int64)
         rows = np.repeat(np.arange(layers), p)
-        np.add.at(logical, (rows, self.maps.phy2log.reshape(-1)), slot.reshape(-1))
+        np.add.at(logical, (rows, phy2log.reshape(-1)), slot.reshape(-1))
         workers = self.exchange.topo.num_workers
-        return logical, slot.reshape(layers, workers, p // workers).sum(axis=2)
+        return logical, slot.reshape(layers, workers, p // workers).sum(axis=2), steps
+
+    def take_load(self) -> tuple[np.ndarray, np.ndarray]:
+        """Read and reset the unread load now: (logical [L, E], worker [L, W]) int64."""
+        if self.sent.any():                 # counted by a forward that did not call end_step (tests)
+            self.end_step()
+        return self.finish_load(self.snapshot_load())[:2]

@@ -10,7 +10,9 @@ the same step is a fraction of that. ``DecodeGraphs`` captures ``model.step`` + 
 a padded batch of Bk sequences and replays it:
 
 - inputs live in static device buffers (ids, positions, slot mapping, block tables, lengths),
-  filled by two pinned host-to-device copies per step;
+  filled by two pinned host-to-device copies per step; ids the leader has not seen yet (the
+  tokens of the step before, asynchronous steps) are taken from the runner's ``tok_buf`` on the
+  device before the replay;
 - padded rows (S .. Bk-1) are sequences of one token at position 0 whose k/v go to a scratch
   block no sequence owns (the runner's pool has one block more than the leader allocates);
   they attend to themselves only, and the exchange sends none of their (token, k) pairs: the
@@ -86,11 +88,11 @@ class DecodeGraphs:
         bmax = self.sizes[-1]
         self.bmax = bmax
         dev = model.device
-        # int64: ids, positions, slot mapping, last index [4, Bmax]; int32: tables [Bmax, MB],
-        # seq_lens [Bmax], query_start [Bmax + 1].
-        self.longs = torch.zeros(4, bmax, dtype=torch.long, device=dev)
+        # int64: ids, positions, slot mapping, last index, tok_buf entry of a pending id (-1: none)
+        # [5, Bmax]; int32: tables [Bmax, MB], seq_lens [Bmax], query_start [Bmax + 1].
+        self.longs = torch.zeros(5, bmax, dtype=torch.long, device=dev)
         self.ints = torch.zeros(bmax * self.mb + 2 * bmax + 1, dtype=torch.int32, device=dev)
-        self.h_longs = torch.zeros(4, bmax, dtype=torch.long)
+        self.h_longs = torch.zeros(5, bmax, dtype=torch.long)
         self.h_ints = torch.zeros(self.ints.numel(), dtype=torch.int32)
         if self.cuda:
             self.h_longs, self.h_ints = self.h_longs.pin_memory(), self.h_ints.pin_memory()
@@ -107,7 +109,8 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, tables: list[list[int]]) -> bool:
         return not self.disabled and 0 < num_seqs <= self.bmax and all(len(t) <= self.mb for t in tables)
 
-    def _fill(self, ids: list[int], starts: list[int], tables: list[list[int]], b: int) -> None:
+    def _fill(self, ids: list[int], starts: list[int], tables: list[list[int]], b: int,
+              src: list[int] | None = None) -> None:
         """Write the step's inputs, padded to ``b`` rows, into the static device buffers."""
         if self._copied is not None:
             self._copied.synchronize()             # the pinned buffers are free again
@@ -126,6 +129,7 @@ class DecodeGraphs:
         hl[2, :s] = table[np.arange(s), st // bs].astype(np.int64) * bs + st % bs
         hl[2, s:b] = self.scratch * bs
         hl[3, :b] = np.arange(b)
+        hl[4, :s] = -1 if src is None else src
         o = self.bmax * mb
         hi[:b * mb] = table.reshape(-1)
         hi[o:o + s] = st + 1
@@ -151,9 +155,11 @@ class DecodeGraphs:
                                  check_ids=False)                                       # [Bk, H]
         return self.model.logits(hidden)                                               # [Bk, V]
 
-    def run(self, ids: list[int], starts: list[int], tables: list[list[int]], step: int) -> torch.Tensor:
+    def run(self, ids: list[int], starts: list[int], tables: list[list[int]], step: int,
+            src: list[int] | None = None, runner=None) -> torch.Tensor:
         """One decode step of S sequences (token ``ids[s]`` at position ``starts[s]``, block
-        table ``tables[s]``, which already covers it). Returns logits [S, V] in the model's
+        table ``tables[s]``, which already covers it; where ``src[s] >= 0`` the token is
+        ``runner.tok_buf[src[s]]`` on the device instead). Returns logits [S, V] in the model's
         dtype: a view valid until the next call."""
         s = len(ids)
         b = next(x for x in self.sizes if x >= s)
@@ -162,7 +168,9 @@ class DecodeGraphs:
         ns = attention_config(SimpleNamespace(max_query_len=1, num_tokens=b, num_seqs=b, max_seq_len=msl),
                               hq, hkv, d, self.sms)["NS"]
         key = (b, ns)
-        self._fill(ids, starts, tables, b)
+        self._fill(ids, starts, tables, b, src)
+        if src is not None:
+            self.longs[0, :s] = runner.select_ids(self.longs[0, :s], self.longs[4, :s])
         if self.exchange is not None:
             self.experts.step = step
             self.exchange.set_step_args(s * self.top_k, self.experts.router + step)

@@ -23,20 +23,39 @@ from moeserve.router.dispatcher import DistributedExperts
 from moeserve.sampling import SamplingParams, SamplingTensors, sample
 
 
+class _Outputs:
+    """What one forward step sampled, on its way to the host: ``ids`` the sampled sequences,
+    ``host`` int64 [B] (pinned on CUDA) filled by a copy behind ``event``; ``logits`` the fp32
+    logits asked for (already on the host)."""
+
+    __slots__ = ("step", "ids", "host", "event", "logits")
+
+    def __init__(self, step: int, ids: list[int], host, event, logits: dict):
+        self.step, self.ids, self.host, self.event, self.logits = step, ids, host, event, logits
+
+    def tokens(self) -> dict[int, int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.ids, self.host.tolist())) if self.ids else {}
+
+
 class RouterRunner:
     """Runs ``RouterWork`` on the router-side model with the distributed experts backend.
     ``num_blocks`` x ``block_size``: the rank's KV pool as the leader allocates it.
 
     With ``graphs`` (``max_num_seqs``, ``max_model_len``; see ``moeserve.router.graphs``) decode
-    steps replay CUDA graphs; the pool then has one more block, the padded rows' scratch block."""
+    steps replay CUDA graphs; the pool then has one more block, the padded rows' scratch block.
+    ``async_outputs``: a step's sampled tokens are delivered with the next step's result."""
 
     def __init__(self, model, experts: DistributedExperts, num_blocks: int, block_size: int,
-                 graphs: tuple[int, int] | None = None):
+                 graphs: tuple[int, int] | None = None, async_outputs: bool = False):
         self.model = model
         self.experts = experts
         self.device = experts.exchange.device
+        self.cuda = self.device.type == "cuda"
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.async_outputs = async_outputs
         self.cache: PagedKVCache = model.new_paged_cache(num_blocks + (1 if graphs else 0), block_size)
         self.graphs = None
         if graphs:
@@ -45,22 +64,59 @@ class RouterRunner:
         self.tables: dict[int, list[int]] = {}             # seq id -> block ids
         self.params: dict[int, SamplingParams] = {}
         self._applied_step = -1                             # the step whose block updates are in the tables
+        # each live sequence's last sampled token, on the device: seq id -> entry of tok_buf
+        self.tok_buf = torch.zeros(64, dtype=torch.long, device=self.device)
+        self.tok_index: dict[int, int] = {}
+        self._free_tok = list(range(63, -1, -1))
+        self._outputs: list[_Outputs] = []                  # sampled, not delivered yet (oldest first)
+        self._delivered: tuple[int, tuple] | None = None    # (step, what deliver(step) returned): a replay
+        self._load = None                                   # a load snapshot on its way to the host
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
             self.tables.pop(sid, None)
             self.params.pop(sid, None)
+            i = self.tok_index.pop(sid, None)
+            if i is not None:
+                self._free_tok.append(i)
+
+    def _tok_entry(self, sid: int) -> int:
+        i = self.tok_index.get(sid)
+        if i is None:
+            if not self._free_tok:                          # grow (stream-ordered: pending scatters land first)
+                n = self.tok_buf.numel()
+                self.tok_buf = torch.cat([self.tok_buf, torch.zeros_like(self.tok_buf)])
+                self._free_tok = list(range(2 * n - 1, n - 1, -1))
+            i = self.tok_index[sid] = self._free_tok.pop()
+        return i
+
+    def _device_ids(self, host_ids: list[int], src: list[int]) -> torch.Tensor:
+        """Token ids [T] on the device: ``host_ids[t]``, or where ``src[t] >= 0`` the token held
+        in ``tok_buf[src[t]]`` (a pending sampled token)."""
+        both = torch.tensor([host_ids, src], dtype=torch.long)
+        if self.cuda:
+            both = both.pin_memory()
+        both = both.to(self.device, non_blocking=True)
+        return self.select_ids(both[0], both[1])
+
+    def select_ids(self, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """ids [T] with the entries where src [T] >= 0 replaced by tok_buf[src] (on the device)."""
+        return torch.where(src >= 0, self.tok_buf.index_select(0, src.clamp(min=0)), ids)
 
     @torch.inference_mode()
-    def run(self, work: RouterWork, step: int) -> tuple[dict[int, int], dict[int, np.ndarray]]:
-        """Run one step; returns (sampled token per sequence that samples, requested logits per sequence)."""
+    def run(self, work: RouterWork, step: int) -> None:
+        """Enqueue one step: its outputs (sampled tokens, asked-for logits) are handed out by
+        ``deliver``. A step run again after a lost peer (same step number) replaces its outputs."""
         self.release(work.release)
         self.experts.step = step
+        self._outputs = [o for o in self._outputs if o.step != step]
         info = self.model.moe_info
         if not work.seqs:
             idle_walk(self.experts.exchange, info.num_moe_layers, self.model.config.hidden_size,
                       info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
-            return {}, {}
+            self.experts.end_step()
+            self._outputs.append(_Outputs(step, [], None, None, {}))
+            return
         if step != self._applied_step:                       # a step run again after a lost peer: applied already
             for sw in work.seqs:
                 if sw.start == 0:                             # new, or recomputed after a preemption
@@ -69,49 +125,102 @@ class RouterRunner:
                 else:
                     self.tables[sw.seq_id].extend(sw.new_blocks)
             self._applied_step = step
-        if (self.graphs is not None and all(len(sw.token_ids) == 1 and sw.sample and sw.return_logits != "all"
+        ids, src = [], []
+        for sw in work.seqs:
+            if sw.pending:
+                ids.append(0)
+                src.append(self.tok_index[sw.seq_id])
+            else:
+                ids.extend(sw.token_ids)
+                src.extend([-1] * len(sw.token_ids))
+        self._check_ids([t for t, j in zip(ids, src) if j < 0])
+        if (self.graphs is not None and all(sw.num_new == 1 and sw.sample and sw.return_logits != "all"
                                              for sw in work.seqs)
                 and self.graphs.fits(len(work.seqs), [self.tables[sw.seq_id] for sw in work.seqs])):
-            with span("batch_build"):
-                ids = [sw.token_ids[0] for sw in work.seqs]
-                self._check_ids(ids)
             logits = self.graphs.run(ids, [sw.start for sw in work.seqs],
-                                     [self.tables[sw.seq_id] for sw in work.seqs], step)             # [S, V]
-            return self._sample(work.seqs, logits.float())
+                                     [self.tables[sw.seq_id] for sw in work.seqs], step,
+                                     src=src if any(j >= 0 for j in src) else None, runner=self)   # [S, V]
+            self.experts.end_step()
+            self._sample(work.seqs, logits.float(), step)
+            return
         with span("batch_build"):
-            flat = [t for sw in work.seqs for t in sw.token_ids]
-            self._check_ids(flat)
-            ids = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)           # [T]
-            batch = PagedBatch.build([len(sw.token_ids) for sw in work.seqs], [sw.start for sw in work.seqs],
+            ids_dev = self._device_ids(ids, src)                                                     # [T]
+            batch = PagedBatch.build([sw.num_new for sw in work.seqs], [sw.start for sw in work.seqs],
                                      [self.tables[sw.seq_id] for sw in work.seqs], self.block_size, self.device)
-        hidden = self.model.step(ids, batch, self.cache, experts=self.experts, check_ids=False)  # [T, H]
+        hidden = self.model.step(ids_dev, batch, self.cache, experts=self.experts, check_ids=False)  # [T, H]
+        self.experts.end_step()
         rows = [i for i, sw in enumerate(work.seqs) if sw.sample]
-        tokens, out_logits = {}, {}
-        if rows:
-            with span("lm_head"):
-                last = batch.last_token_index[torch.tensor(rows, device=batch.last_token_index.device)]
-                logits = self.model.logits(hidden.index_select(0, last)).float()                    # [B, V]
-            tokens, out_logits = self._sample([work.seqs[i] for i in rows], logits)
-        starts = np.cumsum([0] + [len(sw.token_ids) for sw in work.seqs])
+        out_logits = {}
+        starts = np.cumsum([0] + [sw.num_new for sw in work.seqs])
         for i, sw in enumerate(work.seqs):
             if sw.return_logits == "all":
                 out_logits[sw.seq_id] = self.model.logits(hidden[starts[i]:starts[i + 1]]).float().cpu().numpy()
-        return tokens, out_logits
+        if rows:
+            with span("lm_head"):
+                last = torch.from_numpy(starts[1:][rows] - 1)                                        # [B]
+                if self.cuda:
+                    last = last.pin_memory()
+                last = last.to(self.device, non_blocking=True)
+                logits = self.model.logits(hidden.index_select(0, last)).float()                    # [B, V]
+            self._sample([work.seqs[i] for i in rows], logits, step, out_logits)
+        else:
+            self._outputs.append(_Outputs(step, [], None, None, out_logits))
 
-    def _sample(self, sampled, logits: torch.Tensor) -> tuple[dict[int, int], dict[int, np.ndarray]]:
+    def _sample(self, sampled, logits: torch.Tensor, step: int, out_logits: dict | None = None) -> None:
         """Sample one token per sequence of ``sampled`` from fp32 ``logits`` [B, V] (row j is
-        sampled[j]'s), in one call on the device; also the logits asked for with "last"."""
-        tokens, out_logits = {}, {}
+        sampled[j]'s), in one call on the device; keep each in ``tok_buf`` and start its copy
+        to the host; also the logits asked for with "last"."""
+        out_logits = {} if out_logits is None else out_logits
         with span("sampling"):
             st = SamplingTensors.build([self.params[sw.seq_id] for sw in sampled],
                                        [self.params[sw.seq_id].seed for sw in sampled],
                                        [sw.out_pos for sw in sampled], self.device)
-            for sw, tok in zip(sampled, sample(logits, st).tolist()):      # the step's one host read
-                tokens[sw.seq_id] = tok
+            toks = sample(logits, st)                                                    # [B] on the device
+            entries = [self._tok_entry(sw.seq_id) for sw in sampled]
+            index = torch.tensor(entries, dtype=torch.long)
+            if self.cuda:
+                index = index.pin_memory()
+            self.tok_buf.index_copy_(0, index.to(self.device, non_blocking=True), toks)
+            host = torch.empty(len(sampled), dtype=torch.long, pin_memory=self.cuda)
+            host.copy_(toks, non_blocking=self.cuda)
+            event = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()
         for j, sw in enumerate(sampled):
             if sw.return_logits == "last":
                 out_logits[sw.seq_id] = logits[j:j + 1].cpu().numpy()
-        return tokens, out_logits
+        self._outputs.append(_Outputs(step, [sw.seq_id for sw in sampled], host, event, out_logits))
+
+    def deliver(self, step: int) -> tuple[int, dict[int, int], dict[int, np.ndarray]]:
+        """The outputs of the oldest step not delivered yet that step ``step``'s result carries
+        (with async outputs a step before ``step``, else up to ``step``): (its step or -1,
+        tokens per sequence, logits per sequence). Waits for that step's copies only. Asked
+        again for the same step (the step was run again after a lost peer), the same answer."""
+        if self._delivered is not None and self._delivered[0] == step:
+            return self._delivered[1]
+        out = (-1, {}, {})
+        if self._outputs and (self._outputs[0].step < step or
+                              (not self.async_outputs and self._outputs[0].step <= step)):
+            o = self._outputs.pop(0)
+            with span("tokens_read"):
+                out = (o.step, o.tokens(), o.logits)
+        self._delivered = (step, out)
+        return out
+
+    @property
+    def outputs_pending(self) -> bool:
+        return bool(self._outputs)
+
+    def snapshot_load(self) -> None:
+        """Start reading the load the device accumulated (the forward steps since the last
+        snapshot), with the maps they were routed with; ``take_load_snapshot`` returns it."""
+        self._load = self.experts.snapshot_load()
+
+    def take_load_snapshot(self):
+        """(logical [L, E], worker [L, W], steps) of the last ``snapshot_load``, or None."""
+        snap, self._load = self._load, None
+        return None if snap is None else self.experts.finish_load(snap)
 
     def _check_ids(self, ids: list[int]) -> None:
         """Token ids in range, checked on the host (the leader validated prompts; sampled ids

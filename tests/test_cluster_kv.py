@@ -1,5 +1,7 @@
 """The paged KV cache across processes: more concurrent long requests than KV blocks complete
-through preemption, with the tokens a run without preemption gives (greedy and seeded)."""
+through preemption, with the tokens a run without preemption gives (greedy and seeded). The
+run without preemption has synchronous steps, the tight one asynchronous steps (the default):
+a preempted sequence with a token in flight is recomputed with it, and the tokens agree."""
 import pytest
 
 from cluster_util import prompts_for, reference_generate, reference_model, tiny_checkpoint
@@ -19,7 +21,8 @@ def setup(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_kv_exhaustion_completes_every_request_through_preemption_with_unchanged_tokens(setup):
     seeded = dict(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
-    with LocalCluster(setup["path"], routers=1, workers=2, block_size=4, num_gpu_blocks_override=64) as roomy:
+    with LocalCluster(setup["path"], routers=1, workers=2, block_size=4, num_gpu_blocks_override=64,
+                      async_scheduling=False) as roomy:
         want_seeded = roomy.generate(setup["prompts"], **seeded)
         assert roomy.status().preemptions == 0
     # Each request needs 5 to 10 blocks of 4 tokens; 18 blocks hold two or three at a time.

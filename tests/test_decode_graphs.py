@@ -85,3 +85,31 @@ def test_a_batch_that_does_not_fit_is_left_to_the_eager_path(model):
     assert not graphs.fits(3, [[0], [1], [2]])                   # more sequences than the largest bucket
     assert not graphs.fits(1, [[0, 1, 2]])                       # a table wider than max_model_len allows
     assert not graphs.fits(0, [])
+
+
+def test_ids_taken_from_the_device_token_buffer_equal_ids_sent_by_the_host(model):
+    """Asynchronous steps: a decode whose input the leader has not seen reads it from the
+    runner's ``tok_buf`` on the device (``src`` entry >= 0); the step is the same as with the
+    ids sent by the host."""
+    from moeserve.router.runner import RouterRunner
+
+    class Tokens:                                   # the runner's device token buffer, alone
+        tok_buf = torch.zeros(8, dtype=torch.long)
+        select_ids = RouterRunner.select_ids
+
+    torch.manual_seed(1)
+    v = model.config.vocab_size
+    prompts = [torch.randint(3, v, (n,)).tolist() for n in (4, 6, 2)]
+    tables = [[0, 1], [2, 3], [4, 5]]
+    caches = [model.new_paged_cache(7, BS) for _ in range(2)]
+    graphs = [DecodeGraphs(model, c, None, BS, max_seqs=4, max_model_len=8) for c in caches]
+    tokens = _prefill(model, caches[0], prompts, tables).argmax(-1).tolist()
+    _prefill(model, caches[1], prompts, tables)
+    src = [5, -1, 1]                                # rows 0 and 2 from the buffer, row 1 from the host
+    toks = Tokens()
+    toks.tok_buf[5], toks.tok_buf[1] = tokens[0], tokens[2]
+    starts = [len(p) for p in prompts]
+    want = graphs[0].run(tokens, starts, tables, 0).clone()
+    got = graphs[1].run([0, tokens[1], 0], starts, tables, 0, src=src, runner=toks)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert graphs[1].longs[0, :3].tolist() == tokens

@@ -29,23 +29,31 @@ L, E, W, VOCAB, TOKEN = 2, 4, 2, 100, 7
 
 class StandInRanks:
     """The step driver of a cluster whose every router samples TOKEN and whose workers stage
-    and report without fault: it calls ``next_header`` / ``on_results`` as rank 0 does."""
+    and report without fault: it calls ``next_header`` / ``on_results`` as rank 0 does, and
+    like routers with asynchronous steps it returns a step's tokens with the next step's
+    results. Steps wait while ``gate`` is clear."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.world = engine.cfg.world_size
         self._stop = False
+        self.gate = threading.Event()
+        self.gate.set()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
+        outputs = None                                         # (step, tokens) not returned yet
         while not self._stop:
+            self.gate.wait()
             h = self.engine.next_header()
             if h.stop:
                 return
             results = [RankResult(r) for r in range(self.world)]
-            if h.forward:
-                results[0].tokens = {sw.seq_id: TOKEN for sw in h.work[0].seqs}
+            if outputs is not None:
+                results[0].tokens_step, results[0].tokens = outputs
+            outputs = (h.step, {sw.seq_id: TOKEN for sw in h.work[0].seqs if sw.sample}) if h.forward else None
+            if h.read_load:
                 results[0].logical_load = np.zeros((L, E), dtype=np.int64)
                 results[0].worker_load = np.zeros((L, W), dtype=np.int64)
             if h.report:
@@ -66,6 +74,7 @@ def engine():
     shape = ModelShape(L, E, 1, VOCAB, (2,), 16, (1, 3), 4)
     eng = Engine(cfg, shape, Placement(np.tile(np.arange(E + 2) % E, (L, 1)), E, W, version=1))
     ranks = StandInRanks(eng)
+    eng.stand_in = ranks
     yield eng
     ranks.stop()
 
@@ -202,7 +211,14 @@ def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame
 
         async def one(n):
             return [ev async for _, ev in client.generate([GenerateRequest((1, 2), n, ignore_eos=True)])]
-        outs = await asyncio.gather(*(one(12) for _ in range(4)))      # max_waiting is 4
+
+        async def release_when_all_wait():                   # one batch: every step has a token of each stream
+            while (lambda c: c["waiting"] + c["running"])(engine.scheduler.counts()) < 4:
+                await asyncio.sleep(0.01)
+            engine.stand_in.gate.set()
+        engine.stand_in.gate.clear()
+        outs, _ = await asyncio.gather(asyncio.gather(*(one(12) for _ in range(4))),     # max_waiting is 4
+                                       release_when_all_wait())
         await client.close()
         return outs
     outs = asyncio.run(main())

@@ -149,21 +149,32 @@ def test_admission_waits_for_free_blocks_and_blocks_come_back_when_a_sequence_fi
     assert [sw.seq_id for sw in work[0].seqs] == [c.seq_id] and set(work[0].release) == {a.seq_id, b.seq_id}
 
 
-def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed_later():
+@pytest.mark.parametrize("late", [False, True], ids=["sync", "tokens-one-step-late"])
+def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed_later(late):
     s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=3)
     old = s.submit(req(n=4, max_tokens=6, ignore_eos=True))
     new = s.submit(req(n=3, max_tokens=6, ignore_eos=True))
     released, recomputed = [], []
+    out = None                                       # (work, token) whose results are still out
     for step in range(40):
         work = s.schedule()
+        if out is not None:
+            feed(s, *out)
+            out = None
         if work is None:
-            break
+            if s.counts()["running"] + s.counts()["waiting"] == 0:
+                break
+            continue
         released += work[0].release
         for sw in work[0].seqs:
             if sw.seq_id == new.seq_id and sw.start == 0 and new.output:     # recomputed after its preemption
                 recomputed.append((sw.token_ids, sw.out_pos, list(new.output)))
+                assert not sw.pending
         assert s.counts()["kv_blocks_used"] <= 3
-        feed(s, work, token=20 + step)
+        if late:
+            out = (work, 20 + step)
+        else:
+            feed(s, work, token=20 + step)
     assert s.counts()["preemptions"] >= 1 and new.seq_id in released and old.seq_id not in released[:1]
     tokens, out_pos, before = recomputed[0]
     assert tokens == tuple(new.req.prompt_ids) + tuple(before) and out_pos == len(before)
@@ -174,3 +185,56 @@ def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed_lat
 def test_a_request_that_can_never_fit_the_kv_cache_is_refused():
     with pytest.raises(ValueError, match="can never fit"):
         validate_request(GenerateRequest((1,) * 10, 10), VOCAB, max_model_len=100, max_kv_tokens=16)
+
+
+def late_steps(s, answer, steps=50):
+    """Drive ``s`` as the leader does with asynchronous steps: a step's results come back after
+    the next step was scheduled. ``answer(sw)`` is the token a sampling sequence gets. Returns
+    the works scheduled."""
+    works, out = [], None
+    for _ in range(steps):
+        work = s.schedule()
+        if out is not None:
+            s.on_results(out, {sw.seq_id: answer(sw) for rw in out for sw in rw.seqs if sw.sample}, {})
+        out = work
+        if work is None:
+            if not s.counts()["running"] and not s.counts()["waiting"]:
+                break
+            continue
+        works.append(work)
+    return works
+
+
+def test_with_tokens_one_step_late_a_decode_takes_its_token_in_flight_and_max_tokens_counts_it():
+    s = sched(routers=1)
+    a = s.submit(req(n=3, max_tokens=4, ignore_eos=True))
+    works = late_steps(s, lambda sw: 30 + sw.out_pos)
+    mine = [sw for w in works for sw in w[0].seqs if sw.seq_id == a.seq_id]
+    # prompt, then 3 decodes whose input is the token the step before sampled (still out)
+    assert [(sw.token_ids, sw.start, sw.pending, sw.out_pos) for sw in mine] == [
+        ((10, 11, 12), 0, False, 0), ((), 3, True, 1), ((), 4, True, 2), ((), 5, True, 3)]
+    assert a.output == [30, 31, 32, 33] and a.finished == "length" and a.pending == 0
+    assert s.counts()["kv_blocks_used"] == 0
+
+
+def test_a_stop_token_seen_one_step_late_costs_one_extra_step_whose_token_is_dropped():
+    s = sched(routers=1)
+    a = s.submit(req(n=2, max_tokens=10))
+    got = []
+    a.sink = got.append
+    works = late_steps(s, lambda sw: EOS if sw.out_pos == 1 else 7)
+    mine = [sw.out_pos for w in works for sw in w[0].seqs if sw.seq_id == a.seq_id]
+    assert mine == [0, 1, 2]                       # position 2 ran before EOS at 1 was known
+    assert a.output == [7, EOS] and a.finished == "stop"
+    assert [type(e).__name__ for e in got] == ["Token", "Token", "Finished"]
+    assert works[-1][0].seqs == () and works[-1][0].release == (a.seq_id,)    # released once EOS is known
+
+
+def test_a_cancel_with_a_token_in_flight_drops_that_token():
+    s = sched(routers=1)
+    a = s.submit(req(n=2, max_tokens=10, ignore_eos=True))
+    first = s.schedule()
+    s.cancel(a)
+    assert s.schedule()[0].release == (a.seq_id,)
+    s.on_results(first, {a.seq_id: 7}, {})          # the prompt's token arrives after the cancel
+    assert a.output == [] and a.finished == "cancelled"

@@ -146,7 +146,8 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
         if not use_graphs and device.type == "cuda":
             log.info("decode steps run eagerly: %s", why)
         st.runner = RouterRunner(info_model, experts, kv_blocks(cfg, mcfg, dtype, device), cfg.cache.block_size,
-                                 graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len) if use_graphs else None)
+                                 graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len) if use_graphs else None,
+                                 async_outputs=cfg.async_scheduling)
     if rank == 0:
         from moeserve.router.engine.api import ModelShape
         from moeserve.router.engine.leader import Engine
@@ -215,7 +216,7 @@ def _recover(st: RankState, cfg: ClusterConfig, store, device: torch.device, gen
                                 st.runner.model.moe_info.top_k if st.runner is not None else _top_k(cfg))
     if st.runner is not None:
         st.runner.experts.exchange = st.exchange
-        st.runner.experts.sent.zero_()                    # the failed step's partial load
+        st.runner.experts.discard_load()                  # the failed step's partial load, and the unread
     from moeserve.expert_worker.migration import warm_up_pairs
     warm_up_pairs(st.rank, cfg.world_size, device)
     generation[0] = gen

@@ -216,7 +216,12 @@ class NvlinkExchange:
 
     def set_step_args(self, pairs: int, offset: int) -> None:
         """N (the valid pairs) and the replica offset of the next whole-step graph replay."""
-        self.step_args[:, 3:].copy_(torch.tensor([[pairs, offset]], dtype=torch.long).expand(self.step_args.shape[0], 2))
+        # from pinned memory, without a sync: the host must not wait here for the steps enqueued
+        # before (asynchronous steps); the caching host allocator keeps the buffer until the copy ran
+        args = torch.tensor([[pairs, offset]], dtype=torch.long)
+        if self.step_args.is_cuda:
+            args = args.pin_memory().to(self.step_args.device, non_blocking=True)
+        self.step_args[:, 3:].copy_(args.expand(self.step_args.shape[0], 2))
 
     def _send_half(self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor,
                    args: torch.Tensor | None = None) -> None:

@@ -25,14 +25,16 @@ class SeqWork(NamedTuple):
     """One sequence's share of a step on its router.
 
     token_ids: the new tokens of this step (a prompt or a chunk of it, a recomputed prompt plus
-    the tokens it had produced, or the last sampled token); start: tokens already in this
+    the tokens it had produced, or the last sampled token when the leader knows it); start: tokens already in this
     sequence's KV cache on the router (0: a new, or recomputed, sequence: the router starts a
     fresh block table); new_blocks: KV block ids the leader appended to its block table for
     this step; sampling: set when start == 0 (its seed is always set, by the leader);
     sample: whether a token is sampled at the end of this step (False for a prefill chunk that
     is not the prompt's last); out_pos: the index of that token among the request's outputs
     (the sampler's counter); return_logits: "" (none), "last" (the logits the token is sampled
-    from) or "all" (every new position).
+    from) or "all" (every new position); pending: the step's one new token is the token this
+    sequence sampled in an earlier step, which the leader has not seen yet (asynchronous steps):
+    the router takes it from the device and ``token_ids`` is empty.
     """
 
     seq_id: int
@@ -43,6 +45,12 @@ class SeqWork(NamedTuple):
     new_blocks: tuple[int, ...] = ()
     sample: bool = True
     out_pos: int = 0
+    pending: bool = False
+
+    @property
+    def num_new(self) -> int:
+        """Tokens this step writes to the sequence's KV cache."""
+        return len(self.token_ids) + self.pending
 
 
 class RouterWork(NamedTuple):
@@ -109,6 +117,7 @@ class StepHeader:
     work: tuple[RouterWork, ...] = ()
     migration: MigrationOps | None = None
     report: bool = False            # workers send a digest of every slot's weights
+    read_load: bool = False         # routers send the load of the forward steps before this one
     stop: bool = False
 
 
@@ -116,9 +125,12 @@ class StepHeader:
 class RankResult:
     """What a rank sends to the leader at the end of a step (gathered on the control group).
 
-    Routers: ``tokens`` maps a sequence id to its sampled token, ``logits`` to float32 arrays
-    [n, V] when asked for; ``logical_load`` int64 [L, E] (pairs routed to each logical
-    expert) and ``worker_load`` int64 [L, W] (pairs sent to each worker) of this step.
+    Routers: ``tokens`` maps a sequence id to the token it sampled in step ``tokens_step``
+    (-1: none; with asynchronous steps the step before this one, else this one), ``logits`` to
+    float32 arrays [n, V] when asked for (of the same step); when the header set ``read_load``:
+    ``logical_load`` int64 [L, E] (pairs routed to each logical expert) and ``worker_load``
+    int64 [L, W] (pairs sent to each worker) of the ``load_steps`` forward steps since the
+    previous read.
     Workers: ``staging_error`` when staging could not be allocated (the migration is then
     rolled back); ``slot_digest`` when the header asked for a report.
     Routers, when the header asked for a report: ``router_maps``, the maps they route with
@@ -128,8 +140,10 @@ class RankResult:
     rank: int
     tokens: dict[int, int] = field(default_factory=dict)
     logits: dict[int, np.ndarray] = field(default_factory=dict)
+    tokens_step: int = -1
     logical_load: np.ndarray | None = None
     worker_load: np.ndarray | None = None
+    load_steps: int = 1
     staging_error: str | None = None
     slot_digest: np.ndarray | None = None     # float64 [L, S, 2] (sum, sum of squares) per slot, when asked
     router_maps: tuple | None = None          # (phy2log [L, P], breakeven [L, E]) of a router, when asked

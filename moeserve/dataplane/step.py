@@ -55,8 +55,15 @@ class RankState:
 
 
 def run_step(st: RankState, header: StepHeader) -> RankResult:
-    """This rank's part of one step, after the header (docs/dataplane.md, steps 2-4)."""
+    """This rank's part of one step, after the header (docs/dataplane.md, steps 2-5).
+
+    A router first starts reading the load of the steps before (when the header asks: always
+    before a commit, which changes the maps the counts are read with), then enqueues the
+    step's work, then waits for the tokens of the oldest undelivered step (with asynchronous
+    steps, the step before this one: the device is still running this one)."""
     res = RankResult(st.rank)
+    if header.read_load and st.runner is not None:
+        st.runner.snapshot_load()
     mig = header.migration
     if mig is not None:
         if st.store is not None and mig.begin_staging_slots:
@@ -80,13 +87,17 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
     router = st.topo.router_index(st.rank)
     if header.forward:
         if st.runner is not None:
-            res.tokens, res.logits = st.runner.run(header.work[router], header.step)
-            with profiling.span("load_read"):
-                res.logical_load, res.worker_load = st.runner.experts.take_load()
+            st.runner.run(header.work[router], header.step)
         else:
             idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
     elif header.work and st.runner is not None:
         st.runner.release(header.work[router].release)
+    if st.runner is not None:
+        res.tokens_step, res.tokens, res.logits = st.runner.deliver(header.step)
+        load = st.runner.take_load_snapshot()
+        if load is not None:
+            with profiling.span("load_read"):
+                res.logical_load, res.worker_load, res.load_steps = load
     return res
 
 

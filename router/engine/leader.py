@@ -42,7 +42,10 @@ class Engine(EngineAPI):
         self._saved_key = _placement_key(placement)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
         self._load_lock = threading.Lock()
-        self._window: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=cfg.eplb.window_size)
+        # the load as routers read it: chunks (logical [L, E], worker [L, W], forward steps), the
+        # oldest dropped while the rest still covers window_size steps
+        self._window: deque[tuple[np.ndarray, np.ndarray, int]] = deque()
+        self._window_steps = 0
         # Running sums over the window: admin calls read them in O(1) instead of summing up to
         # window_size arrays while holding the lock (and the GIL) the step driver needs.
         self._window_logical: np.ndarray | int = 0
@@ -69,6 +72,14 @@ class Engine(EngineAPI):
         self._in_flight: StepHeader | None = None     # the header whose results have not come back
         self._replay: StepHeader | None = None        # to issue again after a lost peer was replaced
         self.peers_replaced = 0
+        # forward steps whose sampled tokens have not come back (asynchronous steps): step -> work
+        self._awaiting: dict[int, tuple] = {}
+        self._unread_steps = 0                        # forward steps issued since the last load read
+        self._load_cond = threading.Condition(self._load_lock)
+        self._load_asked = 0                          # tickets: fresh load reads asked / issued / served
+        self._load_issued = 0
+        self._load_served = 0
+        self._driver: int | None = None               # the step driver's thread id
 
     # -- requests (any thread) ----------------------------------------------------------------
 
@@ -127,19 +138,25 @@ class Engine(EngineAPI):
         return mig
 
     def expert_load(self, window_steps: int | None = None) -> LoadReport:
-        """The load over the window, or over its last ``window_steps`` steps."""
+        """The load over the window, or over its last ``window_steps`` steps (whole reads:
+        routers send the load every ``load_read_steps`` forward steps; this call first asks
+        them for the steps not read yet)."""
+        self._fresh_load()
         placement = self.placement()
         with self._load_lock:
-            n = len(self._window) if not window_steps else min(window_steps, len(self._window))
-            if n == 0:
+            if not window_steps or window_steps >= self._window_steps:
+                n = self._window_steps
+                load = self._window_logical.copy() if n else None
+                wload = self._window_worker.copy() if n else None
+            else:
+                n, load, wload = 0, 0, 0
+                for lg, wl, k in reversed(self._window):
+                    load, wload, n = load + lg, wload + wl, n + k
+                    if n >= window_steps:
+                        break
+            if not n:
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
-            elif n == len(self._window):
-                load, wload = self._window_logical.copy(), self._window_worker.copy()
-            else:
-                last = [self._window[i] for i in range(len(self._window) - n, len(self._window))]
-                load = np.stack([w[0] for w in last]).sum(0)
-                wload = np.stack([w[1] for w in last]).sum(0)
             since = self.forward_steps - self._placement_step
         return LoadReport(load=load, worker_load=wload, steps=n, total_steps=self.forward_steps,
                           balancedness_measured=worker_balancedness(wload)["per_layer"],
@@ -148,13 +165,29 @@ class Engine(EngineAPI):
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since start."""
+        self._fresh_load()
         with self._load_lock:
             return self._total_logical.copy()
 
     def total_worker_load(self) -> np.ndarray:
         """int64 [L, W]: pairs sent to each worker since start."""
+        self._fresh_load()
         with self._load_lock:
             return self._total_worker.copy()
+
+    def _fresh_load(self, timeout_s: float = 2.0) -> None:
+        """Have the routers send the load they hold (at the next step boundary) and wait for it;
+        returns at once on the step driver's thread, when nothing is unread, and when the step
+        loop is not running (stopped, failed, or stalled for a second)."""
+        if (threading.get_ident() == self._driver or self._driver is None or self._stop.is_set() or self.error
+                or time.monotonic() - self._last_step_t > 1.0):
+            return
+        with self._load_lock:
+            self._load_asked += 1
+            ticket = self._load_asked
+        self._wake.set()
+        with self._load_cond:
+            self._load_cond.wait_for(lambda: self._load_served >= ticket or self.error is not None, timeout_s)
 
     def status(self) -> EngineStatus:
         p = self.placement()
@@ -201,6 +234,7 @@ class Engine(EngineAPI):
         """The header of the next step; when there is nothing to do, waits up to heartbeat_s
         for work and then returns a heartbeat. After a lost peer was replaced, the step that
         failed comes first, again."""
+        self._driver = threading.get_ident()
         if self._replay is not None:
             self._in_flight, self._replay = self._replay, None
             self._header_t = time.perf_counter()
@@ -214,7 +248,9 @@ class Engine(EngineAPI):
             work = self.scheduler.schedule()
             ops = self.migrator.header_ops()
             report = self._report_wanted
-            if work is not None or ops is not None or report:
+            # tokens still on their way back, or load asked for: a step now, with or without work
+            if (work is not None or ops is not None or report or self._awaiting
+                    or self._load_asked > self._load_issued):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -222,8 +258,19 @@ class Engine(EngineAPI):
             self._wake.wait(remaining)
             self._wake.clear()
         forward = work is not None and any(w.seqs for w in work)
+        with self._load_lock:
+            asked = self._load_asked
+        # the routers' load of the steps before this one: every load_read_steps forward steps,
+        # when asked, before a commit (which changes the maps they read it with), and when idle
+        read = asked > self._load_issued or bool(self._unread_steps) and (
+            self._unread_steps >= self.cfg.load_read_steps or (ops is not None and bool(ops.commits)) or not forward)
+        if read:
+            self._unread_steps = 0
+            self._load_issued = asked
+        self._unread_steps += forward
         self._header_t = time.perf_counter()
-        self._in_flight = StepHeader(self.step, forward=forward, work=work or (), migration=ops, report=report)
+        self._in_flight = StepHeader(self.step, forward=forward, work=work or (), migration=ops, report=report,
+                                     read_load=read)
         return self._in_flight
 
     def on_peer_lost(self) -> Placement:
@@ -265,34 +312,50 @@ class Engine(EngineAPI):
             if key != self._saved_key:
                 self._saved_key = key
                 self._saver.save(placement)
+        loads = [r for r in results if r.logical_load is not None]
+        if loads and max(r.load_steps for r in loads):
+            self._add_load(sum(r.logical_load for r in loads), sum(r.worker_load for r in loads),
+                           max(r.load_steps for r in loads))
+        if header.read_load:
+            with self._load_cond:
+                self._load_served = max(self._load_served, self._load_issued)
+                self._load_cond.notify_all()
         if header.forward:
-            loads = [r for r in results if r.logical_load is not None]
-            logical = sum(r.logical_load for r in loads)
-            wload = sum(r.worker_load for r in loads)
-            with self._load_lock:
-                if len(self._window) == self._window.maxlen:
-                    old_logical, old_worker = self._window[0]
-                    self._window_logical = self._window_logical - old_logical
-                    self._window_worker = self._window_worker - old_worker
-                self._window.append((logical, wload))
-                self._window_logical = self._window_logical + logical
-                self._window_worker = self._window_worker + wload
-                self._total_logical += logical
-                self._total_worker += wload
             self.forward_steps += 1
+            self._awaiting[header.step] = header.work
             eplb = self.cfg.eplb
             if eplb.log_balancedness and self.forward_steps % eplb.step_interval == 0:
                 rep = self.expert_load()
                 log.info("step %d: balancedness measured %.4f predicted %.4f (mean over %d MoE layers)",
                          self.forward_steps, float(rep.balancedness_measured.mean()),
                          float(rep.balancedness_predicted.mean()), len(rep.balancedness_measured))
-        if header.work:                  # after the load: a client that sees its last token sees its load
-
-            tokens, logits = {}, {}
-            for r in results:
+        # the tokens each router sampled in an earlier step (asynchronous steps) or in this one
+        delivered: dict[int, tuple[dict, dict]] = {}
+        for r in results:
+            if r.tokens_step >= 0:
+                tokens, logits = delivered.setdefault(r.tokens_step, ({}, {}))
                 tokens.update(r.tokens)
                 logits.update(r.logits)
-            self.scheduler.on_results(header.work, tokens, logits)
+        for step in sorted(delivered):
+            work = self._awaiting.pop(step, None)
+            if work is not None:
+                self.scheduler.on_results(work, *delivered[step])
+
+    def _add_load(self, logical: np.ndarray, wload: np.ndarray, steps: int) -> None:
+        """A read of the routers' load: ``steps`` forward steps' pairs per logical expert
+        [L, E] and per worker [L, W]."""
+        with self._load_lock:
+            self._window.append((logical, wload, steps))
+            self._window_logical = self._window_logical + logical
+            self._window_worker = self._window_worker + wload
+            self._window_steps += steps
+            while len(self._window) > 1 and self._window_steps - self._window[0][2] >= self.cfg.eplb.window_size:
+                old_logical, old_worker, k = self._window.popleft()
+                self._window_logical = self._window_logical - old_logical
+                self._window_worker = self._window_worker - old_worker
+                self._window_steps -= k
+            self._total_logical += logical
+            self._total_worker += wload
 
     def fail(self, message: str) -> None:
         """The step loop died: fail every request and migration waiting on it."""

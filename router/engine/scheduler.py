@@ -14,6 +14,12 @@ head of the queue, to be recomputed later from its prompt and the tokens it alre
 cancelled and preempted sequences are released on their router in the next header; their
 blocks are free at once, since the router applies releases before the step's work.
 
+Asynchronous steps (docs/dataplane.md): the tokens a step samples may come back after the next
+step was scheduled. A sequence then counts its token in flight (``pending``): its output
+position, ``max_tokens`` and KV blocks include it, its next decode takes it from the router's
+device (``SeqWork.pending``), and a stop token found late costs one extra step whose token is
+dropped. A preempted sequence waits for its token in flight before it is recomputed with it.
+
 Requests are validated before they get here (``EngineAPI.submit`` calls
 ``api.validate_request`` once), so nothing a client sends can make a rank fail in the middle of
 a step.
@@ -54,6 +60,7 @@ class Sequence:
     new_blocks: list = field(default_factory=list) # blocks it gained in the step being scheduled
     admitted: int = 0                              # admission order: the newest is preempted first
     partial_logits: list = field(default_factory=list)   # "all" logits of earlier prefill chunks
+    pending: int = 0                               # tokens sampled in steps whose results are still out
     cancelled: bool = False
     finished: FinishReason | None = None
 
@@ -88,6 +95,9 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._admissions = itertools.count(1)
         self.preemptions = 0
+        # per scheduled step with sequences, until its results come back: (work, [(sequence, its
+        # admission then)] in the order of work's sequences)
+        self._issued: deque = deque()
         self.work_available = threading.Event()
         self.set_capacity(num_blocks)
 
@@ -138,12 +148,16 @@ class Scheduler:
                 for seq in sorted(self._running[r].values(), key=lambda s: s.admitted):
                     if seq.seq_id not in self._running[r]:           # preempted earlier in this loop
                         continue
-                    take = min(len(seq.known) - seq.cached, budget[r])
+                    if seq.num_output + seq.pending >= seq.req.max_tokens:   # its last token is in flight
+                        continue
+                    take = min(len(seq.known) + seq.pending - seq.cached, budget[r])
                     if take > 0 and self._reserve(r, seq, take):
                         seqs[r].append(self._work(seq, take))
                         budget[r] -= take
             while self._waiting:
                 seq = self._waiting[0]
+                if seq.pending:                  # preempted with a token in flight: recomputed once it is known
+                    break
                 # the router with the fewest sequences among those that can take a new one this
                 # step (room, token budget, a free block): one router out of budget or room no
                 # longer stops admission to the others
@@ -164,7 +178,11 @@ class Scheduler:
             self._release = [[] for _ in range(self.num_routers)]
             if not any(seqs) and not any(release):
                 return None
-            return tuple(RouterWork(tuple(s), rel) for s, rel in zip(seqs, release))
+            work = tuple(RouterWork(tuple(s), rel) for s, rel in zip(seqs, release))
+            if any(seqs):
+                self._issued.append((work, [(self._running[r][sw.seq_id], self._running[r][sw.seq_id].admitted)
+                                            for r, rw in enumerate(work) for sw in rw.seqs]))
+            return work
 
     def _reserve(self, r: int, seq: Sequence, take: int) -> bool:
         """Give ``seq`` the blocks for ``take`` more tokens, preempting the newest running
@@ -184,14 +202,25 @@ class Scheduler:
         return True
 
     def _work(self, seq: Sequence, take: int) -> SeqWork:
+        """The SeqWork of ``take`` new tokens of ``seq``; counts them cached and the token it
+        samples in flight (the results of this step are consumed later, maybe after the next
+        step is scheduled)."""
         start = seq.cached
         known = seq.known
-        last = start + take == len(known)
+        total = len(known) + seq.pending
+        last = start + take == total
         logits = seq.req.return_logits
-        return SeqWork(seq.seq_id, tuple(known[start:start + take]), start,
+        pending = seq.pending > 0 and start + take > len(known)      # the input is its token in flight
+        if pending and take != 1:
+            raise AssertionError(f"sequence {seq.seq_id}: a token in flight must be its step's only input")
+        work = SeqWork(seq.seq_id, () if pending else tuple(known[start:start + take]), start,
                        seq.req.sampling if start == 0 else None,
                        logits if start == 0 or logits == "all" else logits and "last",
-                       tuple(seq.new_blocks), last, len(known) - len(seq.req.prompt_ids))
+                       tuple(seq.new_blocks), last, total - len(seq.req.prompt_ids), pending)
+        seq.cached = start + take
+        if last:
+            seq.pending += 1
+        return work
 
     def _preempt(self, r: int, seq: Sequence) -> None:
         self._blocks[r].free(seq.blocks)
@@ -202,32 +231,46 @@ class Scheduler:
         self.preemptions += 1
 
     def on_results(self, work: tuple[RouterWork, ...], tokens: dict[int, int], logits: dict[int, np.ndarray]) -> None:
-        """Record the tokens sampled in a step and finish the sequences that are done."""
+        """Record the tokens sampled in the step that ran ``work`` (a value ``schedule``
+        returned; its results may come after later steps were scheduled) and finish the
+        sequences that are done. Tokens of sequences that finished or were cancelled meanwhile
+        are dropped; a preempted sequence keeps its token (it is recomputed with it)."""
         with self._lock:
-            for r, rw in enumerate(work):
-                for sw in rw.seqs:
-                    seq = self._running[r].get(sw.seq_id)
-                    if seq is None:
-                        continue
-                    seq.cached = sw.start + len(sw.token_ids)
-                    lg = logits.get(sw.seq_id)
-                    if not sw.sample:                               # a prefill chunk: nothing sampled yet
-                        if lg is not None:
-                            seq.partial_logits.append(lg)
-                        continue
-                    if seq.partial_logits and lg is not None:
-                        lg = np.concatenate([*seq.partial_logits, lg])
-                        seq.partial_logits = []
-                    tok = tokens[sw.seq_id]
-                    seq.known.append(tok)
-                    seq.emit(Token(tok, lg))
-                    reason = None
-                    if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
-                        reason = FinishReason.STOP
-                    elif seq.num_output >= seq.req.max_tokens:      # admission keeps prompt + max_tokens <= max_model_len
-                        reason = FinishReason.LENGTH
-                    if reason:
-                        self._finish(r, seq, reason)
+            entry = None
+            for i, (w, seqs) in enumerate(self._issued):
+                if w is work:
+                    entry = seqs
+                    del self._issued[i]
+                    break
+            if entry is None:
+                return
+            for (seq, admitted), sw in zip(entry, (sw for rw in work for sw in rw.seqs)):
+                lg = logits.get(sw.seq_id)
+                if not sw.sample:                                   # a prefill chunk: nothing sampled yet
+                    if lg is not None and seq.admitted == admitted and seq.finished is None:
+                        seq.partial_logits.append(lg)
+                    continue
+                seq.pending -= 1
+                if seq.finished is not None:                        # finished or cancelled meanwhile
+                    continue
+                if seq.partial_logits and lg is not None:
+                    lg = np.concatenate([*seq.partial_logits, lg])
+                    seq.partial_logits = []
+                tok = tokens[sw.seq_id]
+                seq.known.append(tok)
+                seq.emit(Token(tok, lg))
+                reason = None
+                if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif seq.num_output >= seq.req.max_tokens:          # admission keeps prompt + max_tokens <= max_model_len
+                    reason = FinishReason.LENGTH
+                if reason:
+                    if seq.seq_id in self._running[seq.router]:
+                        self._finish(seq.router, seq, reason)
+                    else:                                           # preempted, waiting to be recomputed
+                        self._waiting.remove(seq)
+                        seq.finished = reason
+                        seq.emit(Finished(reason))
 
     def fail_all(self, message: str) -> None:
         """The cluster is going down: every request in flight gets an error event."""
