@@ -42,7 +42,7 @@ while True:
     for r in range(2):
         if prev is not None:
             res[r].tokens_step = prev.step
-            res[r].tokens = {sw.seq_id: 7 for sw in prev.work[r].seqs if sw.sample}
+            res[r].tokens = {sid: 7 for sid in prev.work[r].sampled_ids()}
         if h.read_load:
             res[r].logical_load = np.zeros((L, E), np.int64); res[r].worker_load = np.zeros((L, W), np.int64)
     prev = h

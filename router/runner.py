@@ -17,7 +17,7 @@ import torch
 
 from moeserve.dataplane.exchange import idle_walk
 from moeserve.profiling import span
-from moeserve.dataplane.protocol import RouterWork
+from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.router.dispatcher import DistributedExperts
 from moeserve.sampling import SamplingParams, SamplingTensors, sample
@@ -63,10 +63,18 @@ class RouterRunner:
             self.graphs = DecodeGraphs(model, self.cache, experts, block_size, *graphs)
         self.tables: dict[int, list[int]] = {}             # seq id -> block ids
         self.params: dict[int, SamplingParams] = {}
-        self._applied_step = -1                             # the step whose block updates are in the tables
-        # each live sequence's last sampled token, on the device: seq id -> entry of tok_buf
-        self.tok_buf = torch.zeros(64, dtype=torch.long, device=self.device)
+        self.lens: dict[int, int] = {}                      # seq id -> tokens in its KV cache after the last step
+        self.outs: dict[int, int] = {}                      # seq id -> output index of the next token it samples
+        self.modes: dict[int, str] = {}                     # seq id -> the request's return_logits
+        # (step, its rows, tok_buf slot each decode reads, slot each sampling row writes): a step
+        # run again after a lost peer reuses them
+        self._rows: tuple[int, list, dict, dict] | None = None
+        # each live sequence's last sampled token, on the device: entry e of a sequence owns slots
+        # 2e and 2e + 1, and a step writes the one its input is not read from (tok_cur: the slot
+        # with the latest token), so a step run again still reads the token of the step before
+        self.tok_buf = torch.zeros(128, dtype=torch.long, device=self.device)
         self.tok_index: dict[int, int] = {}
+        self.tok_cur: dict[int, int] = {}
         self._free_tok = list(range(63, -1, -1))
         self._outputs: list[_Outputs] = []                  # sampled, not delivered yet (oldest first)
         self._delivered: tuple[int, tuple] | None = None    # (step, what deliver(step) returned): a replay
@@ -76,6 +84,10 @@ class RouterRunner:
         for sid in seq_ids:
             self.tables.pop(sid, None)
             self.params.pop(sid, None)
+            self.lens.pop(sid, None)
+            self.outs.pop(sid, None)
+            self.modes.pop(sid, None)
+            self.tok_cur.pop(sid, None)
             i = self.tok_index.pop(sid, None)
             if i is not None:
                 self._free_tok.append(i)
@@ -84,7 +96,7 @@ class RouterRunner:
         i = self.tok_index.get(sid)
         if i is None:
             if not self._free_tok:                          # grow (stream-ordered: pending scatters land first)
-                n = self.tok_buf.numel()
+                n = self.tok_buf.numel() // 2
                 self.tok_buf = torch.cat([self.tok_buf, torch.zeros_like(self.tok_buf)])
                 self._free_tok = list(range(2 * n - 1, n - 1, -1))
             i = self.tok_index[sid] = self._free_tok.pop()
@@ -111,48 +123,43 @@ class RouterRunner:
         self.experts.step = step
         self._outputs = [o for o in self._outputs if o.step != step]
         info = self.model.moe_info
-        if not work.seqs:
+        if not work.runs:
             idle_walk(self.experts.exchange, info.num_moe_layers, self.model.config.hidden_size,
                       info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
             self.experts.end_step()
             self._outputs.append(_Outputs(step, [], None, None, {}))
             return
-        if step != self._applied_step:                       # a step run again after a lost peer: applied already
-            for sw in work.seqs:
-                if sw.start == 0:                             # new, or recomputed after a preemption
-                    self.tables[sw.seq_id] = list(sw.new_blocks)
-                    self.params[sw.seq_id] = sw.sampling
-                else:
-                    self.tables[sw.seq_id].extend(sw.new_blocks)
-            self._applied_step = step
+        if self._rows is None or self._rows[0] != step:     # a step run again after a lost peer: planned already
+            self._rows = (step, *self._plan(work))
+        _, seqs, src_of, dst_of = self._rows
         ids, src = [], []
-        for sw in work.seqs:
+        for sw in seqs:
             if sw.pending:
                 ids.append(0)
-                src.append(self.tok_index[sw.seq_id])
+                src.append(src_of[sw.seq_id])
             else:
                 ids.extend(sw.token_ids)
                 src.extend([-1] * len(sw.token_ids))
         self._check_ids([t for t, j in zip(ids, src) if j < 0])
         if (self.graphs is not None and all(sw.num_new == 1 and sw.sample and sw.return_logits != "all"
-                                             for sw in work.seqs)
-                and self.graphs.fits(len(work.seqs), [self.tables[sw.seq_id] for sw in work.seqs])):
-            logits = self.graphs.run(ids, [sw.start for sw in work.seqs],
-                                     [self.tables[sw.seq_id] for sw in work.seqs], step,
+                                             for sw in seqs)
+                and self.graphs.fits(len(seqs), [self.tables[sw.seq_id] for sw in seqs])):
+            logits = self.graphs.run(ids, [sw.start for sw in seqs],
+                                     [self.tables[sw.seq_id] for sw in seqs], step,
                                      src=src if any(j >= 0 for j in src) else None, runner=self)   # [S, V]
             self.experts.end_step()
-            self._sample(work.seqs, logits.float(), step)
+            self._sample(seqs, logits.float(), step, dst_of)
             return
         with span("batch_build"):
             ids_dev = self._device_ids(ids, src)                                                     # [T]
-            batch = PagedBatch.build([sw.num_new for sw in work.seqs], [sw.start for sw in work.seqs],
-                                     [self.tables[sw.seq_id] for sw in work.seqs], self.block_size, self.device)
+            batch = PagedBatch.build([sw.num_new for sw in seqs], [sw.start for sw in seqs],
+                                     [self.tables[sw.seq_id] for sw in seqs], self.block_size, self.device)
         hidden = self.model.step(ids_dev, batch, self.cache, experts=self.experts, check_ids=False)  # [T, H]
         self.experts.end_step()
-        rows = [i for i, sw in enumerate(work.seqs) if sw.sample]
+        rows = [i for i, sw in enumerate(seqs) if sw.sample]
         out_logits = {}
-        starts = np.cumsum([0] + [sw.num_new for sw in work.seqs])
-        for i, sw in enumerate(work.seqs):
+        starts = np.cumsum([0] + [sw.num_new for sw in seqs])
+        for i, sw in enumerate(seqs):
             if sw.return_logits == "all":
                 out_logits[sw.seq_id] = self.model.logits(hidden[starts[i]:starts[i + 1]]).float().cpu().numpy()
         if rows:
@@ -162,11 +169,46 @@ class RouterRunner:
                     last = last.pin_memory()
                 last = last.to(self.device, non_blocking=True)
                 logits = self.model.logits(hidden.index_select(0, last)).float()                    # [B, V]
-            self._sample([work.seqs[i] for i in rows], logits, step, out_logits)
+            self._sample([seqs[i] for i in rows], logits, step, dst_of, out_logits)
         else:
             self._outputs.append(_Outputs(step, [], None, None, out_logits))
 
-    def _sample(self, sampled, logits: torch.Tensor, step: int, out_logits: dict | None = None) -> None:
+    def _plan(self, work: RouterWork) -> tuple[list[SeqWork], dict[int, int], dict[int, int]]:
+        """Apply the header's block updates to the tables and list the step's rows: the sent
+        sequences, then one row per decode (its position and output index from this runner's
+        count, its token from ``tok_buf``). Also the ``tok_buf`` slot each decode reads and the
+        slot each sampling row writes."""
+        rows = list(work.seqs)
+        src_of, dst_of = {}, {}
+        for sw in work.seqs:
+            sid = sw.seq_id
+            if sw.start == 0:                             # new, or recomputed after a preemption
+                self.tables[sid] = list(sw.new_blocks)
+                self.params[sid] = sw.sampling
+                self.modes[sid] = sw.return_logits
+            else:
+                self.tables[sid].extend(sw.new_blocks)
+            self.lens[sid] = sw.start + len(sw.token_ids)
+            if sw.sample:
+                self.outs[sid] = sw.out_pos + 1
+                e, cur = self._tok_entry(sid), self.tok_cur.get(sid, 0)
+                dst_of[sid] = 2 * e + 1 - cur
+                self.tok_cur[sid] = 1 - cur
+        for sid, block in work.blocks.tolist():
+            self.tables[sid].append(block)
+        lens, outs, modes, index, curs = self.lens, self.outs, self.modes, self.tok_index, self.tok_cur
+        for sid in work.decodes.tolist():
+            start, out, mode = lens[sid], outs[sid], modes[sid]
+            lens[sid], outs[sid] = start + 1, out + 1
+            e, cur = index[sid], curs[sid]
+            src_of[sid], dst_of[sid] = 2 * e + cur, 2 * e + 1 - cur
+            curs[sid] = 1 - cur
+            rows.append(SeqWork(sid, (), start, None, "all" if mode == "all" else "last" if mode else "", (),
+                                True, out, True))
+        return rows, src_of, dst_of
+
+    def _sample(self, sampled, logits: torch.Tensor, step: int, dst_of: dict[int, int],
+                out_logits: dict | None = None) -> None:
         """Sample one token per sequence of ``sampled`` from fp32 ``logits`` [B, V] (row j is
         sampled[j]'s), in one call on the device; keep each in ``tok_buf`` and start its copy
         to the host; also the logits asked for with "last"."""
@@ -176,7 +218,7 @@ class RouterRunner:
                                        [self.params[sw.seq_id].seed for sw in sampled],
                                        [sw.out_pos for sw in sampled], self.device)
             toks = sample(logits, st)                                                    # [B] on the device
-            entries = [self._tok_entry(sw.seq_id) for sw in sampled]
+            entries = [dst_of[sw.seq_id] for sw in sampled]
             index = torch.tensor(entries, dtype=torch.long)
             if self.cuda:
                 index = index.pin_memory()

@@ -52,7 +52,7 @@ class StandInRanks:
             results = [RankResult(r) for r in range(self.world)]
             if outputs is not None:
                 results[0].tokens_step, results[0].tokens = outputs
-            outputs = (h.step, {sw.seq_id: TOKEN for sw in h.work[0].seqs if sw.sample}) if h.forward else None
+            outputs = (h.step, {sid: TOKEN for sid in h.work[0].sampled_ids()}) if h.forward else None
             if h.read_load:
                 results[0].logical_load = np.zeros((L, E), dtype=np.int64)
                 results[0].worker_load = np.zeros((L, W), dtype=np.int64)

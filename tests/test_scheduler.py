@@ -22,7 +22,7 @@ def run_step(s, token=7):
     """Schedule a step and answer it with ``token`` for every sequence."""
     work = s.schedule()
     if work is not None:
-        s.on_results(work, {sw.seq_id: token for rw in work for sw in rw.seqs}, {})
+        s.on_results(work, {sid: token for rw in work for sid in rw.sampled_ids()}, {})
     return work
 
 
@@ -32,10 +32,11 @@ def test_new_sequences_go_to_the_router_with_the_fewest_and_stay_there():
     work = run_step(s)
     assert [len(w.seqs) for w in work] == [2, 1]
     routers = {sw.seq_id: r for r, w in enumerate(work) for sw in w.seqs}
-    work = run_step(s)                                     # decode: same routers, one token each, from the cache
+    work = run_step(s)                     # decode: same routers, by id (the router holds the token and position)
     for r, w in enumerate(work):
-        for sw in w.seqs:
-            assert routers[sw.seq_id] == r and len(sw.token_ids) == 1 and sw.start == 3
+        assert w.seqs == () and len(w.decodes) > 0 and len(w.blocks) == 0
+        for sid in w.decodes.tolist():
+            assert routers[sid] == r
     assert {a.router, b.router, c.router} == {0, 1}
 
 
@@ -91,7 +92,7 @@ def test_cancelled_sequences_leave_and_are_released():
     run_step(s)
     s.cancel(a)
     work = s.schedule()
-    assert [sw.seq_id for sw in work[0].seqs] == [b.seq_id] and work[0].release == (a.seq_id,)
+    assert work[0].sampled_ids() == [b.seq_id] and work[0].release == (a.seq_id,)
     assert a.finished == "cancelled" and isinstance(a.events.get_nowait(), Token)
 
 
@@ -117,7 +118,7 @@ def test_invalid_requests_are_refused_with_what_is_allowed(request_, match):
 
 def feed(s, work, token=7):
     """Answer a scheduled step: every sequence that samples gets ``token``."""
-    s.on_results(work, {sw.seq_id: token for rw in work for sw in rw.seqs if sw.sample}, {})
+    s.on_results(work, {sid: token for rw in work for sid in rw.sampled_ids()}, {})
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_after_the_decodes_and_samples_once():
@@ -129,7 +130,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_after_the_decodes_and_samples_once
     while long.cached < 10:
         work = s.schedule()
         mine = {sw.seq_id: sw for sw in work[0].seqs}
-        assert mine[short.seq_id].token_ids == (7,)         # the decode goes first, every step
+        assert work[0].decodes.tolist() == [short.seq_id]   # the decode goes first, every step
         sw = mine[long.seq_id]
         chunks.append((sw.start, len(sw.token_ids), sw.sample))
         feed(s, work)
@@ -195,7 +196,7 @@ def late_steps(s, answer, steps=50):
     for _ in range(steps):
         work = s.schedule()
         if out is not None:
-            s.on_results(out, {sw.seq_id: answer(sw) for rw in out for sw in rw.seqs if sw.sample}, {})
+            s.on_results(out, {seq.seq_id: answer(seq) for seq in outputs_of(s, out)}, {})
         out = work
         if work is None:
             if not s.counts()["running"] and not s.counts()["waiting"]:
@@ -205,16 +206,36 @@ def late_steps(s, answer, steps=50):
     return works
 
 
-def test_with_tokens_one_step_late_a_decode_takes_its_token_in_flight_and_max_tokens_counts_it():
+def outputs_of(s, work):
+    """The sequences that sample in ``work``, as the scheduler recorded them when it scheduled it."""
+    return [seq for w, entries in s._issued if w is work for seq, _, samples in entries if samples]
+
+
+def test_with_tokens_one_step_late_a_decode_is_sent_by_id_and_max_tokens_counts_the_token_in_flight():
     s = sched(routers=1)
     a = s.submit(req(n=3, max_tokens=4, ignore_eos=True))
-    works = late_steps(s, lambda sw: 30 + sw.out_pos)
-    mine = [sw for w in works for sw in w[0].seqs if sw.seq_id == a.seq_id]
-    # prompt, then 3 decodes whose input is the token the step before sampled (still out)
-    assert [(sw.token_ids, sw.start, sw.pending, sw.out_pos) for sw in mine] == [
-        ((10, 11, 12), 0, False, 0), ((), 3, True, 1), ((), 4, True, 2), ((), 5, True, 3)]
+    positions = []
+
+    def answer(seq):                   # the token of output index i is 30 + i (tokens come back in order)
+        positions.append(seq.num_output)
+        return 30 + positions[-1]
+    works = late_steps(s, answer)
+    # the prompt is sent; then 3 decodes by id, each scheduled before the token before it came back
+    assert [(w[0].seqs[0].token_ids if w[0].seqs else None, w[0].decodes.tolist()) for w in works] == [
+        ((10, 11, 12), []), (None, [a.seq_id]), (None, [a.seq_id]), (None, [a.seq_id])]
+    assert positions == [0, 1, 2, 3]
     assert a.output == [30, 31, 32, 33] and a.finished == "length" and a.pending == 0
     assert s.counts()["kv_blocks_used"] == 0
+
+
+def test_a_decode_that_crosses_a_block_boundary_gets_its_block_in_the_header():
+    s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=8)
+    a = s.submit(req(n=3, max_tokens=6, ignore_eos=True))
+    works = late_steps(s, lambda seq: 7)
+    got = [(w[0].decodes.tolist(), w[0].blocks.tolist()) for w in works if len(w[0].decodes)]
+    # positions 3, 4, 5, 6, 7: the decode at position 4 starts the second block
+    assert [b for _, b in got] == [[], [[a.seq_id, 1]], [], [], []]
+    assert a.output == [7] * 6
 
 
 def test_a_stop_token_seen_one_step_late_costs_one_extra_step_whose_token_is_dropped():
@@ -222,12 +243,12 @@ def test_a_stop_token_seen_one_step_late_costs_one_extra_step_whose_token_is_dro
     a = s.submit(req(n=2, max_tokens=10))
     got = []
     a.sink = got.append
-    works = late_steps(s, lambda sw: EOS if sw.out_pos == 1 else 7)
-    mine = [sw.out_pos for w in works for sw in w[0].seqs if sw.seq_id == a.seq_id]
-    assert mine == [0, 1, 2]                       # position 2 ran before EOS at 1 was known
+    works = late_steps(s, lambda seq: EOS if seq.num_output == 1 else 7)     # output index 1 is EOS
+    runs = [w for w in works if w[0].runs]
+    assert len(runs) == 3                          # index 2 ran before EOS at 1 was known
     assert a.output == [7, EOS] and a.finished == "stop"
     assert [type(e).__name__ for e in got] == ["Token", "Token", "Finished"]
-    assert works[-1][0].seqs == () and works[-1][0].release == (a.seq_id,)    # released once EOS is known
+    assert not works[-1][0].runs and works[-1][0].release == (a.seq_id,)    # released once EOS is known
 
 
 def test_a_cancel_with_a_token_in_flight_drops_that_token():

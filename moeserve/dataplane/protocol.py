@@ -32,9 +32,9 @@ class SeqWork(NamedTuple):
     sample: whether a token is sampled at the end of this step (False for a prefill chunk that
     is not the prompt's last); out_pos: the index of that token among the request's outputs
     (the sampler's counter); return_logits: "" (none), "last" (the logits the token is sampled
-    from) or "all" (every new position); pending: the step's one new token is the token this
-    sequence sampled in an earlier step, which the leader has not seen yet (asynchronous steps):
-    the router takes it from the device and ``token_ids`` is empty.
+    from) or "all" (every new position); pending: never on the wire: the router's own entry
+    for a decode of ``RouterWork.decodes``, whose one new token is the token the sequence
+    sampled in the step before, on the device (``token_ids`` is then empty).
     """
 
     seq_id: int
@@ -53,12 +53,34 @@ class SeqWork(NamedTuple):
         return len(self.token_ids) + self.pending
 
 
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_BLOCKS = np.zeros((0, 2), dtype=np.int64)
+
+
 class RouterWork(NamedTuple):
-    """What one router does in a step: run ``seqs`` and then forget ``release`` (finished or
-    cancelled sequences whose KV cache and sampler can go)."""
+    """What one router does in a step: forget ``release`` (finished, cancelled or preempted
+    sequences whose KV cache and sampler can go), then run ``seqs`` and ``decodes``.
+
+    seqs: sequences whose new tokens the leader sends (a prompt, a chunk of it, a recomputed
+    sequence); decodes: int64 [D] ids of sequences that decode one token, the token they
+    sampled in their last step, which the router holds on the device (the leader may not have
+    seen it yet): the router knows each one's position and output index, so a decode costs the
+    header 8 bytes; blocks: int64 [k, 2] (sequence id, block id) KV blocks the decodes gain
+    (appended to their block tables before the step).
+    """
 
     seqs: tuple[SeqWork, ...] = ()
     release: tuple[int, ...] = ()
+    decodes: np.ndarray = _NO_IDS
+    blocks: np.ndarray = _NO_BLOCKS
+
+    @property
+    def runs(self) -> bool:
+        return bool(self.seqs) or len(self.decodes) > 0
+
+    def sampled_ids(self) -> list[int]:
+        """The sequences that sample a token in this step."""
+        return [sw.seq_id for sw in self.seqs if sw.sample] + self.decodes.tolist()
 
 
 @dataclass(frozen=True)

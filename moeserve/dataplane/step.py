@@ -27,8 +27,9 @@ from moeserve.dataplane.protocol import RankResult, StepHeader
 class RankState:
     """What one rank holds: its roles' objects (None for a role it does not have).
 
-    runner:    router role: ``run(RouterWork, step) -> (tokens, logits)``, ``release(seq_ids)``,
-               ``experts.take_load() -> (logical [L, E], worker [L, W])``.
+    runner:    router role: ``run(RouterWork, step)`` (enqueues the step), ``deliver(step) ->
+               (tokens_step, tokens, logits)``, ``release(seq_ids)``, ``snapshot_load()`` and
+               ``take_load_snapshot() -> (logical [L, E], worker [L, W], steps) | None``.
     maps:      router role: the placement in force, ``set_layer(moe_layer, phy2log_row, breakeven_row)``.
     store:     worker role: the expert slots (``begin_staging``, ``commit``, ``end_staging``,
                ``digest``, and the compute the exchange calls).

@@ -257,7 +257,7 @@ class Engine(EngineAPI):
                 break
             self._wake.wait(remaining)
             self._wake.clear()
-        forward = work is not None and any(w.seqs for w in work)
+        forward = work is not None and any(w.runs for w in work)
         with self._load_lock:
             asked = self._load_asked
         # the routers' load of the steps before this one: every load_read_steps forward steps,

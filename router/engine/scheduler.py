@@ -16,9 +16,11 @@ blocks are free at once, since the router applies releases before the step's wor
 
 Asynchronous steps (docs/dataplane.md): the tokens a step samples may come back after the next
 step was scheduled. A sequence then counts its token in flight (``pending``): its output
-position, ``max_tokens`` and KV blocks include it, its next decode takes it from the router's
-device (``SeqWork.pending``), and a stop token found late costs one extra step whose token is
-dropped. A preempted sequence waits for its token in flight before it is recomputed with it.
+position, ``max_tokens`` and KV blocks include it, and a stop token found late costs one extra
+step whose token is dropped. A preempted sequence waits for its token in flight before it is
+recomputed with it. A decode never sends its token: once a sequence sampled on its router
+(``decoding``), its decodes are ids in ``RouterWork.decodes`` and the router feeds the token
+it holds on the device.
 
 Requests are validated before they get here (``EngineAPI.submit`` calls
 ``api.validate_request`` once), so nothing a client sends can make a rank fail in the middle of
@@ -61,6 +63,7 @@ class Sequence:
     admitted: int = 0                              # admission order: the newest is preempted first
     partial_logits: list = field(default_factory=list)   # "all" logits of earlier prefill chunks
     pending: int = 0                               # tokens sampled in steps whose results are still out
+    decoding: bool = False                         # its router holds its last sampled token: decodes by id
     cancelled: bool = False
     finished: FinishReason | None = None
 
@@ -144,6 +147,9 @@ class Scheduler:
             self._drop_cancelled()
             budget = [self.limits.max_num_batched_tokens] * self.num_routers
             seqs: list[list[SeqWork]] = [[] for _ in range(self.num_routers)]
+            decodes: list[list[int]] = [[] for _ in range(self.num_routers)]
+            blocks: list[list[tuple[int, int]]] = [[] for _ in range(self.num_routers)]
+            entries: list[tuple[Sequence, int, bool]] = []          # (sequence, its admission, samples)
             for r in range(self.num_routers):
                 for seq in sorted(self._running[r].values(), key=lambda s: s.admitted):
                     if seq.seq_id not in self._running[r]:           # preempted earlier in this loop
@@ -152,7 +158,16 @@ class Scheduler:
                         continue
                     take = min(len(seq.known) + seq.pending - seq.cached, budget[r])
                     if take > 0 and self._reserve(r, seq, take):
-                        seqs[r].append(self._work(seq, take))
+                        if seq.decoding:         # its one uncached token is the one it sampled last
+                            decodes[r].append(seq.seq_id)
+                            blocks[r].extend((seq.seq_id, b) for b in seq.new_blocks)
+                            seq.cached += 1
+                            seq.pending += 1
+                            entries.append((seq, seq.admitted, True))
+                        else:
+                            sw = self._work(seq, take)
+                            seqs[r].append(sw)
+                            entries.append((seq, seq.admitted, sw.sample))
                         budget[r] -= take
             while self._waiting:
                 seq = self._waiting[0]
@@ -172,16 +187,20 @@ class Scheduler:
                 seq.router, seq.admitted = r, next(self._admissions)
                 self._running[r][seq.seq_id] = seq
                 self._reserve(r, seq, take)
-                seqs[r].append(self._work(seq, take))
+                sw = self._work(seq, take)
+                seqs[r].append(sw)
+                entries.append((seq, seq.admitted, sw.sample))
                 budget[r] -= take
             release = [tuple(x) for x in self._release]
             self._release = [[] for _ in range(self.num_routers)]
-            if not any(seqs) and not any(release):
+            if not entries and not any(release):
                 return None
-            work = tuple(RouterWork(tuple(s), rel) for s, rel in zip(seqs, release))
-            if any(seqs):
-                self._issued.append((work, [(self._running[r][sw.seq_id], self._running[r][sw.seq_id].admitted)
-                                            for r, rw in enumerate(work) for sw in rw.seqs]))
+            work = tuple(RouterWork(tuple(seqs[r]), release[r],
+                                    np.array(decodes[r], dtype=np.int64) if decodes[r] else RouterWork().decodes,
+                                    np.array(blocks[r], dtype=np.int64) if blocks[r] else RouterWork().blocks)
+                         for r in range(self.num_routers))
+            if entries:
+                self._issued.append((work, entries))
             return work
 
     def _reserve(self, r: int, seq: Sequence, take: int) -> bool:
@@ -202,29 +221,26 @@ class Scheduler:
         return True
 
     def _work(self, seq: Sequence, take: int) -> SeqWork:
-        """The SeqWork of ``take`` new tokens of ``seq``; counts them cached and the token it
-        samples in flight (the results of this step are consumed later, maybe after the next
-        step is scheduled)."""
+        """The SeqWork of ``take`` known tokens of ``seq`` (a prompt, a chunk, a recomputation);
+        counts them cached and, when it samples, its token in flight (the results of this step
+        are consumed later, maybe after the next step is scheduled)."""
         start = seq.cached
         known = seq.known
-        total = len(known) + seq.pending
-        last = start + take == total
+        last = start + take == len(known)
         logits = seq.req.return_logits
-        pending = seq.pending > 0 and start + take > len(known)      # the input is its token in flight
-        if pending and take != 1:
-            raise AssertionError(f"sequence {seq.seq_id}: a token in flight must be its step's only input")
-        work = SeqWork(seq.seq_id, () if pending else tuple(known[start:start + take]), start,
+        work = SeqWork(seq.seq_id, tuple(known[start:start + take]), start,
                        seq.req.sampling if start == 0 else None,
                        logits if start == 0 or logits == "all" else logits and "last",
-                       tuple(seq.new_blocks), last, total - len(seq.req.prompt_ids), pending)
+                       tuple(seq.new_blocks), last, len(known) - len(seq.req.prompt_ids))
         seq.cached = start + take
         if last:
             seq.pending += 1
+            seq.decoding = True
         return work
 
     def _preempt(self, r: int, seq: Sequence) -> None:
         self._blocks[r].free(seq.blocks)
-        seq.blocks, seq.cached, seq.partial_logits = [], 0, []
+        seq.blocks, seq.cached, seq.partial_logits, seq.decoding = [], 0, [], False
         del self._running[r][seq.seq_id]
         self._release[r].append(seq.seq_id)
         self._waiting.appendleft(seq)
@@ -244,9 +260,9 @@ class Scheduler:
                     break
             if entry is None:
                 return
-            for (seq, admitted), sw in zip(entry, (sw for rw in work for sw in rw.seqs)):
-                lg = logits.get(sw.seq_id)
-                if not sw.sample:                                   # a prefill chunk: nothing sampled yet
+            for seq, admitted, samples in entry:
+                lg = logits.get(seq.seq_id)
+                if not samples:                                     # a prefill chunk: nothing sampled yet
                     if lg is not None and seq.admitted == admitted and seq.finished is None:
                         seq.partial_logits.append(lg)
                     continue
@@ -256,7 +272,7 @@ class Scheduler:
                 if seq.partial_logits and lg is not None:
                     lg = np.concatenate([*seq.partial_logits, lg])
                     seq.partial_logits = []
-                tok = tokens[sw.seq_id]
+                tok = tokens[seq.seq_id]
                 seq.known.append(tok)
                 seq.emit(Token(tok, lg))
                 reason = None
