@@ -126,11 +126,18 @@ def step_gain(cfg: LoopConfig, load, current, proposed, num_workers: int, steps:
     per-step counts); None without a step model or without steps."""
     if cfg.step_model is None or steps < 1:
         return None
-    from moeserve.balancer.policy.cost import step_time
     load = np.asarray(load, dtype=np.float64)
-    before = step_time(cfg.step_model, load, current, num_workers, steps, histogram)
-    after = step_time(cfg.step_model, load, proposed, num_workers, steps, histogram)
-    return StepGain(before, after)
+    return StepGain(planned_step_s(cfg.step_model, load, current, num_workers, steps, histogram),
+                    planned_step_s(cfg.step_model, load, proposed, num_workers, steps, histogram))
+
+
+def planned_step_s(model, load, phy2log, num_workers: int, steps: int, histogram=None) -> float:
+    """Predicted seconds of a step's MoE layers for placement ``phy2log [L, P]`` with the
+    break-even counts the balancer would install with it (``policy.rule.plan_breakeven``), under
+    the data plane's replica rule (``policy.rule.rule_times``): how the policy prices a plan."""
+    from moeserve.balancer.policy.rule import plan_breakeven, rule_times
+    b = plan_breakeven(model, load, phy2log, num_workers, steps, histogram)
+    return float(rule_times(model, load, phy2log, num_workers, b, steps, histogram).sum())
 
 
 def step_efficiency(cfg: LoopConfig, load, phy2log, num_workers: int, steps: int, histogram=None) -> float | None:

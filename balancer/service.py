@@ -14,9 +14,11 @@ it through ApplyPlacement with ``expected_version`` and follows the migration to
 With a step model (``LoopConfig.step_model``, ``--eplb-step-model``; docs/eplb.md) the policy
 picks plans by predicted step time, the trigger compares the *step efficiency* of the placement
 in force with the threshold and a plan pays by its relative predicted step-time gain
-(:mod:`moeserve.balancer.controller`); every plan goes out with the break-even counts
-``cost.breakeven(step_model, L, E)`` of the data plane's replica rule, and when a plan does not
-pay but those counts differ from the ones in force, they are applied alone (no weight moves).
+(:mod:`moeserve.balancer.controller`, which prices a placement as the policy does, with the
+break-even counts it would take); every plan goes out with its break-even counts per (layer,
+expert), ``policy.rule.plan_breakeven`` of the plan, and when a plan does not pay but the counts
+the placement in force would take differ from the ones in force, they are applied alone (no
+weight moves).
 Status and metrics show the predicted step time and the step efficiency beside balancedness.
 Only one runs at a time: a Rebalance while one runs (or while any migration runs) answers
 ABORTED. The policy runs in a worker thread, so the service stays responsive meanwhile.
@@ -41,7 +43,7 @@ import numpy as np
 
 from moeserve.balancer.controller import LoopConfig, pays, step_efficiency, step_gain, trigger
 from moeserve.balancer.policy import evaluate, make_policy
-from moeserve.balancer.policy.cost import breakeven, step_time
+from moeserve.balancer.policy.rule import plan_breakeven, rule_times
 from moeserve.client import AsyncClient, MoeserveError
 from moeserve.placement import MigrationState
 from moeserve.rpc import balancer_pb2, balancer_pb2_grpc
@@ -158,7 +160,8 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             if placement.phy2log.shape[0] == load.shape[0]:
                 efficiency = step_efficiency(self.config, load, placement.phy2log, placement.num_workers, rep.steps)
                 self.step_efficiency = float(efficiency)
-                self.predicted_step_s = step_time(model, load, placement.phy2log, placement.num_workers, rep.steps)
+                self.predicted_step_s = float(rule_times(model, load, placement.phy2log, placement.num_workers,
+                                                         np.asarray(placement.breakeven), rep.steps).sum())
         why = trigger(self.config, rep.steps, rep.steps_since_placement_change, since_plan, rep.predicted.mean,
                       step_efficiency=efficiency)
         if why is not None:
@@ -239,8 +242,8 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             base_version=placement.version)
         model = self.config.step_model
         b = timed = None
-        if model is not None:
-            b = breakeven(model, cur.shape[0], placement.num_logical)
+        if model is not None:              # b per (layer, expert), as the policy priced the plan
+            b = plan_breakeven(model, load, plan, workers, int(rep.steps) or None)
             resp.breakeven.CopyFrom(int64_matrix(b))
             timed = step_gain(self.config, load, cur, plan, workers, int(rep.steps))
             if timed is not None:
@@ -252,6 +255,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
                         cur.size, requested=why == "request", step_gain=None if timed is None else timed.gain)
         target = plan
         if not ok:
+            if b is not None:              # the counts the placement in force would take
+                b = plan_breakeven(model, load, cur, workers, int(rep.steps) or None)
+                resp.breakeven.CopyFrom(int64_matrix(b))
             if b is None or np.array_equal(b, placement.breakeven):
                 resp.note = note
                 log.info("rebalance (%s) not applied: %s", why, note)

@@ -22,7 +22,8 @@ routing (uniform, Zipf 1.2), four policies on the same two co-located ranks:
 - off:   one slot per expert, no redundant slot (b = 0);
 - token: today's token-balanced EPLB (``make_policy()``, the redundant slots, b = 0);
 - cost:  ``make_policy(step_model=entry)``: the token plan put in force, then one cost-aware call
-         on a second window with its ``steps``; and the break-even counts ``cost.breakeven``
+         on a second window with its ``steps``; and the break-even counts the policy plans with
+         that placement on that window (``rule.plan_breakeven``, b per (layer, expert))
          installed in ``RouterMaps`` (a replica is used only when the step's count passes b);
 - ideal: uniform routing with EPLB off (the uniform "off" row of the same size).
 
@@ -66,6 +67,7 @@ sys.path.insert(0, HERE)
 import dispatch as D                                                      # noqa: E402
 from moeserve.balancer.policy import cost as C                           # noqa: E402
 from moeserve.balancer.policy import make_policy                         # noqa: E402
+from moeserve.balancer.policy.rule import plan_breakeven                 # noqa: E402
 from moeserve.placement import balancedness                              # noqa: E402
 from moeserve.router.dispatcher import RouterMaps                        # noqa: E402
 
@@ -146,7 +148,9 @@ def plan(policy: str, m: dict, tokens: int, zipf: float, workers: int, layers: i
     cost = make_policy(step_model=model)
     first = cost(load, p, workers, 1, 1, None)
     phy2log = cost(load2, p, workers, 1, 1, first, steps=window_steps)
-    return dict(phy2log=phy2log, breakeven=C.breakeven(model, layers, e), moved_from_token=int((phy2log != first).sum()))
+    # b per (layer, expert), planned with the placement on the same window
+    b = plan_breakeven(model, load2, phy2log, workers, window_steps)
+    return dict(phy2log=phy2log, breakeven=b, moved_from_token=int((phy2log != first).sum()))
 
 
 def replay(m: dict, phy2log: np.ndarray, b: np.ndarray, tokens: int, zipf: float, routers: int, workers: int,
@@ -396,12 +400,13 @@ def record(out, rows, m, world, model, args):
             for l in range(row.phy2log.shape[0]):
                 load[l] += np.bincount(timed_ids(r, l, row.tokens, m, row.zipf, perms[l]).reshape(-1).numpy(),
                                        minlength=m["experts"])
-        b = int(row.b.max())
+        # b is per (layer, expert): "breakeven" is the model's b it is planned from (0: none installed)
+        b = model.breakeven_count if row.b.any() else 0
         out["rows"].append(dict(
             model=row.shape, exchange=row.kind, tokens=row.tokens, zipf=row.zipf, policy=row.policy,
-            slots=int(row.phy2log.shape[1]), breakeven=b,
-            # experts whose step count (all routers) is at or below b: one copy read, replicas idle
-            experts_at_or_below_b=int((load <= b).sum()) if b else 0,
+            slots=int(row.phy2log.shape[1]), breakeven=b, breakeven_range=[int(row.b.min()), int(row.b.max())],
+            # experts whose step count (all routers) is at or below their b: one copy read, replicas idle
+            experts_at_or_below_b=int(((load <= row.b) & (row.b > 0)).sum()),
             moved_from_token=row.moved, times_ms=[round(t, 4) for t in row.times], median_ms=med,
             spread=(max(row.times) - min(row.times)) / med, busy_max=float(busy.max(2).mean()),
             pairs_max=float(pairs.max(2).mean()), balancedness=float(np.mean(balancedness(load, row.phy2log, world))),

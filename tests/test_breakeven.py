@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeserve.balancer.controller import LoopConfig, StepGain, pays, step_efficiency, step_gain, trigger
+from moeserve.balancer.controller import LoopConfig, StepGain, pays, planned_step_s, step_efficiency, step_gain, trigger
 from moeserve.balancer.policy.cost import StepModel, breakeven, step_time
 from moeserve.dataplane.exchange import choose_slots, replicas_used
 from moeserve.config import BREAKEVEN_ENV
@@ -263,7 +263,7 @@ def test_step_gain_and_efficiency_come_from_the_model():
     after = np.array([[0, 1, 2, 0, 3, 1]])
     sg = step_gain(cfg, load, before, after, 2, steps=10)
     assert isinstance(sg, StepGain)
-    assert sg.before_s == pytest.approx(step_time(MODEL, load, before, 2, 10))
+    assert sg.before_s == pytest.approx(planned_step_s(MODEL, load, before, 2, 10))     # priced as the policy does
     assert sg.after_s < sg.before_s and 0 < sg.gain < 1
     assert step_gain(cfg, load, before, after, 2, steps=0) is None
     e_before = step_efficiency(cfg, load, before, 2, 10)

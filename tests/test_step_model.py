@@ -11,6 +11,7 @@ import pytest
 from moeserve.balancer.policy import make_policy, place
 from moeserve.balancer.policy.cost import (FORMAT, StepModel, StepModelError, expected_busy, layer_times,
                                            load_table, parse_table, worker_times)
+from moeserve.balancer.policy.rule import plan_breakeven, rule_times
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = StepModel("H200", "scout", 5120, 8192, 2, 4.0e12, 6.0e14, 5e-6, 2e-5)
@@ -126,8 +127,9 @@ def test_the_cost_aware_policy_never_predicts_a_slower_slowest_worker_than_doing
     load = np.stack([rng.permutation(4096 * steps / np.arange(1, 17) ** 1.2) for _ in range(8)]).round()
     current = place(rng.permutation(load, axis=1), 32, 8)
     plan = policy(load, 32, 8, 1, 1, current, steps=steps)
-    before = layer_times(MODEL, load, current, 8, steps)
-    after = layer_times(MODEL, load, plan, 8, steps)
+    # under the data plane's replica rule, each placement with the break-even counts planned for it
+    before = rule_times(MODEL, load, current, 8, plan_breakeven(MODEL, load, current, 8, steps), steps)
+    after = rule_times(MODEL, load, plan, 8, plan_breakeven(MODEL, load, plan, 8, steps), steps)
     moved = (plan != current).any(1)
     assert (after[moved] < before[moved]).all()
     assert (after <= before + 1e-15).all()

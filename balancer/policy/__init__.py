@@ -4,6 +4,10 @@
   migration-aware, budgeted, hierarchical or not.
 - :mod:`.report`: what a proposed placement buys (``evaluate``, ``PlanReport``).
 - :mod:`.cost`: the step-time model of one MoE layer on one worker and its calibration table.
+- :mod:`.rule`: that model under the data plane's replica rule with break-even counts b, and b
+  chosen per (layer, expert) by it (``plan_breakeven``).
+- :mod:`.reads`: the cost-aware policy's search on the rule: which experts fill the redundant
+  slots so that each step's one replica read splits evenly over the workers.
 - :mod:`.packing`: fresh plans (replica counts, packing replicas onto workers).
 - :mod:`.search`: the local search that moves slots off the heaviest workers, and the choice
   of how far along it each layer goes within a move budget.

@@ -277,7 +277,9 @@ def step_time(model: StepModel, load, phy2log, num_workers: int, steps: int | No
 def breakeven(model: StepModel | None, num_layers: int, num_experts: int) -> np.ndarray:
     """int64 [L, E]: the break-even count b of every (MoE layer, logical expert) for the data
     plane's replica rule (``StepModel.breakeven_count``: every expert of a model has one
-    shape, so one value); zeros (every replica always used) without a model."""
+    shape, so one value); zeros (every replica always used) without a model. This b is per
+    copy; :func:`~moeserve.balancer.policy.rule.plan_breakeven` chooses b per (layer, expert)
+    for a placement and a window by the predicted layer time (the cost-aware policy's)."""
     value = 0 if model is None else model.breakeven_count
     return np.full((num_layers, num_experts), value, dtype=np.int64)
 

@@ -40,10 +40,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moeserve.balancer.policy.cost import StepModel, worker_times
+from moeserve.balancer.policy.cost import StepModel
 from moeserve.balancer.policy.packing import (expand_counts, pack, pack_greedy, replica_counts, slot_load,
                                               worker_load_rows)
+from moeserve.balancer.policy.reads import read_search
 from moeserve.balancer.policy.relabel import greedy_match, relabel
+from moeserve.balancer.policy.rule import NEVER_SPREAD, b_candidates, plan_breakeven, rule_times
 from moeserve.balancer.policy.search import SearchSettings, follow_counts, refine, select_prefix
 from moeserve.placement import logical_counts
 
@@ -66,11 +68,16 @@ class PolicyConfig:
       (the policy before issue 15).
     step_model: a :class:`~moeserve.balancer.policy.cost.StepModel`: with it, a call given the
       window's ``steps`` (or a per-step ``histogram``) and a move budget picks, per layer, among
-      the plans the search offers the one with the least predicted time of the layer's slowest
-      worker (weights read by busy slots against matmul time, see
-      :mod:`~moeserve.balancer.policy.cost`), spending the budget where it saves the most time
-      per slot moved, and never a plan predicted slower than the placement in force. Without
-      ``steps``, or without a placement in force, it plans for token balance as without a model.
+      the plans the token-balanced search offers and those of a search on the data plane's
+      replica rule (:mod:`~moeserve.balancer.policy.reads`: which experts fill the redundant
+      slots so that each step's one replica read splits evenly over the workers) the one with
+      the least predicted layer time (weights read by busy slots against matmul time, under the
+      rule with the break-even counts :func:`~moeserve.balancer.policy.rule.plan_breakeven`
+      gives that plan, see :mod:`~moeserve.balancer.policy.rule`), spending the budget where it
+      saves the most time per slot moved, and never a plan predicted slower than the placement
+      in force. The caller installs the plan with ``plan_breakeven(step_model, load, plan,
+      num_workers, steps, histogram)``, the b it was priced with. Without ``steps``, or without
+      a placement in force, it plans for token balance as without a model.
     """
 
     move_budget: float | None = 0.10
@@ -228,21 +235,39 @@ def _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg: Pol
 
 @dataclass(frozen=True)
 class _Cost:
-    """What the cost-aware choice needs: the model, the window's steps, and the histogram
-    ``[B, e, K]`` of the rows planned (or None)."""
+    """What the cost-aware choice needs: the model, the window's steps, the histogram
+    ``[B, e, K]`` of the rows planned (or None) and the ids ``[B, e]`` the data plane's replica
+    rule staggers by (None: a row's ids are the layer's, 0 .. E - 1)."""
 
     model: StepModel
     steps: int
     histogram: np.ndarray | None
+    expert_ids: np.ndarray | None = None
 
     def rows(self, local2global: np.ndarray, rows: int) -> "_Cost":
         """The same for node rows (``local2global [L, N, E/N]``)."""
-        if self.histogram is None:
-            return self
-        k = self.histogram.shape[2]
         layers = local2global.shape[0]
+        ids = local2global.reshape(rows, -1)
+        if self.histogram is None:
+            return _Cost(self.model, self.steps, None, ids)
+        k = self.histogram.shape[2]
         hist = np.take_along_axis(self.histogram, local2global.reshape(layers, -1)[:, :, None], 1)
-        return _Cost(self.model, self.steps, hist.reshape(rows, -1, k))
+        return _Cost(self.model, self.steps, hist.reshape(rows, -1, k), ids)
+
+    def times(self, load: np.ndarray, phy2log: np.ndarray, w: int,
+              candidates: np.ndarray | None = None) -> np.ndarray:
+        """Predicted seconds of every row ``[B]`` of ``phy2log [B, p]`` (``load [B, e]``) under the
+        data plane's replica rule with the break-even counts
+        :func:`~moeserve.balancer.policy.rule.plan_breakeven` gives that placement (those a caller
+        installs with it; ``candidates``: the counts it tries, by default from this load)."""
+        ids, hist = self.expert_ids, self.histogram
+        b = plan_breakeven(self.model, load, phy2log, w, self.steps, hist, ids, candidates=candidates)
+        return rule_times(self.model, load, phy2log, w, b, self.steps, hist, ids)
+
+    def subset(self, rows: np.ndarray) -> "_Cost":
+        """The same for the rows ``rows`` only."""
+        return _Cost(self.model, self.steps, None if self.histogram is None else self.histogram[rows],
+                     None if self.expert_ids is None else self.expert_ids[rows])
 
 
 def _cost_context(cfg: PolicyConfig, steps, histogram, load) -> _Cost | None:
@@ -312,8 +337,9 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip
 
     With ``cost`` (a :class:`_Cost`) the rows then choose among a few plans of those paths
     (the token-balanced choices at a quarter, half and all of the budget, and each path's end)
-    the one that saves the most predicted time of the row's slowest worker per slot moved,
-    within the budget; a row whose plans all predict no saving keeps the placement in force.
+    and every step of the searches on the replica rule (:func:`_read_paths`) the one that saves
+    the most predicted layer time per slot moved, within the budget; a row whose plans all
+    predict no saving keeps the placement in force.
     """
     rows, p = current.shape
     settings = SearchSettings(max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), replicate=True,
@@ -332,16 +358,44 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip
     for i, path in enumerate(paths):
         end += path.peak.shape[0]
         options.append(_replay(paths, np.full(rows, end - 1)))
+    if budget > 0:
+        options += _read_paths(load, current, w, budget, cost)
     return _cheapest(load, current, options, w, budget, cost)
 
 
+def _read_paths(load, current, w: int, budget: int, cost: "_Cost") -> list[np.ndarray]:
+    """Plans for the data plane's replica rule (:func:`~moeserve.balancer.policy.reads.read_search`),
+    every step of two searches from the placement in force: one pricing each expert with the
+    break-even count planned for that placement, one with a b no count passes (every expert
+    read on one replica a step, the decode case). Two, because the b that fits a placement
+    depends on it: a layer whose doubled experts all spread at the b of the placement in force
+    would not see that balancing the one-replica reads pays once b stops them spreading.
+    ``[B, p]`` each, step 0 left out."""
+    rows, p = current.shape
+    e = load.shape[1]
+    length = int(min(p - e, max(4, np.ceil(2.0 * budget / rows))))         # moves per row, as follow_counts
+    planned = plan_breakeven(cost.model, load, current, w, cost.steps, cost.histogram, cost.expert_ids)
+    out = []
+    for b in (planned, np.full_like(planned, NEVER_SPREAD)):
+        out += read_search(cost.model, load, current, w, b, cost.steps, cost.histogram, cost.expert_ids, length)[1:]
+    return out
+
+
 def _cheapest(load, current, options: list[np.ndarray], w: int, budget: int, cost: "_Cost") -> np.ndarray:
-    """Per row, the option (``options[0]`` the placement in force) saving the most predicted time
-    of the row's slowest worker per slot moved, within ``budget`` slots over all rows."""
+    """Per row, the option (``options[0]`` the placement in force) saving the most predicted layer
+    time per slot moved, within ``budget`` slots over all rows. Each option is priced under the
+    data plane's replica rule with the break-even counts planned for it (:meth:`_Cost.times`)."""
     stack = np.stack(options)                                                # [K, B, p]
     k, rows, p = stack.shape
-    times = np.stack([worker_times(cost.model, load, o, w, cost.steps, cost.histogram).max(1) for o in options])
     moved = (stack != current[None]).sum(2)                                 # [K, B]
+    # b is planned row by row (from one list of candidate counts), so a row an option leaves
+    # as it is keeps the time of the placement in force: only the rows it changes are priced
+    cand = b_candidates(cost.model, load, cost.steps, cost.histogram)
+    times = np.repeat(cost.times(load, current, w, cand)[None], k, 0)        # [K, B]
+    for i in range(1, k):
+        ch = np.flatnonzero(moved[i])
+        if ch.size:
+            times[i, ch] = cost.subset(ch).times(load[ch], stack[i, ch], w, cand)
     # a plan predicted no faster than the placement in force counts as worse than it: never taken
     value = np.where(times < times[:1], -times, -times[:1] - 1.0)
     value[0] = -times[0]
