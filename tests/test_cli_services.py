@@ -34,6 +34,13 @@ def test_the_exchange_flag_reaches_the_cluster_config(model):
     assert cfg.exchange == "nvlink"
 
 
+def test_async_scheduling_is_on_by_default_and_the_no_flag_turns_it_off(model):
+    from moeserve.cluster import LocalCluster
+    assert parse("up", "--model", model)["async_scheduling"] is True
+    c = LocalCluster(model, **{k: v for k, v in parse("up", "--model", model, "--no-async-scheduling").items()})
+    assert c.config.async_scheduling is False                 # the flag reaches every rank's ClusterConfig
+
+
 @pytest.mark.parametrize("argv,message", [
     (["up", "--model", "/no/such/dir"], "no such folder"),
     (["up", "--model", "{m}", "--eplb-config", "{{nope"], "not valid JSON"),
