@@ -158,10 +158,12 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             placement = await self._admin(self.admin.placement())
             load = rep.load.astype(np.float64)
             if placement.phy2log.shape[0] == load.shape[0]:
-                efficiency = step_efficiency(self.config, load, placement.phy2log, placement.num_workers, rep.steps)
+                efficiency = await asyncio.to_thread(step_efficiency, self.config, load, placement.phy2log,
+                                                     placement.num_workers, rep.steps)
                 self.step_efficiency = float(efficiency)
-                self.predicted_step_s = float(rule_times(model, load, placement.phy2log, placement.num_workers,
-                                                         np.asarray(placement.breakeven), rep.steps).sum())
+                times = await asyncio.to_thread(rule_times, model, load, placement.phy2log, placement.num_workers,
+                                                np.asarray(placement.breakeven), rep.steps)
+                self.predicted_step_s = float(times.sum())
         why = trigger(self.config, rep.steps, rep.steps_since_placement_change, since_plan, rep.predicted.mean,
                       step_efficiency=efficiency)
         if why is not None:
@@ -243,9 +245,10 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         model = self.config.step_model
         b = timed = None
         if model is not None:              # b per (layer, expert), as the policy priced the plan
-            b = plan_breakeven(model, load, plan, workers, int(rep.steps) or None)
+            # in a worker thread like the policy: at DeepSeek-V3 scale these take about a second
+            b = await asyncio.to_thread(plan_breakeven, model, load, plan, workers, int(rep.steps) or None)
             resp.breakeven.CopyFrom(int64_matrix(b))
-            timed = step_gain(self.config, load, cur, plan, workers, int(rep.steps))
+            timed = await asyncio.to_thread(step_gain, self.config, load, cur, plan, workers, int(rep.steps))
             if timed is not None:
                 resp.predicted_step_s_before, resp.predicted_step_s_after = timed.before_s, timed.after_s
         if dry_run:
@@ -256,7 +259,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         target = plan
         if not ok:
             if b is not None:              # the counts the placement in force would take
-                b = plan_breakeven(model, load, cur, workers, int(rep.steps) or None)
+                b = await asyncio.to_thread(plan_breakeven, model, load, cur, workers, int(rep.steps) or None)
                 resp.breakeven.CopyFrom(int64_matrix(b))
             if b is None or np.array_equal(b, placement.breakeven):
                 resp.note = note
