@@ -214,6 +214,13 @@ class NvlinkExchange:
         if self.step_args is None or self.step_args.shape[0] < num_moe_layers:
             self.step_args = torch.zeros(num_moe_layers, 5, dtype=torch.long, device=self.device)
 
+    def _set_args(self, host: torch.Tensor) -> None:
+        """Copy a layer's pair_args [5] into the device table without a host sync: a pageable
+        copy would wait for every kernel enqueued before it, once per MoE layer of an eager step."""
+        if self.args.is_cuda:
+            host = host.pin_memory()
+        self.args.copy_(host, non_blocking=self.args.is_cuda)
+
     def set_step_args(self, pairs: int, offset: int) -> None:
         """N (the valid pairs) and the replica offset of the next whole-step graph replay."""
         # from pinned memory, without a sync: the host must not wait here for the steps enqueued
@@ -284,7 +291,7 @@ class NvlinkExchange:
                 args[i].fill_(0 if t is None else t.data_ptr())
         else:
             valid = n if self.valid_pairs is None else min(n, self.valid_pairs)
-            self.args.copy_(kernels.pair_args(x, ids, w, valid, offset))  # read by the kernels, graphs too
+            self._set_args(kernels.pair_args(x, ids, w, valid, offset))  # read by the kernels, graphs too
         self._scaled = scaled
         # In graphs the general replica rule always runs (logcnt 1 gives replica 0): a commit that
         # changes whether a layer has replicas must not force a new capture mid-migration.
@@ -319,7 +326,7 @@ class NvlinkExchange:
                    maps=None) -> None:
         """Take part in one MoE layer with no rows of one's own (idle router, or worker). An
         idle router publishes zero counts (``maps``: its RouterMaps; the tables are not read)."""
-        self.args.copy_(kernels.pair_args(None, None, None, 0, 0))
+        self._set_args(kernels.pair_args(None, None, None, 0, 0))
         if self.router is not None and maps is None:
             raise ValueError("an idle router's walk needs its RouterMaps")
         single = bool(maps.single[moe_layer]) and not self.graphs if maps is not None else True
