@@ -1043,7 +1043,8 @@ def run_moeserve(name: str, ranks: int, redundant: int, model_dir: str, sizes: d
                            if getattr(a, "eplb_step_model", None) else [])
                         + (["--eplb-step-model-shape", a.eplb_step_model_shape]
                            if getattr(a, "eplb_step_model_shape", None) else [])) if eplb else [])
-                + (["--no-async-scheduling"] if name.endswith("-sync") else []))
+                + (["--no-async-scheduling"] if name.endswith("-sync") else [])
+                + (["--capture-graphs-at-start"] if a.capture_graphs_at_start else []))
         res["startup_s"] = up.startup_s
         print(f"[{name}] ready in {up.startup_s:.0f} s", flush=True)
         if eplb:
@@ -1639,6 +1640,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--exchange", default="auto", choices=("auto", "collective", "nvlink"))
+    p.add_argument("--capture-graphs-at-start", action="store_true",
+                   help="moeserve up --capture-graphs-at-start: every decode graph captured before serving")
     p.add_argument("--startup-timeout", type=float, default=None)
     p.add_argument("--burst-timeout", type=float, default=None)
     p.add_argument("--hf-timeout", type=float, default=None)

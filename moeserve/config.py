@@ -180,6 +180,9 @@ class ClusterConfig:
     async_scheduling: the leader learns a step's sampled tokens one step late, so that it
     schedules step N+1 while the GPUs run step N (vLLM's name; docs/dataplane.md, "Asynchronous
     steps"); False: every step's tokens come back in its own gather.
+    capture_graphs_at_start: before serving, the leader runs warm-up steps that make every router
+    compile and capture its decode graph of every (bucket, attention split) key, instead of on a
+    key's first two uses while serving (which costs those steps' latency).
     load_read_steps: routers keep the expert load on the device and send it every this many
     forward steps (and when the load is asked for, before a commit, and when the cluster goes
     idle), not every step.
@@ -211,6 +214,7 @@ class ClusterConfig:
     state_dir: str = ""
     enforce_eager: bool = False
     async_scheduling: bool = True
+    capture_graphs_at_start: bool = False
     load_read_steps: int = 16
 
     def __post_init__(self):

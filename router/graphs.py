@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from moeserve.models.attention import attention_config
+from moeserve.models.attention import MAX_SEGMENTS, MIN_KEYS_PER_SEGMENT, attention_config
 from moeserve.models.paged import PagedBatch
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,34 @@ class DecodeGraphs:
         if self.exchange is not None:
             self.exchange.prepare_step_graphs(model.moe_info.num_moe_layers)
 
+    def _ns(self, b: int, max_seq_len: int) -> int:
+        hq, hkv, d = self.heads
+        return attention_config(SimpleNamespace(max_query_len=1, num_tokens=b, num_seqs=b, max_seq_len=max_seq_len),
+                                hq, hkv, d, self.sms)["NS"]
+
+    def warmup_keys(self) -> list[tuple[int, int]]:
+        """(bucket, longest sequence) pairs that reach every graph key (bucket, NS) a decode step
+        of up to ``max_model_len`` tokens can use: the attention's split count NS changes only
+        where the longest sequence passes 2 * ns * MIN_KEYS_PER_SEGMENT."""
+        top = self.mb * self.block_size
+        lens, ns = {1, top}, 1
+        while ns <= MAX_SEGMENTS:
+            lens.add(min(top, 2 * ns * MIN_KEYS_PER_SEGMENT))
+            ns *= 2
+        keys: dict[tuple[int, int], int] = {}
+        for b in self.sizes:
+            for msl in sorted(lens):
+                keys.setdefault((b, self._ns(b, msl)), msl)
+        return [(b, msl) for (b, _), msl in keys.items()]
+
+    def warmup(self, b: int, max_seq_len: int, step: int) -> None:
+        """One decode step of bucket ``b`` whose ``b`` rows all live in the scratch block, at
+        position ``max_seq_len - 1``: a key's first call runs eagerly (compiles), its second
+        captures, as in serving. The rows' pairs reach the experts like a real step's (the
+        caller discards their load)."""
+        blocks = [self.scratch] * -(-max_seq_len // self.block_size)
+        self.run([0] * b, [max_seq_len - 1] * b, [blocks] * b, step)
+
     def fits(self, num_seqs: int, tables: list[list[int]]) -> bool:
         return not self.disabled and 0 < num_seqs <= self.bmax and all(len(t) <= self.mb for t in tables)
 
@@ -164,10 +192,7 @@ class DecodeGraphs:
         s = len(ids)
         b = next(x for x in self.sizes if x >= s)
         msl = int(max(starts)) + 1
-        hq, hkv, d = self.heads
-        ns = attention_config(SimpleNamespace(max_query_len=1, num_tokens=b, num_seqs=b, max_seq_len=msl),
-                              hq, hkv, d, self.sms)["NS"]
-        key = (b, ns)
+        key = (b, self._ns(b, msl))
         self._fill(ids, starts, tables, b, src)
         if src is not None:
             self.longs[0, :s] = runner.select_ids(self.longs[0, :s], self.longs[4, :s])

@@ -173,6 +173,20 @@ class RouterRunner:
         else:
             self._outputs.append(_Outputs(step, [], None, None, out_logits))
 
+    @torch.inference_mode()
+    def warmup(self, b: int, max_seq_len: int, step: int) -> None:
+        """A warm-up step at start (``--capture-graphs-at-start``): one padded decode step of
+        bucket ``b`` in the scratch block (``DecodeGraphs.warmup``), or without graphs an idle
+        walk that meets the other ranks' exchange; its load is discarded."""
+        self.experts.step = step
+        if self.graphs is not None and not self.graphs.disabled:
+            self.graphs.warmup(b, max_seq_len, step)
+        else:
+            info = self.model.moe_info
+            idle_walk(self.experts.exchange, info.num_moe_layers, self.model.config.hidden_size,
+                      info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
+        self.experts.discard_load()
+
     def _plan(self, work: RouterWork) -> tuple[list[SeqWork], dict[int, int], dict[int, int]]:
         """Apply the header's block updates to the tables and list the step's rows: the sent
         sequences, then one row per decode (its position and output index from this runner's

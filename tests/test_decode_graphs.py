@@ -113,3 +113,27 @@ def test_ids_taken_from_the_device_token_buffer_equal_ids_sent_by_the_host(model
     got = graphs[1].run([0, tokens[1], 0], starts, tables, 0, src=src, runner=toks)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert graphs[1].longs[0, :3].tolist() == tokens
+
+
+def test_warmup_keys_reach_every_key_a_decode_step_can_use_and_warmup_touches_only_the_scratch_block(model):
+    """--capture-graphs-at-start: the warm-up keys cover every (bucket, attention split) of a
+    decode step up to max_model_len (checked with an H200's SM count, where the split varies),
+    and a warm-up step writes only the scratch block."""
+    cache = model.new_paged_cache(9, BS)
+    graphs = DecodeGraphs(model, cache, None, BS, max_seqs=20, max_model_len=2048)
+    graphs.sms = 132
+    keys = graphs.warmup_keys()
+    got = {(b, graphs._ns(b, msl)) for b, msl in keys}
+    assert len(got) == len(keys) and {b for b, _ in keys} == set(graphs.sizes)
+    for s in range(1, 21):
+        b = next(x for x in graphs.sizes if x >= s)
+        for msl in range(1, 2049, 7):
+            assert (b, graphs._ns(b, msl)) in got, (s, msl)
+    assert len({ns for _, ns in got}) > 1                    # the split does vary on this GPU
+    graphs.sms = None
+    before = [(k.clone(), v.clone()) for k, v in zip(cache.k, cache.v)]
+    graphs.warmup(4, 7, 0)                                   # bucket 4, the longest sequence 7 tokens
+    real = slice(0, 8 * BS)
+    for layer, (k, v) in enumerate(before):
+        assert torch.equal(cache.k[layer][real], k[real]) and torch.equal(cache.v[layer][real], v[real])
+        assert not torch.equal(cache.k[layer][8 * BS:], k[8 * BS:])      # the scratch block was written

@@ -145,3 +145,17 @@ def test_an_admin_load_call_asks_the_step_loop_for_a_read_and_waits_for_it():
         eng.request_stop()
         stop.set()
         t.join(5)
+
+
+def test_warm_up_steps_come_first_each_key_twice_then_the_requests():
+    eng = engine()
+    eng.warm_up([(1, 5), (16, 600)])
+    seq = eng.submit(GenerateRequest((5, 6), 2, ignore_eos=True))
+    headers = []
+    for _ in range(5):
+        h = eng.next_header()
+        headers.append(h)
+        eng.on_results(h, [RankResult(0), RankResult(1), RankResult(2)])
+    assert [h.warmup for h in headers[:4]] == [(1, 5), (1, 5), (16, 600), (16, 600)]
+    assert not any(h.forward for h in headers[:4])
+    assert headers[4].warmup is None and headers[4].forward and headers[4].work[0].seqs[0].seq_id == seq.seq_id

@@ -40,6 +40,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="schedule step N+1 while the GPUs run step N; the leader learns sampled tokens one step "
                         "late, so a sequence that stops may run one extra step (default on; vLLM's name)")
+    g.add_argument("--capture-graphs-at-start", action="store_true",
+                   help="before serving, compile and capture the decode CUDA graph of every batch bucket and "
+                        "attention split (default: on a key's first two uses while serving)")
     g.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: read the checkpoint's safetensors files (default); dummy: seeded random weights "
                         "made on each rank's device from config.json alone (vLLM's name; for benchmarks)")
@@ -353,7 +356,8 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_waiting=args.max_waiting, exchange=getattr(args, "exchange", "auto"),
               load_format=getattr(args, "load_format", "auto"), enforce_eager=getattr(args, "enforce_eager", False),
-              async_scheduling=getattr(args, "async_scheduling", True), **cache, **eplb)
+              async_scheduling=getattr(args, "async_scheduling", True),
+              capture_graphs_at_start=getattr(args, "capture_graphs_at_start", False), **cache, **eplb)
     state_dir = getattr(args, "state_dir", None)
     if state_dir and leader:
         from moeserve import state

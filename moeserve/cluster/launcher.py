@@ -103,7 +103,8 @@ class LocalCluster:
                  metrics_peers: dict | None = None, exchange: str = "auto", block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int = 0,
                  cpu_kv_cache_gib: float = 1.0, max_worker_restarts: int = 3, load_format: str = "auto",
-                 state_dir: str = "", enforce_eager: bool = False, breakeven=None, async_scheduling: bool = True):
+                 state_dir: str = "", enforce_eager: bool = False, breakeven=None, async_scheduling: bool = True,
+                 capture_graphs_at_start: bool = False):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
@@ -147,7 +148,7 @@ class LocalCluster:
             heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, host=admin_host, **hook,
             per_expert_metrics=per_expert_metrics, exchange=exchange, load_format=load_format,
             state_dir=os.path.abspath(state_dir) if state_dir else "", enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
+            async_scheduling=async_scheduling, capture_graphs_at_start=capture_graphs_at_start, metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
         if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
             raise ValueError(f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}")
         self.metrics_ports = None if metrics_ports is None else [int(p) for p in metrics_ports]

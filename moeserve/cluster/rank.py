@@ -154,6 +154,8 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
         shape = ModelShape(info.num_moe_layers, e, info.top_k, mcfg.vocab_size, tuple(mcfg.eos_token_ids),
                            info.expert_bytes, tuple(int(x) for x in info.moe_layer_ids), mcfg.num_layers)
         st.leader = Engine(cfg, shape, placement)
+        if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:
+            st.leader.warm_up(st.runner.graphs.warmup_keys())      # every router has the same keys
 
     from moeserve.expert_worker.migration import warm_up_pairs
     warm_up_pairs(rank, world, device)

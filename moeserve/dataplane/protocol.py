@@ -140,6 +140,7 @@ class StepHeader:
     migration: MigrationOps | None = None
     report: bool = False            # workers send a digest of every slot's weights
     read_load: bool = False         # routers send the load of the forward steps before this one
+    warmup: tuple[int, int] | None = None   # (bucket, longest sequence): a decode graph warm-up step
     stop: bool = False
 
 

@@ -86,7 +86,12 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
     if header.report and st.maps is not None:
         res.router_maps = (st.maps.phy2log.copy(), st.maps.breakeven.cpu().numpy().copy())
     router = st.topo.router_index(st.rank)
-    if header.forward:
+    if header.warmup is not None:                  # a decode graph warm-up at start: every rank's exchange
+        if st.runner is not None:
+            st.runner.warmup(*header.warmup, header.step)
+        else:
+            idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
+    elif header.forward:
         if st.runner is not None:
             st.runner.run(header.work[router], header.step)
         else:

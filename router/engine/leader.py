@@ -80,6 +80,7 @@ class Engine(EngineAPI):
         self._load_issued = 0
         self._load_served = 0
         self._driver: int | None = None               # the step driver's thread id
+        self._warmup: deque[tuple[int, int]] = deque()  # decode graph warm-up steps still to issue
 
     # -- requests (any thread) ----------------------------------------------------------------
 
@@ -220,6 +221,13 @@ class Engine(EngineAPI):
         self.slot_digests(timeout_s)
         return self._router_maps
 
+    def warm_up(self, keys) -> None:
+        """Issue a warm-up step for each (bucket, longest sequence) of ``keys`` twice, before any
+        other work: a decode graph key's first use compiles, its second captures (``DecodeGraphs``)."""
+        for key in keys:
+            self._warmup.extend([tuple(key)] * 2)
+        log.info("capturing decode graphs at start: %d warm-up steps", len(self._warmup))
+
     def request_stop(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -241,6 +249,10 @@ class Engine(EngineAPI):
             return self._in_flight
         if self.step == 0:                       # the loop starts: its age counts from here
             self._last_step_t = time.monotonic()
+        if self._warmup and not self._stop.is_set():
+            self._header_t = time.perf_counter()
+            self._in_flight = StepHeader(self.step, warmup=self._warmup.popleft())
+            return self._in_flight
         deadline = time.monotonic() + self.cfg.heartbeat_s
         while True:
             if self._stop.is_set():
