@@ -158,11 +158,12 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             placement = await self._admin(self.admin.placement())
             load = rep.load.astype(np.float64)
             if placement.phy2log.shape[0] == load.shape[0]:
+                hist = _histogram(rep, load)
                 efficiency = await asyncio.to_thread(step_efficiency, self.config, load, placement.phy2log,
-                                                     placement.num_workers, rep.steps)
+                                                     placement.num_workers, rep.steps, hist)
                 self.step_efficiency = float(efficiency)
                 times = await asyncio.to_thread(rule_times, model, load, placement.phy2log, placement.num_workers,
-                                                np.asarray(placement.breakeven), rep.steps)
+                                                np.asarray(placement.breakeven), rep.steps, hist)
                 self.predicted_step_s = float(times.sum())
         why = trigger(self.config, rep.steps, rep.steps_since_placement_change, since_plan, rep.predicted.mean,
                       step_efficiency=efficiency)
@@ -234,7 +235,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         workers, wpn = placement.num_workers, placement.workers_per_node
         policy = make_policy(self.config.move_budget, step_model=self.config.step_model)
         steps = int(rep.steps) if self.config.step_model is not None and rep.steps > 0 else None
-        plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur, steps=steps)
+        hist = _histogram(rep, load) if steps is not None else None       # the routers' per-step counts
+        plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur, steps=steps,
+                                       histogram=hist)
         plan = np.asarray(plan, dtype=np.int64)
         report = evaluate(load, cur, plan, workers, status.model.expert_bytes)
         resp = balancer_pb2.RebalanceResponse(
@@ -246,9 +249,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         b = timed = None
         if model is not None:              # b per (layer, expert), as the policy priced the plan
             # in a worker thread like the policy: at DeepSeek-V3 scale these take about a second
-            b = await asyncio.to_thread(plan_breakeven, model, load, plan, workers, int(rep.steps) or None)
+            b = await asyncio.to_thread(plan_breakeven, model, load, plan, workers, int(rep.steps) or None, hist)
             resp.breakeven.CopyFrom(int64_matrix(b))
-            timed = await asyncio.to_thread(step_gain, self.config, load, cur, plan, workers, int(rep.steps))
+            timed = await asyncio.to_thread(step_gain, self.config, load, cur, plan, workers, int(rep.steps), hist)
             if timed is not None:
                 resp.predicted_step_s_before, resp.predicted_step_s_after = timed.before_s, timed.after_s
         if dry_run:
@@ -259,7 +262,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         target = plan
         if not ok:
             if b is not None:              # the counts the placement in force would take
-                b = await asyncio.to_thread(plan_breakeven, model, load, cur, workers, int(rep.steps) or None)
+                b = await asyncio.to_thread(plan_breakeven, model, load, cur, workers, int(rep.steps) or None, hist)
                 resp.breakeven.CopyFrom(int64_matrix(b))
             if b is None or np.array_equal(b, placement.breakeven):
                 resp.note = note
@@ -427,4 +430,15 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
     await serve_forever(server, started, before_stop=service.stop, after_stop=admin.close)
 
 
+def _histogram(rep, load: np.ndarray):
+    """The window's per-step count histogram [L, E, K] the routers sent (``ExpertLoad.histogram``),
+    when it matches the load's shape and holds steps; else None (the policy then takes the window
+    sums as Poisson per step)."""
+    hist = getattr(rep, "histogram", None)
+    if hist is None or hist.shape[:2] != load.shape or not hist.sum():
+        return None
+    return hist.astype(np.float64)
+
+
 __all__ = ["BalancerService", "Busy", "serve_balancer"]
+

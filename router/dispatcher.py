@@ -54,6 +54,7 @@ class RouterMaps:
         self.thresholded = [False] * layers                              # some expert of the layer has b > 0
         self.default_breakeven = 0
         self.log2phy = torch.full((layers, num_logical, max_replicas), -1, dtype=torch.long, device=device)
+        self.phy2log_dev = torch.zeros(phy2log.shape, dtype=torch.long, device=device)   # [L, P] device copy
         self._tables = torch.zeros(2, layers, num_logical, dtype=torch.long, device=device)
         self.logcnt = self._tables[0]                                    # [L, E]
         self.breakeven = self._tables[1]                                 # [L, E]
@@ -84,6 +85,7 @@ class RouterMaps:
         self.log2phy[layer].copy_(torch.from_numpy(table))
         self.logcnt[layer].copy_(torch.from_numpy(counts))
         self.phy2log[layer] = row
+        self.phy2log_dev[layer].copy_(torch.from_numpy(row))
         self.single[layer] = bool(counts.max() == 1)
         self.set_breakeven(breakeven, layer)
 
@@ -121,6 +123,9 @@ class _Handle:
     routing: RoutingResult
 
 
+LOAD_BINS = 16           # power-of-two bins of per-step counts: 0, 1, 2-3, ..., 2**14 and more
+
+
 class DistributedExperts:
     """ExpertsBackend of a router rank.
 
@@ -131,6 +136,12 @@ class DistributedExperts:
     to each (rank, local slot) in a step are counted in ``sent`` [L, R*S] (a CUDA graph writes
     to it: never reallocated), which ``end_step`` adds to ``total`` on the device; the load is
     read to the host only when asked (``snapshot_load`` then ``finish_load``, or ``take_load``).
+
+    Per-step statistics, kept on the device beside the total (issue 15; ``end_step``):
+    ``histogram`` int64 [L, E, K]: per step and logical expert, the step's count as the replica
+    rule estimates it (this router's pairs x routers), counted in power-of-two bins (bin 0: no
+    pair, bin j: 2**(j-1) .. 2**j - 1, the last bin open); ``busy`` int64 [L, P]: the steps in
+    which this router sent at least one pair to each slot.
     """
 
     def __init__(self, exchange, maps: RouterMaps, router: int, num_layers: int, store=None):
@@ -144,6 +155,10 @@ class DistributedExperts:
                                 dtype=torch.long, device=exchange.device)
         self.total = torch.zeros_like(self.sent)
         self.steps = 0                     # forward steps in ``total``
+        self.num_routers = exchange.topo.num_routers
+        p = exchange.topo.num_slots
+        self.histogram = torch.zeros(num_layers, maps.num_logical, LOAD_BINS, dtype=torch.long, device=exchange.device)
+        self.busy = torch.zeros(num_layers, p, dtype=torch.long, device=exchange.device)
 
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
         # The exchange picks each pair's slot (the collective one with torch ops, the direct one in
@@ -157,15 +172,23 @@ class DistributedExperts:
         return combine_pairs(out, handle.routing)                                    # [T, H]
 
     def end_step(self) -> None:
-        """A forward step ended: its counts join the unread total (on the device, no host read)."""
+        """A forward step ended: its counts join the unread total and the per-step statistics
+        (on the device, no host read; a few small kernels outside any graph)."""
+        slot = self.sent.index_select(1, self.exchange.slot_position)                    # [L, P] this step
+        self.busy.add_(slot > 0)
+        est = torch.zeros(self.histogram.shape[:2], dtype=torch.long, device=slot.device)
+        est.scatter_add_(1, self.maps.phy2log_dev, slot)                                 # [L, E] this router's
+        est.mul_(self.num_routers)                                                        # the rule's estimate
+        bins = torch.where(est > 0, est.clamp(min=1).double().log2().floor().long() + 1, 0).clamp_(max=LOAD_BINS - 1)
+        self.histogram.scatter_add_(2, bins.unsqueeze(2), torch.ones_like(bins).unsqueeze(2))
         self.total.add_(self.sent)
         self.sent.zero_()
         self.steps += 1
 
     def discard_load(self) -> None:
         """Forget the unread load (a step failed after a lost peer; the maps are re-installed)."""
-        self.sent.zero_()
-        self.total.zero_()
+        for t in (self.sent, self.total, self.histogram, self.busy):
+            t.zero_()
         self.steps = 0
 
     def snapshot_load(self) -> tuple:
@@ -173,24 +196,29 @@ class DistributedExperts:
         steps already enqueued. Returns the snapshot for ``finish_load`` (which takes the maps
         in force now: commits come after a snapshot, never between it and the counted steps)."""
         pin = self.total.is_cuda
-        host = torch.empty(self.total.shape, dtype=torch.long, pin_memory=pin)
-        host.copy_(self.total, non_blocking=pin)
+        hosts = []
+        for t in (self.total, self.histogram, self.busy):
+            h = torch.empty(t.shape, dtype=torch.long, pin_memory=pin)
+            h.copy_(t, non_blocking=pin)
+            hosts.append(h)
         event = None
         if pin:
             event = torch.cuda.Event()
             event.record()
-        self.total.zero_()                  # stream-ordered after the copy
-        snap = (host, event, self.maps.phy2log.copy(), self.steps)
+        for t in (self.total, self.histogram, self.busy):
+            t.zero_()                       # stream-ordered after the copies
+        snap = (hosts, event, self.maps.phy2log.copy(), self.steps)
         self.steps = 0
         return snap
 
-    def finish_load(self, snap: tuple) -> tuple[np.ndarray, np.ndarray, int]:
-        """(logical [L, E], worker [L, W], steps) int64 of a ``snapshot_load``.
+    def finish_load(self, snap: tuple) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+        """(logical [L, E], worker [L, W], steps, histogram [L, E, K], busy [L, P]) int64 of a
+        ``snapshot_load``.
 
         Only per-slot counts are recorded on the device; since every pair sent to a slot was
         routed to the expert that slot holds, the logical counts follow exactly from the maps
         in force during the counted steps."""
-        host, event, phy2log, steps = snap
+        (host, hist, busy), event, phy2log, steps = snap
         if event is not None:
             event.synchronize()
         sent = host.numpy()                                                            # [L, R*S]
@@ -200,7 +228,7 @@ class DistributedExperts:
         rows = np.repeat(np.arange(layers), p)
         np.add.at(logical, (rows, phy2log.reshape(-1)), slot.reshape(-1))
         workers = self.exchange.topo.num_workers
-        return logical, slot.reshape(layers, workers, p // workers).sum(axis=2), steps
+        return logical, slot.reshape(layers, workers, p // workers).sum(axis=2), steps, hist.numpy(), busy.numpy()
 
     def take_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Read and reset the unread load now: (logical [L, E], worker [L, W]) int64."""

@@ -274,7 +274,8 @@ class RouterRunner:
         self._load = self.experts.snapshot_load()
 
     def take_load_snapshot(self):
-        """(logical [L, E], worker [L, W], steps) of the last ``snapshot_load``, or None."""
+        """(logical [L, E], worker [L, W], steps, histogram [L, E, K], busy [L, P]) of the last
+        ``snapshot_load`` (``DistributedExperts.finish_load``), or None."""
         snap, self._load = self._load, None
         return None if snap is None else self.experts.finish_load(snap)
 

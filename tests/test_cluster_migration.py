@@ -102,6 +102,15 @@ def test_window_load_and_balancedness_are_reported(cluster, setup):
     assert rep.steps > 0 and rep.load.sum() > 0
     assert ((rep.balancedness_measured > 0) & (rep.balancedness_measured <= 1)).all()
     assert ((rep.balancedness_predicted > 0) & (rep.balancedness_predicted <= 1)).all()
+    # the per-step statistics (issue 15): one bin per (router, step) and expert, a pair-bin
+    # exactly where the window has load; a slot busy at most once per (router, step)
+    info = setup["info"]
+    from moeserve.router.dispatcher import LOAD_BINS
+    assert rep.histogram.shape == (info.num_moe_layers, info.num_logical_experts, LOAD_BINS)
+    assert (rep.histogram.sum(2) == rep.steps * 2).all()                   # 2 routers
+    np.testing.assert_array_equal(rep.histogram[:, :, 1:].sum(2) > 0, rep.load > 0)
+    assert rep.slot_busy_steps.shape == (info.num_moe_layers, info.num_logical_experts + REDUNDANT)
+    assert 0 < rep.slot_busy_steps.max() <= rep.steps * 2
 
 
 @pytest.mark.timeout(300)

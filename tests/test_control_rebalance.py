@@ -83,6 +83,8 @@ def test_an_sdk_rebalance_under_32_streams_completes_raises_balancedness_and_cha
     # which is the balancer's to fix (issue 15), not this test's to hide; it reports, not asserts.
     from moeserve.placement import balancedness
     load = s["admin"].expert_load()
+    assert load.histogram.shape[:2] == load.load.shape and load.histogram.sum() > 0      # through the SDK
+    assert load.slot_busy_steps.shape == after.phy2log.shape
     now = balancedness(load.load, after.phy2log, after.num_workers).mean()
     before = balancedness(load.load, s["initial"], after.num_workers).mean()
     print(f"later window: placement in force {now:.4f}, replaced placement {before:.4f}")

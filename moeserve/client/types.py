@@ -103,7 +103,11 @@ class ApplyResult:
 @dataclass(frozen=True)
 class ExpertLoad:
     """load [L, E] and worker_load [L, W] over the window (``steps`` forward steps), with
-    balancedness measured (of worker_load) and predicted (of load on the placement in force)."""
+    balancedness measured (of worker_load) and predicted (of load on the placement in force);
+    the window's per-step statistics, None when the cluster sent none: histogram [L, E, K] (per
+    step, router and expert, the replica rule's estimate of the step's count, the router's
+    pairs x routers, in power-of-two bins: 0, 1, 2-3, 4-7, ...) and slot_busy_steps [L, P]
+    (the (router, step) pairs in which a router sent the slot a pair)."""
 
     load: np.ndarray
     worker_load: np.ndarray
@@ -114,12 +118,23 @@ class ExpertLoad:
     placement_version: int
     steps_since_placement_change: int
     window_size: int
+    histogram: np.ndarray | None = None
+    slot_busy_steps: np.ndarray | None = None
 
     @classmethod
     def from_msg(cls, m: admin_pb2.ExpertLoad) -> "ExpertLoad":
+        hist = busy = None
+        if m.histogram.rows and m.histogram_bins > 0:
+            flat = from_int64_matrix(m.histogram, "histogram")
+            if flat.shape[1] % m.histogram_bins:
+                raise ValueError(f"histogram has {flat.shape[1]} columns, not a multiple of its "
+                                 f"{m.histogram_bins} bins")
+            hist = flat.reshape(flat.shape[0], -1, m.histogram_bins)
+        if m.slot_busy_steps.rows:
+            busy = from_int64_matrix(m.slot_busy_steps, "slot_busy_steps")
         return cls(from_int64_matrix(m.load, "load"), from_int64_matrix(m.worker_load, "worker_load"), m.steps,
                    m.total_steps, balancedness_from_msg(m.measured), balancedness_from_msg(m.predicted),
-                   m.placement_version, m.steps_since_placement_change, m.window_size)
+                   m.placement_version, m.steps_since_placement_change, m.window_size, hist, busy)
 
 
 @dataclass(frozen=True)

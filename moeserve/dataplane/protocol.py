@@ -153,7 +153,10 @@ class RankResult:
     float32 arrays [n, V] when asked for (of the same step); when the header set ``read_load``:
     ``logical_load`` int64 [L, E] (pairs routed to each logical expert) and ``worker_load``
     int64 [L, W] (pairs sent to each worker) of the ``load_steps`` forward steps since the
-    previous read.
+    previous read, and their per-step statistics (``router.dispatcher.DistributedExperts``):
+    ``histogram`` int64 [L, E, K] (per step and expert, the replica rule's estimate of the
+    step's count, in power-of-two bins) and ``slot_busy`` int64 [L, P] (steps in which this
+    router sent a pair to the slot).
     Workers: ``staging_error`` when staging could not be allocated (the migration is then
     rolled back); ``slot_digest`` when the header asked for a report.
     Routers, when the header asked for a report: ``router_maps``, the maps they route with
@@ -167,6 +170,8 @@ class RankResult:
     logical_load: np.ndarray | None = None
     worker_load: np.ndarray | None = None
     load_steps: int = 1
+    histogram: np.ndarray | None = None
+    slot_busy: np.ndarray | None = None
     staging_error: str | None = None
     slot_digest: np.ndarray | None = None     # float64 [L, S, 2] (sum, sum of squares) per slot, when asked
     router_maps: tuple | None = None          # (phy2log [L, P], breakeven [L, E]) of a router, when asked

@@ -29,7 +29,8 @@ class RankState:
 
     runner:    router role: ``run(RouterWork, step)`` (enqueues the step), ``deliver(step) ->
                (tokens_step, tokens, logits)``, ``release(seq_ids)``, ``snapshot_load()`` and
-               ``take_load_snapshot() -> (logical [L, E], worker [L, W], steps) | None``.
+               ``take_load_snapshot() -> (logical [L, E], worker [L, W], steps, histogram
+               [L, E, K], busy [L, P]) | None``.
     maps:      router role: the placement in force, ``set_layer(moe_layer, phy2log_row, breakeven_row)``.
     store:     worker role: the expert slots (``begin_staging``, ``commit``, ``end_staging``,
                ``digest``, and the compute the exchange calls).
@@ -103,7 +104,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
         load = st.runner.take_load_snapshot()
         if load is not None:
             with profiling.span("load_read"):
-                res.logical_load, res.worker_load, res.load_steps = load
+                res.logical_load, res.worker_load, res.load_steps, res.histogram, res.slot_busy = load
     return res
 
 

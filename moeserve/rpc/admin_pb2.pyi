@@ -109,7 +109,7 @@ class GetExpertLoadRequest(_message.Message):
     def __init__(self, window_steps: _Optional[int] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
-    __slots__ = ("load", "worker_load", "steps", "total_steps", "measured", "predicted", "placement_version", "steps_since_placement_change", "window_size")
+    __slots__ = ("load", "worker_load", "steps", "total_steps", "measured", "predicted", "placement_version", "steps_since_placement_change", "window_size", "histogram", "histogram_bins", "slot_busy_steps")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     WORKER_LOAD_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,9 @@ class ExpertLoad(_message.Message):
     PLACEMENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_SINCE_PLACEMENT_CHANGE_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAM_BINS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BUSY_STEPS_FIELD_NUMBER: _ClassVar[int]
     load: _common_pb2.Int64Matrix
     worker_load: _common_pb2.Int64Matrix
     steps: int
@@ -128,7 +131,10 @@ class ExpertLoad(_message.Message):
     placement_version: int
     steps_since_placement_change: int
     window_size: int
-    def __init__(self, load: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., worker_load: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., measured: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., predicted: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., placement_version: _Optional[int] = ..., steps_since_placement_change: _Optional[int] = ..., window_size: _Optional[int] = ...) -> None: ...
+    histogram: _common_pb2.Int64Matrix
+    histogram_bins: int
+    slot_busy_steps: _common_pb2.Int64Matrix
+    def __init__(self, load: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., worker_load: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., measured: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., predicted: _Optional[_Union[_common_pb2.Balancedness, _Mapping]] = ..., placement_version: _Optional[int] = ..., steps_since_placement_change: _Optional[int] = ..., window_size: _Optional[int] = ..., histogram: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ..., histogram_bins: _Optional[int] = ..., slot_busy_steps: _Optional[_Union[_common_pb2.Int64Matrix, _Mapping]] = ...) -> None: ...
 
 class DumpLoadRequest(_message.Message):
     __slots__ = ()

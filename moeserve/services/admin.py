@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from moeserve import state
 from moeserve.placement import Placement
@@ -211,7 +212,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             total_steps=r.total_steps, measured=worker_balancedness_msg(r.worker_load),
             predicted=placement_balancedness(r.load, self.engine.placement().phy2log, self.cfg.workers),
             placement_version=r.placement_version, steps_since_placement_change=r.steps_since_placement_change,
-            window_size=size)
+            window_size=size,
+            histogram=int64_matrix(r.histogram.reshape(r.histogram.shape[0], -1) if r.histogram is not None
+                                   else np.zeros((0, 0), dtype=np.int64)),
+            histogram_bins=r.histogram.shape[2] if r.histogram is not None else 0,
+            slot_busy_steps=int64_matrix(r.slot_busy_steps if r.slot_busy_steps is not None
+                                         else np.zeros((0, 0), dtype=np.int64)))
 
     async def DumpLoad(self, request, context):
         r = self.engine.expert_load()

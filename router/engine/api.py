@@ -161,6 +161,12 @@ class LoadReport:
     balancedness_measured:  [L] mean/max of worker_load per layer (1.0 for a layer without tokens).
     balancedness_predicted: [L] the same for ``load`` split evenly over the replicas of the
                placement in force (what the policy's cost model predicts).
+    histogram: int64 [L, E, K] or None: per step, router and expert, the replica rule's estimate
+               of the step's count (the router's pairs x routers) in power-of-two bins (bin 0: no
+               pair, bin j: 2**(j-1) .. 2**j - 1), summed over routers and the window's steps.
+    slot_busy_steps: int64 [L, P] or None: per slot, the (router, step) pairs of the window in
+               which a router sent the slot at least one pair (with one router: the steps the
+               slot's weights were read).
     """
 
     load: np.ndarray
@@ -171,6 +177,8 @@ class LoadReport:
     balancedness_predicted: np.ndarray
     placement_version: int
     steps_since_placement_change: int = 0
+    histogram: np.ndarray | None = None
+    slot_busy_steps: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,13 @@ class Engine(EngineAPI):
         self._load_lock = threading.Lock()
         # the load as routers read it: chunks (logical [L, E], worker [L, W], forward steps), the
         # oldest dropped while the rest still covers window_size steps
-        self._window: deque[tuple[np.ndarray, np.ndarray, int]] = deque()
+        self._window: deque[tuple[int, tuple]] = deque()
         self._window_steps = 0
         # Running sums over the window: admin calls read them in O(1) instead of summing up to
         # window_size arrays while holding the lock (and the GIL) the step driver needs.
-        self._window_logical: np.ndarray | int = 0
-        self._window_worker: np.ndarray | int = 0
+        # (logical [L, E], worker [L, W], histogram [L, E, K], slot busy [L, P]) summed over the
+        # window; a read without per-step statistics adds 0 to the last two
+        self._window_sum: list = [0, 0, 0, 0]
         self._total_logical = np.zeros((shape.num_moe_layers, shape.num_logical_experts), dtype=np.int64)
         self._total_worker = np.zeros((shape.num_moe_layers, placement.num_workers), dtype=np.int64)
         self.step = 0
@@ -146,23 +147,23 @@ class Engine(EngineAPI):
         placement = self.placement()
         with self._load_lock:
             if not window_steps or window_steps >= self._window_steps:
-                n = self._window_steps
-                load = self._window_logical.copy() if n else None
-                wload = self._window_worker.copy() if n else None
+                n, sums = self._window_steps, list(self._window_sum)
             else:
-                n, load, wload = 0, 0, 0
-                for lg, wl, k in reversed(self._window):
-                    load, wload, n = load + lg, wload + wl, n + k
+                n, sums = 0, [0, 0, 0, 0]
+                for k, parts in reversed(self._window):
+                    n, sums = n + k, [a + b for a, b in zip(sums, parts)]
                     if n >= window_steps:
                         break
-            if not n:
+            load, wload, hist, busy = (x.copy() if isinstance(x, np.ndarray) else None for x in sums)
+            if not n or load is None:
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
             since = self.forward_steps - self._placement_step
         return LoadReport(load=load, worker_load=wload, steps=n, total_steps=self.forward_steps,
                           balancedness_measured=worker_balancedness(wload)["per_layer"],
                           balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
-                          placement_version=int(placement.version), steps_since_placement_change=since)
+                          placement_version=int(placement.version), steps_since_placement_change=since,
+                          histogram=hist, slot_busy_steps=busy)
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since start."""
@@ -326,8 +327,10 @@ class Engine(EngineAPI):
                 self._saver.save(placement)
         loads = [r for r in results if r.logical_load is not None]
         if loads and max(r.load_steps for r in loads):
+            stats = [sum(getattr(r, f) for r in loads) if all(getattr(r, f) is not None for r in loads) else 0
+                     for f in ("histogram", "slot_busy")]
             self._add_load(sum(r.logical_load for r in loads), sum(r.worker_load for r in loads),
-                           max(r.load_steps for r in loads))
+                           max(r.load_steps for r in loads), *stats)
         if header.read_load:
             with self._load_cond:
                 self._load_served = max(self._load_served, self._load_issued)
@@ -353,18 +356,18 @@ class Engine(EngineAPI):
             if work is not None:
                 self.scheduler.on_results(work, *delivered[step])
 
-    def _add_load(self, logical: np.ndarray, wload: np.ndarray, steps: int) -> None:
+    def _add_load(self, logical: np.ndarray, wload: np.ndarray, steps: int, histogram=0, slot_busy=0) -> None:
         """A read of the routers' load: ``steps`` forward steps' pairs per logical expert
-        [L, E] and per worker [L, W]."""
+        [L, E] and per worker [L, W], and their per-step statistics summed over routers
+        (histogram [L, E, K], slot busy [L, P]; 0 when the routers sent none)."""
+        parts = (logical, wload, histogram, slot_busy)
         with self._load_lock:
-            self._window.append((logical, wload, steps))
-            self._window_logical = self._window_logical + logical
-            self._window_worker = self._window_worker + wload
+            self._window.append((steps, parts))
+            self._window_sum = [a + b for a, b in zip(self._window_sum, parts)]
             self._window_steps += steps
-            while len(self._window) > 1 and self._window_steps - self._window[0][2] >= self.cfg.eplb.window_size:
-                old_logical, old_worker, k = self._window.popleft()
-                self._window_logical = self._window_logical - old_logical
-                self._window_worker = self._window_worker - old_worker
+            while len(self._window) > 1 and self._window_steps - self._window[0][0] >= self.cfg.eplb.window_size:
+                k, old = self._window.popleft()
+                self._window_sum = [a - b for a, b in zip(self._window_sum, old)]
                 self._window_steps -= k
             self._total_logical += logical
             self._total_worker += wload
