@@ -294,8 +294,8 @@ def test_serve_with_vllm_ssl_flags_serves_https(tiny, hf_home, tmp_path):
     import json
     import ssl
 
-    from test_http_api import _self_signed
-    cert, key = _self_signed(tmp_path)
+    from tls_util import self_signed
+    cert, key = self_signed(tmp_path)
     s = Serve([str(tiny), "--ssl-certfile", cert, "--ssl-keyfile", key], offline_env(hf_home))
     try:
         assert f"https://127.0.0.1:{s.http}/v1" in s.output()

@@ -2,7 +2,6 @@
 reflection, the service check, bearer tokens, message limits, deadlines, TLS and graceful stop.
 A small stand-in balancer servicer keeps these tests free of a cluster."""
 import asyncio
-import datetime
 import threading
 import time
 
@@ -11,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from control_util import free_ports
+from tls_util import self_signed
 from moeserve.client import AsyncClient, Client, MoeserveError, _base
 from moeserve.rpc import balancer_pb2, balancer_pb2_grpc
 from moeserve.services.server import BALANCER, ServerOptions, ServiceServer, ThreadedServer
@@ -161,33 +161,9 @@ def test_stop_goes_not_serving_first_and_lets_in_flight_calls_finish():
     ch.close()
 
 
-def _self_signed(tmp_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    import ipaddress
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_path), str(key_path)
-
-
 @pytest.mark.timeout(60)
 def test_tls_serves_clients_that_trust_the_ca_and_no_plaintext_ones(tmp_path):
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     srv = start(tls_cert=cert, tls_key=key)
     try:
         assert Client(addr(srv), token=TOKEN, ca_file=cert).balancer_status().state == "idle"
