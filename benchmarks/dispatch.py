@@ -269,7 +269,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     after a live migration scheduled by the leader's own Migrator under the per-step byte
     budget, with the commits, staging and moves the cluster's ranks perform."""
     from moeserve.balancer.policy import make_policy
-    from moeserve.cluster.rank import run_step
+    from moeserve.dataplane.step import run_step
     from moeserve.dataplane.protocol import StepHeader
     from moeserve.placement import Placement
     from moeserve.router.engine.migration import Migrator
@@ -307,6 +307,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     st = State()
     st.rank, st.topo, st.store, st.maps, st.runner, st.exchange = rank, topo, store, maps, None, ex
     st.num_layers, st.hidden_size, st.dtype = layers, model["hidden"], dtype
+    st.run_moves = lambda moves: run_moves(moves, store, topo)
     times, phase, mid = [], [], None
     step = 0
     while True:
@@ -536,15 +537,22 @@ def main():
     args.live_tokens = args.live_tokens or (4096 if gpu else 64)
     if gpu and torch.cuda.device_count() < args.ranks:
         sys.exit(f"--ranks {args.ranks} needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
+    spawn(worker_main, args)
+
+
+def spawn(main_fn, args) -> None:
+    """Run ``main_fn(rank, world, args, port)`` in ``args.ranks`` spawned processes that meet
+    at a free local port (the layer benchmarks' ranks)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_entry, args=(args.ranks, args, port), nprocs=args.ranks, start_method="spawn")
+    torch.multiprocessing.start_processes(_entry, args=(main_fn, args.ranks, args, port), nprocs=args.ranks,
+                                          start_method="spawn")
 
 
-def _entry(rank, world, args, port):
-    worker_main(rank, world, args, port)
+def _entry(rank, main_fn, world, args, port):
+    main_fn(rank, world, args, port)
 
 
 if __name__ == "__main__":

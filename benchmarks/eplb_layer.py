@@ -571,15 +571,7 @@ def main(argv=None):
     if gpu and torch.cuda.device_count() < args.ranks:
         sys.exit(f"--ranks {args.ranks} needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
     C.load_table(args.step_model)                                  # a bad table fails here, not in the ranks
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_entry, args=(args.ranks, args, port), nprocs=args.ranks, start_method="spawn")
-
-
-def _entry(rank, world, args, port):
-    worker_main(rank, world, args, port)
+    D.spawn(worker_main, args)
 
 
 if __name__ == "__main__":
