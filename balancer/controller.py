@@ -120,23 +120,26 @@ class StepGain:
 
 
 def step_gain(cfg: LoopConfig, load, current, proposed, num_workers: int, steps: int,
-              histogram=None) -> StepGain | None:
+              histogram=None, breakeven=None) -> StepGain | None:
     """What ``proposed [L, P]`` saves over ``current [L, P]`` in predicted step time under the
     window's ``load [L, E]`` over ``steps`` forward steps (``histogram [L, E, K]``, optional:
-    per-step counts); None without a step model or without steps."""
+    per-step counts); None without a step model or without steps. ``breakeven [L, E]``: the
+    counts already planned for ``proposed`` (the caller installs them), so they are not planned
+    twice."""
     if cfg.step_model is None or steps < 1:
         return None
     load = np.asarray(load, dtype=np.float64)
     return StepGain(planned_step_s(cfg.step_model, load, current, num_workers, steps, histogram),
-                    planned_step_s(cfg.step_model, load, proposed, num_workers, steps, histogram))
+                    planned_step_s(cfg.step_model, load, proposed, num_workers, steps, histogram, breakeven))
 
 
-def planned_step_s(model, load, phy2log, num_workers: int, steps: int, histogram=None) -> float:
+def planned_step_s(model, load, phy2log, num_workers: int, steps: int, histogram=None, breakeven=None) -> float:
     """Predicted seconds of a step's MoE layers for placement ``phy2log [L, P]`` with the
-    break-even counts the balancer would install with it (``policy.rule.plan_breakeven``), under
-    the data plane's replica rule (``policy.rule.rule_times``): how the policy prices a plan."""
+    break-even counts the balancer would install with it (``policy.rule.plan_breakeven``, unless
+    given as ``breakeven [L, E]``), under the data plane's replica rule (``policy.rule.rule_times``):
+    how the policy prices a plan."""
     from moeserve.balancer.policy.rule import plan_breakeven, rule_times
-    b = plan_breakeven(model, load, phy2log, num_workers, steps, histogram)
+    b = plan_breakeven(model, load, phy2log, num_workers, steps, histogram) if breakeven is None else breakeven
     return float(rule_times(model, load, phy2log, num_workers, b, steps, histogram).sum())
 
 

@@ -251,7 +251,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             # in a worker thread like the policy: at DeepSeek-V3 scale these take about a second
             b = await asyncio.to_thread(plan_breakeven, model, load, plan, workers, int(rep.steps) or None, hist)
             resp.breakeven.CopyFrom(int64_matrix(b))
-            timed = await asyncio.to_thread(step_gain, self.config, load, cur, plan, workers, int(rep.steps), hist)
+            timed = await asyncio.to_thread(step_gain, self.config, load, cur, plan, workers, int(rep.steps), hist, b)
             if timed is not None:
                 resp.predicted_step_s_before, resp.predicted_step_s_after = timed.before_s, timed.after_s
         if dry_run:

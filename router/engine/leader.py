@@ -179,12 +179,16 @@ class Engine(EngineAPI):
 
     def _fresh_load(self, timeout_s: float = 2.0) -> None:
         """Have the routers send the load they hold (at the next step boundary) and wait for it;
-        returns at once on the step driver's thread, when nothing is unread, and when the step
-        loop is not running (stopped, failed, or stalled for a second)."""
+        returns at once on the step driver's thread, when nothing is unread (every forward step
+        issued is counted in ``_unread_steps`` until a read header is issued, and a read is in
+        flight until its results are in), and when the step loop is not running (stopped,
+        failed, or stalled for a second)."""
         if (threading.get_ident() == self._driver or self._driver is None or self._stop.is_set() or self.error
                 or time.monotonic() - self._last_step_t > 1.0):
             return
         with self._load_lock:
+            if not self._unread_steps and self._load_issued == self._load_served:
+                return            # every forward step issued so far has been read (a scrape's second call)
             self._load_asked += 1
             ticket = self._load_asked
         self._wake.set()
