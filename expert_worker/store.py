@@ -11,6 +11,8 @@ expert until the whole layer switches.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -29,7 +31,7 @@ class ExpertStore:
     """
 
     def __init__(self, spec: ExpertSpec, worker: int, buffers: list[torch.Tensor], logical: np.ndarray,
-                 max_staging_bytes: int = 0):
+                 max_staging_bytes: int = 0, num_workers: int = 1):
         self.spec = spec
         self.max_staging_bytes = max_staging_bytes               # 0: no limit but the device's memory
         self.worker = worker
@@ -38,6 +40,8 @@ class ExpertStore:
         self.slots_per_worker = self.logical.shape[1]
         self.staging: torch.Tensor | None = None                    # [M, n]
         self._views = [spec.views(b) for b in buffers]
+        self.num_workers = num_workers
+        self.block_m = 0                # set per step by set_step_pairs (0: torch._grouped_mm)
 
     @classmethod
     def from_checkpoint(cls, reader, spec: ExpertSpec, worker: int, phy2log: np.ndarray, num_workers: int,
@@ -60,7 +64,7 @@ class ExpertStore:
                 j = uniq.index(e)
                 buf[i] = spec.flat({k: v[j] for k, v in stacked.items()}).to(device)
             buffers.append(buf)
-        return cls(spec, worker, buffers, logical, max_staging_bytes)
+        return cls(spec, worker, buffers, logical, max_staging_bytes, num_workers)
 
     def resync(self, reader, phy2log: np.ndarray) -> int:
         """Make every slot hold what ``phy2log [L, P]`` says, reading from the checkpoint the
@@ -124,17 +128,44 @@ class ExpertStore:
         offs:  int32 [S] cumulative rows per slot, on the device; total: offs[-1:] (device [1]).
         returns [C, H]; rows past ``total`` are undefined.
 
-        On CUDA with bf16 and no biases nothing is read back to the host: the grouped matmuls
-        take the device-side offsets and the activation kernel stops at ``total``. Otherwise the
-        per-slot counts are read back (one synchronisation) and the slot loop runs.
+        On CUDA with bf16 and no biases nothing is read back to the host: with few rows per slot
+        (``set_step_pairs``) the two Triton kernels of ``moeserve.kernels.expert_mlp`` (silu
+        fused into the first), else ``torch._grouped_mm`` twice with the activation kernel
+        between; both take the device-side offsets. Otherwise the per-slot counts are read back
+        (one synchronisation) and the slot loop runs.
         """
         with span("expert_matmul"):
             return self._compute_slot_major(layer, rows, offs, total)
+
+    def set_step_pairs(self, pairs: int) -> None:
+        """The step's (token, k) pairs over every router (known to every rank from the step
+        header): with few rows per slot (decode) the slot-major compute takes the Triton kernels
+        that stream each used expert's weights once (``moeserve.kernels.expert_mlp``), with many
+        (prefill) ``torch._grouped_mm``. A speed choice only: both paths compute the same rows."""
+        mode = expert_kernel_mode()
+        from moeserve import kernels
+        if mode == "grouped_mm" or not self.buffers or not grouped_mm_applies(self.spec, self.buffers[0].device,
+                                                                              self.spec.dtype) \
+                or not kernels.available():
+            self.block_m = 0
+            return
+        per_slot = -(-max(0, pairs) // max(1, self.slots_per_worker * self.num_workers))
+        self.block_m = kernels.expert_block_m(2 * per_slot) if mode == "triton" or \
+            per_slot <= kernels.EXPERT_MAX_BM else 0
+
+    @property
+    def kernel_key(self) -> int:
+        """What ``compute_slot_major`` bakes into a captured graph: 0 (``torch._grouped_mm``) or
+        the Triton kernels' rows per pass."""
+        return self.block_m
 
     def _compute_slot_major(self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
                             ) -> torch.Tensor:
         spec = self.spec
         weights = self.weights(layer)
+        if self.block_m and rows.is_cuda:
+            from moeserve import kernels
+            return kernels.expert_mlp(rows, weights["gate_up"], weights["down"], offs, self.block_m)
         if grouped_mm_applies(spec, rows.device, rows.dtype):
             from moeserve import kernels
             gu = torch._grouped_mm(rows, weights["gate_up"], offs=offs)              # [C, 2I]
@@ -193,6 +224,19 @@ class ExpertStore:
             out[layer, :, 0] = b.sum(1).cpu().numpy()
             out[layer, :, 1] = (b * b).sum(1).cpu().numpy()
         return out
+
+
+EXPERT_KERNEL_MODES = ("auto", "triton", "grouped_mm")
+
+
+def expert_kernel_mode() -> str:
+    """``MOESERVE_EXPERT_KERNEL``: auto (default: the Triton kernels when a step has at most
+    ``kernels.EXPERT_MAX_BM`` rows per slot on average, ``torch._grouped_mm`` above), triton
+    (always, where they apply), grouped_mm (never)."""
+    mode = os.environ.get("MOESERVE_EXPERT_KERNEL", "auto") or "auto"
+    if mode not in EXPERT_KERNEL_MODES:
+        raise ValueError(f"MOESERVE_EXPERT_KERNEL={mode!r}: choose one of {', '.join(EXPERT_KERNEL_MODES)}")
+    return mode
 
 
 def grouped_mm_applies(spec: ExpertSpec, device: torch.device, dtype: torch.dtype) -> bool:

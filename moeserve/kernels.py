@@ -61,6 +61,11 @@ def _kernels():
                 ret=k.return_rows_kernel, silu_mul=k.silu_mul_kernel, weighted_sum=k.weighted_sum_kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _expert_kernels():
+    return fresh_module("moeserve._triton_experts")
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -229,3 +234,102 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         _kernels()["weighted_sum"][(t,)](x, w.to(x.dtype).contiguous(), out, H=h, K=k, BLOCK_H=_block(h),
                                          num_warps=4)
     return out
+
+
+# (BN, BK, warps, stages) of the grouped expert kernels, per projection and rows per pass:
+# weights are streamed once per step, [BK, BN] tiles at a time, so these set how close a decode
+# step gets to HBM rate. Picked from 24 candidates timed by ``benchmarks/expert_kernel.py --tune``
+# on an H200 (results/expert-kernel.json): gate_up 4.05 TB/s at Scout's decode shape (3.16 at
+# ERNIE's), down 3.85 (3.14); 64-row passes of down with BK 128 do not fit shared memory.
+EXPERT_TUNING = {"gate_up": (128, 64, 8, 3), "down": (128, 128, 4, 4), "down_bm64": (128, 64, 4, 4)}
+EXPERT_MAX_BM = 64
+# Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
+# routing) is worked on by G programs at once, which share its weight panel through L2; with
+# at most BM rows in every slot (balanced decode) the G - 1 others exit at once.
+EXPERT_PASS_GROUPS = 4
+
+
+def expert_tuning(kind: str, block_m: int) -> tuple:
+    """(BN, BK, warps, stages) of ``kind`` (gate_up, down) for passes of ``block_m`` rows."""
+    if kind == "down" and block_m >= 64:
+        return EXPERT_TUNING["down_bm64"]
+    return EXPERT_TUNING[kind]
+
+
+def expert_block_m(rows_per_slot: int) -> int:
+    """Rows per pass of the grouped expert kernels for an expected ``rows_per_slot``: the next
+    power of two, 16 (the smallest MMA height) to ``EXPERT_MAX_BM``. A slot with more rows takes
+    more passes (each reads the slot's weights again), so this is a speed choice, never a
+    correctness one."""
+    return min(EXPERT_MAX_BM, max(16, _pow2(max(1, rows_per_slot))))
+
+
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
+               block_m: int = 16) -> torch.Tensor:
+    """The grouped SwiGLU expert MLP of rows already grouped by slot, in two launches with
+    device-side counts (nothing read back, graph-capturable).
+
+    rows:    [C, H] slot-major; rows offs[-1] .. C-1 are not read.
+    gate_up: [S, H, 2I] (gate columns, then up), down: [S, I, H]; last dims contiguous
+             (``ExpertSpec.views`` of the slot buffer).
+    offs:    int32 [S] inclusive cumulative rows per slot, on the device.
+    block_m: rows per pass (``expert_block_m``).
+    returns  [C, H] in rows' dtype; rows past offs[-1] are undefined.
+
+    Program (slot, column tile) streams its slot's [K, BN] weight panel once per ``block_m``
+    rows, so a slot with no rows costs nothing and a decode step reads each used expert once.
+    Rounding as ``torch._grouped_mm`` + ``silu_mul``: fp32 accumulation, gate_up rounded to the
+    dtype, silu in fp32 rounded, times up rounded, down accumulated in fp32 and rounded once
+    (fp32 operands use IEEE fp32 products, not TF32).
+    """
+    c, hdim = rows.shape
+    s, k_gu, two_i = gate_up.shape
+    i = two_i // 2
+    if k_gu != hdim or tuple(down.shape) != (s, i, hdim) or offs.numel() != s:
+        raise ValueError(f"expert_mlp: rows [C, {hdim}], gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, "
+                         f"offs [{offs.numel()}] do not agree (want gate_up [S, H, 2I], down [S, I, H], offs [S])")
+    if rows.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
+        raise ValueError("expert_mlp: the last dim of rows and of the weights must be contiguous")
+    if c == 0 or s == 0:
+        return rows.new_empty(c, hdim)
+    return expert_down(expert_gate_up(rows, gate_up, offs, block_m), down, offs, block_m)
+
+
+def expert_gate_up(rows: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, block_m: int = 16,
+                   tuning: tuple | None = None) -> torch.Tensor:
+    """First half of ``expert_mlp``: rows [C, H] -> silu(gate) * up [C, I]. ``tuning`` (BN, BK,
+    warps, stages) overrides ``expert_tuning`` (benchmarks/expert_kernel.py --tune)."""
+    c, hdim = rows.shape
+    s, _, two_i = gate_up.shape
+    i = two_i // 2
+    h = rows.new_empty(c, i)
+    interp = _interpreted()
+    bn, bk, warps, stages = tuning or expert_tuning("gate_up", block_m)
+    bk = min(bk, max(16, _pow2(hdim)))
+    extra = {} if interp else dict(num_warps=warps, num_stages=stages)
+    _expert_kernels().expert_gate_up_kernel[(EXPERT_PASS_GROUPS, s, -(-i // bn))](
+        rows, gate_up, h, offs, hdim, i, rows.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        BM=block_m, BN=bn, BK=bk, EVEN_K=hdim % bk == 0, PRECISION=_precision(rows.dtype), PRECISE=not interp,
+        INTERPRET=interp, G=EXPERT_PASS_GROUPS, **extra)
+    return h
+
+
+def expert_down(h: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, block_m: int = 16,
+                tuning: tuple | None = None) -> torch.Tensor:
+    """Second half of ``expert_mlp``: h [C, I] -> [C, H]."""
+    c, i = h.shape
+    s, _, hdim = down.shape
+    y = h.new_empty(c, hdim)
+    interp = _interpreted()
+    bn, bk, warps, stages = tuning or expert_tuning("down", block_m)
+    bk = min(bk, max(16, _pow2(i)))
+    extra = {} if interp else dict(num_warps=warps, num_stages=stages)
+    _expert_kernels().expert_down_kernel[(EXPERT_PASS_GROUPS, s, -(-hdim // bn))](
+        h, down, y, offs, i, hdim, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        BM=block_m, BN=bn, BK=bk, EVEN_K=i % bk == 0, PRECISION=_precision(h.dtype), INTERPRET=interp,
+        G=EXPERT_PASS_GROUPS, **extra)
+    return y
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"          # tf32 is ignored for 16-bit operands

@@ -125,7 +125,7 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
     if generation:                                        # a replacement: the placement in force
         placement = _placement_from_leader(control, placement)
     exchange = make_exchange(cfg, topo, rank, device, control, mcfg.hidden_size, dtype, info.top_k)
-    st = RankState(rank, topo, exchange, control, info.num_moe_layers, mcfg.hidden_size, dtype)
+    st = RankState(rank, topo, exchange, control, info.num_moe_layers, mcfg.hidden_size, dtype, top_k=info.top_k)
 
     if role.worker_index >= 0:
         from moeserve.expert_worker.migration import run_moves

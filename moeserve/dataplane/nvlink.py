@@ -312,7 +312,7 @@ class NvlinkExchange:
                 y = store.compute_slot_major(moe_layer, self.rows, self.offs, total)      # [C, H]
                 kernels.return_rows(y, self.meta, total, self.out_table, self.pair_capacity)
             self._barrier()
-        self._run(("serve", moe_layer, id(store)), body,
+        self._run(("serve", moe_layer, id(store), getattr(store, "kernel_key", 0)), body,
                   capturable=self.worker is None or getattr(store, "capturable", False), keep=(store,))
 
     def combine_rows(self, handle: NvlinkHandle, store) -> torch.Tensor:

@@ -11,6 +11,8 @@ imports neither the router, the worker, the engine nor any gRPC code.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +23,10 @@ from moeserve import profiling
 
 from moeserve.dataplane.exchange import Exchange, Topology, idle_walk
 from moeserve.dataplane.protocol import RankResult, StepHeader
+
+log = logging.getLogger(__name__)
+
+SLOW_STEP_S = 0.5       # a rank's part of one step that takes longer is logged (with what it did)
 
 
 @dataclass
@@ -54,6 +60,14 @@ class RankState:
     run_moves: Callable | None = None
     leader: object = None
     recover: Callable[[BaseException], bool] | None = None
+    top_k: int = 1
+    last_enqueue_s: float = 0.0      # the last step's runner.run (host enqueue) and deliver (wait for tokens)
+    last_deliver_s: float = 0.0
+
+
+def step_pairs(header: StepHeader, top_k: int) -> int:
+    """The (token, k) pairs of a forward step over every router (the new tokens of its work)."""
+    return top_k * sum(len(w.decodes) + sum(sw.num_new for sw in w.seqs) for w in header.work)
 
 
 def run_step(st: RankState, header: StepHeader) -> RankResult:
@@ -87,6 +101,10 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
     if header.report and st.maps is not None:
         res.router_maps = (st.maps.phy2log.copy(), st.maps.breakeven.cpu().numpy().copy())
     router = st.topo.router_index(st.rank)
+    if st.store is not None and hasattr(st.store, "set_step_pairs"):
+        # the expert kernels by rows per slot (every rank sees every router's work)
+        st.store.set_step_pairs(header.warmup[0] * st.top_k * st.topo.num_routers if header.warmup is not None
+                                else step_pairs(header, st.top_k) if header.forward else 0)
     if header.warmup is not None:                  # a decode graph warm-up at start: every rank's exchange
         if st.runner is not None:
             st.runner.warmup(*header.warmup, header.step)
@@ -94,13 +112,17 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
             idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
     elif header.forward:
         if st.runner is not None:
+            t0 = time.perf_counter()
             st.runner.run(header.work[router], header.step)
+            st.last_enqueue_s = time.perf_counter() - t0
         else:
             idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
     elif header.work and st.runner is not None:
         st.runner.release(header.work[router].release)
     if st.runner is not None:
+        t0 = time.perf_counter()
         res.tokens_step, res.tokens, res.logits = st.runner.deliver(header.step)
+        st.last_deliver_s = time.perf_counter() - t0
         load = st.runner.take_load_snapshot()
         if load is not None:
             with profiling.span("load_read"):
@@ -130,8 +152,12 @@ def step_loop(st: RankState) -> None:
 
 def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> StepHeader:
     leader = st.leader
+    t0 = time.perf_counter()
     with profiling.span("schedule"):
         box = [leader.next_header() if leader is not None else None]
+    took = time.perf_counter() - t0
+    if leader is not None and took > SLOW_STEP_S and box[0] is not None and (box[0].forward or box[0].migration):
+        log.warning("slow schedule of step %d: %.2f s in the leader's next_header", box[0].step, took)
     with profiling.span("header_broadcast"):
         dist.broadcast_object_list(box, src=0, group=st.control_group)
     header: StepHeader = box[0]
@@ -139,7 +165,19 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
         return header
     if prof is not None:
         prof.step(header.forward)
+    t0 = time.perf_counter()
+    graphs = getattr(st.runner, "graphs", None)
+    before = (graphs.captures, len(graphs.seen)) if graphs is not None else (0, 0)
     res = run_step(st, header)
+    took = time.perf_counter() - t0
+    if took > SLOW_STEP_S:
+        after = (graphs.captures, len(graphs.seen)) if graphs is not None else (0, 0)
+        log.warning("slow step %d on rank %d: %.2f s (enqueue %.2f s, waiting for tokens %.2f s; forward %s, %d "
+                    "pairs, %d decode graph captures, %d first eager runs of a graph key, migration %s, load "
+                    "read %s)", header.step, st.rank, took, st.last_enqueue_s, st.last_deliver_s,
+                    header.forward, step_pairs(header, st.top_k) if header.forward else 0, after[0] - before[0],
+                    after[1] - before[1], header.migration is not None, header.read_load)
+    st.last_enqueue_s = st.last_deliver_s = 0.0
     out = [None] * st.topo.world_size if leader is not None else None
     with profiling.span("result_gather"):
         dist.gather_object(res, out, dst=0, group=st.control_group)

@@ -1,0 +1,113 @@
+"""The grouped expert kernels of decode steps (moeserve.kernels.expert_mlp, Triton's interpreter
+on CPU) against the slot loop they replace, and how a worker picks them per step."""
+import numpy as np
+import pytest
+import torch
+
+from triton_util import needs_triton
+
+from moeserve import kernels
+from moeserve.models.moe import ExpertSpec, grouped_expert_forward
+
+pytestmark = [pytest.mark.timeout(300), needs_triton]
+
+
+def setup(h, i, counts, dtype, seed=0, tail=3):
+    """rows [sum(counts) + tail, H] (the tail NaN: past the device total, never read), the slot
+    buffer's gate_up [S, H, 2I] / down [S, I, H] views, offs int32 [S]."""
+    g = torch.Generator().manual_seed(seed)
+    spec = ExpertSpec(hidden_size=h, intermediate_size=i, dtype=dtype)
+    s = len(counts)
+    buf = (torch.randn(s, spec.numel, generator=g) / h ** 0.5).to(dtype)
+    w = spec.views(buf)
+    m = sum(counts)
+    rows = torch.cat([torch.randn(m, h, generator=g).to(dtype), torch.full((tail, h), float("nan"), dtype=dtype)])
+    offs = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+    return spec, rows, w, offs, m
+
+
+def reference(spec, rows, w, counts):
+    return grouped_expert_forward(spec, rows[:sum(counts)], None, w, counts=list(counts))
+
+
+@pytest.mark.parametrize("h,i", [(64, 32), (48, 40)])          # even K, and K with a masked tail (BK 64)
+@pytest.mark.parametrize("counts,block_m", [([3, 0, 20, 1, 7], 16), ([0, 0, 5], 16), ([40, 2, 0, 17], 32),
+                                            ([33], 16), ([100, 3], 16)])
+def test_fp32_matches_the_slot_loop(h, i, counts, block_m):
+    """Every slot's rows through its own expert, in several passes when a slot has more rows
+    than block_m (20 and 33 rows at 16, 40 at 32; 100 rows at 16 are 7 passes, more than the
+    EXPERT_PASS_GROUPS programs of a tile, so one program takes two), empty slots skipped, NaN
+    rows past the total never read: fp32 with IEEE products matches the torch slot loop to
+    rounding."""
+    spec, rows, w, offs, m = setup(h, i, counts, torch.float32)
+    y = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, block_m)
+    assert y.shape == rows.shape
+    ref = reference(spec, rows, w, counts)
+    assert torch.isfinite(y[:m]).all()
+    torch.testing.assert_close(y[:m], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_rounds_as_the_two_kernel_path():
+    """bf16: gate_up rounded to bf16, silu in fp32 rounded, times up rounded, down accumulated in
+    fp32 and rounded once. The interpreter truncates fp32 -> bf16 where the GPU rounds, so the
+    kernels are held to the reference computed with those roundings within two bf16 steps."""
+    counts = [5, 0, 12, 3]
+    spec, rows, w, offs, m = setup(64, 48, counts, torch.bfloat16, seed=3)
+    y = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16).float()
+    ref = reference(spec, rows, w, counts).float()
+    err = (y[:m] - ref).abs()
+    assert err.max() <= 2 * 2 ** -7 * ref.abs().max(), float(err.max())
+    # and it is not just close to anything: another slot's weights give a different answer
+    shifted = reference(spec, rows, {k: v.roll(1, 0) for k, v in w.items()}, counts).float()
+    assert (shifted - ref).abs().max() > 10 * err.max()
+
+
+def test_block_m_is_a_speed_choice_only():
+    counts = [9, 30, 1]
+    _, rows, w, offs, m = setup(64, 32, counts, torch.float32, seed=5)
+    ys = [kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm)[:m] for bm in (16, 32, 64)]
+    for y in ys[1:]:
+        torch.testing.assert_close(y, ys[0], rtol=1e-6, atol=1e-6)
+    assert [kernels.expert_block_m(n) for n in (0, 1, 16, 17, 40, 1000)] == [16, 16, 16, 32, 64, 64]
+
+
+def test_shape_errors_are_explained():
+    _, rows, w, offs, _ = setup(64, 32, [2, 3], torch.float32)
+    with pytest.raises(ValueError, match="do not agree"):
+        kernels.expert_mlp(rows[:, :32], w["gate_up"], w["down"], offs)
+    with pytest.raises(ValueError, match="do not agree"):
+        kernels.expert_mlp(rows, w["gate_up"], w["down"], offs[:1])
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.expert_mlp(rows.t().contiguous().t(), w["gate_up"], w["down"], offs)
+
+
+def test_a_worker_picks_the_kernels_by_rows_per_slot(monkeypatch):
+    """ExpertStore.set_step_pairs: auto takes the Triton kernels while a step has at most
+    EXPERT_MAX_BM rows per slot on average (decode), torch._grouped_mm above (prefill); the
+    choice is part of what a captured graph bakes in (kernel_key); MOESERVE_EXPERT_KERNEL
+    overrides it and a bad value is explained."""
+    from expert_worker import store as store_mod
+    spec = ExpertSpec(hidden_size=64, intermediate_size=32, dtype=torch.bfloat16)
+    st = store_mod.ExpertStore(spec, 0, [torch.zeros(4, spec.numel, dtype=spec.dtype)], np.zeros((1, 4)),
+                               num_workers=2)                                  # 8 slots in all
+    monkeypatch.setattr(store_mod, "grouped_mm_applies", lambda *a: True)      # as on CUDA with bf16
+    monkeypatch.delenv("MOESERVE_EXPERT_KERNEL", raising=False)
+    st.set_step_pairs(8 * 10)                       # 10 rows per slot: passes of 32
+    assert st.kernel_key == 32
+    st.set_step_pairs(8 * 64)
+    assert st.kernel_key == 64
+    st.set_step_pairs(8 * 65)                       # prefill-sized: torch._grouped_mm
+    assert st.kernel_key == 0
+    monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "triton")
+    st.set_step_pairs(8 * 1000)
+    assert st.kernel_key == 64
+    monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "grouped_mm")
+    st.set_step_pairs(8)
+    assert st.kernel_key == 0
+    monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="auto, triton, grouped_mm"):
+        st.set_step_pairs(8)
+    monkeypatch.setattr(store_mod, "grouped_mm_applies", lambda *a: False)     # fp32, CPU: the slot loop
+    monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "triton")
+    st.set_step_pairs(8)
+    assert st.kernel_key == 0
