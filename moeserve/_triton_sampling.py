@@ -39,8 +39,10 @@ def _keys(x, idx, t, thr, seed, pos_lo, pos_hi, n, HAS_THR: tl.constexpr, RANDOM
 
 
 @triton.jit
-def race_kernel(x_ptr, stride_x, temp_ptr, thr_ptr, seed_ptr, pos_ptr, best_val_ptr, best_idx_ptr, V, chunk,
-                S: tl.constexpr, HAS_THR: tl.constexpr, N: tl.constexpr):
+def race_kernel(x_ptr, stride_x, temp_ptr, thr_ptr, seed_ptr, pos_ptr, best_val_ptr, best_idx_ptr, V, chunk, S,
+                HAS_THR: tl.constexpr, N: tl.constexpr):
+    # S (chunks per row) is a plain argument, not a constexpr: it follows the batch size, and a
+    # constexpr would compile the kernel again for every new one (~1 s each, mid-serving).
     # Program (b, s): the best key of row b over columns [s * chunk, (s + 1) * chunk) (chunk a
     # multiple of 4 N), and its lowest index among equal keys, into best_val / best_idx [B, S]. The
     # max is exact, so the split changes nothing: the caller takes the first chunk holding the max.

@@ -289,7 +289,7 @@ def _race_triton(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | 
     best_val = torch.empty(b, s, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(b, s, dtype=torch.long, device=logits.device)
     _kernel()[(b, s)](logits, logits.stride(0), st.temperature, thr if thr is not None else st.temperature,
-                      st.seed, st.position, best_val, best_idx, v, chunk, S=s, HAS_THR=thr is not None,
+                      st.seed, st.position, best_val, best_idx, v, chunk, s, HAS_THR=thr is not None,
                       N=tile // 4, num_warps=4, enable_fp_fusion=False)
     return best_idx.gather(1, best_val.argmax(-1, keepdim=True)).squeeze(1)
 
