@@ -139,6 +139,10 @@ def test_the_steady_window_is_where_every_stream_decodes():
     s = bench.steady_steps(recs, trim=2)
     assert s["steady_all_running"] and s["steady_window_s"] == [0.11, a[-1]]
     assert s["steady_step_s"] == pytest.approx(0.01) and s["steady_step_mean_s"] == pytest.approx(0.01)
+    # tokens handed out in twos (asynchronous steps): the gaps are 0 and 20 ms, the step is 10 ms
+    pair = [0.10 + 0.02 * (k // 2) for k in range(60)]
+    s = bench.steady_steps([{"tokens": pair, "prompt_len": 4}], trim=2)
+    assert s["steady_step_s"] == pytest.approx(0.01, rel=0.05)
 
 
 def test_roofline_counts_chunked_layers_up_to_their_chunk():
