@@ -998,7 +998,8 @@ class Up:
         return self.proc.poll() is None
 
     def warnings(self) -> list[str]:
-        """Lines of the cluster's logs that say a step ran eagerly or a graph failed."""
+        """Lines of the cluster's logs that say a step ran eagerly or a graph failed, a step or a
+        schedule was slow (> 0.5 s), or a request waited over 1 s for admission."""
         found = []
         for root, _, files in os.walk(self.log_dir):
             for f in files:
@@ -1006,7 +1007,7 @@ class Up:
                     with open(os.path.join(root, f), errors="replace") as fh:
                         found += [f"{f}: {ln.strip()}"[:300] for ln in fh
                                   if "CUDA graph" in ln or "run eagerly" in ln or "Traceback" in ln
-                                  or "slow step" in ln or "slow schedule" in ln]
+                                  or "slow step" in ln or "slow schedule" in ln or "for admission" in ln]
                 except OSError:
                     continue
         return found

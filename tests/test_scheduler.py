@@ -259,3 +259,23 @@ def test_a_cancel_with_a_token_in_flight_drops_that_token():
     assert s.schedule()[0].release == (a.seq_id,)
     s.on_results(first, {a.seq_id: 7}, {})          # the prompt's token arrives after the cancel
     assert a.output == [] and a.finished == "cancelled"
+
+
+def test_a_request_held_at_the_head_of_the_queue_says_why_once(caplog):
+    """A request that cannot be admitted for longer than LONG_WAIT_S is logged once with the
+    routers' room, token budget and free blocks (what held it), not on every step."""
+    import logging
+    from moeserve.router.engine import scheduler as sched_mod
+    s = sched(routers=1, max_num_seqs=1)
+    first = s.submit(req(3, 8))
+    second = s.submit(req(2, 8))
+    assert s.schedule() is not None                      # the first is admitted; max_num_seqs=1 holds the second
+    with caplog.at_level(logging.WARNING, logger=sched_mod.__name__):
+        s.schedule()                                     # held, but not for long yet: nothing said
+        second.queued_at -= 5.0                          # as if it had waited 5 s
+        s.schedule()
+        s.schedule()
+    lines = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"request {second.seq_id} has waited" in lines[0] and "running/max_num_seqs ['1/1']" in lines[0]
+    assert first.seq_id != second.seq_id

@@ -29,8 +29,10 @@ a step.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,6 +43,10 @@ from moeserve.config import Limits
 from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.router.engine.api import Event, Failed, Finished, FinishReason, GenerateRequest, QueueFull, Token
 from moeserve.router.engine.blocks import BlockAllocator, blocks_for
+
+log = logging.getLogger(__name__)
+
+LONG_WAIT_S = 1.0       # a request at the head of the queue this long is logged once, with why
 
 
 @dataclass
@@ -66,6 +72,8 @@ class Sequence:
     decoding: bool = False                         # its router holds its last sampled token: decodes by id
     cancelled: bool = False
     finished: FinishReason | None = None
+    queued_at: float = field(default_factory=time.monotonic)   # when it entered the waiting queue
+    wait_logged: bool = False
 
     def emit(self, event: Event) -> None:
         (self.sink or self.events.put)(event)
@@ -180,6 +188,7 @@ class Scheduler:
                          if len(self._running[r]) < self.limits.max_num_seqs and budget[r] > 0
                          and blocks_for(min(len(seq.known), budget[r]), self.block_size) <= self._blocks[r].num_free]
                 if not open_:
+                    self._log_long_wait(seq, budget)
                     break
                 r = min(open_, key=lambda x: len(self._running[x]))
                 take = min(len(seq.known), budget[r])
@@ -202,6 +211,20 @@ class Scheduler:
             if entries:
                 self._issued.append((work, entries))
             return work
+
+    def _log_long_wait(self, seq: Sequence, budget: list[int]) -> None:
+        """Say once why the head of the queue has waited longer than ``LONG_WAIT_S``: every
+        router out of room (max_num_seqs), token budget or free blocks."""
+        waited = time.monotonic() - seq.queued_at
+        if seq.wait_logged or waited < LONG_WAIT_S:
+            return
+        seq.wait_logged = True
+        need = blocks_for(len(seq.known), self.block_size)
+        log.warning("request %d has waited %.2f s for admission (%d waiting): per router running/max_num_seqs "
+                    "%s, token budget left %s, free blocks %s (it needs %d for its %d known tokens)",
+                    seq.seq_id, waited, len(self._waiting),
+                    [f"{len(self._running[r])}/{self.limits.max_num_seqs}" for r in range(self.num_routers)],
+                    budget, [a.num_free for a in self._blocks], need, len(seq.known))
 
     def _reserve(self, r: int, seq: Sequence, take: int) -> bool:
         """Give ``seq`` the blocks for ``take`` more tokens, preempting the newest running
@@ -243,6 +266,7 @@ class Scheduler:
         seq.blocks, seq.cached, seq.partial_logits, seq.decoding = [], 0, [], False
         del self._running[r][seq.seq_id]
         self._release[r].append(seq.seq_id)
+        seq.queued_at, seq.wait_logged = time.monotonic(), False
         self._waiting.appendleft(seq)
         self.preemptions += 1
 
