@@ -1007,7 +1007,8 @@ class Up:
                     with open(os.path.join(root, f), errors="replace") as fh:
                         found += [f"{f}: {ln.strip()}"[:300] for ln in fh
                                   if "CUDA graph" in ln or "run eagerly" in ln or "Traceback" in ln
-                                  or "slow step" in ln or "slow schedule" in ln or "for admission" in ln]
+                                  or "slow step" in ln or "slow schedule" in ln or "for admission" in ln
+                                  or "slow garbage collection" in ln]
                 except OSError:
                     continue
         return found

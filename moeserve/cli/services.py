@@ -197,9 +197,13 @@ def run_frontend(args: argparse.Namespace) -> int:
         readiness_metrics = ReadinessMetrics(pm.registry)
     readiness = Readiness(channel_probe(engine), readiness_metrics)     # grpc.health and /health follow it
     srv = make_server(None, None, opts, admission=admission, api_key=api_key, readiness=readiness)
+    def ready(port):
+        print(f"serving front end on {args.host}:{port}", flush=True)
+        from moeserve import gcpause
+        gcpause.freeze_startup_heap()          # full collections skip the start-up heap
+
     if args.http_port is None:
-        server.run(server.serve_forever(srv, lambda port: print(f"serving front end on {args.host}:{port}",
-                                                                flush=True)))
+        server.run(server.serve_forever(srv, ready))
         return 0
     from moeserve.services.http import HttpApi, HttpServer
     names = args.served_model_name or [args.model or "default"]
@@ -234,6 +238,8 @@ async def _serve_both(grpc_server, http, host: str) -> None:
         await http.stop()
         raise
     print(f"serving front end on {host}:{grpc_server.port}", flush=True)
+    from moeserve import gcpause
+    gcpause.freeze_startup_heap()                  # full collections skip the start-up heap
     await stop.wait()
     logging.getLogger("moeserve.services").info("front end: shutting down (grace %.0f s)", http.grace_s)
     await asyncio.gather(http.stop(), grpc_server.stop())

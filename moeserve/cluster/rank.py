@@ -354,6 +354,8 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
                 server.write_address(os.path.join(run_dir, "control.json"))
             log.info("leader ready: %d routers, %d workers, world %d, local channel on %s:%d",
                      cfg.routers, cfg.workers, cfg.world_size, *server.address)
+        from moeserve import gcpause
+        gcpause.freeze_startup_heap()                  # full collections skip the start-up heap
         step_loop(st)
     except Exception as e:
         traceback.print_exc()
