@@ -1,16 +1,17 @@
 """Keep Python's cyclic garbage collector out of the serving path.
 
 A serving process holds millions of long-lived objects made at start (torch, Triton, the model,
-gRPC); every full (generation 2) collection walks all of them. Measured on an H200 host: the
-first eager step of a burst after an idle moment took 2.5-3.8 s of host time (``slow step``
-warnings, ``moeserve.dataplane.step``), which held every request of the burst ~3 s before its
-first token, in some rounds and not others, as the collector's thresholds fell.
+gRPC); every full (generation 2) collection walks all of them, on whichever thread allocates
+when the thresholds fall: a step or a stream of tokens stalls for as long.
 
 ``freeze_startup_heap`` runs once a process is ready: one full collection, then ``gc.freeze()``
 moves every surviving object to the permanent generation, which later collections skip (what
 vLLM does after start-up, and what CPython's documentation recommends for a process that
 allocates its long-lived state once). ``watch`` logs every collection longer than
-``SLOW_GC_S`` with its generation and what it collected, so a pause is never silent.
+``SLOW_GC_S`` with its generation, so a pause is never silent. On the H200 host no collection
+over 0.1 s was logged while serving with the heap frozen (benchmarks/results/
+serving-scout8-1gpu-gcfreeze.json); the multi-second host stalls seen there at burst starts
+were not the collector (see ``moeserve.cudagraph``).
 """
 from __future__ import annotations
 

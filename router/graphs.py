@@ -40,6 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from moeserve import cudagraph
 from moeserve.models.attention import MAX_SEGMENTS, MIN_KEYS_PER_SEGMENT, attention_config
 from moeserve.models.paged import PagedBatch
 
@@ -224,7 +225,7 @@ class DecodeGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
             # thread_local: the NCCL watchdog thread's event queries must not invalidate the capture
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            with cudagraph.capture(g, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self._forward(b, max_seq_len)
         except Exception as e:                     # noqa: BLE001 - any capture failure: stay eager
             self.exchange._in_flight = False       # a layer dispatched inside the failed capture

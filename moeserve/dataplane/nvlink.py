@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve import kernels
+from moeserve import cudagraph, kernels
 from moeserve.dataplane.exchange import Topology, count
 from moeserve.models.moe import RoutingResult
 
@@ -197,7 +197,7 @@ class NvlinkExchange:
             g = torch.cuda.CUDAGraph()
             # Graphs share one pool (nothing escapes them); thread_local: the NCCL watchdog thread's
             # event queries must not invalidate the capture.
-            with torch.cuda.graph(g, pool=self._pool, capture_error_mode="thread_local"):
+            with cudagraph.capture(g, pool=self._pool, capture_error_mode="thread_local"):
                 body()
             entry = self._graphs[key] = (g, keep)
         entry[0].replay()
