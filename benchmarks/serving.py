@@ -1008,7 +1008,7 @@ class Up:
                         found += [f"{f}: {ln.strip()}"[:300] for ln in fh
                                   if "CUDA graph" in ln or "run eagerly" in ln or "Traceback" in ln
                                   or "slow step" in ln or "slow schedule" in ln or "for admission" in ln
-                                  or "slow garbage collection" in ln]
+                                  or "slow garbage collection" in ln or "compiled" in ln and "while serving" in ln]
                 except OSError:
                     continue
         return found

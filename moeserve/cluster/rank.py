@@ -354,8 +354,10 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
                 server.write_address(os.path.join(run_dir, "control.json"))
             log.info("leader ready: %d routers, %d workers, world %d, local channel on %s:%d",
                      cfg.routers, cfg.workers, cfg.world_size, *server.address)
-        from moeserve import gcpause
+        from moeserve import compilelog, gcpause
         gcpause.freeze_startup_heap()                  # full collections skip the start-up heap
+        if cfg.backend == "nccl":
+            compilelog.watch()                         # every Triton compile from here on is logged
         step_loop(st)
     except Exception as e:
         traceback.print_exc()

@@ -1,0 +1,55 @@
+"""Say when a Triton kernel compiles while serving.
+
+Triton compiles a kernel once per specialization: each distinct set of constexpr values, and
+each new divisibility class of its integer and pointer arguments. A compile costs ~0.5-3 s of
+host time on the H200 host, and while it runs the step that launched the kernel waits: a launch
+argument that follows the batch shape as a constexpr stalls serving whenever a shape is new
+(the race kernel's chunk count did, until ``tests/test_batch_sampling.py`` held it fixed).
+
+``watch`` installs Triton's JIT hooks (``triton.knobs.runtime.jit_cache_hook`` before a compile,
+``jit_post_compile_hook`` after it) and logs every compile with the kernel's specialization and
+its duration (a warning over ``SLOW_COMPILE_S``); rank processes call it once they are ready,
+so every compile logged is one that ran while serving. Nothing happens without Triton, under
+its interpreter (nothing compiles), or with a Triton that lacks the hooks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger(__name__)
+
+SLOW_COMPILE_S = 0.2
+_started: dict = {}
+_installed = False
+
+
+def _before(*, key, repr, **_):
+    _started[str(key)] = time.perf_counter()
+    return None                                      # compile as usual
+
+
+def _after(*, key, repr, **_):
+    t0 = _started.pop(str(key), None)
+    took = time.perf_counter() - t0 if t0 is not None else float("nan")
+    (log.warning if not took <= SLOW_COMPILE_S else log.info)(
+        "Triton compiled %s while serving in %.2f s", repr[:400], took)
+    return None
+
+
+def watch() -> bool:
+    """Install the hooks (idempotent; keeps hooks someone else set). True when installed."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        from triton import knobs
+        rt = knobs.runtime
+        if getattr(rt, "jit_cache_hook", None) is not None or getattr(rt, "jit_post_compile_hook", None) is not None:
+            return False                             # hooks of someone else's: leave them
+        rt.jit_cache_hook = _before
+        rt.jit_post_compile_hook = _after
+    except Exception:                                # noqa: BLE001 - no Triton, or one without the hooks
+        return False
+    _installed = True
+    return True
