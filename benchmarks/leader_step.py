@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""The leader's host work per decode step, without ranks: schedule, the header's pickle round
-trip, and consuming the results, for 512 running sequences over 2 routers (256 each).
+"""The leader's host work per decode step, without ranks: schedule, the header's wire round
+trip (``moeserve.dataplane.header_wire``: encode on the leader, decode on a rank; the old
+pickle round trip beside it), and consuming the results, for 512 running sequences over 2
+routers (256 each).
 
     python benchmarks/leader_step.py
 
@@ -19,6 +21,7 @@ import time
 
 import numpy as np
 from moeserve.config import ClusterConfig, EplbConfig, Limits
+from moeserve.dataplane import header_wire
 from moeserve.dataplane.protocol import RankResult
 from moeserve.placement import Placement
 from moeserve.router.engine.api import GenerateRequest, ModelShape
@@ -32,12 +35,13 @@ eng.scheduler.set_capacity([40000, 40000])
 events = []
 for i in range(512):
     eng.submit(GenerateRequest(tuple(range(5, 133)), 256, ignore_eos=True), events.append)
-t_sched = t_res = t_pick = 0.0; n = 0
+t_sched = t_res = t_pick = t_wire = 0.0; n = 0
 prev = None                           # like routers with asynchronous steps: a step's tokens come with the next
 while True:
     t0 = time.perf_counter(); h = eng.next_header(); t1 = time.perf_counter()
     if not h.forward: break
     d = pickle.dumps(h); pickle.loads(d); t2 = time.perf_counter()
+    w = header_wire.encode(h); header_wire.decode(w); t2w = time.perf_counter()
     res = [RankResult(r) for r in range(2)]
     for r in range(2):
         if prev is not None:
@@ -49,7 +53,8 @@ while True:
     res = [pickle.loads(pickle.dumps(x)) for x in res]
     t3 = time.perf_counter(); eng.on_results(h, res); t4 = time.perf_counter()
     n += 1
-    if n > 10: t_sched += t1 - t0; t_pick += t2 - t1; t_res += t4 - t3
+    if n > 10: t_sched += t1 - t0; t_pick += t2 - t1; t_res += t4 - t3; t_wire += t2w - t2
     if n == 110: break
 k = n - 10
-print(f"per step, 512 seqs over 2 routers: schedule {1e3*t_sched/k:.2f} ms, header pickle+unpickle {1e3*t_pick/k:.2f} ms, on_results {1e3*t_res/k:.2f} ms, header bytes {len(d)}")
+print(f"per step, 512 seqs over 2 routers: schedule {1e3*t_sched/k:.2f} ms, header encode+decode {1e3*t_wire/k:.2f} ms "
+      f"({8 * len(w)} bytes; pickle+unpickle {1e3*t_pick/k:.2f} ms, {len(d)} bytes), on_results {1e3*t_res/k:.2f} ms")

@@ -1,8 +1,9 @@
 """Messages of the step protocol (docs/dataplane.md): the header every rank receives at the
 start of a step, and what each rank sends back to the leader at its end.
 
-They travel pickled on the gloo control group; all are immutable values of plain Python values
-and numpy arrays (never torch tensors on a device), so a header means the same on every rank
+The header travels as int64 words in a preallocated buffer (``header_wire``), the rank results
+pickled, both on the gloo control group; all are immutable values of plain Python values and
+numpy arrays (never torch tensors on a device), so a header means the same on every rank
 whatever its device. The per-sequence and per-router work are named tuples, which pickle as
 plain tuples: a decode step's header carries one per running sequence, and a frozen
 dataclass (pickled with its field names and state dict) cost 2-3x as much to pickle and

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from moeserve import profiling
 
 from moeserve.dataplane.exchange import Exchange, Topology, idle_walk
+from moeserve.dataplane.header_wire import HeaderWire
 from moeserve.dataplane.protocol import RankResult, StepHeader
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class RankState:
     top_k: int = 1
     last_enqueue_s: float = 0.0      # the last step's runner.run (host enqueue) and deliver (wait for tokens)
     last_deliver_s: float = 0.0
+    header_wire: object = None       # HeaderWire on control_group (made by the step loop)
 
 
 def step_pairs(header: StepHeader, top_k: int) -> int:
@@ -159,8 +161,9 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
     if leader is not None and took > SLOW_STEP_S and box[0] is not None and (box[0].forward or box[0].migration):
         log.warning("slow schedule of step %d: %.2f s in the leader's next_header", box[0].step, took)
     with profiling.span("header_broadcast"):
-        dist.broadcast_object_list(box, src=0, group=st.control_group)
-    header: StepHeader = box[0]
+        if st.header_wire is None or st.header_wire.group is not st.control_group:   # new groups after a lost peer
+            st.header_wire = HeaderWire(st.control_group)
+        header: StepHeader = st.header_wire.exchange(box[0])
     if header.stop:
         return header
     if prof is not None:
