@@ -5,9 +5,11 @@
 
 Measures, on the current device (CUDA when present, else the CPU):
   - a copy of a large buffer (device to device): the HBM rate (bytes read + written / s);
-  - the grouped matmul of one layer, as ``expert_worker/store.py``'s ``grouped_forward`` runs it
-    (``torch._grouped_mm`` over all slots for bf16 on CUDA, gate_up then down; elsewhere a loop
-    of matmuls over slots), at a grid of (busy slots, pairs per slot).
+  - the grouped matmul of one layer, as a worker runs it (``expert_worker/store.py``): for bf16
+    on CUDA the kernel ``expert_block_m_for`` picks (the Triton decode kernels of
+    ``moeserve.kernels.expert_mlp`` at <= 64 pairs per slot on average, else
+    ``torch._grouped_mm``, gate_up then down); elsewhere a loop of matmuls over slots; at a grid
+    of (busy slots, pairs per slot).
 Then fits, per shape, time = layer_overhead + slot_overhead * busy + max(busy * expert_bytes /
 hbm, pairs * flops_per_pair / matmul) by least squares over the grid (the HBM rate from the
 copy as a starting point, the matmul rate from the largest-pairs rows), prints a table of
@@ -32,7 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from moeserve import kernels  # noqa: E402
 from moeserve.balancer.policy.cost import FORMAT, StepModel, parse_table  # noqa: E402
+from moeserve.expert_worker.store import expert_block_m_for  # noqa: E402
 
 SHAPES = {  # name: hidden, intermediate (per expert)
     "llama4-scout": (5120, 8192),
@@ -78,6 +82,13 @@ def grouped_layer(torch, device, dtype, hidden: int, inter: int, slots: int):
         x = torch.randn(busy * pairs, hidden, dtype=dtype, device=device)
         if grouped:
             offs = torch.arange(1, busy + 1, dtype=torch.int32, device=device) * pairs
+            # the kernel a worker picks for this step (ExpertStore.set_step_pairs): the Triton
+            # decode kernels at few rows per slot, torch._grouped_mm above
+            block_m = expert_block_m_for(busy * pairs, slots)
+            if block_m:
+                def run():
+                    return kernels.expert_mlp(x, gate_up[:busy], down[:busy], offs, block_m)
+                return run
 
             def run():
                 gu = torch._grouped_mm(x, gate_up[:busy], offs=offs)
@@ -93,7 +104,8 @@ def grouped_layer(torch, device, dtype, hidden: int, inter: int, slots: int):
                 return torch.cat(outs)
         return run
 
-    return make, ("torch._grouped_mm" if grouped else "matmul loop over slots")
+    return make, ("Triton decode kernels at <= 64 pairs per slot, else torch._grouped_mm" if grouped
+                  else "matmul loop over slots")
 
 
 def fit(rows: list[dict], expert_bytes: int, flops_per_pair: float, hbm0: float) -> dict:

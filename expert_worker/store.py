@@ -143,15 +143,10 @@ class ExpertStore:
         that stream each used expert's weights once (``moeserve.kernels.expert_mlp``), with many
         (prefill) ``torch._grouped_mm``. A speed choice only: both paths compute the same rows."""
         mode = expert_kernel_mode()
-        from moeserve import kernels
-        if mode == "grouped_mm" or not self.buffers or not grouped_mm_applies(self.spec, self.buffers[0].device,
-                                                                              self.spec.dtype) \
-                or not kernels.available():
+        if not self.buffers or not grouped_mm_applies(self.spec, self.buffers[0].device, self.spec.dtype):
             self.block_m = 0
             return
-        per_slot = -(-max(0, pairs) // max(1, self.slots_per_worker * self.num_workers))
-        self.block_m = kernels.expert_block_m(2 * per_slot) if mode == "triton" or \
-            per_slot <= kernels.EXPERT_MAX_BM else 0
+        self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers, mode)
 
     @property
     def kernel_key(self) -> int:
@@ -237,6 +232,19 @@ def expert_kernel_mode() -> str:
     if mode not in EXPERT_KERNEL_MODES:
         raise ValueError(f"MOESERVE_EXPERT_KERNEL={mode!r}: choose one of {', '.join(EXPERT_KERNEL_MODES)}")
     return mode
+
+
+def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None) -> int:
+    """The slot-major compute's kernel for a step of ``pairs`` (token, k) pairs over
+    ``num_slots`` slots (every worker's), on CUDA in bf16: the Triton kernels' rows per pass, or
+    0 for ``torch._grouped_mm``. ``mode``: ``expert_kernel_mode()`` when None. The balancer's
+    step-time table is measured through the same choice (benchmarks/calibrate.py)."""
+    from moeserve import kernels
+    mode = expert_kernel_mode() if mode is None else mode
+    if mode == "grouped_mm" or not kernels.available():
+        return 0
+    per_slot = -(-max(0, pairs) // max(1, num_slots))
+    return kernels.expert_block_m(2 * per_slot) if mode == "triton" or per_slot <= kernels.EXPERT_MAX_BM else 0
 
 
 def grouped_mm_applies(spec: ExpertSpec, device: torch.device, dtype: torch.dtype) -> bool:

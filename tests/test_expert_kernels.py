@@ -107,6 +107,9 @@ def test_a_worker_picks_the_kernels_by_rows_per_slot(monkeypatch):
     monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "cutlass")
     with pytest.raises(ValueError, match="auto, triton, grouped_mm"):
         st.set_step_pairs(8)
+    # the same choice, as benchmarks/calibrate.py measures the balancer's table through it
+    assert [store_mod.expert_block_m_for(p, 8, "auto") for p in (8, 8 * 10, 8 * 65)] == [16, 32, 0]
+    assert store_mod.expert_block_m_for(8 * 65, 8, "triton") == 64 and store_mod.expert_block_m_for(8, 8, "grouped_mm") == 0
     monkeypatch.setattr(store_mod, "grouped_mm_applies", lambda *a: False)     # fp32, CPU: the slot loop
     monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "triton")
     st.set_step_pairs(8)
