@@ -299,36 +299,32 @@ def expert_gate_up(rows: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor
                    tuning: tuple | None = None) -> torch.Tensor:
     """First half of ``expert_mlp``: rows [C, H] -> silu(gate) * up [C, I]. ``tuning`` (BN, BK,
     warps, stages) overrides ``expert_tuning`` (benchmarks/expert_kernel.py --tune)."""
-    c, hdim = rows.shape
-    s, _, two_i = gate_up.shape
-    i = two_i // 2
-    h = rows.new_empty(c, i)
-    interp = _interpreted()
-    bn, bk, warps, stages = tuning or expert_tuning("gate_up", block_m)
-    bk = min(bk, max(16, _pow2(hdim)))
-    extra = {} if interp else dict(num_warps=warps, num_stages=stages)
-    _expert_kernels().expert_gate_up_kernel[(EXPERT_PASS_GROUPS, s, -(-i // bn))](
-        rows, gate_up, h, offs, hdim, i, rows.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        BM=block_m, BN=bn, BK=bk, EVEN_K=hdim % bk == 0, PRECISION=_precision(rows.dtype), PRECISE=not interp,
-        INTERPRET=interp, G=EXPERT_PASS_GROUPS, **extra)
-    return h
+    return _expert_matmul(rows, gate_up, offs, block_m, tuning or expert_tuning("gate_up", block_m), gated=True)
 
 
 def expert_down(h: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, block_m: int = 16,
                 tuning: tuple | None = None) -> torch.Tensor:
     """Second half of ``expert_mlp``: h [C, I] -> [C, H]."""
-    c, i = h.shape
-    s, _, hdim = down.shape
-    y = h.new_empty(c, hdim)
+    return _expert_matmul(h, down, offs, block_m, tuning or expert_tuning("down", block_m), gated=False)
+
+
+def _expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_m: int, tuning: tuple,
+                   gated: bool) -> torch.Tensor:
+    """One launch of ``expert_matmul_kernel``: x [C, K] slot-major through w [S, K, N] ([S, K,
+    2N] gated: silu(gate) * up) -> [C, N]."""
+    c, k = x.shape
+    s, _, n = w.shape
+    n = n // 2 if gated else n
+    out = x.new_empty(c, n)
     interp = _interpreted()
-    bn, bk, warps, stages = tuning or expert_tuning("down", block_m)
-    bk = min(bk, max(16, _pow2(i)))
+    bn, bk, warps, stages = tuning
+    bk = min(bk, max(16, _pow2(k)))
     extra = {} if interp else dict(num_warps=warps, num_stages=stages)
-    _expert_kernels().expert_down_kernel[(EXPERT_PASS_GROUPS, s, -(-hdim // bn))](
-        h, down, y, offs, i, hdim, h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        BM=block_m, BN=bn, BK=bk, EVEN_K=i % bk == 0, PRECISION=_precision(h.dtype), INTERPRET=interp,
-        G=EXPERT_PASS_GROUPS, **extra)
-    return y
+    _expert_kernels().expert_matmul_kernel[(EXPERT_PASS_GROUPS, s, -(-n // bn))](
+        x, w, out, offs, k, n, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BM=block_m, BN=bn, BK=bk, EVEN_K=k % bk == 0, GATED=gated, PRECISION=_precision(x.dtype),
+        PRECISE=not interp, INTERPRET=interp, G=EXPERT_PASS_GROUPS, **extra)
+    return out
 
 
 def _precision(dtype: torch.dtype) -> str:

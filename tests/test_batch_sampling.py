@@ -329,11 +329,11 @@ def test_triton_race_equals_the_torch_path(b, v):
     assert torch.equal(sample(xb, st, backend="triton"), sample(xb, st, backend="torch"))
 
 
-@pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
 def test_the_race_compiles_once_per_vocabulary_whatever_the_batch(monkeypatch):
     """A Triton kernel compiles once per distinct constexpr value: the race's launch must not
     pass anything that follows the batch size as one, or serving stalls for a compile (~1 s on
-    an H200) whenever a batch size is new (seen on GPU when the chunk count was a constexpr)."""
+    an H200) whenever a batch size is new (seen on GPU when the chunk count was a constexpr).
+    The kernel is a stand-in that records each launch: no Triton needed."""
     import moeserve.sampling as sm
     launches = []
 
