@@ -11,21 +11,16 @@ import threading
 import time
 from pathlib import Path
 
+from moeserve import ports
 from moeserve.client import Client
 
 TOKEN = "test-token"
 
 
 def free_ports(n: int) -> list[int]:
-    import socket
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free ports outside the ephemeral range: a port from ``bind(0)`` may be
+    handed to a rank's outgoing connection before the server that is to use it binds it."""
+    return ports.free_ports(n)
 
 
 def children_of(pid: int) -> list[int]:

@@ -165,10 +165,8 @@ def project_objects(podman: str) -> dict[str, list[str]]:
 
 
 def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from moeserve.ports import free_port as pick
+    return pick()
 
 
 class Cluster:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -160,17 +159,6 @@ def vllm_eplb_config(args) -> list[str]:
     return notes
 
 
-def _port_in_use(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def _dtype(args, folder) -> str:
     name = DTYPE_NAMES[args.dtype]
     if name != "auto":
@@ -225,12 +213,6 @@ def run(args: argparse.Namespace) -> int:
     args.model, args.model_name, args.tokenizer_dir = str(folder), model, str(tokenizer)
     args.http_port, args.port = args.port, args.grpc_port
     args.startup_progress = True
-    for flag, port in (("--port (the HTTP API)", args.http_port), ("--grpc-port", args.port),
-                       ("--admin-port", args.admin_port), ("--balancer-port", args.balancer_port)):
-        if port and _port_in_use(args.host, port):
-            print(f"{prog}: error: port {port} on {args.host} ({flag}) is already in use: stop what listens there "
-                  f"or choose another port", file=sys.stderr, flush=True)
-            return 1
     for note in notes:
         print(f"eplb     {note}", flush=True)
     if folder != Path(model):

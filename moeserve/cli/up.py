@@ -8,6 +8,9 @@ stops, then the ranks; every child exits (no orphans). The balancer keeps no sta
 dies it is started again (serving goes on meanwhile), and so is the front end (clients that
 retry are served); a lost expert worker is replaced by the launcher (docs/dataplane.md, "When a
 peer dies"); when a router or the leader dies, everything is torn down and the exit code is 1.
+A port given on the command line that is in use is reported before anything loads (exit 1);
+ports given as 0 are picked outside the kernel's ephemeral range (``moeserve.ports``), so that
+no rank's outgoing connection takes one before its server binds it.
 
 ``--http-port H``: the front end also serves the OpenAI-compatible HTTP API on H
 (``moeserve.services.http``; ``moeserve serve`` is ``up`` with the HTTP API on ``--port``).
@@ -75,19 +78,17 @@ def wait_serving(address: str, timeout_s: float, ca_file: str | None = None, ali
             time.sleep(0.1)
 
 
-def metrics_layout(base: int | None, world_size: int) -> dict[str, int] | None:
+def metrics_layout(base: int | None, world_size: int, taken=()) -> dict[str, int] | None:
     """Metrics port of every process of ``up`` (None: no metrics): rank0 = M, balancer = M+1,
-    frontend = M+2, rank r = M+2+r for r >= 1; M = 0 gives each a free port."""
+    frontend = M+2, rank r = M+2+r for r >= 1; M = 0 gives each a free port, none of ``taken``."""
     if base is None:
         return None
-    from moeserve.cluster.launcher import free_port
+    from moeserve.ports import free_port
     names = ["rank0", "balancer", "frontend"] + [f"rank{r}" for r in range(1, world_size)]
     if base == 0:
         ports: list[int] = []
         while len(ports) < len(names):
-            p = free_port()
-            if p not in ports:
-                ports.append(p)
+            ports.append(free_port(exclude=[*ports, *taken]))
         return dict(zip(names, ports))
     if base + len(names) - 1 > 65535:
         raise UsageError(f"--metrics-port {base}: the {len(names)} processes need ports up to {base + len(names) - 1}")
@@ -95,7 +96,8 @@ def metrics_layout(base: int | None, world_size: int) -> dict[str, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.cluster.launcher import LocalCluster, _die_with_parent, describe_exit, free_port
+    from moeserve.cluster.launcher import LocalCluster, _die_with_parent, describe_exit
+    from moeserve.ports import check_bindable, free_port
     from moeserve.router.engine.channel import ClusterError
 
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
@@ -103,16 +105,32 @@ def run(args: argparse.Namespace) -> int:
     opts = F.server_options(args, 0)                    # validates the server flags
     token = F.token(args) or secrets.token_urlsafe(18)
     http_port = getattr(args, "http_port", None)
-    ports = {k: getattr(args, k) or free_port() for k in ("port", "admin_port", "balancer_port")}
+    ports = {k: getattr(args, k) for k in ("port", "admin_port", "balancer_port")}
     if http_port is not None:
-        ports["http_port"] = http_port or free_port()
+        ports["http_port"] = http_port
+    for k, v in ports.items():                            # 0: any free port, none of the given ones
+        if not v:
+            ports[k] = free_port(exclude=[p for p in ports.values() if p])
     if len(set(ports.values())) < len(ports):
         names = "--port, --admin-port, --balancer-port" + (" and the HTTP port" if http_port is not None else "")
         raise UsageError(f"{names} must differ, got {sorted(ports.values())}")
     loop = F.loop_config(args, None, kw.get("step_interval"), args.model, kw.get("dtype"))   # validates the balancer flags
     host = args.host
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
-    metrics = metrics_layout(args.metrics_port, world)
+    metrics = metrics_layout(args.metrics_port, world, taken=list(ports.values()))
+    # A port in use is reported now, not after the ranks have loaded the weights (minutes for
+    # a real checkpoint). Ports this process picks lie outside the ephemeral range, so that no
+    # rank's outgoing connection takes one meanwhile (moeserve.ports).
+    serve = getattr(args, "command", None) == "serve"
+    flag = {"port": "--grpc-port" if serve else "--port", "admin_port": "--admin-port",
+            "balancer_port": "--balancer-port", "http_port": "--port (the HTTP API)" if serve else "--http-port"}
+    try:
+        check_bindable(host, {flag[k]: v for k, v in ports.items()})
+        if metrics is not None and args.metrics_port:
+            check_bindable(host, {f"--metrics-port, {name}": p for name, p in metrics.items()})
+    except OSError as e:
+        print(f"{prog}: error: {e.strerror}", file=sys.stderr, flush=True)
+        return 1
     mkw = {}
     if metrics is not None:
         mkw = dict(metrics_ports=[metrics[f"rank{r}"] for r in range(world)], per_expert_metrics=args.per_expert_metrics,

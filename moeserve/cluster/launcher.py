@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeserve import ports
 from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
@@ -38,9 +38,8 @@ RESTART_WINDOW_S = 60.0      # more replacements of one rank than max_worker_res
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the kernel's ephemeral range (``moeserve.ports.free_port``)."""
+    return ports.free_port()
 
 
 def describe_exit(code: int) -> str:

@@ -1,0 +1,85 @@
+"""Free ports that stay free until their server binds them, and ports in use reported before
+anything loads (moeserve.ports, ``moeserve up``)."""
+import socket
+
+import pytest
+
+from moeserve import ports
+from moeserve.cli import main
+
+
+@pytest.mark.timeout(30)
+def test_picked_ports_lie_outside_the_ephemeral_range_and_are_free():
+    low, high = ports.ephemeral_range()
+    picked = ports.free_ports(50)
+    assert len(set(picked)) == 50
+    for p in picked:
+        assert not low <= p <= high, (p, low, high)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+@pytest.mark.timeout(30)
+def test_a_port_that_is_held_or_excluded_is_never_picked(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports.free_port()))
+        held.listen(1)
+        busy = held.getsockname()[1]
+        spare = ports.free_port(exclude=[busy])
+        # Only two candidates: the held one, and one excluded; then the kernel's pick.
+        seq = iter([busy, spare] * 200)
+        monkeypatch.setattr(ports.random.SystemRandom, "randint", lambda self, lo, hi: next(seq))
+        got = ports.free_port(exclude=[spare])
+        assert got not in (busy, spare)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", got))
+
+
+@pytest.mark.timeout(30)
+def test_an_outgoing_connection_never_gets_a_picked_port():
+    # What broke `moeserve up` in CI: the serving port came from bind(0); before the front end
+    # bound it, a rank's connection had been given it as its local port.
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(64)
+        picked = set(ports.free_ports(20))
+        conns = [socket.create_connection(srv.getsockname()) for _ in range(50)]
+        try:
+            assert not picked & {c.getsockname()[1] for c in conns}
+        finally:
+            for c in conns:
+                c.close()
+
+
+@pytest.mark.timeout(30)
+def test_check_bindable_names_the_flag_of_the_port_in_use():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        busy = held.getsockname()[1]
+        ports.check_bindable("127.0.0.1", {"--port": ports.free_port(), "--admin-port": 0})
+        with pytest.raises(OSError) as e:
+            ports.check_bindable("127.0.0.1", {"--port": ports.free_port(), "--balancer-port": busy})
+        assert e.value.strerror == f"port {busy} on 127.0.0.1 (--balancer-port) is already in use: stop what " \
+                                   f"listens there or choose another port"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--port", "--admin-port", "--balancer-port", "--http-port"])
+def test_up_reports_a_port_in_use_before_loading_anything(tmp_path, flag, capsys, monkeypatch):
+    from moeserve.cluster import launcher
+    from moeserve.models import init_model
+    model = str(init_model(tmp_path / "m", "llama4", seed=1))
+
+    def start(self):
+        raise AssertionError("the ranks were started")
+    monkeypatch.setattr(launcher.LocalCluster, "start", start)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        busy = held.getsockname()[1]
+        assert main(["up", "--model", model, "--host", "127.0.0.1", flag, str(busy),
+                     *[x for f in ("--port", "--admin-port", "--balancer-port") if f != flag for x in (f, "0")]]) == 1
+    err = capsys.readouterr().err
+    assert f"moeserve up: error: port {busy} on 127.0.0.1 ({flag}) is already in use" in err, err
+    assert len(err.strip().splitlines()) == 1, err
