@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,9 +42,8 @@ CALLS = list(ALL_CALLS)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from moeserve.ports import free_port as pick        # outside the ephemeral range: see moeserve/ports.py
+    return pick()
 
 
 def start_up(model: str, log_dir: str) -> tuple[subprocess.Popen, dict]:

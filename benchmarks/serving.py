@@ -127,7 +127,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -213,9 +212,8 @@ ROOFLINE_KEYS = ("gpus", "weight_bytes_per_gpu", "kv_bytes_per_step_per_gpu", "b
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from moeserve.ports import free_port as pick        # outside the ephemeral range: see moeserve/ports.py
+    return pick()
 
 
 def _die_with_parent() -> None:
