@@ -391,11 +391,14 @@ def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
                 budget_moves_per_worker=min(per_step, s), budget_stall_ms=t_budget * 1e3)
 
 
-def worker_main(rank, world, args, port):
+def init_rank(rank, world, args, port) -> torch.device:
+    """Join the layer benchmarks' process group (``args.backend``: nccl, one GPU a rank, or gloo
+    on one CPU thread), set ``CPU_GROUP`` and warm every pair up; a hang past ``args.hang_s``
+    turns into a traceback. Returns the rank's device."""
     global CPU_GROUP
     import datetime
     import faulthandler
-    faulthandler.dump_traceback_later(args.hang_s, exit=True)     # a hang turns into a traceback
+    faulthandler.dump_traceback_later(args.hang_s, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=120)
     if args.backend == "nccl":
@@ -408,6 +411,11 @@ def worker_main(rank, world, args, port):
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     CPU_GROUP = dist.new_group(backend="gloo")
     warm_up_pairs(rank, world, device)
+    return device
+
+
+def worker_main(rank, world, args, port):
+    device = init_rank(rank, world, args, port)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     models = {k: dict(v) for k, v in (SMALL if args.small else MODELS).items() if k in args.models}
     for name, r in args.redundant.items():

@@ -294,23 +294,8 @@ def plans_for(name, m, tokens, world, args, model):
 
 
 def worker_main(rank, world, args, port):
-    import datetime
-    import faulthandler
-    from moeserve.expert_worker.migration import warm_up_pairs
     t_start = time.perf_counter()                                         # the deadline counts the start too
-    faulthandler.dump_traceback_later(args.hang_s, exit=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    timeout = datetime.timedelta(seconds=120)
-    if args.backend == "nccl":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    D.CPU_GROUP = dist.new_group(backend="gloo")
-    warm_up_pairs(rank, world, device)
+    device = D.init_rank(rank, world, args, port)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     models = models_of(args)

@@ -79,7 +79,7 @@ class RouterMaps:
         """Install the map of one MoE layer from its phy2log row [P] (a row of a placement the
         leader validated: not checked again) and its break-even counts (a number or [E];
         None: the maps' default, 0)."""
-        row = np.asarray(phy2log_row, dtype=np.int64)
+        row = np.array(phy2log_row, dtype=np.int64)       # a copy: the row may be a read-only view of a message
         table = log2phy(row[None, :], self.num_logical, self.max_replicas)[0]          # [E, X]
         counts = (table >= 0).sum(1)                                                   # [E]
         self.log2phy[layer].copy_(torch.from_numpy(table))

@@ -10,6 +10,8 @@ from moeserve.cli import main
 
 @pytest.mark.timeout(30)
 def test_picked_ports_lie_outside_the_ephemeral_range_and_are_free():
+    # What failed CI at stop 19: a serving port from bind(0), in the ephemeral range, went to a
+    # rank's outgoing connection before the front end bound it ("Address already in use").
     low, high = ports.ephemeral_range()
     picked = ports.free_ports(50)
     assert len(set(picked)) == 50
@@ -33,22 +35,6 @@ def test_a_port_that_is_held_or_excluded_is_never_picked(monkeypatch):
         assert got not in (busy, spare)
         with socket.socket() as s:
             s.bind(("127.0.0.1", got))
-
-
-@pytest.mark.timeout(30)
-def test_an_outgoing_connection_never_gets_a_picked_port():
-    # What broke `moeserve up` in CI: the serving port came from bind(0); before the front end
-    # bound it, a rank's connection had been given it as its local port.
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(64)
-        picked = set(ports.free_ports(20))
-        conns = [socket.create_connection(srv.getsockname()) for _ in range(50)]
-        try:
-            assert not picked & {c.getsockname()[1] for c in conns}
-        finally:
-            for c in conns:
-                c.close()
 
 
 @pytest.mark.timeout(30)
