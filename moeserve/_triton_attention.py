@@ -95,7 +95,13 @@ def _key_range(q, q_pos, row_ok, m_i, l_i, acc, lo, hi, end, bt_row, k_ptr, v_pt
     return m_i, l_i, acc
 
 
-@triton.jit
+# Arguments that follow the step's shape are not specialized: Triton would otherwise compile the
+# kernel again (~1 s, mid-step) for each new class of them (an int equal to 1 or divisible by
+# 16, an address 16-byte aligned): the sequence count, the block table's width, and the int32
+# fields that PagedBatch packs into one buffer at offsets that follow the batch
+# (tests/test_triton_specialization.py).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_ptr"])
 def paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr,                     # q, o [T, Hq, D]; k, v one layer's pools [N, Hkv, D]
         part_ptr, stat_ptr,                             # split only: partial acc [T, Hq, NS, DP] fp32, (m, l) [T, Hq, NS, 2]

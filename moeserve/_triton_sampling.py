@@ -38,11 +38,14 @@ def _keys(x, idx, t, thr, seed, pos_lo, pos_hi, n, HAS_THR: tl.constexpr, RANDOM
     return key
 
 
-@triton.jit
+# Not specialized, as they follow the batch (tests/test_triton_specialization.py): S, and the
+# per-row fields of SamplingTensors, views at offsets that follow B into one packed buffer.
+@triton.jit(do_not_specialize=["S"], do_not_specialize_on_alignment=["temp_ptr", "thr_ptr", "seed_ptr", "pos_ptr"])
 def race_kernel(x_ptr, stride_x, temp_ptr, thr_ptr, seed_ptr, pos_ptr, best_val_ptr, best_idx_ptr, V, chunk, S,
                 HAS_THR: tl.constexpr, N: tl.constexpr):
     # S (chunks per row) is a plain argument, not a constexpr: it follows the batch size, and a
-    # constexpr would compile the kernel again for every new one (~1 s each, mid-serving).
+    # constexpr would compile the kernel again for every new one (~1 s each, mid-serving);
+    # nor is it specialized (above).
     # Program (b, s): the best key of row b over columns [s * chunk, (s + 1) * chunk) (chunk a
     # multiple of 4 N), and its lowest index among equal keys, into best_val / best_idx [B, S]. The
     # max is exact, so the split changes nothing: the caller takes the first chunk holding the max.

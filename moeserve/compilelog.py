@@ -4,7 +4,9 @@ Triton compiles a kernel once per specialization: each distinct set of constexpr
 each new divisibility class of its integer and pointer arguments. A compile costs ~0.5-3 s of
 host time on the H200 host, and while it runs the step that launched the kernel waits: a launch
 argument that follows the batch shape as a constexpr stalls serving whenever a shape is new
-(the race kernel's chunk count did, until ``tests/test_batch_sampling.py`` held it fixed).
+(the race kernel's chunk count did), and so does an integer or address argument whose class
+follows the step (``tests/test_triton_specialization.py`` holds every serving kernel to one
+compile per launch configuration).
 
 ``watch`` installs Triton's JIT hooks (``triton.knobs.runtime.jit_cache_hook`` before a compile,
 ``jit_post_compile_hook`` after it) and logs every compile with the kernel's specialization and

@@ -329,29 +329,6 @@ def test_triton_race_equals_the_torch_path(b, v):
     assert torch.equal(sample(xb, st, backend="triton"), sample(xb, st, backend="torch"))
 
 
-def test_the_race_compiles_once_per_vocabulary_whatever_the_batch(monkeypatch):
-    """A Triton kernel compiles once per distinct constexpr value: the race's launch must not
-    pass anything that follows the batch size as one, or serving stalls for a compile (~1 s on
-    an H200) whenever a batch size is new (seen on GPU when the chunk count was a constexpr).
-    The kernel is a stand-in that records each launch: no Triton needed."""
-    import moeserve.sampling as sm
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((grid, tuple(sorted(kwargs.items()))))
-            return launch
-    monkeypatch.setattr(sm, "_kernel", lambda: Recorder())
-    v = 202048
-    for b in range(1, 300, 3):
-        st = build([SamplingParams(temperature=0.7, seed=1)] * b, positions=[0] * b)
-        sm._race_triton(torch.zeros(b, v), st, None)
-    grids = {g for g, _ in launches}
-    assert len(grids) > 30                             # the split does follow the batch ...
-    assert len({kw for _, kw in launches}) == 1        # ... through the grid and plain arguments only
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_samples_what_the_cpu_samples():
     x = logits_for(len(MIX) * 4, 202_048, seed=11)

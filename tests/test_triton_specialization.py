@@ -1,0 +1,164 @@
+"""Each Triton kernel of the serving path compiles once per launch configuration the launcher
+chooses, whatever the step's shape.
+
+Triton compiles a kernel anew for each distinct specialization key: the constexpr values, and
+for every other argument its type plus, unless the kernel says otherwise, a class of its value:
+an integer equal to 1 becomes a constant, one divisible by 16 is marked so, and a tensor whose
+address is 16-byte aligned is marked so. A compile costs ~0.5-3 s of host time on the H200
+host, in the middle of the step that launched it. So an integer argument that follows the
+step's shape (a sequence count, a block-table width) or a tensor that is a view at an offset
+that follows it (a field of a packed per-step buffer) compiles the kernel again at unforeseen
+steps, long after warm-up: with three integer classes and two address classes per argument,
+hundreds of keys for the attention kernel.
+
+Here the launchers run with Triton's JIT in place of its interpreter, but every launch is
+recorded instead of compiled: the key is computed by Triton's own binder
+(``create_function_from_signature``, the function ``JITFunction.run`` calls) from the real
+arguments. The test: over a sweep of step shapes, the launches that share their constexprs and
+options share their whole key. No GPU needed.
+"""
+import itertools
+import math
+import random
+import sys
+from collections import defaultdict
+
+import pytest
+import torch
+
+from triton_util import needs_triton
+
+pytestmark = [needs_triton, pytest.mark.timeout(300)]
+
+MODULES = ("moeserve._triton_attention", "moeserve._triton_sampling", "moeserve._triton_experts",
+           "moeserve._triton_kernels")
+
+
+def _forget_kernels():
+    """Drop every imported kernel module and the launchers' caches of them, so that the next
+    import reads TRITON_INTERPRET again."""
+    import moeserve.kernels as K
+    import moeserve.models.attention as A
+    import moeserve.sampling as S
+    for name in MODULES:
+        sys.modules.pop(name, None)
+    A._kernels.cache_clear()
+    S._kernel.cache_clear()
+    K._kernels.cache_clear()
+    K._expert_kernels.cache_clear()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """{kernel name: [(constexprs and options, full key)]} of every launch while the test runs."""
+    import triton.experimental.gluon  # noqa: F401 - the binder imports it; it wraps triton.language's
+    from triton.backends.compiler import BaseBackend  # functions, which are interpreted ones here
+    from triton.runtime import jit
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _forget_kernels()
+    seen: dict[str, list] = defaultdict(list)
+    binders: dict = {}
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self not in binders:
+            binders[self] = jit.create_function_from_signature(self.signature, self.params, BaseBackend)
+        _, spec, options = binders[self](*args, **kwargs)
+        config = tuple((p.name, s) for p, s in zip(self.params, spec) if p.is_constexpr)
+        config += tuple(sorted(options.items()))
+        spec = tuple((p.name, s) for p, s in zip(self.params, spec))     # an int == 1 is a constexpr here too
+        seen[self.fn.__name__].append((config, spec))
+        return None
+
+    monkeypatch.setattr(jit.JITFunction, "run", run)
+    yield seen
+    monkeypatch.undo()
+    _forget_kernels()
+
+
+def assert_one_key_per_config(seen, kernel: str, configs: range):
+    """Launches of ``kernel`` with the same constexprs and options have the same key (names the
+    arguments whose specialization varied), and the launch configurations the launcher chose
+    number within ``configs``: a constexpr that followed the step's shape would make more."""
+    assert seen[kernel], f"{kernel} was never launched"
+    by_config = defaultdict(set)
+    for config, spec in seen[kernel]:
+        by_config[config].add(spec)
+    assert len(by_config) in configs, (f"{kernel}: {len(by_config)} launch configurations, want "
+                                       f"{configs.start}..{configs.stop - 1}: {sorted(by_config)}")
+    compiles, classes = 0, defaultdict(set)
+    for config, specs in by_config.items():
+        compiles += len(specs)
+        for a, b in itertools.combinations(specs, 2):
+            for (n, x), (_, y) in zip(a, b):
+                if x != y:
+                    classes[n] |= {str(x), str(y)}
+    if classes:
+        pytest.fail(f"{kernel}: {compiles} compiles for {len(by_config)} launch configurations; the specialization "
+                    f"of {dict((n, sorted(c)) for n, c in sorted(classes.items()))} follows the step's shape")
+
+
+def _batch(lens, starts, block_size, extra_blocks=2):
+    from moeserve.models.paged import PagedBatch
+    need = [math.ceil((s + n) / block_size) for s, n in zip(starts, lens)]
+    ids, tables = list(range(sum(need) + extra_blocks)), []
+    for k in need:
+        tables.append(ids[:k] + [0] * random.Random(k).randrange(3))     # tables of uneven widths
+        ids = ids[k:]
+    return PagedBatch.build(lens, starts, tables, block_size), sum(need) + extra_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_compiles_once_per_tile_shape_and_split(launches, dtype):
+    from moeserve.models.attention import attention_config, paged_attention_triton
+    rng = random.Random(0)
+    hq, hkv, d, block_size = 8, 2, 64, 16
+    shapes = []
+    for s in list(range(1, 40)) + [63, 64, 65, 128, 255, 256]:
+        decode = [1] * s, [rng.randrange(0, 700) for _ in range(s)]
+        prefill = [rng.randrange(1, 90) for _ in range(s)], [rng.choice([0, 0, rng.randrange(0, 300)]) for _ in range(s)]
+        mixed = [1] * (s - 1) + [rng.randrange(2, 200)], [rng.randrange(0, 400) for _ in range(s)]
+        shapes += [decode, prefill, mixed]
+    for lens, starts in shapes:
+        batch, blocks = _batch(lens, starts, block_size)
+        q = torch.empty(batch.num_tokens, hq, d, dtype=dtype)
+        pool = torch.empty(blocks * block_size, hkv, d, dtype=dtype)
+        for ns in {None, attention_config(batch, hq, hkv, d, 132)["NS"]}:
+            paged_attention_triton(q, pool, pool, batch, scale=d ** -0.5, chunk=None, num_segments=ns)
+    # decode or prefill tiles x the split (1, 2, 4, 8 or 16 segments)
+    assert_one_key_per_config(launches, "paged_attention_kernel", range(3, 11))
+    assert_one_key_per_config(launches, "paged_attention_reduce_kernel", range(1, 5))
+
+
+def test_the_race_compiles_once_per_vocabulary_and_filter_whatever_the_batch(launches):
+    import moeserve.sampling as sm
+    from moeserve.sampling import SamplingParams, SamplingTensors
+    v = 202_048
+    for b in list(range(1, 300, 3)) + [1, 2, 16, 32, 64, 4096 // 1024]:
+        st = SamplingTensors.build([SamplingParams(temperature=0.7, seed=1)] * b, list(range(b)), [5] * b, "cpu")
+        logits = torch.empty(b, v)
+        sm._race_triton(logits, st, None)
+        sm._race_triton(logits, st, torch.empty(b))
+    assert_one_key_per_config(launches, "race_kernel", range(2, 3))        # with and without a threshold
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_expert_kernels_compile_once_per_block_m(launches, dtype):
+    from moeserve import kernels as K
+    h, i, s = 128, 64, 6
+    gate_up = torch.empty(s, h, 2 * i, dtype=dtype)
+    down = torch.empty(s, i, h, dtype=dtype)
+    buf = torch.empty(4096, h, dtype=dtype)
+    for c in list(range(1, 300, 7)) + [512, 1024, 2048]:
+        offs = torch.linspace(0, c, s + 1)[1:].round().to(torch.int32)
+        K.expert_mlp(buf[:c], gate_up, down, offs, K.expert_block_m(c // s))
+    assert_one_key_per_config(launches, "expert_matmul_kernel", range(6, 7))   # block_m 16, 32, 64 x two projections
+
+
+def test_the_exchange_helpers_compile_once_whatever_the_row_count(launches):
+    from moeserve import kernels as K
+    for t in list(range(1, 300, 5)) + [512, 1024]:
+        K.weighted_sum(torch.empty(t * 2, 96), torch.empty(t, 2))
+        K.silu_mul(torch.empty(t, 2 * 48), torch.tensor([t], dtype=torch.int32))
+    assert_one_key_per_config(launches, "weighted_sum_kernel", range(1, 2))
+    assert_one_key_per_config(launches, "silu_mul_kernel", range(1, 2))
