@@ -148,6 +148,18 @@ class ExpertStore:
             return
         self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers, mode)
 
+    def warm_up_kernels(self) -> list[int]:
+        """Compile the Triton expert kernels for every rows-per-pass a step can pick, before
+        serving (``kernels.warm_up_expert_mlp`` on layer 0's views: the same strides as every
+        layer's). Returns the block sizes compiled; [] where a step never picks them (not CUDA
+        bf16, ``MOESERVE_EXPERT_KERNEL=grouped_mm``, no Triton)."""
+        if not self.buffers or expert_block_m_for(1, 1) == 0 \
+                or not grouped_mm_applies(self.spec, self.buffers[0].device, self.spec.dtype):
+            return []
+        from moeserve import kernels
+        w = self.weights(0)
+        return kernels.warm_up_expert_mlp(w["gate_up"], w["down"])
+
     @property
     def kernel_key(self) -> int:
         """What ``compute_slot_major`` bakes into a captured graph: 0 (``torch._grouped_mm``) or

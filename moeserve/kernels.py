@@ -295,6 +295,28 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, of
     return expert_down(expert_gate_up(rows, gate_up, offs, block_m), down, offs, block_m)
 
 
+def expert_block_ms() -> list[int]:
+    """Every rows-per-pass ``expert_block_m`` can give (16, 32, 64): each is a constexpr of the
+    kernels, so each is a compile of its own."""
+    return sorted({expert_block_m(1 << i) for i in range(EXPERT_MAX_BM.bit_length() + 1)})
+
+
+def warm_up_expert_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> list[int]:
+    """Compile both expert kernels for every ``expert_block_ms`` before serving (~1 s each on an
+    H200 host; a step that meets one first would wait for it), on views with the strides the
+    steps use: one layer's ``gate_up`` [S, H, 2I] and ``down`` [S, I, H] of the slot buffer;
+    the rows are [BM, H] contiguous, as the receive buffer is. Reads the weights, writes nothing
+    of the caller's. Returns the block sizes run."""
+    s, h, _ = gate_up.shape
+    done = []
+    for bm in expert_block_ms():
+        rows = torch.zeros(bm, h, dtype=gate_up.dtype, device=gate_up.device)
+        offs = torch.full((s,), bm, dtype=torch.int32, device=gate_up.device)        # every row in slot 0
+        expert_mlp(rows, gate_up, down, offs, bm)
+        done.append(bm)
+    return done
+
+
 def expert_gate_up(rows: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, block_m: int = 16,
                    tuning: tuple | None = None) -> torch.Tensor:
     """First half of ``expert_mlp``: rows [C, H] -> silu(gate) * up [C, I]. ``tuning`` (BN, BK,

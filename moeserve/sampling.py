@@ -294,6 +294,24 @@ def _race_triton(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | 
     return best_idx.gather(1, best_val.argmax(-1, keepdim=True)).squeeze(1)
 
 
+def warm_up(vocab_size: int, device: torch.device | str) -> int:
+    """Compile the race kernel's launch configurations (without and with a top-k / top-p
+    threshold) before serving, so that the first request that samples does not wait ~1 s for
+    each. Nothing happens unless ``sample`` would take Triton on ``device``. Returns the
+    launches run."""
+    device = torch.device(device)
+    if device.type != "cuda" or not kernels.available():
+        return 0
+    return _warm_up_race(vocab_size, device)
+
+
+def _warm_up_race(vocab_size: int, device: torch.device) -> int:
+    logits = torch.zeros(1, vocab_size, device=device)                       # [1, V] fp32, as steps sample
+    for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_k=2, seed=0)):
+        sample(logits, SamplingTensors.build([params], [0], [0], device), backend="triton")
+    return 2
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors, backend: str | None = None) -> torch.Tensor:
     """logits [B, V] (float32, or any float dtype, read as fp32) on any device -> token ids int64
     [B] on that device, with no host sync.

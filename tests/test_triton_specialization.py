@@ -162,3 +162,51 @@ def test_the_exchange_helpers_compile_once_whatever_the_row_count(launches):
         K.silu_mul(torch.empty(t, 2 * 48), torch.tensor([t], dtype=torch.int32))
     assert_one_key_per_config(launches, "weighted_sum_kernel", range(1, 2))
     assert_one_key_per_config(launches, "silu_mul_kernel", range(1, 2))
+
+
+def _keys(seen, kernel):
+    return {spec for _, spec in seen[kernel]}
+
+
+@pytest.mark.parametrize("slots", [4, 16])
+def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots):
+    """A worker compiles the expert kernels at start (``ExpertStore.warm_up_kernels``) on layer
+    0's views of its slot buffer; whatever a step's pairs, its launches find their key there."""
+    from expert_worker.store import expert_block_m_for
+    from moeserve import kernels as K
+    from moeserve.models.moe import ExpertSpec
+    spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16)
+    layers = [spec.views(torch.empty(slots, spec.numel, dtype=spec.dtype)) for _ in range(3)]
+    assert K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"]) == [16, 32, 64]
+    warm = _keys(launches, "expert_matmul_kernel")
+    launches.clear()
+    recv = torch.empty(8192, spec.hidden_size, dtype=spec.dtype)           # the receive buffer
+    offs = torch.empty(slots, dtype=torch.int32)
+    for pairs in [1, 7, 16, 100, slots * 16, slots * 33, slots * 64]:
+        bm = expert_block_m_for(pairs, slots, "auto")
+        if bm:
+            for w in layers:
+                K.expert_mlp(recv, w["gate_up"], w["down"], offs, bm)
+    assert {cfg for cfg, _ in launches["expert_matmul_kernel"]} and _keys(launches, "expert_matmul_kernel") <= warm
+
+
+def test_the_race_warm_up_compiles_every_key_a_step_can_launch(launches):
+    """A router compiles the race at start (``sampling.warm_up``); batches of any size and mix
+    of sampling parameters then find their key there."""
+    import moeserve.sampling as sm
+    from moeserve.sampling import SamplingParams, SamplingTensors
+    v = 50_000
+    assert sm._warm_up_race(v, torch.device("cpu")) == 2
+    warm = _keys(launches, "race_kernel")
+    launches.clear()
+    mix = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.2, top_p=0.9, seed=2),
+           SamplingParams(temperature=0.7, top_k=40, seed=3), SamplingParams(temperature=0.0)]
+    for b in [1, 2, 3, 16, 17, 64, 255, 256]:
+        for k in (1, 2, 4):
+            params = [mix[(i * k) % len(mix)] for i in range(b)]
+            if all(p.greedy for p in params):
+                continue
+            st = SamplingTensors.build(params, list(range(b)), [3] * b, "cpu")
+            sm.sample(torch.randn(b, v), st, backend="triton")
+    assert len({cfg for cfg, _ in launches["race_kernel"]}) == 2
+    assert _keys(launches, "race_kernel") <= warm

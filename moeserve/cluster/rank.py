@@ -157,10 +157,30 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
         if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:
             st.leader.warm_up(st.runner.graphs.warmup_keys())      # every router has the same keys
 
+    _warm_up_kernels(st, mcfg.vocab_size, device)
     from moeserve.expert_worker.migration import warm_up_pairs
     warm_up_pairs(rank, world, device)
     st.recover = partial(_recover, st, cfg, store, device, [generation])
     return st
+
+
+def _warm_up_kernels(st: RankState, vocab_size: int, device: torch.device) -> None:
+    """Compile, before the rank is ready, the Triton kernels whose launch configurations a
+    step picks from its shape and that no warm-up step reaches: the expert kernels' rows per
+    pass (a worker) and the race sampler with and without a threshold (a router). Each is
+    ~1 s of host time on an H200 host that a step would otherwise wait for, mid-serving."""
+    if device.type != "cuda":
+        return
+    t0 = time.perf_counter()
+    blocks = st.store.warm_up_kernels() if st.store is not None else []
+    races = 0
+    if st.runner is not None:
+        from moeserve import sampling
+        races = sampling.warm_up(vocab_size, device)
+    torch.cuda.synchronize(device)
+    if blocks or races:
+        log.info("compiled the expert kernels for rows per pass %s and %d race sampler configurations in %.1f s",
+                 blocks, races, time.perf_counter() - t0)
 
 
 def _placement_from_leader(control, placement: Placement) -> Placement:
