@@ -172,7 +172,7 @@ def _keys(seen, kernel):
 def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots):
     """A worker compiles the expert kernels at start (``ExpertStore.warm_up_kernels``) on layer
     0's views of its slot buffer; whatever a step's pairs, its launches find their key there."""
-    from expert_worker.store import expert_block_m_for
+    from moeserve.expert_worker.store import expert_block_m_for
     from moeserve import kernels as K
     from moeserve.models.moe import ExpertSpec
     spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16)
