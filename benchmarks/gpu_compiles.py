@@ -12,35 +12,23 @@ with their torch references. One H200, under a minute:
 3. Each kernel's output is compared with its torch path on one case (expert MLP: the slot
    loop; attention: the torch path; race: the torch race, token for token).
 
-Triton's JIT hooks count the compiles (``triton.knobs.runtime.jit_post_compile_hook``). Prints
+``moeserve.compilelog`` counts the compiles (Triton's JIT hooks, as ranks log them). Prints
 a table and writes JSON (``--json``, default benchmarks/results/gpu-compiles.json).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
 import sys
 import time
-from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-
-COMPILES: Counter = Counter()
-
-
-def count_compiles() -> None:
-    from triton import knobs
-
-    def after(*, key, repr, fn=None, **_):
-        COMPILES[getattr(fn, "name", None) or str(repr).split("[")[0]] += 1
-        return None
-    knobs.runtime.jit_post_compile_hook = after
-
 
 def batch_of(lens, starts, block_size, device):
     from moeserve.models.paged import PagedBatch
@@ -72,7 +60,10 @@ def main() -> int:
     from moeserve import sampling as S
     from moeserve.models.attention import attention_config, paged_attention_torch, paged_attention_triton
     from moeserve.models.moe import ExpertSpec
-    count_compiles()
+    from moeserve import compilelog
+    logging.getLogger(compilelog.__name__).setLevel(logging.ERROR)     # counted here, not logged
+    compilelog.watch()
+    COMPILES = compilelog.counts
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out: dict = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter check)",
                  "torch": torch.__version__}

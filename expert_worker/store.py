@@ -42,6 +42,7 @@ class ExpertStore:
         self._views = [spec.views(b) for b in buffers]
         self.num_workers = num_workers
         self.block_m = 0                # set per step by set_step_pairs (0: torch._grouped_mm)
+        expert_kernel_mode()            # a bad MOESERVE_EXPERT_KERNEL fails the start, not the first step
 
     @classmethod
     def from_checkpoint(cls, reader, spec: ExpertSpec, worker: int, phy2log: np.ndarray, num_workers: int,
@@ -142,19 +143,14 @@ class ExpertStore:
         header): with few rows per slot (decode) the slot-major compute takes the Triton kernels
         that stream each used expert's weights once (``moeserve.kernels.expert_mlp``), with many
         (prefill) ``torch._grouped_mm``. A speed choice only: both paths compute the same rows."""
-        mode = expert_kernel_mode()
-        if not self.buffers or not grouped_mm_applies(self.spec, self.buffers[0].device, self.spec.dtype):
-            self.block_m = 0
-            return
-        self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers, mode)
+        self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers) if self.capturable else 0
 
     def warm_up_kernels(self) -> list[int]:
         """Compile the Triton expert kernels for every rows-per-pass a step can pick, before
         serving (``kernels.warm_up_expert_mlp`` on layer 0's views: the same strides as every
         layer's). Returns the block sizes compiled; [] where a step never picks them (not CUDA
         bf16, ``MOESERVE_EXPERT_KERNEL=grouped_mm``, no Triton)."""
-        if not self.buffers or expert_block_m_for(1, 1) == 0 \
-                or not grouped_mm_applies(self.spec, self.buffers[0].device, self.spec.dtype):
+        if not self.capturable or expert_block_m_for(1, 1) == 0:
             return []
         from moeserve import kernels
         w = self.weights(0)

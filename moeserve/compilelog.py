@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 log = logging.getLogger(__name__)
 
 SLOW_COMPILE_S = 0.2
 _started: dict = {}
 _installed = False
+counts: Counter = Counter()          # compiles since ``watch``, by kernel name (benchmarks/gpu_compiles.py)
 
 
 def _before(*, key, repr, **_):
@@ -32,6 +34,7 @@ def _before(*, key, repr, **_):
 
 
 def _after(*, key, repr, **_):
+    counts[repr.split("[", 1)[0]] += 1
     t0 = _started.pop(str(key), None)
     took = time.perf_counter() - t0 if t0 is not None else float("nan")
     (log.warning if not took <= SLOW_COMPILE_S else log.info)(

@@ -5,9 +5,10 @@
 block back to the driver and frees every cached pinned host buffer (each ``cudaFreeHost``
 waits for the device). That suits captures made once at start. moeserve also captures lazily
 while it serves (a decode bucket's second use, ``moeserve.router.graphs``; an exchange body's
-second use in an eager step, ``moeserve.dataplane.nvlink``), and there each flush made the next
-steps allocate everything again: on an H200 host, eager steps at the start of a burst took
-2.5-3.8 s of host time (``slow step`` warnings) while no compile and no collection ran.
+second use in an eager step, ``moeserve.dataplane.nvlink``), and there each flush would make the
+next steps allocate everything again. A precaution, not measured: the 2.5-3.8 s eager steps at
+the start of a burst on an H200 host were most likely Triton recompiles
+(tests/test_triton_specialization.py).
 
 ``capture`` keeps the synchronisation (the capture stream must not overlap work enqueued before
 it) and the side stream, and leaves the caches alone.

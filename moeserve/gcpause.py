@@ -11,7 +11,7 @@ allocates its long-lived state once). ``watch`` logs every collection longer tha
 ``SLOW_GC_S`` with its generation, so a pause is never silent. On the H200 host no collection
 over 0.1 s was logged while serving with the heap frozen (benchmarks/results/
 serving-scout8-1gpu-gcfreeze.json); the multi-second host stalls seen there at burst starts
-were not the collector (see ``moeserve.cudagraph``).
+were not the collector (most likely Triton recompiles: tests/test_triton_specialization.py).
 """
 from __future__ import annotations
 
