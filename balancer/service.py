@@ -60,7 +60,7 @@ class Busy(Exception):
 class BalancerService(balancer_pb2_grpc.BalancerServicer):
     """``admin``: an AsyncClient of the leader's admin API (with the token and a short timeout);
     ``config``: the flags' LoopConfig (settings stored on the leader override it);
-    ``poll_s``: seconds between loop iterations; ``metrics``: a moeserve.metrics.BalancerMetrics
+    ``poll_s``: seconds between loop iterations; ``metrics``: a moeserve.ops.metrics.BalancerMetrics
     (rebalances by result and their duration) or None."""
 
     def __init__(self, admin: AsyncClient, config: LoopConfig, poll_s: float = 0.5, metrics=None):
@@ -388,7 +388,7 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
                          poll_s: float = 0.5, call_timeout_s: float = 5.0, ca_file: str | None = None,
                          on_started=None, process_metrics=None) -> None:
     """Run the balancer until SIGTERM (call inside an event loop). ``process_metrics``: the
-    process's moeserve.metrics.ProcessMetrics, which gets the balancer's and gRPC metrics."""
+    process's moeserve.ops.metrics.ProcessMetrics, which gets the balancer's and gRPC metrics."""
     from moeserve.services.server import serve_forever
     from moeserve.services.readiness import Readiness, StepWatch
     admin = AsyncClient(admin_address, token, timeout=call_timeout_s, ca_file=ca_file)
@@ -401,7 +401,7 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
 
     readiness_metrics = None
     if process_metrics is not None:
-        from moeserve.metrics import BalancerMetrics
+        from moeserve.ops.metrics import BalancerMetrics
         service.metrics = BalancerMetrics(process_metrics.registry, paused=lambda: service.paused,
                                           admin_reachable=lambda: service.admin_reachable,
                                           balancedness=lambda: service.balancedness,
@@ -412,7 +412,7 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
         from moeserve.services.metrics import grpc_interceptor
         options = dataclasses.replace(options, interceptors=(*options.interceptors,
                                                              grpc_interceptor(process_metrics, BALANCER)))
-        from moeserve.metrics import ReadinessMetrics
+        from moeserve.ops.metrics import ReadinessMetrics
         readiness_metrics = ReadinessMetrics(process_metrics.registry)
     server = ServiceServer(BALANCER, lambda s: balancer_pb2_grpc.add_BalancerServicer_to_server(service, s), options)
     server.readiness = Readiness(probe, readiness_metrics)

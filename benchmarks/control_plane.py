@@ -42,7 +42,7 @@ CALLS = list(ALL_CALLS)
 
 
 def free_port() -> int:
-    from moeserve.ports import free_port as pick        # outside the ephemeral range: see moeserve/ports.py
+    from moeserve.ops.ports import free_port as pick        # outside the ephemeral range: see moeserve/ops/ports.py
     return pick()
 
 

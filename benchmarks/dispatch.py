@@ -551,7 +551,7 @@ def main():
 def spawn(main_fn, args) -> None:
     """Run ``main_fn(rank, world, args, port)`` in ``args.ranks`` spawned processes that meet
     at a free local port (the layer benchmarks' ranks)."""
-    from moeserve.ports import free_port
+    from moeserve.ops.ports import free_port
     port = free_port()
     torch.multiprocessing.start_processes(_entry, args=(main_fn, args.ranks, args, port), nprocs=args.ranks,
                                           start_method="spawn")

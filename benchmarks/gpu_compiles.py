@@ -12,7 +12,7 @@ with their torch references. One H200, under a minute:
 3. Each kernel's output is compared with its torch path on one case (expert MLP: the slot
    loop; attention: the torch path; race: the torch race, token for token).
 
-``moeserve.compilelog`` counts the compiles (Triton's JIT hooks, as ranks log them). Prints
+``moeserve.kernels.compilelog`` counts the compiles (Triton's JIT hooks, as ranks log them). Prints
 a table and writes JSON (``--json``, default benchmarks/results/gpu-compiles.json).
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> int:
     from moeserve import sampling as S
     from moeserve.models.attention import attention_config, paged_attention_torch, paged_attention_triton
     from moeserve.models.moe import ExpertSpec
-    from moeserve import compilelog
+    from moeserve.kernels import compilelog
     logging.getLogger(compilelog.__name__).setLevel(logging.ERROR)     # counted here, not logged
     compilelog.watch()
     COMPILES = compilelog.counts

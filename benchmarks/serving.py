@@ -212,7 +212,7 @@ ROOFLINE_KEYS = ("gpus", "weight_bytes_per_gpu", "kv_bytes_per_step_per_gpu", "b
 
 
 def free_port() -> int:
-    from moeserve.ports import free_port as pick        # outside the ephemeral range: see moeserve/ports.py
+    from moeserve.ops.ports import free_port as pick        # outside the ephemeral range: see moeserve/ops/ports.py
     return pick()
 
 
@@ -812,7 +812,7 @@ def ratio(a, b):
 
 
 def read_profiles(folder: str) -> dict:
-    """The ranks' step profiles (``moeserve.profiling``) with the breakdown of a step's device
+    """The ranks' step profiles (``moeserve.ops.profiling``) with the breakdown of a step's device
     time: attention, expert matmuls (and their weight-read rate when known), exchange (dispatch
     and combine less the matmuls inside them), LM head + sampling, the rest; and host times."""
     out: dict = {}
@@ -1665,7 +1665,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-timeout", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, metavar="START:COUNT",
-                   help="profile forward steps START .. START+COUNT-1 on every rank (moeserve.profiling); "
+                   help="profile forward steps START .. START+COUNT-1 on every rank (moeserve.ops.profiling); "
                         "e.g. 80:20 lands in the burst's steady decode")
     p.add_argument("--json", default=None, help="output file (default benchmarks/results/serving-<shape>.json)")
     a = p.parse_args(argv)

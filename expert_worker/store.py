@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from moeserve.dataplane.exchange import RecvCounts, slot_major_index
-from moeserve.profiling import span
+from moeserve.ops.profiling import span
 from moeserve.models.moe import ExpertSpec, grouped_expert_forward
 
 

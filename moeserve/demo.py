@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moeserve.ops.procs import child_env, module_command
+
 FAMILY = "llama4"
 HOT_EXPERTS = 2
 CHECKPOINT_VERSION = 1            # bump when init_model's output for the demo changes
@@ -187,7 +189,7 @@ class UpProcess:
     def __init__(self, model_dir: Path, opts: DemoOptions, log_dir: Path):
         self.token = secrets.token_urlsafe(18)
         self.log_dir = log_dir
-        self.cmd = [sys.executable, "-m", "moeserve", "up", "--model", str(model_dir),
+        self.cmd = [*module_command("moeserve", "up"), "--model", str(model_dir),
                     "--routers", str(opts.routers), "--workers", str(opts.workers), "--enable-eplb",
                     "--num-redundant-experts", str(opts.num_redundant_experts),
                     # The whole demo fits in the window; the balancer's loop waits for the demo's call.
@@ -195,7 +197,7 @@ class UpProcess:
                     "--eplb-move-budget", str(opts.move_budget),
                     "--port", "0", "--admin-port", "0", "--balancer-port", "0", f"--admin-token={self.token}",  # "=": a token may start with "-"
                     "--metrics-port", str(opts.metrics_port), "--log-dir", str(log_dir)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        env = child_env(None, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         from moeserve.cluster.launcher import _die_with_parent
         # Its own session (Ctrl-C reaches the demo, which stops it in order), and killed with us.
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -407,7 +409,7 @@ def _shares(worker_load: np.ndarray) -> np.ndarray:
 
 
 def write_plot(r: DemoResult, path: Path, out) -> None:
-    from moeserve.plot import LoadPicture, PlotUnavailable, plot_load
+    from moeserve.ops.plot import LoadPicture, PlotUnavailable, plot_load
     pics = [LoadPicture(f"before the rebalance (placement v{r.before.version})", r.before.load, r.before.phy2log,
                         r.before.worker_load.shape[1], r.before.steps),
             LoadPicture(f"after the rebalance (placement v{r.after.version})", r.after.load, r.after.phy2log,

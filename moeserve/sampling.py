@@ -35,7 +35,7 @@ top-p softmax is taken of (x - max) / T <= 0.
 **Cost per step at B = 256, V = 202,048 on an H200** (51.7 M logits, 207 MB in fp32; ~4.3 TB/s
 reached by copies; estimates from bytes and instructions, not yet timed on the GPU):
 - all greedy: one ``argmax``, one read of the logits: ~50 us.
-- random rows, no filter: one launch of ``_triton_sampling.race_kernel`` over (row, vocabulary
+- random rows, no filter: one launch of ``triton_sampling.race_kernel`` over (row, vocabulary
   chunk): reads the logits once and keeps the Philox words and the keys in registers (nothing
   [B, V] is written). Floor 207 MB / 4.3 TB/s = 48 us; per logit ~25 integer ops (a Philox-10
   call, 40 multiplies, serves 4 logits), 2 logs and a division: ~60 instructions, ~3 G lane
@@ -269,7 +269,7 @@ def _race_torch(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | N
 @functools.lru_cache(maxsize=None)
 def _kernel():
     import importlib
-    return importlib.import_module("moeserve._triton_sampling").race_kernel
+    return importlib.import_module("moeserve.kernels.triton_sampling").race_kernel
 
 
 RACE_TILE = 1024           # logits per iteration of the race kernel (256 Philox counters)

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from moeserve import cudagraph
+from moeserve.kernels import cudagraph
 from moeserve.models.attention import MAX_SEGMENTS, MIN_KEYS_PER_SEGMENT, attention_config
 from moeserve.models.paged import PagedBatch
 

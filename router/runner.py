@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from moeserve.dataplane.exchange import idle_walk
-from moeserve.profiling import span
+from moeserve.ops.profiling import span
 from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.router.dispatcher import DistributedExperts

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from moeserve import ports
+from moeserve.ops import ports
 from moeserve.client import Client
 
 TOKEN = "test-token"

@@ -20,12 +20,12 @@ FOLDERS = {"moeserve": "moeserve", "router": "moeserve.router", "expert_worker":
 GRPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "moeserve.rpc", "moeserve.services",
         "moeserve.wire", "moeserve.client")
 SERVING = ("moeserve.router", "moeserve.expert_worker", "moeserve.balancer", "moeserve.cluster", "moeserve.dataplane",
-           "moeserve.services", "moeserve.client", "moeserve.rpc", "moeserve.wire", "moeserve.metrics", "grpc")
+           "moeserve.services", "moeserve.client", "moeserve.rpc", "moeserve.wire", "moeserve.ops.metrics", "grpc")
 # What a rank imports at start (moeserve.cluster.rank.build and serve): its roles' modules.
 RANK_START = ["moeserve.cluster.rank", "moeserve.dataplane.step", "moeserve.dataplane.collective",
               "moeserve.dataplane.nvlink", "moeserve.router.dispatcher", "moeserve.router.runner",
               "moeserve.router.engine.leader", "moeserve.router.engine.channel", "moeserve.expert_worker.store",
-              "moeserve.expert_worker.migration", "moeserve.metrics", "moeserve.models"]
+              "moeserve.expert_worker.migration", "moeserve.ops.metrics", "moeserve.models"]
 
 
 def _modules() -> dict[str, Path]:

@@ -181,7 +181,7 @@ def test_a_bad_step_model_file_is_exit_code_2_before_anything_starts(tmp_path, c
 
 def test_the_balancer_s_metrics_show_predicted_step_time_beside_balancedness():
     from prometheus_client import CollectorRegistry, generate_latest
-    from moeserve.metrics import BalancerMetrics
+    from moeserve.ops.metrics import BalancerMetrics
     reg = CollectorRegistry()
     BalancerMetrics(reg, balancedness=lambda: 0.75, predicted_step_s=lambda: 0.0123, step_efficiency=lambda: 0.5)
     text = generate_latest(reg).decode()

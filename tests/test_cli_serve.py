@@ -48,16 +48,17 @@ def offline_env(hf_home, **more) -> dict:
 class Serve:
     """``moeserve serve ...`` as a subprocess, ready when it printed "ready"."""
 
-    def __init__(self, args, env, wait_ready=True, timeout_s=240.0):
+    def __init__(self, args, env, wait_ready=True, timeout_s=240.0, command=(sys.executable, "-m", "moeserve"),
+                 cwd=None):
         self.http, self.grpc, self.admin, self.balancer = free_ports(4)
         self.log_dir = tempfile.mkdtemp(prefix="moeserve-serve-")
         self.out_path = os.path.join(self.log_dir, "serve.out")
-        self.cmd = [sys.executable, "-m", "moeserve", "serve", *args, "--port", str(self.http), "--grpc-port",
+        self.cmd = [*command, "serve", *args, "--port", str(self.http), "--grpc-port",
                     str(self.grpc), "--admin-port", str(self.admin), "--balancer-port", str(self.balancer),
                     "--admin-token", TOKEN, "--log-dir", self.log_dir, "--grace-period", "10"]
         with open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env)
+                                         env=env, cwd=cwd)
         if wait_ready:
             self.wait_for("ready", timeout_s)
 
@@ -110,7 +111,7 @@ def test_serve_a_hub_id_from_an_offline_cache(tiny, hf_home):
         assert [m.id for m in c.models.list().data] == [REPO]
         got = c.completions.create(model=REPO, prompt=[1, 5, 6, 7], max_tokens=8, temperature=0,
                                    extra_body={"ignore_eos": True})
-        from moeserve.services.admission import ModelTokenizer
+        from moeserve.services.tokenizer import ModelTokenizer
         assert got.choices[0].text == ModelTokenizer.load(tiny).decode(want_ids)
         chat = c.chat.completions.create(model=REPO, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                          temperature=0)
@@ -132,6 +133,28 @@ def test_serve_a_hub_id_from_an_offline_cache(tiny, hf_home):
     while any(alive(p) for p in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in kids), "a child outlived moeserve serve"
+
+
+def test_serve_from_a_folder_that_holds_a_checkout_named_moeserve(tiny, hf_home, tmp_path):
+    """A plain ``git clone`` names its folder after the project: started from the folder above
+    it, every child process (ranks, front end, balancer) still imports the installed moeserve,
+    not the checkout's root as a namespace package, and the cluster serves."""
+    import openai
+
+    script = Path(sys.executable).with_name("moeserve")
+    assert script.exists(), f"the console script {script} is missing: install moeserve (scripts/setup)"
+    checkout = tmp_path / "moeserve"
+    for folder in ("router", "expert_worker", "balancer", "proto", "tests"):   # what a checkout's root holds
+        (checkout / folder).mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("[project]\nname = 'moeserve'\n")
+    env = offline_env(hf_home)
+    s = Serve([str(tiny), "--max-model-len", "256"], env, command=(str(script),), cwd=tmp_path)
+    try:
+        c = openai.OpenAI(base_url=s.base, api_key="none", max_retries=0, timeout=60)
+        out = c.completions.create(model=str(tiny), prompt=[1, 5, 6, 7], max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+    finally:
+        assert s.stop() == 0
 
 
 def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
@@ -271,7 +294,7 @@ def test_vllm_ssl_flags_are_the_tls_files_of_every_server(tiny, tmp_path, capsys
 @pytest.mark.parametrize("flag", [["--tokenizer", "none"], ["--skip-tokenizer-init"]])
 def test_tokenizer_none_gives_the_front_end_no_tokenizer(tiny, flag, monkeypatch):
     from moeserve.cli import up
-    from moeserve.services.admission import ModelTokenizer
+    from moeserve.services.tokenizer import ModelTokenizer
     seen = {}
 
     def fake_run(args):

@@ -1,9 +1,9 @@
-"""moeserve.compilelog: Triton's JIT hooks log each compile with its specialization and time."""
+"""moeserve.kernels.compilelog: Triton's JIT hooks log each compile with its specialization and time."""
 import logging
 
 import pytest
 
-from moeserve import compilelog
+from moeserve.kernels import compilelog
 
 pytestmark = pytest.mark.timeout(60)
 knobs = pytest.importorskip("triton").knobs

@@ -165,7 +165,7 @@ def project_objects(podman: str) -> dict[str, list[str]]:
 
 
 def free_port() -> int:
-    from moeserve.ports import free_port as pick
+    from moeserve.ops.ports import free_port as pick
     return pick()
 
 

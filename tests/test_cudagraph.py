@@ -1,9 +1,9 @@
-"""moeserve.cudagraph.capture: what it asks of torch.cuda, checked with a stand-in (no GPU here;
+"""moeserve.kernels.cudagraph.capture: what it asks of torch.cuda, checked with a stand-in (no GPU here;
 the serving benchmark's GPU runs capture for real)."""
 import pytest
 import torch
 
-from moeserve import cudagraph
+from moeserve.kernels import cudagraph
 
 pytestmark = pytest.mark.timeout(60)
 

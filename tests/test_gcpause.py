@@ -1,10 +1,10 @@
-"""moeserve.gcpause: the start-up heap leaves the collector's reach and slow collections are logged."""
+"""moeserve.ops.gcpause: the start-up heap leaves the collector's reach and slow collections are logged."""
 import gc
 import logging
 
 import pytest
 
-from moeserve import gcpause
+from moeserve.ops import gcpause
 
 pytestmark = pytest.mark.timeout(60)
 

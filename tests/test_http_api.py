@@ -41,7 +41,7 @@ class Front:
     def __init__(self, engine, tokenizer, api_key=KEY, names=(MODEL,), max_model_len=MAX_MODEL_LEN, tls=(None, None)):
         import uvloop
 
-        from moeserve.metrics import FrontendMetrics, ProcessMetrics
+        from moeserve.ops.metrics import FrontendMetrics, ProcessMetrics
         from moeserve.services.admission import Admission, AdmissionLimits
         from moeserve.services.frontend import make_server
         from moeserve.services.http import HttpApi, HttpServer
@@ -80,7 +80,7 @@ class Served:
     def __init__(self, family, tmp):
         from moeserve.cluster.launcher import LocalCluster
         from moeserve.router.engine.channel import AsyncEngineClient
-        from moeserve.services.admission import ModelTokenizer
+        from moeserve.services.tokenizer import ModelTokenizer
         from transformers import AutoTokenizer
 
         self.family = family

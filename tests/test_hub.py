@@ -1,4 +1,4 @@
-"""moeserve.hub: a model named by a folder or a Hugging Face id, resolved through huggingface_hub's
+"""moeserve.ops.hub: a model named by a folder or a Hugging Face id, resolved through huggingface_hub's
 cache. Tests build the cache's layout on disk (blobs, refs, snapshots of symlinks) and resolve
 offline; nothing is downloaded, and HF_ENDPOINT points at a closed local port so that an
 attempt to reach the Hub could not succeed."""
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moeserve import hub
+from moeserve.ops import hub
 
 pytestmark = pytest.mark.timeout(60)
 

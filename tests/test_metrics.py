@@ -1,4 +1,4 @@
-"""Metrics of every process (moeserve/metrics.py, moeserve/services/metrics.py for gRPC servers):
+"""Metrics of every process (moeserve/ops/metrics.py, moeserve/services/metrics.py for gRPC servers):
 names, series present from the start, what the leader, routers, front end, balancer and gRPC
 servers record, that docs/metrics.md lists them all, and promtool's verdict."""
 import asyncio
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from moeserve import metrics as M
+from moeserve.ops import metrics as M
 from moeserve.placement import MigrationProgress, MigrationState
 from moeserve.router.engine.api import EngineStatus, LoadReport
 from moeserve.services import metrics as GM
@@ -358,7 +358,7 @@ def test_docs_metrics_md_lists_every_metric_with_its_type_and_labels_and_no_othe
 
 
 def test_importing_the_metrics_module_imports_no_grpc_or_protobuf():
-    code = ("import sys\nimport moeserve.metrics\n"
+    code = ("import sys\nimport moeserve.ops.metrics\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_health') "
             "or m.startswith('google.protobuf'))\nassert not bad, bad\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
@@ -372,7 +372,7 @@ def test_promtool_finds_nothing_to_say_about_a_registry_with_every_group():
 def test_a_rank_with_metrics_on_imports_no_grpc_code():
     """The GPU machines have no protobuf: what a rank records must not need it (only the
     leader's admin API, a gRPC server anyway, uses the gRPC interceptor)."""
-    code = ("import sys\nfrom moeserve import metrics as M\nimport moeserve.cluster.rank\n"
+    code = ("import sys\nfrom moeserve.ops import metrics as M\nimport moeserve.cluster.rank\n"
             "pm = M.ProcessMetrics('router', 0)\nM.RouterMetrics(pm.registry)\nM.scrape_text(pm.registry)\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'moeserve.rpc', "
             "'moeserve.services', 'moeserve.client')))\nassert not bad, bad\n")

@@ -1,5 +1,5 @@
 """The paged KV cache and batched attention (moeserve.models.paged, moeserve.models.attention,
-moeserve._triton_attention): the whole model through (PagedBatch, PagedKVCache) equals the eager
+moeserve.kernels.triton_attention): the whole model through (PagedBatch, PagedKVCache) equals the eager
 (StepBatch, KVCache) oracle; the Triton kernel, run by Triton's interpreter on CPU tensors in
 fp32 with IEEE dots, equals the torch path; PagedBatch.build's metadata on a golden example.
 

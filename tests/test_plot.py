@@ -1,11 +1,11 @@
-"""Load heatmaps (moeserve/plot.py): one dump, two side by side, bad files, matplotlib missing."""
+"""Load heatmaps (moeserve/ops/plot.py): one dump, two side by side, bad files, matplotlib missing."""
 import builtins
 import json
 
 import numpy as np
 import pytest
 
-from moeserve.plot import LoadPicture, PlotUnavailable, plot_load
+from moeserve.ops.plot import LoadPicture, PlotUnavailable, plot_load
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +78,7 @@ def test_without_matplotlib_the_message_says_how_to_install_it(tmp_path, monkeyp
 
 
 def test_replicas_that_stayed_idle_are_marked(tmp_path, monkeypatch):
-    from moeserve import plot
+    from moeserve.ops import plot
     load = LOAD.copy()
     load[0, 1] = 0                                  # expert 1 of layer 0 got no pair: both its copies idle
     load[1, 7] = 0

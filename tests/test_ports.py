@@ -1,10 +1,10 @@
 """Free ports that stay free until their server binds them, and ports in use reported before
-anything loads (moeserve.ports, ``moeserve up``)."""
+anything loads (moeserve.ops.ports, ``moeserve up``)."""
 import socket
 
 import pytest
 
-from moeserve import ports
+from moeserve.ops import ports
 from moeserve.cli import main
 
 

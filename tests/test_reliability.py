@@ -178,7 +178,8 @@ def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(clu
     until the test releases it: a stream of ids completes meanwhile (no timing assertion)."""
     from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.rpc import serving_pb2_grpc
-    from moeserve.services.admission import Admission, ModelTokenizer
+    from moeserve.services.admission import Admission
+    from moeserve.services.tokenizer import ModelTokenizer
     from moeserve.services.frontend import ServingService
     from moeserve.services.server import SERVING, ServerOptions, ServiceServer, ThreadedServer
 

@@ -30,8 +30,8 @@ from triton_util import needs_triton
 
 pytestmark = [needs_triton, pytest.mark.timeout(300)]
 
-MODULES = ("moeserve._triton_attention", "moeserve._triton_sampling", "moeserve._triton_experts",
-           "moeserve._triton_kernels")
+MODULES = ("moeserve.kernels.triton_attention", "moeserve.kernels.triton_sampling", "moeserve.kernels.triton_experts",
+           "moeserve.kernels.triton_exchange")
 
 
 def _forget_kernels():

@@ -221,7 +221,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_hub_flags(p: argparse.ArgumentParser) -> None:
-    """Models by Hugging Face id (moeserve.hub)."""
+    """Models by Hugging Face id (moeserve.ops.hub)."""
     g = p.add_argument_group("models by Hugging Face id")
     g.add_argument("--revision", metavar="REV", help="the model's branch, tag or commit (default main)")
     g.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="tokenizer folder or id (default: the model's)")
@@ -274,7 +274,7 @@ def start_metrics(args, role: str):
     """The process's ProcessMetrics serving on --host:--metrics-port, or None without the flag."""
     if args.metrics_port is None:
         return None
-    from moeserve.metrics import ProcessMetrics
+    from moeserve.ops.metrics import ProcessMetrics
     pm = ProcessMetrics(role)
     try:
         pm.serve(args.metrics_port, args.host)

@@ -147,7 +147,7 @@ def run_placement(args: argparse.Namespace) -> int:
 
 
 def _plot(path: str, pictures) -> None:
-    from moeserve.plot import PlotUnavailable, plot_load
+    from moeserve.ops.plot import PlotUnavailable, plot_load
     try:
         plot_load(pictures, path)
     except PlotUnavailable as e:
@@ -169,7 +169,7 @@ def run_load(args: argparse.Namespace) -> int:
     if args.dumps:
         if not args.plot:
             raise UsageError("DUMP files are read by --plot: moeserve load --plot FILE.png DUMP [DUMP]")
-        from moeserve.plot import LoadPicture
+        from moeserve.ops.plot import LoadPicture
         try:
             pics = [LoadPicture.from_dump(f) for f in args.dumps]
         except ValueError as e:
@@ -186,7 +186,7 @@ def run_load(args: argparse.Namespace) -> int:
         with open(args.dump, "w") as f:
             json.dump(d, f)
     if args.plot:
-        from moeserve.plot import LoadPicture
+        from moeserve.ops.plot import LoadPicture
         p = d["placement"]
         _plot(args.plot, [LoadPicture(f"window of {rep.steps} steps (placement v{p['version']})", np.asarray(rep.load),
                                       np.asarray(p["phy2log"]), p["num_workers"], rep.steps)])

@@ -2,7 +2,7 @@
 vLLM user expects from ``vllm serve MODEL``.
 
 MODEL is a folder or a Hugging Face id, resolved through huggingface_hub's cache
-(``moeserve.hub``: ``$HF_HOME``, ``$HF_HUB_OFFLINE``, ``--revision``, ``--download-dir``,
+(``moeserve.ops.hub``: ``$HF_HOME``, ``$HF_HUB_OFFLINE``, ``--revision``, ``--download-dir``,
 ``--tokenizer``). It runs ``moeserve up`` with the HTTP API on ``--port`` (default 8000) and the
 gRPC serving API on ``--grpc-port`` (default 8003); the admin API and the balancer keep their
 ports (8001, 8002). It shows progress while the ranks load the weights and prints every
@@ -184,7 +184,7 @@ def _backend(args, world: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve import hub
+    from moeserve.ops import hub
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise UsageError(f"MODEL {args.model_tag} and --model {args.model} disagree: give one")

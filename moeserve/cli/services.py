@@ -179,10 +179,10 @@ def run_frontend(args: argparse.Namespace) -> int:
     metrics = None
     pm = F.start_metrics(args, "frontend")
     if pm is None and args.http_port is not None:       # /metrics on the HTTP port
-        from moeserve.metrics import ProcessMetrics
+        from moeserve.ops.metrics import ProcessMetrics
         pm = ProcessMetrics("frontend")
     if pm is not None:
-        from moeserve.metrics import FrontendMetrics
+        from moeserve.ops.metrics import FrontendMetrics
         from moeserve.services.server import SERVING
         metrics = FrontendMetrics(pm.registry)
         from moeserve.services.metrics import grpc_interceptor
@@ -193,13 +193,13 @@ def run_frontend(args: argparse.Namespace) -> int:
                           AdmissionLimits(max_model_len=args.max_model_len))
     readiness_metrics = None
     if pm is not None:
-        from moeserve.metrics import ReadinessMetrics
+        from moeserve.ops.metrics import ReadinessMetrics
         readiness_metrics = ReadinessMetrics(pm.registry)
     readiness = Readiness(channel_probe(engine), readiness_metrics)     # grpc.health and /health follow it
     srv = make_server(None, None, opts, admission=admission, api_key=api_key, readiness=readiness)
     def ready(port):
         print(f"serving front end on {args.host}:{port}", flush=True)
-        from moeserve import gcpause
+        from moeserve.ops import gcpause
         gcpause.freeze_startup_heap()          # full collections skip the start-up heap
 
     if args.http_port is None:
@@ -238,7 +238,7 @@ async def _serve_both(grpc_server, http, host: str) -> None:
         await http.stop()
         raise
     print(f"serving front end on {host}:{grpc_server.port}", flush=True)
-    from moeserve import gcpause
+    from moeserve.ops import gcpause
     gcpause.freeze_startup_heap()                  # full collections skip the start-up heap
     await stop.wait()
     logging.getLogger("moeserve.services").info("front end: shutting down (grace %.0f s)", http.grace_s)

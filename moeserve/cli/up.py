@@ -9,7 +9,7 @@ dies it is started again (serving goes on meanwhile), and so is the front end (c
 retry are served); a lost expert worker is replaced by the launcher (docs/dataplane.md, "When a
 peer dies"); when a router or the leader dies, everything is torn down and the exit code is 1.
 A port given on the command line that is in use is reported before anything loads (exit 1);
-ports given as 0 are picked outside the kernel's ephemeral range (``moeserve.ports``), so that
+ports given as 0 are picked outside the kernel's ephemeral range (``moeserve.ops.ports``), so that
 no rank's outgoing connection takes one before its server binds it.
 
 ``--http-port H``: the front end also serves the OpenAI-compatible HTTP API on H
@@ -34,6 +34,7 @@ import time
 
 from moeserve.cli import UsageError
 from moeserve.cli import flags as F
+from moeserve.ops.procs import child_env, module_command
 
 
 def register(subparsers) -> None:
@@ -83,7 +84,7 @@ def metrics_layout(base: int | None, world_size: int, taken=()) -> dict[str, int
     frontend = M+2, rank r = M+2+r for r >= 1; M = 0 gives each a free port, none of ``taken``."""
     if base is None:
         return None
-    from moeserve.ports import free_port
+    from moeserve.ops.ports import free_port
     names = ["rank0", "balancer", "frontend"] + [f"rank{r}" for r in range(1, world_size)]
     if base == 0:
         ports: list[int] = []
@@ -97,7 +98,7 @@ def metrics_layout(base: int | None, world_size: int, taken=()) -> dict[str, int
 
 def run(args: argparse.Namespace) -> int:
     from moeserve.cluster.launcher import LocalCluster, _die_with_parent, describe_exit
-    from moeserve.ports import check_bindable, free_port
+    from moeserve.ops.ports import check_bindable, free_port
     from moeserve.router.engine.channel import ClusterError
 
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = metrics_layout(args.metrics_port, world, taken=list(ports.values()))
     # A port in use is reported now, not after the ranks have loaded the weights (minutes for
     # a real checkpoint). Ports this process picks lie outside the ephemeral range, so that no
-    # rank's outgoing connection takes one meanwhile (moeserve.ports).
+    # rank's outgoing connection takes one meanwhile (moeserve.ops.ports).
     serve = getattr(args, "command", None) == "serve"
     flag = {"port": "--grpc-port" if serve else "--port", "admin_port": "--admin-port",
             "balancer_port": "--balancer-port", "http_port": "--port (the HTTP API)" if serve else "--http-port"}
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         except ClusterError as e:
             print(f"{prog}: the cluster did not start: {e}", file=sys.stderr, flush=True)
             return 1
-        env = dict(os.environ, MOESERVE_PARENT_PID=str(os.getpid()), MOESERVE_ADMIN_TOKEN=token,
+        env = child_env(None, MOESERVE_PARENT_PID=str(os.getpid()), MOESERVE_ADMIN_TOKEN=token,
                    **{F.CONTROL_KEY_ENV: cluster.authkey.hex()})
         api_key = F.api_key(args)
         if api_key:
@@ -173,13 +174,13 @@ def run(args: argparse.Namespace) -> int:
             common += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
         chost, cport = cluster.control_address
         tokenizer = getattr(args, "tokenizer_dir", None) or args.model
-        front = [sys.executable, "-m", "moeserve", "frontend", "--port", str(ports["port"]),
+        front = [*module_command("moeserve", "frontend"), "--port", str(ports["port"]),
                  "--control-address", f"{chost}:{cport}", "--model", tokenizer,
                  "--max-model-len", str(args.max_model_len), *common]
         names = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
         if http_port is not None:
             front += ["--http-port", str(ports["http_port"]), "--served-model-name", *names]
-        bal = [sys.executable, "-m", "moeserve", "balancer", "--balancer-port", str(ports["balancer_port"]),
+        bal = [*module_command("moeserve", "balancer"), "--balancer-port", str(ports["balancer_port"]),
                "--admin-address", f"{host}:{ports['admin_port']}", "--eplb-step-interval", str(loop.step_interval),
                "--eplb-min-balancedness", str(loop.min_balancedness), "--eplb-min-gain", str(loop.min_gain),
                "--eplb-move-cost", str(loop.move_cost), "--eplb-move-budget", str(loop.move_budget),

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeserve import ports
+from moeserve.ops import ports
+from moeserve.ops.procs import child_env, module_command
 from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
@@ -38,7 +39,7 @@ RESTART_WINDOW_S = 60.0      # more replacements of one rank than max_worker_res
 
 
 def free_port() -> int:
-    """A free port outside the kernel's ephemeral range (``moeserve.ports.free_port``)."""
+    """A free port outside the kernel's ephemeral range (``moeserve.ops.ports.free_port``)."""
     return ports.free_port()
 
 
@@ -189,8 +190,7 @@ class LocalCluster:
             f.write(cfg.to_json())
         authkey = secrets.token_bytes(16)
         port = free_port()
-        base = dict(os.environ)
-        base.update(self.env)
+        base = child_env(self.env)
         base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(cfg.world_size),
                     MOESERVE_CLUSTER_CONFIG=cfg_path, MOESERVE_RUN_DIR=self.run_dir,
                     MOESERVE_AUTHKEY=authkey.hex(), MOESERVE_PARENT_PID=str(os.getpid()))
@@ -206,7 +206,7 @@ class LocalCluster:
             path = os.path.join(logs, f"rank{rank}.log")
             self.log_paths.append(path)
             out = open(path, "wb")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "moeserve.cluster.rank"], env=env,
+            self.procs.append(subprocess.Popen(module_command("moeserve.cluster.rank"), env=env,
                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                preexec_fn=_die_with_parent))
             out.close()
@@ -306,7 +306,7 @@ class LocalCluster:
         with open(self.log_paths[rank], "ab") as out:
             out.write(f"--- rank {rank} exited with {describe_exit(code)}: starting its replacement ---\n".encode())
             out.flush()
-            self.procs[rank] = subprocess.Popen([sys.executable, "-m", "moeserve.cluster.rank"], env=self._envs[rank],
+            self.procs[rank] = subprocess.Popen(module_command("moeserve.cluster.rank"), env=self._envs[rank],
                                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                 preexec_fn=_die_with_parent)
         return True

@@ -341,7 +341,7 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
     metrics = None
     try:
         if metrics_port is not None:                   # before the model loads: a slow start shows
-            from moeserve.metrics import ProcessMetrics
+            from moeserve.ops.metrics import ProcessMetrics
             metrics = ProcessMetrics(cfg.role(rank).name, rank)
             metrics.serve(metrics_port, cfg.host)
             log.info("metrics on http://%s:%d/metrics", cfg.host, metrics.port)
@@ -374,7 +374,7 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
                 server.write_address(os.path.join(run_dir, "control.json"))
             log.info("leader ready: %d routers, %d workers, world %d, local channel on %s:%d",
                      cfg.routers, cfg.workers, cfg.world_size, *server.address)
-        from moeserve import compilelog, gcpause
+        from moeserve.kernels import compilelog, gcpause
         gcpause.freeze_startup_heap()                  # full collections skip the start-up heap
         if cfg.backend == "nccl":
             compilelog.watch()                         # every Triton compile from here on is logged
@@ -418,7 +418,7 @@ def _load_hook(spec: str):
 def _record_metrics(metrics, st: RankState, cfg: ClusterConfig) -> None:
     """Hand this rank's roles what they record: the leader's step hook and state, the router's
     dispatch/combine timings."""
-    from moeserve.metrics import LeaderMetrics, RouterMetrics
+    from moeserve.ops.metrics import LeaderMetrics, RouterMetrics
     if st.leader is not None:
         st.leader.metrics = LeaderMetrics(metrics.registry, st.leader, cfg.per_expert_metrics)
     if st.runner is not None:

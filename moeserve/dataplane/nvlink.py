@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeserve import cudagraph, kernels
+from moeserve import kernels
+from moeserve.kernels import cudagraph
 from moeserve.dataplane.exchange import Topology, count
 from moeserve.models.moe import RoutingResult
 

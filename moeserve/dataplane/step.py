@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moeserve import profiling
+from moeserve.ops import profiling
 
 from moeserve.dataplane.exchange import Exchange, Topology, idle_walk
 from moeserve.dataplane.header_wire import HeaderWire

@@ -6,7 +6,7 @@
   the device from config.json alone);
 - layers.py, cache.py: norms, RoPE, attention over the ``KVCache``, the varlen ``StepBatch``;
 - paged.py, attention.py: the paged KV cache (``PagedKVCache``), a step's ``PagedBatch``, and
-  batched attention over them (torch, or Triton on CUDA: ``moeserve._triton_attention``);
+  batched attention over them (torch, or Triton on CUDA: ``moeserve.kernels.triton_attention``);
 - llama4.py, ernie45.py: each family's router-side MoE block and weight names;
 - model.py: ``load_model`` -> ``DecoderModel`` (step / forward / generate) and ``MoEInfo``;
 - init.py: ``init_model`` writes a small random checkpoint without transformers.

@@ -18,7 +18,7 @@ Two implementations, one per device:
   its queries into [S, Q, Hq, D]; one batched masked matmul / softmax / matmul. Memory grows as
   S * Q * L, acceptable for the CPU tests and small batches, not for serving.
 - ``paged_attention_triton``: CUDA. One launch of a varlen flash-attention over the paged
-  cache for the whole mixed step (``moeserve._triton_attention``); a second, tiny launch only
+  cache for the whole mixed step (``moeserve.kernels.triton_attention``); a second, tiny launch only
   when the key range is split into segments (long decodes with too few programs to fill the GPU).
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    return fresh_module("moeserve._triton_attention")
+    return fresh_module("moeserve.kernels.triton_attention")
 
 
 def _interpreted() -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moeserve.models import ernie45, llama4
-from moeserve.profiling import span
+from moeserve.ops.profiling import span
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.checkpoint import CheckpointReader
 from moeserve.models.config import ModelConfig

@@ -294,7 +294,7 @@ def start_admin(engine: EngineAPI, options: ServerOptions, process_metrics=None)
     srv = ServiceServer(ADMIN, lambda s: admin_pb2_grpc.add_AdminServicer_to_server(service, s), options)
     metrics = None
     if process_metrics is not None:
-        from moeserve.metrics import ReadinessMetrics
+        from moeserve.ops.metrics import ReadinessMetrics
         metrics = ReadinessMetrics(process_metrics.registry)
     srv.readiness = Readiness(engine_probe(engine, getattr(engine.cfg, "heartbeat_s", None)), metrics)
     server = ThreadedServer(srv)

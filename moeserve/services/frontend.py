@@ -35,7 +35,8 @@ import grpc
 from moeserve.router.engine.api import Finished, GenerateRequest, InvalidRequest, Token
 from moeserve.router.engine.channel import AsyncEngineClient
 from moeserve.rpc import serving_pb2, serving_pb2_grpc
-from moeserve.services.admission import Admission, Detokenizer, ModelTokenizer, RequestFailed
+from moeserve.services.admission import Admission, RequestFailed
+from moeserve.services.tokenizer import Detokenizer, ModelTokenizer
 from moeserve.services.errors import abort_for
 from moeserve.services.server import SERVING, UNGUARDED, ServerOptions, ServiceServer, _abort_handler
 from moeserve.wire import FINISH_REASONS
@@ -76,7 +77,7 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
 
 class ServingService(serving_pb2_grpc.ServingServicer):
     """``engine``: an AsyncEngineClient to the leader; ``tokenizer``: a ModelTokenizer, a
-    tokenizers.Tokenizer or None; ``metrics``: a moeserve.metrics.FrontendMetrics (request
+    tokenizers.Tokenizer or None; ``metrics``: a moeserve.ops.metrics.FrontendMetrics (request
     latencies and tokens) or None; ``admission``: the shared admission path (built from the
     other three when not given)."""
 

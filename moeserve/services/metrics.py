@@ -3,8 +3,8 @@ installs to count its calls and time them.
 
 ``moeserve_grpc_server_handled_total{grpc_service, grpc_method, grpc_code}`` and
 ``moeserve_grpc_server_handling_seconds{grpc_service, grpc_method}`` (docs/metrics.md lists
-every metric). They live in the registry of the process's :class:`moeserve.metrics.ProcessMetrics`;
-this module is apart from ``moeserve.metrics`` so that a rank's metrics never import gRPC or
+every metric). They live in the registry of the process's :class:`moeserve.ops.metrics.ProcessMetrics`;
+this module is apart from ``moeserve.ops.metrics`` so that a rank's metrics never import gRPC or
 protobuf (the data plane's machines may have neither).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ _by_registry_lock = threading.Lock()
 def grpc_interceptor(process_metrics, service: str) -> grpc.aio.ServerInterceptor:
     """A ``grpc.aio.ServerInterceptor`` counting the calls of ``service`` (full name, e.g.
     ``moeserve.v1.Admin``) and of health checks in ``process_metrics``' registry (a
-    :class:`moeserve.metrics.ProcessMetrics`); its series start at 0 for every method."""
+    :class:`moeserve.ops.metrics.ProcessMetrics`); its series start at 0 for every method."""
     registry = process_metrics.registry
     with _by_registry_lock:
         m = _by_registry.get(registry)

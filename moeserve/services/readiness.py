@@ -30,7 +30,7 @@ log = logging.getLogger("moeserve.services")
 STALL_S = 5.0          # the least time without a step that counts as a stall
 POLL_S = 1.0
 PROBE_TIMEOUT_S = 3.0
-REASONS = ("step_stalled", "leader_unreachable", "cluster_failed")   # as moeserve.metrics.READY_REASONS
+REASONS = ("step_stalled", "leader_unreachable", "cluster_failed")   # as moeserve.ops.metrics.READY_REASONS
 
 
 def stall_deadline(heartbeat_s: float | None = None) -> float:
@@ -77,7 +77,7 @@ class Readiness:
     """Polls ``probe`` (an async callable returning None when the cluster can take a request,
     else (reason, what happened); raising counts as ``leader_unreachable``) every ``poll_s``
     and sets the health of the servers attached to it; ``metrics``: a
-    moeserve.metrics.ReadinessMetrics or None. ``ready``, ``reason`` and ``detail`` say what
+    moeserve.ops.metrics.ReadinessMetrics or None. ``ready``, ``reason`` and ``detail`` say what
     the last look found (not ready until the first look)."""
 
     def __init__(self, probe: Callable[[], Awaitable], metrics=None, poll_s: float = POLL_S,

@@ -66,7 +66,7 @@ class Engine(EngineAPI):
         self._router_maps: list[tuple[np.ndarray, np.ndarray]] = []
         self._seen_version = int(placement.version)
         self._placement_step = 0                 # forward_steps when the placement last changed
-        self.metrics = None              # moeserve.metrics.LeaderMetrics when this rank exports metrics
+        self.metrics = None              # moeserve.ops.metrics.LeaderMetrics when this rank exports metrics
         self.metrics_ports: dict[str, int] = {}   # name ("rank0", "balancer", ...) -> metrics port
         self._header_t = time.perf_counter()
         self._last_step_t = time.monotonic()          # when the last step completed (health: a stall)

@@ -37,10 +37,10 @@ leader (400, 429) still gets its status. A client that disconnects, before or du
 response, cancels its requests on the leader. Logprobs are the log-softmax of the logits the
 engine returns with each token (``return_logits="last"``).
 
-The parts: this module (the Starlette app: routes, auth, body, generation), ``http_params``
-(request parsing and validation of the OpenAI parameters), ``http_choices`` (each choice's
-state, the request streams of a request, cancellation), ``http_encode`` (JSON, errors,
-server-sent events, logprobs and usage), ``http_server`` (uvicorn, TLS).
+The parts: this module (the Starlette app: routes, auth, body, generation), ``params``
+(request parsing and validation of the OpenAI parameters), ``choices`` (each choice's
+state, the request streams of a request, cancellation), ``encode`` (JSON, errors,
+server-sent events, logprobs and usage), ``server`` (uvicorn, TLS).
 """
 from __future__ import annotations
 
@@ -51,16 +51,17 @@ import secrets
 import time
 
 from moeserve import __version__
-from moeserve.services.admission import Admission, Detokenizer, StopStrings
-from moeserve.services.http_choices import FINISH, Choice, Run, drive, log_softmax_row
-from moeserve.services.http_encode import (ERROR_TYPES, SSE_DONE, SSE_HEADERS, ApiError, EventStream, api_error, bad,
+from moeserve.services.admission import Admission
+from moeserve.services.tokenizer import Detokenizer, StopStrings
+from moeserve.services.http.choices import FINISH, Choice, Run, drive, log_softmax_row
+from moeserve.services.http.encode import (ERROR_TYPES, SSE_DONE, SSE_HEADERS, ApiError, EventStream, api_error, bad,
                                            disconnected, json_response, logprobs_part, sse, usage)
-from moeserve.services.http_params import (CHAT_KEYS, CHAT_ROLES, COMMON, COMPLETION_KEYS, DEFAULT_COMPLETION_TOKENS,
+from moeserve.services.http.params import (CHAT_KEYS, CHAT_ROLES, COMMON, COMPLETION_KEYS, DEFAULT_COMPLETION_TOKENS,
                                            IGNORED, MAX_BODY_BYTES, MAX_CHOICES, MAX_LOGPROBS, MAX_N,
                                            PARSE_OFF_LOOP_BYTES, UNSUPPORTED, Sampling, body_limit, check_keys,
                                            parse_chat_options, parse_messages, parse_model, parse_prompts,
                                            parse_sampling)
-from moeserve.services.http_server import HttpServer
+from moeserve.services.http.server import HttpServer
 
 
 async def _until_disconnect(receive, coro):

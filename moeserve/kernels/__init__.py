@@ -1,4 +1,13 @@
-"""Triton kernels of the direct (NVLink) exchange: rows written straight into peers' buffers.
+"""moeserve's kernels: the Triton kernels of the serving path, their launchers and torch
+fallbacks, CUDA-graph capture and the log of Triton compiles.
+
+Modules: this one (the launchers of the direct exchange's kernels, the grouped expert MLP of
+decode steps, silu-and-multiply and the weighted sum over k); ``triton_exchange``,
+``triton_experts``, ``triton_attention`` and ``triton_sampling`` (the ``@triton.jit`` kernels,
+imported only when Triton is present); ``cudagraph`` (capture that keeps the allocator's
+caches); ``compilelog`` (every Triton compile while serving, logged).
+
+The direct (NVLink) exchange: rows written straight into peers' buffers.
 
 Dimension letters: T tokens of a router, K top-k, N = T*K (token, k) pairs, H hidden, R ranks,
 P slots per MoE layer, W workers, S = P / W slots per worker, C rows a receive buffer holds
@@ -55,7 +64,7 @@ def fresh_module(name: str):
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    k = fresh_module("moeserve._triton_kernels")
+    k = fresh_module("moeserve.kernels.triton_exchange")
     return dict(route=k.route_kernel, expert_count=k.expert_count_kernel, publish=k.publish_kernel,
                 prep=k.prep_kernel, scatter=k.scatter_pairs_kernel,
                 ret=k.return_rows_kernel, silu_mul=k.silu_mul_kernel, weighted_sum=k.weighted_sum_kernel)
@@ -63,7 +72,7 @@ def _kernels():
 
 @functools.lru_cache(maxsize=None)
 def _expert_kernels():
-    return fresh_module("moeserve._triton_experts")
+    return fresh_module("moeserve.kernels.triton_experts")
 
 
 def _interpreted() -> bool:

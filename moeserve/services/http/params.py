@@ -1,7 +1,7 @@
 """Request parsing for the OpenAI-compatible HTTP API (``moeserve.services.http``): which
 parameters a request may carry, their types and ranges, and what they become (a
 :class:`Sampling` every choice of the request shares, the prompts in token ids, the chat
-messages as the template sees them). Every refusal is an :class:`~moeserve.services.http_encode.ApiError`
+messages as the template sees them). Every refusal is an :class:`~moeserve.services.http.encode.ApiError`
 (400) that names the parameter.
 
 Parameters of OpenAI's or vLLM's API that moeserve does not support answer 400 naming them
@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from moeserve.sampling import MAX_SEED
-from moeserve.services.http_encode import ApiError, bad
+from moeserve.services.http.encode import ApiError, bad
 
 MAX_N = 64
 MAX_CHOICES = 256                  # prompts x n of one request

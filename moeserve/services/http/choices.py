@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeserve.router.engine.api import Finished, FinishReason, Token, Unavailable
-from moeserve.services.admission import Admission, Detokenizer, StopStrings
+from moeserve.services.admission import Admission
+from moeserve.services.tokenizer import Detokenizer, StopStrings
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
 
