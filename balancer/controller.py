@@ -23,6 +23,7 @@ predicted MoE time of a step) clears the same bar; a request applies any plan th
 slow the step down. Balancedness stays what the balancer reports. A caller that passes no
 step-time figures (``step_efficiency`` / ``step_gain`` None) gets the balancedness tests.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class LoopConfig:
     min_gain: float = 0.01
     move_cost: float = 0.5
     move_budget: float | None = 0.10
-    step_model: object | None = None        # a policy.cost.StepModel: plan for predicted step time
+    step_model: object | None = None  # a policy.cost.StepModel: plan for predicted step time
 
     def __post_init__(self):
         if self.window_steps < 0:
@@ -62,8 +63,14 @@ class LoopConfig:
             raise ValueError(f"move_budget must be in (0, 1] or None (unlimited), got {self.move_budget}")
 
 
-def trigger(cfg: LoopConfig, steps: int, steps_since_change: int, steps_since_plan: int | None,
-            predicted_balancedness: float, step_efficiency: float | None = None) -> str | None:
+def trigger(
+    cfg: LoopConfig,
+    steps: int,
+    steps_since_change: int,
+    steps_since_plan: int | None,
+    predicted_balancedness: float,
+    step_efficiency: float | None = None,
+) -> str | None:
     """The loop's trigger now, or None. ``steps``: forward steps in the load window (no load,
     no plan); ``steps_since_plan``: since this process last planned (None: never).
     ``step_efficiency``: with a step model, :func:`step_efficiency` of the placement in force;
@@ -76,14 +83,24 @@ def trigger(cfg: LoopConfig, steps: int, steps_since_change: int, steps_since_pl
     measure = predicted_balancedness
     if cfg.step_model is not None and step_efficiency is not None:
         measure = step_efficiency
-    if cfg.min_balancedness > 0 and measure < cfg.min_balancedness and \
-            (steps_since_plan is None or steps_since_plan >= min(cfg.step_interval, steps)):
+    if (
+        cfg.min_balancedness > 0
+        and measure < cfg.min_balancedness
+        and (steps_since_plan is None or steps_since_plan >= min(cfg.step_interval, steps))
+    ):
         return "threshold"
     return None
 
 
-def pays(cfg: LoopConfig, gain: float, slots_moved: int, slots_across: int, total_slots: int,
-         requested: bool, step_gain: float | None = None) -> tuple[bool, str]:
+def pays(
+    cfg: LoopConfig,
+    gain: float,
+    slots_moved: int,
+    slots_across: int,
+    total_slots: int,
+    requested: bool,
+    step_gain: float | None = None,
+) -> tuple[bool, str]:
     """Whether to apply a plan, and why not when it is not applied. ``gain``: its gain in mean
     balancedness; ``step_gain``: with a step model, its relative predicted step-time gain
     (:func:`step_gain`), which then decides in place of ``gain``."""
@@ -119,8 +136,9 @@ class StepGain:
         return (self.before_s - self.after_s) / self.before_s if self.before_s > 0 else 0.0
 
 
-def step_gain(cfg: LoopConfig, load, current, proposed, num_workers: int, steps: int,
-              histogram=None, breakeven=None) -> StepGain | None:
+def step_gain(
+    cfg: LoopConfig, load, current, proposed, num_workers: int, steps: int, histogram=None, breakeven=None
+) -> StepGain | None:
     """What ``proposed [L, P]`` saves over ``current [L, P]`` in predicted step time under the
     window's ``load [L, E]`` over ``steps`` forward steps (``histogram [L, E, K]``, optional:
     per-step counts); None without a step model or without steps. ``breakeven [L, E]``: the
@@ -129,8 +147,10 @@ def step_gain(cfg: LoopConfig, load, current, proposed, num_workers: int, steps:
     if cfg.step_model is None or steps < 1:
         return None
     load = np.asarray(load, dtype=np.float64)
-    return StepGain(planned_step_s(cfg.step_model, load, current, num_workers, steps, histogram),
-                    planned_step_s(cfg.step_model, load, proposed, num_workers, steps, histogram, breakeven))
+    return StepGain(
+        planned_step_s(cfg.step_model, load, current, num_workers, steps, histogram),
+        planned_step_s(cfg.step_model, load, proposed, num_workers, steps, histogram, breakeven),
+    )
 
 
 def planned_step_s(model, load, phy2log, num_workers: int, steps: int, histogram=None, breakeven=None) -> float:
@@ -139,6 +159,7 @@ def planned_step_s(model, load, phy2log, num_workers: int, steps: int, histogram
     given as ``breakeven [L, E]``), under the data plane's replica rule (``policy.rule.rule_times``):
     how the policy prices a plan."""
     from moeserve.balancer.policy.rule import plan_breakeven, rule_times
+
     b = plan_breakeven(model, load, phy2log, num_workers, steps, histogram) if breakeven is None else breakeven
     return float(rule_times(model, load, phy2log, num_workers, b, steps, histogram).sum())
 
@@ -149,4 +170,5 @@ def step_efficiency(cfg: LoopConfig, load, phy2log, num_workers: int, steps: int
     if cfg.step_model is None or steps < 1:
         return None
     from moeserve.balancer.policy.cost import step_efficiency as efficiency
+
     return efficiency(cfg.step_model, np.asarray(load, dtype=np.float64), phy2log, num_workers, steps, histogram)

@@ -31,6 +31,7 @@ can stop the loop or make Pause fail. The service's health follows the cluster's
 (``moeserve.services.readiness``): NOT_SERVING while the admin API does not answer, the cluster
 failed, or the leader's step count stands still.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,17 +78,17 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         self.last_error = ""
         self.admin_reachable = False
         self.balancedness = 0.0
-        self.predicted_step_s = 0.0                   # with a step model, of the placement in force, last seen
+        self.predicted_step_s = 0.0  # with a step model, of the placement in force, last seen
         self.step_efficiency = 0.0
         self.placement_version = 0
         self.iterations = 0
-        self._planned_at: int | None = None           # total_steps when this process last planned
+        self._planned_at: int | None = None  # total_steps when this process last planned
         self._busy = False
-        self._running = ""                            # the trigger of the rebalance that runs
+        self._running = ""  # the trigger of the rebalance that runs
         self._following = False
         self._task: asyncio.Task | None = None
         self._follow: asyncio.Task | None = None
-        self._started_at = 0.0                         # when the running rebalance started planning
+        self._started_at = 0.0  # when the running rebalance started planning
         self._recorders: set[asyncio.Task] = set()
 
     # -- settings stored on the leader -------------------------------------------------------
@@ -98,9 +99,11 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         c = self.flags
         try:
             self.config = dataclasses.replace(
-                c, window_steps=c.window_steps if s.window_steps is None else s.window_steps,
+                c,
+                window_steps=c.window_steps if s.window_steps is None else s.window_steps,
                 step_interval=c.step_interval if s.step_interval is None else s.step_interval,
-                min_balancedness=c.min_balancedness if s.min_balancedness is None else s.min_balancedness)
+                min_balancedness=c.min_balancedness if s.min_balancedness is None else s.min_balancedness,
+            )
         except (ValueError, TypeError) as e:
             self.config = c
             self.last_error = f"the settings stored on the leader are ignored: {e}"
@@ -141,7 +144,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             except MoeserveError as e:
                 self.last_error = str(e)
                 log.warning("balancer loop: %s", e)
-            except Exception as e:                    # never let one bad iteration end the loop
+            except Exception as e:  # never let one bad iteration end the loop
                 self.last_error = f"{type(e).__name__}: {e}"
                 log.exception("balancer loop failed an iteration")
 
@@ -159,14 +162,29 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             load = rep.load.astype(np.float64)
             if placement.phy2log.shape[0] == load.shape[0]:
                 hist = _histogram(rep, load)
-                efficiency = await asyncio.to_thread(step_efficiency, self.config, load, placement.phy2log,
-                                                     placement.num_workers, rep.steps, hist)
+                efficiency = await asyncio.to_thread(
+                    step_efficiency, self.config, load, placement.phy2log, placement.num_workers, rep.steps, hist
+                )
                 self.step_efficiency = float(efficiency)
-                times = await asyncio.to_thread(rule_times, model, load, placement.phy2log, placement.num_workers,
-                                                np.asarray(placement.breakeven), rep.steps, hist)
+                times = await asyncio.to_thread(
+                    rule_times,
+                    model,
+                    load,
+                    placement.phy2log,
+                    placement.num_workers,
+                    np.asarray(placement.breakeven),
+                    rep.steps,
+                    hist,
+                )
                 self.predicted_step_s = float(times.sum())
-        why = trigger(self.config, rep.steps, rep.steps_since_placement_change, since_plan, rep.predicted.mean,
-                      step_efficiency=efficiency)
+        why = trigger(
+            self.config,
+            rep.steps,
+            rep.steps_since_placement_change,
+            since_plan,
+            rep.predicted.mean,
+            step_efficiency=efficiency,
+        )
         if why is not None:
             await self.rebalance(why, dry_run=False, wait=True)
 
@@ -180,16 +198,18 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             self._record("dry_run", time.monotonic())
             return resp
         if self._busy:
-            raise Busy(f"a rebalance is already running ({self.state}, trigger {self._running!r}"
-                       f"{', migration ' + self.last_migration_id if self.state == 'migrating' else ''}); "
-                       "retry when GetBalancerStatus shows state idle")
+            raise Busy(
+                f"a rebalance is already running ({self.state}, trigger {self._running!r}"
+                f"{', migration ' + self.last_migration_id if self.state == 'migrating' else ''}); "
+                "retry when GetBalancerStatus shows state idle"
+            )
         self._busy, self._running = True, why
         self._following = False
         self._started_at = time.monotonic()
         try:
             self.state = "planning"
             resp = await self._plan(why, dry_run=False, wait=wait, timeout_s=timeout_s)
-        except Busy:                                  # another migration runs: this one never started
+        except Busy:  # another migration runs: this one never started
             raise
         except BaseException:
             self._record("failed", self._started_at)
@@ -204,9 +224,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         mig = migration_from_msg(resp.migration)
         if wait and mig.ended:
             self._record("done" if mig.state == MigrationState.DONE else "failed", self._started_at)
-        elif wait:                                    # the caller's deadline came first: follow on
+        elif wait:  # the caller's deadline came first: follow on
             task = asyncio.get_running_loop().create_task(self._record_at_end(resp.migration_id, self._started_at))
-            self._recorders.add(task)                 # a reference, so the task is not collected
+            self._recorders.add(task)  # a reference, so the task is not collected
             task.add_done_callback(self._recorders.discard)
         return resp
 
@@ -224,8 +244,10 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     async def _plan(self, why: str, dry_run: bool, wait: bool, timeout_s: float | None):
         status = await self._admin(self.admin.status())
         if status.migration is not None and not dry_run:
-            raise Busy(f"migration {status.migration.migration_id} is running ({status.migration.state}); "
-                       "rebalance when it ended")
+            raise Busy(
+                f"migration {status.migration.migration_id} is running ({status.migration.state}); "
+                "rebalance when it ended"
+            )
         placement = await self._admin(self.admin.placement())
         rep = await self._admin(self.admin.expert_load(self.config.window_steps))
         if not dry_run:
@@ -235,19 +257,24 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         workers, wpn = placement.num_workers, placement.workers_per_node
         policy = make_policy(self.config.move_budget, step_model=self.config.step_model)
         steps = int(rep.steps) if self.config.step_model is not None and rep.steps > 0 else None
-        hist = _histogram(rep, load) if steps is not None else None       # the routers' per-step counts
-        plan = await asyncio.to_thread(policy, load, cur.shape[1], workers, 1, workers // wpn, cur, steps=steps,
-                                       histogram=hist)
+        hist = _histogram(rep, load) if steps is not None else None  # the routers' per-step counts
+        plan = await asyncio.to_thread(
+            policy, load, cur.shape[1], workers, 1, workers // wpn, cur, steps=steps, histogram=hist
+        )
         plan = np.asarray(plan, dtype=np.int64)
         report = evaluate(load, cur, plan, workers, status.model.expert_bytes)
         resp = balancer_pb2.RebalanceResponse(
-            phy2log=int64_matrix(plan), balancedness_before=placement_balancedness(load, cur, workers),
-            balancedness_after=placement_balancedness(load, plan, workers), slots_moved=report.slots_moved,
-            slots_moved_across_workers=report.slots_moved_across_workers, bytes_moved=report.bytes_moved,
-            base_version=placement.version)
+            phy2log=int64_matrix(plan),
+            balancedness_before=placement_balancedness(load, cur, workers),
+            balancedness_after=placement_balancedness(load, plan, workers),
+            slots_moved=report.slots_moved,
+            slots_moved_across_workers=report.slots_moved_across_workers,
+            bytes_moved=report.bytes_moved,
+            base_version=placement.version,
+        )
         model = self.config.step_model
         b = timed = None
-        if model is not None:              # b per (layer, expert), as the policy priced the plan
+        if model is not None:  # b per (layer, expert), as the policy priced the plan
             # in a worker thread like the policy: at DeepSeek-V3 scale these take about a second
             b = await asyncio.to_thread(plan_breakeven, model, load, plan, workers, int(rep.steps) or None, hist)
             resp.breakeven.CopyFrom(int64_matrix(b))
@@ -257,11 +284,18 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         if dry_run:
             resp.note = "dry run: nothing applied"
             return resp
-        ok, note = pays(self.config, report.gain, report.slots_moved, report.slots_moved_across_workers,
-                        cur.size, requested=why == "request", step_gain=None if timed is None else timed.gain)
+        ok, note = pays(
+            self.config,
+            report.gain,
+            report.slots_moved,
+            report.slots_moved_across_workers,
+            cur.size,
+            requested=why == "request",
+            step_gain=None if timed is None else timed.gain,
+        )
         target = plan
         if not ok:
-            if b is not None:              # the counts the placement in force would take
+            if b is not None:  # the counts the placement in force would take
                 b = await asyncio.to_thread(plan_breakeven, model, load, cur, workers, int(rep.steps) or None, hist)
                 resp.breakeven.CopyFrom(int64_matrix(b))
             if b is None or np.array_equal(b, placement.breakeven):
@@ -277,13 +311,18 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             resp.slots_moved = resp.slots_moved_across_workers = resp.bytes_moved = 0
             if timed is not None:
                 resp.predicted_step_s_after = timed.before_s
-        applied = await self._admin(self.admin.apply_placement(target, expected_version=placement.version,
-                                                               breakeven=b))
+        applied = await self._admin(self.admin.apply_placement(target, expected_version=placement.version, breakeven=b))
         self.rebalances += 1
         self.last_trigger, self.last_migration_id = why, applied.migration_id
-        log.info("rebalance (%s): migration %s, %d slots (%d across workers), balancedness %.4f -> %.4f",
-                 why, applied.migration_id, report.slots_moved, report.slots_moved_across_workers,
-                 report.mean_before, report.mean_after)
+        log.info(
+            "rebalance (%s): migration %s, %d slots (%d across workers), balancedness %.4f -> %.4f",
+            why,
+            applied.migration_id,
+            report.slots_moved,
+            report.slots_moved_across_workers,
+            report.mean_before,
+            report.mean_after,
+        )
         resp.applied, resp.migration_id = True, applied.migration_id
         self.state = "migrating"
         if wait:
@@ -304,7 +343,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             except MoeserveError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE:
                     raise
-                await asyncio.sleep(0.5)              # the admin API is briefly away: keep following
+                await asyncio.sleep(0.5)  # the admin API is briefly away: keep following
                 continue
             if mig.ended or (deadline is not None and time.monotonic() >= deadline):
                 return mig
@@ -325,8 +364,9 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     async def Rebalance(self, request, context):
         left = context.time_remaining()
         try:
-            return await self.rebalance("request", request.dry_run, request.wait,
-                                        None if left is None else max(0.0, left - 0.5))
+            return await self.rebalance(
+                "request", request.dry_run, request.wait, None if left is None else max(0.0, left - 0.5)
+            )
         except Busy as e:
             await context.abort(grpc.StatusCode.ABORTED, str(e))
         except MoeserveError as e:
@@ -336,13 +376,23 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
     def _status(self) -> balancer_pb2.BalancerStatus:
         c = self.config
         return balancer_pb2.BalancerStatus(
-            window_steps=c.window_steps, step_interval=c.step_interval, min_balancedness=c.min_balancedness,
-            paused=self.paused, state=self.state, rebalances=self.rebalances, last_trigger=self.last_trigger,
-            last_migration_id=self.last_migration_id, last_error=self.last_error,
-            admin_reachable=self.admin_reachable, balancedness=self.balancedness,
-            placement_version=self.placement_version, loop_iterations=self.iterations,
+            window_steps=c.window_steps,
+            step_interval=c.step_interval,
+            min_balancedness=c.min_balancedness,
+            paused=self.paused,
+            state=self.state,
+            rebalances=self.rebalances,
+            last_trigger=self.last_trigger,
+            last_migration_id=self.last_migration_id,
+            last_error=self.last_error,
+            admin_reachable=self.admin_reachable,
+            balancedness=self.balancedness,
+            placement_version=self.placement_version,
+            loop_iterations=self.iterations,
             step_model="" if c.step_model is None else f"{c.step_model.gpu} / {c.step_model.shape}",
-            predicted_step_s=self.predicted_step_s, step_efficiency=self.step_efficiency)
+            predicted_step_s=self.predicted_step_s,
+            step_efficiency=self.step_efficiency,
+        )
 
     async def _store(self, context, **changes) -> balancer_pb2.BalancerStatus:
         """Merge ``changes`` into the settings kept on the leader, then apply them here."""
@@ -351,14 +401,19 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             s = dataclasses.replace(s, **{k: v for k, v in changes.items() if v is not None})
             self._merge(await self._admin(self.admin.put_balancer_settings(s)))
         except MoeserveError as e:
-            code = e.code if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION) \
+            code = (
+                e.code
+                if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
                 else grpc.StatusCode.UNAVAILABLE
+            )
             await context.abort(code, f"cannot store the balancer's settings on the leader: {e.message}")
         return self._status()
 
     async def SetConfig(self, request, context):
-        new = {k: getattr(request, k) if request.HasField(k) else None
-               for k in ("window_steps", "step_interval", "min_balancedness")}
+        new = {
+            k: getattr(request, k) if request.HasField(k) else None
+            for k in ("window_steps", "step_interval", "min_balancedness")
+        }
         try:
             dataclasses.replace(self.config, **{k: v for k, v in new.items() if v is not None})
         except ValueError as e:
@@ -369,9 +424,11 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
             except MoeserveError as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot reach the admin API: {e.message}")
             if new["window_steps"] > rep.window_size:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"window_steps must be in 0..{rep.window_size} (the leader's --eplb-window-size; "
-                                    f"0 = all), got {new['window_steps']}")
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"window_steps must be in 0..{rep.window_size} (the leader's --eplb-window-size; "
+                    f"0 = all), got {new['window_steps']}",
+                )
         return await self._store(context, **new)
 
     async def Pause(self, request, context):
@@ -384,13 +441,22 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         return self._status()
 
 
-async def serve_balancer(admin_address: str, token: str | None, config: LoopConfig, options: ServerOptions,
-                         poll_s: float = 0.5, call_timeout_s: float = 5.0, ca_file: str | None = None,
-                         on_started=None, process_metrics=None) -> None:
+async def serve_balancer(
+    admin_address: str,
+    token: str | None,
+    config: LoopConfig,
+    options: ServerOptions,
+    poll_s: float = 0.5,
+    call_timeout_s: float = 5.0,
+    ca_file: str | None = None,
+    on_started=None,
+    process_metrics=None,
+) -> None:
     """Run the balancer until SIGTERM (call inside an event loop). ``process_metrics``: the
     process's moeserve.ops.metrics.ProcessMetrics, which gets the balancer's and gRPC metrics."""
     from moeserve.services.server import serve_forever
     from moeserve.services.readiness import Readiness, StepWatch
+
     admin = AsyncClient(admin_address, token, timeout=call_timeout_s, ca_file=ca_file)
     service = BalancerService(admin, config, poll_s)
     watch = StepWatch()
@@ -402,24 +468,29 @@ async def serve_balancer(admin_address: str, token: str | None, config: LoopConf
     readiness_metrics = None
     if process_metrics is not None:
         from moeserve.ops.metrics import BalancerMetrics
-        service.metrics = BalancerMetrics(process_metrics.registry, paused=lambda: service.paused,
-                                          admin_reachable=lambda: service.admin_reachable,
-                                          balancedness=lambda: service.balancedness,
-                                          predicted_step_s=(lambda: service.predicted_step_s)
-                                          if config.step_model is not None else None,
-                                          step_efficiency=(lambda: service.step_efficiency)
-                                          if config.step_model is not None else None)
+
+        service.metrics = BalancerMetrics(
+            process_metrics.registry,
+            paused=lambda: service.paused,
+            admin_reachable=lambda: service.admin_reachable,
+            balancedness=lambda: service.balancedness,
+            predicted_step_s=(lambda: service.predicted_step_s) if config.step_model is not None else None,
+            step_efficiency=(lambda: service.step_efficiency) if config.step_model is not None else None,
+        )
         from moeserve.services.metrics import grpc_interceptor
-        options = dataclasses.replace(options, interceptors=(*options.interceptors,
-                                                             grpc_interceptor(process_metrics, BALANCER)))
+
+        options = dataclasses.replace(
+            options, interceptors=(*options.interceptors, grpc_interceptor(process_metrics, BALANCER))
+        )
         from moeserve.ops.metrics import ReadinessMetrics
+
         readiness_metrics = ReadinessMetrics(process_metrics.registry)
     server = ServiceServer(BALANCER, lambda s: balancer_pb2_grpc.add_BalancerServicer_to_server(service, s), options)
     server.readiness = Readiness(probe, readiness_metrics)
 
-    try:                                        # the stored settings (Pause) hold from the first answer on
+    try:  # the stored settings (Pause) hold from the first answer on
         service._merge(await service._admin(asyncio.wait_for(admin.balancer_settings(), call_timeout_s)))
-    except Exception as e:                      # the loop reads them on its first iteration
+    except Exception as e:  # the loop reads them on its first iteration
         log.warning("cannot read the balancer's settings from the admin API yet: %s", e)
 
     def started(port):
@@ -441,4 +512,3 @@ def _histogram(rep, load: np.ndarray):
 
 
 __all__ = ["BalancerService", "Busy", "serve_balancer"]
-

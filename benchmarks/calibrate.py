@@ -19,6 +19,7 @@ measured vs predicted and writes the JSON table ``policy/cost.py`` loads.
 the plumbing on a CPU; its table says so in ``measured_on`` and ``note``. A table made on a CPU
 is an example of the format, never a GPU's parameters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,8 +87,10 @@ def grouped_layer(torch, device, dtype, hidden: int, inter: int, slots: int):
             # decode kernels at few rows per slot, torch._grouped_mm above
             block_m = expert_block_m_for(busy * pairs, slots)
             if block_m:
+
                 def run():
                     return kernels.expert_mlp(x, gate_up[:busy], down[:busy], offs, block_m)
+
                 return run
 
             def run():
@@ -95,17 +98,20 @@ def grouped_layer(torch, device, dtype, hidden: int, inter: int, slots: int):
                 h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
                 return torch._grouped_mm(h, down[:busy], offs=offs)
         else:
+
             def run():
                 outs = []
                 for j in range(busy):
-                    gu = x[j * pairs:(j + 1) * pairs] @ gate_up[j]
+                    gu = x[j * pairs : (j + 1) * pairs] @ gate_up[j]
                     h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
                     outs.append(h @ down[j])
                 return torch.cat(outs)
+
         return run
 
-    return make, ("Triton decode kernels at <= 64 pairs per slot, else torch._grouped_mm" if grouped
-                  else "matmul loop over slots")
+    return make, (
+        "Triton decode kernels at <= 64 pairs per slot, else torch._grouped_mm" if grouped else "matmul loop over slots"
+    )
 
 
 def fit(rows: list[dict], expert_bytes: int, flops_per_pair: float, hbm0: float) -> dict:
@@ -128,19 +134,29 @@ def fit(rows: list[dict], expert_bytes: int, flops_per_pair: float, hbm0: float)
             if best is None or err < best[0]:
                 best = (err, hbm, mm, float(coef[0]), float(coef[1]))
     err, hbm, mm, layer_over, slot_over = best
-    return {"hbm_bytes_per_s": hbm, "matmul_flops_per_s": mm, "layer_overhead_s": layer_over,
-            "slot_overhead_s": slot_over, "rms_relative_error": float(np.sqrt(err))}
+    return {
+        "hbm_bytes_per_s": hbm,
+        "matmul_flops_per_s": mm,
+        "layer_overhead_s": layer_over,
+        "slot_overhead_s": slot_over,
+        "rms_relative_error": float(np.sqrt(err)),
+    }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", action="append", default=[],
-                    help="NAME=HIDDEN,INTERMEDIATE (repeatable); default: " + ", ".join(SHAPES))
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        help="NAME=HIDDEN,INTERMEDIATE (repeatable); default: " + ", ".join(SHAPES),
+    )
     ap.add_argument("--slots", type=int, default=16, help="slots of the layer (the most that are busy)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--copy-mb", type=int, default=1024, help="size of the copy benchmark's buffer")
-    ap.add_argument("--out", default=None, help="where to write the table (default: benchmarks/results/"
-                                               "step_model_<device>.json)")
+    ap.add_argument(
+        "--out", default=None, help="where to write the table (default: benchmarks/results/step_model_<device>.json)"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and grid: a test of the plumbing")
     a = ap.parse_args(argv)
     import torch
@@ -166,8 +182,10 @@ def main(argv=None) -> int:
     copy_bytes = (4 << 20) if a.smoke else a.copy_mb << 20
 
     hbm = copy_rate(torch, device, copy_bytes, repeats)
-    print(f"device: {gpu}; dtype {str(dtype).removeprefix('torch.')}; copy rate {hbm / 1e9:.1f} GB/s "
-          f"(read + written, {copy_bytes >> 20} MiB)")
+    print(
+        f"device: {gpu}; dtype {str(dtype).removeprefix('torch.')}; copy rate {hbm / 1e9:.1f} GB/s "
+        f"(read + written, {copy_bytes >> 20} MiB)"
+    )
     entries, fits, all_rows = [], {}, []
     for name, (h, i) in shapes.items():
         make, how = grouped_layer(torch, device, dtype, h, i, slots)
@@ -178,13 +196,24 @@ def main(argv=None) -> int:
                 rows.append({"shape": name, "busy": busy, "pairs_per_slot": pps, "seconds": sec})
         model0 = StepModel(gpu, name, h, i, dtype_bytes, 1.0, 1.0, 0.0)
         f = fit(rows, model0.expert_bytes, model0.flops_per_pair, hbm)
-        m = StepModel(gpu, name, h, i, dtype_bytes, f["hbm_bytes_per_s"], f["matmul_flops_per_s"],
-                      f["slot_overhead_s"], f["layer_overhead_s"])
+        m = StepModel(
+            gpu,
+            name,
+            h,
+            i,
+            dtype_bytes,
+            f["hbm_bytes_per_s"],
+            f["matmul_flops_per_s"],
+            f["slot_overhead_s"],
+            f["layer_overhead_s"],
+        )
         entries.append(m.to_entry())
         fits[name] = {"kernel": how, "rms_relative_error": f["rms_relative_error"]}
-        print(f"\n{name} (H={h}, I={i}, {how}): HBM {m.hbm_bytes_per_s / 1e9:.1f} GB/s, matmul "
-              f"{m.matmul_flops_per_s / 1e12:.2f} TFLOP/s, per slot {m.slot_overhead_s * 1e6:.2f} us, per layer "
-              f"{m.layer_overhead_s * 1e6:.2f} us; rms relative error {f['rms_relative_error']:.3f}")
+        print(
+            f"\n{name} (H={h}, I={i}, {how}): HBM {m.hbm_bytes_per_s / 1e9:.1f} GB/s, matmul "
+            f"{m.matmul_flops_per_s / 1e12:.2f} TFLOP/s, per slot {m.slot_overhead_s * 1e6:.2f} us, per layer "
+            f"{m.layer_overhead_s * 1e6:.2f} us; rms relative error {f['rms_relative_error']:.3f}"
+        )
         print(f"{'busy':>5s} {'pairs/slot':>10s} {'measured us':>12s} {'model us':>10s}")
         for r in rows:
             pred = float(m.time(r["busy"], r["busy"] * r["pairs_per_slot"]))
@@ -198,16 +227,28 @@ def main(argv=None) -> int:
         "measured_on": gpu,
         "command": cmd.strip(),
         "made_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "note": ("SMOKE RUN: tiny shapes, a test of the plumbing; not a model of any GPU" if a.smoke else
-                 ("measured on a CPU: an example of the format, NOT a GPU's parameters" if device.type != "cuda"
-                  else "grouped-matmul microbenchmark; copy rate as the HBM starting point")),
+        "note": (
+            "SMOKE RUN: tiny shapes, a test of the plumbing; not a model of any GPU"
+            if a.smoke
+            else (
+                "measured on a CPU: an example of the format, NOT a GPU's parameters"
+                if device.type != "cuda"
+                else "grouped-matmul microbenchmark; copy rate as the HBM starting point"
+            )
+        ),
         "fit": fits,
         "rows": all_rows,
         "entries": entries,
     }
-    parse_table(table)                                       # what we write must load
-    out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / (
-        f"step_model_{'smoke' if a.smoke else ('cpu' if device.type != 'cuda' else 'gpu')}.json")
+    parse_table(table)  # what we write must load
+    out = (
+        Path(a.out)
+        if a.out
+        else ROOT
+        / "benchmarks"
+        / "results"
+        / (f"step_model_{'smoke' if a.smoke else ('cpu' if device.type != 'cuda' else 'gpu')}.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1))
     print(f"\nwrote {out}")

@@ -18,6 +18,7 @@ Step time = the generation's wall time / the forward steps the leader ran meanwh
 GetStatus before and after). Every mode's tokens are checked against the quiet run's. Prints a
 table and writes JSON (``--json``, default benchmarks/results/control_plane.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moeserve.client import Client, MoeserveError  # noqa: E402
-from moeserve.models import init_model              # noqa: E402
+from moeserve.models import init_model  # noqa: E402
 
 TOKEN = "bench"
 ALL_CALLS = ("placement", "expert_load", "status", "dump_load", "balancer_status", "rebalance_dry_run")
@@ -42,17 +43,41 @@ CALLS = list(ALL_CALLS)
 
 
 def free_port() -> int:
-    from moeserve.ops.ports import free_port as pick        # outside the ephemeral range: see moeserve/ops/ports.py
+    from moeserve.ops.ports import free_port as pick  # outside the ephemeral range: see moeserve/ops/ports.py
+
     return pick()
 
 
 def start_up(model: str, log_dir: str) -> tuple[subprocess.Popen, dict]:
     ports = {"port": free_port(), "admin": free_port(), "balancer": free_port()}
     out_path = os.path.join(log_dir, "up.out")
-    cmd = [sys.executable, "-m", "moeserve", "up", "--model", model, "--routers", "2", "--workers", "2",
-           "--enable-eplb", "--num-redundant-experts", "2", "--eplb-step-interval", "100000000",
-           "--port", str(ports["port"]), "--admin-port", str(ports["admin"]), "--balancer-port", str(ports["balancer"]),
-           "--admin-token", TOKEN, "--log-dir", log_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeserve",
+        "up",
+        "--model",
+        model,
+        "--routers",
+        "2",
+        "--workers",
+        "2",
+        "--enable-eplb",
+        "--num-redundant-experts",
+        "2",
+        "--eplb-step-interval",
+        "100000000",
+        "--port",
+        str(ports["port"]),
+        "--admin-port",
+        str(ports["admin"]),
+        "--balancer-port",
+        str(ports["balancer"]),
+        "--admin-token",
+        TOKEN,
+        "--log-dir",
+        log_dir,
+    ]
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -72,8 +97,11 @@ def one_call(name: str, admin: Client, balancer: Client) -> None:
         getattr(admin, name)()
 
 
-def hammer(addrs: dict, stop: threading.Event | None, total: int, latencies: list, errors: list) -> list[threading.Thread]:
+def hammer(
+    addrs: dict, stop: threading.Event | None, total: int, latencies: list, errors: list
+) -> list[threading.Thread]:
     """8 threads: ``total`` calls split over them, or (with ``stop``) calls until it is set."""
+
     def run(k: int):
         admin, balancer = Client(addrs["admin"], TOKEN), Client(addrs["balancer"], TOKEN)
         i = k
@@ -98,8 +126,11 @@ def generate(addrs: dict, prompts, max_tokens: int, mode: str) -> dict:
     latencies, errors, stop = [], [], threading.Event()
 
     def stream(i, p):
-        results[i] = [t for c in serving.generate_stream(prompt_token_ids=p, max_tokens=max_tokens, ignore_eos=True)
-                      for t in c.token_ids]
+        results[i] = [
+            t
+            for c in serving.generate_stream(prompt_token_ids=p, max_tokens=max_tokens, ignore_eos=True)
+            for t in c.token_ids
+        ]
 
     steps0 = admin.status().forward_steps
     t0 = time.perf_counter()
@@ -118,11 +149,17 @@ def generate(addrs: dict, prompts, max_tokens: int, mode: str) -> dict:
     for t in callers:
         t.join()
     steps = admin.status().forward_steps - steps0
-    return dict(wall_s=wall, steps=steps, step_ms=1e3 * wall / max(steps, 1),
-                tokens_per_s=sum(len(r) for r in results) / wall, calls=len(latencies), call_errors=errors,
-                call_p50_ms=1e3 * statistics.median(latencies) if latencies else None,
-                call_p99_ms=1e3 * sorted(latencies)[int(0.99 * (len(latencies) - 1))] if latencies else None,
-                tokens=results)
+    return dict(
+        wall_s=wall,
+        steps=steps,
+        step_ms=1e3 * wall / max(steps, 1),
+        tokens_per_s=sum(len(r) for r in results) / wall,
+        calls=len(latencies),
+        call_errors=errors,
+        call_p50_ms=1e3 * statistics.median(latencies) if latencies else None,
+        call_p99_ms=1e3 * sorted(latencies)[int(0.99 * (len(latencies) - 1))] if latencies else None,
+        tokens=results,
+    )
 
 
 def main(argv=None) -> int:
@@ -130,9 +167,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the three modes (default 3)")
     ap.add_argument("--streams", type=int, default=32, help="concurrent streaming requests (default 32)")
     ap.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
-    ap.add_argument("--calls", default=",".join(ALL_CALLS), help=f"the call mix (default: all of {','.join(ALL_CALLS)})")
-    ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                   "control_plane.json"))
+    ap.add_argument(
+        "--calls", default=",".join(ALL_CALLS), help=f"the call mix (default: all of {','.join(ALL_CALLS)})"
+    )
+    ap.add_argument(
+        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "control_plane.json")
+    )
     args = ap.parse_args(argv)
     CALLS[:] = [c for c in args.calls.split(",") if c]
     if not CALLS or set(CALLS) - set(ALL_CALLS):
@@ -141,13 +181,14 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="moeserve-bench-")
     model = str(init_model(os.path.join(work, "model"), "llama4", seed=3, hot_experts=2, num_hidden_layers=6))
     import numpy as np
+
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 512, 3 + i % 9).tolist() for i in range(args.streams)]
     proc, addrs = start_up(model, work)
     modes = ("quiet", "hammer100", "sustained")
     runs = {m: [] for m in modes}
     try:
-        generate(addrs, prompts[:4], 8, "quiet")                      # warm-up
+        generate(addrs, prompts[:4], 8, "quiet")  # warm-up
         for r in range(args.rounds):
             for m in modes:
                 runs[m].append(generate(addrs, prompts, args.max_tokens, m))
@@ -159,27 +200,44 @@ def main(argv=None) -> int:
     summary = {}
     for m in modes:
         rs = runs[m]
-        summary[m] = dict(step_ms=statistics.median(r["step_ms"] for r in rs),
-                          tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
-                          calls=sum(r["calls"] for r in rs) // len(rs),
-                          call_errors=sum(len(r["call_errors"]) for r in rs),
-                          call_p50_ms=statistics.median([r["call_p50_ms"] for r in rs if r["call_p50_ms"]] or [0]),
-                          call_p99_ms=max([r["call_p99_ms"] for r in rs if r["call_p99_ms"]] or [0]),
-                          tokens_equal=all(r["tokens"] == ref for r in rs))
+        summary[m] = dict(
+            step_ms=statistics.median(r["step_ms"] for r in rs),
+            tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
+            calls=sum(r["calls"] for r in rs) // len(rs),
+            call_errors=sum(len(r["call_errors"]) for r in rs),
+            call_p50_ms=statistics.median([r["call_p50_ms"] for r in rs if r["call_p50_ms"]] or [0]),
+            call_p99_ms=max([r["call_p99_ms"] for r in rs if r["call_p99_ms"]] or [0]),
+            tokens_equal=all(r["tokens"] == ref for r in rs),
+        )
     quiet = summary["quiet"]["step_ms"]
-    print(f"\ncontrol-plane load during generation: {args.streams} streams x {args.max_tokens} tokens, "
-          f"2 routers + 2 workers (CPU, gloo), median of {args.rounds} rounds\n")
-    print(f"{'mode':<11} {'step ms':>8} {'x quiet':>8} {'tokens/s':>9} {'calls':>6} {'errors':>6} "
-          f"{'call p50 ms':>11} {'call p99 ms':>11} {'tokens =':>8}")
+    print(
+        f"\ncontrol-plane load during generation: {args.streams} streams x {args.max_tokens} tokens, "
+        f"2 routers + 2 workers (CPU, gloo), median of {args.rounds} rounds\n"
+    )
+    print(
+        f"{'mode':<11} {'step ms':>8} {'x quiet':>8} {'tokens/s':>9} {'calls':>6} {'errors':>6} "
+        f"{'call p50 ms':>11} {'call p99 ms':>11} {'tokens =':>8}"
+    )
     for m in modes:
         s = summary[m]
-        print(f"{m:<11} {s['step_ms']:8.1f} {s['step_ms'] / quiet:8.2f} {s['tokens_per_s']:9.1f} {s['calls']:6d} "
-              f"{s['call_errors']:6d} {s['call_p50_ms']:11.1f} {s['call_p99_ms']:11.1f} {str(s['tokens_equal']):>8}")
+        print(
+            f"{m:<11} {s['step_ms']:8.1f} {s['step_ms'] / quiet:8.2f} {s['tokens_per_s']:9.1f} {s['calls']:6d} "
+            f"{s['call_errors']:6d} {s['call_p50_ms']:11.1f} {s['call_p99_ms']:11.1f} {str(s['tokens_equal']):>8}"
+        )
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(streams=args.streams, max_tokens=args.max_tokens, rounds=args.rounds, calls=CALLS, summary=summary,
-                       runs={m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in runs.items()}),
-                  f, indent=1)
+        json.dump(
+            dict(
+                streams=args.streams,
+                max_tokens=args.max_tokens,
+                rounds=args.rounds,
+                calls=CALLS,
+                summary=summary,
+                runs={m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in runs.items()},
+            ),
+            f,
+            indent=1,
+        )
     print(f"\nwrote {args.json}")
     return 0 if all(s["tokens_equal"] and not s["call_errors"] for s in summary.values()) else 1
 

@@ -22,6 +22,7 @@ reference in the same run:
 
 Prints a table and writes JSON (``--json``, default benchmarks/results/dispatch-<backend>.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moeserve.dataplane.collective import CollectiveExchange                   # noqa: E402
-from moeserve.dataplane.exchange import Topology                                                     # noqa: E402
-from moeserve.dataplane.nvlink import NvlinkExchange                            # noqa: E402
+from moeserve.dataplane.collective import CollectiveExchange  # noqa: E402
+from moeserve.dataplane.exchange import Topology  # noqa: E402
+from moeserve.dataplane.nvlink import NvlinkExchange  # noqa: E402
 from moeserve.expert_worker.migration import run_moves, warm_up_pairs  # noqa: E402
-from moeserve.expert_worker.store import ExpertStore                  # noqa: E402
-from moeserve.models.moe import ExpertSpec, RoutingResult             # noqa: E402
+from moeserve.expert_worker.store import ExpertStore  # noqa: E402
+from moeserve.models.moe import ExpertSpec, RoutingResult  # noqa: E402
 from moeserve.router.dispatcher import DistributedExperts, RouterMaps  # noqa: E402
 
 MODELS = {
@@ -101,7 +102,7 @@ CPU_GROUP = None
 def make_store(spec, worker, phy2log, workers, device, gen):
     """An ExpertStore with random weights per logical expert (same on every rank)."""
     s = phy2log.shape[1] // workers
-    logical = phy2log[:, worker * s:(worker + 1) * s]
+    logical = phy2log[:, worker * s : (worker + 1) * s]
     bufs = []
     for layer in range(phy2log.shape[0]):
         b = torch.empty(s, spec.numel, dtype=spec.dtype, device=device)
@@ -139,7 +140,7 @@ def make_exchange(kind, topo, rank, device, hidden, dtype, pairs, top_k):
     if ex is None or ex.pair_capacity < pairs:
         _NVLINK.pop(key, None)
         ex = _NVLINK[key] = NvlinkExchange(topo, rank, device, hidden, dtype, pair_capacity=pairs, top_k=top_k)
-    ex.reset_graphs()                        # each case brings its own maps and stores
+    ex.reset_graphs()  # each case brings its own maps and stores
     return ex
 
 
@@ -173,8 +174,8 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters, kinds
         raw()
     t_raw = max_over_ranks(timed(raw, iters, device))
     esize = torch.empty((), dtype=dtype).element_size()
-    remote = (sum(send) - send[rank]) + (sum(recv) - recv[rank])           # rows out + rows in, other ranks
-    mb = max_over_ranks(remote * model["hidden"] * esize / 2 / 1e6)        # per rank each way
+    remote = (sum(send) - send[rank]) + (sum(recv) - recv[rank])  # rows out + rows in, other ranks
+    mb = max_over_ranks(remote * model["hidden"] * esize / 2 / 1e6)  # per rank each way
     bytes_total = sum_over_ranks(remote * model["hidden"] * esize)
     rows = []
     for kind in kinds:
@@ -189,9 +190,18 @@ def bench_exchange(rank, world, device, dtype, model, tokens, zipf, iters, kinds
         for _ in range(3):
             ours()
         t_ours = max_over_ranks(timed(ours, iters, device))
-        rows.append(dict(exchange=kind, mb_per_rank_each_way=mb, ours_ms=t_ours * 1e3, raw_ms=t_raw * 1e3,
-                         ours_gbps=bytes_total / world / t_ours / 1e9, raw_gbps=bytes_total / world / t_raw / 1e9,
-                         share=t_raw / t_ours, equal_to_collective=equal))
+        rows.append(
+            dict(
+                exchange=kind,
+                mb_per_rank_each_way=mb,
+                ours_ms=t_ours * 1e3,
+                raw_ms=t_raw * 1e3,
+                ours_gbps=bytes_total / world / t_ours / 1e9,
+                raw_gbps=bytes_total / world / t_raw / 1e9,
+                share=t_raw / t_ours,
+                equal_to_collective=equal,
+            )
+        )
     return rows
 
 
@@ -201,6 +211,7 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
     from moeserve.balancer.policy import place
     from moeserve.placement import balancedness
     from moeserve.dataplane.exchange import idle_walk
+
     e = model["experts"]
     r = model["redundant"] if eplb else 0
     p = e + r
@@ -241,6 +252,7 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
                 x = backend.combine(backend.dispatch(l, x, routings[l]))
             return x
     else:
+
         def step():
             idle_walk(ex, layers, model["hidden"], dtype, store)
 
@@ -259,12 +271,21 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
     all_load = torch.tensor(loads)
     dist.all_reduce(all_load, group=CPU_GROUP)
     bal = float(np.mean(balancedness(all_load.numpy(), phy2log, n_workers)))
-    return dict(exchange=kind, layer_ms=t * 1e3, max_diff_vs_first_exchange=diff, balancedness=bal, slots=p, routers=n_routers, workers=n_workers,
-                layout="disaggregated" if routers else "co-located")
+    return dict(
+        exchange=kind,
+        layer_ms=t * 1e3,
+        max_diff_vs_first_exchange=diff,
+        balancedness=bal,
+        slots=p,
+        routers=n_routers,
+        workers=n_workers,
+        layout="disaggregated" if routers else "co-located",
+    )
 
 
-def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budget_bytes, steady_steps=20,
-                         kind="collective"):
+def bench_live_migration(
+    rank, world, device, dtype, model, tokens, layers, budget_bytes, steady_steps=20, kind="collective"
+):
     """Step times (a stack of MoE layers at real sizes, Zipf 1.2 routing) before, during and
     after a live migration scheduled by the leader's own Migrator under the per-step byte
     budget, with the commits, staging and moves the cluster's ranks perform."""
@@ -273,6 +294,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     from moeserve.dataplane.protocol import StepHeader
     from moeserve.placement import Placement
     from moeserve.router.engine.migration import Migrator
+
     e, r = model["experts"], model["redundant"]
     p = e + r
     topo = Topology.build(world, world, True, p)
@@ -289,7 +311,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
 
     policy = make_policy(move_budget=None)
     start = policy(window_load(perms, 1), p, world, 1, 1, None)
-    target = policy(window_load(drift, 2), p, world, 1, 1, start)       # the traffic shifted: replan
+    target = policy(window_load(drift, 2), p, world, 1, 1, start)  # the traffic shifted: replan
     spec = ExpertSpec(model["hidden"], model["inter"], dtype=dtype)
     store = make_store(spec, rank, start, world, device, None)
     maps = RouterMaps(start, e, r + 1, device)
@@ -302,8 +324,9 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     hidden = torch.randn(tokens, model["hidden"], device=device).to(dtype)
     migrator = Migrator(Placement(start, e, world, version=1), spec.nbytes, budget_bytes) if rank == 0 else None
 
-    class State:                                                            # what run_step needs of a rank
+    class State:  # what run_step needs of a rank
         pass
+
     st = State()
     st.rank, st.topo, st.store, st.maps, st.runner, st.exchange = rank, topo, store, maps, None, ex
     st.num_layers, st.hidden_size, st.dtype = layers, model["hidden"], dtype
@@ -323,7 +346,7 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        res = run_step(st, StepHeader(step, migration=ops))                  # commits, staging, moves
+        res = run_step(st, StepHeader(step, migration=ops))  # commits, staging, moves
         x = hidden
         for l in range(layers):
             x = backend.combine(backend.dispatch(l, x, routings[l]))
@@ -352,13 +375,24 @@ def bench_live_migration(rank, world, device, dtype, model, tokens, layers, budg
     during = t[phase == "migrating"]
     summary = [mid.progress() if rank == 0 else None]
     dist.broadcast_object_list(summary, src=0, group=CPU_GROUP)
-    return dict(exchange=kind, slots=p, layers=layers, tokens=tokens,
-                step_ms=[round(float(x), 3) for x in t], step_phase=[str(x) for x in phase],   # every step, to find outliers
-                moves=summary[0].moves_total, bytes=summary[0].bytes_total,
-                migration_steps=int(len(during)), migration_s=float(during.sum() / 1e3),
-                steady_p50_ms=float(np.percentile(steady, 50)), steady_p99_ms=float(np.percentile(steady, 99)),
-                during_p50_ms=float(np.percentile(during, 50)), during_p99_ms=float(np.percentile(during, 99)),
-                p99_ratio=float(np.percentile(during, 99) / np.percentile(steady, 99)), budget_mb=budget_bytes / 2**20)
+    return dict(
+        exchange=kind,
+        slots=p,
+        layers=layers,
+        tokens=tokens,
+        step_ms=[round(float(x), 3) for x in t],
+        step_phase=[str(x) for x in phase],  # every step, to find outliers
+        moves=summary[0].moves_total,
+        bytes=summary[0].bytes_total,
+        migration_steps=int(len(during)),
+        migration_s=float(during.sum() / 1e3),
+        steady_p50_ms=float(np.percentile(steady, 50)),
+        steady_p99_ms=float(np.percentile(steady, 99)),
+        during_p50_ms=float(np.percentile(during, 50)),
+        during_p99_ms=float(np.percentile(during, 99)),
+        p99_ratio=float(np.percentile(during, 99) / np.percentile(steady, 99)),
+        budget_mb=budget_bytes / 2**20,
+    )
 
 
 def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
@@ -370,11 +404,15 @@ def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
     store = make_store(spec, rank, phy2log, world, device, None)
     store.begin_staging(s)
     from moeserve.dataplane.protocol import MoveOp
+
     # Every slot of worker w goes to worker (w + 1) % W: all of a layer's experts move at once.
-    moves = tuple(MoveOp(0, ((w + 1) % world) * s + i, int(phy2log[0, w * s + i]), w, w * s + i, (w + 1) % world, i)
-                  for w in range(world) for i in range(s))
+    moves = tuple(
+        MoveOp(0, ((w + 1) % world) * s + i, int(phy2log[0, w * s + i]), w, w * s + i, (w + 1) % world, i)
+        for w in range(world)
+        for i in range(s)
+    )
     t_all = max_over_ranks(timed(lambda: run_moves(moves, store, topo), iters, device))
-    nbytes = s * spec.nbytes                                          # received per worker
+    nbytes = s * spec.nbytes  # received per worker
     buf = torch.empty(s * spec.numel, dtype=dtype, device=device)
     rbuf = torch.empty_like(buf)
 
@@ -382,13 +420,22 @@ def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
         ops = [dist.P2POp(dist.isend, buf, (rank + 1) % world), dist.P2POp(dist.irecv, rbuf, (rank - 1) % world)]
         for wk in dist.batch_isend_irecv(ops):
             wk.wait()
+
     t_raw = max_over_ranks(timed(raw, iters, device))
     per_step = max(1, budget_bytes // spec.nbytes)
     budget_moves = tuple(m for m in moves if m.stage < per_step)
     t_budget = max_over_ranks(timed(lambda: run_moves(budget_moves, store, topo), iters, device))
-    return dict(expert_mb=spec.nbytes / 1e6, moved_mb_per_worker=nbytes / 1e6, ours_ms=t_all * 1e3, raw_ms=t_raw * 1e3,
-                ours_gbps=nbytes / t_all / 1e9, raw_gbps=nbytes / t_raw / 1e9, share=t_raw / t_all,
-                budget_moves_per_worker=min(per_step, s), budget_stall_ms=t_budget * 1e3)
+    return dict(
+        expert_mb=spec.nbytes / 1e6,
+        moved_mb_per_worker=nbytes / 1e6,
+        ours_ms=t_all * 1e3,
+        raw_ms=t_raw * 1e3,
+        ours_gbps=nbytes / t_all / 1e9,
+        raw_gbps=nbytes / t_raw / 1e9,
+        share=t_raw / t_all,
+        budget_moves_per_worker=min(per_step, s),
+        budget_stall_ms=t_budget * 1e3,
+    )
 
 
 def init_rank(rank, world, args, port) -> torch.device:
@@ -398,6 +445,7 @@ def init_rank(rank, world, args, port) -> torch.device:
     global CPU_GROUP
     import datetime
     import faulthandler
+
     faulthandler.dump_traceback_later(args.hang_s, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = datetime.timedelta(seconds=120)
@@ -420,55 +468,83 @@ def worker_main(rank, world, args, port):
     models = {k: dict(v) for k, v in (SMALL if args.small else MODELS).items() if k in args.models}
     for name, r in args.redundant.items():
         models[name]["redundant"] = r
-    out = dict(config=dict(backend=args.backend, ranks=world, dtype=args.dtype, small=args.small,
-                           torch=torch.__version__,
-                           device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
-               exchange=[], layer=[], migration=[], live_migration=[])
+    out = dict(
+        config=dict(
+            backend=args.backend,
+            ranks=world,
+            dtype=args.dtype,
+            small=args.small,
+            torch=torch.__version__,
+            device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        ),
+        exchange=[],
+        layer=[],
+        migration=[],
+        live_migration=[],
+    )
     token_list = [int(t) for t in args.tokens.split(",")]
     for name, m in models.items():
         if "exchange" in args.parts:
             for tokens in token_list:
                 for z in (0.0, 1.2):
-                    for r in bench_exchange(rank, world, device, dtype, m, tokens, z, args.iters, args.exchange,
-                                            max(token_list)):
+                    for r in bench_exchange(
+                        rank, world, device, dtype, m, tokens, z, args.iters, args.exchange, max(token_list)
+                    ):
                         out["exchange"].append(dict(model=name, tokens=tokens, zipf=z, **r))
                         if rank == 0:
-                            print(f"exchange {name:9s} {r['exchange']:10s} T={tokens:6d} zipf={z:.1f} "
-                                  f"{r['mb_per_rank_each_way']:8.1f} MB ours {r['ours_ms']:7.3f} ms raw {r['raw_ms']:7.3f} ms "
-                                  f"share {r['share']:.0%} equal {r['equal_to_collective']}", flush=True)
+                            print(
+                                f"exchange {name:9s} {r['exchange']:10s} T={tokens:6d} zipf={z:.1f} "
+                                f"{r['mb_per_rank_each_way']:8.1f} MB ours {r['ours_ms']:7.3f} ms raw {r['raw_ms']:7.3f} ms "
+                                f"share {r['share']:.0%} equal {r['equal_to_collective']}",
+                                flush=True,
+                            )
         if "layer" in args.parts:
             for tokens in [int(t) for t in args.layer_tokens.split(",")]:
                 for kind in args.exchange:
                     base = None
                     for z, eplb in ((0.0, False), (1.2, False), (1.2, True)):
-                        r = bench_layer(rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters, args.routers,
-                                        kind)
+                        r = bench_layer(
+                            rank, world, device, dtype, m, tokens, z, eplb, args.layers, args.iters, args.routers, kind
+                        )
                         base = base or r["layer_ms"]
                         r["vs_uniform"] = r["layer_ms"] / base
                         out["layer"].append(dict(model=name, tokens=tokens, zipf=z, eplb=eplb, **r))
                         if rank == 0:
-                            print(f"layer    {name:9s} {kind:10s} T={tokens:6d} zipf={z:.1f} eplb={eplb!s:5s} {r['layer_ms']:7.3f} ms/layer "
-                                  f"x{r['vs_uniform']:.3f} of uniform, balancedness {r['balancedness']:.3f}, "
-                                  f"max diff vs first exchange {r['max_diff_vs_first_exchange']:.1e}", flush=True)
+                            print(
+                                f"layer    {name:9s} {kind:10s} T={tokens:6d} zipf={z:.1f} eplb={eplb!s:5s} {r['layer_ms']:7.3f} ms/layer "
+                                f"x{r['vs_uniform']:.3f} of uniform, balancedness {r['balancedness']:.3f}, "
+                                f"max diff vs first exchange {r['max_diff_vs_first_exchange']:.1e}",
+                                flush=True,
+                            )
         if "live" in args.parts:
             kind = args.exchange[-1]
-            r = bench_live_migration(rank, world, device, dtype, m, args.live_tokens, args.layers, args.budget_mb << 20,
-                                     kind=kind)
+            r = bench_live_migration(
+                rank, world, device, dtype, m, args.live_tokens, args.layers, args.budget_mb << 20, kind=kind
+            )
             out["live_migration"].append(dict(model=name, **r))
             if rank == 0:
-                print(f"live     {name:9s} {kind:10s} {r['moves']} moves, {r['bytes'] / 1e9:.2f} GB in {r['migration_steps']} steps "
-                      f"({r['migration_s']:.2f} s); step p99 {r['during_p99_ms']:.2f} ms during vs {r['steady_p99_ms']:.2f} ms "
-                      f"steady (x{r['p99_ratio']:.3f})", flush=True)
+                print(
+                    f"live     {name:9s} {kind:10s} {r['moves']} moves, {r['bytes'] / 1e9:.2f} GB in {r['migration_steps']} steps "
+                    f"({r['migration_s']:.2f} s); step p99 {r['during_p99_ms']:.2f} ms during vs {r['steady_p99_ms']:.2f} ms "
+                    f"steady (x{r['p99_ratio']:.3f})",
+                    flush=True,
+                )
         if "migration" in args.parts:
             r = bench_migration(rank, world, device, dtype, m, args.iters, args.budget_mb << 20)
             out["migration"].append(dict(model=name, **r))
             if rank == 0:
-                print(f"migrate  {name:9s} {r['moved_mb_per_worker']:8.1f} MB/worker ours {r['ours_gbps']:6.1f} GB/s "
-                      f"raw {r['raw_gbps']:6.1f} GB/s share {r['share']:.0%}; stall/step at budget "
-                      f"{r['budget_stall_ms']:.2f} ms", flush=True)
+                print(
+                    f"migrate  {name:9s} {r['moved_mb_per_worker']:8.1f} MB/worker ours {r['ours_gbps']:6.1f} GB/s "
+                    f"raw {r['raw_gbps']:6.1f} GB/s share {r['share']:.0%}; stall/step at budget "
+                    f"{r['budget_stall_ms']:.2f} ms",
+                    flush=True,
+                )
     if rank == 0:
-        path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                         f"dispatch-{args.backend}{'-small' if args.small else ''}.json")
+        path = args.json or os.path.join(
+            os.path.dirname(os.path.abspath(__file__)),
+            "results",
+            f"dispatch-{args.backend}{'-small' if args.small else ''}.json",
+        )
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             json.dump(out, f, indent=1)
@@ -479,33 +555,49 @@ def worker_main(rank, world, args, port):
 
 
 def print_table(out):
-    print("\n| model | exchange | tokens/rank | routing | MB/rank each way | dispatch+combine ms | raw a2a ms | GB/s ours | GB/s raw | share |")
+    print(
+        "\n| model | exchange | tokens/rank | routing | MB/rank each way | dispatch+combine ms | raw a2a ms | GB/s ours | GB/s raw | share |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in out["exchange"]:
-        print(f"| {r['model']} | {r['exchange']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
-              f"{r['mb_per_rank_each_way']:.1f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbps']:.1f} | "
-              f"{r['raw_gbps']:.1f} | {r['share']:.0%} |")
+        print(
+            f"| {r['model']} | {r['exchange']} | {r['tokens']} | {'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
+            f"{r['mb_per_rank_each_way']:.1f} | {r['ours_ms']:.3f} | {r['raw_ms']:.3f} | {r['ours_gbps']:.1f} | "
+            f"{r['raw_gbps']:.1f} | {r['share']:.0%} |"
+        )
     if out["layer"]:
-        print("\n| model | exchange | layout | tokens/router | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |")
+        print(
+            "\n| model | exchange | layout | tokens/router | routing | EPLB | slots | ms per MoE layer | x uniform | balancedness |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in out["layer"]:
-            print(f"| {r['model']} | {r['exchange']} | {r['layout']} {r['routers']}R+{r['workers']}W | {r['tokens']} | "
-                  f"{'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
-                  f"{'on' if r['eplb'] else 'off'} | {r['slots']} | {r['layer_ms']:.3f} | {r['vs_uniform']:.3f} | "
-                  f"{r['balancedness']:.3f} |")
+            print(
+                f"| {r['model']} | {r['exchange']} | {r['layout']} {r['routers']}R+{r['workers']}W | {r['tokens']} | "
+                f"{'uniform' if r['zipf'] == 0 else 'zipf ' + str(r['zipf'])} | "
+                f"{'on' if r['eplb'] else 'off'} | {r['slots']} | {r['layer_ms']:.3f} | {r['vs_uniform']:.3f} | "
+                f"{r['balancedness']:.3f} |"
+            )
     if out["live_migration"]:
-        print("\n| model | exchange | slots | tokens/rank | moves | GB moved | steps | seconds | step p50/p99 steady ms | step p50/p99 during ms | p99 ratio |")
+        print(
+            "\n| model | exchange | slots | tokens/rank | moves | GB moved | steps | seconds | step p50/p99 steady ms | step p50/p99 during ms | p99 ratio |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in out["live_migration"]:
-            print(f"| {r['model']} | {r['exchange']} | {r['slots']} | {r['tokens']} | {r['moves']} | {r['bytes'] / 1e9:.2f} | {r['migration_steps']} | "
-                  f"{r['migration_s']:.2f} | {r['steady_p50_ms']:.2f} / {r['steady_p99_ms']:.2f} | "
-                  f"{r['during_p50_ms']:.2f} / {r['during_p99_ms']:.2f} | {r['p99_ratio']:.3f} |")
+            print(
+                f"| {r['model']} | {r['exchange']} | {r['slots']} | {r['tokens']} | {r['moves']} | {r['bytes'] / 1e9:.2f} | {r['migration_steps']} | "
+                f"{r['migration_s']:.2f} | {r['steady_p50_ms']:.2f} / {r['steady_p99_ms']:.2f} | "
+                f"{r['during_p50_ms']:.2f} / {r['during_p99_ms']:.2f} | {r['p99_ratio']:.3f} |"
+            )
     if out["migration"]:
-        print("\n| model | expert MB | MB moved per worker | ours GB/s | send/recv GB/s | share | stall per step at budget (ms) |")
+        print(
+            "\n| model | expert MB | MB moved per worker | ours GB/s | send/recv GB/s | share | stall per step at budget (ms) |"
+        )
         print("|---|---|---|---|---|---|---|")
         for r in out["migration"]:
-            print(f"| {r['model']} | {r['expert_mb']:.1f} | {r['moved_mb_per_worker']:.0f} | {r['ours_gbps']:.1f} | "
-                  f"{r['raw_gbps']:.1f} | {r['share']:.0%} | {r['budget_stall_ms']:.2f} |")
+            print(
+                f"| {r['model']} | {r['expert_mb']:.1f} | {r['moved_mb_per_worker']:.0f} | {r['ours_gbps']:.1f} | "
+                f"{r['raw_gbps']:.1f} | {r['share']:.0%} | {r['budget_stall_ms']:.2f} |"
+            )
 
 
 def main():
@@ -521,13 +613,20 @@ def main():
     ap.add_argument("--budget-mb", type=int, default=512, help="migration byte budget per worker per step")
     ap.add_argument("--parts", default="exchange,layer,migration,live")
     ap.add_argument("--models", default="scout,ernie21b")
-    ap.add_argument("--routers", type=int, default=0,
-                    help="layer step only: 0 co-located; R > 0 disaggregated, R router ranks + the rest workers")
+    ap.add_argument(
+        "--routers",
+        type=int,
+        default=0,
+        help="layer step only: 0 co-located; R > 0 disaggregated, R router ranks + the rest workers",
+    )
     ap.add_argument("--redundant", default="", help="redundant slots per model, e.g. scout=16,ernie21b=32")
     ap.add_argument("--live-tokens", type=int, default=None, help="tokens per rank in the live-migration run")
     ap.add_argument("--hang-s", type=float, default=900, help="dump tracebacks and exit after this long")
-    ap.add_argument("--exchange", default=None,
-                    help="exchange kinds, comma separated: collective, nvlink (default: both on nccl, collective on gloo)")
+    ap.add_argument(
+        "--exchange",
+        default=None,
+        help="exchange kinds, comma separated: collective, nvlink (default: both on nccl, collective on gloo)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     gpu = args.backend == "nccl"
@@ -552,9 +651,11 @@ def spawn(main_fn, args) -> None:
     """Run ``main_fn(rank, world, args, port)`` in ``args.ranks`` spawned processes that meet
     at a free local port (the layer benchmarks' ranks)."""
     from moeserve.ops.ports import free_port
+
     port = free_port()
-    torch.multiprocessing.start_processes(_entry, args=(main_fn, args.ranks, args, port), nprocs=args.ranks,
-                                          start_method="spawn")
+    torch.multiprocessing.start_processes(
+        _entry, args=(main_fn, args.ranks, args, port), nprocs=args.ranks, start_method="spawn"
+    )
 
 
 def _entry(rank, main_fn, world, args, port):

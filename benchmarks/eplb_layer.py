@@ -46,6 +46,7 @@ within 10 % of every measured Zipf row.
 Prints a table and writes JSON (``--json``, default benchmarks/results/eplb-layer.json; with
 --smoke or gloo: eplb-layer-cpu.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,23 +65,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-import dispatch as D                                                      # noqa: E402
-from moeserve.balancer.policy import cost as C                           # noqa: E402
-from moeserve.balancer.policy import make_policy                         # noqa: E402
-from moeserve.balancer.policy.rule import plan_breakeven                 # noqa: E402
-from moeserve.placement import balancedness                              # noqa: E402
-from moeserve.router.dispatcher import RouterMaps                        # noqa: E402
+import dispatch as D  # noqa: E402
+from moeserve.balancer.policy import cost as C  # noqa: E402
+from moeserve.balancer.policy import make_policy  # noqa: E402
+from moeserve.balancer.policy.rule import plan_breakeven  # noqa: E402
+from moeserve.placement import balancedness  # noqa: E402
+from moeserve.router.dispatcher import RouterMaps  # noqa: E402
 
 POLICIES = ("off", "token", "cost")
 ZIPF = (0.0, 1.2)
-TOLERANCE = 1.02            # cost <= 1.02 x min(off, token)
-MODEL_ERROR = 0.10          # |fitted model / measured - 1| on Zipf rows
-PREDICT_STEPS = 16          # step numbers over which a row's prediction is taken (the replica rotation)
+TOLERANCE = 1.02  # cost <= 1.02 x min(off, token)
+MODEL_ERROR = 0.10  # |fitted model / measured - 1| on Zipf rows
+PREDICT_STEPS = 16  # step numbers over which a row's prediction is taken (the replica rotation)
 H200_TABLE = os.path.join(HERE, "results", "step_model_h200.json")
 CPU_TABLE = os.path.join(HERE, "results", "step_model_cpu_example.json")
 
 
 # ---- the step model of a shape -----------------------------------------------------------------
+
 
 def pick_model(table_path: str, gpu: str, hidden: int, inter: int, dtype_bytes: int) -> tuple[C.StepModel, str]:
     """The table's entry for this GPU and shape; where none has the shape (the CPU example),
@@ -91,13 +93,17 @@ def pick_model(table_path: str, gpu: str, hidden: int, inter: int, dtype_bytes: 
     same = [m for m in entries if (m.hidden_size, m.intermediate_size, m.dtype_bytes) == (hidden, inter, dtype_bytes)]
     if same:
         return same[0], note + f"{os.path.basename(table_path)}: {same[0].gpu} / {same[0].shape}"
-    m = dataclasses.replace(entries[0], shape=f"H{hidden}-I{inter}", hidden_size=hidden, intermediate_size=inter,
-                            dtype_bytes=dtype_bytes)
-    return m, note + (f"{os.path.basename(table_path)} has no entry of this shape: {entries[0].gpu} / "
-                      f"{entries[0].shape}'s rates with this shape (plumbing only, not a model of this device)")
+    m = dataclasses.replace(
+        entries[0], shape=f"H{hidden}-I{inter}", hidden_size=hidden, intermediate_size=inter, dtype_bytes=dtype_bytes
+    )
+    return m, note + (
+        f"{os.path.basename(table_path)} has no entry of this shape: {entries[0].gpu} / "
+        f"{entries[0].shape}'s rates with this shape (plumbing only, not a model of this device)"
+    )
 
 
 # ---- load, plans, the replica choice replayed ----------------------------------------------------
+
 
 def perms_of(e: int, layers: int):
     return [torch.randperm(e, generator=torch.Generator().manual_seed(100 + l)) for l in range(layers)]
@@ -131,8 +137,9 @@ def _window_load(m, tokens, zipf, routers, layers, steps, seed):
     return load
 
 
-def plan(policy: str, m: dict, tokens: int, zipf: float, workers: int, layers: int, window_steps: int,
-         model: C.StepModel) -> dict:
+def plan(
+    policy: str, m: dict, tokens: int, zipf: float, workers: int, layers: int, window_steps: int, model: C.StepModel
+) -> dict:
     """phy2log [L, P] and b [L, E] of one policy, planned on windows of this distribution."""
     e = m["experts"]
     if policy == "off":
@@ -153,8 +160,9 @@ def plan(policy: str, m: dict, tokens: int, zipf: float, workers: int, layers: i
     return dict(phy2log=phy2log, breakeven=b, moved_from_token=int((phy2log != first).sum()))
 
 
-def replay(m: dict, phy2log: np.ndarray, b: np.ndarray, tokens: int, zipf: float, routers: int, workers: int,
-           steps) -> tuple[np.ndarray, np.ndarray]:
+def replay(
+    m: dict, phy2log: np.ndarray, b: np.ndarray, tokens: int, zipf: float, routers: int, workers: int, steps
+) -> tuple[np.ndarray, np.ndarray]:
     """Every worker's busy slots and pairs [S, L, W] at the given step numbers, from every
     router's timed routing and replica choice (``RouterMaps.slots_of``: the rule both
     exchanges apply, b included)."""
@@ -188,13 +196,13 @@ def fit_uniform(model: C.StepModel, rows: list[dict]) -> tuple[C.StepModel, floa
     closed form (it adds to every worker alike). Returns the model and its RMS relative error."""
     meas = np.array([r["median_ms"] for r in rows]) / 1e3
 
-    def rest(mdl):                       # prediction without the layer overhead
+    def rest(mdl):  # prediction without the layer overhead
         z = dataclasses.replace(mdl, layer_overhead_s=0.0)
         return np.array([predict_ms(z, r["busy"], r["pairs"]) for r in rows]) / 1e3
 
     def with_overhead(mdl):
         g = rest(mdl)
-        lo = max(0.0, float(np.sum((1 - g / meas) / meas) / np.sum(1 / meas ** 2)))
+        lo = max(0.0, float(np.sum((1 - g / meas) / meas) / np.sum(1 / meas**2)))
         mdl = dataclasses.replace(mdl, layer_overhead_s=lo)
         return mdl, float(np.sqrt(np.mean(((lo + g) / meas - 1) ** 2)))
 
@@ -210,6 +218,7 @@ def fit_uniform(model: C.StepModel, rows: list[dict]) -> tuple[C.StepModel, floa
 
 
 # ---- the timed rows ------------------------------------------------------------------------------
+
 
 class Row:
     def __init__(self, shape, kind, tokens, zipf, policy, placement):
@@ -229,6 +238,7 @@ def build_rows(rank, world, device, dtype, name, m, kind, tokens, capacity, plac
     from moeserve.dataplane.exchange import Topology
     from moeserve.models.moe import ExpertSpec, RoutingResult
     from moeserve.router.dispatcher import DistributedExperts
+
     e = m["experts"]
     spec = ExpertSpec(m["hidden"], m["inter"], dtype=dtype)
     perms = perms_of(e, layers)
@@ -250,21 +260,25 @@ def build_rows(rank, world, device, dtype, name, m, kind, tokens, capacity, plac
                 ids = timed_ids(rank, l, tokens, m, zipf, perms[l])
                 w = torch.rand(tokens, m["k"], generator=torch.Generator().manual_seed(5 + l)).to(dtype)
                 routings.append(RoutingResult(ids.to(device), w.to(device), weights_on_input=m["k"] == 1))
-            hidden = torch.randn(tokens, m["hidden"], generator=torch.Generator().manual_seed(rank)).to(dtype).to(device)
+            hidden = (
+                torch.randn(tokens, m["hidden"], generator=torch.Generator().manual_seed(rank)).to(dtype).to(device)
+            )
 
             def fn(backend=backend, routings=routings, hidden=hidden, row=row):
-                backend.step = row.step                     # the replica rotation of serving
+                backend.step = row.step  # the replica rotation of serving
                 row.step += 1
                 x = hidden
                 for l in range(layers):
                     x = backend.combine(backend.dispatch(l, x, routings[l]))
                 return x
+
             row.fn = fn
             rows.append(row)
     return rows
 
 
 # ---- one process per rank --------------------------------------------------------------------------
+
 
 def cases(args):
     """(shape, exchange, sizes) in run order: the sweep on its exchange, then the collective one."""
@@ -288,13 +302,14 @@ def plans_for(name, m, tokens, world, args, model):
     """Every (routing, policy)'s placement for one shape and size (the same on both exchanges)."""
     key = (name, tokens)
     if key not in _PLANS:
-        _PLANS[key] = {(z, p): plan(p, m, tokens, z, world, args.layers, args.window_steps, model)
-                       for z in ZIPF for p in POLICIES}
+        _PLANS[key] = {
+            (z, p): plan(p, m, tokens, z, world, args.layers, args.window_steps, model) for z in ZIPF for p in POLICIES
+        }
     return _PLANS[key]
 
 
 def worker_main(rank, world, args, port):
-    t_start = time.perf_counter()                                         # the deadline counts the start too
+    t_start = time.perf_counter()  # the deadline counts the start too
     device = D.init_rank(rank, world, args, port)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -314,12 +329,13 @@ def worker_main(rank, world, args, port):
                 if rank == 0:
                     print(f"skipped  {name} {kind} T={tokens}: past --deadline-s {args.deadline_s}", flush=True)
                 continue
-            last_case_s = run_case(rank, world, device, dtype, args, out, name, m, kind, tokens, max(sizes), model,
-                                   stores, t_start)
+            last_case_s = run_case(
+                rank, world, device, dtype, args, out, name, m, kind, tokens, max(sizes), model, stores, t_start
+            )
             for ex in D._NVLINK.values():
-                ex.reset_graphs()                                         # the rows' graphs go with them
+                ex.reset_graphs()  # the rows' graphs go with them
             off = np.tile(np.arange(m["experts"]), (args.layers, 1)).tobytes()
-            for key in [k for k in stores if k != off]:                   # only "off"'s store outlives its case
+            for key in [k for k in stores if k != off]:  # only "off"'s store outlives its case
                 del stores[key]
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -340,13 +356,13 @@ def run_case(rank, world, device, dtype, args, out, name, m, kind, tokens, capac
     stores other than those kept in ``stores`` are freed on return."""
     t_case = time.perf_counter()
     box = [plans_for(name, m, tokens, world, args, model) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=D.CPU_GROUP)            # every rank the same plans
+    dist.broadcast_object_list(box, src=0, group=D.CPU_GROUP)  # every rank the same plans
     rows = build_rows(rank, world, device, dtype, name, m, kind, tokens, capacity, box[0], args.layers, stores)
     for row in rows:
-        for _ in range(3):                                                # compile, capture, replay
+        for _ in range(3):  # compile, capture, replay
             row.run()
     for rep in range(args.repeats):
-        for row in rows[rep % len(rows):] + rows[:rep % len(rows)]:       # interleaved, order rotated
+        for row in rows[rep % len(rows) :] + rows[: rep % len(rows)]:  # interleaved, order rotated
             row.times.append(D.max_over_ranks(D.timed(row.run, args.iters, device)) * 1e3 / args.layers)
     seconds = [0.0]
     if rank == 0:
@@ -354,10 +370,12 @@ def run_case(rank, world, device, dtype, args, out, name, m, kind, tokens, capac
         seconds[0] = time.perf_counter() - t_case
         out["cases"].append(dict(model=name, exchange=kind, tokens=tokens, seconds=round(seconds[0], 2)))
         out["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        for r in out["rows"][-len(rows):]:
+        for r in out["rows"][-len(rows) :]:
             print(row_line(r), flush=True)
-        print(f"case     {name} {kind} T={tokens}: {seconds[0]:.1f} s, {out['elapsed_s']:.0f} s since the ranks started",
-              flush=True)
+        print(
+            f"case     {name} {kind} T={tokens}: {seconds[0]:.1f} s, {out['elapsed_s']:.0f} s since the ranks started",
+            flush=True,
+        )
         finish(out)
         write(out, args.json)
     dist.broadcast_object_list(seconds, src=0, group=D.CPU_GROUP)
@@ -365,12 +383,33 @@ def run_case(rank, world, device, dtype, args, out, name, m, kind, tokens, capac
 
 
 def new_output(args, world, gpu):
-    return dict(config=dict(backend=args.backend, ranks=world, dtype=args.dtype, small=args.small, device=gpu,
-                            torch=torch.__version__, step_model=os.path.relpath(args.step_model, os.path.join(HERE, "..")),
-                            sizes=args.sizes, collective_sizes=args.collective_sizes, exchange=args.exchange,
-                            repeats=args.repeats, iters=args.iters, layers=args.layers,
-                            window_steps=args.window_steps, command=" ".join(sys.argv)),
-                step_models={}, rows=[], fits={}, checks=[], model_error={}, cases=[], skipped=[], elapsed_s=0.0)
+    return dict(
+        config=dict(
+            backend=args.backend,
+            ranks=world,
+            dtype=args.dtype,
+            small=args.small,
+            device=gpu,
+            torch=torch.__version__,
+            step_model=os.path.relpath(args.step_model, os.path.join(HERE, "..")),
+            sizes=args.sizes,
+            collective_sizes=args.collective_sizes,
+            exchange=args.exchange,
+            repeats=args.repeats,
+            iters=args.iters,
+            layers=args.layers,
+            window_steps=args.window_steps,
+            command=" ".join(sys.argv),
+        ),
+        step_models={},
+        rows=[],
+        fits={},
+        checks=[],
+        model_error={},
+        cases=[],
+        skipped=[],
+        elapsed_s=0.0,
+    )
 
 
 def record(out, rows, m, world, model, args):
@@ -383,20 +422,36 @@ def record(out, rows, m, world, model, args):
         for r in range(world):
             perms = perms_of(m["experts"], row.phy2log.shape[0])
             for l in range(row.phy2log.shape[0]):
-                load[l] += np.bincount(timed_ids(r, l, row.tokens, m, row.zipf, perms[l]).reshape(-1).numpy(),
-                                       minlength=m["experts"])
+                load[l] += np.bincount(
+                    timed_ids(r, l, row.tokens, m, row.zipf, perms[l]).reshape(-1).numpy(), minlength=m["experts"]
+                )
         # b is per (layer, expert): "breakeven" is the model's b it is planned from (0: none installed)
         b = model.breakeven_count if row.b.any() else 0
-        out["rows"].append(dict(
-            model=row.shape, exchange=row.kind, tokens=row.tokens, zipf=row.zipf, policy=row.policy,
-            slots=int(row.phy2log.shape[1]), breakeven=b, breakeven_range=[int(row.b.min()), int(row.b.max())],
-            # experts whose step count (all routers) is at or below their b: one copy read, replicas idle
-            experts_at_or_below_b=int(((load <= row.b) & (row.b > 0)).sum()),
-            moved_from_token=row.moved, times_ms=[round(t, 4) for t in row.times], median_ms=med,
-            spread=(max(row.times) - min(row.times)) / med, busy_max=float(busy.max(2).mean()),
-            pairs_max=float(pairs.max(2).mean()), balancedness=float(np.mean(balancedness(load, row.phy2log, world))),
-            pred_table_ms=predict_ms(model, busy, pairs), phy2log=row.phy2log.tolist(),
-            _busy=busy, _pairs=pairs))
+        out["rows"].append(
+            dict(
+                model=row.shape,
+                exchange=row.kind,
+                tokens=row.tokens,
+                zipf=row.zipf,
+                policy=row.policy,
+                slots=int(row.phy2log.shape[1]),
+                breakeven=b,
+                breakeven_range=[int(row.b.min()), int(row.b.max())],
+                # experts whose step count (all routers) is at or below their b: one copy read, replicas idle
+                experts_at_or_below_b=int(((load <= row.b) & (row.b > 0)).sum()),
+                moved_from_token=row.moved,
+                times_ms=[round(t, 4) for t in row.times],
+                median_ms=med,
+                spread=(max(row.times) - min(row.times)) / med,
+                busy_max=float(busy.max(2).mean()),
+                pairs_max=float(pairs.max(2).mean()),
+                balancedness=float(np.mean(balancedness(load, row.phy2log, world))),
+                pred_table_ms=predict_ms(model, busy, pairs),
+                phy2log=row.phy2log.tolist(),
+                _busy=busy,
+                _pairs=pairs,
+            )
+        )
 
 
 def finish(out):
@@ -410,7 +465,9 @@ def finish(out):
     for key in sorted({(r["model"], r["exchange"]) for r in rows}):
         uni = [r for r in rows if (r["model"], r["exchange"]) == key and r["zipf"] == 0.0]
         entry = C.StepModel(**out["step_models"][key[0]]["entry"])
-        fitted, err = fit_uniform(entry, [dict(busy=r["_busy"], pairs=r["_pairs"], median_ms=r["median_ms"]) for r in uni])
+        fitted, err = fit_uniform(
+            entry, [dict(busy=r["_busy"], pairs=r["_pairs"], median_ms=r["median_ms"]) for r in uni]
+        )
         out["fits"][f"{key[0]}/{key[1]}"] = dict(entry=fitted.to_entry(), uniform_rms_error=err, rows=len(uni))
         errs = []
         for r in rows:
@@ -422,15 +479,26 @@ def finish(out):
                     errs.append(r["err_fit"])
         if errs:
             worst = max(errs, key=abs)
-            out["model_error"][f"{key[0]}/{key[1]}"] = dict(max_abs_zipf_error=abs(worst), worst=worst,
-                                                           ok=abs(worst) <= MODEL_ERROR)
+            out["model_error"][f"{key[0]}/{key[1]}"] = dict(
+                max_abs_zipf_error=abs(worst), worst=worst, ok=abs(worst) <= MODEL_ERROR
+            )
     for (mdl, kind, tokens, zipf, policy), r in by.items():
         if policy != "cost":
             continue
         off, token = by.get((mdl, kind, tokens, zipf, "off")), by.get((mdl, kind, tokens, zipf, "token"))
         best = min(off["median_ms"], token["median_ms"])
-        out["checks"].append(dict(model=mdl, exchange=kind, tokens=tokens, zipf=zipf, cost_ms=r["median_ms"],
-                                  best_other_ms=best, ratio=r["median_ms"] / best, ok=r["median_ms"] <= TOLERANCE * best))
+        out["checks"].append(
+            dict(
+                model=mdl,
+                exchange=kind,
+                tokens=tokens,
+                zipf=zipf,
+                cost_ms=r["median_ms"],
+                best_other_ms=best,
+                ratio=r["median_ms"] / best,
+                ok=r["median_ms"] <= TOLERANCE * best,
+            )
+        )
 
 
 def write(out, path):
@@ -442,9 +510,11 @@ def write(out, path):
 
 def row_line(r) -> str:
     x = "" if r.get("x_ideal") is None else f" x{r['x_ideal']:.3f} ideal"
-    return (f"layer    {r['model']:9s} {r['exchange']:10s} T={r['tokens']:5d} {routing(r['zipf']):8s} {r['policy']:5s} "
-            f"b={r['breakeven']:<4d} {r['median_ms']:8.3f} ms/layer (spread {r['spread']:.1%}){x}, "
-            f"busy max {r['busy_max']:.1f}, pred {r['pred_table_ms']:.3f} ms")
+    return (
+        f"layer    {r['model']:9s} {r['exchange']:10s} T={r['tokens']:5d} {routing(r['zipf']):8s} {r['policy']:5s} "
+        f"b={r['breakeven']:<4d} {r['median_ms']:8.3f} ms/layer (spread {r['spread']:.1%}){x}, "
+        f"busy max {r['busy_max']:.1f}, pred {r['pred_table_ms']:.3f} ms"
+    )
 
 
 def routing(z: float) -> str:
@@ -452,43 +522,56 @@ def routing(z: float) -> str:
 
 
 def print_table(out):
-    print("\n| model | exchange | tokens/rank | routing | policy | slots | b | busy (max worker) | ms per MoE layer "
-          "(median of repeats) | spread | x ideal | pred ms (table) | pred ms (fit on uniform) | model error |")
+    print(
+        "\n| model | exchange | tokens/rank | routing | policy | slots | b | busy (max worker) | ms per MoE layer "
+        "(median of repeats) | spread | x ideal | pred ms (table) | pred ms (fit on uniform) | model error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in out["rows"]:
         x = "" if r.get("x_ideal") is None else f"{r['x_ideal']:.3f}"
-        print(f"| {r['model']} | {r['exchange']} | {r['tokens']} | {routing(r['zipf'])} | {r['policy']} | {r['slots']} | "
-              f"{r['breakeven']} | {r['busy_max']:.1f} | {r['median_ms']:.3f} | {r['spread']:.1%} | {x} | "
-              f"{r['pred_table_ms']:.3f} | {r.get('pred_fit_ms', float('nan')):.3f} | {r.get('err_fit', float('nan')):+.1%} |")
+        print(
+            f"| {r['model']} | {r['exchange']} | {r['tokens']} | {routing(r['zipf'])} | {r['policy']} | {r['slots']} | "
+            f"{r['breakeven']} | {r['busy_max']:.1f} | {r['median_ms']:.3f} | {r['spread']:.1%} | {x} | "
+            f"{r['pred_table_ms']:.3f} | {r.get('pred_fit_ms', float('nan')):.3f} | {r.get('err_fit', float('nan')):+.1%} |"
+        )
     print(f"\ncost-aware <= {TOLERANCE} x min(off, token):")
     print("| model | exchange | tokens/rank | routing | cost ms | min(off, token) ms | ratio | ok |")
     print("|---|---|---|---|---|---|---|---|")
     for c in out["checks"]:
-        print(f"| {c['model']} | {c['exchange']} | {c['tokens']} | {routing(c['zipf'])} | {c['cost_ms']:.3f} | "
-              f"{c['best_other_ms']:.3f} | {c['ratio']:.3f} | {'yes' if c['ok'] else 'NO'} |")
+        print(
+            f"| {c['model']} | {c['exchange']} | {c['tokens']} | {routing(c['zipf'])} | {c['cost_ms']:.3f} | "
+            f"{c['best_other_ms']:.3f} | {c['ratio']:.3f} | {'yes' if c['ok'] else 'NO'} |"
+        )
     print(f"\nthe model fitted on uniform rows, error on Zipf rows (<= {MODEL_ERROR:.0%}):")
     for k, v in out["model_error"].items():
         f = out["fits"][k]
-        print(f"  {k}: worst {v['worst']:+.1%} ({'ok' if v['ok'] else 'NO'}); fit on {f['rows']} uniform rows, "
-              f"RMS {f['uniform_rms_error']:.1%}: layer overhead {f['entry']['layer_overhead_s'] * 1e6:.1f} us, "
-              f"HBM {f['entry']['hbm_bytes_per_s'] / 1e9:.4g} GB/s, matmul {f['entry']['matmul_flops_per_s'] / 1e12:.4g} TFLOP/s")
+        print(
+            f"  {k}: worst {v['worst']:+.1%} ({'ok' if v['ok'] else 'NO'}); fit on {f['rows']} uniform rows, "
+            f"RMS {f['uniform_rms_error']:.1%}: layer overhead {f['entry']['layer_overhead_s'] * 1e6:.1f} us, "
+            f"HBM {f['entry']['hbm_bytes_per_s'] / 1e9:.4g} GB/s, matmul {f['entry']['matmul_flops_per_s'] / 1e12:.4g} TFLOP/s"
+        )
     for k, v in out["step_models"].items():
         print(f"  step model {k}: {v['note']}; b = {v['breakeven']}")
     checks = out["checks"]
-    print(f"\nchecks: {sum(c['ok'] for c in checks)}/{len(checks)} cost-aware within {TOLERANCE}x; "
-          f"model error ok on {sum(v['ok'] for v in out['model_error'].values())}/{len(out['model_error'])} "
-          f"(shape, exchange); skipped cases: {len(out['skipped'])}")
+    print(
+        f"\nchecks: {sum(c['ok'] for c in checks)}/{len(checks)} cost-aware within {TOLERANCE}x; "
+        f"model error ok on {sum(v['ok'] for v in out['model_error'].values())}/{len(out['model_error'])} "
+        f"(shape, exchange); skipped cases: {len(out['skipped'])}"
+    )
 
 
 # ---- predictions only (no ranks) ---------------------------------------------------------------------
+
 
 def predict_only(args):
     """Plans and the table model's prediction of every row (the replica choice replayed), no timing."""
     world = args.ranks
     models = models_of(args)
     gpu = args.predict_gpu
-    print("| model | tokens/rank | routing | policy | slots | b | busy max worker | pairs max worker | pred ms/layer | "
-          "x pred ideal |")
+    print(
+        "| model | tokens/rank | routing | policy | slots | b | busy max worker | pairs max worker | pred ms/layer | "
+        "x pred ideal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     res = []
     for name in args.models:
@@ -502,9 +585,13 @@ def predict_only(args):
                 preds[(z, pol)] = (predict_ms(model, busy, pairs), busy, pairs, p)
             ideal = preds[(0.0, "off")][0]
             for (z, pol), (t, busy, pairs, p) in preds.items():
-                res.append(dict(model=name, tokens=tokens, zipf=z, policy=pol, pred_ms=t, breakeven=int(p["breakeven"].max())))
-                print(f"| {name} | {tokens} | {routing(z)} | {pol} | {p['phy2log'].shape[1]} | {int(p['breakeven'].max())} | "
-                      f"{busy.max(2).mean():.1f} | {pairs.max(2).mean():.0f} | {t:.3f} | {t / ideal:.3f} |")
+                res.append(
+                    dict(model=name, tokens=tokens, zipf=z, policy=pol, pred_ms=t, breakeven=int(p["breakeven"].max()))
+                )
+                print(
+                    f"| {name} | {tokens} | {routing(z)} | {pol} | {p['phy2log'].shape[1]} | {int(p['breakeven'].max())} | "
+                    f"{busy.max(2).mean():.1f} | {pairs.max(2).mean():.0f} | {t:.3f} | {t / ideal:.3f} |"
+                )
         print(f"step model {name}: {note}; b = {model.breakeven_count}")
     if args.json:
         write(dict(config=dict(predict_only=True, step_model=args.step_model), rows=res), args.json)
@@ -520,17 +607,27 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU plumbing test: small shapes, tiny sizes, 2 repeats")
     ap.add_argument("--models", default="scout,ernie21b")
     ap.add_argument("--sizes", default=None, help="tokens per rank of the sweep (default 128,512,2048,8192; gloo 8,64)")
-    ap.add_argument("--collective-sizes", default=None,
-                    help="tokens per rank also run on the collective exchange (default 2048,8192; '' none)")
+    ap.add_argument(
+        "--collective-sizes",
+        default=None,
+        help="tokens per rank also run on the collective exchange (default 2048,8192; '' none)",
+    )
     ap.add_argument("--exchange", default=None, help="the sweep's exchange: nvlink (default on nccl) or collective")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats per row (default 5)")
     ap.add_argument("--iters", type=int, default=None, help="steps per repeat (default 10; smoke 2)")
     ap.add_argument("--layers", type=int, default=None, help="MoE layers per step (default 4; smoke 2)")
     ap.add_argument("--window-steps", type=int, default=8, help="steps of every router in a planning window")
-    ap.add_argument("--step-model", default=None,
-                    help="step-model table (default: results/step_model_h200.json on nccl, the CPU example on gloo)")
-    ap.add_argument("--deadline-s", type=float, default=500,
-                    help="seconds since the ranks started after which no case starts (the last case's time x 1.5 ahead)")
+    ap.add_argument(
+        "--step-model",
+        default=None,
+        help="step-model table (default: results/step_model_h200.json on nccl, the CPU example on gloo)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=500,
+        help="seconds since the ranks started after which no case starts (the last case's time x 1.5 ahead)",
+    )
     ap.add_argument("--hang-s", type=float, default=570, help="dump tracebacks and exit after this long")
     ap.add_argument("--predict-only", action="store_true", help="no ranks: plans and the model's predictions only")
     ap.add_argument("--predict-gpu", default="NVIDIA H200", help="--predict-only: the table's GPU kind")
@@ -555,7 +652,7 @@ def main(argv=None):
         sys.exit("--exchange nvlink needs --backend nccl (CUDA devices)")
     if gpu and torch.cuda.device_count() < args.ranks:
         sys.exit(f"--ranks {args.ranks} needs {args.ranks} GPUs, found {torch.cuda.device_count()}")
-    C.load_table(args.step_model)                                  # a bad table fails here, not in the ranks
+    C.load_table(args.step_model)  # a bad table fails here, not in the ranks
     D.spawn(worker_main, args)
 
 

@@ -15,6 +15,7 @@ delivers them. Bytes = the weights of the slots that got rows (what must be read
 that no launch finds its weights in L2. Prints a table and writes JSON (``--json``, default
 benchmarks/results/expert-kernel.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moeserve import kernels                                   # noqa: E402
+from moeserve import kernels  # noqa: E402
 
-SHAPES = {"scout": dict(hidden=5120, inter=8192, slots=16, top_k=1),
-          "ernie": dict(hidden=2560, inter=1536, slots=64, top_k=6)}
-CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))      # (BN, BK, warps, stages)
+SHAPES = {
+    "scout": dict(hidden=5120, inter=8192, slots=16, top_k=1),
+    "ernie": dict(hidden=2560, inter=1536, slots=64, top_k=6),
+}
+CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))  # (BN, BK, warps, stages)
 
 
 def counts_for(rng, tokens, k, slots, skew):
-    if skew == "concentrated":                       # every token to the same K experts
+    if skew == "concentrated":  # every token to the same K experts
         return np.bincount(np.repeat(np.arange(k), tokens), minlength=slots)
     if skew == "skew":
         p = np.full(slots, 0.2 / (slots - 2))
@@ -71,30 +74,44 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--layers", type=int, default=4, help="layers of weights cycled (L2 never holds one)")
     p.add_argument("--tune", action="store_true", help="time every candidate tiling of each kernel (256 tokens)")
-    p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "expert-kernel.json"))
+    p.add_argument(
+        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "expert-kernel.json")
+    )
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the kernels are checked on CPU by tests/test_expert_kernels.py)")
     dev = torch.device("cuda")
     rng = np.random.default_rng(0)
-    out = dict(command=" ".join(["python3"] + sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-               tuning=dict(kernels.EXPERT_TUNING), cases=[], tune={})
+    out = dict(
+        command=" ".join(["python3"] + sys.argv),
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        tuning=dict(kernels.EXPERT_TUNING),
+        cases=[],
+        tune={},
+    )
     try:
-        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    check=False).stdout.strip() or None
+        out["git"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         out["git"] = None
-    print(f"{'shape':<7}{'tokens':>7}{'routing':>13}{'used':>6}{'GB':>7}{'grouped_mm ms':>15}{'GB/s':>7}"
-          f"{'triton ms':>11}{'GB/s':>7}{'speedup':>9}{'max err':>9}")
+    print(
+        f"{'shape':<7}{'tokens':>7}{'routing':>13}{'used':>6}{'GB':>7}{'grouped_mm ms':>15}{'GB/s':>7}"
+        f"{'triton ms':>11}{'GB/s':>7}{'speedup':>9}{'max err':>9}"
+    )
     for name in a.shapes.split(","):
         sh = SHAPES[name]
         h, i, s, k = sh["hidden"], sh["inter"], sh["slots"], sh["top_k"]
-        gu = [torch.randn(s, h, 2 * i, device=dev, dtype=torch.bfloat16) * h ** -0.5 for _ in range(a.layers)]
-        dn = [torch.randn(s, i, h, device=dev, dtype=torch.bfloat16) * i ** -0.5 for _ in range(a.layers)]
+        gu = [torch.randn(s, h, 2 * i, device=dev, dtype=torch.bfloat16) * h**-0.5 for _ in range(a.layers)]
+        dn = [torch.randn(s, i, h, device=dev, dtype=torch.bfloat16) * i**-0.5 for _ in range(a.layers)]
         per_expert = (3 * h * i) * 2
-        for tokens, skew in itertools.product([int(t) for t in a.tokens.split(",")],
-                                              ("uniform", "skew", "concentrated")):
+        for tokens, skew in itertools.product(
+            [int(t) for t in a.tokens.split(",")], ("uniform", "skew", "concentrated")
+        ):
             c = counts_for(rng, tokens, k, s, skew)
             m = int(c.sum())
             rows = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
@@ -110,15 +127,32 @@ def main():
 
             def tri(j):
                 return kernels.expert_mlp(rows, gu[j], dn[j], offs, bm)
+
             err = float((ref(0).float() - tri(0).float()).abs().max())
             t_ref, t_tri = time_fn(ref, a.iters, a.layers), time_fn(tri, a.iters, a.layers)
-            row = dict(shape=name, tokens=tokens, skew=skew, top_k=k, slots=s, used_slots=used, rows=m, block_m=bm,
-                       bytes=nbytes, grouped_mm_s=t_ref, triton_s=t_tri, grouped_mm_GBps=nbytes / t_ref / 1e9,
-                       triton_GBps=nbytes / t_tri / 1e9, speedup=t_ref / t_tri, max_abs_diff=err)
+            row = dict(
+                shape=name,
+                tokens=tokens,
+                skew=skew,
+                top_k=k,
+                slots=s,
+                used_slots=used,
+                rows=m,
+                block_m=bm,
+                bytes=nbytes,
+                grouped_mm_s=t_ref,
+                triton_s=t_tri,
+                grouped_mm_GBps=nbytes / t_ref / 1e9,
+                triton_GBps=nbytes / t_tri / 1e9,
+                speedup=t_ref / t_tri,
+                max_abs_diff=err,
+            )
             out["cases"].append(row)
-            print(f"{name:<7}{tokens:>7}{skew:>13}{used:>6}{nbytes / 1e9:>7.2f}{1e3 * t_ref:>15.3f}"
-                  f"{row['grouped_mm_GBps']:>7.0f}{1e3 * t_tri:>11.3f}{row['triton_GBps']:>7.0f}"
-                  f"{row['speedup']:>9.2f}{err:>9.3g}")
+            print(
+                f"{name:<7}{tokens:>7}{skew:>13}{used:>6}{nbytes / 1e9:>7.2f}{1e3 * t_ref:>15.3f}"
+                f"{row['grouped_mm_GBps']:>7.0f}{1e3 * t_tri:>11.3f}{row['triton_GBps']:>7.0f}"
+                f"{row['speedup']:>9.2f}{err:>9.3g}"
+            )
             if a.tune and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
                 h_in = kernels.expert_gate_up(rows, gu[0], offs, bm)
                 res = {"gate_up": [], "down": []}
@@ -126,7 +160,7 @@ def main():
                     try:
                         t1 = time_fn(lambda j: kernels.expert_gate_up(rows, gu[j], offs, bm, cand), 10, a.layers)
                         t2 = time_fn(lambda j: kernels.expert_down(h_in, dn[j], offs, bm, cand), 10, a.layers)
-                    except Exception as e:                     # noqa: BLE001 - a tiling that does not compile
+                    except Exception as e:  # noqa: BLE001 - a tiling that does not compile
                         print(f"  {cand}: {type(e).__name__}")
                         continue
                     res["gate_up"].append((cand, used * 2 * h * i * 2 / t1 / 1e9))

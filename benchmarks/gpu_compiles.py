@@ -15,6 +15,7 @@ with their torch references. One H200, under a minute:
 ``moeserve.kernels.compilelog`` counts the compiles (Triton's JIT hooks, as ranks log them). Prints
 a table and writes JSON (``--json``, default benchmarks/results/gpu-compiles.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+
 def batch_of(lens, starts, block_size, device):
     from moeserve.models.paged import PagedBatch
+
     need = [math.ceil((s + n) / block_size) for s, n in zip(starts, lens)]
     ids, tables = list(range(sum(need) + 2)), []
     for k in need:
@@ -42,11 +45,15 @@ def batch_of(lens, starts, block_size, device):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "gpu-compiles.json"))
-    p.add_argument("--cpu-check", action="store_true",
-                   help="run the script's code on the CPU under Triton's interpreter at small sizes (no compiles "
-                        "happen there: a check of the script, not a measurement)")
+    p.add_argument(
+        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu-compiles.json")
+    )
+    p.add_argument(
+        "--cpu-check",
+        action="store_true",
+        help="run the script's code on the CPU under Triton's interpreter at small sizes (no compiles "
+        "happen there: a check of the script, not a measurement)",
+    )
     a = p.parse_args()
     if a.cpu_check:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -61,17 +68,23 @@ def main() -> int:
     from moeserve.models.attention import attention_config, paged_attention_torch, paged_attention_triton
     from moeserve.models.moe import ExpertSpec
     from moeserve.kernels import compilelog
-    logging.getLogger(compilelog.__name__).setLevel(logging.ERROR)     # counted here, not logged
+
+    logging.getLogger(compilelog.__name__).setLevel(logging.ERROR)  # counted here, not logged
     compilelog.watch()
     COMPILES = compilelog.counts
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    out: dict = {"gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter check)",
-                 "torch": torch.__version__}
+    out: dict = {
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter check)",
+        "torch": torch.__version__,
+    }
     t0 = time.perf_counter()
 
     # 1. warm-ups
-    spec = ExpertSpec(hidden_size=64 if small else 1024, intermediate_size=32 if small else 512,
-                      dtype=torch.float32 if small else torch.bfloat16)
+    spec = ExpertSpec(
+        hidden_size=64 if small else 1024,
+        intermediate_size=32 if small else 512,
+        dtype=torch.float32 if small else torch.bfloat16,
+    )
     slots = 16
     layers = [spec.views(torch.randn(slots, spec.numel, device=dev).to(spec.dtype) * 0.05) for _ in range(2)]
     K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"])
@@ -103,17 +116,19 @@ def main() -> int:
     rng = random.Random(0)
     configs = set()
     for s in [1, 2, 3, 17] if small else list(range(1, 40)) + [63, 64, 65, 128, 255, 256]:
-        for lens, starts in (([1] * s, [rng.randrange(0, 300 if small else 3000) for _ in range(s)]),
-                             ([rng.randrange(1, 90) for _ in range(s)], [rng.choice([0, rng.randrange(0, 300)])
-                                                                         for _ in range(s)])):
+        for lens, starts in (
+            ([1] * s, [rng.randrange(0, 300 if small else 3000) for _ in range(s)]),
+            ([rng.randrange(1, 90) for _ in range(s)], [rng.choice([0, rng.randrange(0, 300)]) for _ in range(s)]),
+        ):
             batch, blocks = batch_of(lens, starts, bs, dev)
             q = torch.randn(batch.num_tokens, hq, d, device=dev, dtype=adtype)
             pool = torch.randn(blocks * bs, hkv, d, device=dev, dtype=adtype)
-            cfg = attention_config(batch, hq, hkv, d, None if small else
-                                   torch.cuda.get_device_properties(dev).multi_processor_count)
+            cfg = attention_config(
+                batch, hq, hkv, d, None if small else torch.cuda.get_device_properties(dev).multi_processor_count
+            )
             configs.add((cfg["BM"], cfg["NS"]))
             for chunk in (None, 8192):
-                paged_attention_triton(q, pool, pool, batch, scale=d ** -0.5, chunk=chunk)
+                paged_attention_triton(q, pool, pool, batch, scale=d**-0.5, chunk=chunk)
                 configs.add((cfg["BM"], cfg["NS"], chunk))
     sync()
     out["sweep_compiles"] = dict(COMPILES)
@@ -124,8 +139,8 @@ def main() -> int:
     w = layers[0]
     per = [5, 0, 17, 3] + [1] * (slots - 4)
     offs = torch.tensor(per, device=dev).cumsum(0).to(torch.int32)
-    x = recv[:sum(per)]
-    got = K.expert_mlp(x, w["gate_up"], w["down"], offs, 32)[:sum(per)].float()
+    x = recv[: sum(per)]
+    got = K.expert_mlp(x, w["gate_up"], w["down"], offs, 32)[: sum(per)].float()
     want = grouped_forward(spec, x, w, per, offs).float()
     out["expert_mlp_max_abs_err"] = float((got - want).abs().max())
     out["expert_mlp_max_abs"] = float(want.abs().max())
@@ -133,24 +148,27 @@ def main() -> int:
     q = torch.randn(batch.num_tokens, hq, d, device=dev, dtype=adtype)
     kp = torch.randn(blocks * bs, hkv, d, device=dev, dtype=adtype)
     vp = torch.randn(blocks * bs, hkv, d, device=dev, dtype=adtype)
-    at = paged_attention_triton(q, kp, vp, batch, scale=d ** -0.5, chunk=None).float()
-    ar = paged_attention_torch(q, kp, vp, batch, scale=d ** -0.5, chunk=None, softmax_fp32=True).float()
+    at = paged_attention_triton(q, kp, vp, batch, scale=d**-0.5, chunk=None).float()
+    ar = paged_attention_torch(q, kp, vp, batch, scale=d**-0.5, chunk=None, softmax_fp32=True).float()
     out["attention_max_abs_err"] = float((at - ar).abs().max())
     nb = 8 if small else 64
     params = [mix[i % 2] for i in range(nb)]
     st = S.SamplingTensors.build(params, list(range(nb)), [7] * nb, dev)
     logits = torch.randn(nb, v, device=dev)
-    out["race_tokens_equal_torch"] = bool(torch.equal(S.sample(logits, st, backend="triton"),
-                                                      S.sample(logits, st, backend="torch")))
+    out["race_tokens_equal_torch"] = bool(
+        torch.equal(S.sample(logits, st, backend="triton"), S.sample(logits, st, backend="torch"))
+    )
     out["elapsed_s"] = time.perf_counter() - t0
 
     print("| phase | compiles by kernel | s |\n|---|---|---|")
     print(f"| warm-ups | {out['warm_up_compiles']} | {out['warm_up_s']:.1f} |")
     print(f"| sweep | {out['sweep_compiles']} | {out['sweep_s']:.1f} |")
     print(f"attention launch configurations in the sweep: {out['attention_launch_configurations']}")
-    print(f"expert MLP vs slot loop: max abs err {out['expert_mlp_max_abs_err']:.3g} "
-          f"(max abs {out['expert_mlp_max_abs']:.3g}); attention vs torch: max abs err "
-          f"{out['attention_max_abs_err']:.3g}; race tokens equal torch's: {out['race_tokens_equal_torch']}")
+    print(
+        f"expert MLP vs slot loop: max abs err {out['expert_mlp_max_abs_err']:.3g} "
+        f"(max abs {out['expert_mlp_max_abs']:.3g}); attention vs torch: max abs err "
+        f"{out['attention_max_abs_err']:.3g}; race tokens equal torch's: {out['race_tokens_equal_torch']}"
+    )
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1)

@@ -11,6 +11,7 @@ on CPU). bf16: bitwise identity needs batch-invariant kernels (a later goal), so
 reports the token match rate and the first divergence per prompt. Prints a table and writes
 JSON (``--json``, default benchmarks/results/gpu-correctness.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,21 +27,43 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moeserve.cluster import LocalCluster                    # noqa: E402
+from moeserve.cluster import LocalCluster  # noqa: E402
 from moeserve.models import MoEInfo, StepBatch, init_model, load_config, load_model  # noqa: E402
 
 SHAPES = {
-    "llama4": dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                   intermediate_size=512, intermediate_size_mlp=1536, num_local_experts=16, vocab_size=4096),
-    "ernie45": dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
-                    intermediate_size=1536, moe_intermediate_size=256, moe_num_experts=64, moe_k=6, vocab_size=4096),
+    "llama4": dict(
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=512,
+        intermediate_size_mlp=1536,
+        num_local_experts=16,
+        vocab_size=4096,
+    ),
+    "ernie45": dict(
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        moe_intermediate_size=256,
+        moe_num_experts=64,
+        moe_k=6,
+        vocab_size=4096,
+    ),
 }
 
 
 def random_placement(layers, experts, slots, seed):
     rng = np.random.default_rng(seed)
-    return np.stack([rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, slots - experts)]))
-                     for _ in range(layers)])
+    return np.stack(
+        [
+            rng.permutation(np.concatenate([np.arange(experts), rng.integers(0, experts, slots - experts)]))
+            for _ in range(layers)
+        ]
+    )
 
 
 @torch.inference_mode()
@@ -77,8 +100,10 @@ def run(family, dtype, args, root):
     prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(4, 40, args.prompts)]
     dev = "cuda:0" if args.backend == "nccl" else "cpu"
     model = load_model(path, dtype=tdtype, device=dev)
-    ref = [model.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, ignore_eos=True)[0, len(p):].tolist()
-           for p in prompts]
+    ref = [
+        model.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, ignore_eos=True)[0, len(p) :].tolist()
+        for p in prompts
+    ]
     ref_logits = [decode_logits(model, p, args.tokens, dev) for p in prompts]
     del model
     if dev != "cpu":
@@ -89,13 +114,26 @@ def run(family, dtype, args, root):
     p = info.num_logical_experts + r
     out = {}
     log_dir = os.path.join(root, f"logs-{family}-{dtype}")
-    with LocalCluster(path, routers=args.ranks, workers=args.ranks, colocated=True, num_redundant_experts=r,
-                      backend=args.backend, dtype=dtype, placement=random_placement(info.num_moe_layers, info.num_logical_experts, p, 2),
-                      migration_bytes_per_step=4 * info.expert_bytes, exchange=args.exchange,
-                      enforce_eager=args.enforce_eager, log_dir=log_dir) as c:
+    with LocalCluster(
+        path,
+        routers=args.ranks,
+        workers=args.ranks,
+        colocated=True,
+        num_redundant_experts=r,
+        backend=args.backend,
+        dtype=dtype,
+        placement=random_placement(info.num_moe_layers, info.num_logical_experts, p, 2),
+        migration_bytes_per_step=4 * info.expert_bytes,
+        exchange=args.exchange,
+        enforce_eager=args.enforce_eager,
+        log_dir=log_dir,
+    ) as c:
         box = {}
-        th = threading.Thread(target=lambda: box.update(g=c.generate(prompts, max_tokens=args.tokens, ignore_eos=True,
-                                                                      return_logits=True, details=True)))
+        th = threading.Thread(
+            target=lambda: box.update(
+                g=c.generate(prompts, max_tokens=args.tokens, ignore_eos=True, return_logits=True, details=True)
+            )
+        )
         t0 = time.time()
         th.start()
         mig = None
@@ -116,17 +154,34 @@ def run(family, dtype, args, root):
     match = np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(toks, ref)])
     div = [first_divergence(a, b) for a, b in zip(toks, ref)]
     # Logits compare only up to the first divergence (after it the inputs differ).
-    maxdiff = max(float(np.abs(g.logits[:n] - rl[:n]).max())
-                  for g, rl, d in zip(gens, ref_logits, div) for n in [len(rl) if d is None else d + 1])
-    out = dict(family=family, dtype=dtype, ranks=args.ranks, exchange=args.exchange, slots=p, prompts=len(prompts), tokens=args.tokens,
-               token_match=float(match), identical=all(a == b for a, b in zip(toks, ref)),
-               first_divergence=[d for d in div], max_logit_diff_until_divergence=maxdiff,
-               migration_state=str(mig.state) if mig else "none", migration_moves=mig.moves_total if mig else 0,
-               wall_s=wall, graphs=not args.enforce_eager)
-    print(f"{family:8s} {dtype:9s} {args.exchange:10s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
-          f"first divergence {[d for d in div if d is not None][:5]} migration {out['migration_state']} "
-          f"({out['migration_moves']} moves){'' if out['graphs'] else ' enforce_eager'}",
-          flush=True)
+    maxdiff = max(
+        float(np.abs(g.logits[:n] - rl[:n]).max())
+        for g, rl, d in zip(gens, ref_logits, div)
+        for n in [len(rl) if d is None else d + 1]
+    )
+    out = dict(
+        family=family,
+        dtype=dtype,
+        ranks=args.ranks,
+        exchange=args.exchange,
+        slots=p,
+        prompts=len(prompts),
+        tokens=args.tokens,
+        token_match=float(match),
+        identical=all(a == b for a, b in zip(toks, ref)),
+        first_divergence=[d for d in div],
+        max_logit_diff_until_divergence=maxdiff,
+        migration_state=str(mig.state) if mig else "none",
+        migration_moves=mig.moves_total if mig else 0,
+        wall_s=wall,
+        graphs=not args.enforce_eager,
+    )
+    print(
+        f"{family:8s} {dtype:9s} {args.exchange:10s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
+        f"first divergence {[d for d in div if d is not None][:5]} migration {out['migration_state']} "
+        f"({out['migration_moves']} moves){'' if out['graphs'] else ' enforce_eager'}",
+        flush=True,
+    )
     return out
 
 
@@ -136,12 +191,23 @@ def main():
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--redundant", type=int, default=4)
-    ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                    help="gloo: CPU ranks and the default tiny shapes (a dry run of the script)")
-    ap.add_argument("--exchange", choices=("collective", "nvlink", "auto"), default=None,
-                    help="the data plane's exchange (default: nvlink with nccl, collective with gloo)")
-    ap.add_argument("--cases", default="llama4:float32,llama4:bfloat16,ernie45:float32,ernie45:bfloat16",
-                    help="family:dtype pairs, comma separated")
+    ap.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="gloo: CPU ranks and the default tiny shapes (a dry run of the script)",
+    )
+    ap.add_argument(
+        "--exchange",
+        choices=("collective", "nvlink", "auto"),
+        default=None,
+        help="the data plane's exchange (default: nvlink with nccl, collective with gloo)",
+    )
+    ap.add_argument(
+        "--cases",
+        default="llama4:float32,llama4:bfloat16,ernie45:float32,ernie45:bfloat16",
+        help="family:dtype pairs, comma separated",
+    )
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--no-migration", action="store_true", help="no live migration during the run")
     ap.add_argument("--json")
@@ -158,9 +224,11 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for r in results:
         d = [x for x in r["first_divergence"] if x is not None]
-        print(f"| {r['family']} | {r['dtype']} | {r['token_match']:.4f} | {r['identical']} | "
-              f"{r['max_logit_diff_until_divergence']:.2e} | {d if d else '-'} | {r['migration_state']}, "
-              f"{r['migration_moves']} moves |")
+        print(
+            f"| {r['family']} | {r['dtype']} | {r['token_match']:.4f} | {r['identical']} | "
+            f"{r['max_logit_diff_until_divergence']:.2e} | {d if d else '-'} | {r['migration_state']}, "
+            f"{r['migration_moves']} moves |"
+        )
     path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu-correctness.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

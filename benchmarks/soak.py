@@ -12,6 +12,7 @@ off the event loop). Reports requests completed, lost (must be 0), with wrong to
 the steady one, and the resident memory of every process at start and at the end. Prints a
 table and writes JSON (default benchmarks/results/soak.json). Not part of CI.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ def descendants(pid: int) -> list[int]:
         p = todo.pop()
         kids = []
         try:
-            for task in os.listdir(f"/proc/{p}/task"):          # a child belongs to the thread that started it
+            for task in os.listdir(f"/proc/{p}/task"):  # a child belongs to the thread that started it
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     kids += [int(x) for x in f.read().split()]
         except OSError:
@@ -103,17 +104,44 @@ def main() -> int:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, model.config.vocab_size, int(n)).tolist() for n in rng.integers(3, 24, 64)]
     with torch.inference_mode():
-        want = [model.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, ignore_eos=True)[0, len(p):].tolist()
-                for p in prompts]
+        want = [
+            model.generate(torch.tensor([p]), max_new_tokens=args.max_tokens, ignore_eos=True)[0, len(p) :].tolist()
+            for p in prompts
+        ]
     del model
 
     token = secrets.token_hex(8)
     ports = {k: free_port() for k in ("port", "admin", "balancer")}
     routers, workers = 1, 2
-    cmd = [sys.executable, "-m", "moeserve", "up", "--model", path, "--routers", str(routers), "--workers",
-           str(workers), "--enable-eplb", "--num-redundant-experts", "2", "--port", str(ports["port"]),
-           "--admin-port", str(ports["admin"]), "--balancer-port", str(ports["balancer"]), "--admin-token", token,
-           "--eplb-step-interval", "1000000", "--max-model-len", "512", "--log-dir", os.path.join(work, "logs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeserve",
+        "up",
+        "--model",
+        path,
+        "--routers",
+        str(routers),
+        "--workers",
+        str(workers),
+        "--enable-eplb",
+        "--num-redundant-experts",
+        "2",
+        "--port",
+        str(ports["port"]),
+        "--admin-port",
+        str(ports["admin"]),
+        "--balancer-port",
+        str(ports["balancer"]),
+        "--admin-token",
+        token,
+        "--eplb-step-interval",
+        "1000000",
+        "--max-model-len",
+        "512",
+        "--log-dir",
+        os.path.join(work, "logs"),
+    ]
     up = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in up.stdout:
         if line.strip() == "ready":
@@ -128,9 +156,10 @@ def main() -> int:
 
     stop = threading.Event()
     lock = threading.Lock()
-    stats = dict(completed=0, lost=0, wrong=0, errors=[], rebalances=0, rebalance_errors=0, kills=0,
-                 huge=0, huge_answers=[])
-    gaps: list[tuple[float, float]] = []            # (time of a token, gap since the stream's previous one)
+    stats = dict(
+        completed=0, lost=0, wrong=0, errors=[], rebalances=0, rebalance_errors=0, kills=0, huge=0, huge_answers=[]
+    )
+    gaps: list[tuple[float, float]] = []  # (time of a token, gap since the stream's previous one)
     huge_windows: list[tuple[float, float]] = []
 
     def stream_loop(seed: int):
@@ -140,8 +169,9 @@ def main() -> int:
             i = r.randrange(len(prompts))
             ids, last = [], None
             try:
-                for ch in client.generate_stream(prompt_token_ids=prompts[i], max_tokens=args.max_tokens,
-                                                 ignore_eos=True):
+                for ch in client.generate_stream(
+                    prompt_token_ids=prompts[i], max_tokens=args.max_tokens, ignore_eos=True
+                ):
                     now = time.monotonic()
                     if ch.token_ids and last is not None:
                         with lock:
@@ -171,7 +201,11 @@ def main() -> int:
                     stats["rebalance_errors"] += 1
             if now >= nxt["kill"]:
                 nxt["kill"] += args.kill_every
-                workers_ = [p for p in descendants(up.pid) if name_of(p) in {f"rank{r}" for r in range(routers, routers + workers)}]
+                workers_ = [
+                    p
+                    for p in descendants(up.pid)
+                    if name_of(p) in {f"rank{r}" for r in range(routers, routers + workers)}
+                ]
                 if workers_:
                     os.kill(random.choice(workers_), signal.SIGKILL)
                     stats["kills"] += 1
@@ -207,21 +241,37 @@ def main() -> int:
 
     in_huge = [g for t, g in gaps if any(a <= t <= b for a, b in huge_windows)]
     steady = [g for t, g in gaps if not any(a - 1 <= t <= b + 1 for a, b in huge_windows)]
-    result = dict(command=" ".join(sys.argv), minutes=args.minutes, streams=args.streams, cluster_alive=alive,
-                  completed=stats["completed"], lost=stats["lost"], wrong_tokens=stats["wrong"],
-                  errors=stats["errors"][:20], rebalances=stats["rebalances"], rebalance_errors=stats["rebalance_errors"],
-                  workers_killed=stats["kills"], huge_prompts=stats["huge"], huge_answers=stats["huge_answers"],
-                  steady_gap_p50_s=float(np.percentile(steady, 50)) if steady else None,
-                  steady_gap_p99_s=float(np.percentile(steady, 99)) if steady else None,
-                  steady_gap_max_s=float(max(steady)) if steady else None,
-                  worst_gap_during_huge_prompt_s=float(max(in_huge)) if in_huge else None,
-                  rss_mb_start=mem_start, rss_mb_end=mem_end)
-    print(f"{'completed':>10} {'lost':>5} {'wrong':>6} {'rebal':>6} {'kills':>6} {'huge':>5} "
-          f"{'gap p50':>8} {'gap p99':>8} {'worst gap, huge prompt':>23}")
-    fmt = lambda v: f"{v:8.3f}" if v is not None else "       -"          # noqa: E731
-    print(f"{result['completed']:>10} {result['lost']:>5} {result['wrong_tokens']:>6} {result['rebalances']:>6} "
-          f"{result['workers_killed']:>6} {result['huge_prompts']:>5} {fmt(result['steady_gap_p50_s'])} "
-          f"{fmt(result['steady_gap_p99_s'])} {fmt(result['worst_gap_during_huge_prompt_s']):>23}")
+    result = dict(
+        command=" ".join(sys.argv),
+        minutes=args.minutes,
+        streams=args.streams,
+        cluster_alive=alive,
+        completed=stats["completed"],
+        lost=stats["lost"],
+        wrong_tokens=stats["wrong"],
+        errors=stats["errors"][:20],
+        rebalances=stats["rebalances"],
+        rebalance_errors=stats["rebalance_errors"],
+        workers_killed=stats["kills"],
+        huge_prompts=stats["huge"],
+        huge_answers=stats["huge_answers"],
+        steady_gap_p50_s=float(np.percentile(steady, 50)) if steady else None,
+        steady_gap_p99_s=float(np.percentile(steady, 99)) if steady else None,
+        steady_gap_max_s=float(max(steady)) if steady else None,
+        worst_gap_during_huge_prompt_s=float(max(in_huge)) if in_huge else None,
+        rss_mb_start=mem_start,
+        rss_mb_end=mem_end,
+    )
+    print(
+        f"{'completed':>10} {'lost':>5} {'wrong':>6} {'rebal':>6} {'kills':>6} {'huge':>5} "
+        f"{'gap p50':>8} {'gap p99':>8} {'worst gap, huge prompt':>23}"
+    )
+    fmt = lambda v: f"{v:8.3f}" if v is not None else "       -"  # noqa: E731
+    print(
+        f"{result['completed']:>10} {result['lost']:>5} {result['wrong_tokens']:>6} {result['rebalances']:>6} "
+        f"{result['workers_killed']:>6} {result['huge_prompts']:>5} {fmt(result['steady_gap_p50_s'])} "
+        f"{fmt(result['steady_gap_p99_s'])} {fmt(result['worst_gap_during_huge_prompt_s']):>23}"
+    )
     print("RSS MB start:", mem_start)
     print("RSS MB end:  ", mem_end)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -6,6 +6,7 @@ step as one ``batch_isend_irecv`` and waits for them; moves within one worker ar
 copies. Both ends walk the header's move list in the same order, so the point-to-point
 messages between a pair of workers match in order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,11 @@ def run_moves(moves: tuple[MoveOp, ...], store, topo: Topology, group=None) -> i
             for m in group_moves:
                 store.staging[m.stage].copy_(store.slot_row(m.moe_layer, m.src_slot))
         elif src == me:
-            bufs = [_gather_rows(store, group_moves)] if pack else \
-                [store.slot_row(m.moe_layer, m.src_slot) for m in group_moves]
+            bufs = (
+                [_gather_rows(store, group_moves)]
+                if pack
+                else [store.slot_row(m.moe_layer, m.src_slot) for m in group_moves]
+            )
             ops += [dist.P2POp(dist.isend, b, topo.worker_ranks[dst], group) for b in bufs]
         elif dst == me:
             targets = [_staging_view(store, group_moves)] if pack else [store.staging[m.stage] for m in group_moves]
@@ -81,7 +85,7 @@ def _gather_rows(store, group_moves) -> torch.Tensor:
 def _staging_view(store, group_moves) -> torch.Tensor:
     """Where the moves from one source land: their staging entries, one contiguous view."""
     first = _first_stage(group_moves)
-    return store.staging[first:first + len(group_moves)].reshape(-1)
+    return store.staging[first : first + len(group_moves)].reshape(-1)
 
 
 def warm_up_pairs(rank: int, world_size: int, device: torch.device, group=None) -> None:
@@ -98,8 +102,8 @@ def warm_up_pairs(rank: int, world_size: int, device: torch.device, group=None) 
     ops = []
     for peer in range(world_size):
         if peer != rank:
-            ops.append(dist.P2POp(dist.isend, send[peer:peer + 1], peer, group))
-            ops.append(dist.P2POp(dist.irecv, recv[peer:peer + 1], peer, group))
+            ops.append(dist.P2POp(dist.isend, send[peer : peer + 1], peer, group))
+            ops.append(dist.P2POp(dist.irecv, recv[peer : peer + 1], peer, group))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     got = recv.cpu()

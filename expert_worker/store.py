@@ -9,6 +9,7 @@ buffer [M, n], sized for the largest inflow into this worker of one MoE layer; a
 moves land there and a commit copies them into place, which keeps every slot serving its old
 expert until the whole layer switches.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,23 +31,38 @@ class ExpertStore:
     buffers:   one tensor [S, n] per MoE layer.
     """
 
-    def __init__(self, spec: ExpertSpec, worker: int, buffers: list[torch.Tensor], logical: np.ndarray,
-                 max_staging_bytes: int = 0, num_workers: int = 1):
+    def __init__(
+        self,
+        spec: ExpertSpec,
+        worker: int,
+        buffers: list[torch.Tensor],
+        logical: np.ndarray,
+        max_staging_bytes: int = 0,
+        num_workers: int = 1,
+    ):
         self.spec = spec
-        self.max_staging_bytes = max_staging_bytes               # 0: no limit but the device's memory
+        self.max_staging_bytes = max_staging_bytes  # 0: no limit but the device's memory
         self.worker = worker
         self.buffers = buffers
-        self.logical = np.array(logical, dtype=np.int64)             # [L, S]
+        self.logical = np.array(logical, dtype=np.int64)  # [L, S]
         self.slots_per_worker = self.logical.shape[1]
-        self.staging: torch.Tensor | None = None                    # [M, n]
+        self.staging: torch.Tensor | None = None  # [M, n]
         self._views = [spec.views(b) for b in buffers]
         self.num_workers = num_workers
-        self.block_m = 0                # set per step by set_step_pairs (0: torch._grouped_mm)
-        expert_kernel_mode()            # a bad MOESERVE_EXPERT_KERNEL fails the start, not the first step
+        self.block_m = 0  # set per step by set_step_pairs (0: torch._grouped_mm)
+        expert_kernel_mode()  # a bad MOESERVE_EXPERT_KERNEL fails the start, not the first step
 
     @classmethod
-    def from_checkpoint(cls, reader, spec: ExpertSpec, worker: int, phy2log: np.ndarray, num_workers: int,
-                        device: torch.device | str = "cpu", max_staging_bytes: int = 0) -> "ExpertStore":
+    def from_checkpoint(
+        cls,
+        reader,
+        spec: ExpertSpec,
+        worker: int,
+        phy2log: np.ndarray,
+        num_workers: int,
+        device: torch.device | str = "cpu",
+        max_staging_bytes: int = 0,
+    ) -> "ExpertStore":
         """Load this worker's slots straight from the checkpoint, by logical id.
 
         phy2log: int array [L, P]; this worker holds slots w*S .. (w+1)*S-1 of each layer.
@@ -54,12 +70,12 @@ class ExpertStore:
         """
         phy2log = np.asarray(phy2log, dtype=np.int64)
         s = phy2log.shape[1] // num_workers
-        logical = phy2log[:, worker * s:(worker + 1) * s]            # [L, S]
+        logical = phy2log[:, worker * s : (worker + 1) * s]  # [L, S]
         buffers = []
         for layer in range(logical.shape[0]):
             ids = logical[layer].tolist()
             uniq = sorted(set(ids))
-            stacked = reader.read_experts(layer, uniq, dtype=spec.dtype)   # name -> [u, ...]
+            stacked = reader.read_experts(layer, uniq, dtype=spec.dtype)  # name -> [u, ...]
             buf = torch.empty(s, spec.numel, dtype=spec.dtype, device=device)
             for i, e in enumerate(ids):
                 j = uniq.index(e)
@@ -73,7 +89,7 @@ class ExpertStore:
         ranks and not others; the leader's placement in force is what counts). Drops staging.
         Returns the number of slots reloaded."""
         s0 = self.worker * self.slots_per_worker
-        want = np.asarray(phy2log, dtype=np.int64)[:, s0:s0 + self.slots_per_worker]    # [L, S]
+        want = np.asarray(phy2log, dtype=np.int64)[:, s0 : s0 + self.slots_per_worker]  # [L, S]
         reloaded = 0
         for layer, slot in zip(*np.nonzero(want != self.logical)):
             one = reader.read_experts(int(layer), [int(want[layer, slot])], dtype=self.spec.dtype)
@@ -106,8 +122,8 @@ class ExpertStore:
 
     def _compute(self, layer: int, rows: torch.Tensor, received: RecvCounts) -> torch.Tensor:
         host = received.host
-        busy = np.flatnonzero(host.sum(1))                  # source ranks that sent rows
-        if busy.size == 1:                                  # one block: already grouped by slot
+        busy = np.flatnonzero(host.sum(1))  # source ranks that sent rows
+        if busy.size == 1:  # one block: already grouped by slot
             r = int(busy[0])
             offs = torch.cumsum(received.device[r], 0).to(torch.int32) if rows.is_cuda else None
             return grouped_forward(self.spec, rows, self.weights(layer), host[r].tolist(), offs)
@@ -121,8 +137,9 @@ class ExpertStore:
         can be captured in a CUDA graph): CUDA, bf16, no biases, torch._grouped_mm."""
         return bool(self.buffers) and grouped_mm_applies(self.spec, self.buffers[0].device, self.spec.dtype)
 
-    def compute_slot_major(self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
-                           ) -> torch.Tensor:
+    def compute_slot_major(
+        self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
+    ) -> torch.Tensor:
         """Run rows that arrived already grouped by slot (the direct exchange, ``moeserve.dataplane.nvlink``).
 
         rows:  [C, H], the receive buffer: rows 0 .. total-1 are slot-major, the rest unused.
@@ -153,6 +170,7 @@ class ExpertStore:
         if not self.capturable or expert_block_m_for(1, 1) == 0:
             return []
         from moeserve import kernels
+
         w = self.weights(0)
         return kernels.warm_up_expert_mlp(w["gate_up"], w["down"])
 
@@ -162,18 +180,21 @@ class ExpertStore:
         the Triton kernels' rows per pass."""
         return self.block_m
 
-    def _compute_slot_major(self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
-                            ) -> torch.Tensor:
+    def _compute_slot_major(
+        self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
+    ) -> torch.Tensor:
         spec = self.spec
         weights = self.weights(layer)
         if self.block_m and rows.is_cuda:
             from moeserve import kernels
+
             return kernels.expert_mlp(rows, weights["gate_up"], weights["down"], offs, self.block_m)
         if grouped_mm_applies(spec, rows.device, rows.dtype):
             from moeserve import kernels
-            gu = torch._grouped_mm(rows, weights["gate_up"], offs=offs)              # [C, 2I]
-            h = kernels.silu_mul(gu, total)                                           # [C, I]
-            return torch._grouped_mm(h, weights["down"], offs=offs)                  # [C, H]
+
+            gu = torch._grouped_mm(rows, weights["gate_up"], offs=offs)  # [C, 2I]
+            h = kernels.silu_mul(gu, total)  # [C, I]
+            return torch._grouped_mm(h, weights["down"], offs=offs)  # [C, H]
         ends = offs.cpu().numpy().astype(np.int64)
         per_slot = np.diff(ends, prepend=0).tolist()
         m = int(ends[-1]) if len(ends) else 0
@@ -192,14 +213,17 @@ class ExpertStore:
             return None
         need = entries * self.spec.nbytes
         if self.max_staging_bytes and need > self.max_staging_bytes:
-            return (f"worker {self.worker}: staging for {entries} experts needs {need} bytes, over the "
-                    f"limit of {self.max_staging_bytes} bytes (max_staging_bytes)")
+            return (
+                f"worker {self.worker}: staging for {entries} experts needs {need} bytes, over the "
+                f"limit of {self.max_staging_bytes} bytes (max_staging_bytes)"
+            )
         try:
-            self.staging = torch.empty(entries, self.spec.numel, dtype=self.spec.dtype,
-                                       device=self.buffers[0].device)
-        except (RuntimeError, MemoryError) as e:                    # torch.OutOfMemoryError is a RuntimeError
-            return f"worker {self.worker}: cannot allocate staging for {entries} experts " \
-                   f"({entries * self.spec.nbytes} bytes): {e}"
+            self.staging = torch.empty(entries, self.spec.numel, dtype=self.spec.dtype, device=self.buffers[0].device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            return (
+                f"worker {self.worker}: cannot allocate staging for {entries} experts "
+                f"({entries * self.spec.nbytes} bytes): {e}"
+            )
         return None
 
     def slot_row(self, layer: int, slot: int) -> torch.Tensor:
@@ -213,7 +237,7 @@ class ExpertStore:
             local = slot - s0
             if 0 <= local < self.slots_per_worker:
                 self.buffers[layer][local].copy_(self.staging[entry])
-        self.logical[layer] = np.asarray(phy2log_row, dtype=np.int64)[s0:s0 + self.slots_per_worker]
+        self.logical[layer] = np.asarray(phy2log_row, dtype=np.int64)[s0 : s0 + self.slots_per_worker]
 
     def end_staging(self) -> None:
         self.staging = None
@@ -248,6 +272,7 @@ def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None) -> i
     0 for ``torch._grouped_mm``. ``mode``: ``expert_kernel_mode()`` when None. The balancer's
     step-time table is measured through the same choice (benchmarks/calibrate.py)."""
     from moeserve import kernels
+
     mode = expert_kernel_mode() if mode is None else mode
     if mode == "grouped_mm" or not kernels.available():
         return 0
@@ -265,8 +290,13 @@ def grouped_mm_applies(spec: ExpertSpec, device: torch.device, dtype: torch.dtyp
     return device.type == "cuda" and dtype == torch.bfloat16 and not spec.has_bias and hasattr(torch, "_grouped_mm")
 
 
-def grouped_forward(spec: ExpertSpec, x: torch.Tensor, weights: dict[str, torch.Tensor], per_slot: list[int],
-                    offs: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_forward(
+    spec: ExpertSpec,
+    x: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    per_slot: list[int],
+    offs: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows grouped by slot through their experts: x [m, H] slot-major, per_slot [S] -> [m, H].
     offs: int32 [S] cumulative rows per slot on x's device (computed from per_slot if None).
 
@@ -277,7 +307,7 @@ def grouped_forward(spec: ExpertSpec, x: torch.Tensor, weights: dict[str, torch.
         if offs is None:
             offs = torch.tensor(np.cumsum(per_slot), dtype=torch.int32, device=x.device)
         i = spec.intermediate_size
-        gu = torch._grouped_mm(x, weights["gate_up"], offs=offs)                 # [m, 2I]
-        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]                         # [m, I]
-        return torch._grouped_mm(h, weights["down"], offs=offs)                  # [m, H]
+        gu = torch._grouped_mm(x, weights["gate_up"], offs=offs)  # [m, 2I]
+        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]  # [m, I]
+        return torch._grouped_mm(h, weights["down"], offs=offs)  # [m, H]
     return grouped_expert_forward(spec, x, None, weights, counts=per_slot)

@@ -5,6 +5,7 @@ data plane, the client SDK and the CLI). The services are installed beside it as
 ``moeserve.router``, ``moeserve.expert_worker`` and ``moeserve.balancer`` (top-level folders
 ``router/``, ``expert_worker/`` and ``balancer/`` in the repository; docs/architecture.md).
 """
+
 import os as _os
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 # with the checkout as its working directory), this folder shadows the installed package and its
 # package-dir mapping: make the top-level service folders moeserve's subpackages here too.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and \
-        _os.path.isfile(_os.path.join(_root, "router", "__init__.py")):
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
+    _os.path.join(_root, "router", "__init__.py")
+):
     __path__.append(_root)

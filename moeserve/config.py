@@ -3,12 +3,12 @@
 One ``ClusterConfig`` is written as JSON by the launcher and read by every rank, so all ranks
 agree on it. Validation happens here, before any process starts.
 """
+
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
-
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,15 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override < 0:
-            raise ValueError(f"num_gpu_blocks_override must be >= 0 (0 = size from memory), got "
-                             f"{self.num_gpu_blocks_override}")
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 0 (0 = size from memory), got {self.num_gpu_blocks_override}"
+            )
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
 
 
 EXCHANGES = ("auto", "collective", "nvlink")
-LOAD_FORMATS = ("auto", "dummy")            # as moeserve.models.dummy.LOAD_FORMATS (config imports no torch)
+LOAD_FORMATS = ("auto", "dummy")  # as moeserve.models.dummy.LOAD_FORMATS (config imports no torch)
 
 
 def check_topology(routers: int, workers: int, colocated: bool, num_slots: int | None = None) -> None:
@@ -97,10 +98,14 @@ def check_topology(routers: int, workers: int, colocated: bool, num_slots: int |
     if routers < 1 or workers < 1:
         raise ValueError(f"need at least one router and one worker, got routers={routers}, workers={workers}")
     if colocated and routers != workers:
-        raise ValueError(f"co-located ranks are each router and worker: routers ({routers}) must equal workers ({workers})")
+        raise ValueError(
+            f"co-located ranks are each router and worker: routers ({routers}) must equal workers ({workers})"
+        )
     if num_slots is not None and num_slots % workers:
-        raise ValueError(f"(E + R) % W != 0: {num_slots} slots per MoE layer cannot be split evenly over "
-                         f"W={workers} workers; choose num_redundant_experts so that E + R is a multiple of W")
+        raise ValueError(
+            f"(E + R) % W != 0: {num_slots} slots per MoE layer cannot be split evenly over "
+            f"W={workers} workers; choose num_redundant_experts so that E + R is a multiple of W"
+        )
 
 
 def rank_layout(routers: int, workers: int, colocated: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -122,7 +127,7 @@ class RankRole:
 
     @property
     def name(self) -> str:
-        """"router", "worker" or "router+worker" (as status and metrics label it)."""
+        """ "router", "worker" or "router+worker" (as status and metrics label it)."""
         if self.router_index >= 0 and self.worker_index >= 0:
             return "router+worker"
         return "router" if self.router_index >= 0 else "worker"
@@ -197,11 +202,11 @@ class ClusterConfig:
     eplb: EplbConfig = field(default_factory=EplbConfig)
     limits: Limits = field(default_factory=Limits)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    workers_per_node: int = 0                   # 0: all workers on one node
+    workers_per_node: int = 0  # 0: all workers on one node
     phy2log: tuple | None = None
     breakeven: tuple | None = None
     migration_bytes_per_step: int = 512 << 20
-    max_staging_bytes: int = 0                  # 0: staging limited only by the device's memory
+    max_staging_bytes: int = 0  # 0: staging limited only by the device's memory
     heartbeat_s: float = 0.1
     pg_timeout_s: float = 30.0
     host: str = "127.0.0.1"
@@ -251,8 +256,9 @@ class ClusterConfig:
 
     def role(self, rank: int) -> RankRole:
         routers, workers = rank_layout(self.routers, self.workers, self.colocated)
-        return RankRole(rank, routers.index(rank) if rank in routers else -1,
-                        workers.index(rank) if rank in workers else -1)
+        return RankRole(
+            rank, routers.index(rank) if rank in routers else -1, workers.index(rank) if rank in workers else -1
+        )
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -276,8 +282,14 @@ class ClusterConfig:
 ADMIN_HOOK = "moeserve.services.admin:serve_admin"
 
 
-def admin_hook(port: int, host: str = "127.0.0.1", tls_cert: str = "", tls_key: str = "",
-               max_message_bytes: int = 64 << 20, grace_s: float = 30.0) -> dict:
+def admin_hook(
+    port: int,
+    host: str = "127.0.0.1",
+    tls_cert: str = "",
+    tls_key: str = "",
+    max_message_bytes: int = 64 << 20,
+    grace_s: float = 30.0,
+) -> dict:
     """The ClusterConfig fields that make the leader serve the gRPC admin API on (host, port)
     (0: a free port, written to ``admin.json`` in the run folder): ``leader_hook`` and
     ``leader_hook_config``. Checked here, before any process starts; the token comes from the
@@ -290,6 +302,16 @@ def admin_hook(port: int, host: str = "127.0.0.1", tls_cert: str = "", tls_key: 
         raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
     if grace_s < 0:
         raise ValueError(f"grace_s must be >= 0, got {grace_s}")
-    return dict(leader_hook=ADMIN_HOOK, leader_hook_config=json.dumps(dict(
-        host=host, port=port, tls_cert=tls_cert or None, tls_key=tls_key or None,
-        max_message_bytes=max_message_bytes, grace_s=grace_s)))
+    return dict(
+        leader_hook=ADMIN_HOOK,
+        leader_hook_config=json.dumps(
+            dict(
+                host=host,
+                port=port,
+                tls_cert=tls_cert or None,
+                tls_key=tls_key or None,
+                max_message_bytes=max_message_bytes,
+                grace_s=grace_s,
+            )
+        ),
+    )

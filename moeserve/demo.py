@@ -17,6 +17,7 @@
 
 Dimension letters: L MoE layers, E logical experts, W workers.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ from moeserve.ops.procs import child_env, module_command
 
 FAMILY = "llama4"
 HOT_EXPERTS = 2
-CHECKPOINT_VERSION = 1            # bump when init_model's output for the demo changes
+CHECKPOINT_VERSION = 1  # bump when init_model's output for the demo changes
 
 
 class DemoUsageError(ValueError):
@@ -74,7 +75,9 @@ class DemoOptions:
 
     def __post_init__(self):
         if self.workers < 2:
-            raise DemoUsageError(f"the demo needs at least 2 workers (EPLB balances load between workers), got {self.workers}")
+            raise DemoUsageError(
+                f"the demo needs at least 2 workers (EPLB balances load between workers), got {self.workers}"
+            )
         for name in ("routers", "requests", "max_tokens", "concurrency"):
             if getattr(self, name) < 1:
                 raise DemoUsageError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -101,10 +104,23 @@ class PhaseLoad:
     def dump(self, path: Path, title: str) -> None:
         """A ``moeserve load --dump`` file of this phase (for ``moeserve load --plot``)."""
         num_workers = self.worker_load.shape[1]
-        path.write_text(json.dumps({
-            "format": "moeserve.load/1", "title": title, "total_load": self.load.tolist(),
-            "window_load": self.load.tolist(), "total_steps": self.steps, "window_steps": self.steps,
-            "placement": {"phy2log": self.phy2log.tolist(), "version": self.version, "num_workers": num_workers}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "format": "moeserve.load/1",
+                    "title": title,
+                    "total_load": self.load.tolist(),
+                    "window_load": self.load.tolist(),
+                    "total_steps": self.steps,
+                    "window_steps": self.steps,
+                    "placement": {
+                        "phy2log": self.phy2log.tolist(),
+                        "version": self.version,
+                        "num_workers": num_workers,
+                    },
+                }
+            )
+        )
 
 
 @dataclass
@@ -114,7 +130,7 @@ class DemoResult:
     slots_moved: int
     bytes_moved: int
     migration_state: str
-    mismatches: list[int]             # request indices whose tokens differ from the EPLB-off run
+    mismatches: list[int]  # request indices whose tokens differ from the EPLB-off run
     requests: int
     tokens: int
     metrics: list[str]
@@ -124,13 +140,19 @@ class DemoResult:
         b, a = self.before.balancedness.mean(), self.after.balancedness.mean()
         same = not self.mismatches
         return [
-            (same, f"every generated token equals the EPLB-off run ({self.requests} requests, {self.tokens} tokens; "
-                   "one process, every expert local, greedy)" if same else
-                   f"{len(self.mismatches)} of {self.requests} requests differ from the EPLB-off run "
-                   f"(first: request {self.mismatches[0]})"),
+            (
+                same,
+                f"every generated token equals the EPLB-off run ({self.requests} requests, {self.tokens} tokens; "
+                "one process, every expert local, greedy)"
+                if same
+                else f"{len(self.mismatches)} of {self.requests} requests differ from the EPLB-off run "
+                f"(first: request {self.mismatches[0]})",
+            ),
             (a > b, f"balancedness after the rebalance ({a:.3f}) is higher than before ({b:.3f})"),
-            (self.migration_state == "done" and self.slots_moved > 0,
-             f"the rebalance moved {self.slots_moved} slots live and its migration is {self.migration_state}"),
+            (
+                self.migration_state == "done" and self.slots_moved > 0,
+                f"the rebalance moved {self.slots_moved} slots live and its migration is {self.migration_state}",
+            ),
         ]
 
     @property
@@ -139,6 +161,7 @@ class DemoResult:
 
 
 # -- the checkpoint -----------------------------------------------------------------------------
+
 
 def ensure_checkpoint(cache_dir: Path, seed: int = 0, out=None) -> tuple[Path, bool]:
     """The demo's checkpoint in ``cache_dir`` (written once, then reused); returns (folder,
@@ -152,12 +175,17 @@ def ensure_checkpoint(cache_dir: Path, seed: int = 0, out=None) -> tuple[Path, b
         return folder, True
     folder.parent.mkdir(parents=True, exist_ok=True)
     if out is not None:
-        print(f"checkpoint   writing a small {FAMILY} checkpoint with {HOT_EXPERTS} hot experts per MoE layer "
-              f"to {folder} (once; ~10 s)", file=out, flush=True)
+        print(
+            f"checkpoint   writing a small {FAMILY} checkpoint with {HOT_EXPERTS} hot experts per MoE layer "
+            f"to {folder} (once; ~10 s)",
+            file=out,
+            flush=True,
+        )
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
     init_model(tmp, FAMILY, seed=seed, hot_experts=HOT_EXPERTS)
-    if folder.exists():                               # another run finished first, or an old copy
+    if folder.exists():  # another run finished first, or an old copy
         import shutil
+
         shutil.rmtree(folder)
     tmp.rename(folder)
     return folder, False
@@ -183,25 +211,57 @@ def eplb_off_tokens(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
 
 # -- the cluster --------------------------------------------------------------------------------
 
+
 class UpProcess:
     """``moeserve up`` as a child process: started, read until "ready", stopped with SIGTERM."""
 
     def __init__(self, model_dir: Path, opts: DemoOptions, log_dir: Path):
         self.token = secrets.token_urlsafe(18)
         self.log_dir = log_dir
-        self.cmd = [*module_command("moeserve", "up"), "--model", str(model_dir),
-                    "--routers", str(opts.routers), "--workers", str(opts.workers), "--enable-eplb",
-                    "--num-redundant-experts", str(opts.num_redundant_experts),
-                    # The whole demo fits in the window; the balancer's loop waits for the demo's call.
-                    "--eplb-window-size", "100000", "--eplb-step-interval", "100000000",
-                    "--eplb-move-budget", str(opts.move_budget),
-                    "--port", "0", "--admin-port", "0", "--balancer-port", "0", f"--admin-token={self.token}",  # "=": a token may start with "-"
-                    "--metrics-port", str(opts.metrics_port), "--log-dir", str(log_dir)]
+        self.cmd = [
+            *module_command("moeserve", "up"),
+            "--model",
+            str(model_dir),
+            "--routers",
+            str(opts.routers),
+            "--workers",
+            str(opts.workers),
+            "--enable-eplb",
+            "--num-redundant-experts",
+            str(opts.num_redundant_experts),
+            # The whole demo fits in the window; the balancer's loop waits for the demo's call.
+            "--eplb-window-size",
+            "100000",
+            "--eplb-step-interval",
+            "100000000",
+            "--eplb-move-budget",
+            str(opts.move_budget),
+            "--port",
+            "0",
+            "--admin-port",
+            "0",
+            "--balancer-port",
+            "0",
+            f"--admin-token={self.token}",  # "=": a token may start with "-"
+            "--metrics-port",
+            str(opts.metrics_port),
+            "--log-dir",
+            str(log_dir),
+        ]
         env = child_env(None, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         from moeserve.cluster.launcher import _die_with_parent
+
         # Its own session (Ctrl-C reaches the demo, which stops it in order), and killed with us.
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._read, name="demo-up-output", daemon=True).start()
@@ -216,8 +276,9 @@ class UpProcess:
     def wait_ready(self, timeout_s: float) -> None:
         if not self._ready.wait(timeout_s) or self.proc.poll() is not None:
             self.stop()
-            raise RuntimeError("moeserve up did not become ready:\n" + "\n".join(self.lines[-30:])
-                               + f"\n(logs in {self.log_dir})")
+            raise RuntimeError(
+                "moeserve up did not become ready:\n" + "\n".join(self.lines[-30:]) + f"\n(logs in {self.log_dir})"
+            )
 
     def address(self, name: str) -> str:
         """The address ``up`` printed for ``name`` (serving, admin, balancer)."""
@@ -259,8 +320,10 @@ class Progress:
         dt = max(time.monotonic() - self.start, 1e-9)
         width = 30
         fill = int(width * self.done / self.total)
-        line = (f"{self.label:<8} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} requests, "
-                f"{self.tokens} tokens, {self.tokens / dt:.0f} tokens/s")
+        line = (
+            f"{self.label:<8} [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} requests, "
+            f"{self.tokens} tokens, {self.tokens / dt:.0f} tokens/s"
+        )
         if self.tty:
             print("\r" + line, end="", file=self.out, flush=True)
         elif self.done == self.total or self.done * 4 >= (self._quarter + 1) * self.total:
@@ -278,8 +341,17 @@ def run_phase(serving, prompts: list[list[int]], opts: DemoOptions, label: str, 
     bar = Progress(label, len(prompts), out, opts.progress)
     t0 = time.monotonic()
     with ThreadPoolExecutor(opts.concurrency) as pool:
-        futures = {pool.submit(serving.generate, prompt_token_ids=p, max_tokens=opts.max_tokens, temperature=0.0,
-                               ignore_eos=True, timeout=300.0): i for i, p in enumerate(prompts)}
+        futures = {
+            pool.submit(
+                serving.generate,
+                prompt_token_ids=p,
+                max_tokens=opts.max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                timeout=300.0,
+            ): i
+            for i, p in enumerate(prompts)
+        }
         for f in as_completed(futures):
             outputs[futures[f]] = f.result().token_ids
             bar.update(1, len(outputs[futures[f]]))
@@ -290,12 +362,20 @@ def run_phase(serving, prompts: list[list[int]], opts: DemoOptions, label: str, 
 def measure(admin, window_steps: int, seconds: float, tokens: int) -> PhaseLoad:
     rep = admin.expert_load(window_steps)
     p = admin.placement()
-    return PhaseLoad(steps=rep.steps, load=np.asarray(rep.load), worker_load=np.asarray(rep.worker_load),
-                     balancedness=np.asarray(rep.measured.per_layer, dtype=np.float64),
-                     phy2log=np.asarray(p.phy2log), version=int(p.version), seconds=seconds, tokens=tokens)
+    return PhaseLoad(
+        steps=rep.steps,
+        load=np.asarray(rep.load),
+        worker_load=np.asarray(rep.worker_load),
+        balancedness=np.asarray(rep.measured.per_layer, dtype=np.float64),
+        phy2log=np.asarray(p.phy2log),
+        version=int(p.version),
+        seconds=seconds,
+        tokens=tokens,
+    )
 
 
 # -- the whole run --------------------------------------------------------------------------------
+
 
 def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
     import torch
@@ -311,25 +391,36 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
     layers, experts = info.num_moe_layers, info.num_logical_experts
     slots = experts + opts.num_redundant_experts
     if slots % opts.workers:
-        raise DemoUsageError(f"{experts} experts + {opts.num_redundant_experts} redundant = {slots} slots per MoE layer "
-                             f"cannot be split over {opts.workers} workers ((E + R) % W must be 0)")
-    print(f"checkpoint   {model_dir}{' (reused)' if reused else ''}: Llama 4-style, {layers} MoE layers x {experts} "
-          f"experts, top-{info.top_k}, {HOT_EXPERTS} hot experts per layer", file=out)
+        raise DemoUsageError(
+            f"{experts} experts + {opts.num_redundant_experts} redundant = {slots} slots per MoE layer "
+            f"cannot be split over {opts.workers} workers ((E + R) % W must be 0)"
+        )
+    print(
+        f"checkpoint   {model_dir}{' (reused)' if reused else ''}: Llama 4-style, {layers} MoE layers x {experts} "
+        f"experts, top-{info.top_k}, {HOT_EXPERTS} hot experts per layer",
+        file=out,
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="moeserve-demo-"))
     up = UpProcess(model_dir, opts, log_dir)
     try:
         prompts = prompts_for(opts, cfg.vocab_size)
-        reference = eplb_off_tokens(model_dir, prompts, opts.max_tokens)      # while the cluster starts
+        reference = eplb_off_tokens(model_dir, prompts, opts.max_tokens)  # while the cluster starts
         up.wait_ready(opts.startup_timeout_s)
-        print(f"cluster      {opts.routers} router{'s' * (opts.routers > 1)} + {opts.workers} expert workers, "
-              f"{slots} slots per MoE layer ({opts.num_redundant_experts} redundant), front end, balancer "
-              f"(up in {time.monotonic() - t_start:.0f} s; logs in {log_dir})", file=out)
+        print(
+            f"cluster      {opts.routers} router{'s' * (opts.routers > 1)} + {opts.workers} expert workers, "
+            f"{slots} slots per MoE layer ({opts.num_redundant_experts} redundant), front end, balancer "
+            f"(up in {time.monotonic() - t_start:.0f} s; logs in {log_dir})",
+            file=out,
+        )
         metrics = up.metrics_lines()
         for i, line in enumerate(metrics):
             print(f"{'metrics' if i == 0 else '':<12} {line}", file=out)
-        print(f"workload     {opts.requests} requests before and {opts.requests} after the rebalance, "
-              f"{opts.max_tokens} greedy tokens each, {opts.concurrency} at a time, through the SDK", file=out,
-              flush=True)
+        print(
+            f"workload     {opts.requests} requests before and {opts.requests} after the rebalance, "
+            f"{opts.max_tokens} greedy tokens each, {opts.concurrency} at a time, through the SDK",
+            file=out,
+            flush=True,
+        )
         serving = Client(up.address("serving"))
         admin = Client(up.address("admin"), token=up.token)
         balancer = Client(up.address("balancer"), token=up.token)
@@ -341,28 +432,49 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
         rb = balancer.rebalance(wait=True)
         mig = rb.migration
         state = mig.state if (rb.applied and mig is not None) else "not applied"
-        print(f"rebalance    the balancer planned on {before.steps} steps of load and moved {rb.slots_moved} slots "
-              f"({rb.bytes_moved / 1e3:.1f} kB of expert weights) live in {time.monotonic() - t0:.2f} s: "
-              f"migration {state}" + (f"; {rb.note}" if rb.note else ""), file=out, flush=True)
+        print(
+            f"rebalance    the balancer planned on {before.steps} steps of load and moved {rb.slots_moved} slots "
+            f"({rb.bytes_moved / 1e3:.1f} kB of expert weights) live in {time.monotonic() - t0:.2f} s: "
+            f"migration {state}" + (f"; {rb.note}" if rb.note else ""),
+            file=out,
+            flush=True,
+        )
 
         second, secs = run_phase(serving, prompts, opts, "after", out)
         since = admin.expert_load().steps_since_placement_change
         after = measure(admin, max(1, since), secs, sum(map(len, second)))
 
         mismatches = [i for i in range(len(prompts)) if first[i] != reference[i] or second[i] != reference[i]]
-        result = DemoResult(before, after, rb.slots_moved, rb.bytes_moved, state, mismatches, 2 * len(prompts),
-                            before.tokens + after.tokens, metrics)
+        result = DemoResult(
+            before,
+            after,
+            rb.slots_moved,
+            rb.bytes_moved,
+            state,
+            mismatches,
+            2 * len(prompts),
+            before.tokens + after.tokens,
+            metrics,
+        )
         report(result, out)
         dumps = [log_dir / "load-before.json", log_dir / "load-after.json"]
         before.dump(dumps[0], f"before the rebalance (placement v{before.version})")
         after.dump(dumps[1], f"after the rebalance (placement v{after.version})")
-        print(f"load dumps   {dumps[0]} {dumps[1]}\n             (moeserve load --plot FILE.png {dumps[0]} {dumps[1]} "
-              "draws them side by side)", file=out)
+        print(
+            f"load dumps   {dumps[0]} {dumps[1]}\n             (moeserve load --plot FILE.png {dumps[0]} {dumps[1]} "
+            "draws them side by side)",
+            file=out,
+        )
         if opts.plot is not None:
             write_plot(result, Path(opts.plot), out)
         if opts.keep_running:
-            print("serving      until Ctrl-C: " + " ".join(f"{n} {up.address(n)}" for n in ("serving", "admin", "balancer"))
-                  + f" (admin token {up.token})", file=out, flush=True)
+            print(
+                "serving      until Ctrl-C: "
+                + " ".join(f"{n} {up.address(n)}" for n in ("serving", "admin", "balancer"))
+                + f" (admin token {up.token})",
+                file=out,
+                flush=True,
+            )
             try:
                 up.proc.wait()
             except KeyboardInterrupt:
@@ -370,8 +482,9 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
     finally:
         up.stop()
     result.wall_s = time.monotonic() - t_start
-    print(f"done in {result.wall_s:.1f} s: {'all checks passed' if result.ok else 'A CHECK FAILED'}", file=out,
-          flush=True)
+    print(
+        f"done in {result.wall_s:.1f} s: {'all checks passed' if result.ok else 'A CHECK FAILED'}", file=out, flush=True
+    )
     return result
 
 
@@ -396,10 +509,14 @@ def report(r: DemoResult, out) -> None:
         print(f"  {'ok  ' if ok else 'FAIL'}  {text}", file=out)
     deploy = Path(__file__).resolve().parent.parent / "deploy" / "docker-compose.yml"
     where = str(deploy) if deploy.is_file() else "deploy/docker-compose.yml (in the repository)"
-    print("\ncompose      the same system in containers, with Prometheus and Grafana dashboards:\n"
-          "             export MOESERVE_ADMIN_TOKEN=$(openssl rand -hex 16) MOESERVE_CONTROL_KEY=$(openssl rand -hex 16)\n"
-          f"             docker compose -f {where} up --build\n"
-          "             then Grafana on http://127.0.0.1:3000, Prometheus on http://127.0.0.1:9090", file=out, flush=True)
+    print(
+        "\ncompose      the same system in containers, with Prometheus and Grafana dashboards:\n"
+        "             export MOESERVE_ADMIN_TOKEN=$(openssl rand -hex 16) MOESERVE_CONTROL_KEY=$(openssl rand -hex 16)\n"
+        f"             docker compose -f {where} up --build\n"
+        "             then Grafana on http://127.0.0.1:3000, Prometheus on http://127.0.0.1:9090",
+        file=out,
+        flush=True,
+    )
 
 
 def _shares(worker_load: np.ndarray) -> np.ndarray:
@@ -410,10 +527,23 @@ def _shares(worker_load: np.ndarray) -> np.ndarray:
 
 def write_plot(r: DemoResult, path: Path, out) -> None:
     from moeserve.ops.plot import LoadPicture, PlotUnavailable, plot_load
-    pics = [LoadPicture(f"before the rebalance (placement v{r.before.version})", r.before.load, r.before.phy2log,
-                        r.before.worker_load.shape[1], r.before.steps),
-            LoadPicture(f"after the rebalance (placement v{r.after.version})", r.after.load, r.after.phy2log,
-                        r.after.worker_load.shape[1], r.after.steps)]
+
+    pics = [
+        LoadPicture(
+            f"before the rebalance (placement v{r.before.version})",
+            r.before.load,
+            r.before.phy2log,
+            r.before.worker_load.shape[1],
+            r.before.steps,
+        ),
+        LoadPicture(
+            f"after the rebalance (placement v{r.after.version})",
+            r.after.load,
+            r.after.phy2log,
+            r.after.worker_load.shape[1],
+            r.after.steps,
+        ),
+    ]
     try:
         plot_load(pics, path, "moeserve demo: expert load before and after the balancer's rebalance")
     except PlotUnavailable as e:

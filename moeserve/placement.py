@@ -11,6 +11,7 @@ the sum over its slots of ``load[e] / logcnt[e]``.
 
 Numpy only; torch is imported lazily and only to read SGLang ``.pt`` files.
 """
+
 from __future__ import annotations
 
 import enum
@@ -21,8 +22,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["Placement", "check_breakeven", "Move", "MigrationState", "MigrationProgress", "balancedness", "log2phy", "model_balancedness", "worker_load", "logical_counts",
-           "load_from_sglang", "FORMAT"]
+__all__ = [
+    "Placement",
+    "check_breakeven",
+    "Move",
+    "MigrationState",
+    "MigrationProgress",
+    "balancedness",
+    "log2phy",
+    "model_balancedness",
+    "worker_load",
+    "logical_counts",
+    "load_from_sglang",
+    "FORMAT",
+]
 
 FORMAT = "moeserve.placement/1"
 
@@ -45,13 +58,15 @@ def log2phy(phy2log: np.ndarray, num_logical: int, max_replicas: int) -> np.ndar
     cnt = logical_counts(phy2log, num_logical)
     if cnt.max(initial=0) > max_replicas:
         l, e = map(int, np.argwhere(cnt > max_replicas)[0])
-        raise ValueError(f"layer {l}: logical expert {e} has {int(cnt[l, e])} replicas, "
-                         f"more than the table width max_replicas={max_replicas}")
-    key = phy2log + (np.arange(layers) * num_logical)[:, None]           # [L, P] (layer, expert)
-    order = np.argsort(key, axis=None, kind="stable")                     # slots grouped by key
+        raise ValueError(
+            f"layer {l}: logical expert {e} has {int(cnt[l, e])} replicas, "
+            f"more than the table width max_replicas={max_replicas}"
+        )
+    key = phy2log + (np.arange(layers) * num_logical)[:, None]  # [L, P] (layer, expert)
+    order = np.argsort(key, axis=None, kind="stable")  # slots grouped by key
     sorted_key = key.ravel()[order]
     first = np.searchsorted(sorted_key, sorted_key, side="left")
-    rank = np.arange(order.size) - first                                  # replica rank
+    rank = np.arange(order.size) - first  # replica rank
     out = np.full((layers * num_logical, max_replicas), -1, dtype=np.int64)
     out[sorted_key, rank] = order % p
     return out.reshape(layers, num_logical, max_replicas)
@@ -73,7 +88,7 @@ def worker_load(load: np.ndarray, phy2log: np.ndarray, num_workers: int) -> np.n
         raise ValueError(f"{p} slots do not split evenly over {num_workers} workers")
     cnt = logical_counts(phy2log, num_logical)
     idx = phy2log + (np.arange(layers) * num_logical)[:, None]
-    per_slot = load.ravel()[idx] / np.maximum(cnt.ravel()[idx], 1)              # [L, P]
+    per_slot = load.ravel()[idx] / np.maximum(cnt.ravel()[idx], 1)  # [L, P]
     return per_slot.reshape(layers, num_workers, p // num_workers).sum(2)
 
 
@@ -173,16 +188,19 @@ def check_breakeven(breakeven, num_layers: int, num_logical: int) -> np.ndarray:
         return np.zeros((num_layers, num_logical), dtype=np.int64)
     b = np.asarray(breakeven)
     if b.shape != (num_layers, num_logical):
-        raise ValueError(f"breakeven must have shape (L, E) = ({num_layers}, {num_logical}) (one break-even count "
-                         f"per MoE layer and logical expert), got shape {b.shape}")
+        raise ValueError(
+            f"breakeven must have shape (L, E) = ({num_layers}, {num_logical}) (one break-even count "
+            f"per MoE layer and logical expert), got shape {b.shape}"
+        )
     if b.size and not np.issubdtype(b.dtype, np.integer):
         if not np.issubdtype(b.dtype, np.number) or not np.isfinite(b).all() or not np.all(np.mod(b, 1) == 0):
             raise ValueError(f"breakeven must hold integer counts of tokens, got dtype {b.dtype}")
     b = b.astype(np.int64, copy=True)
     if (b < 0).any():
         l, x = map(int, np.argwhere(b < 0)[0])
-        raise ValueError(f"breakeven counts must be >= 0 (0 = every replica always used); layer {l} expert {x} "
-                         f"has {int(b[l, x])}")
+        raise ValueError(
+            f"breakeven counts must be >= 0 (0 = every replica always used); layer {l} expert {x} has {int(b[l, x])}"
+        )
     return b
 
 
@@ -231,8 +249,9 @@ class Placement:
         if not isinstance(wpn, (int, np.integer)) or wpn < 1:
             raise ValueError(f"workers_per_node must be a positive integer, got {wpn!r}")
         if p == 0 or p % w:
-            raise ValueError(f"{p} slots per layer do not split evenly over {w} workers "
-                             f"(P must be a positive multiple of W)")
+            raise ValueError(
+                f"{p} slots per layer do not split evenly over {w} workers (P must be a positive multiple of W)"
+            )
         if w % wpn:
             raise ValueError(f"{w} workers do not split into nodes of {wpn} (W must be a multiple of workers_per_node)")
         if p < e:
@@ -247,8 +266,11 @@ class Placement:
             raise ValueError(f"layer {l}: logical expert {x} has no replica (every logical expert needs one)")
         if not isinstance(self.version, (int, np.integer)) or self.version < 0:
             raise ValueError(f"version must be a non-negative integer, got {self.version!r}")
-        lv = np.full(layers, self.version, dtype=np.int64) if self.layer_versions is None \
+        lv = (
+            np.full(layers, self.version, dtype=np.int64)
+            if self.layer_versions is None
             else np.asarray(self.layer_versions).astype(np.int64, copy=True)
+        )
         if lv.shape != (layers,):
             raise ValueError(f"layer_versions must have shape ({layers},), got {lv.shape}")
         if (lv < 0).any():
@@ -265,11 +287,13 @@ class Placement:
     def __eq__(self, other) -> bool:
         if not isinstance(other, Placement):
             return NotImplemented
-        return ((self.num_logical, self.num_workers, self.workers_per_node, self.version)
-                == (other.num_logical, other.num_workers, other.workers_per_node, other.version)
-                and np.array_equal(self.phy2log, other.phy2log)
-                and np.array_equal(self.layer_versions, other.layer_versions)
-                and np.array_equal(self.breakeven, other.breakeven))
+        return (
+            (self.num_logical, self.num_workers, self.workers_per_node, self.version)
+            == (other.num_logical, other.num_workers, other.workers_per_node, other.version)
+            and np.array_equal(self.phy2log, other.phy2log)
+            and np.array_equal(self.layer_versions, other.layer_versions)
+            and np.array_equal(self.breakeven, other.breakeven)
+        )
 
     __hash__ = None  # mutable-looking arrays inside: not hashable
 
@@ -296,7 +320,11 @@ class Placement:
 
     def node_of_worker(self, worker):
         """Node of a worker (int or int array)."""
-        return np.asarray(worker) // self.workers_per_node if not isinstance(worker, int) else worker // self.workers_per_node
+        return (
+            np.asarray(worker) // self.workers_per_node
+            if not isinstance(worker, int)
+            else worker // self.workers_per_node
+        )
 
     def node_of_slot(self, slot):
         return self.node_of_worker(self.worker_of_slot(slot))
@@ -330,15 +358,23 @@ class Placement:
             raise ValueError(f"load has shape {shape}, expected {(self.num_layers, self.num_logical)}")
 
     # ---- changes ---------------------------------------------------------------------------
-    def evolve(self, *, phy2log: np.ndarray | None = None, version: int | None = None,
-               layer_versions: np.ndarray | None = None, breakeven: np.ndarray | None = None) -> "Placement":
+    def evolve(
+        self,
+        *,
+        phy2log: np.ndarray | None = None,
+        version: int | None = None,
+        layer_versions: np.ndarray | None = None,
+        breakeven: np.ndarray | None = None,
+    ) -> "Placement":
         """This placement with some fields replaced, *without* validating again: for the engine,
         whose new maps come row by row from a placement it validated already (a migration's
         target), so a per-layer commit costs no second validation."""
         new = object.__new__(Placement)
-        for name, value in (("phy2log", self.phy2log if phy2log is None else phy2log),
-                            ("layer_versions", self.layer_versions if layer_versions is None else layer_versions),
-                            ("breakeven", self.breakeven if breakeven is None else breakeven)):
+        for name, value in (
+            ("phy2log", self.phy2log if phy2log is None else phy2log),
+            ("layer_versions", self.layer_versions if layer_versions is None else layer_versions),
+            ("breakeven", self.breakeven if breakeven is None else breakeven),
+        ):
             arr = np.array(value, dtype=np.int64)
             arr.setflags(write=False)
             object.__setattr__(new, name, arr)
@@ -364,11 +400,18 @@ class Placement:
         expert's weights. Moves come in (layer, slot) order.
         """
         if (new.num_layers, new.num_slots, new.num_logical, new.num_workers, new.workers_per_node) != (
-                self.num_layers, self.num_slots, self.num_logical, self.num_workers, self.workers_per_node):
-            raise ValueError("the two placements differ in shape or topology: "
-                             f"{(self.num_layers, self.num_slots, self.num_logical, self.num_workers, self.workers_per_node)} "
-                             f"vs {(new.num_layers, new.num_slots, new.num_logical, new.num_workers, new.workers_per_node)} "
-                             "(layers, slots, logical experts, workers, workers per node)")
+            self.num_layers,
+            self.num_slots,
+            self.num_logical,
+            self.num_workers,
+            self.workers_per_node,
+        ):
+            raise ValueError(
+                "the two placements differ in shape or topology: "
+                f"{(self.num_layers, self.num_slots, self.num_logical, self.num_workers, self.workers_per_node)} "
+                f"vs {(new.num_layers, new.num_slots, new.num_logical, new.num_workers, new.workers_per_node)} "
+                "(layers, slots, logical experts, workers, workers per node)"
+            )
         if expert_bytes < 0:
             raise ValueError(f"expert_bytes must be >= 0, got {expert_bytes}")
         s, wpn = self.slots_per_worker, self.workers_per_node
@@ -377,7 +420,7 @@ class Placement:
         # held[l, w, x]: worker w holds logical expert x in layer l (old placement)
         held = np.zeros((layers, self.num_workers, self.num_logical), dtype=bool)
         held[np.arange(layers)[:, None], worker, self.phy2log] = True
-        ls, ps = np.nonzero(self.phy2log != new.phy2log)                     # (layer, slot) order
+        ls, ps = np.nonzero(self.phy2log != new.phy2log)  # (layer, slot) order
         xs = new.phy2log[ls, ps]
         ds = ps // s
         local = held[ls, ds, xs]
@@ -401,11 +444,18 @@ class Placement:
 
     # ---- files -----------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({
-            "format": FORMAT, "num_logical": self.num_logical, "num_workers": self.num_workers,
-            "workers_per_node": self.workers_per_node, "version": self.version,
-            "layer_versions": self.layer_versions.tolist(), "phy2log": self.phy2log.tolist(),
-            "breakeven": self.breakeven.tolist()})
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "num_logical": self.num_logical,
+                "num_workers": self.num_workers,
+                "workers_per_node": self.workers_per_node,
+                "version": self.version,
+                "layer_versions": self.layer_versions.tolist(),
+                "phy2log": self.phy2log.tolist(),
+                "breakeven": self.breakeven.tolist(),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "Placement":
@@ -414,12 +464,19 @@ class Placement:
         except json.JSONDecodeError as exc:
             raise ValueError(f"not a placement: invalid JSON ({exc})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ValueError(f"not a placement: expected a JSON object with \"format\": \"{FORMAT}\"")
+            raise ValueError(f'not a placement: expected a JSON object with "format": "{FORMAT}"')
         missing = {"phy2log", "num_logical", "num_workers"} - set(d)
         if missing:
             raise ValueError(f"placement JSON lacks {sorted(missing)}")
-        return cls(np.asarray(d["phy2log"], dtype=np.int64), int(d["num_logical"]), int(d["num_workers"]),
-                   d.get("workers_per_node"), int(d.get("version", 0)), d.get("layer_versions"), d.get("breakeven"))
+        return cls(
+            np.asarray(d["phy2log"], dtype=np.int64),
+            int(d["num_logical"]),
+            int(d["num_workers"]),
+            d.get("workers_per_node"),
+            int(d.get("version", 0)),
+            d.get("layer_versions"),
+            d.get("breakeven"),
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
@@ -429,9 +486,16 @@ class Placement:
         return cls.from_json(Path(path).read_text())
 
     @classmethod
-    def from_sglang(cls, path: str | Path, moe_layer_ids: Sequence[int], num_logical: int, num_workers: int,
-                    workers_per_node: int | None = None, num_decoder_layers: int | None = None,
-                    version: int = 0) -> "Placement":
+    def from_sglang(
+        cls,
+        path: str | Path,
+        moe_layer_ids: Sequence[int],
+        num_logical: int,
+        num_workers: int,
+        workers_per_node: int | None = None,
+        num_decoder_layers: int | None = None,
+        version: int = 0,
+    ) -> "Placement":
         """Read an SGLang expert-location file holding ``physical_to_logical_map``.
 
         SGLang (``--init-expert-location``) indexes its map by *decoder* layer, dense layers
@@ -446,18 +510,21 @@ class Placement:
         data = _read_sglang(path)
         if "physical_to_logical_map" not in data:
             if "logical_count" in data:
-                raise ValueError(f"{path} holds logical_count (load), not a placement: read it with "
-                                 "load_from_sglang() and compute a placement with a policy")
-            raise ValueError(f"{path} has neither physical_to_logical_map nor logical_count "
-                             f"(keys: {sorted(data)})")
+                raise ValueError(
+                    f"{path} holds logical_count (load), not a placement: read it with "
+                    "load_from_sglang() and compute a placement with a policy"
+                )
+            raise ValueError(f"{path} has neither physical_to_logical_map nor logical_count (keys: {sorted(data)})")
         table = _as_int_matrix(_to_numpy(data["physical_to_logical_map"]), "physical_to_logical_map")
         ids = _check_layer_ids(moe_layer_ids, table.shape[0], num_decoder_layers, path)
         dense = np.setdiff1d(np.arange(table.shape[0]), ids)
         bad = (table[dense] < -1) | (table[dense] >= num_logical)
         if bad.any():
             l, s = np.argwhere(bad)[0]
-            raise ValueError(f"{path}: dense decoder layer {int(dense[l])} slot {int(s)} holds "
-                             f"{int(table[dense[l], s])}, not an id in -1..{num_logical - 1}")
+            raise ValueError(
+                f"{path}: dense decoder layer {int(dense[l])} slot {int(s)} holds "
+                f"{int(table[dense[l], s])}, not an id in -1..{num_logical - 1}"
+            )
         try:
             return cls(table[ids], num_logical, num_workers, workers_per_node, version)
         except ValueError as exc:
@@ -486,7 +553,9 @@ def _read_sglang(path) -> dict:
     else:
         raise ValueError(f"{path}: unknown SGLang expert-location file type {path.suffix!r} (allowed: .json, .pt)")
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a dict with physical_to_logical_map or logical_count, got {type(data).__name__}")
+        raise ValueError(
+            f"{path}: expected a dict with physical_to_logical_map or logical_count, got {type(data).__name__}"
+        )
     return data
 
 
@@ -499,12 +568,18 @@ def _check_layer_ids(moe_layer_ids, rows: int, num_decoder_layers, path) -> np.n
     if num_decoder_layers is not None and rows != num_decoder_layers:
         raise ValueError(f"{path} has {rows} decoder layers, expected num_decoder_layers={num_decoder_layers}")
     if ids[0] < 0 or ids[-1] >= rows:
-        raise ValueError(f"{path} has {rows} decoder layers; moe_layer_ids must lie in 0..{rows - 1}, got {ids.tolist()}")
+        raise ValueError(
+            f"{path} has {rows} decoder layers; moe_layer_ids must lie in 0..{rows - 1}, got {ids.tolist()}"
+        )
     return ids
 
 
-def load_from_sglang(path: str | Path, moe_layer_ids: Sequence[int], num_logical: int | None = None,
-                     num_decoder_layers: int | None = None) -> np.ndarray:
+def load_from_sglang(
+    path: str | Path,
+    moe_layer_ids: Sequence[int],
+    num_logical: int | None = None,
+    num_decoder_layers: int | None = None,
+) -> np.ndarray:
     """Read the load in an SGLang ``logical_count`` file: -> ``[L, E]`` float64, MoE layers only.
 
     SGLang's expert-distribution dump holds ``logical_count`` ``[..., num_decoder_layers, E]``
@@ -519,7 +594,7 @@ def load_from_sglang(path: str | Path, moe_layer_ids: Sequence[int], num_logical
     cnt = _to_numpy(data["logical_count"]).astype(np.float64)
     if cnt.ndim < 2:
         raise ValueError(f"{path}: logical_count must have at least 2 dims [..., layers, experts], got {cnt.shape}")
-    cnt = cnt.reshape(-1, *cnt.shape[-2:]).sum(0)                              # [D, E]
+    cnt = cnt.reshape(-1, *cnt.shape[-2:]).sum(0)  # [D, E]
     if num_logical is not None and cnt.shape[1] != num_logical:
         raise ValueError(f"{path}: logical_count has {cnt.shape[1]} experts, expected {num_logical}")
     if not np.isfinite(cnt).all() or (cnt < 0).any():
@@ -528,6 +603,8 @@ def load_from_sglang(path: str | Path, moe_layer_ids: Sequence[int], num_logical
     dense = np.setdiff1d(np.arange(cnt.shape[0]), ids)
     busy = dense[cnt[dense].sum(1) > 0]
     if busy.size:
-        raise ValueError(f"{path}: decoder layer {int(busy[0])} is not in moe_layer_ids but has "
-                         f"{cnt[busy[0]].sum():g} routed tokens; moe_layer_ids={ids.tolist()} does not match the model")
+        raise ValueError(
+            f"{path}: decoder layer {int(busy[0])} is not in moe_layer_ids but has "
+            f"{cnt[busy[0]].sum():g} routed tokens; moe_layer_ids={ids.tolist()} does not match the model"
+        )
     return cnt[ids]

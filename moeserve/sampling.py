@@ -50,6 +50,7 @@ reached by copies; estimates from bytes and instructions, not yet timed on the G
   tensors, ~120 elementwise ops of 103 MB each at this size (~37 GB, ~9 ms on an H200): for
   tests and the CPU model (~0.6 ms a token at B = 1 on one CPU core, dominated by op overhead).
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,8 +64,8 @@ import torch
 from moeserve import kernels
 
 MAX_SEED = 2**63 - 1
-GREEDY_BELOW = 1e-5       # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
-MAX_TEMPERATURE = 1e30    # larger temperatures are clamped here: T * log E stays finite in fp32
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_TEMPERATURE = 1e30  # larger temperatures are clamped here: T * log E stays finite in fp32
 
 _M32 = 0xFFFFFFFF
 # Philox-4x32 constants (Random123; triton.language.random)
@@ -145,19 +146,22 @@ class SamplingTensors:
     max_top_k: int = 0
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
-              device: torch.device | str) -> "SamplingTensors":
+    def build(
+        cls, params: list[SamplingParams], seeds: list[int], positions: list[int], device: torch.device | str
+    ) -> "SamplingTensors":
         """One row per request: its params, its seed (``request_seed``) and the position of the
         token it samples now. Two host-to-device copies (pinned when the device is CUDA)."""
         b = len(params)
         if len(seeds) != b or len(positions) != b:
-            raise ValueError(f"need one seed and one position per row, found {len(seeds)} and {len(positions)} "
-                             f"for {b} rows")
+            raise ValueError(
+                f"need one seed and one position per row, found {len(seeds)} and {len(positions)} for {b} rows"
+            )
         if any(not 0 <= s <= MAX_SEED for s in seeds) or any(p < 0 for p in positions):
             raise ValueError(f"seeds must be in 0..{MAX_SEED} and positions >= 0")
         greedy = [p.greedy for p in params]
-        temp = np.array([0.0 if g else min(float(p.temperature), MAX_TEMPERATURE) for p, g in zip(params, greedy)],
-                        dtype=np.float32)
+        temp = np.array(
+            [0.0 if g else min(float(p.temperature), MAX_TEMPERATURE) for p, g in zip(params, greedy)], dtype=np.float32
+        )
         top_p = np.array([1.0 if g else float(p.top_p) for p, g in zip(params, greedy)], dtype=np.float32)
         top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
         # Decided on the fp32 values the device sees (a top_p that rounds to 1 filters nothing).
@@ -169,17 +173,32 @@ class SamplingTensors:
             floats, ints = floats.pin_memory(), ints.pin_memory()
         floats = floats.to(device, non_blocking=True)
         ints = ints.to(device, non_blocking=True)
-        return cls(temperature=floats[0], top_p=floats[1], top_k=ints[:b], seed=ints[b:2 * b],
-                   position=ints[2 * b:3 * b], all_greedy=all(greedy), filter_rows=ints[3 * b:],
-                   needs_sort=any(top_p[i] < 1 for i in rows), max_top_k=max((top_k[i] for i in rows), default=0))
+        return cls(
+            temperature=floats[0],
+            top_p=floats[1],
+            top_k=ints[:b],
+            seed=ints[b : 2 * b],
+            position=ints[2 * b : 3 * b],
+            all_greedy=all(greedy),
+            filter_rows=ints[3 * b :],
+            needs_sort=any(top_p[i] < 1 for i in rows),
+            max_top_k=max((top_k[i] for i in rows), default=0),
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # The random words: Philox-4x32-10 on int64 tensors
 
 
-def philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor, k0: torch.Tensor,
-               k1: torch.Tensor, rounds: int = PHILOX_ROUNDS) -> tuple[torch.Tensor, ...]:
+def philox4x32(
+    c0: torch.Tensor,
+    c1: torch.Tensor,
+    c2: torch.Tensor,
+    c3: torch.Tensor,
+    k0: torch.Tensor,
+    k1: torch.Tensor,
+    rounds: int = PHILOX_ROUNDS,
+) -> tuple[torch.Tensor, ...]:
     """Philox-4x32 (Random123, and ``tl.philox`` bit for bit): counters c0..c3 and key k0, k1 are
     int64 tensors (broadcastable) holding unsigned 32-bit values; returns the 4 output words,
     the same way. torch has no uint32 arithmetic: a 32 x 32-bit product can pass 2**63 and wraps
@@ -199,8 +218,8 @@ def random_bits(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch
     seed and position int64 [B]. Entry i is word i % 4 of Philox counter (i // 4, position lo,
     position hi, 0) under key (seed lo, seed hi)."""
     q = (vocab + 3) // 4
-    n = torch.arange(q, dtype=torch.long, device=seed.device)[None, :]                  # [1, Q]
-    pos, sd = position[:, None], seed[:, None]                                           # [B, 1]
+    n = torch.arange(q, dtype=torch.long, device=seed.device)[None, :]  # [1, Q]
+    pos, sd = position[:, None], seed[:, None]  # [B, 1]
     zero = torch.zeros_like(pos)
     words = philox4x32(n, pos & _M32, (pos >> 32) & _M32, zero, sd & _M32, (sd >> 32) & _M32)
     return torch.stack(torch.broadcast_tensors(*words), dim=-1).reshape(seed.shape[0], 4 * q)[:, :vocab]
@@ -226,27 +245,27 @@ def thresholds(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None
     rows = st.filter_rows
     if st.all_greedy or (rows is not None and rows.numel() == 0):
         return None
-    x = logits.float() if rows is None else logits.index_select(0, rows).float()          # [F, V]
+    x = logits.float() if rows is None else logits.index_select(0, rows).float()  # [F, V]
     sel = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
     temp, top_p, top_k = sel(st.temperature), sel(st.top_p), sel(st.top_k)
-    k = torch.where((top_k <= 0) | (top_k >= v), v, top_k)                               # [F] 1..V
+    k = torch.where((top_k <= 0) | (top_k >= v), v, top_k)  # [F] 1..V
     if st.needs_sort or rows is None:
-        vals = torch.sort(x, dim=-1, descending=True).values                              # [F, V]
+        vals = torch.sort(x, dim=-1, descending=True).values  # [F, V]
     else:
         kmax = min(st.max_top_k, v)
-        vals = torch.topk(x, kmax, dim=-1).values                                         # [F, kmax] sorted
+        vals = torch.topk(x, kmax, dim=-1).values  # [F, kmax] sorted
         k = k.clamp(max=kmax)
-    kth = vals.gather(1, (k - 1)[:, None])                                                # [F, 1]
+    kth = vals.gather(1, (k - 1)[:, None])  # [F, 1]
     thr = kth
     if st.needs_sort or rows is None:
         # Softmax of the top-k-kept scores, shifted by the row max so that nothing overflows.
         t = torch.where(temp > 0, temp, 1.0)[:, None]
         probs = torch.softmax(((vals - vals[:, :1]) / t).masked_fill_(vals < kth, float("-inf")), dim=-1)
-        mass = probs.cumsum_(dim=-1)                           # mass[j]: of the j + 1 most likely
+        mass = probs.cumsum_(dim=-1)  # mass[j]: of the j + 1 most likely
         # Token j stays while the tokens before it hold less than top_p (token 0 always stays).
-        n_keep = 1 + (mass[:, :-1] < top_p[:, None]).sum(-1, keepdim=True)                # [F, 1]
+        n_keep = 1 + (mass[:, :-1] < top_p[:, None]).sum(-1, keepdim=True)  # [F, 1]
         thr = torch.where(top_p[:, None] < 1, torch.maximum(vals.gather(1, n_keep - 1), kth), kth)
-    thr = torch.where(temp[:, None] > 0, thr, float("-inf")).squeeze(1)                   # greedy rows keep all
+    thr = torch.where(temp[:, None] > 0, thr, float("-inf")).squeeze(1)  # greedy rows keep all
     if rows is None:
         return thr
     return torch.full((b,), float("-inf"), device=logits.device).index_copy_(0, rows, thr)
@@ -259,8 +278,8 @@ def thresholds(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None
 def _race_torch(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | None) -> torch.Tensor:
     """The exponential race with torch ops (CPU, or CUDA without Triton): [B, V] -> int64 [B]."""
     x = logits.float()
-    e = exponentials(random_bits(st.seed, st.position, x.shape[1]))                     # [B, V]
-    key = x - st.temperature[:, None] * torch.log(e)          # T = 0: the logits themselves
+    e = exponentials(random_bits(st.seed, st.position, x.shape[1]))  # [B, V]
+    key = x - st.temperature[:, None] * torch.log(e)  # T = 0: the logits themselves
     if thr is not None:
         key = key.masked_fill(x < thr[:, None], float("-inf"))
     return key.argmax(-1)
@@ -269,11 +288,12 @@ def _race_torch(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | N
 @functools.lru_cache(maxsize=None)
 def _kernel():
     import importlib
+
     return importlib.import_module("moeserve.kernels.triton_sampling").race_kernel
 
 
-RACE_TILE = 1024           # logits per iteration of the race kernel (256 Philox counters)
-RACE_PROGRAMS = 4096       # programs aimed at: B rows x S chunks (132 SMs, several waves)
+RACE_TILE = 1024  # logits per iteration of the race kernel (256 Philox counters)
+RACE_PROGRAMS = 4096  # programs aimed at: B rows x S chunks (132 SMs, several waves)
 
 
 def _race_triton(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | None) -> torch.Tensor:
@@ -288,9 +308,23 @@ def _race_triton(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | 
     s = (v + chunk - 1) // chunk
     best_val = torch.empty(b, s, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(b, s, dtype=torch.long, device=logits.device)
-    _kernel()[(b, s)](logits, logits.stride(0), st.temperature, thr if thr is not None else st.temperature,
-                      st.seed, st.position, best_val, best_idx, v, chunk, s, HAS_THR=thr is not None,
-                      N=tile // 4, num_warps=4, enable_fp_fusion=False)
+    _kernel()[(b, s)](
+        logits,
+        logits.stride(0),
+        st.temperature,
+        thr if thr is not None else st.temperature,
+        st.seed,
+        st.position,
+        best_val,
+        best_idx,
+        v,
+        chunk,
+        s,
+        HAS_THR=thr is not None,
+        N=tile // 4,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )
     return best_idx.gather(1, best_val.argmax(-1, keepdim=True)).squeeze(1)
 
 
@@ -306,7 +340,7 @@ def warm_up(vocab_size: int, device: torch.device | str) -> int:
 
 
 def _warm_up_race(vocab_size: int, device: torch.device) -> int:
-    logits = torch.zeros(1, vocab_size, device=device)                       # [1, V] fp32, as steps sample
+    logits = torch.zeros(1, vocab_size, device=device)  # [1, V] fp32, as steps sample
     for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=1.0, top_k=2, seed=0)):
         sample(logits, SamplingTensors.build([params], [0], [0], device), backend="triton")
     return 2
@@ -333,8 +367,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, backend: str | None = None
     return _race_torch(logits, st, thr)
 
 
-def logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-             num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From log_softmax(logits) in fp32, the raw logits before temperature and filters (vLLM's
     default): (logprob of each chosen token float32 [B], top ids int64 [B, num_top], their
     logprobs float32 [B, num_top], most likely first). Computed as log_softmax does it, (x - max)
@@ -343,8 +378,8 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     if not 0 <= num_top <= v:
         raise ValueError(f"num_top must be in 0..{v}, found {num_top}")
     x = logits.float()
-    m = x.amax(-1, keepdim=True)                                                         # [B, 1]
-    lse = torch.exp(x - m).sum(-1, keepdim=True).log_()                                  # [B, 1]
+    m = x.amax(-1, keepdim=True)  # [B, 1]
+    lse = torch.exp(x - m).sum(-1, keepdim=True).log_()  # [B, 1]
     chosen = ((x.gather(1, tokens.view(b, 1)) - m) - lse).squeeze(1)
     top_vals, top_ids = torch.topk(x, num_top, dim=-1)
     return chosen, top_ids, (top_vals - m) - lse

@@ -14,6 +14,7 @@ a torn one):
 
 Nothing here imports torch or gRPC (the leader's step driver writes the placement).
 """
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,7 @@ def write_atomically(path: str | Path, text: str) -> None:
         except OSError:
             pass
         raise
-    try:                                          # the rename itself reaches the disk
+    try:  # the rename itself reaches the disk
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -82,6 +83,7 @@ def prepare(state_dir: str | Path) -> Path:
 
 # -- the placement ----------------------------------------------------------------------------
 
+
 def read_placement(state_dir: str | Path) -> Placement | None:
     """The placement saved in the folder, or None when there is none; StateError naming the file
     when it cannot be read."""
@@ -94,16 +96,19 @@ def read_placement(state_dir: str | Path) -> Placement | None:
         raise StateError(f"{path}: {e}; move it away to start from the default placement") from None
 
 
-def check_topology(p: Placement, num_layers: int, num_logical: int, num_slots: int, num_workers: int,
-                   workers_per_node: int, what: str) -> None:
+def check_topology(
+    p: Placement, num_layers: int, num_logical: int, num_slots: int, num_workers: int, workers_per_node: int, what: str
+) -> None:
     """StateError naming ``what`` unless ``p`` fits this cluster."""
     have = (p.phy2log.shape, p.num_logical, p.num_workers, p.workers_per_node)
     want = ((num_layers, num_slots), num_logical, num_workers, workers_per_node)
     if have != want:
-        raise StateError(f"{what} is a placement of {p.phy2log.shape[0]} MoE layers x {p.phy2log.shape[1]} slots, "
-                         f"{p.num_logical} logical experts on {p.num_workers} workers ({p.workers_per_node} per node); "
-                         f"this cluster has {num_layers} x {num_slots}, {num_logical} experts on {num_workers} workers "
-                         f"({workers_per_node} per node)")
+        raise StateError(
+            f"{what} is a placement of {p.phy2log.shape[0]} MoE layers x {p.phy2log.shape[1]} slots, "
+            f"{p.num_logical} logical experts on {p.num_workers} workers ({p.workers_per_node} per node); "
+            f"this cluster has {num_layers} x {num_slots}, {num_logical} experts on {num_workers} workers "
+            f"({workers_per_node} per node)"
+        )
 
 
 class PlacementSaver:
@@ -149,6 +154,7 @@ class PlacementSaver:
 
 # -- the balancer's settings ------------------------------------------------------------------
 
+
 def check_balancer_settings(s: dict, window_size: int | None = None) -> None:
     """ValueError saying what is allowed unless ``s`` (window_steps, step_interval,
     min_balancedness, paused; None = unset) holds values a balancer can run with."""
@@ -159,11 +165,13 @@ def check_balancer_settings(s: dict, window_size: int | None = None) -> None:
             raise ValueError(f"window_steps must be an integer in 0{hi}; 0 = the whole window; got {w!r}")
     i = s.get("step_interval")
     if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 1):
-        raise ValueError(f"step_interval must be an integer >= 1 (forward steps between periodic rebalances), "
-                         f"got {i!r}")
+        raise ValueError(
+            f"step_interval must be an integer >= 1 (forward steps between periodic rebalances), got {i!r}"
+        )
     b = s.get("min_balancedness")
-    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b)
-                          or not 0.0 <= b <= 1.0):
+    if b is not None and (
+        isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not 0.0 <= b <= 1.0
+    ):
         raise ValueError(f"min_balancedness must be a number in [0, 1] (0 = off), got {b!r}")
     p = s.get("paused")
     if p is not None and not isinstance(p, bool):
@@ -178,7 +186,7 @@ def read_balancer_settings(state_dir: str | Path, window_size: int | None = None
     try:
         d = json.loads(path.read_text())
         if not isinstance(d, dict) or d.get("format") != BALANCER_FORMAT:
-            raise ValueError(f"expected a JSON object with \"format\": \"{BALANCER_FORMAT}\"")
+            raise ValueError(f'expected a JSON object with "format": "{BALANCER_FORMAT}"')
         s = {k: d.get(k) for k in BALANCER_KEYS}
         check_balancer_settings(s, window_size)
     except (OSError, ValueError) as e:
@@ -187,14 +195,25 @@ def read_balancer_settings(state_dir: str | Path, window_size: int | None = None
 
 
 def write_balancer_settings(state_dir: str | Path, s: dict) -> None:
-    write_atomically(Path(state_dir) / BALANCER_FILE,
-                     json.dumps({"format": BALANCER_FORMAT, **{k: s.get(k) for k in BALANCER_KEYS}}))
+    write_atomically(
+        Path(state_dir) / BALANCER_FILE, json.dumps({"format": BALANCER_FORMAT, **{k: s.get(k) for k in BALANCER_KEYS}})
+    )
 
 
 def phy2log_tuple(phy2log) -> tuple:
     return tuple(tuple(int(x) for x in row) for row in np.asarray(phy2log))
 
 
-__all__ = ["PLACEMENT_FILE", "BALANCER_FILE", "StateError", "PlacementSaver", "prepare", "read_placement",
-           "check_topology", "check_balancer_settings", "read_balancer_settings", "write_balancer_settings",
-           "write_atomically"]
+__all__ = [
+    "PLACEMENT_FILE",
+    "BALANCER_FILE",
+    "StateError",
+    "PlacementSaver",
+    "prepare",
+    "read_placement",
+    "check_topology",
+    "check_balancer_settings",
+    "read_balancer_settings",
+    "write_balancer_settings",
+    "write_atomically",
+]

@@ -11,6 +11,7 @@ and finish reasons are mapped here and nowhere else.
 This module imports numpy, :mod:`moeserve.placement` and the generated code only, so that the
 SDK built on it never pulls in server code (the services, the router, torch).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ _STATE_OF_MSG = {v: k for k, v in _STATE_TO_MSG.items()}
 
 # -- matrices -----------------------------------------------------------------------------------
 
+
 def int64_matrix(a) -> common_pb2.Int64Matrix:
     """A 2-D array ``[rows, cols]`` -> ``Int64Matrix`` (row-major values)."""
     a = np.asarray(a, dtype=np.int64)
@@ -48,12 +50,14 @@ def from_int64_matrix(m: common_pb2.Int64Matrix, what: str = "matrix") -> np.nda
     """``Int64Matrix`` -> int64 ``[rows, cols]``; ValueError naming ``what`` and the shape when
     the values do not fill it."""
     if m.rows < 0 or m.cols < 0 or m.rows * m.cols != len(m.values):
-        raise ValueError(f"{what} says shape ({m.rows}, {m.cols}) but holds {len(m.values)} values "
-                         f"(rows * cols values, row-major)")
+        raise ValueError(
+            f"{what} says shape ({m.rows}, {m.cols}) but holds {len(m.values)} values (rows * cols values, row-major)"
+        )
     return np.asarray(m.values, dtype=np.int64).reshape(m.rows, m.cols)
 
 
 # -- balancedness -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Balancedness:
@@ -82,11 +86,17 @@ def balancedness_from_msg(m: common_pb2.Balancedness) -> Balancedness:
 
 # -- placement ----------------------------------------------------------------------------------
 
+
 def placement_msg(p: Placement) -> admin_pb2.Placement:
-    return admin_pb2.Placement(phy2log=int64_matrix(p.phy2log), version=int(p.version),
-                               layer_versions=p.layer_versions.tolist(), num_logical_experts=p.num_logical,
-                               num_workers=p.num_workers, workers_per_node=p.workers_per_node,
-                               breakeven=int64_matrix(p.breakeven))
+    return admin_pb2.Placement(
+        phy2log=int64_matrix(p.phy2log),
+        version=int(p.version),
+        layer_versions=p.layer_versions.tolist(),
+        num_logical_experts=p.num_logical,
+        num_workers=p.num_workers,
+        workers_per_node=p.workers_per_node,
+        breakeven=int64_matrix(p.breakeven),
+    )
 
 
 def breakeven_from_msg(m, field: str = "breakeven") -> np.ndarray | None:
@@ -100,30 +110,69 @@ def breakeven_from_msg(m, field: str = "breakeven") -> np.ndarray | None:
 def placement_from_msg(m: admin_pb2.Placement) -> Placement:
     """ValueError when the message is not a valid placement (Placement checks it whole; an
     unset breakeven is all zeros)."""
-    return Placement(from_int64_matrix(m.phy2log, "phy2log"), m.num_logical_experts, m.num_workers,
-                     m.workers_per_node, m.version, np.asarray(m.layer_versions, dtype=np.int64),
-                     breakeven_from_msg(m))
+    return Placement(
+        from_int64_matrix(m.phy2log, "phy2log"),
+        m.num_logical_experts,
+        m.num_workers,
+        m.workers_per_node,
+        m.version,
+        np.asarray(m.layer_versions, dtype=np.int64),
+        breakeven_from_msg(m),
+    )
 
 
 # -- migrations ---------------------------------------------------------------------------------
 
+
 def migration_msg(p: MigrationProgress) -> common_pb2.MigrationProgress:
     return common_pb2.MigrationProgress(
-        migration_id=p.migration_id, state=_STATE_TO_MSG[p.state], error=p.error,
-        target_version=p.target_version, moves_total=p.moves_total, moves_done=p.moves_done,
-        bytes_total=p.bytes_total, bytes_done=p.bytes_done, layers_total=p.layers_total,
-        layers_committed=p.layers_committed)
+        migration_id=p.migration_id,
+        state=_STATE_TO_MSG[p.state],
+        error=p.error,
+        target_version=p.target_version,
+        moves_total=p.moves_total,
+        moves_done=p.moves_done,
+        bytes_total=p.bytes_total,
+        bytes_done=p.bytes_done,
+        layers_total=p.layers_total,
+        layers_committed=p.layers_committed,
+    )
 
 
 def migration_from_msg(m: common_pb2.MigrationProgress) -> MigrationProgress:
     """ValueError for a state this side does not know (unset, or from a newer server)."""
     if m.state not in _STATE_OF_MSG:
-        raise ValueError(f"migration {m.migration_id!r} has state {m.state}, not one of "
-                         f"{sorted(_STATE_OF_MSG)} ({', '.join(s.value for s in MigrationState)})")
-    return MigrationProgress(m.migration_id, _STATE_OF_MSG[m.state], m.error, m.target_version, m.moves_total,
-                             m.moves_done, m.bytes_total, m.bytes_done, m.layers_total, m.layers_committed)
+        raise ValueError(
+            f"migration {m.migration_id!r} has state {m.state}, not one of "
+            f"{sorted(_STATE_OF_MSG)} ({', '.join(s.value for s in MigrationState)})"
+        )
+    return MigrationProgress(
+        m.migration_id,
+        _STATE_OF_MSG[m.state],
+        m.error,
+        m.target_version,
+        m.moves_total,
+        m.moves_done,
+        m.bytes_total,
+        m.bytes_done,
+        m.layers_total,
+        m.layers_committed,
+    )
 
 
-__all__ = ["SERVER_METADATA_KEY", "FINISH_REASONS", "FINISH_NAMES", "int64_matrix", "from_int64_matrix",
-           "Balancedness", "worker_balancedness_msg", "placement_balancedness", "balancedness_from_msg",
-           "placement_msg", "placement_from_msg", "breakeven_from_msg", "migration_msg", "migration_from_msg"]
+__all__ = [
+    "SERVER_METADATA_KEY",
+    "FINISH_REASONS",
+    "FINISH_NAMES",
+    "int64_matrix",
+    "from_int64_matrix",
+    "Balancedness",
+    "worker_balancedness_msg",
+    "placement_balancedness",
+    "balancedness_from_msg",
+    "placement_msg",
+    "placement_from_msg",
+    "breakeven_from_msg",
+    "migration_msg",
+    "migration_from_msg",
+]

@@ -11,6 +11,7 @@ slots when it is also a worker), puts the outputs back in (token, k) order, appl
 routing weights when they scale the output, and sums over k in a fixed order, so the result
 does not depend on where the experts sit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,21 +44,27 @@ class RouterMaps:
     carries its row.
     """
 
-    def __init__(self, phy2log: np.ndarray, num_logical: int, max_replicas: int, device: torch.device | str = "cpu",
-                 breakeven=None):
+    def __init__(
+        self,
+        phy2log: np.ndarray,
+        num_logical: int,
+        max_replicas: int,
+        device: torch.device | str = "cpu",
+        breakeven=None,
+    ):
         phy2log = np.asarray(phy2log, dtype=np.int64)
         layers = phy2log.shape[0]
         self.num_logical = num_logical
         self.max_replicas = max_replicas
-        self.phy2log = phy2log.copy()                                    # [L, P] host copy
-        self.single = [False] * layers                                   # no logical expert has 2 replicas
-        self.thresholded = [False] * layers                              # some expert of the layer has b > 0
+        self.phy2log = phy2log.copy()  # [L, P] host copy
+        self.single = [False] * layers  # no logical expert has 2 replicas
+        self.thresholded = [False] * layers  # some expert of the layer has b > 0
         self.default_breakeven = 0
         self.log2phy = torch.full((layers, num_logical, max_replicas), -1, dtype=torch.long, device=device)
-        self.phy2log_dev = torch.zeros(phy2log.shape, dtype=torch.long, device=device)   # [L, P] device copy
+        self.phy2log_dev = torch.zeros(phy2log.shape, dtype=torch.long, device=device)  # [L, P] device copy
         self._tables = torch.zeros(2, layers, num_logical, dtype=torch.long, device=device)
-        self.logcnt = self._tables[0]                                    # [L, E]
-        self.breakeven = self._tables[1]                                 # [L, E]
+        self.logcnt = self._tables[0]  # [L, E]
+        self.breakeven = self._tables[1]  # [L, E]
         rows = self._breakeven_rows(breakeven, layers)
         for layer in range(layers):
             self.set_layer(layer, phy2log[layer], rows[layer])
@@ -69,8 +76,9 @@ class RouterMaps:
         try:
             b = np.broadcast_to(b, (layers, self.num_logical))
         except ValueError:
-            raise ValueError(f"breakeven must be a number, [E] or [L, E] with E = {self.num_logical}, "
-                             f"got shape {np.shape(value)}") from None
+            raise ValueError(
+                f"breakeven must be a number, [E] or [L, E] with E = {self.num_logical}, got shape {np.shape(value)}"
+            ) from None
         if not np.isfinite(b).all() or (b < 0).any():
             raise ValueError("breakeven counts must be finite and >= 0 (0 = every replica always used)")
         return b.astype(np.int64)
@@ -79,9 +87,9 @@ class RouterMaps:
         """Install the map of one MoE layer from its phy2log row [P] (a row of a placement the
         leader validated: not checked again) and its break-even counts (a number or [E];
         None: the maps' default, 0)."""
-        row = np.array(phy2log_row, dtype=np.int64)       # a copy: the row may be a read-only view of a message
-        table = log2phy(row[None, :], self.num_logical, self.max_replicas)[0]          # [E, X]
-        counts = (table >= 0).sum(1)                                                   # [E]
+        row = np.array(phy2log_row, dtype=np.int64)  # a copy: the row may be a read-only view of a message
+        table = log2phy(row[None, :], self.num_logical, self.max_replicas)[0]  # [E, X]
+        counts = (table >= 0).sum(1)  # [E]
         self.log2phy[layer].copy_(torch.from_numpy(table))
         self.logcnt[layer].copy_(torch.from_numpy(counts))
         self.phy2log[layer] = row
@@ -105,25 +113,27 @@ class RouterMaps:
         needs, which must stay valid when a later commit sets b)."""
         return self.breakeven[layer] if always or self.thresholded[layer] else None
 
-    def slots_of(self, layer: int, ids: torch.Tensor, offset: int, router: int = 0, num_routers: int = 1
-                 ) -> torch.Tensor:
+    def slots_of(
+        self, layer: int, ids: torch.Tensor, offset: int, router: int = 0, num_routers: int = 1
+    ) -> torch.Tensor:
         """Slots [T*K] for the logical ids [T, K] of a layer (the replica rule of choose_slots
         with this layer's break-even counts; a plain look-up when every expert of the layer has
         one replica). ``router``: this router's index (offset - router is the step)."""
         if self.single[layer]:
             return self.log2phy[layer, :, 0].index_select(0, ids.reshape(-1))
-        return choose_slots(ids, self.log2phy[layer], self.logcnt[layer], offset,
-                            self.route_breakeven(layer), router, num_routers)
+        return choose_slots(
+            ids, self.log2phy[layer], self.logcnt[layer], offset, self.route_breakeven(layer), router, num_routers
+        )
 
 
 @dataclass(frozen=True)
 class _Handle:
     moe_layer: int
-    rows: object               # the exchange's handle of the rows in flight
+    rows: object  # the exchange's handle of the rows in flight
     routing: RoutingResult
 
 
-LOAD_BINS = 16           # power-of-two bins of per-step counts: 0, 1, 2-3, ..., 2**14 and more
+LOAD_BINS = 16  # power-of-two bins of per-step counts: 0, 1, 2-3, ..., 2**14 and more
 
 
 class DistributedExperts:
@@ -151,10 +161,14 @@ class DistributedExperts:
         self.store = store
         self.step = 0
         self.num_slots = exchange.topo.num_slots
-        self.sent = torch.zeros(num_layers, exchange.topo.world_size * exchange.topo.slots_per_worker,
-                                dtype=torch.long, device=exchange.device)
+        self.sent = torch.zeros(
+            num_layers,
+            exchange.topo.world_size * exchange.topo.slots_per_worker,
+            dtype=torch.long,
+            device=exchange.device,
+        )
         self.total = torch.zeros_like(self.sent)
-        self.steps = 0                     # forward steps in ``total``
+        self.steps = 0  # forward steps in ``total``
         self.num_routers = exchange.topo.num_routers
         p = exchange.topo.num_slots
         self.histogram = torch.zeros(num_layers, maps.num_logical, LOAD_BINS, dtype=torch.long, device=exchange.device)
@@ -163,22 +177,23 @@ class DistributedExperts:
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
         # The exchange picks each pair's slot (the collective one with torch ops, the direct one in
         # its kernels) and adds the pairs it sends to this layer's row of ``sent``.
-        rows = self.exchange.dispatch(moe_layer, hidden, routing, self.maps, self.router + self.step,
-                                      self.sent[moe_layer])
+        rows = self.exchange.dispatch(
+            moe_layer, hidden, routing, self.maps, self.router + self.step, self.sent[moe_layer]
+        )
         return _Handle(moe_layer, rows, routing)
 
     def combine(self, handle: _Handle) -> torch.Tensor:
-        out = self.exchange.combine_rows(handle.rows, self.store)                   # [N, H] (token, k) order
-        return combine_pairs(out, handle.routing)                                    # [T, H]
+        out = self.exchange.combine_rows(handle.rows, self.store)  # [N, H] (token, k) order
+        return combine_pairs(out, handle.routing)  # [T, H]
 
     def end_step(self) -> None:
         """A forward step ended: its counts join the unread total and the per-step statistics
         (on the device, no host read; a few small kernels outside any graph)."""
-        slot = self.sent.index_select(1, self.exchange.slot_position)                    # [L, P] this step
+        slot = self.sent.index_select(1, self.exchange.slot_position)  # [L, P] this step
         self.busy.add_(slot > 0)
         est = torch.zeros(self.histogram.shape[:2], dtype=torch.long, device=slot.device)
-        est.scatter_add_(1, self.maps.phy2log_dev, slot)                                 # [L, E] this router's
-        est.mul_(self.num_routers)                                                        # the rule's estimate
+        est.scatter_add_(1, self.maps.phy2log_dev, slot)  # [L, E] this router's
+        est.mul_(self.num_routers)  # the rule's estimate
         bins = torch.where(est > 0, est.clamp(min=1).double().log2().floor().long() + 1, 0).clamp_(max=LOAD_BINS - 1)
         self.histogram.scatter_add_(2, bins.unsqueeze(2), torch.ones_like(bins).unsqueeze(2))
         self.total.add_(self.sent)
@@ -206,7 +221,7 @@ class DistributedExperts:
             event = torch.cuda.Event()
             event.record()
         for t in (self.total, self.histogram, self.busy):
-            t.zero_()                       # stream-ordered after the copies
+            t.zero_()  # stream-ordered after the copies
         snap = (hosts, event, self.maps.phy2log.copy(), self.steps)
         self.steps = 0
         return snap
@@ -221,8 +236,8 @@ class DistributedExperts:
         (host, hist, busy), event, phy2log, steps = snap
         if event is not None:
             event.synchronize()
-        sent = host.numpy()                                                            # [L, R*S]
-        slot = sent[:, self.exchange.slot_position.cpu().numpy()]                      # [L, P]
+        sent = host.numpy()  # [L, R*S]
+        slot = sent[:, self.exchange.slot_position.cpu().numpy()]  # [L, P]
         layers, p = slot.shape
         logical = np.zeros((layers, self.maps.num_logical), dtype=np.int64)
         rows = np.repeat(np.arange(layers), p)
@@ -232,6 +247,6 @@ class DistributedExperts:
 
     def take_load(self) -> tuple[np.ndarray, np.ndarray]:
         """Read and reset the unread load now: (logical [L, E], worker [L, W]) int64."""
-        if self.sent.any():                 # counted by a forward that did not call end_step (tests)
+        if self.sent.any():  # counted by a forward that did not call end_step (tests)
             self.end_step()
         return self.finish_load(self.snapshot_load())[:2]

@@ -32,6 +32,7 @@ the first S rows of the graph's logits.
 Off CUDA (the CPU tests) nothing is captured: every step runs the padded batch eagerly through
 the same buffers, which is how the padding is checked against unpadded steps.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,7 +77,7 @@ class DecodeGraphs:
 
     def __init__(self, model, cache, experts, block_size: int, max_seqs: int, max_model_len: int):
         self.model, self.cache, self.experts = model, cache, experts
-        self.exchange = getattr(experts, "exchange", None)            # None: a model's local experts (tests)
+        self.exchange = getattr(experts, "exchange", None)  # None: a model's local experts (tests)
         self.cuda = model.device.type == "cuda"
         self.block_size = block_size
         self.scratch = cache.num_blocks - 1
@@ -97,8 +98,8 @@ class DecodeGraphs:
         self.h_ints = torch.zeros(self.ints.numel(), dtype=torch.int32)
         if self.cuda:
             self.h_longs, self.h_ints = self.h_longs.pin_memory(), self.h_ints.pin_memory()
-        self._copied = None                        # event of the last host-to-device copy
-        self.graphs: dict = {}                     # (Bk, NS) -> (CUDAGraph, logits [Bk, V])
+        self._copied = None  # event of the last host-to-device copy
+        self.graphs: dict = {}  # (Bk, NS) -> (CUDAGraph, logits [Bk, V])
         self.seen: set = set()
         self.pool = None
         self.disabled = ""
@@ -109,8 +110,9 @@ class DecodeGraphs:
 
     def _ns(self, b: int, max_seq_len: int) -> int:
         hq, hkv, d = self.heads
-        return attention_config(SimpleNamespace(max_query_len=1, num_tokens=b, num_seqs=b, max_seq_len=max_seq_len),
-                                hq, hkv, d, self.sms)["NS"]
+        return attention_config(
+            SimpleNamespace(max_query_len=1, num_tokens=b, num_seqs=b, max_seq_len=max_seq_len), hq, hkv, d, self.sms
+        )["NS"]
 
     def warmup_keys(self) -> list[tuple[int, int]]:
         """(bucket, longest sequence) pairs that reach every graph key (bucket, NS) a decode step
@@ -138,18 +140,19 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, tables: list[list[int]]) -> bool:
         return not self.disabled and 0 < num_seqs <= self.bmax and all(len(t) <= self.mb for t in tables)
 
-    def _fill(self, ids: list[int], starts: list[int], tables: list[list[int]], b: int,
-              src: list[int] | None = None) -> None:
+    def _fill(
+        self, ids: list[int], starts: list[int], tables: list[list[int]], b: int, src: list[int] | None = None
+    ) -> None:
         """Write the step's inputs, padded to ``b`` rows, into the static device buffers."""
         if self._copied is not None:
-            self._copied.synchronize()             # the pinned buffers are free again
+            self._copied.synchronize()  # the pinned buffers are free again
         s, bs, mb = len(ids), self.block_size, self.mb
         hl = self.h_longs.numpy()
         hi = self.h_ints.numpy()
         st = np.asarray(starts, dtype=np.int64)
         table = np.zeros((b, mb), dtype=np.int32)
         for i, t in enumerate(tables):
-            table[i, :len(t)] = t
+            table[i, : len(t)] = t
         table[s:, 0] = self.scratch
         hl[0, :s] = ids
         hl[0, s:b] = 0
@@ -160,10 +163,10 @@ class DecodeGraphs:
         hl[3, :b] = np.arange(b)
         hl[4, :s] = -1 if src is None else src
         o = self.bmax * mb
-        hi[:b * mb] = table.reshape(-1)
-        hi[o:o + s] = st + 1
-        hi[o + s:o + b] = 1
-        hi[o + self.bmax:o + self.bmax + b + 1] = np.arange(b + 1)
+        hi[: b * mb] = table.reshape(-1)
+        hi[o : o + s] = st + 1
+        hi[o + s : o + b] = 1
+        hi[o + self.bmax : o + self.bmax + b + 1] = np.arange(b + 1)
         self.longs.copy_(self.h_longs, non_blocking=self.cuda)
         self.ints.copy_(self.h_ints, non_blocking=self.cuda)
         if self.cuda:
@@ -172,20 +175,39 @@ class DecodeGraphs:
 
     def _batch(self, b: int, max_seq_len: int) -> PagedBatch:
         o = self.bmax * self.mb
-        return PagedBatch(num_tokens=b, num_seqs=b, max_query_len=1, max_seq_len=max_seq_len,
-                          block_size=self.block_size, positions=self.longs[1, :b], slot_mapping=self.longs[2, :b],
-                          block_tables=self.ints[:b * self.mb].view(b, self.mb),
-                          seq_lens=self.ints[o:o + b], query_start=self.ints[o + self.bmax:o + self.bmax + b + 1],
-                          last_token_index=self.longs[3, :b])
+        return PagedBatch(
+            num_tokens=b,
+            num_seqs=b,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            block_size=self.block_size,
+            positions=self.longs[1, :b],
+            slot_mapping=self.longs[2, :b],
+            block_tables=self.ints[: b * self.mb].view(b, self.mb),
+            seq_lens=self.ints[o : o + b],
+            query_start=self.ints[o + self.bmax : o + self.bmax + b + 1],
+            last_token_index=self.longs[3, :b],
+        )
 
     def _forward(self, b: int, max_seq_len: int) -> torch.Tensor:
-        hidden = self.model.step(self.longs[0, :b], self._batch(b, max_seq_len), self.cache,
-                                 experts=self.experts if self.exchange is not None else None,
-                                 check_ids=False)                                       # [Bk, H]
-        return self.model.logits(hidden)                                               # [Bk, V]
+        hidden = self.model.step(
+            self.longs[0, :b],
+            self._batch(b, max_seq_len),
+            self.cache,
+            experts=self.experts if self.exchange is not None else None,
+            check_ids=False,
+        )  # [Bk, H]
+        return self.model.logits(hidden)  # [Bk, V]
 
-    def run(self, ids: list[int], starts: list[int], tables: list[list[int]], step: int,
-            src: list[int] | None = None, runner=None) -> torch.Tensor:
+    def run(
+        self,
+        ids: list[int],
+        starts: list[int],
+        tables: list[list[int]],
+        step: int,
+        src: list[int] | None = None,
+        runner=None,
+    ) -> torch.Tensor:
         """One decode step of S sequences (token ``ids[s]`` at position ``starts[s]``, block
         table ``tables[s]``, which already covers it; where ``src[s] >= 0`` the token is
         ``runner.tok_buf[src[s]]`` on the device instead). Returns logits [S, V] in the model's
@@ -203,7 +225,7 @@ class DecodeGraphs:
         entry = self.graphs.get(key)
         if entry is None and key in self.seen and self.cuda:
             entry = self._capture(key, msl)
-        if entry is None:                          # first use (or capture failed, or CPU): eagerly, padded
+        if entry is None:  # first use (or capture failed, or CPU): eagerly, padded
             self.seen.add(key)
             if self.exchange is not None:
                 self.exchange.valid_pairs = s * self.top_k
@@ -227,11 +249,14 @@ class DecodeGraphs:
             # thread_local: the NCCL watchdog thread's event queries must not invalidate the capture
             with cudagraph.capture(g, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self._forward(b, max_seq_len)
-        except Exception as e:                     # noqa: BLE001 - any capture failure: stay eager
-            self.exchange._in_flight = False       # a layer dispatched inside the failed capture
+        except Exception as e:  # noqa: BLE001 - any capture failure: stay eager
+            self.exchange._in_flight = False  # a layer dispatched inside the failed capture
             self.disabled = f"{type(e).__name__}: {e}"
-            log.warning("CUDA graph capture of a decode step of %d sequences failed; decode runs eagerly "
-                        "from now on: %s", b, self.disabled)
+            log.warning(
+                "CUDA graph capture of a decode step of %d sequences failed; decode runs eagerly from now on: %s",
+                b,
+                self.disabled,
+            )
             return None
         self.captures += 1
         self.graphs[key] = (g, logits)

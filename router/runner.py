@@ -10,6 +10,7 @@ and which KV blocks each one gains (the runner never allocates). A step runs eve
 through the model at once (batched attention over the block tables), then samples the rows
 that need a token in one call on the device.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -47,8 +48,15 @@ class RouterRunner:
     steps replay CUDA graphs; the pool then has one more block, the padded rows' scratch block.
     ``async_outputs``: a step's sampled tokens are delivered with the next step's result."""
 
-    def __init__(self, model, experts: DistributedExperts, num_blocks: int, block_size: int,
-                 graphs: tuple[int, int] | None = None, async_outputs: bool = False):
+    def __init__(
+        self,
+        model,
+        experts: DistributedExperts,
+        num_blocks: int,
+        block_size: int,
+        graphs: tuple[int, int] | None = None,
+        async_outputs: bool = False,
+    ):
         self.model = model
         self.experts = experts
         self.device = experts.exchange.device
@@ -60,12 +68,13 @@ class RouterRunner:
         self.graphs = None
         if graphs:
             from moeserve.router.graphs import DecodeGraphs
+
             self.graphs = DecodeGraphs(model, self.cache, experts, block_size, *graphs)
-        self.tables: dict[int, list[int]] = {}             # seq id -> block ids
+        self.tables: dict[int, list[int]] = {}  # seq id -> block ids
         self.params: dict[int, SamplingParams] = {}
-        self.lens: dict[int, int] = {}                      # seq id -> tokens in its KV cache after the last step
-        self.outs: dict[int, int] = {}                      # seq id -> output index of the next token it samples
-        self.modes: dict[int, str] = {}                     # seq id -> the request's return_logits
+        self.lens: dict[int, int] = {}  # seq id -> tokens in its KV cache after the last step
+        self.outs: dict[int, int] = {}  # seq id -> output index of the next token it samples
+        self.modes: dict[int, str] = {}  # seq id -> the request's return_logits
         # (step, its rows, tok_buf slot each decode reads, slot each sampling row writes): a step
         # run again after a lost peer reuses them
         self._rows: tuple[int, list, dict, dict] | None = None
@@ -76,9 +85,9 @@ class RouterRunner:
         self.tok_index: dict[int, int] = {}
         self.tok_cur: dict[int, int] = {}
         self._free_tok = list(range(63, -1, -1))
-        self._outputs: list[_Outputs] = []                  # sampled, not delivered yet (oldest first)
-        self._delivered: tuple[int, tuple] | None = None    # (step, what deliver(step) returned): a replay
-        self._load = None                                   # a load snapshot on its way to the host
+        self._outputs: list[_Outputs] = []  # sampled, not delivered yet (oldest first)
+        self._delivered: tuple[int, tuple] | None = None  # (step, what deliver(step) returned): a replay
+        self._load = None  # a load snapshot on its way to the host
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -95,7 +104,7 @@ class RouterRunner:
     def _tok_entry(self, sid: int) -> int:
         i = self.tok_index.get(sid)
         if i is None:
-            if not self._free_tok:                          # grow (stream-ordered: pending scatters land first)
+            if not self._free_tok:  # grow (stream-ordered: pending scatters land first)
                 n = self.tok_buf.numel() // 2
                 self.tok_buf = torch.cat([self.tok_buf, torch.zeros_like(self.tok_buf)])
                 self._free_tok = list(range(2 * n - 1, n - 1, -1))
@@ -124,12 +133,18 @@ class RouterRunner:
         self._outputs = [o for o in self._outputs if o.step != step]
         info = self.model.moe_info
         if not work.runs:
-            idle_walk(self.experts.exchange, info.num_moe_layers, self.model.config.hidden_size,
-                      info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
+            idle_walk(
+                self.experts.exchange,
+                info.num_moe_layers,
+                self.model.config.hidden_size,
+                info.expert_spec.dtype,
+                self.experts.store,
+                maps=self.experts.maps,
+            )
             self.experts.end_step()
             self._outputs.append(_Outputs(step, [], None, None, {}))
             return
-        if self._rows is None or self._rows[0] != step:     # a step run again after a lost peer: planned already
+        if self._rows is None or self._rows[0] != step:  # a step run again after a lost peer: planned already
             self._rows = (step, *self._plan(work))
         _, seqs, src_of, dst_of = self._rows
         ids, src = [], []
@@ -141,19 +156,31 @@ class RouterRunner:
                 ids.extend(sw.token_ids)
                 src.extend([-1] * len(sw.token_ids))
         self._check_ids([t for t, j in zip(ids, src) if j < 0])
-        if (self.graphs is not None and all(sw.num_new == 1 and sw.sample and sw.return_logits != "all"
-                                             for sw in seqs)
-                and self.graphs.fits(len(seqs), [self.tables[sw.seq_id] for sw in seqs])):
-            logits = self.graphs.run(ids, [sw.start for sw in seqs],
-                                     [self.tables[sw.seq_id] for sw in seqs], step,
-                                     src=src if any(j >= 0 for j in src) else None, runner=self)   # [S, V]
+        if (
+            self.graphs is not None
+            and all(sw.num_new == 1 and sw.sample and sw.return_logits != "all" for sw in seqs)
+            and self.graphs.fits(len(seqs), [self.tables[sw.seq_id] for sw in seqs])
+        ):
+            logits = self.graphs.run(
+                ids,
+                [sw.start for sw in seqs],
+                [self.tables[sw.seq_id] for sw in seqs],
+                step,
+                src=src if any(j >= 0 for j in src) else None,
+                runner=self,
+            )  # [S, V]
             self.experts.end_step()
             self._sample(seqs, logits.float(), step, dst_of)
             return
         with span("batch_build"):
-            ids_dev = self._device_ids(ids, src)                                                     # [T]
-            batch = PagedBatch.build([sw.num_new for sw in seqs], [sw.start for sw in seqs],
-                                     [self.tables[sw.seq_id] for sw in seqs], self.block_size, self.device)
+            ids_dev = self._device_ids(ids, src)  # [T]
+            batch = PagedBatch.build(
+                [sw.num_new for sw in seqs],
+                [sw.start for sw in seqs],
+                [self.tables[sw.seq_id] for sw in seqs],
+                self.block_size,
+                self.device,
+            )
         hidden = self.model.step(ids_dev, batch, self.cache, experts=self.experts, check_ids=False)  # [T, H]
         self.experts.end_step()
         rows = [i for i, sw in enumerate(seqs) if sw.sample]
@@ -161,14 +188,14 @@ class RouterRunner:
         starts = np.cumsum([0] + [sw.num_new for sw in seqs])
         for i, sw in enumerate(seqs):
             if sw.return_logits == "all":
-                out_logits[sw.seq_id] = self.model.logits(hidden[starts[i]:starts[i + 1]]).float().cpu().numpy()
+                out_logits[sw.seq_id] = self.model.logits(hidden[starts[i] : starts[i + 1]]).float().cpu().numpy()
         if rows:
             with span("lm_head"):
-                last = torch.from_numpy(starts[1:][rows] - 1)                                        # [B]
+                last = torch.from_numpy(starts[1:][rows] - 1)  # [B]
                 if self.cuda:
                     last = last.pin_memory()
                 last = last.to(self.device, non_blocking=True)
-                logits = self.model.logits(hidden.index_select(0, last)).float()                    # [B, V]
+                logits = self.model.logits(hidden.index_select(0, last)).float()  # [B, V]
             self._sample([seqs[i] for i in rows], logits, step, dst_of, out_logits)
         else:
             self._outputs.append(_Outputs(step, [], None, None, out_logits))
@@ -183,8 +210,14 @@ class RouterRunner:
             self.graphs.warmup(b, max_seq_len, step)
         else:
             info = self.model.moe_info
-            idle_walk(self.experts.exchange, info.num_moe_layers, self.model.config.hidden_size,
-                      info.expert_spec.dtype, self.experts.store, maps=self.experts.maps)
+            idle_walk(
+                self.experts.exchange,
+                info.num_moe_layers,
+                self.model.config.hidden_size,
+                info.expert_spec.dtype,
+                self.experts.store,
+                maps=self.experts.maps,
+            )
         self.experts.discard_load()
 
     def _plan(self, work: RouterWork) -> tuple[list[SeqWork], dict[int, int], dict[int, int]]:
@@ -196,7 +229,7 @@ class RouterRunner:
         src_of, dst_of = {}, {}
         for sw in work.seqs:
             sid = sw.seq_id
-            if sw.start == 0:                             # new, or recomputed after a preemption
+            if sw.start == 0:  # new, or recomputed after a preemption
                 self.tables[sid] = list(sw.new_blocks)
                 self.params[sid] = sw.sampling
                 self.modes[sid] = sw.return_logits
@@ -217,21 +250,26 @@ class RouterRunner:
             e, cur = index[sid], curs[sid]
             src_of[sid], dst_of[sid] = 2 * e + cur, 2 * e + 1 - cur
             curs[sid] = 1 - cur
-            rows.append(SeqWork(sid, (), start, None, "all" if mode == "all" else "last" if mode else "", (),
-                                True, out, True))
+            rows.append(
+                SeqWork(sid, (), start, None, "all" if mode == "all" else "last" if mode else "", (), True, out, True)
+            )
         return rows, src_of, dst_of
 
-    def _sample(self, sampled, logits: torch.Tensor, step: int, dst_of: dict[int, int],
-                out_logits: dict | None = None) -> None:
+    def _sample(
+        self, sampled, logits: torch.Tensor, step: int, dst_of: dict[int, int], out_logits: dict | None = None
+    ) -> None:
         """Sample one token per sequence of ``sampled`` from fp32 ``logits`` [B, V] (row j is
         sampled[j]'s), in one call on the device; keep each in ``tok_buf`` and start its copy
         to the host; also the logits asked for with "last"."""
         out_logits = {} if out_logits is None else out_logits
         with span("sampling"):
-            st = SamplingTensors.build([self.params[sw.seq_id] for sw in sampled],
-                                       [self.params[sw.seq_id].seed for sw in sampled],
-                                       [sw.out_pos for sw in sampled], self.device)
-            toks = sample(logits, st)                                                    # [B] on the device
+            st = SamplingTensors.build(
+                [self.params[sw.seq_id] for sw in sampled],
+                [self.params[sw.seq_id].seed for sw in sampled],
+                [sw.out_pos for sw in sampled],
+                self.device,
+            )
+            toks = sample(logits, st)  # [B] on the device
             entries = [dst_of[sw.seq_id] for sw in sampled]
             index = torch.tensor(entries, dtype=torch.long)
             if self.cuda:
@@ -245,7 +283,7 @@ class RouterRunner:
                 event.record()
         for j, sw in enumerate(sampled):
             if sw.return_logits == "last":
-                out_logits[sw.seq_id] = logits[j:j + 1].cpu().numpy()
+                out_logits[sw.seq_id] = logits[j : j + 1].cpu().numpy()
         self._outputs.append(_Outputs(step, [sw.seq_id for sw in sampled], host, event, out_logits))
 
     def deliver(self, step: int) -> tuple[int, dict[int, int], dict[int, np.ndarray]]:
@@ -256,8 +294,9 @@ class RouterRunner:
         if self._delivered is not None and self._delivered[0] == step:
             return self._delivered[1]
         out = (-1, {}, {})
-        if self._outputs and (self._outputs[0].step < step or
-                              (not self.async_outputs and self._outputs[0].step <= step)):
+        if self._outputs and (
+            self._outputs[0].step < step or (not self.async_outputs and self._outputs[0].step <= step)
+        ):
             o = self._outputs.pop(0)
             with span("tokens_read"):
                 out = (o.step, o.tokens(), o.logits)
@@ -284,4 +323,6 @@ class RouterRunner:
         come from the vocabulary: a failure here is a bug, never a user's error)."""
         v = self.model.config.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= v):
-            raise ValueError(f"token id out of range 0..{v - 1} in a decode step: {[i for i in ids if not 0 <= i < v][:4]}")
+            raise ValueError(
+                f"token id out of range 0..{v - 1} in a decode step: {[i for i in ids if not 0 <= i < v][:4]}"
+            )

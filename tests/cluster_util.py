@@ -1,4 +1,5 @@
 """Helpers shared by the multi-process cluster tests (tiny checkpoints, placements, oracles)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,7 +51,7 @@ def expert_digests(model_dir) -> np.ndarray:
 
 def assert_workers_hold(cluster, phy2log: np.ndarray, digests: np.ndarray) -> None:
     """Every slot of every worker holds exactly the weights of the expert phy2log names."""
-    held = np.concatenate(cluster.slot_digests(), axis=1)                    # [L, P, 2]
+    held = np.concatenate(cluster.slot_digests(), axis=1)  # [L, P, 2]
     want = np.take_along_axis(digests, np.asarray(phy2log)[:, :, None].repeat(2, axis=2), axis=1)
     np.testing.assert_allclose(held, want, rtol=1e-9, atol=1e-9)
 
@@ -67,7 +68,7 @@ def prompts_for(vocab: int, lengths=(5, 9, 3), seed: int = 3) -> list[list[int]]
 @torch.inference_mode()
 def reference_generate(model, prompt, n: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, temperature=0.0, ignore_eos=True)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.inference_mode()

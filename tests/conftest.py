@@ -1,6 +1,7 @@
 """Suite-wide settings: one torch thread (the CI machine has 2 cores and runs tests serially);
 Triton kernels run in Triton's interpreter (no GPU here). TRITON_INTERPRET is read when Triton
 defines its kernels, so it is set before anything imports Triton."""
+
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,6 +16,7 @@ torch.set_num_threads(1)
 def demo_checkpoint(tmp_path_factory):
     """The demo's checkpoint (Llama 4, 2 hot experts per MoE layer), written once per session."""
     from moeserve.demo import ensure_checkpoint
+
     folder, _ = ensure_checkpoint(tmp_path_factory.mktemp("demo-cache"))
     return folder
 
@@ -22,6 +24,7 @@ def demo_checkpoint(tmp_path_factory):
 def pytest_terminal_summary(terminalreporter):
     """The live compose test's phase times and image size, in the run's log (tests/test_compose_live.py)."""
     import sys
+
     mod = sys.modules.get("test_compose_live")
     lines = getattr(mod, "SUMMARY", None) if mod is not None else None
     if lines:

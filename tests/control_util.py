@@ -1,5 +1,6 @@
 """``moeserve up`` as a subprocess for tests: start, wait for "ready", reach its services, find
 its children, stop it."""
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,7 @@ def children_of(pid: int) -> list[int]:
                 stat = (d / "stat").read_text()
             except OSError:
                 continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
                 out.append(int(d.name))
     return out
 
@@ -59,13 +60,30 @@ class Up:
         self.port, self.admin_port, self.balancer_port = free_ports(3)
         self.log_dir = tempfile.mkdtemp(prefix="moeserve-up-")
         self.out_path = os.path.join(self.log_dir, "up.out")
-        self.cmd = [sys.executable, "-m", "moeserve", "up", "--model", str(model_dir), "--port", str(self.port),
-                    "--admin-port", str(self.admin_port), "--balancer-port", str(self.balancer_port),
-                    "--admin-token", TOKEN, "--log-dir", self.log_dir, *flags]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "moeserve",
+            "up",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--admin-port",
+            str(self.admin_port),
+            "--balancer-port",
+            str(self.balancer_port),
+            "--admin-token",
+            TOKEN,
+            "--log-dir",
+            self.log_dir,
+            *flags,
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         deadline = time.monotonic() + startup_timeout_s
         while "ready" not in self.output().split():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -77,8 +95,9 @@ class Up:
         return Path(self.out_path).read_text(errors="replace")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
-                         for p in sorted(Path(self.log_dir).glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in sorted(Path(self.log_dir).glob("*.log"))
+        )
 
     @property
     def serving(self) -> str:
@@ -93,8 +112,11 @@ class Up:
         return f"127.0.0.1:{self.balancer_port}"
 
     def clients(self, timeout: float = 60.0) -> tuple[Client, Client, Client]:
-        return (Client(self.serving, timeout=timeout), Client(self.admin, TOKEN, timeout=timeout),
-                Client(self.balancer, TOKEN, timeout=timeout))
+        return (
+            Client(self.serving, timeout=timeout),
+            Client(self.admin, TOKEN, timeout=timeout),
+            Client(self.balancer, TOKEN, timeout=timeout),
+        )
 
     def child(self, word: str) -> int | None:
         """The pid of the child whose command line has ``moeserve <word>``."""
@@ -116,6 +138,7 @@ class Up:
 
 def stream_all(client: Client, prompts, max_tokens: int, results: list, errors: list, **kw) -> list[threading.Thread]:
     """One thread per prompt streaming its generation into results[i] (token ids, finish reason)."""
+
     def run(i, p):
         try:
             ids, reason = [], None
@@ -123,7 +146,7 @@ def stream_all(client: Client, prompts, max_tokens: int, results: list, errors: 
                 ids.extend(ch.token_ids)
                 reason = ch.finish_reason or reason
             results[i] = (ids, reason)
-        except Exception as e:                    # reported by the test
+        except Exception as e:  # reported by the test
             errors.append((i, e))
 
     threads = [threading.Thread(target=run, args=(i, p), daemon=True) for i, p in enumerate(prompts)]

@@ -2,6 +2,7 @@
 
 Tests import this module; non-test code never imports transformers.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,18 +15,47 @@ from safetensors.torch import save_file
 V = 160  # vocabulary of the tiny models; prompts avoid ids 0..2 (pad / bos / eos)
 
 LLAMA4_BASE = dict(
-    vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, intermediate_size=32, intermediate_size_mlp=96, num_local_experts=8,
-    num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8, floor_scale=4,
-    attn_scale=0.1, initializer_range=0.1, max_position_embeddings=4096,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    vocab_size=V,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    intermediate_size_mlp=96,
+    num_local_experts=8,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=1,
+    attention_chunk_size=8,
+    floor_scale=4,
+    attn_scale=0.1,
+    initializer_range=0.1,
+    max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
 )
 ERNIE_BASE = dict(
-    vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=96, moe_intermediate_size=32, moe_num_experts=16, moe_k=4,
-    moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=1,
-    initializer_range=0.3, max_position_embeddings=4096,
+    vocab_size=V,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    moe_num_experts=16,
+    moe_k=4,
+    moe_num_shared_experts=2,
+    moe_layer_start_index=1,
+    moe_layer_end_index=-1,
+    moe_layer_interval=1,
+    initializer_range=0.3,
+    max_position_embeddings=4096,
 )
 
 
@@ -82,8 +112,14 @@ def hf_greedy(model, ids: torch.Tensor, n: int, eos=None, pad=None) -> torch.Ten
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = pad
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              eos_token_id=eos, pad_token_id=pad)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
 
 
 def prompts(batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -104,7 +140,9 @@ def rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict
     dst.mkdir(parents=True, exist_ok=True)
     cfg = config if config is not None else json.loads((Path(src) / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"}
+    )
     return dst
 
 

@@ -1,5 +1,6 @@
 """Helpers of the operability tests: external tools (promtool, prometheus, the Compose v2
 binary) and scrapes."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -64,6 +65,7 @@ def check_metrics(text: str) -> None:
 def samples(text: str, name: str) -> dict[tuple, float]:
     """{sorted label pairs: value} of the samples of ``name`` in a scrape."""
     from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

@@ -4,6 +4,7 @@ Two checks: a static one over every import statement of the source tree, functio
 imports included, so an arrow that only a rarely taken path would follow is still seen; and a
 live one, importing each part in a fresh interpreter and looking at ``sys.modules``.
 """
+
 import ast
 import json
 import subprocess
@@ -14,18 +15,51 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Installed package name of each source folder (pyproject's package-dir).
-FOLDERS = {"moeserve": "moeserve", "router": "moeserve.router", "expert_worker": "moeserve.expert_worker",
-           "balancer": "moeserve.balancer"}
+FOLDERS = {
+    "moeserve": "moeserve",
+    "router": "moeserve.router",
+    "expert_worker": "moeserve.expert_worker",
+    "balancer": "moeserve.balancer",
+}
 
-GRPC = ("grpc", "grpc_health", "grpc_reflection", "google.protobuf", "moeserve.rpc", "moeserve.services",
-        "moeserve.wire", "moeserve.client")
-SERVING = ("moeserve.router", "moeserve.expert_worker", "moeserve.balancer", "moeserve.cluster", "moeserve.dataplane",
-           "moeserve.services", "moeserve.client", "moeserve.rpc", "moeserve.wire", "moeserve.ops.metrics", "grpc")
+GRPC = (
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "google.protobuf",
+    "moeserve.rpc",
+    "moeserve.services",
+    "moeserve.wire",
+    "moeserve.client",
+)
+SERVING = (
+    "moeserve.router",
+    "moeserve.expert_worker",
+    "moeserve.balancer",
+    "moeserve.cluster",
+    "moeserve.dataplane",
+    "moeserve.services",
+    "moeserve.client",
+    "moeserve.rpc",
+    "moeserve.wire",
+    "moeserve.ops.metrics",
+    "grpc",
+)
 # What a rank imports at start (moeserve.cluster.rank.build and serve): its roles' modules.
-RANK_START = ["moeserve.cluster.rank", "moeserve.dataplane.step", "moeserve.dataplane.collective",
-              "moeserve.dataplane.nvlink", "moeserve.router.dispatcher", "moeserve.router.runner",
-              "moeserve.router.engine.leader", "moeserve.router.engine.channel", "moeserve.expert_worker.store",
-              "moeserve.expert_worker.migration", "moeserve.ops.metrics", "moeserve.models"]
+RANK_START = [
+    "moeserve.cluster.rank",
+    "moeserve.dataplane.step",
+    "moeserve.dataplane.collective",
+    "moeserve.dataplane.nvlink",
+    "moeserve.router.dispatcher",
+    "moeserve.router.runner",
+    "moeserve.router.engine.leader",
+    "moeserve.router.engine.channel",
+    "moeserve.expert_worker.store",
+    "moeserve.expert_worker.migration",
+    "moeserve.ops.metrics",
+    "moeserve.models",
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -55,7 +89,9 @@ def _imports(name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
     return found
@@ -66,7 +102,7 @@ IMPORTS = {m: _imports(m) for m in MODULES}
 
 # Lazy imports that a forbidden-arrow check may pass over, each for a stated reason.
 LAZY_OK = {
-    ("moeserve.placement", "torch"),     # only to read SGLang's torch.save (.pt) placement files, on the leader
+    ("moeserve.placement", "torch"),  # only to read SGLang's torch.save (.pt) placement files, on the leader
 }
 
 
@@ -80,7 +116,7 @@ def _reachable(start: str) -> set[str]:
         seen.add(m)
         if m in MODULES:
             todo.extend(i for i in IMPORTS[m] if (m, i) not in LAZY_OK)
-            parent = m.rpartition(".")[0]           # importing a.b.c runs a/__init__ and a/b/__init__
+            parent = m.rpartition(".")[0]  # importing a.b.c runs a/__init__ and a/b/__init__
             if parent:
                 todo.append(parent)
     return seen
@@ -104,15 +140,31 @@ def test_the_models_reach_no_serving_module():
 
 
 def test_the_sdk_reaches_no_server_code():
-    assert _hits(_reachable("moeserve.client"), ("moeserve.services", "moeserve.router", "moeserve.cluster",
-                                                  "moeserve.dataplane", "moeserve.expert_worker")) == []
+    assert (
+        _hits(
+            _reachable("moeserve.client"),
+            (
+                "moeserve.services",
+                "moeserve.router",
+                "moeserve.cluster",
+                "moeserve.dataplane",
+                "moeserve.expert_worker",
+            ),
+        )
+        == []
+    )
 
 
 def _part(module: str) -> str:
     """The part a module belongs to: its package, or a top-level module of moeserve itself."""
     path = MODULES[module]
-    return module if path.name == "__init__.py" else module.rpartition(".")[0] if module.count(".") > 1 \
-        or module.rpartition(".")[0] != "moeserve" else module
+    return (
+        module
+        if path.name == "__init__.py"
+        else module.rpartition(".")[0]
+        if module.count(".") > 1 or module.rpartition(".")[0] != "moeserve"
+        else module
+    )
 
 
 def test_no_import_cycle_between_parts():
@@ -154,8 +206,7 @@ def test_no_import_cycle_between_parts():
 
 
 def _fresh_import(modules: list[str]) -> list[str]:
-    code = ("import json, sys\n" + "".join(f"import {m}\n" for m in modules) +
-            "print(json.dumps(sorted(sys.modules)))\n")
+    code = "import json, sys\n" + "".join(f"import {m}\n" for m in modules) + "print(json.dumps(sorted(sys.modules)))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
@@ -167,8 +218,13 @@ def test_importing_a_rank_and_its_roles_loads_no_grpc_or_protobuf():
 
 def test_importing_the_policy_loads_no_torch_and_the_sdk_no_server_code():
     assert _hits(set(_fresh_import(["moeserve.balancer.policy"])), ("torch",)) == []
-    assert _hits(set(_fresh_import(["moeserve.client"])), ("moeserve.services", "moeserve.router", "moeserve.cluster",
-                                                            "torch")) == []
+    assert (
+        _hits(
+            set(_fresh_import(["moeserve.client"])),
+            ("moeserve.services", "moeserve.router", "moeserve.cluster", "torch"),
+        )
+        == []
+    )
 
 
 def test_the_checker_sees_a_forbidden_arrow():

@@ -1,4 +1,5 @@
 """When the balancer's loop rebalances, and when a plan pays for its moves."""
+
 import pytest
 
 from moeserve.balancer.controller import LoopConfig, pays, trigger
@@ -24,10 +25,10 @@ def test_balancedness_under_the_threshold_triggers_early():
 
 
 def test_a_plan_pays_when_its_gain_covers_the_share_of_slots_it_moves():
-    assert pays(CFG, gain=0.06, slots_moved=10, slots_across=10, total_slots=100, requested=False)[0]      # needs 0.05
+    assert pays(CFG, gain=0.06, slots_moved=10, slots_across=10, total_slots=100, requested=False)[0]  # needs 0.05
     ok, why = pays(CFG, gain=0.04, slots_moved=10, slots_across=10, total_slots=100, requested=False)
     assert not ok and "does not pay" in why and "0.0500" in why
-    assert not pays(CFG, gain=0.005, slots_moved=1, slots_across=0, total_slots=100, requested=False)[0]   # < min_gain
+    assert not pays(CFG, gain=0.005, slots_moved=1, slots_across=0, total_slots=100, requested=False)[0]  # < min_gain
 
 
 def test_a_request_applies_any_plan_that_moves_something_and_does_not_hurt():
@@ -36,10 +37,15 @@ def test_a_request_applies_any_plan_that_moves_something_and_does_not_hurt():
     assert not pays(CFG, gain=-0.1, slots_moved=2, slots_across=2, total_slots=10, requested=True)[0]
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(step_interval=0), "step_interval"), (dict(min_balancedness=1.5), "min_balancedness"),
-    (dict(window_steps=-1), "window_steps"), (dict(move_budget=0.0), "move_budget"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(step_interval=0), "step_interval"),
+        (dict(min_balancedness=1.5), "min_balancedness"),
+        (dict(window_steps=-1), "window_steps"),
+        (dict(move_budget=0.0), "move_budget"),
+    ],
+)
 def test_bad_settings_say_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):
         LoopConfig(**kw)

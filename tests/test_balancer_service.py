@@ -1,5 +1,6 @@
 """The balancer survives the admin API being away: its loop keeps turning, says why it cannot
 work, and picks up again (with the settings kept on the leader) once the admin API answers."""
+
 import asyncio
 import time
 
@@ -31,13 +32,16 @@ class StandInAdmin(admin_pb2_grpc.AdminServicer):
 
     async def GetExpertLoad(self, request, context):
         import numpy as np
-        return admin_pb2.ExpertLoad(load=int64_matrix(np.zeros((2, 4))), worker_load=int64_matrix(np.zeros((2, 2))),
-                                    window_size=100)
+
+        return admin_pb2.ExpertLoad(
+            load=int64_matrix(np.zeros((2, 4))), worker_load=int64_matrix(np.zeros((2, 2))), window_size=100
+        )
 
 
 def serve(service_name, servicer, add, port) -> ThreadedServer:
-    srv = ThreadedServer(ServiceServer(service_name, lambda s: add(servicer, s),
-                                       ServerOptions(port=port, token=TOKEN, grace_s=1)))
+    srv = ThreadedServer(
+        ServiceServer(service_name, lambda s: add(servicer, s), ServerOptions(port=port, token=TOKEN, grace_s=1))
+    )
     srv.start()
     return srv
 
@@ -51,7 +55,7 @@ def wait_for(pred, timeout_s=20):
 
 @pytest.mark.timeout(60)
 def test_the_loop_outlives_an_admin_outage_and_resumes_with_the_settings_kept_on_the_leader():
-    admin_port, = free_ports(1)
+    (admin_port,) = free_ports(1)
 
     async def make_client():
         return AsyncClient(f"127.0.0.1:{admin_port}", TOKEN, timeout=1)
@@ -62,10 +66,11 @@ def test_the_loop_outlives_an_admin_outage_and_resumes_with_the_settings_kept_on
         balancer_pb2_grpc.add_BalancerServicer_to_server(service, server)
 
     holder["service"] = BalancerService(None, LoopConfig(step_interval=10), poll_s=0.05)
-    bal_srv = ThreadedServer(ServiceServer(BALANCER, lambda s: add(holder["service"], s),
-                                           ServerOptions(token=TOKEN, grace_s=1)))
+    bal_srv = ThreadedServer(
+        ServiceServer(BALANCER, lambda s: add(holder["service"], s), ServerOptions(token=TOKEN, grace_s=1))
+    )
     bal_srv.start()
-    holder["service"].admin = bal_srv.submit(make_client()).result(10)    # made on the server's loop
+    holder["service"].admin = bal_srv.submit(make_client()).result(10)  # made on the server's loop
     bal_srv.loop.call_soon_threadsafe(holder["service"].start)
     b = Client(f"127.0.0.1:{bal_srv.server.port}", TOKEN)
     admin_srv = None
@@ -76,7 +81,7 @@ def test_the_loop_outlives_an_admin_outage_and_resumes_with_the_settings_kept_on
         admin_srv = serve(ADMIN, StandInAdmin(), admin_pb2_grpc.add_AdminServicer_to_server, admin_port)
         wait_for(lambda: b.balancer_status().admin_reachable)
         st = b.balancer_status()
-        assert st.last_error == "" and st.paused and st.step_interval == 77          # from the leader
+        assert st.last_error == "" and st.paused and st.step_interval == 77  # from the leader
         n = st.loop_iterations
         wait_for(lambda: b.balancer_status().loop_iterations > n + 3)
     finally:

@@ -2,6 +2,7 @@
 and position invariance, the distribution, the filters against the old per-row code, tiny
 temperatures and extreme logits, log-probabilities, and the Triton race kernel (run by Triton's
 interpreter here) against the torch path."""
+
 import os
 import random
 
@@ -9,8 +10,18 @@ import pytest
 import torch
 
 from moeserve import kernels
-from moeserve.sampling import (Sampler, SamplingParams, SamplingTensors, exponentials, logprobs, philox4x32,
-                               random_bits, request_seed, sample, thresholds)
+from moeserve.sampling import (
+    Sampler,
+    SamplingParams,
+    SamplingTensors,
+    exponentials,
+    logprobs,
+    philox4x32,
+    random_bits,
+    request_seed,
+    sample,
+    thresholds,
+)
 
 M32 = 0xFFFFFFFF
 
@@ -27,9 +38,23 @@ def logits_for(b, v, seed=0, scale=3.0):
 
 # A mix of every kind of row: greedy (also by a tiny temperature), plain temperature, top-k,
 # top-p, both, top-k >= V, top-p that keeps one token.
-MIX = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in [
-    (0, 1, 0), (1.0, 1, 0), (0.7, 1, 0), (1.3, 1, 5), (1.0, 0.5, 0), (0.9, 0.8, 7), (2.0, 1, 1),
-    (1e-7, 0.3, 2), (1.0, 1e-9, 0), (1.0, 1, 10_000), (5.0, 0.95, 0), (0.0, 0.5, 3)]]
+MIX = [
+    SamplingParams(temperature=t, top_p=p, top_k=k)
+    for t, p, k in [
+        (0, 1, 0),
+        (1.0, 1, 0),
+        (0.7, 1, 0),
+        (1.3, 1, 5),
+        (1.0, 0.5, 0),
+        (0.9, 0.8, 7),
+        (2.0, 1, 1),
+        (1e-7, 0.3, 2),
+        (1.0, 1e-9, 0),
+        (1.0, 1, 10_000),
+        (5.0, 0.95, 0),
+        (0.0, 0.5, 3),
+    ]
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -37,11 +62,16 @@ MIX = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k in [
 
 
 def test_philox_matches_random123_known_answers():
-    t = lambda v: torch.tensor([v], dtype=torch.long)       # noqa: E731
-    kat = [((0, 0, 0, 0), (0, 0), (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
-           ((M32,) * 4, (M32, M32), (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
-           ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
-            (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1))]
+    t = lambda v: torch.tensor([v], dtype=torch.long)  # noqa: E731
+    kat = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((M32,) * 4, (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
+    ]
     for ctr, key, out in kat:
         assert tuple(int(o) for o in philox4x32(*map(t, ctr), *map(t, key))) == out
 
@@ -88,7 +118,7 @@ def test_random_bits_are_philox_words_keyed_by_seed_and_position():
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_rows_token_is_the_same_alone_and_in_any_batch_at_any_row(backend):
     if backend == "triton" and not kernels.available():
-        if os.environ.get("CI") == "true":                 # the test extra installs it; CI=true requires it
+        if os.environ.get("CI") == "true":  # the test extra installs it; CI=true requires it
             pytest.fail("triton is not installed")
         pytest.skip("triton is not installed")
     v = 61 if backend == "triton" else 300
@@ -96,8 +126,10 @@ def test_a_rows_token_is_the_same_alone_and_in_any_batch_at_any_row(backend):
     x = logits_for(len(pool), v, seed=1)
     seeds = [request_seed(SamplingParams()) for _ in pool]
     positions = [random.Random(i).randrange(0, 50) for i in range(len(pool))]
-    alone = [int(sample(x[i:i + 1], build([p], [s], [q]), backend=backend))
-             for i, (p, s, q) in enumerate(zip(pool, seeds, positions))]
+    alone = [
+        int(sample(x[i : i + 1], build([p], [s], [q]), backend=backend))
+        for i, (p, s, q) in enumerate(zip(pool, seeds, positions))
+    ]
     rng = random.Random(2)
     for trial in range(3):
         rows = rng.sample(range(len(pool)), k=len(pool) if trial == 0 else rng.randrange(2, len(pool)))
@@ -123,11 +155,11 @@ def test_the_filter_hint_only_saves_work():
 
 
 def test_same_seed_and_position_same_token_other_positions_other_streams():
-    x = logits_for(1, 1000, seed=4, scale=0.1).expand(64, -1)        # nearly flat: the stream decides
+    x = logits_for(1, 1000, seed=4, scale=0.1).expand(64, -1)  # nearly flat: the stream decides
     p = SamplingParams(temperature=1.0)
     by_pos = sample(x, build([p] * 64, [7] * 64, list(range(64))))
     assert torch.equal(by_pos, sample(x, build([p] * 64, [7] * 64, list(range(64)))))
-    assert len(set(by_pos.tolist())) > 55                             # positions are not one stream
+    assert len(set(by_pos.tolist())) > 55  # positions are not one stream
     by_seed = sample(x, build([p] * 64, list(range(64)), [5] * 64))
     assert len(set(by_seed.tolist())) > 55
     assert by_seed.tolist() != by_pos.tolist()
@@ -148,8 +180,14 @@ def test_a_preempted_sequence_recomputed_later_samples_the_same_tokens():
     # Positions 0..9 sampled in steps of different batches; "recomputed" in one batch: same tokens.
     x = logits_for(10, 50, seed=6)
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
-    first = [int(sample(torch.cat([x[i:i + 1], logits_for(i, 50, seed=i)]),
-                        build([p] + MIX[:i], [3] + [1] * i, [i] + [0] * i))[0]) for i in range(10)]
+    first = [
+        int(
+            sample(
+                torch.cat([x[i : i + 1], logits_for(i, 50, seed=i)]), build([p] + MIX[:i], [3] + [1] * i, [i] + [0] * i)
+            )[0]
+        )
+        for i in range(10)
+    ]
     again = sample(x, build([p] * 10, [3] * 10, list(range(10)))).tolist()
     assert first == again
 
@@ -175,17 +213,17 @@ def test_empirical_frequencies_follow_softmax_logits_over_t(by, temperature):
     # 20,000 draws: the standard error of a frequency is <= 0.0036; fixed seeds, so no flakes.
     assert (freq - p).abs().max() < 0.012
     chi2 = float(((freq - p) ** 2 / p).sum() * 20_000)
-    assert chi2 < 25                                                  # 4 dof: p ~ 5e-5
+    assert chi2 < 25  # 4 dof: p ~ 5e-5
 
 
 def test_filtered_frequencies_follow_the_renormalised_kept_set():
     logits = torch.tensor([1.2, -0.3, 0.0, 2.0, -1.5])
-    p = torch.softmax(logits.double(), -1)                            # [.29, .06, .09, .64, .02]
-    keep_k = torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool)          # top-3
+    p = torch.softmax(logits.double(), -1)  # [.29, .06, .09, .64, .02]
+    keep_k = torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool)  # top-3
     freq = _frequencies(logits, SamplingParams(temperature=1.0, top_k=3))
     assert (freq[~keep_k] == 0).all()
     assert (freq - torch.where(keep_k, p, 0) / p[keep_k].sum()).abs().max() < 0.012
-    keep_p = torch.tensor([1, 0, 0, 1, 0], dtype=torch.bool)          # top-p 0.8: .64, then .29 reaches it
+    keep_p = torch.tensor([1, 0, 0, 1, 0], dtype=torch.bool)  # top-p 0.8: .64, then .29 reaches it
     freq = _frequencies(logits, SamplingParams(temperature=1.0, top_p=0.8))
     assert (freq[~keep_p] == 0).all()
     assert (freq - torch.where(keep_p, p, 0) / p[keep_p].sum()).abs().max() < 0.012
@@ -209,11 +247,15 @@ def _old_kept(scores_row, params):
 
 def test_kept_sets_equal_the_old_per_row_code():
     x = logits_for(8, 200, seed=7)
-    combos = [SamplingParams(temperature=t, top_p=p, top_k=k) for t in (0.3, 1.0, 3.0)
-              for p in (1.0, 0.95, 0.6, 0.2, 1e-9) for k in (0, 1, 4, 60, 199, 200, 1000)]
+    combos = [
+        SamplingParams(temperature=t, top_p=p, top_k=k)
+        for t in (0.3, 1.0, 3.0)
+        for p in (1.0, 0.95, 0.6, 0.2, 1e-9)
+        for k in (0, 1, 4, 60, 199, 200, 1000)
+    ]
     for i in range(0, len(combos), 8):
-        chunk = combos[i:i + 8]
-        rows = x[:len(chunk)]
+        chunk = combos[i : i + 8]
+        rows = x[: len(chunk)]
         thr = thresholds(rows, build(chunk))
         kept = rows >= (thr if thr is not None else torch.full((len(chunk),), float("-inf")))[:, None]
         for r, params in enumerate(chunk):
@@ -228,7 +270,7 @@ def test_ties_at_the_boundary_are_all_kept():
     x = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
     thr = thresholds(x, build([SamplingParams(temperature=1.0, top_k=2)]))
     assert (x[0] >= thr[0]).tolist() == [True, False, True, True, True, False]
-    thr = thresholds(x, build([SamplingParams(temperature=1.0, top_p=0.75)]))      # .58 then .21 each
+    thr = thresholds(x, build([SamplingParams(temperature=1.0, top_p=0.75)]))  # .58 then .21 each
     assert (x[0] >= thr[0]).tolist() == [True, False, True, True, True, False]
 
 
@@ -241,7 +283,7 @@ def test_tiny_temperatures_are_greedy(t):
     p = SamplingParams(temperature=t, top_p=0.5, top_k=3)
     assert p.greedy
     x = logits_for(4, 30, seed=8)
-    x[1, 5] = x[1, 9] = x[1].max() + 1                                # a tie: the lowest index
+    x[1, 5] = x[1, 9] = x[1].max() + 1  # a tie: the lowest index
     st = build([p] * 4)
     assert st.all_greedy and float(st.temperature.abs().max()) == 0
     assert torch.equal(sample(x, st), x.argmax(-1)) and int(sample(x, st)[1]) == 5
@@ -254,10 +296,14 @@ def test_tiny_temperatures_are_greedy(t):
 
 def test_extreme_logits_and_temperatures_never_make_nan():
     neg = float("-inf")
-    x = torch.tensor([[1e30, -1e30, 3e38, -3e38, 0.0],
-                      [neg, neg, 7.0, neg, neg],
-                      [neg, -3e38, neg, neg, neg],
-                      [3e38, 3e38, -3e38, -3e38, 0.0]])
+    x = torch.tensor(
+        [
+            [1e30, -1e30, 3e38, -3e38, 0.0],
+            [neg, neg, 7.0, neg, neg],
+            [neg, -3e38, neg, neg, neg],
+            [3e38, 3e38, -3e38, -3e38, 0.0],
+        ]
+    )
     for t in (1e-5, 1.0, 1e6, 1e30, 1e300):
         for top_p, top_k in ((1.0, 0), (0.5, 0), (1.0, 2), (1e-300, 0), (0.999, 4)):
             st = build([SamplingParams(temperature=t, top_p=top_p, top_k=top_k)] * 4, positions=[0, 1, 2, 3])
@@ -314,7 +360,7 @@ def test_triton_race_equals_the_torch_path(b, v):
         pytest.fail("without a GPU Triton runs only in its interpreter (tests/conftest.py sets TRITON_INTERPRET=1)")
     params = (MIX * 2)[:b]
     x = logits_for(b, v, seed=10 + v)
-    x[0, v // 2] = x[0, v - 1] = x[0].max() + 2                       # a greedy row's tie across chunks
+    x[0, v // 2] = x[0, v - 1] = x[0].max() + 2  # a greedy row's tie across chunks
     x = x.to(device)
     st = build(params, positions=[(3 * i) % 7 for i in range(b)], device=device)
     assert torch.equal(sample(x, st, backend="triton"), sample(x, st, backend="torch"))
@@ -336,7 +382,8 @@ def test_cuda_samples_what_the_cpu_samples():
     seeds, positions = list(range(len(params))), [i * 5 for i in range(len(params))]
     cpu = sample(x, build(params, seeds, positions))
     st = build(params, seeds, positions, device="cuda")
-    assert torch.equal(random_bits(st.seed, st.position, 1000).cpu(),
-                       random_bits(st.seed.cpu(), st.position.cpu(), 1000))
+    assert torch.equal(
+        random_bits(st.seed, st.position, 1000).cpu(), random_bits(st.seed.cpu(), st.position.cpu(), 1000)
+    )
     assert torch.equal(sample(x.cuda(), st, backend="torch").cpu(), cpu)
     assert torch.equal(sample(x.cuda(), st).cpu(), cpu)

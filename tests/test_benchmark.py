@@ -1,4 +1,5 @@
 """benchmarks/policy.py runs on its own and refuses a missing trace directory."""
+
 import json
 import subprocess
 import sys
@@ -9,8 +10,12 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "policy.py"
 
 def test_benchmark_writes_policy_and_reference_side_by_side(tmp_path):
     out = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--only", "ernie45-21b-2gpu/zipf1.2", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--only", "ernie45-21b-2gpu/zipf1.2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     res = json.loads(out.read_text())
     row = res["synthetic"]["ernie45-21b-2gpu/zipf1.2"]
@@ -21,7 +26,11 @@ def test_benchmark_writes_policy_and_reference_side_by_side(tmp_path):
 
 
 def test_benchmark_fails_clearly_without_the_trace_directory(tmp_path):
-    run = subprocess.run([sys.executable, str(SCRIPT), "--traces", str(tmp_path / "nowhere"), "--only", "x"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--traces", str(tmp_path / "nowhere"), "--only", "x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 2
     assert "no such directory" in run.stderr

@@ -1,6 +1,7 @@
 """Break-even counts travel with the placement (issue 15): ``Placement.breakeven`` [L, E], each
 layer's commit, the admin API and the SDK, the state folder, the balancer with a step model
 (``--eplb-step-model``), and its predicted step time in status and metrics."""
+
 import asyncio
 import json
 import threading
@@ -15,8 +16,17 @@ from moeserve.balancer.policy.cost import StepModel
 from moeserve.placement import Placement
 
 TOKEN = "tok"
-MODEL = StepModel("test-gpu", "test", hidden_size=512, intermediate_size=1024, dtype_bytes=2,
-                  hbm_bytes_per_s=4e12, matmul_flops_per_s=7e14, slot_overhead_s=4e-6, layer_overhead_s=2e-5)
+MODEL = StepModel(
+    "test-gpu",
+    "test",
+    hidden_size=512,
+    intermediate_size=1024,
+    dtype_bytes=2,
+    hbm_bytes_per_s=4e12,
+    matmul_flops_per_s=7e14,
+    slot_overhead_s=4e-6,
+    layer_overhead_s=2e-5,
+)
 PHY2LOG = np.array([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 2, 3], [3, 2, 1, 0, 0, 0]])
 
 
@@ -26,6 +36,7 @@ def place(b=None, phy2log=PHY2LOG) -> Placement:
 
 # ---- the value type -------------------------------------------------------------------------------
 
+
 def test_a_placement_carries_b_and_checks_its_shape_and_sign():
     p = place()
     assert p.breakeven.shape == (3, 4) and p.breakeven.dtype == np.int64 and not p.breakeven.any()
@@ -33,10 +44,10 @@ def test_a_placement_carries_b_and_checks_its_shape_and_sign():
     q = place(b)
     np.testing.assert_array_equal(q.breakeven, b)
     assert not q.breakeven.flags.writeable and q != p and q == place(b.copy())
-    assert Placement.from_json(q.to_json()) == q                                  # files keep it
+    assert Placement.from_json(q.to_json()) == q  # files keep it
     legacy = json.loads(p.to_json())
     del legacy["breakeven"]
-    assert Placement.from_json(json.dumps(legacy)) == p                          # an old file: zeros
+    assert Placement.from_json(json.dumps(legacy)) == p  # an old file: zeros
     np.testing.assert_array_equal(q.evolve(version=9).breakeven, b)
     np.testing.assert_array_equal(q.replace(PHY2LOG).breakeven, b)
     np.testing.assert_array_equal(p.evolve(breakeven=b).breakeven, b)
@@ -52,9 +63,11 @@ def test_a_placement_carries_b_and_checks_its_shape_and_sign():
 
 # ---- the engine's migrator ------------------------------------------------------------------------
 
+
 def drive(m, steps=50):
     """Run the migrator's headers as the step driver would (workers' staging always works)."""
     from moeserve.router.engine.migration import Migrator  # noqa: F401
+
     headers = []
     for _ in range(steps):
         ops = m.header_ops()
@@ -69,6 +82,7 @@ def drive(m, steps=50):
 
 def test_a_change_of_b_alone_commits_those_layers_in_one_header_without_staging():
     from moeserve.router.engine.migration import Migrator
+
     m = Migrator(place(), expert_bytes=100, bytes_per_step=1000)
     b = np.zeros((3, 4), dtype=np.int64)
     b[0], b[2] = 7, [1, 2, 3, 4]
@@ -88,11 +102,12 @@ def test_a_change_of_b_alone_commits_those_layers_in_one_header_without_staging(
 
 def test_commits_carry_b_with_the_moves_and_a_plain_phy2log_keeps_the_b_in_force():
     from moeserve.router.engine.migration import Migrator
+
     b = np.full((3, 4), 5)
     m = Migrator(place(b), expert_bytes=100, bytes_per_step=1000)
     target = PHY2LOG.copy()
     target[1, 4] = 0
-    mig = m.start(m.plan(target))                                   # a phy2log: b stays 5
+    mig = m.start(m.plan(target))  # a phy2log: b stays 5
     commits = [c for h in drive(m) for c in h.commits]
     assert [(c.moe_layer, c.breakeven) for c in commits] == [(1, (5,) * 4)]
     assert mig.state == "done"
@@ -102,19 +117,23 @@ def test_commits_carry_b_with_the_moves_and_a_plain_phy2log_keeps_the_b_in_force
     target2[2, 5] = 1
     mig = m.start(m.plan(Placement(target2, 4, 2, breakeven=new_b)))
     commits = [c for h in drive(m) for c in h.commits]
-    assert sorted((c.moe_layer, c.breakeven, len(c.staged)) for c in commits) == \
-        [(0, (9,) * 4, 0), (1, (4,) * 4, 0), (2, (9,) * 4, 1)]
+    assert sorted((c.moe_layer, c.breakeven, len(c.staged)) for c in commits) == [
+        (0, (9,) * 4, 0),
+        (1, (4,) * 4, 0),
+        (2, (9,) * 4, 1),
+    ]
     np.testing.assert_array_equal(m.placement().breakeven, new_b)
     np.testing.assert_array_equal(m.placement().phy2log, target2)
 
 
 def test_an_abort_keeps_the_b_of_uncommitted_layers():
     from moeserve.router.engine.migration import Migrator
+
     m = Migrator(place(), expert_bytes=100, bytes_per_step=100)
     target = PHY2LOG.copy()
     target[0, 4], target[2, 4] = 3, 1
     mig = m.start(m.plan(Placement(target, 4, 2, breakeven=np.full((3, 4), 2))))
-    for _ in range(3):                                             # begin; layer 0 moves; commits 0 and 1 (b only), layer 2 moves
+    for _ in range(3):  # begin; layer 0 moves; commits 0 and 1 (b only), layer 2 moves
         ops = m.header_ops()
         if ops.begin_staging_slots:
             m.on_staging(ops.migration_id, [])
@@ -125,6 +144,7 @@ def test_an_abort_keeps_the_b_of_uncommitted_layers():
 
 # ---- the step model flag --------------------------------------------------------------------------
 
+
 def args_for(path, gpu=None, shape=None):
     return SimpleNamespace(eplb_step_model=str(path), eplb_step_model_gpu=gpu, eplb_step_model_shape=shape)
 
@@ -133,6 +153,7 @@ def test_the_step_model_flag_picks_the_entry_for_the_gpu_and_the_model_s_shape(t
     from moeserve.cli import UsageError
     from moeserve.cli import flags as F
     from moeserve.models import init_model
+
     table = "benchmarks/results/step_model_h200.json"
     m = F.step_model(args_for(table, shape="ernie45-21b"))
     assert (m.gpu, m.shape) == ("NVIDIA H200", "ernie45-21b") and m.breakeven_count >= 1
@@ -147,13 +168,32 @@ def test_the_step_model_flag_picks_the_entry_for_the_gpu_and_the_model_s_shape(t
         F.step_model(args_for(table, shape="nope"))
     # the entry whose sizes are the model's
     from moeserve.models import load_config
+
     mcfg = load_config(model_dir)
     mine = tmp_path / "mine.json"
-    mine.write_text(json.dumps({"format": "moeserve-step-model/1", "entries": [
-        dict(MODEL.to_entry(), shape="tiny", hidden_size=mcfg.hidden_size,
-             intermediate_size=mcfg.moe_intermediate_size, dtype_bytes=4),
-        dict(MODEL.to_entry(), shape="tiny-bf16", hidden_size=mcfg.hidden_size,
-             intermediate_size=mcfg.moe_intermediate_size, dtype_bytes=2)]}))
+    mine.write_text(
+        json.dumps(
+            {
+                "format": "moeserve-step-model/1",
+                "entries": [
+                    dict(
+                        MODEL.to_entry(),
+                        shape="tiny",
+                        hidden_size=mcfg.hidden_size,
+                        intermediate_size=mcfg.moe_intermediate_size,
+                        dtype_bytes=4,
+                    ),
+                    dict(
+                        MODEL.to_entry(),
+                        shape="tiny-bf16",
+                        hidden_size=mcfg.hidden_size,
+                        intermediate_size=mcfg.moe_intermediate_size,
+                        dtype_bytes=2,
+                    ),
+                ],
+            }
+        )
+    )
     assert F.step_model(args_for(mine), str(model_dir), "float32").shape == "tiny"
     assert F.step_model(args_for(mine), str(model_dir), "bfloat16").shape == "tiny-bf16"
     bad = tmp_path / "bad.json"
@@ -167,21 +207,34 @@ def test_the_step_model_flag_picks_the_entry_for_the_gpu_and_the_model_s_shape(t
 
 def test_a_bad_step_model_file_is_exit_code_2_before_anything_starts(tmp_path, capsys):
     from moeserve.cli import main
+
     bad = tmp_path / "bad.json"
     bad.write_text("not json")
     base = ["balancer", "--admin-address", "127.0.0.1:1", "--admin-token", "t"]
     assert main([*base, "--eplb-step-model", str(bad)]) == 2
     assert "--eplb-step-model" in capsys.readouterr().err
-    assert main([*base, "--eplb-step-model", "benchmarks/results/step_model_h200.json",
-                 "--eplb-step-model-shape", "mixtral"]) == 2
+    assert (
+        main(
+            [
+                *base,
+                "--eplb-step-model",
+                "benchmarks/results/step_model_h200.json",
+                "--eplb-step-model-shape",
+                "mixtral",
+            ]
+        )
+        == 2
+    )
     assert "no entry for shape 'mixtral'" in capsys.readouterr().err
 
 
 # ---- metrics ---------------------------------------------------------------------------------------
 
+
 def test_the_balancer_s_metrics_show_predicted_step_time_beside_balancedness():
     from prometheus_client import CollectorRegistry, generate_latest
     from moeserve.ops.metrics import BalancerMetrics
+
     reg = CollectorRegistry()
     BalancerMetrics(reg, balancedness=lambda: 0.75, predicted_step_s=lambda: 0.0123, step_efficiency=lambda: 0.5)
     text = generate_latest(reg).decode()
@@ -189,7 +242,7 @@ def test_the_balancer_s_metrics_show_predicted_step_time_beside_balancedness():
     assert "moeserve_balancer_predicted_step_seconds 0.0123" in text
     assert "moeserve_balancer_step_efficiency 0.5" in text
     reg = CollectorRegistry()
-    BalancerMetrics(reg, balancedness=lambda: 0.75)                 # no step model: no step-time series
+    BalancerMetrics(reg, balancedness=lambda: 0.75)  # no step model: no step-time series
     assert "predicted_step_seconds" not in generate_latest(reg).decode()
 
 
@@ -203,24 +256,40 @@ def admin_cluster(tmp_path_factory):
     from cluster_util import moe_info, prompts_for, reference_generate, reference_model, tiny_checkpoint
     from moeserve.client import Client
     from moeserve.cluster import LocalCluster
+
     path = tiny_checkpoint(tmp_path_factory.mktemp("llama4-b-admin"), "llama4", num_hidden_layers=4)
     info = moe_info(path)
     model = reference_model(path)
     prompts = prompts_for(model.config.vocab_size, lengths=(4, 7, 2, 11, 6, 3))
     tokens = [reference_generate(model, p, MAX_TOKENS) for p in prompts]
     state_dir = tmp_path_factory.mktemp("state")
-    with LocalCluster(path, routers=2, workers=2, num_redundant_experts=4, migration_bytes_per_step=info.expert_bytes,
-                      admin_port=0, admin_token=TOKEN, state_dir=str(state_dir)) as c:
+    with LocalCluster(
+        path,
+        routers=2,
+        workers=2,
+        num_redundant_experts=4,
+        migration_bytes_per_step=info.expert_bytes,
+        admin_port=0,
+        admin_token=TOKEN,
+        state_dir=str(state_dir),
+    ) as c:
         host, port = c.admin_address
         client = Client(f"{host}:{port}", TOKEN, timeout=60)
-        yield dict(cluster=c, client=client, info=info, prompts=prompts, tokens=tokens, state_dir=state_dir,
-                   address=f"{host}:{port}")
+        yield dict(
+            cluster=c,
+            client=client,
+            info=info,
+            prompts=prompts,
+            tokens=tokens,
+            state_dir=state_dir,
+            address=f"{host}:{port}",
+        )
         client.close()
 
 
 def assert_routers_have(c, phy2log, b):
     maps = c.router_maps()
-    assert len(maps) == 2                                          # every router
+    assert len(maps) == 2  # every router
     for p2l, got in maps:
         np.testing.assert_array_equal(p2l, phy2log)
         np.testing.assert_array_equal(got, b)
@@ -229,21 +298,23 @@ def assert_routers_have(c, phy2log, b):
 @pytest.mark.timeout(300)
 def test_b_applied_through_the_admin_api_reaches_every_router_and_changes_no_token(admin_cluster):
     from cluster_util import random_placement
+
     c, client, info = admin_cluster["cluster"], admin_cluster["client"], admin_cluster["info"]
     e, layers = info.num_logical_experts, info.num_moe_layers
     assert_routers_have(c, c.placement().phy2log, np.zeros((layers, e)))
     target = random_placement(layers, e, e + 4, seed=5)
     b = np.random.default_rng(1).integers(0, 6, (layers, e))
     result = {}
-    t = threading.Thread(target=lambda: result.update(out=c.generate(admin_cluster["prompts"], max_tokens=MAX_TOKENS,
-                                                                     ignore_eos=True)))
+    t = threading.Thread(
+        target=lambda: result.update(out=c.generate(admin_cluster["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True))
+    )
     t.start()
     time.sleep(0.2)
     res = client.apply_placement(target, breakeven=b, wait=True)
     t.join(120)
     assert res.migration.state == "done"
     np.testing.assert_array_equal(res.breakeven, b)
-    assert result["out"] == admin_cluster["tokens"]                  # fp32 tokens unchanged through it
+    assert result["out"] == admin_cluster["tokens"]  # fp32 tokens unchanged through it
     assert_routers_have(c, target, b)
     p = client.placement()
     np.testing.assert_array_equal(p.breakeven, b)
@@ -270,13 +341,17 @@ def test_b_applied_through_the_admin_api_reaches_every_router_and_changes_no_tok
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("bad, match", [
-    (lambda l, e: np.ones((l, e + 1)), r"breakeven must have shape \(L, E\) = \(2, 8\)"),
-    (lambda l, e: np.ones((e, l)), r"breakeven must have shape \(L, E\) = \(2, 8\)"),
-    (lambda l, e: -np.ones((l, e)), r">= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda l, e: np.ones((l, e + 1)), r"breakeven must have shape \(L, E\) = \(2, 8\)"),
+        (lambda l, e: np.ones((e, l)), r"breakeven must have shape \(L, E\) = \(2, 8\)"),
+        (lambda l, e: -np.ones((l, e)), r">= 0"),
+    ],
+)
 def test_bad_b_is_invalid_argument_and_leaves_the_placement_untouched(admin_cluster, bad, match):
     from moeserve.client import MoeserveError
+
     c, client, info = admin_cluster["cluster"], admin_cluster["client"], admin_cluster["info"]
     before = client.placement()
     assert (info.num_moe_layers, info.num_logical_experts) == (2, 8)
@@ -286,7 +361,7 @@ def test_bad_b_is_invalid_argument_and_leaves_the_placement_untouched(admin_clus
             client.apply_placement(before.phy2log, breakeven=b, **kw)
         assert ex.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert __import__("re").search(match, ex.value.message), ex.value.message
-    with pytest.raises(MoeserveError) as ex:                       # a file with b of its own
+    with pytest.raises(MoeserveError) as ex:  # a file with b of its own
         client.apply_placement(file=_placement_file(admin_cluster, before, b))
     assert ex.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert client.placement() == before
@@ -306,8 +381,9 @@ def test_the_balancer_with_a_step_model_sends_its_break_even_counts(admin_cluste
     from moeserve.balancer.controller import LoopConfig
     from moeserve.balancer.service import BalancerService
     from moeserve.client import AsyncClient
+
     c, info = admin_cluster["cluster"], admin_cluster["info"]
-    c.generate(admin_cluster["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True)      # a load window
+    c.generate(admin_cluster["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True)  # a load window
     want = np.full((info.num_moe_layers, info.num_logical_experts), MODEL.breakeven_count)
     assert MODEL.breakeven_count > 2
 

@@ -1,4 +1,5 @@
 """Lazy checkpoint reading: one expert costs its own bytes; bad checkpoints say what is wrong and where."""
+
 import json
 import shutil
 
@@ -134,7 +135,7 @@ def test_half_precision_checkpoints_load_and_match_transformers(dtype, tmp_path)
     assert reader.expert_spec().nbytes == (64 * 64 + 32 * 64) * 2
     ids = hf.prompts(1, 16)
     with torch.no_grad():
-        ref = hf.load_oracle(path, dtype=torch.float32)(ids).logits     # transformers upcasts on load too
+        ref = hf.load_oracle(path, dtype=torch.float32)(ids).logits  # transformers upcasts on load too
     assert (load_model(path, dtype=torch.float32)(ids) - ref).abs().max() < 1e-4
 
 
@@ -160,7 +161,9 @@ def test_unknown_model_type_lists_the_allowed_ones(tmp_path, llama4_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "mixtral"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"config.json: unknown model_type 'mixtral'; allowed: llama4_text, llama4, ernie4_5_moe"):
+    with pytest.raises(
+        CheckpointError, match=r"config.json: unknown model_type 'mixtral'; allowed: llama4_text, llama4, ernie4_5_moe"
+    ):
         load_model(d)
 
 
@@ -168,7 +171,9 @@ def test_missing_tensor_names_the_file_and_the_tensor(tmp_path, ernie_path):
     t = hf.read_all(ernie_path)
     del t["model.layers.2.self_attn.k_proj.weight"]
     d = hf.rewrite(ernie_path, tmp_path / "m", t)
-    with pytest.raises(CheckpointError, match=rf"{d}/model.safetensors: tensor 'model.layers.2.self_attn.k_proj.weight' is missing"):
+    with pytest.raises(
+        CheckpointError, match=rf"{d}/model.safetensors: tensor 'model.layers.2.self_attn.k_proj.weight' is missing"
+    ):
         load_model(d)
 
 
@@ -176,7 +181,9 @@ def test_missing_correction_bias_names_the_tensor(tmp_path, ernie_path):
     t = hf.read_all(ernie_path)
     del t["model.layers.1.mlp.moe_statics.e_score_correction_bias"]
     d = hf.rewrite(ernie_path, tmp_path / "m", t)
-    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.mlp.moe_statics.e_score_correction_bias' is missing"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'model.layers.1.mlp.moe_statics.e_score_correction_bias' is missing"
+    ):
         load_model(d)
 
 
@@ -185,20 +192,29 @@ def test_wrong_shape_names_the_file_the_tensor_and_both_shapes(tmp_path, llama4_
     t["model.layers.1.feed_forward.router.weight"] = torch.zeros(7, 64)
     t["model.layers.3.feed_forward.experts.down_proj"] = torch.zeros(8, 31, 64)
     d = hf.rewrite(llama4_path, tmp_path / "m", t)
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.1.feed_forward.router.weight' "
-                                              r"has shape \[7, 64\], expected \[8, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors: tensor 'model.layers.1.feed_forward.router.weight' "
+        r"has shape \[7, 64\], expected \[8, 64\]",
+    ):
         load_model(d)
-    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.3.feed_forward.experts.down_proj' "
-                                              r"has shape \[8, 31, 64\], expected \[8, 32, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'model.layers.3.feed_forward.experts.down_proj' "
+        r"has shape \[8, 31, 64\], expected \[8, 32, 64\]",
+    ):
         CheckpointReader(d).read_expert(1, 0)
 
 
-@pytest.mark.parametrize("damage, detail", [
-    (lambda b: b[:5], "fewer than the 8-byte header length"),
-    (lambda b: (10**9).to_bytes(8, "little") + b[8:], "header length 1000000000 does not fit"),
-    (lambda b: b[:8] + b"{not json" + b[17:], "header is not valid JSON"),
-    (lambda b: b[:-100], "do not hold"),   # truncated data section: offsets point past the end
-])
+@pytest.mark.parametrize(
+    "damage, detail",
+    [
+        (lambda b: b[:5], "fewer than the 8-byte header length"),
+        (lambda b: (10**9).to_bytes(8, "little") + b[8:], "header length 1000000000 does not fit"),
+        (lambda b: b[:8] + b"{not json" + b[17:], "header is not valid JSON"),
+        (lambda b: b[:-100], "do not hold"),  # truncated data section: offsets point past the end
+    ],
+)
 def test_corrupt_safetensors_header_names_the_file(tmp_path, llama4_path, damage, detail):
     d = _copy(llama4_path, tmp_path / "m")
     f = d / "model.safetensors"
@@ -211,7 +227,9 @@ def test_sharded_checkpoint_with_a_missing_shard_names_the_index_and_the_shard(t
     path = hf.save(hf.build_ernie(seed=0), tmp_path / "m", max_shard_size="60KB")
     shard = sorted(path.glob("model-*.safetensors"))[-1]
     shard.unlink()
-    with pytest.raises(CheckpointError, match=rf"model.safetensors.index.json: lists shard '{shard.name}', which does not exist"):
+    with pytest.raises(
+        CheckpointError, match=rf"model.safetensors.index.json: lists shard '{shard.name}', which does not exist"
+    ):
         load_model(path)
 
 
@@ -221,7 +239,7 @@ def test_a_truncated_shard_is_named_when_first_read(tmp_path):
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     shard = path / weight_map[name]
     shard.write_bytes(shard.read_bytes()[:-100])
-    reader = CheckpointReader(path)                              # shards are opened on first use
+    reader = CheckpointReader(path)  # shards are opened on first use
     with pytest.raises(CheckpointError, match=rf"{shard}: corrupt safetensors header: .*do not hold"):
         reader.read(name)
 

@@ -1,4 +1,5 @@
 """The moeserve command line: entry point, version, and usage errors."""
+
 import subprocess
 import sys
 

@@ -1,4 +1,5 @@
 """moeserve init-model and moeserve generate: the README's main job, and clear usage errors."""
+
 import subprocess
 import sys
 
@@ -22,11 +23,16 @@ def _lines(capsys):
 
 def test_the_readme_main_job_runs_from_the_console_script(tmp_path):
     exe = [sys.executable, "-m", "moeserve"]
-    out = subprocess.run(exe + ["init-model", str(tmp_path / "m"), "--family", "llama4"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        exe + ["init-model", str(tmp_path / "m"), "--family", "llama4"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
-    out = subprocess.run(exe + ["generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1,2,3", "--max-tokens", "16"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        exe + ["generate", "--model", str(tmp_path / "m"), "--prompt-ids", "1,2,3", "--max-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "generated ids: " in out.stdout and "generated text: " in out.stdout
 
@@ -40,29 +46,65 @@ def test_generate_prints_the_tokens_of_the_reference_model(tiny, capsys):
 
 
 def test_generate_from_text_uses_the_folders_tokenizer(tiny, capsys):
-    assert main(["generate", "--model", str(tiny), "--prompt", "Hello world", "--max-tokens", "4",
-                 "--temperature", "0.7", "--seed", "1", "--ignore-eos"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny),
+                "--prompt",
+                "Hello world",
+                "--max-tokens",
+                "4",
+                "--temperature",
+                "0.7",
+                "--seed",
+                "1",
+                "--ignore-eos",
+            ]
+        )
+        == 0
+    )
     out = _lines(capsys)
     assert out["prompt ids"].startswith("1,") and len(out["generated ids"].split(",")) == 4
     assert "generated text" in out
 
 
 def test_sampled_generation_is_reproducible_with_a_seed(tiny, capsys):
-    args = ["generate", "--model", str(tiny), "--prompt-ids", "5,6", "--max-tokens", "6", "--temperature", "1",
-            "--top-k", "20", "--top-p", "0.9", "--seed", "11", "--ignore-eos"]
+    args = [
+        "generate",
+        "--model",
+        str(tiny),
+        "--prompt-ids",
+        "5,6",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "1",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "11",
+        "--ignore-eos",
+    ]
     main(args)
     first = _lines(capsys)["generated ids"]
     main(args)
     assert _lines(capsys)["generated ids"] == first
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated token ids such as 1,2,3, found '1,,2'"),
-    (["--prompt-ids", "1,-2"], "--prompt-ids must be token ids >= 0"),
-    (["--prompt-ids", "1,512"], "prompt token id 512 out of range 0..511"),
-    (["--prompt-ids", "1", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
-    (["--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated token ids such as 1,2,3, found '1,,2'"),
+        (["--prompt-ids", "1,-2"], "--prompt-ids must be token ids >= 0"),
+        (["--prompt-ids", "1,512"], "prompt token id 512 out of range 0..511"),
+        (["--prompt-ids", "1", "--top-p", "2"], r"top_p must be in \(0, 1\]"),
+        (["--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    ],
+)
 def test_bad_generate_input_is_a_usage_error(tiny, capsys, args, message):
     assert main(["generate", "--model", str(tiny)] + args) == 2
     err = capsys.readouterr().err
@@ -79,6 +121,7 @@ def test_missing_model_folder_or_config_is_a_usage_error(tmp_path, capsys):
 
 def test_prompt_text_without_a_tokenizer_is_a_usage_error(tmp_path, tiny, capsys):
     import shutil
+
     d = tmp_path / "no_tok"
     shutil.copytree(tiny, d)
     (d / "tokenizer.json").unlink()

@@ -2,6 +2,7 @@
 cluster with the HTTP API; a vLLM command line from the README's table starts and serves; a
 port in use, a missing model, vLLM flags moeserve cannot honour and Ctrl-C each give one clear
 message and an exit code, no traceback; init-model's files are readable by every user."""
+
 import os
 import signal
 import stat
@@ -38,27 +39,53 @@ def hf_home(tmp_path_factory, tiny):
 
 
 def offline_env(hf_home, **more) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
-                                                            "MOESERVE_API_KEY")}
-    env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9", OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **more)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "MOESERVE_API_KEY")
+    }
+    env.update(
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1",
+        HF_ENDPOINT="http://127.0.0.1:9",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        **more,
+    )
     return env
 
 
 class Serve:
     """``moeserve serve ...`` as a subprocess, ready when it printed "ready"."""
 
-    def __init__(self, args, env, wait_ready=True, timeout_s=240.0, command=(sys.executable, "-m", "moeserve"),
-                 cwd=None):
+    def __init__(
+        self, args, env, wait_ready=True, timeout_s=240.0, command=(sys.executable, "-m", "moeserve"), cwd=None
+    ):
         self.http, self.grpc, self.admin, self.balancer = free_ports(4)
         self.log_dir = tempfile.mkdtemp(prefix="moeserve-serve-")
         self.out_path = os.path.join(self.log_dir, "serve.out")
-        self.cmd = [*command, "serve", *args, "--port", str(self.http), "--grpc-port",
-                    str(self.grpc), "--admin-port", str(self.admin), "--balancer-port", str(self.balancer),
-                    "--admin-token", TOKEN, "--log-dir", self.log_dir, "--grace-period", "10"]
+        self.cmd = [
+            *command,
+            "serve",
+            *args,
+            "--port",
+            str(self.http),
+            "--grpc-port",
+            str(self.grpc),
+            "--admin-port",
+            str(self.admin),
+            "--balancer-port",
+            str(self.balancer),
+            "--admin-token",
+            TOKEN,
+            "--log-dir",
+            self.log_dir,
+            "--grace-period",
+            "10",
+        ]
         with open(self.out_path, "wb") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, cwd=cwd)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd
+            )
         if wait_ready:
             self.wait_for("ready", timeout_s)
 
@@ -70,8 +97,10 @@ class Serve:
         while word not in self.output().splitlines():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                logs = "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
-                                 for p in sorted(Path(self.log_dir).glob("*.log")))
+                logs = "\n".join(
+                    f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
+                    for p in sorted(Path(self.log_dir).glob("*.log"))
+                )
                 raise RuntimeError(f"moeserve serve did not print {word!r}:\n{self.output()}\n{logs}")
             time.sleep(0.1)
 
@@ -100,31 +129,42 @@ def test_serve_a_hub_id_from_an_offline_cache(tiny, hf_home):
     import openai
 
     from moeserve.client import Client
+
     want_ids = reference_generate(reference_model(tiny), [1, 5, 6, 7], 8)
     s = Serve([REPO, "--api-key", KEY, "--max-model-len", "256"], offline_env(hf_home))
     try:
         out = s.output()
-        for line in ("loading ", "weights loaded", f"http     http://127.0.0.1:{s.http}/v1", f"model    {REPO}",
-                     f"serving  127.0.0.1:{s.grpc}", f"admin    127.0.0.1:{s.admin}"):
+        for line in (
+            "loading ",
+            "weights loaded",
+            f"http     http://127.0.0.1:{s.http}/v1",
+            f"model    {REPO}",
+            f"serving  127.0.0.1:{s.grpc}",
+            f"admin    127.0.0.1:{s.admin}",
+        ):
             assert line in out, out
         c = openai.OpenAI(base_url=s.base, api_key=KEY, max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == [REPO]
-        got = c.completions.create(model=REPO, prompt=[1, 5, 6, 7], max_tokens=8, temperature=0,
-                                   extra_body={"ignore_eos": True})
+        got = c.completions.create(
+            model=REPO, prompt=[1, 5, 6, 7], max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
         from moeserve.services.tokenizer import ModelTokenizer
+
         assert got.choices[0].text == ModelTokenizer.load(tiny).decode(want_ids)
-        chat = c.chat.completions.create(model=REPO, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                         temperature=0)
+        chat = c.chat.completions.create(
+            model=REPO, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+        )
         assert chat.choices[0].finish_reason in ("length", "stop")
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.base, api_key="wrong", max_retries=0).models.list()
         grpc_out = Client(f"127.0.0.1:{s.grpc}", token=KEY, timeout=60).generate(
-            prompt_token_ids=[1, 5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True)
+            prompt_token_ids=[1, 5, 6, 7], max_tokens=8, temperature=0.0, ignore_eos=True
+        )
         assert grpc_out.token_ids == want_ids
         kids = children_of(s.proc.pid)
         assert kids
     finally:
-        code = s.stop(signal.SIGINT)                         # Ctrl-C: drains as SIGTERM does
+        code = s.stop(signal.SIGINT)  # Ctrl-C: drains as SIGTERM does
     out = s.output()
     assert code == 0, out
     _no_traceback(out)
@@ -144,7 +184,7 @@ def test_serve_from_a_folder_that_holds_a_checkout_named_moeserve(tiny, hf_home,
     script = Path(sys.executable).with_name("moeserve")
     assert script.exists(), f"the console script {script} is missing: install moeserve (scripts/setup)"
     checkout = tmp_path / "moeserve"
-    for folder in ("router", "expert_worker", "balancer", "proto", "tests"):   # what a checkout's root holds
+    for folder in ("router", "expert_worker", "balancer", "proto", "tests"):  # what a checkout's root holds
         (checkout / folder).mkdir(parents=True)
     (checkout / "pyproject.toml").write_text("[project]\nname = 'moeserve'\n")
     env = offline_env(hf_home)
@@ -163,16 +203,37 @@ def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
     import openai
 
     from moeserve.client import Client
-    s = Serve([REPO, "--served-model-name", "tiny", "--data-parallel-size", "2", "--enable-expert-parallel",
-               "--tensor-parallel-size", "1", "--enable-eplb", "--eplb-config",
-               '{"window_size": 100, "step_interval": 500, "num_redundant_experts": 2, "use_async": true, '
-               '"policy": "default", "log_balancedness": true, "log_balancedness_interval": 500}',
-               "--max-model-len", "256", "--dtype", "auto", "--trust-remote-code"], offline_env(hf_home))
+
+    s = Serve(
+        [
+            REPO,
+            "--served-model-name",
+            "tiny",
+            "--data-parallel-size",
+            "2",
+            "--enable-expert-parallel",
+            "--tensor-parallel-size",
+            "1",
+            "--enable-eplb",
+            "--eplb-config",
+            '{"window_size": 100, "step_interval": 500, "num_redundant_experts": 2, "use_async": true, '
+            '"policy": "default", "log_balancedness": true, "log_balancedness_interval": 500}',
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "auto",
+            "--trust-remote-code",
+        ],
+        offline_env(hf_home),
+    )
     try:
         c = openai.OpenAI(base_url=s.base, api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == ["tiny"]
-        events = list(c.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True}))
+        events = list(
+            c.completions.create(
+                model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            )
+        )
         assert events[-1].choices[0].finish_reason == "length"
         status = Client(f"127.0.0.1:{s.admin}", TOKEN, timeout=30).status()
         assert [r.role for r in status.ranks] == ["router+worker", "router+worker"]
@@ -207,8 +268,13 @@ def test_ctrl_c_while_loading_stops_everything_at_once(tiny, hf_home):
 
 @pytest.mark.timeout(60)
 def test_a_missing_model_is_one_line_and_exit_1(hf_home):
-    p = subprocess.run([sys.executable, "-m", "moeserve", "serve", "tiny-org/not-there", "--port", "0"],
-                       env=offline_env(hf_home), capture_output=True, text=True, timeout=50)
+    p = subprocess.run(
+        [sys.executable, "-m", "moeserve", "serve", "tiny-org/not-there", "--port", "0"],
+        env=offline_env(hf_home),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert p.returncode == 1
     err = p.stderr.strip()
     assert err.startswith("moeserve serve: error: model tiny-org/not-there") and "HF_HUB_OFFLINE" in err, err
@@ -219,6 +285,7 @@ def test_a_missing_model_is_one_line_and_exit_1(hf_home):
 @pytest.mark.timeout(60)
 def test_a_port_in_use_is_one_line_and_exit_1(tiny, capsys):
     import socket
+
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
@@ -229,18 +296,23 @@ def test_a_port_in_use_is_one_line_and_exit_1(tiny, capsys):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("argv,message", [
-    (["--tensor-parallel-size", "2"], "use --data-parallel-size N --enable-expert-parallel"),
-    (["--pipeline-parallel-size", "2"], "moeserve does not split layers"),
-    (["--data-parallel-size", "2"], "add --enable-expert-parallel"),
-    (["--data-parallel-size", "2", "--enable-expert-parallel", "--routers", "3"], "disagrees with --routers 3"),
-    (["--eplb-config", '{"policy": "flashlb"}'], "policy 'flashlb' is not available"),
-    (["--eplb-config", '{"use_async": "yes"}'], "'use_async' must be true or false"),
-    (["--eplb-config", '{"log_balancedness": true, "step_interval": 100, "log_balancedness_interval": 7}'],
-     "set step_interval to 7"),
-    (["--eplb-config", '{"window": 3}'], "unknown keys ['window']"),
-    (["--model", "/elsewhere"], "disagree"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tensor-parallel-size", "2"], "use --data-parallel-size N --enable-expert-parallel"),
+        (["--pipeline-parallel-size", "2"], "moeserve does not split layers"),
+        (["--data-parallel-size", "2"], "add --enable-expert-parallel"),
+        (["--data-parallel-size", "2", "--enable-expert-parallel", "--routers", "3"], "disagrees with --routers 3"),
+        (["--eplb-config", '{"policy": "flashlb"}'], "policy 'flashlb' is not available"),
+        (["--eplb-config", '{"use_async": "yes"}'], "'use_async' must be true or false"),
+        (
+            ["--eplb-config", '{"log_balancedness": true, "step_interval": 100, "log_balancedness_interval": 7}'],
+            "set step_interval to 7",
+        ),
+        (["--eplb-config", '{"window": 3}'], "unknown keys ['window']"),
+        (["--model", "/elsewhere"], "disagree"),
+    ],
+)
 def test_vllm_flags_moeserve_cannot_honour_exit_2_with_what_to_do(tiny, argv, message, capsys):
     assert main(["serve", str(tiny), *argv]) == 2
     assert message in capsys.readouterr().err
@@ -249,8 +321,19 @@ def test_vllm_flags_moeserve_cannot_honour_exit_2_with_what_to_do(tiny, argv, me
 def test_vllm_flags_map_to_the_cluster(tiny):
     from moeserve.cli import build_parser, serve
     from moeserve.cli import flags as F
-    args = build_parser().parse_args(["serve", str(tiny), "-dp", "2", "--enable-expert-parallel", "--enable-eplb",
-                                      "--eplb-config", '{"use_async": false, "num_redundant_experts": 2}'])
+
+    args = build_parser().parse_args(
+        [
+            "serve",
+            str(tiny),
+            "-dp",
+            "2",
+            "--enable-expert-parallel",
+            "--enable-eplb",
+            "--eplb-config",
+            '{"use_async": false, "num_redundant_experts": 2}',
+        ]
+    )
     serve.parallel(args)
     notes = serve.vllm_eplb_config(args)
     args.model = str(tiny)
@@ -262,7 +345,8 @@ def test_vllm_flags_map_to_the_cluster(tiny):
 
 def test_init_model_files_are_readable_by_every_user(tmp_path):
     from moeserve.models.init import WRITTEN_FILES, init_model
-    old = os.umask(0o077)                                   # as strict as a umask gets
+
+    old = os.umask(0o077)  # as strict as a umask gets
     try:
         out = init_model(tmp_path / "m", "ernie45", seed=1)
     finally:
@@ -279,6 +363,7 @@ def test_vllm_ssl_flags_are_the_tls_files_of_every_server(tiny, tmp_path, capsys
     certificate for the HTTP API and the gRPC services; giving half of it, or both spellings with
     other files, is a usage error (exit 2)."""
     from moeserve.cli import build_parser
+
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     for cmd in (["serve", str(tiny)], ["up", "--model", str(tiny)], ["frontend", "--http-port", "0"]):
         args = build_parser().parse_args([*cmd, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
@@ -295,12 +380,17 @@ def test_vllm_ssl_flags_are_the_tls_files_of_every_server(tiny, tmp_path, capsys
 def test_tokenizer_none_gives_the_front_end_no_tokenizer(tiny, flag, monkeypatch):
     from moeserve.cli import up
     from moeserve.services.tokenizer import ModelTokenizer
+
     seen = {}
 
     def fake_run(args):
         folder = Path(args.tokenizer_dir)
-        seen.update(folder=folder, files=sorted(p.name for p in folder.iterdir()), model=args.model,
-                    tokenizer=ModelTokenizer.load(folder))
+        seen.update(
+            folder=folder,
+            files=sorted(p.name for p in folder.iterdir()),
+            model=args.model,
+            tokenizer=ModelTokenizer.load(folder),
+        )
         return 0
 
     monkeypatch.setattr(up, "run", fake_run)
@@ -318,16 +408,22 @@ def test_serve_with_vllm_ssl_flags_serves_https(tiny, hf_home, tmp_path):
     import ssl
 
     from tls_util import self_signed
+
     cert, key = self_signed(tmp_path)
     s = Serve([str(tiny), "--ssl-certfile", cert, "--ssl-keyfile", key], offline_env(hf_home))
     try:
         assert f"https://127.0.0.1:{s.http}/v1" in s.output()
-        conn = http.client.HTTPSConnection("127.0.0.1", s.http, context=ssl.create_default_context(cafile=cert),
-                                           timeout=60)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [5, 6, 7], "max_tokens": 3,
-                                                                 "temperature": 0, "ignore_eos": True,
-                                                                 "return_token_ids": True}),
-                     headers={"content-type": "application/json"})
+        conn = http.client.HTTPSConnection(
+            "127.0.0.1", s.http, context=ssl.create_default_context(cafile=cert), timeout=60
+        )
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(
+                {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            ),
+            headers={"content-type": "application/json"},
+        )
         r = conn.getresponse()
         out = json.loads(r.read())
         assert r.status == 200 and len(out["choices"][0]["token_ids"]) == 3

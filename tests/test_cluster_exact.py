@@ -1,14 +1,29 @@
 """The correctness contract across processes: any layout of routers and workers, any
 placement with redundant slots, gives the single-process logits (fp32, 1e-4) and tokens."""
+
 import numpy as np
 import pytest
 
-from cluster_util import (moe_info, prompts_for, random_placement, redundant_for, reference_decode,
-                          reference_generate, reference_logits, reference_model, tiny_checkpoint)
+from cluster_util import (
+    moe_info,
+    prompts_for,
+    random_placement,
+    redundant_for,
+    reference_decode,
+    reference_generate,
+    reference_logits,
+    reference_model,
+    tiny_checkpoint,
+)
 from moeserve.cluster import LocalCluster
 
 LAYOUTS = [  # routers, workers, co-located
-    (1, 1, False), (1, 2, False), (2, 2, False), (1, 3, False), (2, 2, True), (3, 3, True),
+    (1, 1, False),
+    (1, 2, False),
+    (2, 2, False),
+    (1, 3, False),
+    (2, 2, True),
+    (3, 3, True),
 ]
 FAMILIES = ["llama4", "ernie45"]
 MAX_TOKENS = 32
@@ -21,7 +36,7 @@ def family_model(request, tmp_path_factory):
     prompts = prompts_for(model.config.vocab_size)
     tokens = [reference_generate(model, p, MAX_TOKENS) for p in prompts]
     decoded = [reference_decode(model, p, MAX_TOKENS) for p in prompts]
-    assert [t for t, _ in decoded] == tokens                     # the two single-process paths agree
+    assert [t for t, _ in decoded] == tokens  # the two single-process paths agree
     logits = [lg for _, lg in decoded]
     return dict(path=path, model=model, prompts=prompts, tokens=tokens, logits=logits, info=moe_info(path))
 
@@ -31,17 +46,25 @@ def cluster(request, family_model):
     routers, workers, colocated = request.param
     info = family_model["info"]
     r = redundant_for(info.num_logical_experts, workers, at_least=2)
-    placement = random_placement(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + r,
-                                 seed=routers * 10 + workers)
-    with LocalCluster(family_model["path"], routers=routers, workers=workers, colocated=colocated,
-                      num_redundant_experts=r, placement=placement) as c:
+    placement = random_placement(
+        info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + r, seed=routers * 10 + workers
+    )
+    with LocalCluster(
+        family_model["path"],
+        routers=routers,
+        workers=workers,
+        colocated=colocated,
+        num_redundant_experts=r,
+        placement=placement,
+    ) as c:
         yield c
 
 
 @pytest.mark.timeout(300)
 def test_generated_tokens_and_their_logits_equal_the_single_process_model(cluster, family_model):
-    gens = cluster.generate(family_model["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True,
-                            return_logits=True, details=True)
+    gens = cluster.generate(
+        family_model["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True, return_logits=True, details=True
+    )
     for g, want_tokens, want_logits in zip(gens, family_model["tokens"], family_model["logits"]):
         assert g.token_ids == want_tokens
         assert g.finish_reason == "length"
@@ -52,5 +75,6 @@ def test_generated_tokens_and_their_logits_equal_the_single_process_model(cluste
 @pytest.mark.timeout(300)
 def test_prompt_logits_at_every_position_equal_the_single_process_model(cluster, family_model):
     prompt = family_model["prompts"][1]
-    np.testing.assert_allclose(cluster.prompt_logits(prompt), reference_logits(family_model["model"], prompt),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        cluster.prompt_logits(prompt), reference_logits(family_model["model"], prompt), atol=1e-4, rtol=0
+    )

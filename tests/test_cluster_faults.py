@@ -1,5 +1,6 @@
 """Failure handling of a local cluster: a dead rank is reported within bounded time and the
 whole cluster goes away; an idle cluster stays up (heartbeats) and still migrates."""
+
 import os
 import signal
 import time
@@ -7,8 +8,16 @@ import time
 import numpy as np
 import pytest
 
-from cluster_util import (assert_workers_hold, expert_digests, moe_info, prompts_for, random_placement,
-                          reference_generate, reference_model, tiny_checkpoint)
+from cluster_util import (
+    assert_workers_hold,
+    expert_digests,
+    moe_info,
+    prompts_for,
+    random_placement,
+    reference_generate,
+    reference_model,
+    tiny_checkpoint,
+)
 from moeserve.cluster import ClusterError, LocalCluster
 
 # Idle for longer than every timeout a quiet cluster could trip: the process groups' (10 s here)
@@ -27,7 +36,7 @@ def test_a_killed_worker_that_is_not_replaced_turns_into_an_error_within_30_s_an
     try:
         assert c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
         pids = [p.pid for p in c.procs]
-        os.kill(pids[2], signal.SIGKILL)                  # ranks: 0 router, 1-2 workers
+        os.kill(pids[2], signal.SIGKILL)  # ranks: 0 router, 1-2 workers
         t0 = time.monotonic()
         with pytest.raises(ClusterError, match="rank 2"):
             while time.monotonic() - t0 < 30:
@@ -38,7 +47,7 @@ def test_a_killed_worker_that_is_not_replaced_turns_into_an_error_within_30_s_an
         while any(p.poll() is None for p in c.procs) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert all(p.poll() is not None for p in c.procs)
-        for pid in pids:                                  # gone, not zombies of someone else
+        for pid in pids:  # gone, not zombies of someone else
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
@@ -54,10 +63,10 @@ def test_an_idle_cluster_stays_up_and_a_placement_applied_to_it_completes(path):
     with LocalCluster(path, routers=1, workers=2, num_redundant_experts=2, pg_timeout_s=10) as c:
         t0 = time.monotonic()
         steps = c.status().step
-        while time.monotonic() - t0 < IDLE_S:             # idle for much longer than the pg timeout
+        while time.monotonic() - t0 < IDLE_S:  # idle for much longer than the pg timeout
             time.sleep(min(10, IDLE_S))
             now = c.status().step
-            assert now > steps                            # heartbeats keep flowing
+            assert now > steps  # heartbeats keep flowing
             steps = now
         target = random_placement(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + 2, 9)
         c.apply_placement(target, wait=True, timeout_s=60)

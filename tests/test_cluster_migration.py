@@ -1,6 +1,7 @@
 """Live migration: placements applied under traffic change no token, commit on every rank,
 and leave the workers holding exactly the new placement's experts; abort, supersede and
 staging failures roll back to a consistent state; recorded load equals routing decisions."""
+
 import threading
 import time
 
@@ -8,8 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from cluster_util import (assert_workers_hold, expert_digests, moe_info, prompts_for, random_placement,
-                          reference_generate, reference_model, tiny_checkpoint)
+from cluster_util import (
+    assert_workers_hold,
+    expert_digests,
+    moe_info,
+    prompts_for,
+    random_placement,
+    reference_generate,
+    reference_model,
+    tiny_checkpoint,
+)
 from moeserve.cluster import ClusterError, LocalCluster
 from moeserve.router.engine.migration import StaleVersion
 
@@ -31,8 +40,13 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(setup):
     # One expert per destination worker per step: a migration spans many steps.
-    with LocalCluster(setup["path"], routers=2, workers=WORKERS, num_redundant_experts=REDUNDANT,
-                      migration_bytes_per_step=setup["info"].expert_bytes) as c:
+    with LocalCluster(
+        setup["path"],
+        routers=2,
+        workers=WORKERS,
+        num_redundant_experts=REDUNDANT,
+        migration_bytes_per_step=setup["info"].expert_bytes,
+    ) as c:
         yield c
 
 
@@ -46,10 +60,11 @@ def test_placement_applied_during_generation_changes_no_token_and_moves_the_weig
     target = placement(setup, 1)
     v0 = cluster.placement().version
     result = {}
-    t = threading.Thread(target=lambda: result.update(out=cluster.generate(setup["prompts"], max_tokens=MAX_TOKENS,
-                                                                          ignore_eos=True)))
+    t = threading.Thread(
+        target=lambda: result.update(out=cluster.generate(setup["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True))
+    )
     t.start()
-    time.sleep(0.3)                                      # let generation get going
+    time.sleep(0.3)  # let generation get going
     steps_before = cluster.status().forward_steps
     mid = cluster.apply_placement(target, wait=True)
     t.join(120)
@@ -106,8 +121,9 @@ def test_window_load_and_balancedness_are_reported(cluster, setup):
     # exactly where the window has load; a slot busy at most once per (router, step)
     info = setup["info"]
     from moeserve.router.dispatcher import LOAD_BINS
+
     assert rep.histogram.shape == (info.num_moe_layers, info.num_logical_experts, LOAD_BINS)
-    assert (rep.histogram.sum(2) == rep.steps * 2).all()                   # 2 routers
+    assert (rep.histogram.sum(2) == rep.steps * 2).all()  # 2 routers
     np.testing.assert_array_equal(rep.histogram[:, :, 1:].sum(2) > 0, rep.load > 0)
     assert rep.slot_busy_steps.shape == (info.num_moe_layers, info.num_logical_experts + REDUNDANT)
     assert 0 < rep.slot_busy_steps.max() <= rep.steps * 2
@@ -135,8 +151,8 @@ def test_abort_keeps_committed_layers_and_rolls_back_the_others(cluster, setup):
     cluster.abort_migration()
     state = cluster.migration(mid)
     after = cluster.placement()
-    assert after.version not in (before.version, state.target_version)    # a fresh version
-    for layer in range(after.phy2log.shape[0]):                              # each layer: old or new, whole
+    assert after.version not in (before.version, state.target_version)  # a fresh version
+    for layer in range(after.phy2log.shape[0]):  # each layer: old or new, whole
         row = after.phy2log[layer]
         assert (row == target[layer]).all() or (row == before.phy2log[layer]).all()
         assert after.layer_versions[layer] in (before.layer_versions[layer], state.target_version)
@@ -145,11 +161,14 @@ def test_abort_keeps_committed_layers_and_rolls_back_the_others(cluster, setup):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("bad,match", [
-    (lambda p: p[:, :-1], "shape"),
-    (lambda p: np.where(p == 0, 1, p), "no replica"),
-    (lambda p: np.where(p == 0, 99, p), "out of range"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda p: p[:, :-1], "shape"),
+        (lambda p: np.where(p == 0, 1, p), "no replica"),
+        (lambda p: np.where(p == 0, 99, p), "out of range"),
+    ],
+)
 def test_an_invalid_placement_is_rejected_and_changes_nothing(cluster, setup, bad, match):
     before = cluster.placement()
     with pytest.raises(ValueError, match=match):
@@ -169,8 +188,13 @@ def test_a_stale_expected_version_is_refused(cluster, setup):
 
 @pytest.mark.timeout(300)
 def test_staging_that_cannot_be_allocated_fails_the_migration_and_serving_goes_on(setup):
-    with LocalCluster(setup["path"], routers=1, workers=WORKERS, num_redundant_experts=REDUNDANT,
-                      max_staging_bytes=setup["info"].expert_bytes) as c:
+    with LocalCluster(
+        setup["path"],
+        routers=1,
+        workers=WORKERS,
+        num_redundant_experts=REDUNDANT,
+        max_staging_bytes=setup["info"].expert_bytes,
+    ) as c:
         before = c.placement()
         with pytest.raises(ClusterError, match="max_staging_bytes"):
             c.apply_placement(placement(setup, 6), wait=True)

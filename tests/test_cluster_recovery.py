@@ -2,6 +2,7 @@
 streams, and in the middle of a live migration; its replacement re-joins, the routers keep
 their KV caches, every stream completes with the single-process tokens (fp32, gloo) and the
 workers hold what the placement in force says."""
+
 import os
 import signal
 import socket
@@ -11,8 +12,16 @@ import time
 import numpy as np
 import pytest
 
-from cluster_util import (assert_workers_hold, expert_digests, moe_info, prompts_for, random_placement,
-                          reference_generate, reference_model, tiny_checkpoint)
+from cluster_util import (
+    assert_workers_hold,
+    expert_digests,
+    moe_info,
+    prompts_for,
+    random_placement,
+    reference_generate,
+    reference_model,
+    tiny_checkpoint,
+)
 from moeserve.cluster import LocalCluster
 from moeserve.placement import MigrationState
 
@@ -25,19 +34,25 @@ def setup(tmp_path_factory):
     path = tiny_checkpoint(tmp_path_factory.mktemp("recovery"), "llama4")
     model = reference_model(path)
     prompts = prompts_for(model.config.vocab_size, lengths=tuple(3 + i % 7 for i in range(STREAMS)), seed=8)
-    return dict(path=path, prompts=prompts, want=[reference_generate(model, p, MAX_TOKENS) for p in prompts],
-                info=moe_info(path), digests=expert_digests(path))
+    return dict(
+        path=path,
+        prompts=prompts,
+        want=[reference_generate(model, p, MAX_TOKENS) for p in prompts],
+        info=moe_info(path),
+        digests=expert_digests(path),
+    )
 
 
 def _generate_while(cluster, prompts, action):
     """Generate for every prompt at once in a thread; run ``action`` once tokens flow; return
     the generated ids and the seconds from the action to the end of generation."""
     box = {}
-    th = threading.Thread(target=lambda: box.update(out=cluster.generate(prompts, max_tokens=MAX_TOKENS,
-                                                                          ignore_eos=True)))
+    th = threading.Thread(
+        target=lambda: box.update(out=cluster.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
+    )
     steps = cluster.status().forward_steps
     th.start()
-    while cluster.status().forward_steps < steps + 8:         # in the middle of the streams
+    while cluster.status().forward_steps < steps + 8:  # in the middle of the streams
         time.sleep(0.02)
     t0 = time.monotonic()
     action()
@@ -65,8 +80,10 @@ def test_a_worker_killed_in_the_middle_of_16_streams_is_replaced_and_no_token_ch
         out, seconds = _generate_while(c, setup["prompts"], lambda: _kill_worker(c, 2))
         assert out == setup["want"]
         assert c.replaced and c.replaced[0][0] == 2 and c.alive
-        print(f"\nkilled worker rank 2 under {STREAMS} streams: groups re-formed in {_recovery_s(c):.2f} s, "
-              f"generation finished {seconds:.2f} s after the kill")
+        print(
+            f"\nkilled worker rank 2 under {STREAMS} streams: groups re-formed in {_recovery_s(c):.2f} s, "
+            f"generation finished {seconds:.2f} s after the kill"
+        )
         assert_workers_hold(c, c.placement().phy2log, setup["digests"])
         assert c.generate(setup["prompts"][:2], max_tokens=MAX_TOKENS, ignore_eos=True) == setup["want"][:2]
         _assert_store_only_on_loopback(c)
@@ -85,8 +102,15 @@ def test_a_worker_killed_in_the_middle_of_a_migration_leaves_a_consistent_placem
     info = setup["info"]
     r = 2
     target = random_placement(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + r, 21)
-    with LocalCluster(setup["path"], routers=1, workers=2, num_redundant_experts=r, enable_eplb=True,
-                      migration_bytes_per_step=1, log_dir=str(tmp_path / "logs")) as c:   # one move per step
+    with LocalCluster(
+        setup["path"],
+        routers=1,
+        workers=2,
+        num_redundant_experts=r,
+        enable_eplb=True,
+        migration_bytes_per_step=1,
+        log_dir=str(tmp_path / "logs"),
+    ) as c:  # one move per step
         box = {}
 
         def kill_during_migration():
@@ -100,12 +124,14 @@ def test_a_worker_killed_in_the_middle_of_a_migration_leaves_a_consistent_placem
         mig = c.migration(box["mid"])
         assert mig.state in (MigrationState.ABORTED, MigrationState.DONE)
         placement = c.placement()
-        assert_workers_hold(c, placement.phy2log, setup["digests"])         # what it says is what they hold
-        print(f"\nkilled worker rank 1 during a migration ({mig.state}): groups re-formed in {_recovery_s(c):.2f} s, "
-              f"generation finished {seconds:.2f} s after the kill")
-        c.apply_placement(target, wait=True, timeout_s=120)               # the placement can still change
+        assert_workers_hold(c, placement.phy2log, setup["digests"])  # what it says is what they hold
+        print(
+            f"\nkilled worker rank 1 during a migration ({mig.state}): groups re-formed in {_recovery_s(c):.2f} s, "
+            f"generation finished {seconds:.2f} s after the kill"
+        )
+        c.apply_placement(target, wait=True, timeout_s=120)  # the placement can still change
         np.testing.assert_array_equal(c.placement().phy2log, target)
         assert_workers_hold(c, target, setup["digests"])
         assert c.generate(setup["prompts"][:2], max_tokens=MAX_TOKENS, ignore_eos=True) == setup["want"][:2]
-    assert not os.path.exists(c.run_dir)                                    # with log_dir, no run folder is left
+    assert not os.path.exists(c.run_dir)  # with log_dir, no run folder is left
     assert "replacement" in (tmp_path / "logs" / "rank1.log").read_text()

@@ -1,4 +1,5 @@
 """moeserve.kernels.compilelog: Triton's JIT hooks log each compile with its specialization and time."""
+
 import logging
 
 import pytest
@@ -19,8 +20,8 @@ def hooks():
 
 
 def test_a_compile_is_logged_with_its_kernel_and_time(hooks, caplog, monkeypatch):
-    assert compilelog.watch() and compilelog.watch()                  # idempotent
-    monkeypatch.setattr(compilelog, "SLOW_COMPILE_S", -1.0)            # every compile counts as slow
+    assert compilelog.watch() and compilelog.watch()  # idempotent
+    monkeypatch.setattr(compilelog, "SLOW_COMPILE_S", -1.0)  # every compile counts as slow
     with caplog.at_level(logging.INFO, logger=compilelog.__name__):
         # what Triton's JITFunction._do_compile calls around a compile
         assert knobs.runtime.jit_cache_hook(key=("k", 1), repr="race_kernel[num_warps=4](S: i32)") is None
@@ -33,5 +34,6 @@ def test_a_compile_is_logged_with_its_kernel_and_time(hooks, caplog, monkeypatch
 def test_hooks_someone_else_set_are_left_alone(hooks):
     def mine(**_):
         return None
+
     knobs.runtime.jit_cache_hook = mine
     assert not compilelog.watch() and knobs.runtime.jit_cache_hook is mine

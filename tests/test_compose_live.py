@@ -16,6 +16,7 @@ of the debootstrap command, the images carry a label with a hash of what they ar
 (Dockerfile, pyproject, wheels, sources); either is rebuilt only when its hash changed. Under
 CI=true missing tooling fails the test instead of skipping it; ``-m "not compose"`` deselects it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,7 +50,7 @@ ADMIN_TOKEN, CONTROL_KEY, API_KEY = "compose-admin-token", "00112233445566778899
 MAX_TOKENS = 16
 VARIABLES = {"$__rate_interval": "1m", "$__interval": "5s", "$__range": "1h", "$layer": "0"}
 PHASES: dict[str, float] = {}
-SUMMARY: list[str] = []          # phase times, image size, ...: conftest prints them at the end of the run
+SUMMARY: list[str] = []  # phase times, image size, ...: conftest prints them at the end of the run
 
 
 def report(line: str) -> None:
@@ -75,10 +76,13 @@ def env() -> dict:
 
 
 def sh(*args, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    p = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()),
-                       **kw)
+    p = subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=kw.pop("env", env()), **kw
+    )
     if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        )
     return p
 
 
@@ -105,8 +109,11 @@ def digest(*parts) -> str:
 def tree_digest(paths) -> str:
     h = hashlib.sha256()
     for root in paths:
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*")
-                                                      if p.is_file() and "__pycache__" not in p.parts)
+        files = (
+            [root]
+            if root.is_file()
+            else sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+        )
         for f in files:
             h.update(str(f.relative_to(REPO)).encode())
             h.update(f.read_bytes())
@@ -132,8 +139,9 @@ def base_image(podman: str, tmp: Path) -> str:
     (root / "var/lib/apt/lists/partial").mkdir(parents=True, exist_ok=True)
     (root / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
     tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-    p = subprocess.run([podman, "import", "-", tag], stdin=tar.stdout, capture_output=True, text=True, env=env(),
-                       timeout=300)
+    p = subprocess.run(
+        [podman, "import", "-", tag], stdin=tar.stdout, capture_output=True, text=True, env=env(), timeout=300
+    )
     tar.stdout.close()
     assert tar.wait() == 0 and p.returncode == 0, p.stderr
     shutil.rmtree(root, ignore_errors=True)
@@ -159,13 +167,17 @@ def project_objects(podman: str) -> dict[str, list[str]]:
     return {
         "containers": sh(podman, "ps", "-a", "--filter", label, "--format", "{{.Names}}").stdout.split(),
         "volumes": sh(podman, "volume", "ls", "--filter", label, "--format", "{{.Name}}").stdout.split(),
-        "networks": [n for n in sh(podman, "network", "ls", "--format", "{{.Name}}").stdout.split()
-                     if n.startswith(f"{PROJECT}_")],
+        "networks": [
+            n
+            for n in sh(podman, "network", "ls", "--format", "{{.Name}}").stdout.split()
+            if n.startswith(f"{PROJECT}_")
+        ],
     }
 
 
 def free_port() -> int:
     from moeserve.ops.ports import free_port as pick
+
     return pick()
 
 
@@ -173,18 +185,33 @@ class Cluster:
     def __init__(self, podman: str, compose: str, ports: dict[str, int]):
         self.podman, self.compose, self.ports = podman, compose, ports
         self.env = env()
-        self.env.update(MOESERVE_ADMIN_TOKEN=ADMIN_TOKEN, MOESERVE_CONTROL_KEY=CONTROL_KEY, MOESERVE_API_KEY=API_KEY,
-                        MOESERVE_IMAGE_TAG=IMAGE.split(":")[1], MOESERVE_HTTP_PORT=str(ports["http"]),
-                        MOESERVE_GRPC_PORT=str(ports["grpc"]), MOESERVE_BALANCER_PORT=str(ports["balancer"]),
-                        PROMETHEUS_PORT=str(ports["prometheus"]))
+        self.env.update(
+            MOESERVE_ADMIN_TOKEN=ADMIN_TOKEN,
+            MOESERVE_CONTROL_KEY=CONTROL_KEY,
+            MOESERVE_API_KEY=API_KEY,
+            MOESERVE_IMAGE_TAG=IMAGE.split(":")[1],
+            MOESERVE_HTTP_PORT=str(ports["http"]),
+            MOESERVE_GRPC_PORT=str(ports["grpc"]),
+            MOESERVE_BALANCER_PORT=str(ports["balancer"]),
+            PROMETHEUS_PORT=str(ports["prometheus"]),
+        )
         self.down_done = False
 
     def run(self, *args, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         return sh(self.compose, "-p", PROJECT, "-f", COMPOSE_FILE, *args, timeout=timeout, check=check, env=self.env)
 
     def container(self, service: str) -> str:
-        out = sh(self.podman, "ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}",
-                 "--filter", f"label=com.docker.compose.service={service}", "--format", "{{.Names}}").stdout.split()
+        out = sh(
+            self.podman,
+            "ps",
+            "-a",
+            "--filter",
+            f"label=com.docker.compose.project={PROJECT}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+            "--format",
+            "{{.Names}}",
+        ).stdout.split()
         assert len(out) == 1, (service, out)
         return out[0]
 
@@ -194,8 +221,10 @@ class Cluster:
     def admin(self, code: str) -> dict:
         """Run ``code`` (it sets ``out``) with an SDK admin client inside the leader's container:
         the admin API is on the internal network only, like every other port of a rank."""
-        script = ("import json\nfrom moeserve.client import Client\nadmin = Client('127.0.0.1:8001')\n"
-                  f"{code}\nprint(json.dumps(out))")
+        script = (
+            "import json\nfrom moeserve.client import Client\nadmin = Client('127.0.0.1:8001')\n"
+            f"{code}\nprint(json.dumps(out))"
+        )
         p = sh(self.podman, "exec", self.container("router"), "python", "-c", script, timeout=120)
         return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -225,15 +254,19 @@ def wait_for(what: str, fn, timeout_s: float, interval: float = 0.5):
             out = fn()
             if out:
                 return out
-        except Exception as e:                               # not up yet
+        except Exception as e:  # not up yet
             last = e
         time.sleep(interval)
     raise AssertionError(f"{what}: not within {timeout_s:.0f} s ({last!r})")
 
 
 def healthy(address: str) -> bool:
-    p = subprocess.run([sys.executable, "-m", "moeserve", "health", "--address", address, "--timeout", "2"],
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "moeserve", "health", "--address", address, "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return p.returncode == 0
 
 
@@ -245,7 +278,7 @@ def cluster(tmp_path_factory):
     tool("runc", "apt-get install -y runc")
     tmp = tmp_path_factory.mktemp("compose")
     leftovers = project_objects(podman)
-    if any(leftovers.values()):                  # an earlier run killed before its teardown
+    if any(leftovers.values()):  # an earlier run killed before its teardown
         Cluster(podman, compose, {k: 0 for k in ("http", "grpc", "balancer", "prometheus")}).down()
     with Phase("wheels"):
         if not list((DEPLOY / "wheels").glob("torch-2.13.0*.whl")):
@@ -255,15 +288,37 @@ def cluster(tmp_path_factory):
     with Phase("images"):
         wheels = sorted(p.name for p in (DEPLOY / "wheels").glob("*.whl"))
         base_id = sh(podman, "image", "inspect", "--format", "{{.Id}}", base).stdout.strip()
-        key = digest(base_id, wheels, tree_digest([DEPLOY / "Dockerfile", REPO / "pyproject.toml", REPO / "README.md",
-                                                  REPO / "moeserve", REPO / "router", REPO / "expert_worker",
-                                                  REPO / "balancer", REPO / "proto"]))
+        key = digest(
+            base_id,
+            wheels,
+            tree_digest(
+                [
+                    DEPLOY / "Dockerfile",
+                    REPO / "pyproject.toml",
+                    REPO / "README.md",
+                    REPO / "moeserve",
+                    REPO / "router",
+                    REPO / "expert_worker",
+                    REPO / "balancer",
+                    REPO / "proto",
+                ]
+            ),
+        )
         # --network=none: the build must need no network at all.
-        built = build(podman, IMAGE, key, "--network=none", "-f", DEPLOY / "Dockerfile", "--build-arg",
-                      f"BASE_IMAGE={base}", REPO)
+        built = build(
+            podman, IMAGE, key, "--network=none", "-f", DEPLOY / "Dockerfile", "--build-arg", f"BASE_IMAGE={base}", REPO
+        )
         prom_key = digest(base_id, tree_digest([DEPLOY / "prometheus"]))
-        build(podman, PROM_IMAGE, prom_key, "-f", DEPLOY / "prometheus/Dockerfile", "--build-arg",
-              f"BASE_IMAGE={base}", DEPLOY / "prometheus")
+        build(
+            podman,
+            PROM_IMAGE,
+            prom_key,
+            "-f",
+            DEPLOY / "prometheus/Dockerfile",
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            DEPLOY / "prometheus",
+        )
         size = int(sh(podman, "image", "inspect", "--format", "{{.Size}}", IMAGE).stdout.strip())
         report(f"image {IMAGE}: {size / 1e9:.2f} GB ({'built' if built else 'cached'})")
     with Phase("reference"):
@@ -275,6 +330,7 @@ def cluster(tmp_path_factory):
         finally:
             sh(podman, "rm", "-f", name, check=False)
         from cluster_util import reference_generate, reference_model
+
         model = reference_model(tmp / "demo")
         prompts = [[1, 2, 3], [5, 17, 42, 99, 7], [300, 200, 100, 50], list(range(10, 30))]
         reference = [reference_generate(model, p, MAX_TOKENS) for p in prompts]
@@ -289,14 +345,21 @@ def cluster(tmp_path_factory):
             try:
                 wait_for("the front end's health", lambda: healthy(f"127.0.0.1:{ports['grpc']}"), 180)
                 wait_for("the balancer's health", lambda: healthy(f"127.0.0.1:{ports['balancer']}"), 60)
-                wait_for("Prometheus ready", lambda: urllib.request.urlopen(
-                    f"http://127.0.0.1:{ports['prometheus']}/-/ready", timeout=3).status == 200, 60)
+                wait_for(
+                    "Prometheus ready",
+                    lambda: (
+                        urllib.request.urlopen(f"http://127.0.0.1:{ports['prometheus']}/-/ready", timeout=3).status
+                        == 200
+                    ),
+                    60,
+                )
             except AssertionError:
                 print(c.logs())
                 raise
         # The balancer's periodic loop paused before any traffic (kept in the state folder): every
         # placement change below is the test's own.
         from moeserve.client import Client
+
         assert Client(f"127.0.0.1:{ports['balancer']}", token=ADMIN_TOKEN, timeout=60).pause().paused
         c.prompts, c.reference = prompts, reference
         c.long_prompts, c.long_reference = long_prompts, long_reference
@@ -310,14 +373,16 @@ def cluster(tmp_path_factory):
 
 def serving(c: Cluster):
     from moeserve.client import Client
+
     return Client(f"127.0.0.1:{c.ports['grpc']}", token=API_KEY, timeout=120)
 
 
 def http(c: Cluster, path: str, body: dict | None = None, key: str | None = API_KEY):
-    req = urllib.request.Request(f"http://127.0.0.1:{c.ports['http']}{path}",
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {key}"} if key else {})})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{c.ports['http']}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -326,21 +391,24 @@ def test_greedy_tokens_through_the_sdk_and_http_equal_the_single_process_referen
     c = cluster
     with Phase("requests"):
         client = serving(c)
-        got = [client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids
-               for p in c.prompts]
+        got = [client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids for p in c.prompts]
         assert got == c.reference
         for p, want in zip(c.prompts, c.reference):
-            out = http(c, "/v1/completions", {"model": "/models/demo", "prompt": p, "max_tokens": MAX_TOKENS,
-                                              "temperature": 0, "ignore_eos": True})
+            out = http(
+                c,
+                "/v1/completions",
+                {"model": "/models/demo", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+            )
             assert out["usage"]["completion_tokens"] == MAX_TOKENS
-            assert out["choices"][0]["text"] == _detok(c, want)        # the reference ids, detokenized
-        with pytest.raises(urllib.error.HTTPError) as e:           # the API key from the environment holds
+            assert out["choices"][0]["text"] == _detok(c, want)  # the reference ids, detokenized
+        with pytest.raises(urllib.error.HTTPError) as e:  # the API key from the environment holds
             http(c, "/v1/completions", {"model": "/models/demo", "prompt": [1, 2], "max_tokens": 2}, key=None)
         assert e.value.code == 401
 
 
 def _detok(c: Cluster, ids: list[int]) -> str:
     from tokenizers import Tokenizer
+
     if not hasattr(c, "tokenizer"):
         name = f"moeserve-tok-{os.getpid()}"
         sh(c.podman, "create", "--name", name, IMAGE)
@@ -356,13 +424,18 @@ def _detok(c: Cluster, ids: list[int]) -> str:
 
 def test_a_rebalance_moves_experts_live_and_the_tokens_stay_the_reference(cluster):
     from moeserve.client import Client
+
     c = cluster
     with Phase("rebalance"):
         client = serving(c)
         bal = Client(f"127.0.0.1:{c.ports['balancer']}", token=ADMIN_TOKEN, timeout=120)
-        for _ in range(3):                                          # load for the window
-            threads = [threading.Thread(target=client.generate, kwargs=dict(prompt_token_ids=p, max_tokens=MAX_TOKENS,
-                                                                            ignore_eos=True)) for p in c.long_prompts]
+        for _ in range(3):  # load for the window
+            threads = [
+                threading.Thread(
+                    target=client.generate, kwargs=dict(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True)
+                )
+                for p in c.long_prompts
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -371,12 +444,13 @@ def test_a_rebalance_moves_experts_live_and_the_tokens_stay_the_reference(cluste
         result = bal.rebalance(wait=True)
         assert result.applied and result.slots_moved > 0, result
         assert result.balancedness_after.mean > result.balancedness_before.mean
-        after = c.admin("p = admin.placement(); s = admin.status(); "
-                        "out = [p.version, p.phy2log.tolist(), s.migration.state.name if s.migration else None]")
+        after = c.admin(
+            "p = admin.placement(); s = admin.status(); "
+            "out = [p.version, p.phy2log.tolist(), s.migration.state.name if s.migration else None]"
+        )
         assert after[0] > before[0] and after[1] != before[1], (before, after)
         assert after[1] == result.phy2log.tolist()
-        got = [client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids
-               for p in c.prompts]
+        got = [client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids for p in c.prompts]
         assert got == c.reference
         c.rebalance = result
 
@@ -408,12 +482,22 @@ def substitute(expr: str) -> str:
 def test_the_compose_prometheus_scraped_the_expert_load_and_every_dashboard_query_returns_data(cluster):
     c = cluster
     with Phase("prometheus"):
-        up = wait_for("every target up", lambda: (lambda r: len(r) == 5 and all(x["value"][1] == "1" for x in r) and r)(
-            prom_query(c, 'up{job="moeserve"}')), 60)
+        up = wait_for(
+            "every target up",
+            lambda: (lambda r: len(r) == 5 and all(x["value"][1] == "1" for x in r) and r)(
+                prom_query(c, 'up{job="moeserve"}')
+            ),
+            60,
+        )
         assert {r["metric"]["service"] for r in up} == {"router", "worker-1", "worker-2", "frontend", "balancer"}
         # a scrape may land before the leader exported the requests' load: wait for a count, not a series
-        tokens = wait_for("moeserve_expert_tokens_total > 0", lambda: (lambda r: r and float(r[0]["value"][1]) > 0 and r)(
-            prom_query(c, "sum(moeserve_expert_tokens_total)")), 60)
+        tokens = wait_for(
+            "moeserve_expert_tokens_total > 0",
+            lambda: (lambda r: r and float(r[0]["value"][1]) > 0 and r)(
+                prom_query(c, "sum(moeserve_expert_tokens_total)")
+            ),
+            60,
+        )
         assert float(tokens[0]["value"][1]) > 0
         queries = panel_queries()
         assert len(queries) > 40
@@ -437,8 +521,13 @@ def test_the_compose_prometheus_scraped_the_expert_load_and_every_dashboard_quer
         # the panels may all have data from a scrape taken before the rebalance's migration ended: wait for a
         # scrape (every 5 s) that counts its slots; the balancer may have moved some before, hence >=.
         assert c.rebalance.slots_moved > 0
-        moved = wait_for("moeserve_slots_moved_total counts the rebalance", lambda: (lambda r: r and float(
-            r[0]["value"][1]) >= c.rebalance.slots_moved and r)(prom_query(c, "moeserve_slots_moved_total")), 30)
+        moved = wait_for(
+            "moeserve_slots_moved_total counts the rebalance",
+            lambda: (lambda r: r and float(r[0]["value"][1]) >= c.rebalance.slots_moved and r)(
+                prom_query(c, "moeserve_slots_moved_total")
+            ),
+            30,
+        )
         assert float(moved[0]["value"][1]) >= c.rebalance.slots_moved
 
 
@@ -447,7 +536,7 @@ def test_a_killed_worker_container_is_restarted_and_rejoins_without_losing_a_str
     with Phase("kill a worker"):
         client = serving(c)
         placement = c.admin("out = admin.placement().phy2log.tolist()")
-        init = int(c.inspect("worker-1", "{{.State.Pid}}"))                # the container's init (init: true)
+        init = int(c.inspect("worker-1", "{{.State.Pid}}"))  # the container's init (init: true)
         (pid,) = [int(x) for x in Path(f"/proc/{init}/task/{init}/children").read_text().split()]
         assert "moeserve" in Path(f"/proc/{pid}/cmdline").read_text()
         started = c.inspect("worker-1", "{{.State.StartedAt}}")
@@ -462,7 +551,7 @@ def test_a_killed_worker_container_is_restarted_and_rejoins_without_losing_a_str
                     ids += chunk.token_ids
                     first.set()
                 results[i] = ids
-            except Exception as e:                               # reported below
+            except Exception as e:  # reported below
                 errors.append(f"stream {i}: {e!r}")
 
         threads = [threading.Thread(target=stream, args=(i, p)) for i, p in enumerate(c.long_prompts)]
@@ -470,25 +559,30 @@ def test_a_killed_worker_container_is_restarted_and_rejoins_without_losing_a_str
             t.start()
         assert first.wait(60), "no stream started"
         t_kill = time.monotonic()
-        os.kill(pid, signal.SIGKILL)          # the worker's process dies (as an OOM kill would); its init follows
+        os.kill(pid, signal.SIGKILL)  # the worker's process dies (as an OOM kill would); its init follows
         for t in threads:
             t.join(180)
         t_done = time.monotonic()
         assert not errors, errors
         assert [results[i] for i in range(len(c.long_prompts))] == c.long_reference
         # The engine restarted the container (restart: on-failure) and the new process rejoined.
-        wait_for("worker-1 restarted", lambda: c.inspect("worker-1", "{{.State.StartedAt}}") != started
-                 and c.inspect("worker-1", "{{.State.Running}}") == "true", 60)
+        wait_for(
+            "worker-1 restarted",
+            lambda: (
+                c.inspect("worker-1", "{{.State.StartedAt}}") != started
+                and c.inspect("worker-1", "{{.State.Running}}") == "true"
+            ),
+            60,
+        )
         assert int(c.inspect("worker-1", "{{.State.Pid}}")) != init
         logs = sh(c.podman, "logs", c.container("worker-1")).stderr
         assert "replaces a lost worker" in logs, logs[-2000:]
         wait_for("the front end serving again", lambda: healthy(f"127.0.0.1:{c.ports['grpc']}"), 60)
-        got = [client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids
-               for p in c.prompts]
+        got = [client.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True).token_ids for p in c.prompts]
         assert got == c.reference
         status = c.admin("s = admin.status(); p = admin.placement(); out = [s.error, p.version, p.phy2log.tolist()]")
         assert status[0] == ""
-        assert status[2] == placement                        # the placement in force stands
+        assert status[2] == placement  # the placement in force stands
         report(f"streams finished {t_done - t_kill:.1f} s after the kill")
 
 
@@ -499,8 +593,9 @@ def test_down_v_leaves_no_container_volume_or_network_behind(cluster):
         left = c.down()
         assert not left["containers"] and not left["volumes"], left
         if left["networks"]:
-            print(f"podman-compose left the networks {left['networks']} (1.0.3 removes none on down): removed",
-                  flush=True)
+            print(
+                f"podman-compose left the networks {left['networks']} (1.0.3 removes none on down): removed", flush=True
+            )
         assert not any(project_objects(c.podman).values()), project_objects(c.podman)
     total = time.monotonic() - c.t_start
     report(f"compose test: {total:.0f} s in all")

@@ -1,5 +1,6 @@
 """Must show 1: a cluster started by `moeserve up` generates, through the SDK, exactly what
 transformers generates greedily on the same checkpoint, for both families."""
+
 import subprocess
 import sys
 
@@ -18,10 +19,11 @@ def family(request, tmp_path_factory):
     model = FAMILIES[request.param](seed=5)
     path = hf_oracle.save(model, tmp_path_factory.mktemp(request.param))
     prompts = hf_oracle.prompts(3, 6, seed=1).tolist() + [[7, 8, 9]]
-    want = [hf_oracle.hf_greedy(model, torch.tensor([p]), MAX_TOKENS)[0, len(p):].tolist() for p in prompts]
+    want = [hf_oracle.hf_greedy(model, torch.tensor([p]), MAX_TOKENS)[0, len(p) :].tolist() for p in prompts]
     eos = model.config.eos_token_id
-    with_eos = [hf_oracle.hf_greedy(model, torch.tensor([p]), MAX_TOKENS, eos=eos, pad=0)[0, len(p):].tolist()
-                for p in prompts]
+    with_eos = [
+        hf_oracle.hf_greedy(model, torch.tensor([p]), MAX_TOKENS, eos=eos, pad=0)[0, len(p) :].tolist() for p in prompts
+    ]
     up = Up(path, "--routers", "1", "--workers", "2", "--enable-eplb", "--num-redundant-experts", "2")
     yield dict(name=request.param, up=up, prompts=prompts, want=want, with_eos=with_eos, eos=eos)
     up.stop()
@@ -60,8 +62,23 @@ def test_streamed_tokens_equal_the_unary_answer(family):
 @pytest.mark.timeout(300)
 def test_the_cli_generates_against_the_running_server(family):
     p = family["prompts"][1]
-    out = subprocess.run([sys.executable, "-m", "moeserve", "generate", "--address", family["up"].serving,
-                          "--prompt-ids", ",".join(map(str, p)), "--max-tokens", str(MAX_TOKENS), "--ignore-eos"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeserve",
+            "generate",
+            "--address",
+            family["up"].serving,
+            "--prompt-ids",
+            ",".join(map(str, p)),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert f"generated ids: {','.join(map(str, family['want'][1]))}" in out.stdout

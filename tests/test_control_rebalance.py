@@ -4,6 +4,7 @@ balancer's own loop) complete, raise balancedness, change no token and lose no r
 balancer killed mid-run comes back and its loop resumes while serving goes on; hammering the
 admin and balancer APIs during generation changes nothing; and every bad input answers the
 right status with a message saying what was wrong, leaving the cluster serving."""
+
 import threading
 import time
 
@@ -18,7 +19,7 @@ from moeserve.client import Client, MoeserveError
 STREAMS = 32
 MAX_TOKENS = 40
 MAX_MODEL_LEN = 256
-QUIET = "1000000"                         # a step interval the loop never reaches
+QUIET = "1000000"  # a step interval the loop never reaches
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +29,39 @@ def setup(tmp_path_factory):
     model = reference_model(path)
     prompts = prompts_for(model.config.vocab_size, lengths=[3 + i % 9 for i in range(STREAMS)], seed=7)
     want = [reference_generate(model, p, MAX_TOKENS) for p in prompts]
-    up = Up(path, "--routers", "2", "--workers", "2", "--enable-eplb", "--num-redundant-experts", "2",
-            "--migration-bytes-per-step", str(info.expert_bytes), "--eplb-step-interval", QUIET,
-            "--balancer-poll-interval", "0.2", "--max-model-len", str(MAX_MODEL_LEN), "--max-message-bytes",
-            str(1 << 20))
+    up = Up(
+        path,
+        "--routers",
+        "2",
+        "--workers",
+        "2",
+        "--enable-eplb",
+        "--num-redundant-experts",
+        "2",
+        "--migration-bytes-per-step",
+        str(info.expert_bytes),
+        "--eplb-step-interval",
+        QUIET,
+        "--balancer-poll-interval",
+        "0.2",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-message-bytes",
+        str(1 << 20),
+    )
     serving, admin, balancer = up.clients()
     initial = admin.placement().phy2log
-    yield dict(up=up, info=info, prompts=prompts, want=want, serving=serving, admin=admin, balancer=balancer,
-               initial=initial, vocab=model.config.vocab_size)
+    yield dict(
+        up=up,
+        info=info,
+        prompts=prompts,
+        want=want,
+        serving=serving,
+        admin=admin,
+        balancer=balancer,
+        initial=initial,
+        vocab=model.config.vocab_size,
+    )
     up.stop()
 
 
@@ -62,7 +88,7 @@ def run_streams(s, during=None, prompts=None):
         t.join(240)
     assert not errors, errors
     assert all(r is not None for r in results), "a request was lost"
-    assert [r[0] for r in results] == s["want"][:len(prompts)]      # no token changed
+    assert [r[0] for r in results] == s["want"][: len(prompts)]  # no token changed
     assert all(r[1] == "length" for r in results)
     return out
 
@@ -82,8 +108,9 @@ def test_an_sdk_rebalance_under_32_streams_completes_raises_balancedness_and_cha
     # can be worse than the start on the window after them (seen in CI: 0.928 against 0.942),
     # which is the balancer's to fix (issue 15), not this test's to hide; it reports, not asserts.
     from moeserve.placement import balancedness
+
     load = s["admin"].expert_load()
-    assert load.histogram.shape[:2] == load.load.shape and load.histogram.sum() > 0      # through the SDK
+    assert load.histogram.shape[:2] == load.load.shape and load.histogram.sum() > 0  # through the SDK
     assert load.slot_busy_steps.shape == after.phy2log.shape
     now = balancedness(load.load, after.phy2log, after.num_workers).mean()
     before = balancedness(load.load, s["initial"], after.num_workers).mean()
@@ -116,14 +143,15 @@ def test_the_balancer_killed_mid_run_comes_back_serving_never_stops_and_its_loop
     s, up = setup, setup["up"]
     v0 = back_to_the_skewed_start(s)
     old = up.child("balancer")
-    s["balancer"].pause()                                    # settings live on the leader: they survive
+    s["balancer"].pause()  # settings live on the leader: they survive
 
     def kill_and_wait():
         import os
         import signal
+
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + 90
-        while True:                                          # `up` starts a new balancer; it finds the settings
+        while True:  # `up` starts a new balancer; it finds the settings
             new = up.child("balancer")
             if new not in (None, old):
                 try:
@@ -135,7 +163,7 @@ def test_the_balancer_killed_mid_run_comes_back_serving_never_stops_and_its_loop
             assert time.monotonic() < deadline, up.logs()
             time.sleep(0.1)
 
-    new, st = run_streams(s, during=kill_and_wait)          # serving went on through the restart
+    new, st = run_streams(s, during=kill_and_wait)  # serving went on through the restart
     assert not alive(old)
     assert st.paused and st.rebalances == 0
     b = Client(up.balancer, TOKEN)
@@ -157,13 +185,19 @@ def test_hammering_admin_and_balancer_during_generation_changes_nothing(setup):
     s, up = setup, setup["up"]
     back_to_the_skewed_start(s)
     version = s["admin"].placement().version
-    calls = [lambda a, b: a.placement(), lambda a, b: a.expert_load(), lambda a, b: a.status(),
-             lambda a, b: a.dump_load(), lambda a, b: b.balancer_status(), lambda a, b: b.rebalance(dry_run=True)]
+    calls = [
+        lambda a, b: a.placement(),
+        lambda a, b: a.expert_load(),
+        lambda a, b: a.status(),
+        lambda a, b: a.dump_load(),
+        lambda a, b: b.balancer_status(),
+        lambda a, b: b.rebalance(dry_run=True),
+    ]
     done, failures = [], []
 
     def hammer(k):
         a, b = Client(up.admin, TOKEN, timeout=30), Client(up.balancer, TOKEN, timeout=30)
-        for i in range(k, 100, 8):                           # 100 calls over 8 threads
+        for i in range(k, 100, 8):  # 100 calls over 8 threads
             try:
                 calls[i % len(calls)](a, b)
                 done.append(i)
@@ -190,7 +224,7 @@ def test_a_stream_whose_client_goes_away_is_cancelled(setup):
     gen = s["serving"].generate_stream(prompt_token_ids=[5, 6, 7], max_tokens=200, ignore_eos=True)
     next(gen), next(gen)
     assert s["admin"].status().running >= 1
-    gen.close()                                              # the client leaves
+    gen.close()  # the client leaves
     deadline = time.monotonic() + 10
     while s["admin"].status().running:
         assert time.monotonic() < deadline
@@ -198,6 +232,7 @@ def test_a_stream_whose_client_goes_away_is_cancelled(setup):
 
 
 # -- Must show 3: the bad-input table ------------------------------------------------------------
+
 
 def _wrong_shape(s, p):
     s["admin"].apply_placement(p.phy2log[:, :-1], expected_version=p.version)
@@ -232,18 +267,36 @@ def _balancer_no_token(s, p):
 
 
 BAD = {  # name: (call, status, what the message says)
-    "empty prompt": (lambda s, p: s["serving"].generate(prompt_token_ids=[], max_tokens=4),
-                     grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
-    "token id outside the vocabulary": (lambda s, p: s["serving"].generate(prompt_token_ids=[5, s["vocab"] + 3]),
-                                        grpc.StatusCode.INVALID_ARGUMENT, r"outside the vocabulary \[0, 512\)"),
-    "max_tokens 0": (lambda s, p: s["serving"].generate(prompt_token_ids=[5], max_tokens=0),
-                     grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1, got 0"),
-    "max_tokens negative": (lambda s, p: s["serving"].generate(prompt_token_ids=[5], max_tokens=-3),
-                            grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1, got -3"),
-    "max_tokens above the limit": (lambda s, p: s["serving"].generate(prompt_token_ids=[5, 6], max_tokens=MAX_MODEL_LEN),
-                                   grpc.StatusCode.INVALID_ARGUMENT, f"exceeds max_model_len {MAX_MODEL_LEN}"),
-    "temperature below 0": (lambda s, p: s["serving"].generate(prompt_token_ids=[5], temperature=-0.5),
-                            grpc.StatusCode.INVALID_ARGUMENT, "temperature must be a finite number >= 0"),
+    "empty prompt": (
+        lambda s, p: s["serving"].generate(prompt_token_ids=[], max_tokens=4),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt is empty",
+    ),
+    "token id outside the vocabulary": (
+        lambda s, p: s["serving"].generate(prompt_token_ids=[5, s["vocab"] + 3]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        r"outside the vocabulary \[0, 512\)",
+    ),
+    "max_tokens 0": (
+        lambda s, p: s["serving"].generate(prompt_token_ids=[5], max_tokens=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens must be >= 1, got 0",
+    ),
+    "max_tokens negative": (
+        lambda s, p: s["serving"].generate(prompt_token_ids=[5], max_tokens=-3),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens must be >= 1, got -3",
+    ),
+    "max_tokens above the limit": (
+        lambda s, p: s["serving"].generate(prompt_token_ids=[5, 6], max_tokens=MAX_MODEL_LEN),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"exceeds max_model_len {MAX_MODEL_LEN}",
+    ),
+    "temperature below 0": (
+        lambda s, p: s["serving"].generate(prompt_token_ids=[5], temperature=-0.5),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature must be a finite number >= 0",
+    ),
     "placement of the wrong shape": (_wrong_shape, grpc.StatusCode.INVALID_ARGUMENT, r"shape \(3, 9\), expected"),
     "placement with an expert missing": (_missing, grpc.StatusCode.INVALID_ARGUMENT, "logical expert 0 has no replica"),
     "placement with ids out of range": (_out_of_range, grpc.StatusCode.INVALID_ARGUMENT, "99 is out of range 0..7"),
@@ -280,7 +333,7 @@ def test_bad_input_answers_the_right_status_and_changes_nothing(setup, name, mon
 @pytest.mark.timeout(300)
 def test_a_rebalance_while_one_runs_is_aborted(setup):
     s = setup
-    for attempt in range(3):                                 # needs the two to overlap: retry if the first was quick
+    for attempt in range(3):  # needs the two to overlap: retry if the first was quick
         back_to_the_skewed_start(s)
         first = {}
         t = threading.Thread(target=lambda: first.update(res=s["balancer"].rebalance(wait=True)))
@@ -304,14 +357,16 @@ def test_a_rebalance_while_one_runs_is_aborted(setup):
     assert second.code == grpc.StatusCode.ABORTED
     assert "already running" in second.message
     assert first["res"].applied and first["res"].migration.state == "done"
-    np.testing.assert_array_equal(s["admin"].placement().phy2log, first["res"].phy2log)   # the first one's plan only
+    np.testing.assert_array_equal(s["admin"].placement().phy2log, first["res"].phy2log)  # the first one's plan only
 
 
 # -- the operator's command line against the same cluster ---------------------------------------
 
+
 def cli(*args, ok=True):
     import subprocess
     import sys
+
     out = subprocess.run([sys.executable, "-m", "moeserve", *args], capture_output=True, text=True, timeout=120)
     if ok:
         assert out.returncode == 0, out.stdout + out.stderr
@@ -322,6 +377,7 @@ def cli(*args, ok=True):
 def test_the_cli_shows_dumps_and_applies_placements_and_reads_load_and_status(setup, tmp_path):
     import json
     from cluster_util import random_placement
+
     s, up = setup, setup["up"]
     back_to_the_skewed_start(s)
     auth = ("--admin-token", TOKEN)
@@ -365,16 +421,18 @@ def test_a_generation_past_its_deadline_is_cancelled_on_the_leader(setup):
 def test_the_front_end_killed_comes_back_and_clients_that_retry_are_served(setup):
     import os
     import signal
+
     s, up = setup, setup["up"]
     old = up.child("frontend")
     os.kill(old, signal.SIGKILL)
     deadline = time.monotonic() + 90
     served = None
-    while served is None:                                    # a client that retries, as a user would
+    while served is None:  # a client that retries, as a user would
         assert time.monotonic() < deadline, up.logs()
         try:
-            served = Client(up.serving, timeout=10).generate(prompt_token_ids=s["prompts"][0], max_tokens=MAX_TOKENS,
-                                                             ignore_eos=True)
+            served = Client(up.serving, timeout=10).generate(
+                prompt_token_ids=s["prompts"][0], max_tokens=MAX_TOKENS, ignore_eos=True
+            )
         except MoeserveError as e:
             assert e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e
             time.sleep(0.2)

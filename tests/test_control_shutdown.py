@@ -1,5 +1,6 @@
 """Must show 6: SIGTERM on `moeserve up` lets in-flight requests finish, refuses new ones, and
 then every process of the cluster exits (no orphans)."""
+
 import signal
 import time
 
@@ -23,20 +24,20 @@ def test_sigterm_lets_in_flight_requests_finish_then_every_process_exits(tmp_pat
     try:
         serving, admin, _ = up.clients()
         pids = [up.proc.pid] + children_of(up.proc.pid)
-        assert len(pids) == 1 + 3 + 2                        # up, 3 ranks, front end, balancer
+        assert len(pids) == 1 + 3 + 2  # up, 3 ranks, front end, balancer
         results, errors = [None] * len(prompts), []
         threads = stream_all(serving, prompts, MAX_TOKENS, results, errors, ignore_eos=True)
-        while admin.status().running < len(prompts):         # every request is in flight
+        while admin.status().running < len(prompts):  # every request is in flight
             time.sleep(0.02)
         up.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        with pytest.raises(MoeserveError) as e:                # the front end takes nothing new
+        with pytest.raises(MoeserveError) as e:  # the front end takes nothing new
             Client(up.serving, timeout=5).generate(prompt_token_ids=[5, 6], max_tokens=2)
         assert e.value.code == grpc.StatusCode.UNAVAILABLE
         for t in threads:
             t.join(120)
         assert not errors, errors
-        assert [r[0] for r in results] == want                 # in-flight requests finished, whole
+        assert [r[0] for r in results] == want  # in-flight requests finished, whole
         assert all(r[1] == "length" for r in results)
         assert up.proc.wait(90) == 0
         deadline = time.monotonic() + 30

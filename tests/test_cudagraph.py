@@ -1,5 +1,6 @@
 """moeserve.kernels.cudagraph.capture: what it asks of torch.cuda, checked with a stand-in (no GPU here;
 the serving benchmark's GPU runs capture for real)."""
+
 import pytest
 import torch
 
@@ -37,7 +38,9 @@ def fake_cuda(monkeypatch):
     def refuse(name):
         def f(*a, **k):
             raise AssertionError(f"capture must not call {name}: it flushes the allocator caches mid-serving")
+
         return f
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(("sync",)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Stream", lambda: "side")
@@ -54,7 +57,7 @@ def test_capture_syncs_records_on_a_side_stream_and_keeps_the_caches(fake_cuda):
     with cudagraph.capture(g, pool="pool"):
         fake_cuda.append(("body", torch.cuda.current_stream()))
     assert fake_cuda == [("sync",), ("begin", "pool", "thread_local", "side"), ("body", "side"), ("end",)]
-    assert torch.cuda.current_stream() == "default"          # the side stream is left afterwards
+    assert torch.cuda.current_stream() == "default"  # the side stream is left afterwards
 
 
 def test_a_failing_body_still_ends_the_capture(fake_cuda):

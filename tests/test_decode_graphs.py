@@ -4,6 +4,7 @@ On CPU nothing is captured: every step runs the padded batch eagerly through the
 and the same scratch block a CUDA graph would use, so these tests check the padding itself:
 real rows equal an unpadded step, padded rows write only the scratch block.
 """
+
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def test_bucket_sizes_cover_every_batch_up_to_the_limit():
         assert sizes == sorted(set(sizes)) and sizes[-1] == m
         for s in range(1, m + 1):
             b = next(x for x in sizes if x >= s)
-            assert b - s < max(16, s)                       # never more than one bucket step of padding
+            assert b - s < max(16, s)  # never more than one bucket step of padding
     assert bucket_sizes(256)[:5] == [1, 2, 4, 8, 16] and bucket_sizes(256)[-1] == 256
 
 
@@ -54,7 +55,7 @@ def test_padded_decode_steps_equal_unpadded_ones_and_touch_only_the_scratch_bloc
     prompts = [torch.randint(3, v, (n,)).tolist() for n in (5, 9, 3)]
     num_blocks = 16
     tables = [[0, 1, 2], [3, 4, 5, 6], [7, 8]]
-    padded = model.new_paged_cache(num_blocks + 1, BS)           # + the scratch block
+    padded = model.new_paged_cache(num_blocks + 1, BS)  # + the scratch block
     plain = model.new_paged_cache(num_blocks, BS)
     graphs = DecodeGraphs(model, padded, None, BS, max_seqs=4, max_model_len=16)
     assert graphs.scratch == num_blocks and graphs.sizes == [1, 2, 4]
@@ -64,9 +65,9 @@ def test_padded_decode_steps_equal_unpadded_ones_and_touch_only_the_scratch_bloc
     tokens = a.argmax(-1).tolist()
     starts = [len(p) for p in prompts]
     for step in range(5):
-        got = graphs.run(tokens, starts, tables, step)                              # [3, V]
+        got = graphs.run(tokens, starts, tables, step)  # [3, V]
         batch = PagedBatch.build([1, 1, 1], starts, tables, BS)
-        want = model.logits(model.step(torch.tensor(tokens), batch, plain))       # [3, V]
+        want = model.logits(model.step(torch.tensor(tokens), batch, plain))  # [3, V]
         assert got.shape == want.shape
         assert (got.float() - want.float()).abs().max() < 1e-4, step
         tokens = want.argmax(-1).tolist()
@@ -75,15 +76,15 @@ def test_padded_decode_steps_equal_unpadded_ones_and_touch_only_the_scratch_bloc
         real = slice(0, num_blocks * BS)
         torch.testing.assert_close(padded.k[layer][real], plain.k[layer][real], rtol=0, atol=1e-5)
         torch.testing.assert_close(padded.v[layer][real], plain.v[layer][real], rtol=0, atol=1e-5)
-        assert padded.k[layer][num_blocks * BS:].abs().sum() > 0           # the padded row wrote its scratch slot
+        assert padded.k[layer][num_blocks * BS :].abs().sum() > 0  # the padded row wrote its scratch slot
 
 
 def test_a_batch_that_does_not_fit_is_left_to_the_eager_path(model):
     cache = model.new_paged_cache(9, BS)
-    graphs = DecodeGraphs(model, cache, None, BS, max_seqs=2, max_model_len=8)   # tables of 2 blocks at most
+    graphs = DecodeGraphs(model, cache, None, BS, max_seqs=2, max_model_len=8)  # tables of 2 blocks at most
     assert graphs.fits(2, [[0, 1], [2]])
-    assert not graphs.fits(3, [[0], [1], [2]])                   # more sequences than the largest bucket
-    assert not graphs.fits(1, [[0, 1, 2]])                       # a table wider than max_model_len allows
+    assert not graphs.fits(3, [[0], [1], [2]])  # more sequences than the largest bucket
+    assert not graphs.fits(1, [[0, 1, 2]])  # a table wider than max_model_len allows
     assert not graphs.fits(0, [])
 
 
@@ -93,7 +94,7 @@ def test_ids_taken_from_the_device_token_buffer_equal_ids_sent_by_the_host(model
     ids sent by the host."""
     from moeserve.router.runner import RouterRunner
 
-    class Tokens:                                   # the runner's device token buffer, alone
+    class Tokens:  # the runner's device token buffer, alone
         tok_buf = torch.zeros(8, dtype=torch.long)
         select_ids = RouterRunner.select_ids
 
@@ -105,7 +106,7 @@ def test_ids_taken_from_the_device_token_buffer_equal_ids_sent_by_the_host(model
     graphs = [DecodeGraphs(model, c, None, BS, max_seqs=4, max_model_len=8) for c in caches]
     tokens = _prefill(model, caches[0], prompts, tables).argmax(-1).tolist()
     _prefill(model, caches[1], prompts, tables)
-    src = [5, -1, 1]                                # rows 0 and 2 from the buffer, row 1 from the host
+    src = [5, -1, 1]  # rows 0 and 2 from the buffer, row 1 from the host
     toks = Tokens()
     toks.tok_buf[5], toks.tok_buf[1] = tokens[0], tokens[2]
     starts = [len(p) for p in prompts]
@@ -129,11 +130,11 @@ def test_warmup_keys_reach_every_key_a_decode_step_can_use_and_warmup_touches_on
         b = next(x for x in graphs.sizes if x >= s)
         for msl in range(1, 2049, 7):
             assert (b, graphs._ns(b, msl)) in got, (s, msl)
-    assert len({ns for _, ns in got}) > 1                    # the split does vary on this GPU
+    assert len({ns for _, ns in got}) > 1  # the split does vary on this GPU
     graphs.sms = None
     before = [(k.clone(), v.clone()) for k, v in zip(cache.k, cache.v)]
-    graphs.warmup(4, 7, 0)                                   # bucket 4, the longest sequence 7 tokens
+    graphs.warmup(4, 7, 0)  # bucket 4, the longest sequence 7 tokens
     real = slice(0, 8 * BS)
     for layer, (k, v) in enumerate(before):
         assert torch.equal(cache.k[layer][real], k[real]) and torch.equal(cache.v[layer][real], v[real])
-        assert not torch.equal(cache.k[layer][8 * BS:], k[8 * BS:])      # the scratch block was written
+        assert not torch.equal(cache.k[layer][8 * BS :], k[8 * BS :])  # the scratch block was written

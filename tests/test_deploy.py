@@ -2,6 +2,7 @@
 every service command is a real ``moeserve`` subcommand with real flags, Prometheus scrapes
 every service, Grafana's provisioning and dashboards fit together; the offline variant's
 moeserve services are the base file's. tests/test_compose_live.py starts the cluster for real."""
+
 import json
 import os
 import re
@@ -30,8 +31,9 @@ def compose(*files: Path, env: dict | None = None) -> subprocess.CompletedProces
         args += ["-f", str(f)]
     e = {k: v for k, v in os.environ.items() if not k.startswith("MOESERVE_")}
     e.update(ENV if env is None else env)
-    return subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True, env=e,
-                          timeout=60, cwd=DEPLOY)
+    return subprocess.run(
+        args + ["config", "--format", "json"], capture_output=True, text=True, env=e, timeout=60, cwd=DEPLOY
+    )
 
 
 def config(*files: Path) -> dict:
@@ -43,7 +45,8 @@ def config(*files: Path) -> dict:
 @pytest.fixture(scope="module", params=["cpu", "gpu", "offline"])
 def project(request) -> dict:
     return {"cpu": lambda: config(BASE), "gpu": lambda: config(BASE, GPU), "offline": lambda: config(OFFLINE)}[
-        request.param]()
+        request.param
+    ]()
 
 
 def moeserve_services(project: dict) -> dict:
@@ -71,7 +74,7 @@ def test_the_offline_variant_has_the_base_files_moeserve_services_a_local_promet
 
 def test_the_compose_file_takes_secrets_from_the_environment_and_keeps_state_on_a_named_volume():
     svc = config(BASE)["services"]
-    assert svc["frontend"]["environment"].get("MOESERVE_API_KEY") is None      # passed through when set
+    assert svc["frontend"]["environment"].get("MOESERVE_API_KEY") is None  # passed through when set
     p = compose(BASE, env={**ENV, "MOESERVE_API_KEY": "k"})
     assert json.loads(p.stdout)["services"]["frontend"]["environment"]["MOESERVE_API_KEY"] == "k"
     for name in ("router", "worker-1", "worker-2"):
@@ -79,18 +82,21 @@ def test_the_compose_file_takes_secrets_from_the_environment_and_keeps_state_on_
         state = cmd[cmd.index("--state-dir") + 1]
         (vol,) = [v for v in svc[name]["volumes"] if v["target"] == state]
         assert vol["type"] == "volume" and vol["source"] == "state"
-        assert vol.get("read_only", False) is (name != "router")      # the leader writes, workers read at start
+        assert vol.get("read_only", False) is (name != "router")  # the leader writes, workers read at start
     assert svc["worker-1"]["restart"] == svc["worker-2"]["restart"] == "on-failure"
     front = svc["frontend"]["command"]
     assert front[front.index("--http-port") + 1] == "8000" and front[front.index("--port") + 1] == "8003"
     assert {(p["target"], p["published"]) for p in svc["frontend"]["ports"]} == {(8000, "8000"), (8003, "8003")}
 
 
-@pytest.mark.parametrize("breakage,message", [
-    (lambda d: d["services"]["router"].update(bogus_key=1), "bogus_key"),
-    (lambda d: d["services"]["frontend"]["depends_on"].update(nowhere={"condition": "service_healthy"}), "nowhere"),
-    (lambda d: d["services"]["worker-1"].update(shm_size=[1, 2]), "shm_size"),
-])
+@pytest.mark.parametrize(
+    "breakage,message",
+    [
+        (lambda d: d["services"]["router"].update(bogus_key=1), "bogus_key"),
+        (lambda d: d["services"]["frontend"]["depends_on"].update(nowhere={"condition": "service_healthy"}), "nowhere"),
+        (lambda d: d["services"]["worker-1"].update(shm_size=[1, 2]), "shm_size"),
+    ],
+)
 def test_a_broken_compose_file_fails_validation(tmp_path, breakage, message):
     d = yaml.safe_load(BASE.read_text())
     breakage(d)
@@ -155,7 +161,7 @@ def test_the_dockerfile_copies_what_the_package_needs_and_takes_a_cuda_base_as_a
     # Offline: the wheels of scripts/image-wheels, bind-mounted (never in a layer), with --no-index.
     assert text.count("--mount=type=bind,source=deploy,target=/tmp/deploy") == 3
     assert text.count("--no-index --find-links /tmp/deploy/wheels") == 3
-    assert not re.search(r"^VOLUME", text, re.M)      # an anonymous volume per service would outlive `down -v`
+    assert not re.search(r"^VOLUME", text, re.M)  # an anonymous volume per service would outlive `down -v`
     for src in re.findall(r"^COPY (.+) \S+$", text, re.M):
         for part in src.split():
             assert (REPO / part).exists(), f"COPY {part}: not in the repository"
@@ -165,8 +171,12 @@ def test_the_dockerfile_copies_what_the_package_needs_and_takes_a_cuda_base_as_a
 
 
 def test_prometheus_config_is_valid_and_scrapes_every_moeserve_service():
-    p = subprocess.run([promtool(), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [promtool(), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
@@ -229,6 +239,7 @@ def parse(argv: list[str], environment: dict, monkeypatch):
     """Parse a ``moeserve ...`` argv with moeserve's own CLI parser, in the service's environment
     (the rank flags default to RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     from moeserve.cli import build_parser
+
     assert argv[0] == "moeserve", argv
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -258,6 +269,6 @@ def test_the_command_check_has_teeth(monkeypatch):
     with pytest.raises(AssertionError, match="refused"):
         parse(["moeserve", "worker", "--model", "/m", "--no-such-flag"], {"RANK": "1", "WORLD_SIZE": "3"}, monkeypatch)
     with pytest.raises(AssertionError, match="refused"):
-        parse(["moeserve", "worker", "--model", "/m"], {}, monkeypatch)          # no rank anywhere
+        parse(["moeserve", "worker", "--model", "/m"], {}, monkeypatch)  # no rank anywhere
     with pytest.raises(AssertionError, match="refused"):
         parse(["moeserve", "serve-everything"], {}, monkeypatch)

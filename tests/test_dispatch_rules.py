@@ -1,4 +1,5 @@
 """The dispatch wire format's rules, without processes: replica choice and row layouts."""
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,12 @@ def test_replicas_get_an_even_split_even_when_k_shares_a_factor_with_the_replica
     # The flat-index rule would send every such pair to one replica; the per-expert ordinal
     # splits them 10/10/10.
     t, k, e = 30, 6, 8
-    ids = torch.stack([torch.tensor([0] + list(np.random.default_rng(i).choice(np.arange(1, e), k - 1, replace=False)))
-                       for i in range(t)])
+    ids = torch.stack(
+        [
+            torch.tensor([0] + list(np.random.default_rng(i).choice(np.arange(1, e), k - 1, replace=False)))
+            for i in range(t)
+        ]
+    )
     phy2log = [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2]
     m = maps_for(phy2log, e, 4)
     slots = choose_slots(ids, m.log2phy[0], m.logcnt[0], offset=5)
@@ -28,7 +33,7 @@ def test_replicas_get_an_even_split_even_when_k_shares_a_factor_with_the_replica
 
 
 def test_replica_counts_differ_by_at_most_one_and_offset_rotates_the_remainder():
-    ids = torch.zeros(7, 1, dtype=torch.long)                       # 7 pairs to expert 0, 2 replicas
+    ids = torch.zeros(7, 1, dtype=torch.long)  # 7 pairs to expert 0, 2 replicas
     m = maps_for([0, 1, 0, 1], 2, 3)
     a = torch.bincount(choose_slots(ids, m.log2phy[0], m.logcnt[0], 0), minlength=4)
     b = torch.bincount(choose_slots(ids, m.log2phy[0], m.logcnt[0], 1), minlength=4)
@@ -53,7 +58,7 @@ def test_router_maps_list_replicas_in_slot_order_padded_with_minus_one():
 def test_slot_major_index_groups_rows_of_all_sources_by_slot():
     # 3 source ranks, 2 slots; received layout = source-major blocks, slots ascending inside.
     counts = torch.tensor([[2, 1], [0, 3], [1, 0]])
-    labels = []                                                   # (source, slot) of each received row
+    labels = []  # (source, slot) of each received row
     for src in range(3):
         for slot in range(2):
             labels += [(src, slot)] * int(counts[src, slot])
@@ -61,14 +66,17 @@ def test_slot_major_index_groups_rows_of_all_sources_by_slot():
     assert per_slot == [3, 4] and offs.tolist() == [3, 7]
     regrouped = [labels[i] for i in index.tolist()]
     assert [s for _, s in regrouped] == [0, 0, 0, 1, 1, 1, 1]
-    assert [src for src, _ in regrouped] == [0, 0, 2, 0, 1, 1, 1]   # sources keep their order inside a slot
+    assert [src for src, _ in regrouped] == [0, 0, 2, 0, 1, 1, 1]  # sources keep their order inside a slot
 
 
-@pytest.mark.parametrize("routers,workers,colocated,slots,err", [
-    (1, 3, False, 8, r"\(E \+ R\) % W != 0"),
-    (2, 3, True, 6, "must equal workers"),
-    (0, 1, False, 4, "at least one router"),
-])
+@pytest.mark.parametrize(
+    "routers,workers,colocated,slots,err",
+    [
+        (1, 3, False, 8, r"\(E \+ R\) % W != 0"),
+        (2, 3, True, 6, "must equal workers"),
+        (0, 1, False, 4, "at least one router"),
+    ],
+)
 def test_topology_rejects_impossible_shapes_naming_the_rule(routers, workers, colocated, slots, err):
     with pytest.raises(ValueError, match=err):
         Topology.build(routers, workers, colocated, slots)

@@ -1,6 +1,7 @@
 """``load_format="dummy"``: seeded random weights from config.json alone, the same bytes for a
 tensor or an expert in every reader and on every rank, so a cluster (redundant replicas, a live
 migration) generates what the single-process model with the same dummy weights generates."""
+
 import shutil
 import threading
 import time
@@ -49,7 +50,7 @@ def test_two_readers_make_identical_tensors_whatever_they_read_before(tmp_path, 
     a, b = DummyReader(path), DummyReader(path)
     names = a.names()
     assert names == sorted(CheckpointReader(init_model(tmp_path / "ref", family, seed=5)).names())
-    for name in reversed(names):                     # b reads in the other order
+    for name in reversed(names):  # b reads in the other order
         b.read(name)
     for name in names:
         ta, tb = a.read(name), b.read(name)
@@ -59,7 +60,7 @@ def test_two_readers_make_identical_tensors_whatever_they_read_before(tmp_path, 
             assert 0 < ta.abs().max() <= 1e-3 and len(ta.unique()) > 1, name
         else:
             assert torch.equal(ta, torch.ones_like(ta))
-    assert 2 * a.bytes_read == b.bytes_read > 0 and 2 * a.tensors_read == b.tensors_read   # b read everything twice
+    assert 2 * a.bytes_read == b.bytes_read > 0 and 2 * a.tensors_read == b.tensors_read  # b read everything twice
     # An expert read alone equals its share of the whole (fused or per-expert) tensors, in any
     # order, and a bf16 read is the float32 numbers rounded.
     layer, e = a.config.num_moe_layers - 1, a.config.num_experts - 1
@@ -80,7 +81,7 @@ def test_two_readers_make_identical_tensors_whatever_they_read_before(tmp_path, 
 def test_load_model_dummy_needs_only_config_json_and_the_load_format_is_checked(tmp_path):
     path = config_only(tmp_path, "llama4")
     with pytest.raises(CheckpointError):
-        load_model(path)                             # auto: the safetensors files are missing
+        load_model(path)  # auto: the safetensors files are missing
     m1 = load_model(path, load_format="dummy")
     m2 = load_model(path, reader=DummyReader(path))
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -89,7 +90,10 @@ def test_load_model_dummy_needs_only_config_json_and_the_load_format_is_checked(
         load_model(path, load_format="nope")
     with pytest.raises(ValueError, match="load_format"):
         ClusterConfig(model_dir=str(path), load_format="nope")
-    assert ClusterConfig.from_json(ClusterConfig(model_dir=str(path), load_format="dummy").to_json()).load_format == "dummy"
+    assert (
+        ClusterConfig.from_json(ClusterConfig(model_dir=str(path), load_format="dummy").to_json()).load_format
+        == "dummy"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -104,26 +108,35 @@ def test_cluster_with_dummy_weights_generates_the_single_process_tokens_through_
     slots = info.num_logical_experts + REDUNDANT
     start = random_placement(info.num_moe_layers, info.num_logical_experts, slots, seed=1)
     target = random_placement(info.num_moe_layers, info.num_logical_experts, slots, seed=2)
-    with LocalCluster(path, routers=1, workers=WORKERS, num_redundant_experts=REDUNDANT, placement=start,
-                      load_format="dummy", migration_bytes_per_step=info.expert_bytes) as c:
+    with LocalCluster(
+        path,
+        routers=1,
+        workers=WORKERS,
+        num_redundant_experts=REDUNDANT,
+        placement=start,
+        load_format="dummy",
+        migration_bytes_per_step=info.expert_bytes,
+    ) as c:
         assert c.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True) == tokens
-        assert_workers_hold(c, start, digests)         # replicas on both workers are bit-identical
+        assert_workers_hold(c, start, digests)  # replicas on both workers are bit-identical
         result = {}
-        t = threading.Thread(target=lambda: result.update(out=c.generate(prompts, max_tokens=MAX_TOKENS,
-                                                                         ignore_eos=True)))
+        t = threading.Thread(
+            target=lambda: result.update(out=c.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True))
+        )
         t.start()
         time.sleep(0.2)
-        c.apply_placement(target, wait=True)           # one expert per worker per step: spans many steps
+        c.apply_placement(target, wait=True)  # one expert per worker per step: spans many steps
         t.join(120)
         assert result["out"] == tokens
         np.testing.assert_array_equal(c.placement().phy2log, target)
-        assert_workers_hold(c, target, digests)        # a moved expert equals the one read in place
+        assert_workers_hold(c, target, digests)  # a moved expert equals the one read in place
         assert c.generate(prompts, max_tokens=MAX_TOKENS, ignore_eos=True) == tokens
 
 
 def routed_ids(model, prompts: int = 8, length: int = 64, seed: int = 3) -> list[torch.Tensor]:
     """The expert ids [T, K] every MoE layer routes a prefill of random prompts to."""
     from moeserve.models.cache import StepBatch
+
     cfg = model.config
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, cfg.vocab_size, (prompts * length,), generator=gen)
@@ -144,20 +157,26 @@ def routed_ids(model, prompts: int = 8, length: int = 64, seed: int = 3) -> list
 @pytest.mark.parametrize("family", ["llama4", "ernie45"])
 def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_path, family, monkeypatch):
     from moeserve.models.dummy import HOT_CONFIG_KEY, HOT_ENV, hot_margin, parse_hot
+
     monkeypatch.delenv(HOT_ENV, raising=False)
     path = config_only(tmp_path, family)
     plain = DummyReader(path)
     assert plain.hot is None and plain.hot_experts(0) == []
     k = 2
     cfg = plain.config
-    share = 0.8 if family == "llama4" else 0.9 * k / cfg.top_k       # ERNIE top-4: at most k / top_k
+    share = 0.8 if family == "llama4" else 0.9 * k / cfg.top_k  # ERNIE top-4: at most k / top_k
     hot = DummyReader(path, hot=(k, share))
     # Only the embedding (Llama 4) and the routers' hot parameters differ from the plain weights.
     differ = [n for n in plain.names() if not torch.equal(plain.read(n), hot.read(n))]
-    allowed = ("router.weight", "embed_tokens.weight") if family == "llama4" else \
-        ("e_score_correction_bias", "embed_tokens.weight")
+    allowed = (
+        ("router.weight", "embed_tokens.weight")
+        if family == "llama4"
+        else ("e_score_correction_bias", "embed_tokens.weight")
+    )
     assert differ and all(n.endswith(allowed) for n in differ), differ
-    assert all(torch.equal(DummyReader(path, hot=(k, share)).read(n), hot.read(n)) for n in differ)  # same on every rank
+    assert all(
+        torch.equal(DummyReader(path, hot=(k, share)).read(n), hot.read(n)) for n in differ
+    )  # same on every rank
     layers = hot.config.num_moe_layers
     hot_ids = [hot.hot_experts(m) for m in range(layers)]
     assert all(len(h) == k for h in hot_ids)
@@ -177,6 +196,7 @@ def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_pat
     assert DummyReader(path).hot == (k, share)
     monkeypatch.delenv(HOT_ENV)
     import json
+
     conf = json.loads((path / "config.json").read_text())
     conf[HOT_CONFIG_KEY] = {"experts": k, "share": share}
     (path / "config.json").write_text(json.dumps(conf))

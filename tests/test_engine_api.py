@@ -2,6 +2,7 @@
 channel (as the front end and the launcher use it) and the gRPC admin service, on an engine
 whose steps a stand-in step driver answers. A prompt is validated once between the serving
 handler and the step; a placement once between the ApplyPlacement handler and the workers."""
+
 import socket
 import threading
 import time
@@ -15,8 +16,17 @@ from moeserve.config import ClusterConfig, EplbConfig, Limits
 from moeserve.dataplane.protocol import RankResult
 from moeserve.placement import MigrationState, Placement
 from moeserve.router.engine import leader as leader_module
-from moeserve.router.engine.api import (Finished, FinishReason, GenerateRequest, InvalidRequest, ModelShape, NotFound,
-                                        QueueFull, StaleVersion, Token)
+from moeserve.router.engine.api import (
+    Finished,
+    FinishReason,
+    GenerateRequest,
+    InvalidRequest,
+    ModelShape,
+    NotFound,
+    QueueFull,
+    StaleVersion,
+    Token,
+)
 from moeserve.router.engine.channel import AsyncEngineClient, ChannelServer, ClusterError, EngineClient
 from moeserve.router.engine.leader import Engine
 from moeserve.rpc import serving_pb2_grpc
@@ -43,7 +53,7 @@ class StandInRanks:
         self.thread.start()
 
     def _run(self):
-        outputs = None                                         # (step, tokens) not returned yet
+        outputs = None  # (step, tokens) not returned yet
         while not self._stop:
             self.gate.wait()
             h = self.engine.next_header()
@@ -68,9 +78,13 @@ class StandInRanks:
 
 @pytest.fixture()
 def engine():
-    cfg = ClusterConfig(model_dir="unused", routers=1, workers=W, eplb=EplbConfig(enable_eplb=True,
-                                                                                  num_redundant_experts=2),
-                        limits=Limits(max_model_len=64, max_waiting=4))
+    cfg = ClusterConfig(
+        model_dir="unused",
+        routers=1,
+        workers=W,
+        eplb=EplbConfig(enable_eplb=True, num_redundant_experts=2),
+        limits=Limits(max_model_len=64, max_waiting=4),
+    )
     shape = ModelShape(L, E, 1, VOCAB, (2,), 16, (1, 3), 4)
     eng = Engine(cfg, shape, Placement(np.tile(np.arange(E + 2) % E, (L, 1)), E, W, version=1))
     ranks = StandInRanks(eng)
@@ -111,7 +125,7 @@ def test_the_channel_serves_the_typed_api_and_its_errors(engine, channel):
 
 def test_a_silent_connection_does_not_stop_the_channel(engine, channel):
     server, key = channel
-    idle = socket.create_connection(server.address)          # connects, never answers the handshake
+    idle = socket.create_connection(server.address)  # connects, never answers the handshake
     closed = socket.create_connection(server.address)
     closed.close()
     try:
@@ -127,8 +141,9 @@ def test_a_prompt_is_validated_once_between_the_serving_handler_and_the_step(eng
     monkeypatch.setattr(leader_module, "validate_request", lambda *a: calls.append(a) or real(*a))
     server, key = channel
     service = ServingService(AsyncEngineClient(server.address, key))
-    front = ThreadedServer(ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s),
-                                         ServerOptions()))
+    front = ThreadedServer(
+        ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), ServerOptions())
+    )
     front.start()
     try:
         client = Client(f"127.0.0.1:{front.server.port}", timeout=20)
@@ -155,11 +170,11 @@ def test_a_placement_is_validated_once_between_apply_placement_and_the_workers(e
         deadline = time.monotonic() + 10
         while engine.migration(res.migration_id).state != MigrationState.DONE and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert engine.migration(res.migration_id).layers_committed == L            # every layer committed
+        assert engine.migration(res.migration_id).layers_committed == L  # every layer committed
         assert (engine.placement().phy2log == target).all()
         assert len(checks) == 1
         bad = target.copy()
-        bad[0, 0] = E                                                             # no such logical expert
+        bad[0, 0] = E  # no such logical expert
         with pytest.raises(MoeserveError) as e:
             client.apply_placement(bad)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.value.message
@@ -170,7 +185,7 @@ def test_a_placement_is_validated_once_between_apply_placement_and_the_workers(e
 
 def test_a_full_queue_is_queue_full_through_the_channel(engine, channel):
     server, key = channel
-    engine.request_stop()                                  # no step runs: requests wait
+    engine.request_stop()  # no step runs: requests wait
     time.sleep(0.2)
     engine._stop.clear()
     c = EngineClient(server.address, key)
@@ -192,6 +207,7 @@ def _count_connections(monkeypatch) -> list:
     async def counting(self):
         opened.append(1)
         return await real(self)
+
     monkeypatch.setattr(AsyncEngineClient, "_connect", counting)
     return opened
 
@@ -199,12 +215,14 @@ def _count_connections(monkeypatch) -> list:
 def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame(engine, channel, monkeypatch):
     import asyncio
     from moeserve.router.engine import channel as channel_module
+
     server, key = channel
     opened = _count_connections(monkeypatch)
     frames = []
     real_frame = channel_module._frame
-    monkeypatch.setattr(channel_module, "_frame",
-                        lambda msg: frames.append(len(msg[1]) if msg[0] == "events" else 0) or real_frame(msg))
+    monkeypatch.setattr(
+        channel_module, "_frame", lambda msg: frames.append(len(msg[1]) if msg[0] == "events" else 0) or real_frame(msg)
+    )
 
     async def main():
         client = AsyncEngineClient(server.address, key)
@@ -212,28 +230,33 @@ def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame
         async def one(n):
             return [ev async for _, ev in client.generate([GenerateRequest((1, 2), n, ignore_eos=True)])]
 
-        async def release_when_all_wait():                   # one batch: every step has a token of each stream
+        async def release_when_all_wait():  # one batch: every step has a token of each stream
             while (lambda c: c["waiting"] + c["running"])(engine.scheduler.counts()) < 4:
                 await asyncio.sleep(0.01)
             engine.stand_in.gate.set()
+
         engine.stand_in.gate.clear()
-        outs, _ = await asyncio.gather(asyncio.gather(*(one(12) for _ in range(4))),     # max_waiting is 4
-                                       release_when_all_wait())
+        outs, _ = await asyncio.gather(
+            asyncio.gather(*(one(12) for _ in range(4))),  # max_waiting is 4
+            release_when_all_wait(),
+        )
         await client.close()
         return outs
+
     outs = asyncio.run(main())
     assert outs == [[Token(TOKEN)] * 12 + [Finished(FinishReason.LENGTH)]] * 4
-    assert len(opened) == 1                                   # one connection for 4 streams
+    assert len(opened) == 1  # one connection for 4 streams
     events = [n for n in frames if n]
     assert sum(events) == 4 * 13
-    assert len(events) <= sum(events) / 2                     # events leave a step together, not one by one
+    assert len(events) <= sum(events) / 2  # events leave a step together, not one by one
 
 
 def test_leaving_one_stream_cancels_only_it_and_closing_the_session_cancels_the_rest(engine, channel, monkeypatch):
     import asyncio
+
     server, key = channel
     opened = _count_connections(monkeypatch)
-    engine.request_stop()                                     # no step runs until the streams are set up
+    engine.request_stop()  # no step runs until the streams are set up
     time.sleep(0.2)
     engine._stop.clear()
 
@@ -244,23 +267,25 @@ def test_leaving_one_stream_cancels_only_it_and_closing_the_session_cancels_the_
         async def long_stream():
             async for _ in client.generate([GenerateRequest((1,), 50, ignore_eos=True)]):
                 started.set()
+
         keep = asyncio.ensure_future(long_stream())
         gen = client.generate([GenerateRequest((1,), 50, ignore_eos=True)])
         first = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0.3)
-        assert engine.status().waiting == 2                   # both submitted on the one session
-        StandInRanks(engine)                                  # steps start
+        assert engine.status().waiting == 2  # both submitted on the one session
+        StandInRanks(engine)  # steps start
         await first
-        await gen.aclose()                                    # leave the second stream: cancels it alone
+        await gen.aclose()  # leave the second stream: cancels it alone
         await started.wait()
         short = [ev async for _, ev in client.generate([GenerateRequest((1,), 2, ignore_eos=True)])]
         assert short[-1] == Finished(FinishReason.LENGTH)
-        await client.close()                                  # closing the session cancels the long stream
+        await client.close()  # closing the session cancels the long stream
         keep.cancel()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and (engine.status().running or engine.status().waiting):
             await asyncio.sleep(0.05)
         return engine.status()
+
     status = asyncio.run(main())
     assert status.running == 0 and status.waiting == 0
     assert len(opened) == 1

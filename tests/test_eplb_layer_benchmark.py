@@ -1,5 +1,6 @@
 """benchmarks/eplb_layer.py (issue 15, must show 1): the sweep's plumbing on CPU (gloo, 2 ranks, small
 shapes), the model fit on uniform rows, the replayed replica choice and the deadline guard."""
+
 import dataclasses
 import json
 import subprocess
@@ -17,8 +18,13 @@ import eplb_layer as B  # noqa: E402
 
 
 def run(*flags, timeout=300):
-    return subprocess.run([sys.executable, str(SCRIPT), "--backend", "gloo", "--ranks", "2", "--smoke", *flags],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--backend", "gloo", "--ranks", "2", "--smoke", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +38,18 @@ def smoke(tmp_path_factory):
 def test_cpu_sweep_writes_every_policy_and_row(smoke):
     doc, stdout = smoke
     rows = {(r["model"], r["exchange"], r["tokens"], r["zipf"], r["policy"]): r for r in doc["rows"]}
-    want = {(m, "collective", t, z, p) for m in ("scout", "ernie21b") for t in (8, 64) for z in (0.0, 1.2)
-            for p in ("off", "token", "cost")}
+    want = {
+        (m, "collective", t, z, p)
+        for m in ("scout", "ernie21b")
+        for t in (8, 64)
+        for z in (0.0, 1.2)
+        for p in ("off", "token", "cost")
+    }
     assert set(rows) == want and len(doc["rows"]) == len(want)
     for key, r in rows.items():
-        assert len(r["times_ms"]) == 2 and r["median_ms"] > 0 and r["spread"] >= 0          # 2 repeats (smoke)
+        assert len(r["times_ms"]) == 2 and r["median_ms"] > 0 and r["spread"] >= 0  # 2 repeats (smoke)
         assert r["pred_table_ms"] > 0 and r["pred_fit_ms"] > 0 and r["x_ideal"] > 0
-        assert len(r["phy2log"]) == 2                                                         # 2 layers (smoke)
+        assert len(r["phy2log"]) == 2  # 2 layers (smoke)
     for m in ("scout", "ernie21b"):
         e = B.D.SMALL[m]["experts"]
         assert rows[(m, "collective", 8, 0.0, "off")]["x_ideal"] == 1.0
@@ -68,8 +79,17 @@ def test_deadline_skips_cases_and_still_writes(tmp_path):
 
 def test_fit_on_uniform_rows_recovers_a_known_model():
     rng = np.random.default_rng(0)
-    truth = B.C.StepModel("g", "s", 512, 1024, 2, hbm_bytes_per_s=2e12, matmul_flops_per_s=3e14,
-                          slot_overhead_s=2e-6, layer_overhead_s=5e-5)
+    truth = B.C.StepModel(
+        "g",
+        "s",
+        512,
+        1024,
+        2,
+        hbm_bytes_per_s=2e12,
+        matmul_flops_per_s=3e14,
+        slot_overhead_s=2e-6,
+        layer_overhead_s=5e-5,
+    )
     rows = []
     for pairs_per_worker in (16, 128, 1024, 8192, 32768):
         busy = rng.integers(6, 11, size=(4, 2, 2)).astype(float)
@@ -85,13 +105,13 @@ def test_fit_on_uniform_rows_recovers_a_known_model():
 def test_replay_reads_one_copy_below_breakeven():
     m = dict(B.D.SMALL["scout"])
     e, p = m["experts"], m["experts"] + m["redundant"]
-    phy2log = np.concatenate([np.arange(e), np.arange(m["redundant"])])[None, :]   # experts 0..3 doubled
+    phy2log = np.concatenate([np.arange(e), np.arange(m["redundant"])])[None, :]  # experts 0..3 doubled
     steps = range(4)
     wide, _ = B.replay(m, phy2log, np.zeros((1, e), np.int64), 64, 0.0, 2, 2, steps)
     alone, pairs = B.replay(m, phy2log, np.full((1, e), 10**6, np.int64), 64, 0.0, 2, 2, steps)
-    assert (wide.sum(2) == p).all()                      # every copy read without b
-    assert (alone.sum(2) == e).all()                     # one copy per expert at or below b
-    assert (pairs.sum(2) == 2 * 64).all()                # every pair of both routers placed
+    assert (wide.sum(2) == p).all()  # every copy read without b
+    assert (alone.sum(2) == e).all()  # one copy per expert at or below b
+    assert (pairs.sum(2) == 2 * 64).all()  # every pair of both routers placed
 
 
 def test_predict_only_runs_without_ranks(capsys):

@@ -1,5 +1,6 @@
 """The grouped expert kernels of decode steps (moeserve.kernels.expert_mlp, Triton's interpreter
 on CPU) against the slot loop they replace, and how a worker picks them per step."""
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ def setup(h, i, counts, dtype, seed=0, tail=3):
     g = torch.Generator().manual_seed(seed)
     spec = ExpertSpec(hidden_size=h, intermediate_size=i, dtype=dtype)
     s = len(counts)
-    buf = (torch.randn(s, spec.numel, generator=g) / h ** 0.5).to(dtype)
+    buf = (torch.randn(s, spec.numel, generator=g) / h**0.5).to(dtype)
     w = spec.views(buf)
     m = sum(counts)
     rows = torch.cat([torch.randn(m, h, generator=g).to(dtype), torch.full((tail, h), float("nan"), dtype=dtype)])
@@ -27,12 +28,13 @@ def setup(h, i, counts, dtype, seed=0, tail=3):
 
 
 def reference(spec, rows, w, counts):
-    return grouped_expert_forward(spec, rows[:sum(counts)], None, w, counts=list(counts))
+    return grouped_expert_forward(spec, rows[: sum(counts)], None, w, counts=list(counts))
 
 
-@pytest.mark.parametrize("h,i", [(64, 32), (48, 40)])          # even K, and K with a masked tail (BK 64)
-@pytest.mark.parametrize("counts,block_m", [([3, 0, 20, 1, 7], 16), ([0, 0, 5], 16), ([40, 2, 0, 17], 32),
-                                            ([33], 16), ([100, 3], 16)])
+@pytest.mark.parametrize("h,i", [(64, 32), (48, 40)])  # even K, and K with a masked tail (BK 64)
+@pytest.mark.parametrize(
+    "counts,block_m", [([3, 0, 20, 1, 7], 16), ([0, 0, 5], 16), ([40, 2, 0, 17], 32), ([33], 16), ([100, 3], 16)]
+)
 def test_fp32_matches_the_slot_loop(h, i, counts, block_m):
     """Every slot's rows through its own expert, in several passes when a slot has more rows
     than block_m (20 and 33 rows at 16, 40 at 32; 100 rows at 16 are 7 passes, more than the
@@ -56,7 +58,7 @@ def test_bf16_rounds_as_the_two_kernel_path():
     y = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16).float()
     ref = reference(spec, rows, w, counts).float()
     err = (y[:m] - ref).abs()
-    assert err.max() <= 2 * 2 ** -7 * ref.abs().max(), float(err.max())
+    assert err.max() <= 2 * 2**-7 * ref.abs().max(), float(err.max())
     # and it is not just close to anything: another slot's weights give a different answer
     shifted = reference(spec, rows, {k: v.roll(1, 0) for k, v in w.items()}, counts).float()
     assert (shifted - ref).abs().max() > 10 * err.max()
@@ -87,16 +89,18 @@ def test_a_worker_picks_the_kernels_by_rows_per_slot(monkeypatch):
     choice is part of what a captured graph bakes in (kernel_key); MOESERVE_EXPERT_KERNEL
     overrides it and a bad value is explained."""
     from expert_worker import store as store_mod
+
     spec = ExpertSpec(hidden_size=64, intermediate_size=32, dtype=torch.bfloat16)
-    st = store_mod.ExpertStore(spec, 0, [torch.zeros(4, spec.numel, dtype=spec.dtype)], np.zeros((1, 4)),
-                               num_workers=2)                                  # 8 slots in all
-    monkeypatch.setattr(store_mod, "grouped_mm_applies", lambda *a: True)      # as on CUDA with bf16
+    st = store_mod.ExpertStore(
+        spec, 0, [torch.zeros(4, spec.numel, dtype=spec.dtype)], np.zeros((1, 4)), num_workers=2
+    )  # 8 slots in all
+    monkeypatch.setattr(store_mod, "grouped_mm_applies", lambda *a: True)  # as on CUDA with bf16
     monkeypatch.delenv("MOESERVE_EXPERT_KERNEL", raising=False)
-    st.set_step_pairs(8 * 10)                       # 10 rows per slot: passes of 32
+    st.set_step_pairs(8 * 10)  # 10 rows per slot: passes of 32
     assert st.kernel_key == 32
     st.set_step_pairs(8 * 64)
     assert st.kernel_key == 64
-    st.set_step_pairs(8 * 65)                       # prefill-sized: torch._grouped_mm
+    st.set_step_pairs(8 * 65)  # prefill-sized: torch._grouped_mm
     assert st.kernel_key == 0
     monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "triton")
     st.set_step_pairs(8 * 1000)
@@ -109,8 +113,11 @@ def test_a_worker_picks_the_kernels_by_rows_per_slot(monkeypatch):
         st.set_step_pairs(8)
     # the same choice, as benchmarks/calibrate.py measures the balancer's table through it
     assert [store_mod.expert_block_m_for(p, 8, "auto") for p in (8, 8 * 10, 8 * 65)] == [16, 32, 0]
-    assert store_mod.expert_block_m_for(8 * 65, 8, "triton") == 64 and store_mod.expert_block_m_for(8, 8, "grouped_mm") == 0
-    monkeypatch.setattr(store_mod, "grouped_mm_applies", lambda *a: False)     # fp32, CPU: the slot loop
+    assert (
+        store_mod.expert_block_m_for(8 * 65, 8, "triton") == 64
+        and store_mod.expert_block_m_for(8, 8, "grouped_mm") == 0
+    )
+    monkeypatch.setattr(store_mod, "grouped_mm_applies", lambda *a: False)  # fp32, CPU: the slot loop
     monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "triton")
     st.set_step_pairs(8)
     assert st.kernel_key == 0

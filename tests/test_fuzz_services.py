@@ -11,6 +11,7 @@ no example database; about a minute on 2 cores. The balancer's loop cannot apply
 own (``--eplb-min-gain 2``: no plan gains that much), so every placement change is one the test
 sees accepted; after each accepted one the test waits for its migration to end.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,22 +29,44 @@ from control_util import TOKEN, Up
 from moeserve.rpc import admin_pb2, balancer_pb2, common_pb2, serving_pb2
 
 WORKERS, REDUNDANT, MAX_MODEL_LEN = 2, 2, 64
-FORBIDDEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE,
-             grpc.StatusCode.DEADLINE_EXCEEDED}
+FORBIDDEN = {
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 CALL_TIMEOUT_S = 60.0
-FUZZ = settings(deadline=None, database=None, derandomize=False, print_blob=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large, HealthCheck.filter_too_much])
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
 
 pytestmark = pytest.mark.timeout(600)
 
-SERVICES = {"serving": serving_pb2.DESCRIPTOR.services_by_name["Serving"],
-            "admin": admin_pb2.DESCRIPTOR.services_by_name["Admin"],
-            "balancer": balancer_pb2.DESCRIPTOR.services_by_name["Balancer"]}
+SERVICES = {
+    "serving": serving_pb2.DESCRIPTOR.services_by_name["Serving"],
+    "admin": admin_pb2.DESCRIPTOR.services_by_name["Admin"],
+    "balancer": balancer_pb2.DESCRIPTOR.services_by_name["Balancer"],
+}
 # "/moeserve.v1.Admin/ApplyPlacement" -> (service key, request class, response class, server streaming)
-METHODS = {f"/{svc.full_name}/{m.name}": (key, message_factory.GetMessageClass(m.input_type),
-                                          message_factory.GetMessageClass(m.output_type), m.server_streaming)
-           for key, svc in SERVICES.items() for m in svc.methods}
+METHODS = {
+    f"/{svc.full_name}/{m.name}": (
+        key,
+        message_factory.GetMessageClass(m.input_type),
+        message_factory.GetMessageClass(m.output_type),
+        m.server_streaming,
+    )
+    for key, svc in SERVICES.items()
+    for m in svc.methods
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +75,46 @@ def cluster(tmp_path_factory):
     model = reference_model(path)
     prompt = prompts_for(model.config.vocab_size, lengths=(6,), seed=8)[0]
     want = reference_generate(model, prompt, 8)
-    up = Up(path, "--workers", str(WORKERS), "--enable-eplb", "--num-redundant-experts", str(REDUNDANT),
-            "--max-model-len", str(MAX_MODEL_LEN), "--eplb-step-interval", "1000000000", "--eplb-min-gain", "2",
-            "--balancer-poll-interval", "0.2")
-    channels = {"serving": grpc.insecure_channel(up.serving), "admin": grpc.insecure_channel(up.admin),
-                "balancer": grpc.insecure_channel(up.balancer)}
+    up = Up(
+        path,
+        "--workers",
+        str(WORKERS),
+        "--enable-eplb",
+        "--num-redundant-experts",
+        str(REDUNDANT),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--eplb-step-interval",
+        "1000000000",
+        "--eplb-min-gain",
+        "2",
+        "--balancer-poll-interval",
+        "0.2",
+    )
+    channels = {
+        "serving": grpc.insecure_channel(up.serving),
+        "admin": grpc.insecure_channel(up.admin),
+        "balancer": grpc.insecure_channel(up.balancer),
+    }
     serving, admin, balancer = up.clients()
     p = admin.placement()
-    state = dict(up=up, channels=channels, admin=admin, serving=serving, balancer=balancer, prompt=prompt, want=want,
-                 vocab=model.config.vocab_size, layers=p.phy2log.shape[0], slots=p.phy2log.shape[1],
-                 experts=p.num_logical, expected=p.phy2log.copy(), accepted=0, codes={}, calls=0)
+    state = dict(
+        up=up,
+        channels=channels,
+        admin=admin,
+        serving=serving,
+        balancer=balancer,
+        prompt=prompt,
+        want=want,
+        vocab=model.config.vocab_size,
+        layers=p.phy2log.shape[0],
+        slots=p.phy2log.shape[1],
+        experts=p.num_logical,
+        expected=p.phy2log.copy(),
+        accepted=0,
+        codes={},
+        calls=0,
+    )
     yield state
     for ch in channels.values():
         ch.close()
@@ -69,6 +122,7 @@ def cluster(tmp_path_factory):
 
 
 # -- calling ------------------------------------------------------------------------------------
+
 
 def call(c, method: str, payload: bytes, token: str | None):
     """Send ``payload`` (bytes) to ``method``; returns (code, decoded response or None). Fails the
@@ -110,11 +164,15 @@ def _track(c, method: str, out) -> None:
 
 # -- strategies ---------------------------------------------------------------------------------
 
-I64 = st.integers(-2**63, 2**63 - 1)
+I64 = st.integers(-(2**63), 2**63 - 1)
 SMALL = st.integers(-3, 70)
-FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(
-    [0.0, -0.0, 1e-320, 5e-324, 1e-6, 1e-5, 0.5, 1.0, 2.0, 1e30, 1e300, -1.0, math.nan, math.inf, -math.inf]))
-TOKENS = st.sampled_from([TOKEN, TOKEN, TOKEN, TOKEN, None, "wrong", ""])     # mostly the admin token
+FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(
+        [0.0, -0.0, 1e-320, 5e-324, 1e-6, 1e-5, 0.5, 1.0, 2.0, 1e30, 1e300, -1.0, math.nan, math.inf, -math.inf]
+    ),
+)
+TOKENS = st.sampled_from([TOKEN, TOKEN, TOKEN, TOKEN, None, "wrong", ""])  # mostly the admin token
 
 
 def _maybe(strategy):
@@ -131,22 +189,35 @@ def generate_requests(draw, vocab: int):
     r = serving_pb2.GenerateRequest()
     kind = draw(st.sampled_from(["ids", "ids", "ids", "ids", "text", "text", "both", "none"]))
     if kind in ("ids", "both"):
-        ids = draw(_mostly(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24),
-                           st.lists(st.one_of(I64, SMALL, st.integers(0, vocab - 1)), max_size=24)))
+        ids = draw(
+            _mostly(
+                st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24),
+                st.lists(st.one_of(I64, SMALL, st.integers(0, vocab - 1)), max_size=24),
+            )
+        )
         r.prompt_token_ids.extend(ids)
     if kind in ("text", "both"):
         r.prompt = draw(st.text(max_size=200))
-    for name, strat in (("max_tokens", _mostly(st.integers(1, 8), st.one_of(SMALL, I64))),
-                        ("top_p", _mostly(st.floats(0.05, 1.0), FLOATS)),
-                        ("seed", _mostly(st.integers(0, 2**63 - 1), I64))):
+    for name, strat in (
+        ("max_tokens", _mostly(st.integers(1, 8), st.one_of(SMALL, I64))),
+        ("top_p", _mostly(st.floats(0.05, 1.0), FLOATS)),
+        ("seed", _mostly(st.integers(0, 2**63 - 1), I64)),
+    ):
         v = draw(_maybe(strat))
         if v is not None:
             setattr(r, name, v)
-    r.temperature = draw(_mostly(st.one_of(st.just(0.0), st.floats(0.0, 3.0), st.sampled_from([1e-320, 5e-324, 1e-6])),
-                                 FLOATS))
+    r.temperature = draw(
+        _mostly(st.one_of(st.just(0.0), st.floats(0.0, 3.0), st.sampled_from([1e-320, 5e-324, 1e-6])), FLOATS)
+    )
     r.top_k = draw(_mostly(st.integers(0, 10), st.one_of(SMALL, I64)))
-    r.stop_token_ids.extend(draw(_mostly(st.lists(st.integers(0, vocab - 1), max_size=4),
-                                         st.lists(st.one_of(I64, st.integers(0, vocab - 1)), max_size=8))))
+    r.stop_token_ids.extend(
+        draw(
+            _mostly(
+                st.lists(st.integers(0, vocab - 1), max_size=4),
+                st.lists(st.one_of(I64, st.integers(0, vocab - 1)), max_size=8),
+            )
+        )
+    )
     r.ignore_eos = draw(st.booleans())
     return r
 
@@ -169,7 +240,7 @@ def placements(draw, c):
     elif how == "shape":
         m.rows, m.cols = draw(st.integers(-2, 6)), draw(st.integers(-2, 14))
     elif how == "values":
-        del m.values[draw(st.integers(0, len(m.values) - 1)):]
+        del m.values[draw(st.integers(0, len(m.values) - 1)) :]
     elif how == "random":
         m = common_pb2.Int64Matrix(rows=draw(I64), cols=draw(I64), values=draw(st.lists(I64, max_size=30)))
     return m
@@ -177,31 +248,61 @@ def placements(draw, c):
 
 @st.composite
 def admin_requests(draw, c):
-    name = draw(st.sampled_from(["GetPlacement", "ApplyPlacement", "ApplyPlacement", "ApplyPlacement", "GetMigration",
-                                 "AbortMigration", "GetExpertLoad", "DumpLoad", "GetStatus", "GetBalancerSettings",
-                                 "PutBalancerSettings", "PutBalancerSettings"]))
+    name = draw(
+        st.sampled_from(
+            [
+                "GetPlacement",
+                "ApplyPlacement",
+                "ApplyPlacement",
+                "ApplyPlacement",
+                "GetMigration",
+                "AbortMigration",
+                "GetExpertLoad",
+                "DumpLoad",
+                "GetStatus",
+                "GetBalancerSettings",
+                "PutBalancerSettings",
+                "PutBalancerSettings",
+            ]
+        )
+    )
     if name == "ApplyPlacement":
         r = admin_pb2.ApplyPlacementRequest(dry_run=draw(st.booleans()))
         if draw(st.integers(0, 3)):
             r.phy2log.CopyFrom(draw(placements(c)))
         else:
-            content = draw(st.one_of(st.binary(max_size=300), st.sampled_from(
-                [b'{"physical_to_logical_map": [[0, 1], [2]]}', b'{"format": "moeserve.placement/1"}', b"{}", b"[]",
-                 b'{"physical_to_logical_map": "x"}'])))
+            content = draw(
+                st.one_of(
+                    st.binary(max_size=300),
+                    st.sampled_from(
+                        [
+                            b'{"physical_to_logical_map": [[0, 1], [2]]}',
+                            b'{"format": "moeserve.placement/1"}',
+                            b"{}",
+                            b"[]",
+                            b'{"physical_to_logical_map": "x"}',
+                        ]
+                    ),
+                )
+            )
             r.file.CopyFrom(admin_pb2.PlacementFile(format=draw(st.integers(0, 5)), content=content))
         if draw(st.integers(0, 3)) == 0:
             r.expected_version = draw(st.one_of(st.integers(-1, 10), I64))
     elif name == "GetMigration":
-        r = admin_pb2.GetMigrationRequest(migration_id=draw(st.text(max_size=20)),
-                                          wait_s=draw(st.one_of(st.floats(-1, 0.5), st.sampled_from(
-                                              [math.nan, -math.inf, 1e-300, 0.0]))))
+        r = admin_pb2.GetMigrationRequest(
+            migration_id=draw(st.text(max_size=20)),
+            wait_s=draw(st.one_of(st.floats(-1, 0.5), st.sampled_from([math.nan, -math.inf, 1e-300, 0.0]))),
+        )
     elif name == "GetExpertLoad":
         r = admin_pb2.GetExpertLoadRequest(window_steps=draw(st.one_of(st.integers(-2, 1002), I64)))
     elif name == "PutBalancerSettings":
         r = admin_pb2.BalancerSettings()
-        for field, strat in (("window_steps", _mostly(st.integers(0, 1000), st.one_of(st.integers(-2, 1002), I64))),
-                             ("step_interval", _mostly(st.integers(1, 10**9), st.one_of(st.integers(-2, 10), I64))),
-                             ("min_balancedness", _mostly(st.floats(0.0, 1.0), FLOATS)), ("paused", st.booleans())):
+        for field, strat in (
+            ("window_steps", _mostly(st.integers(0, 1000), st.one_of(st.integers(-2, 1002), I64))),
+            ("step_interval", _mostly(st.integers(1, 10**9), st.one_of(st.integers(-2, 10), I64))),
+            ("min_balancedness", _mostly(st.floats(0.0, 1.0), FLOATS)),
+            ("paused", st.booleans()),
+        ):
             v = draw(_maybe(strat))
             if v is not None:
                 setattr(r, field, v)
@@ -212,15 +313,18 @@ def admin_requests(draw, c):
 
 @st.composite
 def balancer_requests(draw):
-    name = draw(st.sampled_from(["Rebalance", "Rebalance", "SetConfig", "SetConfig", "Pause", "Resume",
-                                 "GetBalancerStatus"]))
+    name = draw(
+        st.sampled_from(["Rebalance", "Rebalance", "SetConfig", "SetConfig", "Pause", "Resume", "GetBalancerStatus"])
+    )
     if name == "Rebalance":
         r = balancer_pb2.RebalanceRequest(dry_run=draw(st.booleans()), wait=draw(st.booleans()))
     elif name == "SetConfig":
         r = balancer_pb2.BalancerConfig()
-        for field, strat in (("window_steps", _mostly(st.integers(0, 1000), st.one_of(st.integers(-2, 1002), I64))),
-                             ("step_interval", _mostly(st.integers(1, 10**9), st.one_of(st.integers(-2, 10), I64))),
-                             ("min_balancedness", _mostly(st.floats(0.0, 1.0), FLOATS))):
+        for field, strat in (
+            ("window_steps", _mostly(st.integers(0, 1000), st.one_of(st.integers(-2, 1002), I64))),
+            ("step_interval", _mostly(st.integers(1, 10**9), st.one_of(st.integers(-2, 10), I64))),
+            ("min_balancedness", _mostly(st.floats(0.0, 1.0), FLOATS)),
+        ):
             v = draw(_maybe(strat))
             if v is not None:
                 setattr(r, field, v)
@@ -251,6 +355,7 @@ def _mutate(data: bytes, draw) -> bytes:
 
 
 # -- the fuzz -----------------------------------------------------------------------------------
+
 
 @settings(FUZZ, max_examples=70)
 @given(data=st.data())
@@ -298,9 +403,9 @@ def test_after_the_fuzz_the_cluster_serves_the_reference_tokens_and_holds_the_ac
     assert c["calls"] >= 300, c["calls"]
     codes = {code for (_, code) in c["codes"]}
     assert {"OK", "INVALID_ARGUMENT", "UNAUTHENTICATED"} <= codes, c["codes"]
-    assert c["accepted"] >= 1, c["codes"]                        # some placement change was accepted and done
+    assert c["accepted"] >= 1, c["codes"]  # some placement change was accepted and done
     deadline = time.monotonic() + 60
-    while c["admin"].status().migration is not None:             # nothing left running
+    while c["admin"].status().migration is not None:  # nothing left running
         assert time.monotonic() < deadline
         time.sleep(0.1)
     st_ = c["admin"].status()
@@ -308,6 +413,9 @@ def test_after_the_fuzz_the_cluster_serves_the_reference_tokens_and_holds_the_ac
     np.testing.assert_array_equal(c["admin"].placement().phy2log, c["expected"])
     out = c["serving"].generate(prompt_token_ids=c["prompt"], max_tokens=8, ignore_eos=True)
     assert out.token_ids == c["want"], c["up"].logs()
-    streamed = [t for ch in c["serving"].generate_stream(prompt_token_ids=c["prompt"], max_tokens=8, ignore_eos=True)
-                for t in ch.token_ids]
+    streamed = [
+        t
+        for ch in c["serving"].generate_stream(prompt_token_ids=c["prompt"], max_tokens=8, ignore_eos=True)
+        for t in ch.token_ids
+    ]
     assert streamed == c["want"]

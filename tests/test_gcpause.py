@@ -1,4 +1,5 @@
 """moeserve.ops.gcpause: the start-up heap leaves the collector's reach and slow collections are logged."""
+
 import gc
 import logging
 
@@ -19,17 +20,17 @@ def clean_gc():
 
 
 def test_freezing_moves_the_heap_out_of_full_collections(clean_gc):
-    keep = [[i] for i in range(50_000)]                    # long-lived start-up state
+    keep = [[i] for i in range(50_000)]  # long-lived start-up state
     n = gcpause.freeze_startup_heap()
     assert n >= len(keep) and gc.get_freeze_count() == n
     assert not any(o is keep for o in gc.get_objects(2))  # a full collection no longer walks it
-    junk = [[i] for i in range(1000)]                     # what serving allocates later is collected as usual
+    junk = [[i] for i in range(1000)]  # what serving allocates later is collected as usual
     assert any(o is junk for o in gc.get_objects())
 
 
 def test_a_slow_collection_is_logged_with_its_generation(clean_gc, monkeypatch, caplog):
     gcpause.watch()
-    gcpause.watch()                                        # idempotent: one callback
+    gcpause.watch()  # idempotent: one callback
     assert gc.callbacks.count(gcpause._callback) == 1
     monkeypatch.setattr(gcpause, "SLOW_GC_S", 0.0)
     with caplog.at_level(logging.WARNING, logger=gcpause.__name__):

@@ -1,6 +1,7 @@
 """The step header's wire layout (moeserve.dataplane.header_wire): every field round-trips, the
 fixed buffer overflows into a second broadcast, and bad words are refused (the cluster tests run
 it on real gloo groups every step)."""
+
 import numpy as np
 import pytest
 import torch
@@ -19,35 +20,70 @@ def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
         for q in range(prompts):
             sampling = None
             if rng.random() < 0.7:
-                sampling = SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1e-6, 1e30])),
-                                          top_p=float(rng.choice([1.0, 0.9])), top_k=int(rng.integers(0, 50)),
-                                          seed=None if rng.random() < 0.3 else int(rng.integers(0, 2**63 - 1)))
+                sampling = SamplingParams(
+                    temperature=float(rng.choice([0.0, 0.7, 1e-6, 1e30])),
+                    top_p=float(rng.choice([1.0, 0.9])),
+                    top_k=int(rng.integers(0, 50)),
+                    seed=None if rng.random() < 0.3 else int(rng.integers(0, 2**63 - 1)),
+                )
             n = long_prompt or int(rng.integers(1, 40))
-            seqs.append(SeqWork(int(rng.integers(1, 10**9)), tuple(int(x) for x in rng.integers(0, 202048, n)),
-                                int(rng.integers(0, 5000)), sampling, str(rng.choice(["", "last", "all"])),
-                                tuple(int(x) for x in rng.integers(0, 10**6, int(rng.integers(0, 4)))),
-                                bool(rng.random() < 0.5), int(rng.integers(0, 1000))))
+            seqs.append(
+                SeqWork(
+                    int(rng.integers(1, 10**9)),
+                    tuple(int(x) for x in rng.integers(0, 202048, n)),
+                    int(rng.integers(0, 5000)),
+                    sampling,
+                    str(rng.choice(["", "last", "all"])),
+                    tuple(int(x) for x in rng.integers(0, 10**6, int(rng.integers(0, 4)))),
+                    bool(rng.random() < 0.5),
+                    int(rng.integers(0, 1000)),
+                )
+            )
         d = int(rng.integers(0, 300))
         k = int(rng.integers(0, 20))
-        work.append(RouterWork(tuple(seqs), tuple(int(x) for x in rng.integers(1, 10**6, int(rng.integers(0, 5)))),
-                               rng.integers(1, 10**9, d).astype(np.int64),
-                               rng.integers(0, 10**6, (k, 2)).astype(np.int64)))
+        work.append(
+            RouterWork(
+                tuple(seqs),
+                tuple(int(x) for x in rng.integers(1, 10**6, int(rng.integers(0, 5)))),
+                rng.integers(1, 10**9, d).astype(np.int64),
+                rng.integers(0, 10**6, (k, 2)).astype(np.int64),
+            )
+        )
     mig = None
     if migration:
-        commits = tuple(LayerCommit(int(rng.integers(0, 48)), tuple(int(x) for x in rng.integers(0, 256, 18)),
-                                    int(rng.integers(1, 100)), ((3, 0), (17, 1)),
-                                    tuple(int(x) for x in rng.integers(0, 64, 16)) if rng.random() < 0.5 else ())
-                        for _ in range(2))
+        commits = tuple(
+            LayerCommit(
+                int(rng.integers(0, 48)),
+                tuple(int(x) for x in rng.integers(0, 256, 18)),
+                int(rng.integers(1, 100)),
+                ((3, 0), (17, 1)),
+                tuple(int(x) for x in rng.integers(0, 64, 16)) if rng.random() < 0.5 else (),
+            )
+            for _ in range(2)
+        )
         moves = tuple(MoveOp(*(int(x) for x in rng.integers(0, 300, 7))) for _ in range(5))
         mig = MigrationOps("mig-ünïcode-7", 4, commits, bool(rng.random() < 0.5), moves, bool(rng.random() < 0.5))
-    return StepHeader(int(rng.integers(0, 2**40)), forward=True, work=tuple(work), migration=mig,
-                      report=bool(rng.random() < 0.5), read_load=bool(rng.random() < 0.5),
-                      warmup=(16, 300) if rng.random() < 0.3 else None)
+    return StepHeader(
+        int(rng.integers(0, 2**40)),
+        forward=True,
+        work=tuple(work),
+        migration=mig,
+        report=bool(rng.random() < 0.5),
+        read_load=bool(rng.random() < 0.5),
+        warmup=(16, 300) if rng.random() < 0.3 else None,
+    )
 
 
 def same(a: StepHeader, b: StepHeader):
-    assert (a.step, a.forward, a.report, a.read_load, a.warmup, a.stop, a.migration) == \
-        (b.step, b.forward, b.report, b.read_load, b.warmup, b.stop, b.migration)
+    assert (a.step, a.forward, a.report, a.read_load, a.warmup, a.stop, a.migration) == (
+        b.step,
+        b.forward,
+        b.report,
+        b.read_load,
+        b.warmup,
+        b.stop,
+        b.migration,
+    )
     assert len(a.work) == len(b.work)
     for x, y in zip(a.work, b.work):
         assert x.seqs == y.seqs and x.release == y.release
@@ -65,8 +101,13 @@ def test_every_field_round_trips(seed):
 
 
 def test_heartbeats_stops_and_empty_routers_round_trip():
-    for h in (StepHeader(0), StepHeader(5, stop=True), StepHeader(9, forward=True, work=(RouterWork(), RouterWork())),
-              StepHeader(3, warmup=(256, 1)), StepHeader(4, report=True, read_load=True)):
+    for h in (
+        StepHeader(0),
+        StepHeader(5, stop=True),
+        StepHeader(9, forward=True, work=(RouterWork(), RouterWork())),
+        StepHeader(3, warmup=(256, 1)),
+        StepHeader(4, report=True, read_load=True),
+    ):
         same(h, hw.decode(hw.encode(h)))
 
 
@@ -84,9 +125,9 @@ def test_bad_words_are_refused_with_what_was_wrong():
     with pytest.raises(hw.HeaderError, match="not a step header"):
         hw.decode(bad)
     with pytest.raises(hw.HeaderError, match="not a step header"):
-        hw.decode(words[:len(words) // 2])                      # fewer words than announced
+        hw.decode(words[: len(words) // 2])  # fewer words than announced
     short = words.copy()
-    short[7] = 10**6                                           # router 0's decode count runs past the end
+    short[7] = 10**6  # router 0's decode count runs past the end
     with pytest.raises(hw.HeaderError, match="ends inside a field"):
         hw.decode(short)
 
@@ -119,7 +160,7 @@ def test_the_buffer_is_broadcast_whole_and_a_long_header_overflows_once(monkeypa
         h = random_header(np.random.default_rng(step), prompts=2, long_prompt=long_prompt)
         assert leader.exchange(h) is h
         same(h, follower.exchange(None))
-        assert leader.buf is buf                                  # preallocated: the same buffer every step
+        assert leader.buf is buf  # preallocated: the same buffer every step
     assert len(fake.sent) == 3 * broadcasts and all(t.numel() == 1024 for t in fake.sent[::broadcasts])
     assert leader.overflows == follower.overflows == 3 * (broadcasts - 1)
 

@@ -9,6 +9,7 @@ serving and nothing else changes; a client that goes away cancels its request.
 One cluster per family per module (started on first use), each with an in-process front end
 (HTTP and gRPC on one event loop, the production classes) whose API key is KEY.
 """
+
 import asyncio
 import http.client
 import json
@@ -48,10 +49,12 @@ class Front:
         from moeserve.services.server import ServerOptions
 
         self.pm = ProcessMetrics("frontend")
-        self.admission = Admission(engine, tokenizer, FrontendMetrics(self.pm.registry),
-                                   AdmissionLimits(max_model_len=max_model_len))
-        self.api = HttpApi(self.admission, list(names), "/models/tiny", api_key, self.pm.registry,
-                           max_body_bytes=MAX_BODY)
+        self.admission = Admission(
+            engine, tokenizer, FrontendMetrics(self.pm.registry), AdmissionLimits(max_model_len=max_model_len)
+        )
+        self.api = HttpApi(
+            self.admission, list(names), "/models/tiny", api_key, self.pm.registry, max_body_bytes=MAX_BODY
+        )
         self.http = HttpServer(self.api, "127.0.0.1", 0, grace_s=5, ssl_certfile=tls[0], ssl_keyfile=tls[1])
         self.grpc = make_server(None, None, ServerOptions(grace_s=1), admission=self.admission, api_key=api_key)
         self.loop = uvloop.new_event_loop()
@@ -67,6 +70,7 @@ class Front:
     def stop(self):
         async def both():
             await asyncio.gather(self.http.stop(), self.grpc.stop())
+
         try:
             self.run(both())
         finally:
@@ -85,8 +89,9 @@ class Served:
 
         self.family = family
         self.path = tiny_checkpoint(tmp / family, family)
-        self.cluster = LocalCluster(self.path, routers=1, workers=1, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
-                                    startup_timeout_s=240).start()
+        self.cluster = LocalCluster(
+            self.path, routers=1, workers=1, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, startup_timeout_s=240
+        ).start()
         try:
             self.tok = ModelTokenizer.load(self.path)
             self.front = Front(AsyncEngineClient(self.cluster.control_address, self.cluster.authkey), self.tok)
@@ -111,7 +116,7 @@ class Served:
     def hf_text(self, ids, n) -> str:
         """transformers' greedy generate (EOS ignored) decoded by the same tokenizer."""
         out = hf.hf_greedy(self.oracle, torch.tensor([list(ids)]), n)
-        return self.hf_tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+        return self.hf_tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
 
     def stop(self):
         try:
@@ -139,6 +144,7 @@ FAMILIES = ["llama4", "ernie45"]
 
 # -- plain HTTP -------------------------------------------------------------------------------
 
+
 def request(port, method, path, body=None, headers=None, key=KEY, timeout=60):
     """(status, parsed JSON or text, headers). ``body``: bytes as they are, or an object as JSON."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -165,15 +171,19 @@ def post(port, path, body, **kw):
 def sse(port, path, body, key=KEY):
     """The data events of a streamed answer (parsed), the last being the string [DONE]."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", path, body=json.dumps(body).encode(),
-                 headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+    conn.request(
+        "POST",
+        path,
+        body=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {key}"},
+    )
     r = conn.getresponse()
     assert r.status == 200, r.read()
     assert r.getheader("content-type").startswith("text/event-stream")
     events = []
     for line in r.read().decode().split("\n"):
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     conn.close()
     return events
@@ -181,12 +191,19 @@ def sse(port, path, body, key=KEY):
 
 def is_openai_error(body, status=None) -> bool:
     e = body.get("error") if isinstance(body, dict) else None
-    return isinstance(e, dict) and isinstance(e.get("message"), str) and e["message"] and \
-        isinstance(e.get("type"), str) and "param" in e and "code" in e
+    return (
+        isinstance(e, dict)
+        and isinstance(e.get("message"), str)
+        and e["message"]
+        and isinstance(e.get("type"), str)
+        and "param" in e
+        and "code" in e
+    )
 
 
 def openai_client(front, asynchronous=False):
     import openai
+
     cls = openai.AsyncOpenAI if asynchronous else openai.OpenAI
     return cls(base_url=f"{front.base}/v1", api_key=KEY, max_retries=0, timeout=60)
 
@@ -197,21 +214,32 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 # -- the official client ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_openai_client_completions_equal_transformers_greedy_text(served, family):
     s = served(family)
     c = openai_client(s.front)
     ids = s.hf_tok(PROMPT).input_ids
     want = s.hf_text(ids, 12)
-    out = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                               extra_body={"ignore_eos": True})
+    out = c.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].text == want and out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 12)
     assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
 
     # the same through a streamed answer, with the usage chunk at the end
-    chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        c.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
@@ -230,14 +258,21 @@ def test_openai_client_chat_renders_the_template_and_equals_transformers(served,
     ids = s.hf_tok(text, add_special_tokens=False).input_ids
     assert ids[0] == 1 and ids.count(1) == 1, "the template writes <s> once and tokenizing adds none"
     want = s.hf_text(ids, 10)
-    out = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].message.content == want and out.choices[0].message.role == "assistant"
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 10
     assert out.object == "chat.completion"
 
-    stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=10,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
@@ -251,10 +286,22 @@ def test_async_openai_client_serves_concurrent_requests(served):
 
     async def main():
         async with openai_client(s.front, asynchronous=True) as c:
-            outs = await asyncio.gather(*[c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
-                                                               extra_body={"ignore_eos": True}) for p in prompts])
-            stream = await c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})
+            outs = await asyncio.gather(
+                *[
+                    c.completions.create(
+                        model=MODEL, prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+                    )
+                    for p in prompts
+                ]
+            )
+            stream = await c.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             streamed = [ch async for ch in stream]
             models = await c.models.list()
             return outs, streamed, models
@@ -267,12 +314,13 @@ def test_async_openai_client_serves_concurrent_requests(served):
 
 # -- stop strings, n, logprobs ----------------------------------------------------------------
 
+
 def _token_pieces(s, ids):
     """Each generated token's text, as decoding the growing list of ids adds it."""
     pieces, prev = [], ""
     for i in range(1, len(ids) + 1):
         t = s.tok.decode(ids[:i])
-        pieces.append(t[len(prev):] if not t.endswith("\ufffd") else "")
+        pieces.append(t[len(prev) :] if not t.endswith("\ufffd") else "")
         prev = t if not t.endswith("\ufffd") else prev
     return pieces
 
@@ -292,10 +340,10 @@ def test_stop_strings_match_across_token_boundaries_and_are_not_included(served,
         a, b = pieces[k], pieces[k + 1]
         if len(a) >= 1 and len(b) >= 1:
             stop = a[-2:] + b[:2]
-            at = len("".join(pieces[:k + 1])) - len(a[-2:])
+            at = len("".join(pieces[: k + 1])) - len(a[-2:])
             if text.find(stop) == at:
                 break
-    else:                                     # the tiny checkpoint is seeded: this would mean its output changed
+    else:  # the tiny checkpoint is seeded: this would mean its output changed
         pytest.fail(f"no token boundary with a unique spanning string in {pieces!r}")
     st, out, _ = post(s.front.port, "/v1/completions", {**base, "stop": ["zzzz-never", stop]})
     ch = out["choices"][0]
@@ -313,20 +361,26 @@ def test_stop_strings_match_across_token_boundaries_and_are_not_included(served,
     assert (ch["finish_reason"], ch["stop_reason"]) == ("stop", ids[3])
     assert out["usage"]["completion_tokens"] == ids.index(ids[3]) + 1
     # chat: the same rule on the assistant's text
-    st, chat, _ = post(s.front.port, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 16,
-                                                             "temperature": 0, "ignore_eos": True})
+    st, chat, _ = post(
+        s.front.port,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+    )
     reply = chat["choices"][0]["message"]["content"]
     cut = reply[3:6]
     if cut and reply.find(cut) == 3:
-        st, chat, _ = post(s.front.port, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
-                                                                 "max_tokens": 16, "temperature": 0,
-                                                                 "ignore_eos": True, "stop": cut})
+        st, chat, _ = post(
+            s.front.port,
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": cut},
+        )
         assert chat["choices"][0]["message"]["content"] == reply[:3]
 
 
 def _generated_ids(s, body):
     """The generated ids of a greedy request, through the SDK's gRPC door (same admission path)."""
     from moeserve.client import Client
+
     c = Client(f"127.0.0.1:{s.front.grpc_port}", token=KEY, timeout=60)
     out = c.generate(prompt=body["prompt"], max_tokens=body["max_tokens"], temperature=0.0, ignore_eos=True)
     return out.token_ids
@@ -338,8 +392,9 @@ def test_n_choices_use_seed_plus_index_and_repeat(served):
     st, out, _ = post(s.front.port, "/v1/completions", {**base, "n": 3, "seed": 7})
     assert st == 200 and [c["index"] for c in out["choices"]] == [0, 1, 2]
     texts = [c["text"] for c in out["choices"]]
-    singles = [post(s.front.port, "/v1/completions", {**base, "seed": 7 + j})[1]["choices"][0]["text"]
-               for j in range(3)]
+    singles = [
+        post(s.front.port, "/v1/completions", {**base, "seed": 7 + j})[1]["choices"][0]["text"] for j in range(3)
+    ]
     assert texts == singles
     assert len(set(texts)) > 1, "different seeds sampled the same text"
     assert out["usage"]["completion_tokens"] == 24 and out["usage"]["prompt_tokens"] == len(s.hf_tok(PROMPT).input_ids)
@@ -356,8 +411,11 @@ def test_n_choices_use_seed_plus_index_and_repeat(served):
     st, out, _ = post(s.front.port, "/v1/completions", {**base, "prompt": [PROMPT, "One, two"], "n": 2, "seed": 7})
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3] and [c["text"] for c in out["choices"][:2]] == texts[:2]
     # chat with n
-    st, chat, _ = post(s.front.port, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 2, "seed": 3,
-                                                             "max_tokens": 6, "temperature": 1.0})
+    st, chat, _ = post(
+        s.front.port,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": MESSAGES, "n": 2, "seed": 3, "max_tokens": 6, "temperature": 1.0},
+    )
     assert st == 200 and len(chat["choices"]) == 2
 
 
@@ -367,9 +425,12 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(served, family):
     ids = s.hf_tok(PROMPT).input_ids
     n, k = 8, 5
     toks, logits = reference_decode(s.model, ids, n)
-    want = torch.log_softmax(torch.tensor(logits, dtype=torch.float32), -1).numpy()          # [n, V]
-    st, out, _ = post(s.front.port, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": n,
-                                                         "temperature": 0, "ignore_eos": True, "logprobs": k})
+    want = torch.log_softmax(torch.tensor(logits, dtype=torch.float32), -1).numpy()  # [n, V]
+    st, out, _ = post(
+        s.front.port,
+        "/v1/completions",
+        {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": k},
+    )
     lp = out["choices"][0]["logprobs"]
     np.testing.assert_allclose(lp["token_logprobs"], want[np.arange(n), toks], atol=1e-4, rtol=0)
     assert lp["tokens"] == [s.tok.token_text(t) for t in toks]
@@ -378,12 +439,22 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(served, family):
         top = np.argsort(-want[i], kind="stable")[:k]
         for t in top:
             key = s.tok.token_text(int(t))
-            if sum(s.tok.token_text(int(u)) == key for u in top) == 1:          # a unique text
+            if sum(s.tok.token_text(int(u)) == key for u in top) == 1:  # a unique text
                 assert abs(lp["top_logprobs"][i][key] - want[i, t]) < 1e-4
     # chat: logprobs with top_logprobs, tokens named with their bytes
-    st, chat, _ = post(s.front.port, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": n,
-                                                             "temperature": 0, "ignore_eos": True, "logprobs": True,
-                                                             "top_logprobs": 3})
+    st, chat, _ = post(
+        s.front.port,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
     content = chat["choices"][0]["logprobs"]["content"]
     text = s.hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     cids = s.hf_tok(text, add_special_tokens=False).input_ids
@@ -398,12 +469,13 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(served, family):
 
 # -- return_token_ids, no tokenizer -----------------------------------------------------------
 
+
 def _sdk_ids(s, prompt_ids, n) -> list:
     """The SDK's greedy tokens (gRPC, the same admission path) for a prompt of ids."""
     from moeserve.client import Client
+
     c = Client(f"127.0.0.1:{s.front.grpc_port}", token=KEY, timeout=60)
-    return list(c.generate(prompt_token_ids=list(prompt_ids), max_tokens=n, temperature=0.0,
-                           ignore_eos=True).token_ids)
+    return list(c.generate(prompt_token_ids=list(prompt_ids), max_tokens=n, temperature=0.0, ignore_eos=True).token_ids)
 
 
 def _choice_ids(events, index=0) -> list:
@@ -416,8 +488,14 @@ def test_return_token_ids_are_the_sdks_greedy_tokens_and_the_tokenizers_prompt_i
     port = s.front.port
     ids = s.hf_tok(PROMPT).input_ids
     want = _sdk_ids(s, ids, 12)
-    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    base = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     st, out, _ = post(port, C, base)
     ch = out["choices"][0]
     assert st == 200 and ch["prompt_token_ids"] == ids and ch["token_ids"] == want
@@ -434,12 +512,12 @@ def test_return_token_ids_are_the_sdks_greedy_tokens_and_the_tokenizers_prompt_i
     assert events[-2]["usage"]["completion_tokens"] == 12
     # a stop string: the ids end with the token that completed it, as usage counts them
     text = ch["text"]
-    k = next(k for k in range(2, len(text) - 2) if text.find(text[k:k + 2]) == k and text[k:k + 2].strip())
-    st, out, _ = post(port, C, {**base, "stop": text[k:k + 2]})
+    k = next(k for k in range(2, len(text) - 2) if text.find(text[k : k + 2]) == k and text[k : k + 2].strip())
+    st, out, _ = post(port, C, {**base, "stop": text[k : k + 2]})
     ch = out["choices"][0]
     assert ch["finish_reason"] == "stop" and ch["text"] == text[:k]
-    assert ch["token_ids"] == want[:out["usage"]["completion_tokens"]]
-    events = sse(port, C, {**base, "stop": text[k:k + 2], "stream": True})
+    assert ch["token_ids"] == want[: out["usage"]["completion_tokens"]]
+    events = sse(port, C, {**base, "stop": text[k : k + 2], "stream": True})
     assert _choice_ids(events) == ch["token_ids"]
     # a batch of prompts with n: each choice carries its own prompt's ids
     ids2 = [5, 6, 7, 8]
@@ -452,11 +530,19 @@ def test_return_token_ids_are_the_sdks_greedy_tokens_and_the_tokenizers_prompt_i
     # without it, no ids (the answer is as before)
     st, out, _ = post(port, C, {**base, "return_token_ids": False})
     assert "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out["choices"][0]
-    assert all("token_ids" not in c for e in sse(port, C, {**base, "return_token_ids": False, "stream": True})[:-1]
-               for c in e["choices"])
+    assert all(
+        "token_ids" not in c
+        for e in sse(port, C, {**base, "return_token_ids": False, "stream": True})[:-1]
+        for c in e["choices"]
+    )
     # the official client: vLLM's extension through extra_body
-    o = openai_client(s.front).completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    o = openai_client(s.front).completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert o.choices[0].token_ids == want and o.choices[0].prompt_token_ids == ids
 
 
@@ -467,8 +553,14 @@ def test_chat_return_token_ids_carry_the_rendered_prompt_and_the_generated_ids(s
     text = s.hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     cids = s.hf_tok(text, add_special_tokens=False).input_ids
     want = _sdk_ids(s, cids, 10)
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     st, out, _ = post(port, CC, body)
     assert st == 200 and out["prompt_token_ids"] == cids and out["choices"][0]["token_ids"] == want
     assert out["choices"][0]["message"]["content"] == s.hf_tok.decode(want, skip_special_tokens=True)
@@ -476,10 +568,17 @@ def test_chat_return_token_ids_carry_the_rendered_prompt_and_the_generated_ids(s
     assert events[0]["prompt_token_ids"] == cids
     assert all("prompt_token_ids" not in e for e in events[1:-1])
     assert _choice_ids(events) == want
-    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1]) == \
-        out["choices"][0]["message"]["content"]
-    o = openai_client(s.front).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
-                                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert (
+        "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+        == out["choices"][0]["message"]["content"]
+    )
+    o = openai_client(s.front).chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert o.prompt_token_ids == cids and o.choices[0].token_ids == want
 
 
@@ -488,6 +587,7 @@ def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
     on the same cluster: prompts of ids stream one chunk per token, without text; with
     return_token_ids the ids are the content."""
     from moeserve.router.engine.channel import AsyncEngineClient
+
     s = served("llama4")
     front = Front(AsyncEngineClient(s.cluster.control_address, s.cluster.authkey), None)
     try:
@@ -505,8 +605,11 @@ def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
         assert st == 200 and [c["token_ids"] for c in out["choices"]] == [want, want]
         assert [c["text"] for c in out["choices"]] == ["", ""] and out["usage"]["completion_tokens"] == 16
         # text, chat and stop strings need the tokenizer: 400 saying so
-        for path, b in ((C, {**body, "prompt": PROMPT}), (CC, {"model": MODEL, "messages": MESSAGES}),
-                        (C, {**body, "stop": "x"})):
+        for path, b in (
+            (C, {**body, "prompt": PROMPT}),
+            (CC, {"model": MODEL, "messages": MESSAGES}),
+            (C, {**body, "stop": "x"}),
+        ):
             st, out, _ = post(front.port, path, b)
             assert st == 400 and is_openai_error(out) and "tokenizer" in out["error"]["message"], out
     finally:
@@ -514,6 +617,7 @@ def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
 
 
 # -- routes, auth, gRPC with the key ----------------------------------------------------------
+
 
 def test_models_health_version_metrics_on_the_same_port(served):
     s = served("llama4")
@@ -532,6 +636,7 @@ def test_the_api_key_guards_grpc_serving_too(served):
     import grpc
 
     from moeserve.client import Client, MoeserveError
+
     s = served("llama4")
     addr = f"127.0.0.1:{s.front.grpc_port}"
     out = Client(addr, token=KEY, timeout=30).generate(prompt=PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -553,45 +658,103 @@ BAD = [
     ("not an object", C, b"[1, 2, 3]", None, 400, "must be a JSON object", None),
     ("not UTF-8", C, b'{"prompt": "\xc3\x28"}', None, 400, "not valid JSON", None),
     ("max_tokens a string", C, {**OK, "max_tokens": "10"}, None, 400, "max_tokens must be an integer", "max_tokens"),
-    ("temperature a string", C, {**OK, "temperature": "hot"}, None, 400, "temperature must be a finite number",
-     "temperature"),
+    (
+        "temperature a string",
+        C,
+        {**OK, "temperature": "hot"},
+        None,
+        400,
+        "temperature must be a finite number",
+        "temperature",
+    ),
     ("prompt an object", C, {**OK, "prompt": {"text": "hi"}}, None, 400, "prompt must be", "prompt"),
     ("prompt missing", C, {"model": MODEL}, None, 400, "prompt is required", "prompt"),
     ("unknown model", C, {**OK, "model": "gpt-4"}, None, 404, "does not exist", "model"),
     ("negative max_tokens", C, {**OK, "max_tokens": -1}, None, 400, "max_tokens must be >= 1", "max_tokens"),
     ("zero max_tokens", CC, {**CHAT, "max_tokens": 0}, None, 400, "max_tokens must be >= 1", "max_tokens"),
-    ("prompt + max_tokens over max_model_len", C, {**OK, "max_tokens": MAX_MODEL_LEN}, None, 400,
-     "exceeds max_model_len", None),
+    (
+        "prompt + max_tokens over max_model_len",
+        C,
+        {**OK, "max_tokens": MAX_MODEL_LEN},
+        None,
+        400,
+        "exceeds max_model_len",
+        None,
+    ),
     ("prompt text too long", C, {**OK, "prompt": "a" * (MAX_MODEL_LEN * 64 + 1)}, None, 400, "characters", None),
     ("too many prompt ids", C, {**OK, "prompt": [5] * (MAX_MODEL_LEN + 1)}, None, 400, "tokens", None),
     ("prompt id outside the vocabulary", C, {**OK, "prompt": [5, 99999]}, None, 400, "outside the vocabulary", None),
     ("empty prompt list", C, {**OK, "prompt": []}, None, 400, "non-empty", "prompt"),
     ("empty messages", CC, {**CHAT, "messages": []}, None, 400, "messages must be a non-empty list", "messages"),
-    ("a message without a role", CC, {**CHAT, "messages": [{"content": "hi"}]}, None, 400, "role must be one of",
-     "messages"),
-    ("an image part", CC, {**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, None, 400, "text only", "messages"),
+    (
+        "a message without a role",
+        CC,
+        {**CHAT, "messages": [{"content": "hi"}]},
+        None,
+        400,
+        "role must be one of",
+        "messages",
+    ),
+    (
+        "an image part",
+        CC,
+        {
+            **CHAT,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        },
+        None,
+        400,
+        "text only",
+        "messages",
+    ),
     ("huge n", C, {**OK, "n": 100000}, None, 400, "n must be in 1..64", "n"),
-    ("penalties", C, {**OK, "presence_penalty": 0.5, "frequency_penalty": 1.0}, None, 400,
-     "does not support frequency_penalty, presence_penalty", "frequency_penalty"),
+    (
+        "penalties",
+        C,
+        {**OK, "presence_penalty": 0.5, "frequency_penalty": 1.0},
+        None,
+        400,
+        "does not support frequency_penalty, presence_penalty",
+        "frequency_penalty",
+    ),
     ("logit_bias", C, {**OK, "logit_bias": {"5": 10}}, None, 400, "does not support logit_bias", "logit_bias"),
-    ("tools", CC, {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400,
-     "does not support tools", "tools"),
+    (
+        "tools",
+        CC,
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        None,
+        400,
+        "does not support tools",
+        "tools",
+    ),
     ("echo", C, {**OK, "echo": True}, None, 400, "does not support echo", "echo"),
     ("unknown parameter", C, {**OK, "temprature": 0.5}, None, 400, "unknown parameter: temprature", "temprature"),
     ("top_logprobs without logprobs", CC, {**CHAT, "top_logprobs": 2}, None, 400, "needs logprobs", "top_logprobs"),
     ("too many logprobs", C, {**OK, "logprobs": 50}, None, 400, "logprobs must be in 0..20", "logprobs"),
-    ("stream_options without stream", C, {**OK, "stream_options": {"include_usage": True}}, None, 400,
-     "only allowed with stream", "stream_options"),
+    (
+        "stream_options without stream",
+        C,
+        {**OK, "stream_options": {"include_usage": True}},
+        None,
+        400,
+        "only allowed with stream",
+        "stream_options",
+    ),
     ("negative seed", C, {**OK, "seed": -1}, None, 400, "seed must be in", "seed"),
     ("top_p 0", C, {**OK, "top_p": 0}, None, 400, "top_p must be in (0, 1]", "top_p"),
     ("stop of numbers", C, {**OK, "stop": [1, 2]}, None, 400, "stop must be a string or a list", "stop"),
     ("empty stop string", C, {**OK, "stop": [""]}, None, 400, "1..1024 characters", "stop"),
-    ("stop_token_ids of strings", C, {**OK, "stop_token_ids": ["a"]}, None, 400, "list of integers",
-     "stop_token_ids"),
+    ("stop_token_ids of strings", C, {**OK, "stop_token_ids": ["a"]}, None, 400, "list of integers", "stop_token_ids"),
     ("too many stop ids", C, {**OK, "stop_token_ids": [3] * 300}, None, 400, "at most 256", "stop_token_ids"),
-    ("return_token_ids a string", C, {**OK, "return_token_ids": "yes"}, None, 400, "must be true or false",
-     "return_token_ids"),
+    (
+        "return_token_ids a string",
+        C,
+        {**OK, "return_token_ids": "yes"},
+        None,
+        400,
+        "must be true or false",
+        "return_token_ids",
+    ),
     ("body over the limit", C, {**OK, "prompt": "a" * (MAX_BODY - 10)}, None, 413, "bytes", None),
     ("no API key", C, OK, {"key": None}, 401, "needs an API key", None),
     ("wrong API key", C, OK, {"key": "sk-wrong"}, 401, "wrong API key", None),
@@ -687,6 +850,7 @@ def test_queue_full_is_429_and_a_cluster_gone_or_draining_is_503():
 
 # -- cancellation -----------------------------------------------------------------------------
 
+
 def _cancelled_count(port) -> float:
     _, text, _ = request(port, "GET", "/metrics", key=None)
     m = re.search(r'^moeserve_requests_total\{finish_reason="cancelled"\} (\S+)$', text, re.M)
@@ -698,14 +862,28 @@ def test_a_client_that_disconnects_cancels_its_request(served, stream):
     s = served("llama4")
     port = s.front.port
     before = _cancelled_count(port)
-    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN - 3, "temperature": 0,
-                       "ignore_eos": True, "stream": stream}).encode()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": [5, 6, 7],
+            "max_tokens": MAX_MODEL_LEN - 3,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"authorization: Bearer " + KEY.encode() + b"\r\ncontent-length: " + str(len(body)).encode() +
-                 b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer "
+        + KEY.encode()
+        + b"\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     deadline = time.monotonic() + 30
-    while s.cluster.status().running == 0:                 # the request reached the leader
+    while s.cluster.status().running == 0:  # the request reached the leader
         assert time.monotonic() < deadline
         time.sleep(0.01)
     if stream:
@@ -738,6 +916,7 @@ def test_https_serves_a_client_that_trusts_the_certificate_and_not_plain_http(tm
     import ssl
 
     from moeserve.services.http import HttpServer
+
     cert, key = _self_signed(tmp_path)
     front = Front(StandIn(), None, api_key=None, tls=(cert, key))
     try:
@@ -757,7 +936,7 @@ def test_https_serves_a_client_that_trusts_the_certificate_and_not_plain_http(tm
             request(front.port, "GET", "/health", key=None, timeout=10)
         with pytest.raises((http.client.HTTPException, OSError)):
             post(front.port, C, ok, key=None, timeout=10)
-        st, raw = _https(front.port, trusting, ok)                 # and it still serves
+        st, raw = _https(front.port, trusting, ok)  # and it still serves
         assert st == 200
     finally:
         front.stop()

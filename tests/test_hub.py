@@ -2,6 +2,7 @@
 cache. Tests build the cache's layout on disk (blobs, refs, snapshots of symlinks) and resolve
 offline; nothing is downloaded, and HF_ENDPOINT points at a closed local port so that an
 attempt to reach the Hub could not succeed."""
+
 import hashlib
 import os
 from pathlib import Path
@@ -43,6 +44,7 @@ def make_hub_cache(cache: Path, repo_id: str, src: Path, refs=("main",), commit:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from moeserve.models import init_model
+
     return init_model(tmp_path_factory.mktemp("tiny"), "llama4", seed=3)
 
 
@@ -53,7 +55,7 @@ def offline_env(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")      # nothing listens there
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     return home / "hub"
 
 
@@ -87,7 +89,7 @@ def test_download_dir_is_the_cache_read(tiny, offline_env, tmp_path):
     cache = tmp_path / "elsewhere"
     snap = make_hub_cache(cache, "org/m", tiny)
     with pytest.raises(hub.ModelNotFound):
-        hub.resolve("org/m")                                           # not in HF_HOME's cache
+        hub.resolve("org/m")  # not in HF_HOME's cache
     assert hub.resolve("org/m", download_dir=cache) == snap
 
 
@@ -98,13 +100,16 @@ def test_hf_hub_cache_wins_over_hf_home(tiny, offline_env, tmp_path, monkeypatch
     assert hub.resolve("org/m") == snap
 
 
-@pytest.mark.parametrize("name,message", [
-    ("org/not-cached", "is not in the Hugging Face cache"),
-    ("/no/such/folder", "no such folder"),
-    ("./relative/missing", "no such folder"),
-    ("a/b/c", "no such folder"),
-    ("bad name!", "no such folder"),
-])
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("org/not-cached", "is not in the Hugging Face cache"),
+        ("/no/such/folder", "no such folder"),
+        ("./relative/missing", "no such folder"),
+        ("a/b/c", "no such folder"),
+        ("bad name!", "no such folder"),
+    ],
+)
 def test_what_cannot_be_found_says_what_and_where(offline_env, name, message):
     with pytest.raises(hub.ModelNotFound) as e:
         hub.resolve(name)
@@ -134,9 +139,10 @@ def test_without_offline_an_unreachable_hub_falls_back_to_the_cache(tiny, offlin
     """HF_HUB_OFFLINE unset: the Hub (a closed local port here) cannot be reached, so the
     cached snapshot of the revision is used."""
     from huggingface_hub import constants
+
     snap = make_hub_cache(offline_env, "org/m", tiny)
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")           # read when the call is made
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # read when the call is made
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert not hub.offline()
     assert hub.resolve("org/m", offline_only=False) == snap

@@ -1,5 +1,6 @@
 """The leader's load window, without processes: the window sum (kept as a running sum), its
 last N steps, and the forward steps since the placement last changed."""
+
 import numpy as np
 
 from moeserve.config import ClusterConfig, EplbConfig
@@ -20,20 +21,21 @@ def engine(window=3):
 def step(eng, k: int):
     """One forward step whose load is k everywhere (logical [L, E], worker [L, W])."""
     header = StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(1, (5,), 0),)),))
-    res = RankResult(0, tokens={}, logical_load=np.full((L, E), k, dtype=np.int64),
-                     worker_load=np.full((L, W), k, dtype=np.int64))
+    res = RankResult(
+        0, tokens={}, logical_load=np.full((L, E), k, dtype=np.int64), worker_load=np.full((L, W), k, dtype=np.int64)
+    )
     eng.on_results(header, [res, RankResult(1), RankResult(2)])
 
 
 def test_the_window_keeps_the_last_window_size_steps_and_their_last_n_on_request():
     eng = engine(window=3)
-    for k in range(1, 6):                                   # steps with load 1..5
+    for k in range(1, 6):  # steps with load 1..5
         step(eng, k)
     rep = eng.expert_load()
     assert rep.steps == 3 and rep.total_steps == 5
     assert (rep.load == 3 + 4 + 5).all() and (rep.worker_load == 12).all()
     assert (eng.expert_load(2).load == 4 + 5).all() and eng.expert_load(2).steps == 2
-    assert (eng.expert_load(10).load == 12).all()           # more than the window: the window
+    assert (eng.expert_load(10).load == 12).all()  # more than the window: the window
     assert (eng.total_load() == 15).all()
 
 
@@ -43,7 +45,7 @@ def test_steps_since_the_placement_changed_count_from_the_last_committed_version
         step(eng, 1)
     assert eng.expert_load().steps_since_placement_change == 4
     eng.migrator.start(eng.migrator.plan(np.tile(np.arange(E)[::-1], (L, 1))))
-    while eng.migrator.active is not None:                  # drive the migration through its headers
+    while eng.migrator.active is not None:  # drive the migration through its headers
         ops = eng.migrator.header_ops()
         if ops is not None and ops.begin_staging_slots:
             eng.migrator.on_staging(ops.migration_id, [])
@@ -55,6 +57,7 @@ def test_steps_since_the_placement_changed_count_from_the_last_committed_version
 
 
 # ---- reads of the routers' device-side load (asynchronous steps) -------------------------------
+
 
 class Routers:
     """Stands in for one router: every forward step adds 1 pair to every expert on the device;
@@ -82,14 +85,14 @@ def test_routers_send_the_load_every_load_read_steps_and_when_the_cluster_goes_i
     for _ in range(200):
         h = eng.next_header()
         r.step(h)
-        if h.work:                                           # answer every sampled token, one step late
+        if h.work:  # answer every sampled token, one step late
             for w in [eng._awaiting.pop(s) for s in sorted(eng._awaiting) if s < h.step]:
                 eng.scheduler.on_results(w, {sid: 7 for rw in w for sid in rw.sampled_ids()}, {})
         if seq.finished and not eng._awaiting and not r.unread:
             break
     forward_reads = [n for _, n, fwd in r.reads if fwd]
-    assert forward_reads and set(forward_reads) == {eng.cfg.load_read_steps}      # a read per 16 forward steps
-    assert r.reads[-1][2] is False and r.reads[-1][1] > 0                           # the rest when idle
+    assert forward_reads and set(forward_reads) == {eng.cfg.load_read_steps}  # a read per 16 forward steps
+    assert r.reads[-1][2] is False and r.reads[-1][1] > 0  # the rest when idle
     assert sum(n for _, n, _ in r.reads) == eng.forward_steps == 40
     assert (eng.total_load() == 40).all() and eng.expert_load().steps == 40
 
@@ -97,13 +100,14 @@ def test_routers_send_the_load_every_load_read_steps_and_when_the_cluster_goes_i
 def test_a_commit_reads_the_load_first_and_the_window_keeps_whole_reads():
     eng = engine(window=20)
     r = Routers(eng)
-    for _ in range(3):                                       # three reads of 16 steps
+    for _ in range(3):  # three reads of 16 steps
         for _ in range(16):
-            r.step(StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(1, (5,), 0),)),),
-                              read_load=r.unread >= 16))
+            r.step(
+                StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(1, (5,), 0),)),), read_load=r.unread >= 16)
+            )
     r.step(StepHeader(eng.step, read_load=True))
     rep = eng.expert_load()
-    assert rep.steps == 32 and (rep.load == 32).all()       # the fewest recent reads that cover 20 steps
+    assert rep.steps == 32 and (rep.load == 32).all()  # the fewest recent reads that cover 20 steps
     assert eng.expert_load(5).steps == 16 and eng.expert_load(17).steps == 32
     # a migration under traffic: every header is a forward step, and each commit's header reads first
     seq = eng.submit(GenerateRequest((5, 6), 30, ignore_eos=True))
@@ -113,7 +117,7 @@ def test_a_commit_reads_the_load_first_and_the_window_keeps_whole_reads():
         h = eng.next_header()
         if h.migration is not None and h.migration.commits:
             commits += 1
-            assert h.read_load and h.forward                 # counted with the maps before the commit
+            assert h.read_load and h.forward  # counted with the maps before the commit
         if h.migration is not None and h.migration.begin_staging_slots:
             eng.migrator.on_staging(h.migration.migration_id, [])
         r.step(h)
@@ -126,21 +130,23 @@ def test_a_commit_reads_the_load_first_and_the_window_keeps_whole_reads():
 def test_an_admin_load_call_asks_the_step_loop_for_a_read_and_waits_for_it():
     import threading
     import time
+
     eng = engine(window=1000)
     r = Routers(eng)
     stop = threading.Event()
 
-    def driver():                                            # idle heartbeats, as rank 0's step loop
+    def driver():  # idle heartbeats, as rank 0's step loop
         while not stop.is_set():
             r.step(eng.next_header())
-    for _ in range(5):                                       # 5 forward steps, not read yet
+
+    for _ in range(5):  # 5 forward steps, not read yet
         r.step(StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(1, (5,), 0),)),)))
     eng._unread_steps = 5
     eng._last_step_t = time.monotonic()
     t = threading.Thread(target=driver, daemon=True)
     t.start()
     try:
-        assert (eng.total_load() == 5).all()                # fresh: the call waited for a read
+        assert (eng.total_load() == 5).all()  # fresh: the call waited for a read
     finally:
         eng.request_stop()
         stop.set()

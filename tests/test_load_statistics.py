@@ -1,6 +1,7 @@
 """Per-step load statistics on a router's device (moeserve.router.dispatcher.DistributedExperts,
 issue 15): the unread total, the power-of-two histogram of the replica rule's per-step count
 estimate per expert, and the steps each slot got a pair, read in one snapshot; without ranks."""
+
 import numpy as np
 import pytest
 import torch
@@ -32,14 +33,14 @@ def bin_of(c: int) -> int:
 @pytest.mark.parametrize("routers", [1, 2])
 def test_steps_are_binned_by_the_rule_estimate_and_busy_slots_counted(routers):
     ex, topo = experts(routers)
-    steps = [{(0, 0): 3, (0, 4): 2, (1, 2): 1}, {(0, 1): 40}, {}]          # (layer, slot) -> pairs per step
+    steps = [{(0, 0): 3, (0, 4): 2, (1, 2): 1}, {(0, 1): 40}, {}]  # (layer, slot) -> pairs per step
     for s in steps:
         for (layer, slot), n in s.items():
             count(ex, topo, layer, slot, n)
         ex.end_step()
     logical, worker, n, hist, busy = ex.finish_load(ex.snapshot_load())
     assert n == 3 and hist.shape == (L, E, LOAD_BINS) and busy.shape == (L, P)
-    assert (hist.sum(2) == 3).all()                                         # one bin per (step, expert)
+    assert (hist.sum(2) == 3).all()  # one bin per (step, expert)
     want = np.zeros((L, E, LOAD_BINS), dtype=np.int64)
     phy2log = ex.maps.phy2log
     for s in steps:
@@ -48,11 +49,11 @@ def test_steps_are_binned_by_the_rule_estimate_and_busy_slots_counted(routers):
             per_expert[layer, phy2log[layer, slot]] += c
         for layer in range(L):
             for e in range(E):
-                want[layer, e, bin_of(per_expert[layer, e] * routers)] += 1   # this router's pairs x routers
+                want[layer, e, bin_of(per_expert[layer, e] * routers)] += 1  # this router's pairs x routers
     np.testing.assert_array_equal(hist, want)
     assert busy[0, 0] == busy[0, 4] == busy[1, 2] == busy[0, 1] == 1 and busy.sum() == 4
     assert logical[0, 0] == 5 and logical[0, 1] == 40 and logical.sum() == 46
-    again = ex.finish_load(ex.snapshot_load())                              # read: everything reset
+    again = ex.finish_load(ex.snapshot_load())  # read: everything reset
     assert again[2] == 0 and again[3].sum() == 0 and again[4].sum() == 0 and again[0].sum() == 0
 
 

@@ -1,6 +1,7 @@
 """Metrics of every process (moeserve/ops/metrics.py, moeserve/services/metrics.py for gRPC servers):
 names, series present from the start, what the leader, routers, front end, balancer and gRPC
 servers record, that docs/metrics.md lists them all, and promtool's verdict."""
+
 import asyncio
 import pathlib
 import re
@@ -30,8 +31,13 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def engine(layers=LAYERS, experts=EXPERTS) -> Engine:
-    cfg = ClusterConfig(model_dir="/nowhere", routers=1, workers=WORKERS, heartbeat_s=0.001,
-                        eplb=EplbConfig(enable_eplb=True, num_redundant_experts=REDUNDANT))
+    cfg = ClusterConfig(
+        model_dir="/nowhere",
+        routers=1,
+        workers=WORKERS,
+        heartbeat_s=0.001,
+        eplb=EplbConfig(enable_eplb=True, num_redundant_experts=REDUNDANT),
+    )
     shape = ModelShape(layers, experts, 1, 512, (2,), EXPERT_BYTES)
     return Engine(cfg, shape, initial_placement(cfg, layers, experts))
 
@@ -57,17 +63,20 @@ def test_a_process_serves_its_metrics_on_a_free_port_when_given_port_0():
         text = scrape(port)
         assert samples(text, "moeserve_process_info") == {(("rank", "3"), ("role", "worker")): 1.0}
         assert "process_cpu_seconds_total" in text
-        assert "_created" not in text                       # no creation-time series
+        assert "_created" not in text  # no creation-time series
     finally:
         pm.close()
 
 
-@pytest.mark.parametrize("choice,layers,experts,on", [
-    ("auto", 16, 256, True),          # 4096 series: still on
-    ("auto", 17, 256, False),         # 4352: off
-    ("on", 61, 256, True),            # forced on (DeepSeek-V3 size)
-    ("off", 2, 8, False),             # forced off
-])
+@pytest.mark.parametrize(
+    "choice,layers,experts,on",
+    [
+        ("auto", 16, 256, True),  # 4096 series: still on
+        ("auto", 17, 256, False),  # 4352: off
+        ("on", 61, 256, True),  # forced on (DeepSeek-V3 size)
+        ("off", 2, 8, False),  # forced off
+    ],
+)
 def test_per_expert_series_are_on_while_layers_x_experts_is_at_most_4096_unless_forced(choice, layers, experts, on):
     assert M.per_expert_enabled(choice, layers, experts) is on
 
@@ -84,13 +93,19 @@ def test_every_leader_series_a_dashboard_queries_exists_before_the_first_step():
     assert len(tokens) == LAYERS * EXPERTS and set(tokens.values()) == {0.0}
     assert len(samples(text, "moeserve_expert_replicas")) == LAYERS * EXPERTS
     assert len(samples(text, "moeserve_worker_tokens_total")) == LAYERS * WORKERS
-    assert set(samples(text, "moeserve_layer_balancedness").values()) == {1.0}      # no tokens: 1.0
+    assert set(samples(text, "moeserve_layer_balancedness").values()) == {1.0}  # no tokens: 1.0
     assert samples(text, "moeserve_migrations_total")[(("result", "failed"),)] == 0.0
     for kind in M.STEP_KINDS:
         assert samples(text, "moeserve_steps_total")[(("kind", kind),)] == 0.0
         assert samples(text, "moeserve_step_duration_seconds_count")[(("kind", kind),)] == 0.0
-    for name in ("moeserve_placement_version", "moeserve_migration_in_progress", "moeserve_slots_moved_total",
-                 "moeserve_bytes_moved_total", "moeserve_requests_waiting", "moeserve_requests_running"):
+    for name in (
+        "moeserve_placement_version",
+        "moeserve_migration_in_progress",
+        "moeserve_slots_moved_total",
+        "moeserve_bytes_moved_total",
+        "moeserve_requests_waiting",
+        "moeserve_requests_running",
+    ):
         assert len(samples(text, name)) == 1, name
 
 
@@ -104,11 +119,11 @@ def test_per_expert_series_can_be_turned_off():
 def test_the_leader_exports_the_load_it_aggregated_and_counts_steps_by_kind():
     eng = engine()
     pm = leader_registry(eng)
-    logical = np.arange(LAYERS * EXPERTS).reshape(LAYERS, EXPERTS)              # [L, E]
-    wload = np.array([[10, 30], [20, 20]])                                       # [L, W]
+    logical = np.arange(LAYERS * EXPERTS).reshape(LAYERS, EXPERTS)  # [L, E]
+    wload = np.array([[10, 30], [20, 20]])  # [L, W]
     forward(eng, logical, wload)
     forward(eng, logical, wload)
-    eng.on_results(eng.next_header(), [RankResult(r) for r in range(3)])         # idle: a heartbeat
+    eng.on_results(eng.next_header(), [RankResult(r) for r in range(3)])  # idle: a heartbeat
     text = M.scrape_text(pm.registry)
     tokens = samples(text, "moeserve_expert_tokens_total")
     assert tokens[(("expert", "3"), ("layer", "1"))] == 2 * logical[1, 3]
@@ -127,8 +142,8 @@ def test_a_migration_counts_slots_and_bytes_moved_and_its_result():
     eng = engine()
     pm = leader_registry(eng)
     target = eng.placement().phy2log.copy()
-    target[0, [2, 7]] = target[0, [7, 2]]                 # two experts change workers in layer 0
-    target[1, 8] = 5                                      # a hot expert's replica instead of expert 0's
+    target[0, [2, 7]] = target[0, [7, 2]]  # two experts change workers in layer 0
+    target[1, 8] = 5  # a hot expert's replica instead of expert 0's
     mig = eng.apply_placement(target)
     text = M.scrape_text(pm.registry)
     assert samples(text, "moeserve_migration_in_progress") == {(): 1.0}
@@ -174,25 +189,58 @@ class _PublicEngine:
 
 
 def test_the_leader_reads_migration_moves_and_queue_from_the_engine_status():
-    progress = MigrationProgress("m-1", MigrationState.MOVING, "", 7, moves_total=8, moves_done=2, bytes_total=8000,
-                                 bytes_done=2000, layers_total=2, layers_committed=0)
-    status = EngineStatus(step=10, forward_steps=9, uptime_s=1.0, placement_version=6, layer_versions=(6, 6),
-                          migration=progress, error=None, waiting=3, running=5, moved_slots=11, moved_bytes=11000,
-                          migrations_ended={"done": 2, "aborted": 1})
+    progress = MigrationProgress(
+        "m-1",
+        MigrationState.MOVING,
+        "",
+        7,
+        moves_total=8,
+        moves_done=2,
+        bytes_total=8000,
+        bytes_done=2000,
+        layers_total=2,
+        layers_committed=0,
+    )
+    status = EngineStatus(
+        step=10,
+        forward_steps=9,
+        uptime_s=1.0,
+        placement_version=6,
+        layer_versions=(6, 6),
+        migration=progress,
+        error=None,
+        waiting=3,
+        running=5,
+        moved_slots=11,
+        moved_bytes=11000,
+        migrations_ended={"done": 2, "aborted": 1},
+    )
     pm = M.ProcessMetrics("router", 0)
     M.LeaderMetrics(pm.registry, _PublicEngine(status))
     text = M.scrape_text(pm.registry)
     assert samples(text, "moeserve_migration_in_progress") == {(): 1.0}
     assert samples(text, "moeserve_migration_progress_ratio") == {(): 0.25}
-    assert samples(text, "moeserve_migrations_total") == {(("result", "done"),): 2.0, (("result", "aborted"),): 1.0,
-                                                          (("result", "failed"),): 0.0}
+    assert samples(text, "moeserve_migrations_total") == {
+        (("result", "done"),): 2.0,
+        (("result", "aborted"),): 1.0,
+        (("result", "failed"),): 0.0,
+    }
     assert samples(text, "moeserve_slots_moved_total") == {(): 11.0}
     assert samples(text, "moeserve_bytes_moved_total") == {(): 11000.0}
     assert samples(text, "moeserve_requests_waiting") == {(): 3.0}
     assert samples(text, "moeserve_requests_running") == {(): 5.0}
 
-    idle = EngineStatus(step=10, forward_steps=9, uptime_s=1.0, placement_version=6, layer_versions=(6, 6),
-                        migration=None, error=None, waiting=0, running=0)
+    idle = EngineStatus(
+        step=10,
+        forward_steps=9,
+        uptime_s=1.0,
+        placement_version=6,
+        layer_versions=(6, 6),
+        migration=None,
+        error=None,
+        waiting=0,
+        running=0,
+    )
     pm = M.ProcessMetrics("router", 0)
     M.LeaderMetrics(pm.registry, _PublicEngine(idle))
     text = M.scrape_text(pm.registry)
@@ -230,8 +278,8 @@ def test_the_front_end_records_latencies_tokens_and_finish_reasons():
     for _ in range(4):
         rec.token()
     rec.finish("length")
-    rec.finish("length")                                  # once only
-    fm.request(prompt_tokens=3).finish("cancelled")       # no token: no latency observed
+    rec.finish("length")  # once only
+    fm.request(prompt_tokens=3).finish("cancelled")  # no token: no latency observed
     text = M.scrape_text(pm.registry)
     assert samples(text, "moeserve_prompt_tokens_total") == {(): 8.0}
     assert samples(text, "moeserve_generation_tokens_total") == {(): 4.0}
@@ -256,7 +304,7 @@ def test_the_balancer_shows_every_result_from_the_start_and_times_real_rebalance
         bm.record("exploded", 1.0)
     text = M.scrape_text(pm.registry)
     assert samples(text, "moeserve_rebalances_total")[(("result", "done"),)] == 1
-    assert samples(text, "moeserve_rebalance_duration_seconds_count") == {(): 1.0}       # dry runs are not timed
+    assert samples(text, "moeserve_rebalance_duration_seconds_count") == {(): 1.0}  # dry runs are not timed
 
 
 class _Health(health_pb2_grpc.HealthServicer):
@@ -300,24 +348,29 @@ def test_grpc_calls_are_counted_by_method_and_code_and_unknown_methods_create_no
     assert asyncio.run(run()) == ["OK", "OK", "NOT_FOUND", "UNKNOWN"]
     text = M.scrape_text(pm.registry)
     handled = samples(text, "moeserve_grpc_server_handled_total")
-    key = lambda code: (("grpc_code", code), ("grpc_method", "Check"), ("grpc_service", GM.HEALTH))   # noqa: E731
+    key = lambda code: (("grpc_code", code), ("grpc_method", "Check"), ("grpc_service", GM.HEALTH))  # noqa: E731
     assert handled[key("OK")] == 2 and handled[key("NOT_FOUND")] == 1 and handled[key("UNKNOWN")] == 1
-    assert samples(text, "moeserve_grpc_server_handling_seconds_count")[
-        (("grpc_method", "Check"), ("grpc_service", GM.HEALTH))] == 4
+    assert (
+        samples(text, "moeserve_grpc_server_handling_seconds_count")[
+            (("grpc_method", "Check"), ("grpc_service", GM.HEALTH))
+        ]
+        == 4
+    )
     assert not any("no.such" in str(k) for k in handled)
 
 
 def test_the_grpc_metrics_of_a_process_are_made_once_and_shared_by_its_servers():
     pm = M.ProcessMetrics("frontend")
     GM.grpc_interceptor(pm, "moeserve.v1.Serving")
-    GM.grpc_interceptor(pm, GM.HEALTH)                 # a second server of the same process: no duplicate
+    GM.grpc_interceptor(pm, GM.HEALTH)  # a second server of the same process: no duplicate
     handled = samples(M.scrape_text(pm.registry), "moeserve_grpc_server_handled_total")
     services = {dict(k)["grpc_service"] for k in handled}
     assert services == {"moeserve.v1.Serving", GM.HEALTH}
-    other = M.ProcessMetrics("balancer")                 # another registry gets its own families
+    other = M.ProcessMetrics("balancer")  # another registry gets its own families
     GM.grpc_interceptor(other, "moeserve.v1.Balancer")
-    services = {dict(k)["grpc_service"] for k in samples(M.scrape_text(other.registry),
-                                                         "moeserve_grpc_server_handled_total")}
+    services = {
+        dict(k)["grpc_service"] for k in samples(M.scrape_text(other.registry), "moeserve_grpc_server_handled_total")
+    }
     assert services == {"moeserve.v1.Balancer", GM.HEALTH}
 
 
@@ -327,8 +380,9 @@ def _every_group():
     pm = leader_registry(eng)
     M.RouterMetrics(pm.registry)
     M.FrontendMetrics(pm.registry)
-    M.BalancerMetrics(pm.registry, balancedness=lambda: 0.9, predicted_step_s=lambda: 0.01,
-                      step_efficiency=lambda: 0.8)          # the step-time series: with --eplb-step-model
+    M.BalancerMetrics(
+        pm.registry, balancedness=lambda: 0.9, predicted_step_s=lambda: 0.01, step_efficiency=lambda: 0.8
+    )  # the step-time series: with --eplb-step-model
     M.ReadinessMetrics(pm.registry)
     GM.grpc_interceptor(pm, GM.HEALTH)
     forward(eng, np.ones((LAYERS, EXPERTS), dtype=np.int64), np.ones((LAYERS, WORKERS), dtype=np.int64))
@@ -337,6 +391,7 @@ def _every_group():
 
 def test_docs_metrics_md_lists_every_metric_with_its_type_and_labels_and_no_other():
     from prometheus_client.parser import text_string_to_metric_families
+
     exported = {}
     for fam in text_string_to_metric_families(M.scrape_text(_every_group().registry)):
         if fam.name.startswith("moeserve_"):
@@ -358,9 +413,11 @@ def test_docs_metrics_md_lists_every_metric_with_its_type_and_labels_and_no_othe
 
 
 def test_importing_the_metrics_module_imports_no_grpc_or_protobuf():
-    code = ("import sys\nimport moeserve.ops.metrics\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_health') "
-            "or m.startswith('google.protobuf'))\nassert not bad, bad\n")
+    code = (
+        "import sys\nimport moeserve.ops.metrics\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'grpc_health') "
+        "or m.startswith('google.protobuf'))\nassert not bad, bad\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -372,9 +429,11 @@ def test_promtool_finds_nothing_to_say_about_a_registry_with_every_group():
 def test_a_rank_with_metrics_on_imports_no_grpc_code():
     """The GPU machines have no protobuf: what a rank records must not need it (only the
     leader's admin API, a gRPC server anyway, uses the gRPC interceptor)."""
-    code = ("import sys\nfrom moeserve.ops import metrics as M\nimport moeserve.cluster.rank\n"
-            "pm = M.ProcessMetrics('router', 0)\nM.RouterMetrics(pm.registry)\nM.scrape_text(pm.registry)\n"
-            "bad = sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'moeserve.rpc', "
-            "'moeserve.services', 'moeserve.client')))\nassert not bad, bad\n")
+    code = (
+        "import sys\nfrom moeserve.ops import metrics as M\nimport moeserve.cluster.rank\n"
+        "pm = M.ProcessMetrics('router', 0)\nM.RouterMetrics(pm.registry)\nM.scrape_text(pm.registry)\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'moeserve.rpc', "
+        "'moeserve.services', 'moeserve.client')))\nassert not bad, bad\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,4 +1,5 @@
 """config.json parsing: both spellings, the layer rules of MODELS.md, errors that name the field."""
+
 import json
 
 import pytest
@@ -8,24 +9,68 @@ from moeserve.models import CheckpointError, RopeConfig, load_config
 from moeserve.models.config import parse_config
 
 SCOUT_TEXT = {  # the published Llama-4-Scout-17B-16E text_config, as far as parsing is concerned
-    "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "num_hidden_layers": 48,
-    "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192,
-    "intermediate_size_mlp": 16384, "num_local_experts": 16, "num_experts_per_tok": 1,
-    "interleave_moe_layer_step": 1, "no_rope_layers": [], "attention_chunk_size": 8192, "use_qk_norm": True,
-    "attn_temperature_tuning": 4, "floor_scale": 8192, "attn_scale": 0.1, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 200000,
-    "eos_token_id": [200001, 200007, 200008], "pad_token_id": 200018, "max_position_embeddings": 10485760,
+    "model_type": "llama4_text",
+    "vocab_size": 202048,
+    "hidden_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+    "no_rope_layers": [],
+    "attention_chunk_size": 8192,
+    "use_qk_norm": True,
+    "attn_temperature_tuning": 4,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 200000,
+    "eos_token_id": [200001, 200007, 200008],
+    "pad_token_id": 200018,
+    "max_position_embeddings": 10485760,
 }
 ERNIE_21B = {  # the published ERNIE-4.5-21B-A3B config.json, extra keys included
-    "model_type": "ernie4_5_moe", "hidden_size": 2560, "intermediate_size": 12288, "num_hidden_layers": 28,
-    "num_attention_heads": 20, "num_key_value_heads": 4, "vocab_size": 103424, "rope_theta": 500000,
-    "moe_num_experts": 64, "moe_k": 6, "moe_num_shared_experts": 2, "moe_intermediate_size": 1536,
-    "moe_layer_start_index": 1, "moe_layer_end_index": 27, "moe_layer_interval": 1, "moe_capacity": [64, 64, 64],
-    "moe_gate": "topk", "moe_use_aux_free": True, "use_rmsnorm": True, "weight_share_add_bias": True,
-    "num_nextn_predict_layers": 1, "tie_word_embeddings": True, "use_bias": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_position_embeddings": 131072,
+    "model_type": "ernie4_5_moe",
+    "hidden_size": 2560,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 4,
+    "vocab_size": 103424,
+    "rope_theta": 500000,
+    "moe_num_experts": 64,
+    "moe_k": 6,
+    "moe_num_shared_experts": 2,
+    "moe_intermediate_size": 1536,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": 27,
+    "moe_layer_interval": 1,
+    "moe_capacity": [64, 64, 64],
+    "moe_gate": "topk",
+    "moe_use_aux_free": True,
+    "use_rmsnorm": True,
+    "weight_share_add_bias": True,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": True,
+    "use_bias": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "max_position_embeddings": 131072,
 }
 
 
@@ -43,10 +88,19 @@ def test_published_scout_config_follows_the_llama4_layer_rules():
 
 
 def test_published_and_transformers5_spellings_parse_to_the_same_config():
-    t5 = dict(SCOUT_TEXT, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 8192},
-              dtype="bfloat16", attn_temperature_tuning=True)
+    t5 = dict(
+        SCOUT_TEXT,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        dtype="bfloat16",
+        attn_temperature_tuning=True,
+    )
     for k in ("rope_theta", "rope_scaling", "torch_dtype"):
         del t5[k]
     assert parse_config(t5) == parse_config(SCOUT_TEXT)
@@ -95,15 +149,18 @@ def test_generation_config_eos_ids_win(tmp_path):
     assert load_config(tmp_path).eos_token_ids == (2, 7)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"hidden_size": None}, "field 'hidden_size' is missing"),
-    ({"num_hidden_layers": "4"}, "field 'num_hidden_layers' must be an integer, found '4'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'; allowed: default, llama3"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "field 'rope_scaling.low_freq_factor' is missing"),
-    ({"num_key_value_heads": 7}, "field 'num_key_value_heads' \\(7\\) must divide num_attention_heads \\(40\\)"),
-    ({"moe_layers": [3, 1]}, "field 'moe_layers' must be ascending distinct layer indices"),
-    ({"torch_dtype": "float8"}, "field 'dtype' is 'float8'; allowed: float32, bfloat16, float16"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hidden_size": None}, "field 'hidden_size' is missing"),
+        ({"num_hidden_layers": "4"}, "field 'num_hidden_layers' must be an integer, found '4'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'; allowed: default, llama3"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "field 'rope_scaling.low_freq_factor' is missing"),
+        ({"num_key_value_heads": 7}, "field 'num_key_value_heads' \\(7\\) must divide num_attention_heads \\(40\\)"),
+        ({"moe_layers": [3, 1]}, "field 'moe_layers' must be ascending distinct layer indices"),
+        ({"torch_dtype": "float8"}, "field 'dtype' is 'float8'; allowed: float32, bfloat16, float16"),
+    ],
+)
 def test_bad_fields_are_named_with_what_is_allowed(tmp_path, change, message):
     raw = {k: v for k, v in SCOUT_TEXT.items()}
     raw.update(change)
@@ -115,6 +172,8 @@ def test_bad_fields_are_named_with_what_is_allowed(tmp_path, change, message):
 
 def test_multimodal_config_errors_name_the_text_config_field():
     with pytest.raises(CheckpointError, match="field 'text_config.vocab_size' is missing"):
-        parse_config({"model_type": "llama4", "text_config": {k: v for k, v in SCOUT_TEXT.items() if k != "vocab_size"}})
+        parse_config(
+            {"model_type": "llama4", "text_config": {k: v for k, v in SCOUT_TEXT.items() if k != "vocab_size"}}
+        )
     with pytest.raises(CheckpointError, match="needs a 'text_config' object"):
         parse_config({"model_type": "llama4"})

@@ -3,6 +3,7 @@
 Every variant has a non-zero e_score_correction_bias and init std 0.3 (with 0.02 greedy output
 is one repeated token, a useless oracle).
 """
+
 import pytest
 import torch
 
@@ -15,8 +16,14 @@ VARIANTS = {
     # no shared experts; MoE layers 1 and 2 only (explicit end index), layer 3 dense again
     "no_shared_end_2": dict(moe_num_shared_experts=0, moe_layer_end_index=2),
     # 1 shared expert; every second layer from 0 (interval 2: layers 1 and 3), biases everywhere, untied head
-    "one_shared_interval_2_bias": dict(moe_num_shared_experts=1, moe_layer_start_index=0, moe_layer_interval=2,
-                                       use_bias=True, tie_word_embeddings=False, moe_k=2),
+    "one_shared_interval_2_bias": dict(
+        moe_num_shared_experts=1,
+        moe_layer_start_index=0,
+        moe_layer_interval=2,
+        use_bias=True,
+        tie_word_embeddings=False,
+        moe_k=2,
+    ),
 }
 
 
@@ -28,11 +35,14 @@ def case(request, tmp_path_factory):
 
 def test_moe_layers_follow_start_end_interval(case):
     _, model, _, name = case
-    expected = {"dense_first_2_shared": (1, 2, 3), "no_shared_end_2": (1, 2),
-                "one_shared_interval_2_bias": (1, 3)}[name]
+    expected = {"dense_first_2_shared": (1, 2, 3), "no_shared_end_2": (1, 2), "one_shared_interval_2_bias": (1, 3)}[
+        name
+    ]
     assert model.config.moe_layer_ids == expected
-    assert model.moe_info.num_shared_experts == {"dense_first_2_shared": 2, "no_shared_end_2": 0,
-                                                 "one_shared_interval_2_bias": 1}[name]
+    assert (
+        model.moe_info.num_shared_experts
+        == {"dense_first_2_shared": 2, "no_shared_end_2": 0, "one_shared_interval_2_bias": 1}[name]
+    )
 
 
 def test_logits_equal_transformers_within_1e_4(case):
@@ -61,8 +71,8 @@ def test_cached_decoding_equals_the_full_forward(case):
     cache = model.new_cache()
     outs = [model.logits(model.step(seq[:4], StepBatch.prefill(["a"], [4]), cache))]
     for t in range(4, 24):
-        outs.append(model.logits(model.step(seq[t:t + 1], StepBatch(("a",), (1,), (t,)), cache)))
-    assert (torch.cat(outs) - full).abs().max().item() < 1e-4   # std-0.3 weights: logits ~5, fp32 rounding ~1e-5
+        outs.append(model.logits(model.step(seq[t : t + 1], StepBatch(("a",), (1,), (t,)), cache)))
+    assert (torch.cat(outs) - full).abs().max().item() < 1e-4  # std-0.3 weights: logits ~5, fp32 rounding ~1e-5
 
 
 def test_tied_embeddings_have_no_lm_head_tensor(case):

@@ -1,4 +1,5 @@
 """init_model: a random checkpoint that transformers loads and agrees with, deterministic per seed."""
+
 import hashlib
 from collections import Counter
 
@@ -85,7 +86,7 @@ def _hot_share(model, n_hot):
         def combine(self, handle):
             return model.experts.combine(handle)
 
-    ids = torch.randint(3, 512, (4 * 48,), generator=torch.Generator().manual_seed(123))   # not the calibration prompts
+    ids = torch.randint(3, 512, (4 * 48,), generator=torch.Generator().manual_seed(123))  # not the calibration prompts
     model.step(ids, StepBatch.prefill(range(4), [48] * 4), model.new_cache(), experts=Count())
     return [sum(sorted(c.values(), reverse=True)[:n_hot]) / sum(c.values()) for c in counts]
 

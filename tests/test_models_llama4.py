@@ -3,6 +3,7 @@
 The tiny models use chunk size 8 and floor_scale 4, so that chunked local attention and
 attention temperature tuning both act within the test lengths (tests below show they do).
 """
+
 import json
 import shutil
 
@@ -18,8 +19,14 @@ VARIANTS = {
     # MoE layers 1 and 3 (dense 0 and 2)
     "interleave_2": dict(interleave_moe_layer_step=2),
     # top-2 (k copies each pre-scaled), no qk-norm, tied embeddings, attention biases, explicit NoPE layers
-    "top2_tied_bias": dict(num_experts_per_tok=2, use_qk_norm=False, tie_word_embeddings=True,
-                           attention_bias=True, no_rope_layers=[1, 0, 1, 0], moe_layers=[0, 2, 3]),
+    "top2_tied_bias": dict(
+        num_experts_per_tok=2,
+        use_qk_norm=False,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        no_rope_layers=[1, 0, 1, 0],
+        moe_layers=[0, 2, 3],
+    ),
 }
 
 
@@ -58,13 +65,14 @@ def test_greedy_generation_of_32_tokens_is_token_identical(case):
 def test_cached_decoding_equals_the_full_forward(case):
     _, model, _ = case
     seq = hf.prompts(1, 30, seed=2)[0]
-    full = model(seq[None])[0]                                          # [30, V]
+    full = model(seq[None])[0]  # [30, V]
     cache, step_logits = model.new_cache(), []
     from moeserve.models import StepBatch
+
     h = model.step(seq[:5], StepBatch((7,), (5,), (0,)), cache)
     step_logits.append(model.logits(h))
     for t in range(5, 30):
-        h = model.step(seq[t:t + 1], StepBatch((7,), (1,), (t,)), cache)
+        h = model.step(seq[t : t + 1], StepBatch((7,), (1,), (t,)), cache)
         step_logits.append(model.logits(h))
     assert (torch.cat(step_logits) - full).abs().max().item() < 1e-5
 
@@ -82,7 +90,7 @@ def test_chunked_attention_acts_within_the_test_length(all_moe, tmp_path):
     _, model, path = all_moe
     unchunked = _with_config(path, tmp_path / "m", attention_chunk_size=None, layer_types=None)
     ids = hf.prompts(1, 24, seed=3)
-    diff = (model(ids) - unchunked(ids)).abs().amax(dim=-1)[0]          # [T]
+    diff = (model(ids) - unchunked(ids)).abs().amax(dim=-1)[0]  # [T]
     assert diff[:8].max() < 1e-6, "the first chunk (positions 0..7) sees the same keys either way"
     assert diff[8:].min() > 1e-4
 
@@ -135,20 +143,53 @@ def test_multimodal_published_checkpoint_matches_transformers_text_model(tmp_pat
     tensors["multi_modal_projector.linear_1.weight"] = torch.randn(64, 32, generator=g)
     b = hf.LLAMA4_BASE
     text_config = {
-        "model_type": "llama4_text", "torch_dtype": "float32", "attn_temperature_tuning": 4,
+        "model_type": "llama4_text",
+        "torch_dtype": "float32",
+        "attn_temperature_tuning": 4,
         "rope_theta": 10000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 32},
-        "moe_layers": [0, 1, 2, 3], "no_rope_layers": [1, 1, 1, 0], "interleave_moe_layer_step": 1,
-        "bos_token_id": 1, "eos_token_id": [2, 5, 7], "pad_token_id": 9,
-        **{k: b[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                             "num_key_value_heads", "head_dim", "intermediate_size", "intermediate_size_mlp",
-                             "num_local_experts", "num_experts_per_tok", "attention_chunk_size", "floor_scale",
-                             "attn_scale", "max_position_embeddings")},
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        "moe_layers": [0, 1, 2, 3],
+        "no_rope_layers": [1, 1, 1, 0],
+        "interleave_moe_layer_step": 1,
+        "bos_token_id": 1,
+        "eos_token_id": [2, 5, 7],
+        "pad_token_id": 9,
+        **{
+            k: b[k]
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "intermediate_size",
+                "intermediate_size_mlp",
+                "num_local_experts",
+                "num_experts_per_tok",
+                "attention_chunk_size",
+                "floor_scale",
+                "attn_scale",
+                "max_position_embeddings",
+            )
+        },
     }
-    config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "torch_dtype": "float32",
-              "text_config": text_config, "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 32},
-              "boi_token_index": 200080, "eoi_token_index": 200081, "image_token_index": 200092}
+    config = {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "torch_dtype": "float32",
+        "text_config": text_config,
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 32},
+        "boi_token_index": 200080,
+        "eoi_token_index": 200081,
+        "image_token_index": 200092,
+    }
     path = hf.rewrite(tmp_path, tmp_path / "scout_like", tensors, config)
 
     with CheckpointReader(path) as reader:

@@ -1,4 +1,5 @@
 """The family-neutral decoder: varlen steps, the KV cache, the expert seam, generate's semantics."""
+
 import pytest
 import torch
 
@@ -18,14 +19,14 @@ def _ids(n, seed):
 
 def test_varlen_step_with_several_sequences_equals_separate_runs(model):
     seqs = {"a": _ids(21, 1), "b": _ids(5, 2), "c": _ids(13, 3)}
-    full = {k: model(v[None])[0] for k, v in seqs.items()}                     # [n, V] each
+    full = {k: model(v[None])[0] for k, v in seqs.items()}  # [n, V] each
     cache = model.new_cache()
     # step 1: three prefills of different lengths; step 2: a later chunk, a decode token, a chunk
     plan = [{"a": (0, 9), "b": (0, 4), "c": (0, 11)}, {"a": (9, 21), "b": (4, 5), "c": (11, 13)}]
     for step in plan:
         batch = StepBatch(tuple(step), tuple(e - s for s, e in step.values()), tuple(s for s, _ in step.values()))
         ids = torch.cat([seqs[k][s:e] for k, (s, e) in step.items()])
-        logits = model.logits(model.step(ids, batch, cache))                  # [T, V]
+        logits = model.logits(model.step(ids, batch, cache))  # [T, V]
         for i, (k, (s, e)) in enumerate(step.items()):
             a, b = batch.offsets[i], batch.offsets[i + 1]
             assert (logits[a:b] - full[k][s:e]).abs().max() < 1e-4, k
@@ -54,7 +55,7 @@ def test_cache_start_must_equal_the_cached_length(model):
         model.step(_ids(3, 0), StepBatch((7,), (2,), (4,)), cache)
     cache.release(7)
     assert 7 not in cache
-    model.step(_ids(2, 0), StepBatch.prefill([7], [2]), cache)   # a released id starts again at 0
+    model.step(_ids(2, 0), StepBatch.prefill([7], [2]), cache)  # a released id starts again at 0
     assert cache.length(7) == 2
 
 
@@ -75,6 +76,7 @@ class Recorder:
         def shared(u):
             self.calls.append(("shared", m, u.shape[0]))
             return fn(u)
+
         return shared
 
     def dispatch(self, moe_layer, hidden, routing):
@@ -87,10 +89,12 @@ class Recorder:
 
 
 def test_each_moe_layer_runs_route_dispatch_shared_combine_with_the_moe_layer_index(tmp_path):
-    m = load_model(init_model(tmp_path, "ernie45", seed=2))           # layer 0 dense: MoE layer m = decoder layer m+1
+    m = load_model(init_model(tmp_path, "ernie45", seed=2))  # layer 0 dense: MoE layer m = decoder layer m+1
     rec = Recorder(m, m.experts)
     m.step(_ids(5, 0), StepBatch.prefill([0], [5]), m.new_cache(), experts=rec)
-    expected = [(kind, i, None if kind == "combine" else 5) for i in range(3) for kind in ("dispatch", "shared", "combine")]
+    expected = [
+        (kind, i, None if kind == "combine" else 5) for i in range(3) for kind in ("dispatch", "shared", "combine")
+    ]
     assert rec.calls == expected
     assert m.moe_info.moe_layer_ids == (1, 2, 3)
 
@@ -123,14 +127,25 @@ def test_router_side_model_reads_no_routed_expert_weights(tmp_path):
 def test_moe_info_describes_what_eplb_needs(tmp_path):
     l4 = load_model(init_model(tmp_path / "l4", "llama4"), load_experts=False)
     i = l4.moe_info
-    assert (i.num_moe_layers, i.moe_layer_ids, i.num_logical_experts, i.num_shared_experts, i.top_k,
-            i.num_expert_groups) == (2, (1, 3), 8, 1, 1, 1)
+    assert (
+        i.num_moe_layers,
+        i.moe_layer_ids,
+        i.num_logical_experts,
+        i.num_shared_experts,
+        i.top_k,
+        i.num_expert_groups,
+    ) == (2, (1, 3), 8, 1, 1, 1)
     assert i.expert_spec.shapes == {"gate_up": (64, 64), "down": (32, 64)}
     assert i.expert_bytes == (64 * 64 + 32 * 64) * 4 == i.expert_spec.nbytes
     er = load_model(init_model(tmp_path / "er", "ernie45"), dtype=torch.bfloat16, load_experts=False)
     i = er.moe_info
-    assert (i.num_moe_layers, i.moe_layer_ids, i.num_logical_experts, i.num_shared_experts, i.top_k) == \
-        (3, (1, 2, 3), 16, 2, 4)
+    assert (i.num_moe_layers, i.moe_layer_ids, i.num_logical_experts, i.num_shared_experts, i.top_k) == (
+        3,
+        (1, 2, 3),
+        16,
+        2,
+        4,
+    )
     assert i.expert_spec.dtype == torch.bfloat16 and i.expert_bytes == 3 * 64 * 32 * 2
 
 
@@ -159,7 +174,7 @@ def test_generate_stops_at_eos_and_pads_like_transformers(hf_case):
     ref = hf.hf_greedy(oracle, ids, 12, eos=eos, pad=pad if pad is not None else eos[0])
     got = model.generate(ids, max_new_tokens=12, eos_token_ids=eos)
     assert torch.equal(got, ref)
-    assert got[0, 5 + 3:].eq(pad if pad is not None else eos[0]).all()
+    assert got[0, 5 + 3 :].eq(pad if pad is not None else eos[0]).all()
     # every row stopped: the output is shorter than T + max_new_tokens, as in transformers
     eos = [int(free[0, 5 + 1]), int(free[1, 5 + 2])]
     ref = hf.hf_greedy(oracle, ids, 12, eos=eos, pad=pad if pad is not None else eos[0])
@@ -180,10 +195,11 @@ def test_sampling_is_deterministic_per_seed_and_independent_of_the_batch(model):
 
 def test_generate_ids_continues_prompts_of_different_lengths(model):
     from moeserve.sampling import SamplingParams
+
     prompts = [_ids(3, 20).tolist(), _ids(11, 21).tolist(), _ids(1, 22).tolist()]
     out = model.generate_ids(prompts, [SamplingParams()] * 3, 8, ignore_eos=True)
     for p, new in zip(prompts, out):
-        alone = model.generate(torch.tensor([p]), max_new_tokens=8, ignore_eos=True)[0, len(p):]
+        alone = model.generate(torch.tensor([p]), max_new_tokens=8, ignore_eos=True)[0, len(p) :]
         assert new == alone.tolist()
 
 

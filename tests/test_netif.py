@@ -1,4 +1,5 @@
 """Gloo's interface is picked by the address a rank reaches the leader from, not by a name."""
+
 import socket
 
 from moeserve.cluster.netif import data_interface, interface_of, local_address_towards
@@ -12,4 +13,4 @@ def test_the_route_to_the_loopback_leader_is_the_loopback_interface():
 
 
 def test_an_address_no_interface_holds_has_no_interface():
-    assert interface_of("203.0.113.77") is None          # TEST-NET-3: never configured here
+    assert interface_of("203.0.113.77") is None  # TEST-NET-3: never configured here

@@ -3,6 +3,7 @@ Triton's interpreter on CPU tensors: several ranks simulated in one process, eac
 symmetric buffers a plain tensor whose address the kernels store through. Everything but the
 barriers (GPU only; benchmarks/dispatch.py and benchmarks/gpu_correctness.py check those
 on 2 H200s)."""
+
 import os
 
 import numpy as np
@@ -11,14 +12,14 @@ import torch
 
 try:
     import triton  # noqa: F401
-except ImportError:                                   # the test extra installs it; CI=true requires it
+except ImportError:  # the test extra installs it; CI=true requires it
     if os.environ.get("CI") == "true":
         raise
     pytest.skip("triton is not installed (pip install -e '.[test]')", allow_module_level=True)
 
-from moeserve import kernels                                          # noqa: E402
-from moeserve.dataplane import nvlink                                 # noqa: E402
-from moeserve.dataplane.exchange import Topology                                # noqa: E402
+from moeserve import kernels  # noqa: E402
+from moeserve.dataplane import nvlink  # noqa: E402
+from moeserve.dataplane.exchange import Topology  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,6 +39,7 @@ LAYOUTS = [(1, 1, True, 4), (2, 2, True, 6), (3, 3, True, 9), (1, 2, False, 6), 
 def maps_for(p, e, g):
     """A placement of P slots over E logical experts (every expert at least once), as RouterMaps."""
     from moeserve.router.dispatcher import RouterMaps
+
     phy2log = torch.cat([torch.randperm(e, generator=g), torch.randint(0, e, (p - e,), generator=g)])
     return RouterMaps(phy2log.numpy()[None], e, p - e + 1)
 
@@ -46,6 +48,7 @@ def maps_for(p, e, g):
 @pytest.mark.parametrize("k,scaled,replicas", [(1, True, True), (3, False, True), (2, False, False)])
 def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, colocated, slots, k, scaled, replicas):
     from moeserve.dataplane.exchange import choose_slots
+
     topo = Topology.build(routers, workers, colocated, slots)
     R, P, S, H, cap = topo.world_size, topo.num_slots, topo.slots_per_worker, 40, 600
     g = torch.Generator().manual_seed(routers * 100 + workers * 10 + k)
@@ -60,22 +63,26 @@ def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, col
     slots_of, prefix_of, x_of, w_of, ids_of, args_of, raw_slots = {}, {}, {}, {}, {}, {}, {}
     # 1. routers choose slots and publish their counts (an idle router publishes zeros)
     for rank in topo.router_ranks:
-        t = [cap // k, 0, 333 // k][rank % 3]          # at capacity (several blocks), idle, a partial block
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.long)
+        t = [cap // k, 0, 333 // k][rank % 3]  # at capacity (several blocks), idle, a partial block
+        ids = (
+            torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)])
+            if t
+            else torch.zeros(0, k, dtype=torch.long)
+        )
         offset = 5 + rank
         x_of[rank] = torch.randn(t, H, generator=g)
         w_of[rank] = torch.rand(t * k, generator=g)
         ids_of[rank] = ids
         args_of[rank] = kernels.pair_args(x_of[rank], ids, w_of[rank] if scaled else None, t * k, offset)
         sl, hist = kernels.route(args_of[rank], maps.log2phy[0], maps.logcnt[0], P, maps.single[0], k, cap)
-        assert sl.numel() >= cap and hist.shape[0] == kernels.num_blocks(cap)             # capacity-sized
-        sl = sl[:t * k]
-        assert torch.equal(sl.long(), choose_slots(ids, maps.log2phy[0], maps.logcnt[0], offset))   # the replica rule
+        assert sl.numel() >= cap and hist.shape[0] == kernels.num_blocks(cap)  # capacity-sized
+        sl = sl[: t * k]
+        assert torch.equal(sl.long(), choose_slots(ids, maps.log2phy[0], maps.logcnt[0], offset))  # the replica rule
         prefix = torch.empty_like(hist)
         kernels.publish(args_of[rank], hist, prefix, table(counts), rank, sent[rank], P)
         assert torch.equal(sent[rank], torch.bincount(sl.long(), minlength=P))
         slots_of[rank], prefix_of[rank], raw_slots[rank] = sl.long(), prefix, sl
-    for c in counts:                                  # everyone sees the same [R, P]
+    for c in counts:  # everyone sees the same [R, P]
         assert torch.equal(c, counts[0])
     # 2. every rank derives its layout; equal to the torch reference
     shift_of, offs_of = {}, {}
@@ -90,9 +97,22 @@ def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, col
     # 3. routers scatter their rows
     for rank in topo.router_ranks:
         full = torch.zeros(prefix_of[rank].shape[0] * kernels.BLOCK_PAIRS, dtype=torch.int32)
-        full[:slots_of[rank].numel()] = raw_slots[rank]
-        kernels.scatter_pairs(args_of[rank], torch.float32, H, k, scaled, full, prefix_of[rank], shift_of[rank], S,
-                              topo.worker_ranks[0], table(rows), table(meta), rank * cap)
+        full[: slots_of[rank].numel()] = raw_slots[rank]
+        kernels.scatter_pairs(
+            args_of[rank],
+            torch.float32,
+            H,
+            k,
+            scaled,
+            full,
+            prefix_of[rank],
+            shift_of[rank],
+            S,
+            topo.worker_ranks[0],
+            table(rows),
+            table(meta),
+            rank * cap,
+        )
         # where each pair landed = the reference layout of a stable sort by slot
         sorted_slots, order = torch.sort(slots_of[rank], stable=True)
         dest, row = nvlink.positions(counts[rank], rank, sorted_slots, topo)
@@ -108,10 +128,10 @@ def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, col
                     v = x_of[src][pair // k] * (w_of[src][pair] if scaled else 1.0)
                     expect.append((src * cap + pair, v))
         assert total == len(expect)
-        assert meta[rank][:total].tolist() == [m for m, _ in expect]         # slot-major, stable
+        assert meta[rank][:total].tolist() == [m for m, _ in expect]  # slot-major, stable
         for j, (m, v) in enumerate(expect):
             assert torch.equal(rows[rank][j], v)
-        assert meta[rank][total:].eq(-1).all()                          # nothing past the total
+        assert meta[rank][total:].eq(-1).all()  # nothing past the total
     # 4. workers return rows (identity experts) to their pairs' rows on the routers
     for rank in topo.worker_ranks:
         kernels.return_rows(rows[rank], meta[rank], offs_of[rank][-1:], table(outs), cap)
@@ -142,9 +162,9 @@ def test_weighted_sum_is_the_weighted_sum_over_k():
     xb, wb = x.bfloat16(), w.bfloat16()
     acc = torch.zeros(t, h)
     for j in range(k):
-        acc += wb[:, j:j + 1].float() * xb.view(t, k, h)[:, j].float()
+        acc += wb[:, j : j + 1].float() * xb.view(t, k, h)[:, j].float()
     got = kernels.weighted_sum(xb, wb).float()
-    assert (got - acc).abs().max() <= acc.abs().max() * 2 ** -7           # within a bf16 step (truncation here)
+    assert (got - acc).abs().max() <= acc.abs().max() * 2**-7  # within a bf16 step (truncation here)
 
 
 def test_capacity_and_layout_errors_are_explained():
@@ -152,9 +172,11 @@ def test_capacity_and_layout_errors_are_explained():
     assert nvlink.usable(torch.device("cpu")) == (False, "needs CUDA devices")
     with pytest.raises(ValueError, match="must be one of"):
         from moeserve.config import ClusterConfig
+
         ClusterConfig(model_dir="x", exchange="shm")
     with pytest.raises(ValueError, match="needs backend='nccl'"):
         from moeserve.config import ClusterConfig
+
         ClusterConfig(model_dir="x", exchange="nvlink")
     assert topo.worker_ranks == (2, 3, 4)
 
@@ -162,8 +184,10 @@ def test_capacity_and_layout_errors_are_explained():
 def test_auto_takes_the_collective_exchange_without_cuda():
     from moeserve.config import ClusterConfig
     from moeserve.cluster.rank import make_exchange
+
     topo = Topology.build(1, 2, False, 4)
     for choice in ("auto", "collective"):
-        ex = make_exchange(ClusterConfig(model_dir="x", exchange=choice), topo, 0, torch.device("cpu"), None, 8,
-                           torch.float32, 2)
+        ex = make_exchange(
+            ClusterConfig(model_dir="x", exchange=choice), topo, 0, torch.device("cpu"), None, 8, torch.float32, 2
+        )
         assert ex.kind == "collective"

@@ -2,6 +2,7 @@
 the metrics port layout, GetStatus reporting it, promtool on a scrape of every service, what
 the metrics say after traffic and one rebalance, and every PromQL expression of every
 dashboard panel returning data."""
+
 from __future__ import annotations
 
 import json
@@ -53,15 +54,33 @@ class Prometheus:
 
     def __init__(self, targets: dict[str, int], tmp):
         (self.port,) = free_ports(1)
-        cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-               "scrape_configs": [{"job_name": "moeserve", "static_configs": [
-                   {"targets": [f"127.0.0.1:{port}"], "labels": {"service": name}} for name, port in targets.items()]}]}
+        cfg = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {
+                    "job_name": "moeserve",
+                    "static_configs": [
+                        {"targets": [f"127.0.0.1:{port}"], "labels": {"service": name}}
+                        for name, port in targets.items()
+                    ],
+                }
+            ],
+        }
         path = tmp / "prometheus.yml"
         path.write_text(yaml.safe_dump(cfg))
         self.log = open(tmp / "prometheus.log", "wb")
-        self.proc = subprocess.Popen([prometheus(), f"--config.file={path}", f"--storage.tsdb.path={tmp / 'data'}",
-                                      f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-                                     stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                prometheus(),
+                f"--config.file={path}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         self.targets = targets
 
     def api(self, path: str, **params) -> dict:
@@ -101,8 +120,22 @@ class Prometheus:
 def run(demo_checkpoint, tmp_path_factory):
     """The cluster and Prometheus, after traffic, one rebalance and more traffic."""
     base = free_block(5)
-    up = Up(demo_checkpoint, "--routers", "1", "--workers", "2", "--enable-eplb", "--num-redundant-experts", "2",
-            "--eplb-step-interval", "100000000", "--eplb-move-budget", "0.2", "--metrics-port", str(base))
+    up = Up(
+        demo_checkpoint,
+        "--routers",
+        "1",
+        "--workers",
+        "2",
+        "--enable-eplb",
+        "--num-redundant-experts",
+        "2",
+        "--eplb-step-interval",
+        "100000000",
+        "--eplb-move-budget",
+        "0.2",
+        "--metrics-port",
+        str(base),
+    )
     prom = None
     try:
         serving, admin, balancer = up.clients()
@@ -113,8 +146,13 @@ def run(demo_checkpoint, tmp_path_factory):
         prompts = [rng.integers(3, 500, int(rng.integers(4, 16))).tolist() for _ in range(REQUESTS)]
 
         def traffic():
-            threads = [threading.Thread(target=serving.generate, kwargs=dict(
-                prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120)) for p in prompts]
+            threads = [
+                threading.Thread(
+                    target=serving.generate,
+                    kwargs=dict(prompt_token_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120),
+                )
+                for p in prompts
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -123,9 +161,8 @@ def run(demo_checkpoint, tmp_path_factory):
         traffic()
         rebalance = balancer.rebalance(wait=True)
         traffic()
-        time.sleep(3)                                   # a few more scrapes
-        yield dict(up=up, base=base, ports=ports, prom=prom, rebalance=rebalance, admin=admin,
-                   dump=admin.dump_load())
+        time.sleep(3)  # a few more scrapes
+        yield dict(up=up, base=base, ports=ports, prom=prom, rebalance=rebalance, admin=admin, dump=admin.dump_load())
     finally:
         if prom is not None:
             prom.stop()
@@ -151,7 +188,7 @@ def test_every_service_scrape_passes_promtool(run):
 def test_the_metrics_tell_what_happened(run):
     p = run["ports"]
     leader, front, bal = scrape(p["rank0"]), scrape(p["frontend"]), scrape(p["balancer"])
-    total = np.asarray(run["dump"].total_load)                                          # [L, E]
+    total = np.asarray(run["dump"].total_load)  # [L, E]
     tokens = samples(leader, "moeserve_expert_tokens_total")
     assert sum(tokens.values()) == total.sum()
     assert tokens[(("expert", "2"), ("layer", "0"))] == total[0, 2]
@@ -163,17 +200,22 @@ def test_the_metrics_tell_what_happened(run):
     assert samples(leader, "moeserve_migrations_total")[(("result", "done"),)] == 1
     assert samples(leader, "moeserve_placement_version") == {(): float(run["admin"].placement().version)}
     assert samples(bal, "moeserve_rebalances_total") == {
-        (("result", "done"),): 1.0, (("result", "skipped"),): 0.0, (("result", "failed"),): 0.0,
-        (("result", "dry_run"),): 0.0}
+        (("result", "done"),): 1.0,
+        (("result", "skipped"),): 0.0,
+        (("result", "failed"),): 0.0,
+        (("result", "dry_run"),): 0.0,
+    }
     assert samples(bal, "moeserve_rebalance_duration_seconds_count") == {(): 1.0}
     assert samples(front, "moeserve_time_to_first_token_seconds_count") == {(): 2.0 * REQUESTS}
     assert samples(front, "moeserve_generation_tokens_total") == {(): 2.0 * REQUESTS * MAX_TOKENS}
     assert samples(front, "moeserve_requests_total")[(("finish_reason", "length"),)] == 2 * REQUESTS
     generate = samples(front, "moeserve_grpc_server_handled_total")[
-        (("grpc_code", "OK"), ("grpc_method", "Generate"), ("grpc_service", "moeserve.v1.Serving"))]
+        (("grpc_code", "OK"), ("grpc_method", "Generate"), ("grpc_service", "moeserve.v1.Serving"))
+    ]
     assert generate == 2 * REQUESTS
     rebalance = samples(bal, "moeserve_grpc_server_handled_total")[
-        (("grpc_code", "OK"), ("grpc_method", "Rebalance"), ("grpc_service", "moeserve.v1.Balancer"))]
+        (("grpc_code", "OK"), ("grpc_method", "Rebalance"), ("grpc_service", "moeserve.v1.Balancer"))
+    ]
     assert rebalance == 1
     assert samples(scrape(p["rank1"]), "moeserve_process_info") == {(("rank", "1"), ("role", "worker")): 1.0}
     assert samples(leader, "moeserve_dispatch_duration_seconds_count")[()] > 0
@@ -211,6 +253,7 @@ def test_every_expression_of_every_dashboard_panel_returns_data(run):
 
 def moeserve(*args: str) -> subprocess.CompletedProcess:
     import sys
+
     return subprocess.run([sys.executable, "-m", "moeserve", *args], capture_output=True, text=True, timeout=120)
 
 
@@ -231,6 +274,7 @@ def test_moeserve_health_probes_grpc_services_and_metrics_endpoints(run):
 def test_moeserve_load_plots_the_live_window_and_dumps_it_with_the_placement(run, tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     from control_util import TOKEN
+
     dump, png = tmp_path / "load.json", tmp_path / "live.png"
     p = moeserve("load", "--address", run["up"].admin, "--admin-token", TOKEN, "--dump", str(dump), "--plot", str(png))
     assert p.returncode == 0, p.stderr
@@ -239,6 +283,6 @@ def test_moeserve_load_plots_the_live_window_and_dumps_it_with_the_placement(run
     assert d["format"] == "moeserve.load/1"
     np.testing.assert_array_equal(d["placement"]["phy2log"], run["admin"].placement().phy2log)
     side = tmp_path / "side.png"
-    p = moeserve("load", "--plot", str(side), str(dump), str(dump))             # offline: no server needed
+    p = moeserve("load", "--plot", str(side), str(dump), str(dump))  # offline: no server needed
     assert p.returncode == 0, p.stderr
     assert side.read_bytes()[:4] == b"\x89PNG"

@@ -6,6 +6,7 @@ fp32 with IEEE dots, equals the torch path; PagedBatch.build's metadata on a gol
 Dimension letters as in moeserve/models/attention.py: T new tokens, S sequences, Hq / Hkv
 query / key-value heads, D head dim, N flat slots.
 """
+
 import functools
 import math
 import os
@@ -20,12 +21,14 @@ from moeserve.models import attention as attn
 from moeserve.models.layers import Attention
 
 from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
+
 if HAVE_TRITON and not torch.cuda.is_available():
     # conftest.py sets it before Triton is imported; without a GPU the interpreter is the only way.
     assert os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # -- PagedBatch ----------------------------------------------------------------------------------
+
 
 def test_paged_batch_build_golden_example():
     # block size 4; a prefill of 3 (blocks 7, 2), a decode at position 6 (blocks 4, 0: block 0 is a
@@ -64,6 +67,7 @@ def test_bytes_per_block_and_pool_layout():
 
 # -- the whole model: paged equals eager -----------------------------------------------------------
 
+
 class Blocks:
     """The caller's side of the paged cache, as the router runner keeps it: a shuffled free list
     (so block ids are neither contiguous nor ordered) and each sequence's block table."""
@@ -79,8 +83,13 @@ class Blocks:
             table = self.tables.setdefault(sid, [])
             while len(table) * self.block_size < end:
                 table.append(self.free.pop())
-        return PagedBatch.build([e - s for s, e in step.values()], [s for s, _ in step.values()],
-                                [self.tables[sid] for sid in step], self.block_size, device)
+        return PagedBatch.build(
+            [e - s for s, e in step.values()],
+            [s for s, _ in step.values()],
+            [self.tables[sid] for sid in step],
+            self.block_size,
+            device,
+        )
 
 
 # Prefills of different lengths, a long prompt in chunks (3, then 14 crossing two chunk
@@ -121,7 +130,7 @@ def _run_schedule(model, block_size, seed=0):
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_model_step_equals_the_eager_oracle(model, block_size):
-    if model.config.family == "llama4":   # the features the schedule must exercise
+    if model.config.family == "llama4":  # the features the schedule must exercise
         c = model.config
         assert c.attention_chunk_size == 8 and any(c.chunked_attention) and not all(c.use_rope)
         assert c.attn_temperature_tuning and c.use_qk_norm
@@ -139,8 +148,9 @@ def test_paged_model_step_equals_the_eager_oracle(model, block_size):
 @needs_triton
 def test_paged_model_step_with_the_triton_kernel_equals_the_eager_oracle(model, monkeypatch):
     """The model's Attention routed through the Triton kernel (as on CUDA), under the interpreter."""
-    monkeypatch.setattr("moeserve.models.layers.paged_attention",
-                        functools.partial(attn.paged_attention, backend="triton"))
+    monkeypatch.setattr(
+        "moeserve.models.layers.paged_attention", functools.partial(attn.paged_attention, backend="triton")
+    )
     for want, got, _ in _run_schedule(model, 4, seed=1):
         if want.numel():
             assert (got - want).abs().max() < 1e-5
@@ -157,6 +167,7 @@ def test_paged_and_eager_caches_do_not_mix(model):
 
 
 # -- the attention functions -----------------------------------------------------------------------
+
 
 def _case(lens, starts, block_size, hq, hkv, d, seed, extra_blocks=3):
     """Random q [T, Hq, D], pools [N, Hkv, D] filled everywhere, shuffled block tables, and the batch."""
@@ -177,13 +188,15 @@ def _case(lens, starts, block_size, hq, hkv, d, seed, extra_blocks=3):
 
 def _eager(q, k_pool, v_pool, batch, chunk, hq, hkv, d):
     """Attention._attend sequence by sequence, on keys read back through the block tables."""
-    me = SimpleNamespace(chunk=chunk, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d ** -0.5, softmax_fp32=True)
+    me = SimpleNamespace(chunk=chunk, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5, softmax_fp32=True)
     out = torch.empty_like(q)
     qs, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
     for s in range(batch.num_seqs):
         a, b = qs[s], qs[s + 1]
-        slots = [batch.block_tables[s, p // batch.block_size].item() * batch.block_size + p % batch.block_size
-                 for p in range(lens[s])]
+        slots = [
+            batch.block_tables[s, p // batch.block_size].item() * batch.block_size + p % batch.block_size
+            for p in range(lens[s])
+        ]
         out[a:b] = Attention._attend(me, q[a:b], k_pool[slots], v_pool[slots], lens[s] - (b - a))
     return out
 
@@ -204,7 +217,7 @@ def _poisoned(k_pool, v_pool, batch, chunk):
     return k, v
 
 
-CASES = {   # name: (lens, starts)
+CASES = {  # name: (lens, starts)
     "decode": ([1, 1, 1, 1, 1], [0, 3, 17, 40, 70]),
     "prefill": ([7, 20, 1, 33], [0, 0, 0, 0]),
     "mixed": ([1, 9, 1, 30, 4], [50, 0, 7, 13, 21]),
@@ -220,7 +233,7 @@ def test_torch_path_equals_the_eager_attention(case, hq, hkv, d, chunk):
     want = _eager(q, k_pool, v_pool, batch, chunk, hq, hkv, d)
     # the torch path reads padding slots too, and must not let them leak (0 * NaN)
     kp, vp = _poisoned(k_pool, v_pool, batch, None)
-    got = attn.paged_attention_torch(q, kp, vp, batch, scale=d ** -0.5, chunk=chunk, softmax_fp32=True)
+    got = attn.paged_attention_torch(q, kp, vp, batch, scale=d**-0.5, chunk=chunk, softmax_fp32=True)
     assert (got - want).abs().max() < 1e-5
 
 
@@ -232,9 +245,9 @@ def test_torch_path_equals_the_eager_attention(case, hq, hkv, d, chunk):
 def test_triton_kernel_equals_the_torch_path(case, block_size, hq, hkv, d, chunk):
     lens, starts = CASES[case]
     q, k_pool, v_pool, batch = _case(lens, starts, block_size, hq, hkv, d, seed=block_size + hq + d)
-    want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=d ** -0.5, chunk=chunk, softmax_fp32=True)
+    want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=d**-0.5, chunk=chunk, softmax_fp32=True)
     kp, vp = _poisoned(k_pool, v_pool, batch, chunk)
-    got = attn.paged_attention_triton(q, kp, vp, batch, scale=d ** -0.5, chunk=chunk)
+    got = attn.paged_attention_triton(q, kp, vp, batch, scale=d**-0.5, chunk=chunk)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert (got - want).abs().max() < 1e-5
 
@@ -271,16 +284,20 @@ def test_triton_mask_free_key_tiles_equal_the_torch_path(monkeypatch, skip_mask,
 def test_empty_step_attention():
     batch = PagedBatch.build([], [], [], 4)
     q, pool = torch.zeros(0, 4, 16), torch.zeros(8, 2, 16)
-    assert attn.paged_attention_torch(q, pool, pool, batch, scale=0.25, chunk=None, softmax_fp32=True).shape == (0, 4, 16)
+    assert attn.paged_attention_torch(q, pool, pool, batch, scale=0.25, chunk=None, softmax_fp32=True).shape == (
+        0,
+        4,
+        16,
+    )
     if HAVE_TRITON:
         assert attn.paged_attention_triton(q, pool, pool, batch, scale=0.25, chunk=None).shape == (0, 4, 16)
 
 
 def test_launch_config_shapes():
     decode = PagedBatch.build([1] * 4, [4000] * 4, [list(range(i * 300, i * 300 + 251)) for i in range(4)], 16)
-    cfg = attn.attention_config(decode, 40, 8, 128, num_sms=132)     # Llama 4 Scout's heads: G = 5
+    cfg = attn.attention_config(decode, 40, 8, 128, num_sms=132)  # Llama 4 Scout's heads: G = 5
     assert (cfg["BM"], cfg["BQ"], cfg["tiles"]) == (16, 3, 4 // 3 + 4)
-    assert cfg["NS"] > 1                                              # 32 programs for 132 SMs: split
+    assert cfg["NS"] > 1  # 32 programs for 132 SMs: split
     prefill = PagedBatch.build([100, 1], [0, 50], [list(range(7)), [9, 10, 11, 12]], 16)
     cfg = attn.attention_config(prefill, 40, 8, 128, num_sms=132)
     assert (cfg["BM"], cfg["BQ"], cfg["NS"], cfg["tiles"]) == (64, 12, 1, 101 // 12 + 2)

@@ -1,4 +1,5 @@
 """The placement type: validation, derived tables, moves, files, balancedness."""
+
 import json
 
 import numpy as np
@@ -6,12 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from moeserve.placement import (Move, Placement, balancedness, load_from_sglang, model_balancedness,
-                                worker_load)
+from moeserve.placement import Move, Placement, balancedness, load_from_sglang, model_balancedness, worker_load
 
 # 2 layers, 4 logical experts, 6 slots on 3 workers (2 slots each), one node
-P2L = [[0, 1, 2, 3, 0, 1],
-       [3, 2, 1, 0, 0, 0]]
+P2L = [[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 0, 0]]
 
 
 def placement(p2l=P2L, e=4, w=3, wpn=None, **kw):
@@ -20,18 +19,22 @@ def placement(p2l=P2L, e=4, w=3, wpn=None, **kw):
 
 # ---- validation ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(p2l=[0, 1, 2, 3]), "2-D"),
-    (dict(p2l=[[0, 1, 2, 4, 0, 1], P2L[1]]), r"layer 0 slot 3: logical expert id 4 is out of range 0\.\.3"),
-    (dict(p2l=[[0, 1, 2, 2, 0, 1], P2L[1]]), "layer 0: logical expert 3 has no replica"),
-    (dict(w=4), "6 slots per layer do not split evenly over 4 workers"),
-    (dict(wpn=2), "3 workers do not split into nodes of 2"),
-    (dict(e=7), "6 slots cannot hold 7 logical experts"),
-    (dict(version=-1), "version must be a non-negative integer"),
-    (dict(version=2, layer_versions=[1, -1]), "layer_versions must be non-negative"),
-    (dict(layer_versions=[0]), r"layer_versions must have shape \(2,\)"),
-    (dict(p2l=np.array(P2L) + 0.5), "integer logical expert ids"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(p2l=[0, 1, 2, 3]), "2-D"),
+        (dict(p2l=[[0, 1, 2, 4, 0, 1], P2L[1]]), r"layer 0 slot 3: logical expert id 4 is out of range 0\.\.3"),
+        (dict(p2l=[[0, 1, 2, 2, 0, 1], P2L[1]]), "layer 0: logical expert 3 has no replica"),
+        (dict(w=4), "6 slots per layer do not split evenly over 4 workers"),
+        (dict(wpn=2), "3 workers do not split into nodes of 2"),
+        (dict(e=7), "6 slots cannot hold 7 logical experts"),
+        (dict(version=-1), "version must be a non-negative integer"),
+        (dict(version=2, layer_versions=[1, -1]), "layer_versions must be non-negative"),
+        (dict(layer_versions=[0]), r"layer_versions must have shape \(2,\)"),
+        (dict(p2l=np.array(P2L) + 0.5), "integer logical expert ids"),
+    ],
+)
 def test_invalid_placements_are_rejected_with_what_was_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
         placement(**kwargs)
@@ -55,6 +58,7 @@ def test_slot_worker_and_node_helpers():
 
 # ---- derived tables --------------------------------------------------------------------------
 
+
 def test_logcnt_counts_replicas():
     assert placement().logcnt().tolist() == [[2, 2, 1, 1], [3, 1, 1, 1]]
 
@@ -67,7 +71,9 @@ def test_log2phy_lists_slots_ascending_padded_to_the_callers_width():
 
 
 def test_log2phy_narrower_than_a_replica_count_is_an_error():
-    with pytest.raises(ValueError, match="layer 1: logical expert 0 has 3 replicas, more than the table width max_replicas=2"):
+    with pytest.raises(
+        ValueError, match="layer 1: logical expert 0 has 3 replicas, more than the table width max_replicas=2"
+    ):
         placement().log2phy(2)
 
 
@@ -79,7 +85,7 @@ def test_tables_agree_for_random_placements(data):
     w = data.draw(st.integers(1, 4))
     s = data.draw(st.integers(-(-e // w), -(-e // w) + 3))
     p = w * s
-    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 31)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
     rows = [rng.permutation(np.concatenate([np.arange(e), rng.integers(0, e, p - e)])) for _ in range(layers)]
     pl = Placement(np.array(rows), e, w)
     cnt = pl.logcnt()
@@ -92,6 +98,7 @@ def test_tables_agree_for_random_placements(data):
 
 
 # ---- balancedness ----------------------------------------------------------------------------
+
 
 def test_balancedness_splits_an_experts_load_evenly_over_its_replicas():
     # layer 0: experts 0 (load 4) and 1 (load 2) have a replica on workers 0 and 2 each;
@@ -124,12 +131,13 @@ def test_placement_balancedness_checks_the_load_shape():
 
 # ---- moves -----------------------------------------------------------------------------------
 
+
 def test_diff_lists_only_slots_whose_expert_changes():
     old = placement()
     assert old.diff(old, 10) == []
     new = old.replace([[0, 1, 2, 3, 1, 1], P2L[1]])
     assert new.version == 1
-    assert old.diff(new, 10) == [Move(0, 4, 1, 2, 2, 10)]       # worker 2 holds expert 1 already
+    assert old.diff(new, 10) == [Move(0, 4, 1, 2, 2, 10)]  # worker 2 holds expert 1 already
 
 
 # 4 workers of 2 slots, 2 workers per node: w0 {0, 1}  w1 {2, 4} | w2 {3, 0}  w3 {4, 1}
@@ -143,18 +151,18 @@ def one_move(new_row):
 
 
 def test_move_source_is_the_destination_worker_when_it_holds_the_expert():
-    move = one_move([0, 1, 2, 4, 3, 0, 4, 4])                  # w3 slot 7 takes expert 4, w3 has it
+    move = one_move([0, 1, 2, 4, 3, 0, 4, 4])  # w3 slot 7 takes expert 4, w3 has it
     assert (move.slot, move.logical, move.src_worker, move.dst_worker, move.nbytes) == (7, 4, 3, 3, 7)
     assert move.local
 
 
 def test_move_source_on_the_destinations_node_beats_one_elsewhere():
-    assert one_move([4, 1, 2, 4, 3, 0, 4, 1]).src_worker == 1   # w0 takes 4: w1 (node 0), not w3
-    assert one_move([0, 1, 2, 4, 3, 4, 4, 1]).src_worker == 3   # w2 takes 4: w3 (node 1), not w1
+    assert one_move([4, 1, 2, 4, 3, 0, 4, 1]).src_worker == 1  # w0 takes 4: w1 (node 0), not w3
+    assert one_move([0, 1, 2, 4, 3, 4, 4, 1]).src_worker == 3  # w2 takes 4: w3 (node 1), not w1
 
 
 def test_move_source_on_another_node_when_no_nearer_holder():
-    move = one_move([0, 1, 2, 4, 3, 2, 4, 1])                   # w2 takes 2, held only by w1
+    move = one_move([0, 1, 2, 4, 3, 2, 4, 1])  # w2 takes 2, held only by w1
     assert (move.src_worker, move.local) == (1, False)
 
 
@@ -176,7 +184,7 @@ def test_applying_the_moves_gives_the_new_placement(data):
     e, w = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 4))
     s = max(data.draw(st.integers(1, 4)), -(-e // w))
     p = w * s
-    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 31)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
 
     def rand_row():
         return rng.permutation(np.concatenate([np.arange(e), rng.integers(0, e, p - e)]))
@@ -195,6 +203,7 @@ def test_applying_the_moves_gives_the_new_placement(data):
 
 
 # ---- files -----------------------------------------------------------------------------------
+
 
 def test_json_round_trip_keeps_everything(tmp_path):
     p = placement(wpn=3, version=4, layer_versions=[4, 2])
@@ -264,7 +273,7 @@ def test_an_sglang_load_file_is_not_a_placement(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".json", ".pt"])
 def test_reads_sglang_logical_count_summing_leading_dims_and_dropping_dense_rows(tmp_path, suffix):
-    counts = np.zeros((2, 3, 4))                                  # [steps, decoder layers, experts]
+    counts = np.zeros((2, 3, 4))  # [steps, decoder layers, experts]
     counts[:, 1] = [[1, 2, 3, 4], [10, 20, 30, 40]]
     counts[:, 2] = [[5, 0, 0, 0], [5, 1, 0, 0]]
     path = tmp_path / f"dump{suffix}"
@@ -300,6 +309,7 @@ def test_layer_versions_may_run_ahead_of_the_version_while_a_migration_commits_l
 
 def test_worker_balancedness_from_measured_worker_loads():
     from moeserve.placement import worker_balancedness
-    b = worker_balancedness(np.array([[2, 2], [4, 1], [0, 0]]))     # the idle layer counts 1.0, left out of means
+
+    b = worker_balancedness(np.array([[2, 2], [4, 1], [0, 0]]))  # the idle layer counts 1.0, left out of means
     np.testing.assert_allclose(b["per_layer"], [1.0, 0.625, 1.0])
     assert b["mean"] == pytest.approx(0.8125) and b["sum_ratio"] == pytest.approx(4.5 / 6)

@@ -1,4 +1,5 @@
 """Load heatmaps (moeserve/ops/plot.py): one dump, two side by side, bad files, matplotlib missing."""
+
 import builtins
 import json
 
@@ -9,14 +10,19 @@ from moeserve.ops.plot import LoadPicture, PlotUnavailable, plot_load
 
 pytestmark = pytest.mark.timeout(120)
 
-LOAD = np.array([[47, 20, 622, 83, 590, 21, 76, 45], [150, 12, 558, 25, 12, 627, 87, 33]])    # [L, E]
-BEFORE = np.tile(np.arange(10) % 8, (2, 1))                                                   # [L, P]
+LOAD = np.array([[47, 20, 622, 83, 590, 21, 76, 45], [150, 12, 558, 25, 12, 627, 87, 33]])  # [L, E]
+BEFORE = np.tile(np.arange(10) % 8, (2, 1))  # [L, P]
 AFTER = np.array([[0, 1, 7, 3, 4, 5, 6, 2, 0, 1], [0, 1, 2, 3, 6, 5, 4, 7, 0, 1]])
 
 
 def dump(path, load, phy2log=None, steps=32):
-    d = {"format": "moeserve.load/1", "total_load": (load * 3).tolist(), "window_load": load.tolist(),
-         "total_steps": 3 * steps, "window_steps": steps}
+    d = {
+        "format": "moeserve.load/1",
+        "total_load": (load * 3).tolist(),
+        "window_load": load.tolist(),
+        "total_steps": 3 * steps,
+        "window_steps": steps,
+    }
     if phy2log is not None:
         d["placement"] = {"phy2log": phy2log.tolist(), "version": 1, "num_workers": 2}
     path.write_text(json.dumps(d))
@@ -40,11 +46,14 @@ def test_an_empty_window_falls_back_to_the_load_since_start(tmp_path):
     assert pic.phy2log is None
 
 
-@pytest.mark.parametrize("content,match", [
-    ("not json", "not a load dump"),
-    ('{"format": "something else"}', "moeserve.load/1"),
-    ('{"format": "moeserve.load/1", "window_steps": 1, "window_load": [1, 2]}', "shape"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("not json", "not a load dump"),
+        ('{"format": "something else"}', "moeserve.load/1"),
+        ('{"format": "moeserve.load/1", "window_steps": 1, "window_load": [1, 2]}', "shape"),
+    ],
+)
 def test_a_file_that_is_not_a_load_dump_is_refused_with_a_reason(tmp_path, content, match):
     bad = tmp_path / "bad.json"
     bad.write_text(content)
@@ -55,13 +64,17 @@ def test_a_file_that_is_not_a_load_dump_is_refused_with_a_reason(tmp_path, conte
 def test_one_dump_and_two_dumps_side_by_side_make_pngs(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     one = plot_load([LoadPicture.from_dump(dump(tmp_path / "a.json", LOAD))], tmp_path / "one.png")
-    two = plot_load([LoadPicture("before", LOAD, BEFORE, 2, 32), LoadPicture("after", LOAD, AFTER, 2, 32)],
-                    tmp_path / "sub" / "two.png", "before and after")
+    two = plot_load(
+        [LoadPicture("before", LOAD, BEFORE, 2, 32), LoadPicture("after", LOAD, AFTER, 2, 32)],
+        tmp_path / "sub" / "two.png",
+        "before and after",
+    )
     assert is_png(one) and is_png(two)
     from PIL import Image
+
     w1, _ = Image.open(one).size
     w2, h2 = Image.open(two).size
-    assert w2 > 1.5 * w1 and h2 > 0                 # two columns
+    assert w2 > 1.5 * w1 and h2 > 0  # two columns
 
 
 def test_without_matplotlib_the_message_says_how_to_install_it(tmp_path, monkeypatch):
@@ -79,8 +92,9 @@ def test_without_matplotlib_the_message_says_how_to_install_it(tmp_path, monkeyp
 
 def test_replicas_that_stayed_idle_are_marked(tmp_path, monkeypatch):
     from moeserve.ops import plot
+
     load = LOAD.copy()
-    load[0, 1] = 0                                  # expert 1 of layer 0 got no pair: both its copies idle
+    load[0, 1] = 0  # expert 1 of layer 0 got no pair: both its copies idle
     load[1, 7] = 0
     idle = plot.idle_slots(load, BEFORE)
     assert idle.shape == BEFORE.shape

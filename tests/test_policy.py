@@ -1,4 +1,5 @@
 """The project's placement policy: valid plans for any input, migration-awareness, the budget."""
+
 import subprocess
 import sys
 
@@ -7,8 +8,7 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from moeserve.balancer.policy import packing
-from moeserve.balancer.policy import (PolicyConfig, cross_node_share, evaluate, make_policy, place,
-                                      rebalance_experts)
+from moeserve.balancer.policy import PolicyConfig, cross_node_share, evaluate, make_policy, place, rebalance_experts
 from moeserve.placement import Placement, balancedness
 
 
@@ -16,7 +16,7 @@ def assert_valid(phy2log, load, slots, workers, groups=1, nodes=1):
     """Shape, ids, every expert replicated; and, hierarchical, every group on one node."""
     layers, e = load.shape
     assert phy2log.shape == (layers, slots) and phy2log.dtype == np.int64
-    Placement(phy2log, e, workers)                                    # validates ids and replicas
+    Placement(phy2log, e, workers)  # validates ids and replicas
     if groups > 1 and nodes > 1 and groups % nodes == 0:
         node_of_slot = np.arange(slots) // (slots // nodes)
         for l in range(layers):
@@ -33,13 +33,13 @@ def problems(draw):
     groups = draw(st.sampled_from([1, 2, 4, 8, 3]))
     hier = groups > 1 and nodes > 1 and groups % nodes == 0
     e = groups * draw(st.integers(1, 4)) if hier else draw(st.integers(1, 20))
-    s = draw(st.integers(1, 4)) + (-(-e // workers))                  # slots per worker
+    s = draw(st.integers(1, 4)) + (-(-e // workers))  # slots per worker
     slots = workers * s if draw(st.booleans()) or e % workers else e  # P = E sometimes
     layers = draw(st.integers(1, 5))
     kind = draw(st.sampled_from(["zipf", "zero", "uniform", "one-hot"]))
-    rng = np.random.default_rng(draw(st.integers(0, 2 ** 31)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     if kind == "zipf":
-        load = rng.permutation(1.0 / np.arange(1, e + 1) ** 1.2) * rng.integers(1, 10 ** 5)
+        load = rng.permutation(1.0 / np.arange(1, e + 1) ** 1.2) * rng.integers(1, 10**5)
         load = np.stack([rng.permutation(load) for _ in range(layers)])
     elif kind == "zero":
         load = np.zeros((layers, e))
@@ -62,7 +62,7 @@ def test_every_plan_is_a_valid_placement(problem, which, data):
     first = policy(load, slots, workers, groups, nodes, None)
     strict = not policy.__dict__.get("config", PolicyConfig()).cross_node_replicas
     assert_valid(first, load, slots, workers, groups if strict else 1, nodes if strict else 1)
-    drift = np.random.default_rng(data.draw(st.integers(0, 2 ** 31))).lognormal(0, 0.3, load.shape)
+    drift = np.random.default_rng(data.draw(st.integers(0, 2**31))).lognormal(0, 0.3, load.shape)
     later = policy(load * drift, slots, workers, groups, nodes, first)
     assert_valid(later, load, slots, workers, groups if strict else 1, nodes if strict else 1)
 
@@ -73,7 +73,7 @@ def test_a_call_changes_at_most_the_move_budget(problem, budget, data):
     load, slots, workers, groups, nodes = problem
     policy = make_policy(budget)
     first = policy(load, slots, workers, groups, nodes, None)
-    shuffled = np.random.default_rng(data.draw(st.integers(0, 2 ** 31))).permutation(load, axis=1)
+    shuffled = np.random.default_rng(data.draw(st.integers(0, 2**31))).permutation(load, axis=1)
     later = policy(shuffled, slots, workers, groups, nodes, first)
     assert (later != first).sum() <= int(budget * load.shape[0] * slots)
 
@@ -95,8 +95,9 @@ def permuted(phy2log, nodes, workers, rng):
 
 
 @pytest.mark.parametrize("policy", [make_policy(None), place], ids=["unlimited", "budget 10%"])
-@pytest.mark.parametrize("shape", [(16, 32, 8, 1, 1), (64, 96, 8, 1, 1), (32, 48, 8, 8, 4)],
-                         ids=["scout-like", "ernie-like", "hierarchical"])
+@pytest.mark.parametrize(
+    "shape", [(16, 32, 8, 1, 1), (64, 96, 8, 1, 1), (32, 48, 8, 8, 4)], ids=["scout-like", "ernie-like", "hierarchical"]
+)
 def test_a_plan_that_merely_permutes_the_placement_in_force_moves_nothing(policy, shape):
     e, slots, workers, groups, nodes = shape
     rng = np.random.default_rng(3)
@@ -111,7 +112,7 @@ def test_moves_go_where_they_buy_the_most_balance():
     # layer 0 is badly balanced, layer 1 already balanced: a small budget is spent on layer 0
     rng = np.random.default_rng(0)
     load = np.stack([rng.permutation(10000 / np.arange(1, 33)), np.full(32, 300.0)]).round()
-    bad = np.stack([np.argsort(-load[0]), np.arange(32)])              # layer 0: heaviest first
+    bad = np.stack([np.argsort(-load[0]), np.arange(32)])  # layer 0: heaviest first
     out = make_policy(0.05)(load, 32, 4, 1, 1, bad)
     assert (out[1] == bad[1]).all()
     assert (out[0] != bad[0]).sum() >= 2
@@ -144,7 +145,7 @@ def test_cross_node_replicas_keep_one_replica_of_every_expert_home():
     for l in range(6):
         for g in range(8):
             nodes = node_of_slot[spread[l] // 8 == g]
-            home = np.bincount(nodes).argmax()                       # the node with most of the group
+            home = np.bincount(nodes).argmax()  # the node with most of the group
             for x in range(8 * g, 8 * g + 8):
                 assert home in node_of_slot[spread[l] == x]
     assert balancedness(load, spread, 16).mean() > balancedness(load, pinned, 16).mean()
@@ -152,20 +153,26 @@ def test_cross_node_replicas_keep_one_replica_of_every_expert_home():
     assert cross_node_share(load, pinned, 8, 4) == 0.0
 
 
-@pytest.mark.parametrize("args, message", [
-    (dict(load=np.ones(4)), "load must be 2-D"),
-    (dict(load=-np.ones((2, 4))), "finite and non-negative"),
-    (dict(load=np.full((2, 4), np.nan)), "finite and non-negative"),
-    (dict(num_slots=3), r"num_slots \(3\) must be at least the number of logical experts \(4\)"),
-    (dict(num_slots=6, num_workers=4), r"num_slots \(6\) must be a multiple of num_workers \(4\)"),
-    (dict(num_workers=0), "num_workers must be a positive integer"),
-    (dict(num_groups=3, num_nodes=3), "do not split into num_groups=3"),
-    (dict(num_groups=2, num_nodes=2, num_workers=3, num_slots=6), r"num_workers \(3\) must be a multiple of num_nodes \(2\)"),
-    (dict(current=np.zeros((2, 8), dtype=np.int64)), "logical expert 1 has no replica"),
-    (dict(current=np.zeros((2, 7), dtype=np.int64)), r"current has shape \(2, 7\), expected \(2, 8\)"),
-    (dict(current=np.full((2, 8), 9)), "outside 0..3"),
-    (dict(current=np.zeros((2, 8))), "integer logical expert ids"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(load=np.ones(4)), "load must be 2-D"),
+        (dict(load=-np.ones((2, 4))), "finite and non-negative"),
+        (dict(load=np.full((2, 4), np.nan)), "finite and non-negative"),
+        (dict(num_slots=3), r"num_slots \(3\) must be at least the number of logical experts \(4\)"),
+        (dict(num_slots=6, num_workers=4), r"num_slots \(6\) must be a multiple of num_workers \(4\)"),
+        (dict(num_workers=0), "num_workers must be a positive integer"),
+        (dict(num_groups=3, num_nodes=3), "do not split into num_groups=3"),
+        (
+            dict(num_groups=2, num_nodes=2, num_workers=3, num_slots=6),
+            r"num_workers \(3\) must be a multiple of num_nodes \(2\)",
+        ),
+        (dict(current=np.zeros((2, 8), dtype=np.int64)), "logical expert 1 has no replica"),
+        (dict(current=np.zeros((2, 7), dtype=np.int64)), r"current has shape \(2, 7\), expected \(2, 8\)"),
+        (dict(current=np.full((2, 8), 9)), "outside 0..3"),
+        (dict(current=np.zeros((2, 8))), "integer logical expert ids"),
+    ],
+)
 def test_bad_arguments_raise_value_error_saying_what_is_allowed(args, message):
     kw = dict(load=np.ones((2, 4)), num_slots=8, num_workers=2, num_groups=1, num_nodes=1, current=None)
     kw.update(args)
@@ -181,8 +188,8 @@ def test_a_move_budget_outside_zero_to_one_is_rejected(budget):
 
 def test_evaluate_reports_balance_slots_and_bytes():
     load = np.array([[4.0, 2.0, 3.0, 3.0]])
-    current = np.array([[0, 1, 2, 3, 0, 1]])                      # workers {0,1} {2,3} {0,1}
-    proposed = np.array([[0, 2, 1, 3, 0, 1]])                     # slots 1 and 2 swap: loads 5 4 3
+    current = np.array([[0, 1, 2, 3, 0, 1]])  # workers {0,1} {2,3} {0,1}
+    proposed = np.array([[0, 2, 1, 3, 0, 1]])  # slots 1 and 2 swap: loads 5 4 3
     r = evaluate(load, current, proposed, num_workers=3, expert_bytes=100)
     assert r.balancedness_before.tolist() == pytest.approx([4 / 6])
     assert r.balancedness_after.tolist() == pytest.approx([4 / 5])
@@ -193,7 +200,7 @@ def test_evaluate_reports_balance_slots_and_bytes():
 def test_evaluate_counts_a_copy_inside_a_worker_as_no_bytes():
     load = np.array([[4.0, 2.0, 3.0, 3.0]])
     current = np.array([[0, 1, 2, 3, 0, 1]])
-    proposed = np.array([[0, 0, 2, 3, 1, 1]])                     # worker 0 already holds 0, worker 2 holds 1
+    proposed = np.array([[0, 0, 2, 3, 1, 1]])  # worker 0 already holds 0, worker 2 holds 1
     r = evaluate(load, current, proposed, 3, 100)
     assert (r.slots_moved, r.slots_moved_across_workers, r.bytes_moved) == (2, 0, 0)
 
@@ -219,8 +226,10 @@ def test_a_placement_in_force_that_splits_groups_is_repaired_into_a_pinned_one(b
 def test_the_policy_package_imports_without_torch():
     # the balancer plans in a process that need not have torch: importing the policy (and
     # planning once) must not pull it in
-    code = ("import sys, numpy as np; from moeserve.balancer.policy import place; "
-            "place(np.ones((2, 4)), 8, 4, 1, 1, None); print('torch' in sys.modules)")
+    code = (
+        "import sys, numpy as np; from moeserve.balancer.policy import place; "
+        "place(np.ones((2, 4)), 8, 4, 1, 1, None); print('torch' in sys.modules)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "False"
@@ -265,9 +274,10 @@ def test_replica_counts_follow_drifting_traffic_as_well_as_the_reference_with_a_
 def test_following_counts_walks_replica_counts_toward_a_fresh_plans():
     from moeserve.balancer.policy.search import follow_counts
     from moeserve.placement import logical_counts
+
     rng = np.random.default_rng(4)
     load = np.stack([rng.permutation(4096 / np.arange(1, 17) ** 1.2) for _ in range(4)]).round()
-    stale = place(load[:, ::-1].copy(), 32, 8)                       # counts planned for other traffic
+    stale = place(load[:, ::-1].copy(), 32, 8)  # counts planned for other traffic
     target = packing.replica_counts(load, 32, 8)
     search = follow_counts(load, stale, 8, target, max_steps=64)
     assert (logical_counts(search.final, 16) == target).all()
@@ -275,4 +285,4 @@ def test_following_counts_walks_replica_counts_toward_a_fresh_plans():
     peak, cost = search.curves()
     steps = np.full(4, peak.shape[0] - 1)
     assert (search.replay(steps) == search.final).all()
-    assert (cost[-1] == (search.final != stale).sum(1)).all()           # one slot per step, none twice
+    assert (cost[-1] == (search.final != stale).sum(1)).all()  # one slot per step, none twice

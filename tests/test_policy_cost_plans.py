@@ -1,6 +1,7 @@
 """The cost-aware policy's plans for the data plane's replica rule (issue 15): the rule's step-time
 model (balancer/policy/rule.py), break-even counts b chosen per (layer, expert), and placements
 whose one replica read per step splits evenly over the workers."""
+
 import sys
 from pathlib import Path
 
@@ -9,12 +10,19 @@ import pytest
 
 from moeserve.balancer.policy import make_policy, place
 from moeserve.balancer.policy.cost import StepModel, breakeven
-from moeserve.balancer.policy.rule import (NEVER_SPREAD, plan_breakeven, poisson_cdf, rule_phases, rule_shares,
-                                           rule_slot_shares, rule_times)
+from moeserve.balancer.policy.rule import (
+    NEVER_SPREAD,
+    plan_breakeven,
+    poisson_cdf,
+    rule_phases,
+    rule_shares,
+    rule_slot_shares,
+    rule_times,
+)
 from moeserve.placement import logical_counts
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = StepModel("H200", "scout", 5120, 8192, 2, 4.0e12, 6.0e14, 5e-6, 2e-5)     # b0 = 161
+MODEL = StepModel("H200", "scout", 5120, 8192, 2, 4.0e12, 6.0e14, 5e-6, 2e-5)  # b0 = 161
 B0 = MODEL.breakeven_count
 
 
@@ -23,7 +31,7 @@ def simulate(model, counts, phy2log, b, w):
     the rule's period of the slowest worker's time (docs/dataplane.md, "Replica choice")."""
     e, p = counts.size, phy2log.size
     logcnt = np.bincount(phy2log, minlength=e)
-    slots = [np.flatnonzero(phy2log == x) for x in range(e)]                  # replica j = j-th slot
+    slots = [np.flatnonzero(phy2log == x) for x in range(e)]  # replica j = j-th slot
     period = int(np.lcm.reduce(logcnt))
     times = []
     for step in range(period):
@@ -49,10 +57,10 @@ def test_the_rule_model_matches_the_rule_applied_by_hand_on_fixed_counts():
         phy2log = rng.permutation(np.concatenate([np.arange(e), rng.choice(e, p - e)]))
         while (np.bincount(phy2log, minlength=e) == 0).any():
             phy2log = rng.permutation(np.concatenate([np.arange(e), rng.choice(e, p - e)]))
-        bins = rng.integers(1, 10, size=e)                    # one histogram bin per expert: a fixed count
+        bins = rng.integers(1, 10, size=e)  # one histogram bin per expert: a fixed count
         hist = np.zeros((1, e, 10))
         hist[0, np.arange(e), bins] = 5.0
-        counts = np.where(bins == 1, 1.0, np.sqrt(2.0 ** (bins - 1) * (2.0 ** bins - 1)))   # the bins' middles
+        counts = np.where(bins == 1, 1.0, np.sqrt(2.0 ** (bins - 1) * (2.0**bins - 1)))  # the bins' middles
         b = rng.choice([1, 4, 16, 64, 600], size=e)
         got = rule_times(MODEL, 5 * counts[None], phy2log[None], w, b[None], 5, histogram=hist)[0]
         assert got == pytest.approx(simulate(MODEL, counts, phy2log, b, w), rel=1e-9)
@@ -74,6 +82,7 @@ def test_the_rule_model_with_window_sums_matches_sampled_poisson_counts():
 
 def test_poisson_cdf_is_exact_for_small_counts_and_close_above():
     from math import exp, lgamma, log
+
     for lam in (0.3, 2.0, 9.0, 40.0, 300.0):
         for m in (0, 1, 5, 15, 16, 40, 280, 320):
             exact = sum(exp(-lam + k * log(lam) - lgamma(k + 1)) for k in range(m + 1))
@@ -117,10 +126,10 @@ def test_at_decode_sizes_every_steps_reads_split_evenly_over_the_workers():
     plan = make_policy(step_model=MODEL)(load, 20, 2, 1, 1, current, steps=8)
     b = plan_breakeven(MODEL, load, plan, 2, 8)
     busy, _ = rule_slot_shares(rule_shares(load, logical_counts(plan, e), b, 8), plan, None, 2)
-    reads = busy.reshape(layers, 2, 2, 10).sum(3)                                  # [L, step parity, worker]
+    reads = busy.reshape(layers, 2, 2, 10).sum(3)  # [L, step parity, worker]
     assert np.abs(reads[..., 0] - reads[..., 1]).max() < 0.1
     before, _ = rule_slot_shares(rule_shares(load, logical_counts(current, e), b, 8), current, None, 2)
-    assert np.abs(np.diff(before.reshape(layers, 2, 2, 10).sum(3), axis=2)).min() > 3.5   # 10 against 6 reads
+    assert np.abs(np.diff(before.reshape(layers, 2, 2, 10).sum(3), axis=2)).min() > 3.5  # 10 against 6 reads
 
 
 def hot_layer(hot, others, layers=2, experts=16, steps=8):
@@ -136,7 +145,7 @@ def test_a_hot_experts_second_copy_is_not_read_where_the_workers_are_bound_by_re
     plan = place(load, 20, 2)
     assert logical_counts(plan, 16)[:, 0].min() >= 2
     b = plan_breakeven(MODEL, load, plan, 2, 8)
-    assert (b[:, 0] > 300 + 6 * np.sqrt(300)).all()                               # no step's count passes it
+    assert (b[:, 0] > 300 + 6 * np.sqrt(300)).all()  # no step's count passes it
     t = rule_times(MODEL, load, plan, 2, b, 8)
     assert (t < rule_times(MODEL, load, plan, 2, breakeven(MODEL, 2, 16), 8)).all()
 
@@ -158,11 +167,11 @@ def test_planned_b_is_never_predicted_slower_than_one_b_for_every_expert(seed, p
     plan = place(load, 24, 2)
     b = plan_breakeven(MODEL, load, plan, 2, 8)
     assert b.dtype == np.int64 and b.shape == load.shape and (b >= 1).all()
-    assert (b[logical_counts(plan, 16) == 1] == B0).all()                          # b changes nothing there
+    assert (b[logical_counts(plan, 16) == 1] == B0).all()  # b changes nothing there
     t = rule_times(MODEL, load, plan, 2, b, 8)
     for one in (B0, 2 * B0, NEVER_SPREAD):
         assert (t <= rule_times(MODEL, load, plan, 2, np.full_like(b, one), 8) * (1 + 1e-9)).all()
-    assert (plan_breakeven(MODEL, load, plan, 2, 8) == b).all()                     # the same for the caller
+    assert (plan_breakeven(MODEL, load, plan, 2, 8) == b).all()  # the same for the caller
 
 
 def test_node_rows_and_a_histogram_give_valid_plans_within_the_budget():
@@ -175,7 +184,7 @@ def test_node_rows_and_a_histogram_give_valid_plans_within_the_budget():
     for kw in (dict(steps=8), dict(steps=8, histogram=hist)):
         plan = pol(load, p, w, g, n, cur, **kw)
         assert (logical_counts(plan, e) > 0).all() and (plan != cur).sum() <= int(0.1 * plan.size)
-        group_node = (plan // (e // g)) * n + np.arange(p) // (p // n)             # groups stay on one node
+        group_node = (plan // (e // g)) * n + np.arange(p) // (p // n)  # groups stay on one node
         for l in range(layers):
             assert len(set(group_node[l].tolist())) == g
         assert plan_breakeven(MODEL, load, plan, w, **kw).shape == (layers, e)
@@ -187,6 +196,7 @@ def test_the_layer_benchmarks_cost_rows_are_predicted_within_2_percent_of_the_be
     # issue 15's check on the step model's predictions (benchmarks/eplb_layer.py --predict-only)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import eplb_layer as B
+
     res = B.main(["--predict-only", "--models", shape, "--sizes", "128,512,2048"])
     t = {(r["tokens"], r["zipf"], r["policy"]): r["pred_ms"] for r in res}
     for tokens in (128, 512, 2048):

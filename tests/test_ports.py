@@ -1,5 +1,6 @@
 """Free ports that stay free until their server binds them, and ports in use reported before
 anything loads (moeserve.ops.ports, ``moeserve up``)."""
+
 import socket
 
 import pytest
@@ -46,8 +47,10 @@ def test_check_bindable_names_the_flag_of_the_port_in_use():
         ports.check_bindable("127.0.0.1", {"--port": ports.free_port(), "--admin-port": 0})
         with pytest.raises(OSError) as e:
             ports.check_bindable("127.0.0.1", {"--port": ports.free_port(), "--balancer-port": busy})
-        assert e.value.strerror == f"port {busy} on 127.0.0.1 (--balancer-port) is already in use: stop what " \
-                                   f"listens there or choose another port"
+        assert (
+            e.value.strerror == f"port {busy} on 127.0.0.1 (--balancer-port) is already in use: stop what "
+            f"listens there or choose another port"
+        )
 
 
 @pytest.mark.timeout(60)
@@ -55,17 +58,32 @@ def test_check_bindable_names_the_flag_of_the_port_in_use():
 def test_up_reports_a_port_in_use_before_loading_anything(tmp_path, flag, capsys, monkeypatch):
     from moeserve.cluster import launcher
     from moeserve.models import init_model
+
     model = str(init_model(tmp_path / "m", "llama4", seed=1))
 
     def start(self):
         raise AssertionError("the ranks were started")
+
     monkeypatch.setattr(launcher.LocalCluster, "start", start)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen(1)
         busy = held.getsockname()[1]
-        assert main(["up", "--model", model, "--host", "127.0.0.1", flag, str(busy),
-                     *[x for f in ("--port", "--admin-port", "--balancer-port") if f != flag for x in (f, "0")]]) == 1
+        assert (
+            main(
+                [
+                    "up",
+                    "--model",
+                    model,
+                    "--host",
+                    "127.0.0.1",
+                    flag,
+                    str(busy),
+                    *[x for f in ("--port", "--admin-port", "--balancer-port") if f != flag for x in (f, "0")],
+                ]
+            )
+            == 1
+        )
     err = capsys.readouterr().err
     assert f"moeserve up: error: port {busy} on 127.0.0.1 ({flag}) is already in use" in err, err
     assert len(err.strip().splitlines()) == 1, err

@@ -1,14 +1,19 @@
 """The DeepSeek-compatible drop-in: same arguments, same outputs as the published policy."""
+
 import numpy as np
 import pytest
 import torch
 
 from moeserve.balancer.policy import place_reference, rebalance_experts
 
-README_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-                 [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
-README_PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-                  [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
+README_PHY2LOG = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
 
 
 def test_reproduces_the_readme_example_exactly():
@@ -31,7 +36,7 @@ def test_log2phy_lists_every_replica_once_padded_with_minus_one():
             slots = [s for s in log2phy[layer, expert].tolist() if s != -1]
             assert len(slots) == logcnt[layer, expert]
             assert all(phy2log[layer, s] == expert for s in slots)
-            assert log2phy[layer, expert, len(slots):].tolist() == [-1] * (log2phy.shape[2] - len(slots))
+            assert log2phy[layer, expert, len(slots) :].tolist() == [-1] * (log2phy.shape[2] - len(slots))
 
 
 def test_hierarchical_variant_keeps_each_group_on_one_node():
@@ -48,7 +53,7 @@ def test_global_variant_when_groups_do_not_split_over_nodes():
     weight = np.arange(1, 13, dtype=float)[None]
     phy2log, _, logcnt = rebalance_experts(weight, 16, num_groups=3, num_nodes=2, num_gpus=4)
     assert sorted(set(phy2log[0].tolist())) == list(range(12))
-    assert logcnt[0, 11] == 2                                  # the heaviest expert is replicated
+    assert logcnt[0, 11] == 2  # the heaviest expert is replicated
 
 
 def test_yardstick_wrapper_ignores_current():
@@ -56,13 +61,16 @@ def test_yardstick_wrapper_ignores_current():
     assert place_reference(w, 16, 8, 4, 2, None).tolist() == README_PHY2LOG
 
 
-@pytest.mark.parametrize("args, message", [
-    ((16, 4, 2, 7), "multiple of num_gpus"),
-    ((8, 4, 2, 8), "at least the number of logical experts"),
-    ((16, 5, 5, 8), "do not split into num_groups=5"),
-    ((16, 4, 4, 6), "multiple of num_gpus"),
-    ((16, 0, 2, 8), "num_groups must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((16, 4, 2, 7), "multiple of num_gpus"),
+        ((8, 4, 2, 8), "at least the number of logical experts"),
+        ((16, 5, 5, 8), "do not split into num_groups=5"),
+        ((16, 4, 4, 6), "multiple of num_gpus"),
+        ((16, 0, 2, 8), "num_groups must be a positive integer"),
+    ],
+)
 def test_bad_arguments_raise_value_error_saying_what_is_allowed(args, message):
     with pytest.raises(ValueError, match=message):
         rebalance_experts(np.array(README_WEIGHT), *args)

@@ -6,6 +6,7 @@ connections on every port the cluster listens on leave generation working; healt
 the front end's limits hold before any conversion; a tokenizer held busy does not stop another
 stream; malformed protobuf and bad placement files are INVALID_ARGUMENT; bad balancer settings
 are refused and stop nothing. (State across restarts: test_state_dir.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -32,12 +33,13 @@ from moeserve.client import BalancerSettings, Client, MoeserveError
 from ops_util import samples, scrape
 
 WORKERS, REDUNDANT = 2, 2
-QUIET = "1000000000"                       # a step interval the balancer's loop never reaches
+QUIET = "1000000000"  # a step interval the balancer's loop never reaches
 
 pytestmark = pytest.mark.timeout(240)
 
 
 # -- the cluster --------------------------------------------------------------------------------
+
 
 def _ranks(up: Up) -> dict[int, int]:
     """rank -> pid of the rank processes ``moeserve up`` started."""
@@ -61,18 +63,45 @@ def cluster(tmp_path_factory):
     model = reference_model(path)
     prompt = prompts_for(model.config.vocab_size, lengths=(7,), seed=5)[0]
     want = reference_generate(model, prompt, 8)
-    up = Up(path, "--workers", str(WORKERS), "--enable-eplb", "--num-redundant-experts", str(REDUNDANT),
-            "--http-port", "0", "--metrics-port", "0", "--eplb-step-interval", QUIET, "--balancer-poll-interval", "0.2")
+    up = Up(
+        path,
+        "--workers",
+        str(WORKERS),
+        "--enable-eplb",
+        "--num-redundant-experts",
+        str(REDUNDANT),
+        "--http-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--eplb-step-interval",
+        QUIET,
+        "--balancer-poll-interval",
+        "0.2",
+    )
     out = up.output()
     http = int(re.search(r"^http\s+http://[\d.]+:(\d+)/v1", out, re.M).group(1))
-    metrics = {m.group(1).strip(): int(m.group(2))
-               for m in re.finditer(r"^metrics\s+(.+?)\s+http://[\d.]+:(\d+)/metrics", out, re.M)}
+    metrics = {
+        m.group(1).strip(): int(m.group(2))
+        for m in re.finditer(r"^metrics\s+(.+?)\s+http://[\d.]+:(\d+)/metrics", out, re.M)
+    }
     log0 = (Path(up.log_dir) / "rank0.log").read_text()
     chost, cport = re.search(r"local channel on ([\d.]+):(\d+)", log0).groups()
     serving, admin, balancer = up.clients(timeout=30)
-    yield dict(up=up, path=path, model=model, prompt=prompt, want=want, http=http, metrics=metrics,
-               channel=(chost, int(cport)), serving=serving, admin=admin, balancer=balancer,
-               info=admin.status().model)
+    yield dict(
+        up=up,
+        path=path,
+        model=model,
+        prompt=prompt,
+        want=want,
+        http=http,
+        metrics=metrics,
+        channel=(chost, int(cport)),
+        serving=serving,
+        admin=admin,
+        balancer=balancer,
+        info=admin.status().model,
+    )
     up.stop()
 
 
@@ -103,8 +132,7 @@ def _http_health(port: int) -> int:
 
 def _http_complete(port: int, prompt, n: int) -> dict:
     body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                 {"content-type": "application/json"})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"content-type": "application/json"})
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=60) as r:
         choice = json.loads(r.read())["choices"][0]
@@ -113,17 +141,21 @@ def _http_complete(port: int, prompt, n: int) -> dict:
 
 # -- 1. every accepted input is safe ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("temperature", [1e-320, 5e-324, 1e-6, 9.99e-6])
 def test_a_tiny_temperature_is_greedy_and_the_cluster_still_serves(cluster, temperature):
     c = cluster
     out = c["serving"].generate(prompt_token_ids=[1, 2, 3], max_tokens=4, temperature=temperature)
     assert len(out.token_ids) >= 1 and out.finish_reason in ("length", "stop")
-    greedy = c["serving"].generate(prompt_token_ids=c["prompt"], max_tokens=8, temperature=temperature,
-                                   ignore_eos=True)
+    greedy = c["serving"].generate(prompt_token_ids=c["prompt"], max_tokens=8, temperature=temperature, ignore_eos=True)
     assert greedy.token_ids == c["want"]
-    streamed = [t for ch in c["serving"].generate_stream(prompt_token_ids=c["prompt"], max_tokens=8,
-                                                          temperature=temperature, ignore_eos=True)
-                for t in ch.token_ids]
+    streamed = [
+        t
+        for ch in c["serving"].generate_stream(
+            prompt_token_ids=c["prompt"], max_tokens=8, temperature=temperature, ignore_eos=True
+        )
+        for t in ch.token_ids
+    ]
     assert streamed == c["want"]
     serves(c)
     assert c["admin"].status().error == ""
@@ -141,18 +173,19 @@ def test_limits_hold_at_the_front_end_before_any_conversion(cluster):
         return 0
 
     before = peak_rss_kib()
-    with pytest.raises(MoeserveError) as e:                       # 50 MB of ids: gRPC refuses it unparsed
+    with pytest.raises(MoeserveError) as e:  # 50 MB of ids: gRPC refuses it unparsed
         s.generate(prompt_token_ids=[100_000] * 12_500_000, max_tokens=1)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in e.value.message
-    with pytest.raises(MoeserveError) as e:                       # a million stop ids, counted before conversion
+    with pytest.raises(MoeserveError) as e:  # a million stop ids, counted before conversion
         s.generate(prompt_token_ids=[1, 2], max_tokens=1, stop_token_ids=[7] * 1_000_000)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "at most 256" in e.value.message
-    with pytest.raises(MoeserveError) as e:                       # larger ids do not fit in a valid request
+    with pytest.raises(MoeserveError) as e:  # larger ids do not fit in a valid request
         s.generate(prompt_token_ids=[1, 2], max_tokens=1, stop_token_ids=[100_000] * 1_000_000)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert peak_rss_kib() - before < 64 << 10, "the front end grew by more than 64 MiB for requests it refused"
     # HTTP: a 50 MB body is refused on its Content-Length, before a byte of it is read or parsed.
     import http.client
+
     conn = http.client.HTTPConnection("127.0.0.1", c["http"], timeout=30)
     try:
         conn.putrequest("POST", "/v1/completions")
@@ -164,9 +197,11 @@ def test_limits_hold_at_the_front_end_before_any_conversion(cluster):
     finally:
         conn.close()
     assert peak_rss_kib() - before < 64 << 10, "the front end grew by more than 64 MiB for requests it refused"
-    for kw, what in ((dict(prompt_token_ids=[5] * 5000), "max_model_len is 4096"),
-                     (dict(prompt_token_ids=[1, 2], stop_token_ids=[7] * 300), "at most 256"),
-                     (dict(prompt="a" * (4096 * 64 + 1)), "more than this server tokenizes")):
+    for kw, what in (
+        (dict(prompt_token_ids=[5] * 5000), "max_model_len is 4096"),
+        (dict(prompt_token_ids=[1, 2], stop_token_ids=[7] * 300), "at most 256"),
+        (dict(prompt="a" * (4096 * 64 + 1)), "more than this server tokenizes"),
+    ):
         with pytest.raises(MoeserveError) as e:
             s.generate(max_tokens=1, **kw)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and what in e.value.message, e.value.message
@@ -200,8 +235,9 @@ def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(clu
             return ""
 
     service = ServingService(admission=Admission(AsyncEngineClient(c["channel"], key), HeldTokenizer()))
-    srv = ThreadedServer(ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s),
-                                       ServerOptions()))
+    srv = ThreadedServer(
+        ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), ServerOptions())
+    )
     srv.start()
     try:
         client = Client(f"127.0.0.1:{srv.server.port}", timeout=60)
@@ -210,7 +246,7 @@ def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(clu
         def huge():
             try:
                 held["out"] = client.generate("x" * 200_000, max_tokens=8, ignore_eos=True)
-            except Exception as e:                                  # reported below
+            except Exception as e:  # reported below
                 held["error"] = e
 
         t = threading.Thread(target=huge, daemon=True)
@@ -218,7 +254,7 @@ def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(clu
         assert entered.wait(60), "the huge prompt never reached the tokenizer"
         chunks = list(client.generate_stream(prompt_token_ids=c["prompt"], max_tokens=8, ignore_eos=True))
         assert [tok for ch in chunks for tok in ch.token_ids] == c["want"]
-        assert t.is_alive() and not release.is_set()               # the tokenizer was still busy throughout
+        assert t.is_alive() and not release.is_set()  # the tokenizer was still busy throughout
         release.set()
         t.join(60)
         assert "error" not in held, held.get("error")
@@ -230,9 +266,11 @@ def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(clu
 
 # -- 2. no silent wedge -------------------------------------------------------------------------
 
+
 def _store_port(up) -> int:
     """The torch.distributed store's port: MASTER_PORT in the leader rank's environment."""
     from control_util import children_of
+
     for pid in _descendants(up.proc.pid, children_of):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
@@ -255,38 +293,47 @@ def _descendants(pid: int, children_of) -> list[int]:
 
 def _every_port(c) -> dict[str, int]:
     up = c["up"]
-    ports = {"serving gRPC": up.port, "HTTP": c["http"], "admin gRPC": up.admin_port,
-             "balancer gRPC": up.balancer_port, "leader's local channel": c["channel"][1],
-             "torch.distributed store": _store_port(up)}
+    ports = {
+        "serving gRPC": up.port,
+        "HTTP": c["http"],
+        "admin gRPC": up.admin_port,
+        "balancer gRPC": up.balancer_port,
+        "leader's local channel": c["channel"][1],
+        "torch.distributed store": _store_port(up),
+    }
     ports.update({f"metrics of {name}": port for name, port in c["metrics"].items()})
     return ports
 
 
-GARBAGE = [b"\x00" * 64, b"\xff" * 4096, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-           b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + os.urandom(512),
-           b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(300),          # a TLS ClientHello's start
-           b"\x00\x00\x00\x00\x00\x00\xff\xff" + os.urandom(64),                       # a huge frame length
-           b"MSCH" + os.urandom(100)]
+GARBAGE = [
+    b"\x00" * 64,
+    b"\xff" * 4096,
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + os.urandom(512),
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(300),  # a TLS ClientHello's start
+    b"\x00\x00\x00\x00\x00\x00\xff\xff" + os.urandom(64),  # a huge frame length
+    b"MSCH" + os.urandom(100),
+]
 
 
 def test_connect_close_garbage_and_idle_connections_on_every_port_leave_generation_working(cluster):
     c = cluster
     ports = _every_port(c)
-    assert len(c["metrics"]) == 1 + WORKERS + 2                     # every rank, the front end, the balancer
+    assert len(c["metrics"]) == 1 + WORKERS + 2  # every rank, the front end, the balancer
     idle = []
     try:
         for name, port in ports.items():
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()          # connect + close
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()  # connect + close
             for junk in GARBAGE:
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                     try:
                         s.sendall(junk)
                         s.shutdown(socket.SHUT_WR)
                     except OSError:
-                        pass                                                         # the server hung up first
-            for _ in range(3):                                                      # connections that say nothing
+                        pass  # the server hung up first
+            for _ in range(3):  # connections that say nothing
                 idle.append((name, socket.create_connection(("127.0.0.1", port), timeout=5)))
-            half = socket.create_connection(("127.0.0.1", port), timeout=5)          # a frame header, then silence
+            half = socket.create_connection(("127.0.0.1", port), timeout=5)  # a frame header, then silence
             half.sendall(b"\x00\x00\x00\x00\x00\x00\x10")
             idle.append((name, half))
         # With every idle connection still open: every service answers, generation works.
@@ -340,10 +387,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 def test_health_is_not_serving_while_the_step_loop_is_stalled_and_a_metric_says_why(cluster):
     c = cluster
     up = c["up"]
-    worker = _ranks(up)[WORKERS]                                    # the last expert worker
+    worker = _ranks(up)[WORKERS]  # the last expert worker
     for name in ("rank 0 (router, leader)", "front end", "balancer"):
         assert _readiness(c, name) == (1.0, None), name
-    os.kill(worker, signal.SIGSTOP)                                 # every step waits for it
+    os.kill(worker, signal.SIGSTOP)  # every step waits for it
     try:
         _wait_for("the front end's health NOT_SERVING", lambda: _health(up.serving) == NOT_SERVING)
         _wait_for("the admin's health NOT_SERVING", lambda: _health(up.admin) == NOT_SERVING)
@@ -364,13 +411,15 @@ def test_health_is_not_serving_while_the_leader_does_not_answer(cluster):
     c = cluster
     up = c["up"]
     leader = _ranks(up)[0]
-    os.kill(leader, signal.SIGSTOP)                                 # the channel and the admin API go silent
+    os.kill(leader, signal.SIGSTOP)  # the channel and the admin API go silent
     try:
         _wait_for("the front end's health NOT_SERVING", lambda: _health(up.serving) == NOT_SERVING)
         _wait_for("the balancer's health NOT_SERVING", lambda: _health(up.balancer) == NOT_SERVING)
         assert _http_health(c["http"]) == 503
-        assert _health(up.admin, timeout=1) in (grpc.StatusCode.DEADLINE_EXCEEDED,       # a stopped process
-                                                grpc.StatusCode.UNAVAILABLE)            # answers nothing
+        assert _health(up.admin, timeout=1) in (
+            grpc.StatusCode.DEADLINE_EXCEEDED,  # a stopped process
+            grpc.StatusCode.UNAVAILABLE,
+        )  # answers nothing
         for name in ("front end", "balancer"):
             assert _readiness(c, name) == (0.0, "leader_unreachable"), name
     finally:
@@ -383,10 +432,14 @@ def test_health_is_not_serving_while_the_leader_does_not_answer(cluster):
 # -- 4. clear answers ---------------------------------------------------------------------------
 
 METHODS = {  # method -> (address key, needs the token)
-    "/moeserve.v1.Serving/Generate": "serving", "/moeserve.v1.Serving/GenerateStream": "serving",
-    "/moeserve.v1.Admin/ApplyPlacement": "admin", "/moeserve.v1.Admin/GetMigration": "admin",
-    "/moeserve.v1.Admin/PutBalancerSettings": "admin", "/moeserve.v1.Admin/GetExpertLoad": "admin",
-    "/moeserve.v1.Balancer/SetConfig": "balancer", "/moeserve.v1.Balancer/Rebalance": "balancer",
+    "/moeserve.v1.Serving/Generate": "serving",
+    "/moeserve.v1.Serving/GenerateStream": "serving",
+    "/moeserve.v1.Admin/ApplyPlacement": "admin",
+    "/moeserve.v1.Admin/GetMigration": "admin",
+    "/moeserve.v1.Admin/PutBalancerSettings": "admin",
+    "/moeserve.v1.Admin/GetExpertLoad": "admin",
+    "/moeserve.v1.Balancer/SetConfig": "balancer",
+    "/moeserve.v1.Balancer/Rebalance": "balancer",
 }
 
 
@@ -404,9 +457,17 @@ def test_a_malformed_protobuf_is_invalid_argument_naming_the_message(cluster, me
         assert "does not parse as a moeserve.v1." in e.value.details() and "class" not in e.value.details()
 
 
-@pytest.mark.parametrize("suffix,content", [(".pt", b"garbage"), (".pt", b""), (".pt", b"PK\x03\x04garbage"),
-                                            (".json", b"{not json"), (".json", b"\xff\xfe"),
-                                            (".json", b'{"physical_to_logical_map": [[1, [2]]]}')])
+@pytest.mark.parametrize(
+    "suffix,content",
+    [
+        (".pt", b"garbage"),
+        (".pt", b""),
+        (".pt", b"PK\x03\x04garbage"),
+        (".json", b"{not json"),
+        (".json", b"\xff\xfe"),
+        (".json", b'{"physical_to_logical_map": [[1, [2]]]}'),
+    ],
+)
 def test_a_bad_placement_file_is_invalid_argument_naming_the_file(cluster, tmp_path, suffix, content):
     c = cluster
     bad = tmp_path / f"bad{suffix}"
@@ -416,9 +477,25 @@ def test_a_bad_placement_file_is_invalid_argument_naming_the_file(cluster, tmp_p
         c["admin"].apply_placement(file=str(bad), file_format="sglang-pt" if suffix == ".pt" else "sglang-json")
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT, e.value.message
     assert "the placement file (SGLANG_" in e.value.message and "/tmp" not in e.value.message
-    out = subprocess.run([sys.executable, "-m", "moeserve", "placement", "apply", str(bad), "--address", c["up"].admin,
-                          "--admin-token", TOKEN, "--format", "sglang-pt" if suffix == ".pt" else "sglang-json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeserve",
+            "placement",
+            "apply",
+            str(bad),
+            "--address",
+            c["up"].admin,
+            "--admin-token",
+            TOKEN,
+            "--format",
+            "sglang-pt" if suffix == ".pt" else "sglang-json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and f"INVALID_ARGUMENT: {bad}: the placement file" in out.stderr, out.stderr
     after = c["admin"].placement()
     assert after.version == before.version and (after.phy2log == before.phy2log).all()
@@ -426,15 +503,19 @@ def test_a_bad_placement_file_is_invalid_argument_naming_the_file(cluster, tmp_p
 
 # -- 3. balancer settings are validated ---------------------------------------------------------
 
-@pytest.mark.parametrize("settings,what", [
-    (BalancerSettings(step_interval=-5), "step_interval must be an integer >= 1"),
-    (BalancerSettings(step_interval=0), "step_interval must be an integer >= 1"),
-    (BalancerSettings(min_balancedness=math.nan), "min_balancedness must be a number in [0, 1]"),
-    (BalancerSettings(min_balancedness=math.inf), "min_balancedness must be a number in [0, 1]"),
-    (BalancerSettings(min_balancedness=1.5), "min_balancedness must be a number in [0, 1]"),
-    (BalancerSettings(window_steps=-1), "window_steps must be an integer in 0..1000"),
-    (BalancerSettings(window_steps=10**9), "window_steps must be an integer in 0..1000"),
-])
+
+@pytest.mark.parametrize(
+    "settings,what",
+    [
+        (BalancerSettings(step_interval=-5), "step_interval must be an integer >= 1"),
+        (BalancerSettings(step_interval=0), "step_interval must be an integer >= 1"),
+        (BalancerSettings(min_balancedness=math.nan), "min_balancedness must be a number in [0, 1]"),
+        (BalancerSettings(min_balancedness=math.inf), "min_balancedness must be a number in [0, 1]"),
+        (BalancerSettings(min_balancedness=1.5), "min_balancedness must be a number in [0, 1]"),
+        (BalancerSettings(window_steps=-1), "window_steps must be an integer in 0..1000"),
+        (BalancerSettings(window_steps=10**9), "window_steps must be an integer in 0..1000"),
+    ],
+)
 def test_bad_balancer_settings_are_refused_and_stop_nothing(cluster, settings, what):
     c = cluster
     before = c["admin"].balancer_settings()
@@ -442,8 +523,15 @@ def test_bad_balancer_settings_are_refused_and_stop_nothing(cluster, settings, w
         c["admin"].put_balancer_settings(settings)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and what in e.value.message, e.value.message
     assert c["admin"].balancer_settings() == before
-    config = {k: v for k, v in dict(window_steps=settings.window_steps, step_interval=settings.step_interval,
-                                    min_balancedness=settings.min_balancedness).items() if v is not None}
+    config = {
+        k: v
+        for k, v in dict(
+            window_steps=settings.window_steps,
+            step_interval=settings.step_interval,
+            min_balancedness=settings.min_balancedness,
+        ).items()
+        if v is not None
+    }
     with pytest.raises(MoeserveError) as e:
         c["balancer"].set_config(**config)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "must be" in e.value.message, e.value.message

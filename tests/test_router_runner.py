@@ -3,6 +3,7 @@ the model's own experts stand in for the exchange. Asynchronous steps: decodes a
 and read the token the sequence sampled before from the device; a step's tokens are handed
 out with the next step; a step run again (after a lost peer) reads the same inputs and gives
 the same tokens."""
+
 from types import SimpleNamespace
 
 import numpy as np
@@ -48,13 +49,14 @@ def runner(model, async_outputs=True):
 
 PROMPTS = {1: (5, 9, 13, 2, 7), 2: (11, 3, 8)}
 GREEDY = SamplingParams(temperature=0.0, seed=0)
-NEW_BLOCKS = {(2, 1): 3, (1, 4): 4}             # (sequence, step) -> the block it gains
+NEW_BLOCKS = {(2, 1): 3, (1, 4): 4}  # (sequence, step) -> the block it gains
 
 
 def first_step():
     """Both prompts, each sampling its first token (blocks 0-1 and 2)."""
-    return RouterWork((SeqWork(1, PROMPTS[1], 0, GREEDY, "", (0, 1), True, 0),
-                       SeqWork(2, PROMPTS[2], 0, GREEDY, "", (2,), True, 0)))
+    return RouterWork(
+        (SeqWork(1, PROMPTS[1], 0, GREEDY, "", (0, 1), True, 0), SeqWork(2, PROMPTS[2], 0, GREEDY, "", (2,), True, 0))
+    )
 
 
 def decode_steps(r, n, replay_at=None):
@@ -67,19 +69,21 @@ def decode_steps(r, n, replay_at=None):
         if s >= 0:
             for sid, t in toks.items():
                 got[sid].append(t)
+
     r.run(first_step(), 0)
     take(0)
     for step in range(1, n + 1):
-        blocks = np.array([[sid, b] for (sid, at), b in NEW_BLOCKS.items() if at == step],
-                          dtype=np.int64).reshape(-1, 2)
+        blocks = np.array([[sid, b] for (sid, at), b in NEW_BLOCKS.items() if at == step], dtype=np.int64).reshape(
+            -1, 2
+        )
         work = RouterWork(decodes=np.array([1, 2], dtype=np.int64), blocks=blocks)
         r.run(work, step)
-        if step == replay_at:                  # the step's gather failed: the same step again
+        if step == replay_at:  # the step's gather failed: the same step again
             first = r.deliver(step)
             r.run(work, step)
-            assert r.deliver(step) == first    # the same answer as the lost one
+            assert r.deliver(step) == first  # the same answer as the lost one
         take(step)
-    take(n + 1)                                # a flush step: the last tokens
+    take(n + 1)  # a flush step: the last tokens
     return got
 
 
@@ -93,12 +97,22 @@ def test_decodes_sent_by_id_give_the_tokens_of_decodes_sent_with_their_ids(model
     for sid, t in toks.items():
         want[sid].append(t)
     for step in range(1, 5):
-        seqs = tuple(SeqWork(sid, (want[sid][-1],), len(PROMPTS[sid]) + step - 1, None, "",
-                             (NEW_BLOCKS[sid, step],) if (sid, step) in NEW_BLOCKS else (), True, step)
-                     for sid in (1, 2))
+        seqs = tuple(
+            SeqWork(
+                sid,
+                (want[sid][-1],),
+                len(PROMPTS[sid]) + step - 1,
+                None,
+                "",
+                (NEW_BLOCKS[sid, step],) if (sid, step) in NEW_BLOCKS else (),
+                True,
+                step,
+            )
+            for sid in (1, 2)
+        )
         ref.run(RouterWork(seqs), step)
         s, toks, _ = ref.deliver(step)
-        assert s == step                       # synchronous outputs: this step's tokens
+        assert s == step  # synchronous outputs: this step's tokens
         for sid, t in toks.items():
             want[sid].append(t)
     assert got == want and len(got[1]) == 5
@@ -113,8 +127,8 @@ def test_a_step_run_again_reads_the_token_of_the_step_before_not_its_own(model):
 def test_outputs_come_one_step_late_and_a_step_without_forward_flushes_them(model):
     r = runner(model)
     r.run(first_step(), 0)
-    assert r.deliver(0) == (-1, {}, {})        # nothing before step 0
-    s, toks, _ = r.deliver(1)                   # step 1 is a flush (no forward): step 0's tokens
+    assert r.deliver(0) == (-1, {}, {})  # nothing before step 0
+    s, toks, _ = r.deliver(1)  # step 1 is a flush (no forward): step 0's tokens
     assert s == 0 and set(toks) == {1, 2}
     assert r.deliver(2) == (-1, {}, {})
     assert r.experts.ended == 1

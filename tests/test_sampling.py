@@ -4,22 +4,26 @@
 (tests/test_batch_sampling.py tests the batch path); its random stream is the counter-based one
 (Philox keyed by seed and position), no longer a ``torch.Generator``: the draws below changed,
 the properties they check did not."""
+
 import pytest
 import torch
 
 from moeserve.sampling import Sampler, SamplingParams
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
-    (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-1), "top_k must be an integer >= 0"),
-    (dict(top_k=2.5), "top_k must be an integer >= 0"),
-    (dict(seed=-3), "seed must be None or an integer in 0..9223372036854775807"),
-    (dict(seed=2**64), "seed must be None or an integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(top_k=2.5), "top_k must be an integer >= 0"),
+        (dict(seed=-3), "seed must be None or an integer in 0..9223372036854775807"),
+        (dict(seed=2**64), "seed must be None or an integer"),
+    ],
+)
 def test_invalid_parameters_name_the_field_and_the_allowed_range(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -49,7 +53,9 @@ def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     d = torch.bincount(torch.tensor(_draws(SamplingParams(temperature=1.0, seed=1), logits, 4000)), minlength=3) / 4000
     assert torch.allclose(d, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
-    hot = torch.bincount(torch.tensor(_draws(SamplingParams(temperature=0.3, seed=1), logits, 2000)), minlength=3) / 2000
+    hot = (
+        torch.bincount(torch.tensor(_draws(SamplingParams(temperature=0.3, seed=1), logits, 2000)), minlength=3) / 2000
+    )
     assert hot[0] > 0.9, "a low temperature sharpens the distribution"
 
 
@@ -60,10 +66,10 @@ def test_same_seed_same_tokens_whatever_else_is_sampled_in_between():
     expected = [alone.sample(r) for r in rows]
     a, other, b = Sampler(params), Sampler(SamplingParams(temperature=1.0, seed=9)), Sampler(params)
     got_a, got_b = [], []
-    for r in rows:                       # interleaved with another request, as in a batch
+    for r in rows:  # interleaved with another request, as in a batch
         other.sample(r)
         got_a.append(a.sample(r))
-        torch.manual_seed(0)             # the global RNG is never used
+        torch.manual_seed(0)  # the global RNG is never used
         got_b.append(b.sample(r))
     assert got_a == expected == got_b
     other_seed = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=124))
@@ -85,7 +91,7 @@ def test_each_draw_is_keyed_by_its_position():
     again = Sampler(SamplingParams(temperature=1.0, seed=5))
     assert [again.sample(r) for r in rows] == first
     later = Sampler(SamplingParams(temperature=1.0, seed=5))
-    later.position = 3                      # a sampler resumed at its 4th token draws the 4th token
+    later.position = 3  # a sampler resumed at its 4th token draws the 4th token
     assert [later.sample(r) for r in rows[3:]] == first[3:]
 
 

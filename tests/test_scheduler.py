@@ -1,5 +1,6 @@
 """Continuous batching on the leader, without processes: limits, placement of sequences on
 routers, finishing, cancelling and the admission queue."""
+
 import pytest
 
 from moeserve.config import Limits
@@ -32,7 +33,7 @@ def test_new_sequences_go_to_the_router_with_the_fewest_and_stay_there():
     work = run_step(s)
     assert [len(w.seqs) for w in work] == [2, 1]
     routers = {sw.seq_id: r for r, w in enumerate(work) for sw in w.seqs}
-    work = run_step(s)                     # decode: same routers, by id (the router holds the token and position)
+    work = run_step(s)  # decode: same routers, by id (the router holds the token and position)
     for r, w in enumerate(work):
         assert w.seqs == () and len(w.decodes) > 0 and len(w.blocks) == 0
         for sid in w.decodes.tolist():
@@ -45,19 +46,19 @@ def test_max_num_seqs_and_max_num_batched_tokens_bound_each_router_per_step():
     for _ in range(3):
         s.submit(req(n=3))
     work = run_step(s)
-    assert len(work[0].seqs) == 2                          # 3 + 3 tokens fit, the third prompt waits
+    assert len(work[0].seqs) == 2  # 3 + 3 tokens fit, the third prompt waits
     assert (s.counts()["waiting"], s.counts()["running"]) == (1, 2)
     s = sched(routers=1, max_num_seqs=8, max_num_batched_tokens=7)
     for _ in range(3):
         s.submit(req(n=3))
-    work = s.schedule()[0].seqs                            # chunked prefill fills the budget: 3 + 3 + 1
+    work = s.schedule()[0].seqs  # chunked prefill fills the budget: 3 + 3 + 1
     assert sum(len(sw.token_ids) for sw in work) == 7 and [sw.sample for sw in work] == [True, True, False]
 
 
 def test_a_router_out_of_budget_does_not_stop_admission_to_another():
     s = sched(routers=2, max_num_batched_tokens=4)
     a, b, c = s.submit(req(n=4)), s.submit(req(n=1)), s.submit(req(n=1))
-    work = s.schedule()            # a fills router 0's budget; router 0 and 1 then run one each, c goes to 1
+    work = s.schedule()  # a fills router 0's budget; router 0 and 1 then run one each, c goes to 1
     assert [len(w.seqs) for w in work] == [1, 2]
     assert (a.router, b.router, c.router) == (0, 1, 1) and s.counts()["waiting"] == 0
 
@@ -72,7 +73,7 @@ def test_sequences_finish_at_max_tokens_or_eos_and_are_released_on_their_router(
     assert long.finished == "length" and short.finished == "stop"
     assert long.output == [7, 7, 7] and short.output == [7, 7, EOS]
     assert sorted(s.schedule()[0].release) == sorted([long.seq_id, short.seq_id])
-    assert s.schedule() is None                            # nothing left to run
+    assert s.schedule() is None  # nothing left to run
 
 
 def test_ignore_eos_and_stop_ids():
@@ -104,13 +105,16 @@ def test_a_full_queue_refuses_new_requests():
         s.submit(req())
 
 
-@pytest.mark.parametrize("request_,match", [
-    (GenerateRequest((), 4), "empty"),
-    (GenerateRequest((1, 100), 4), "outside the vocabulary"),
-    (GenerateRequest((1,), 0), "max_tokens"),
-    (GenerateRequest((1,) * 10, 95), "max_model_len"),
-    (GenerateRequest((1,), 4, stop_token_ids=(-1,)), "stop token"),
-])
+@pytest.mark.parametrize(
+    "request_,match",
+    [
+        (GenerateRequest((), 4), "empty"),
+        (GenerateRequest((1, 100), 4), "outside the vocabulary"),
+        (GenerateRequest((1,), 0), "max_tokens"),
+        (GenerateRequest((1,) * 10, 95), "max_model_len"),
+        (GenerateRequest((1,), 4, stop_token_ids=(-1,)), "stop token"),
+    ],
+)
 def test_invalid_requests_are_refused_with_what_is_allowed(request_, match):
     with pytest.raises(ValueError, match=match):
         validate_request(request_, VOCAB, max_model_len=100, max_kv_tokens=4096)
@@ -124,28 +128,28 @@ def feed(s, work, token=7):
 def test_a_long_prompt_is_prefilled_in_chunks_after_the_decodes_and_samples_once():
     s = Scheduler(1, Limits(max_num_batched_tokens=4), [EOS], block_size=4, num_blocks=64)
     short = s.submit(req(n=2, max_tokens=5))
-    feed(s, s.schedule())                                   # short: prefill, first token
+    feed(s, s.schedule())  # short: prefill, first token
     long = s.submit(req(n=10, max_tokens=2))
     chunks = []
     while long.cached < 10:
         work = s.schedule()
         mine = {sw.seq_id: sw for sw in work[0].seqs}
-        assert work[0].decodes.tolist() == [short.seq_id]   # the decode goes first, every step
+        assert work[0].decodes.tolist() == [short.seq_id]  # the decode goes first, every step
         sw = mine[long.seq_id]
         chunks.append((sw.start, len(sw.token_ids), sw.sample))
         feed(s, work)
     assert chunks == [(0, 3, False), (3, 3, False), (6, 3, False), (9, 1, True)]
-    assert long.output == [7] and len(long.blocks) == 3      # 11 tokens known, 10 cached: blocks for 10
+    assert long.output == [7] and len(long.blocks) == 3  # 11 tokens known, 10 cached: blocks for 10
 
 
 def test_admission_waits_for_free_blocks_and_blocks_come_back_when_a_sequence_finishes():
     s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=4)
-    a, b, c = (s.submit(req(n=7, max_tokens=1)) for _ in range(3))      # 2 blocks each
+    a, b, c = (s.submit(req(n=7, max_tokens=1)) for _ in range(3))  # 2 blocks each
     work = s.schedule()
     assert [sw.seq_id for sw in work[0].seqs] == [a.seq_id, b.seq_id]
     assert sorted(sw.new_blocks for sw in work[0].seqs) == [(0, 1), (2, 3)]
     assert s.counts()["kv_blocks_used"] == 4 and s.counts()["waiting"] == 1
-    feed(s, work)                                           # max_tokens 1: both finish, blocks free
+    feed(s, work)  # max_tokens 1: both finish, blocks free
     work = s.schedule()
     assert [sw.seq_id for sw in work[0].seqs] == [c.seq_id] and set(work[0].release) == {a.seq_id, b.seq_id}
 
@@ -156,7 +160,7 @@ def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed_lat
     old = s.submit(req(n=4, max_tokens=6, ignore_eos=True))
     new = s.submit(req(n=3, max_tokens=6, ignore_eos=True))
     released, recomputed = [], []
-    out = None                                       # (work, token) whose results are still out
+    out = None  # (work, token) whose results are still out
     for step in range(40):
         work = s.schedule()
         if out is not None:
@@ -168,7 +172,7 @@ def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed_lat
             continue
         released += work[0].release
         for sw in work[0].seqs:
-            if sw.seq_id == new.seq_id and sw.start == 0 and new.output:     # recomputed after its preemption
+            if sw.seq_id == new.seq_id and sw.start == 0 and new.output:  # recomputed after its preemption
                 recomputed.append((sw.token_ids, sw.out_pos, list(new.output)))
                 assert not sw.pending
         assert s.counts()["kv_blocks_used"] <= 3
@@ -216,13 +220,18 @@ def test_with_tokens_one_step_late_a_decode_is_sent_by_id_and_max_tokens_counts_
     a = s.submit(req(n=3, max_tokens=4, ignore_eos=True))
     positions = []
 
-    def answer(seq):                   # the token of output index i is 30 + i (tokens come back in order)
+    def answer(seq):  # the token of output index i is 30 + i (tokens come back in order)
         positions.append(seq.num_output)
         return 30 + positions[-1]
+
     works = late_steps(s, answer)
     # the prompt is sent; then 3 decodes by id, each scheduled before the token before it came back
     assert [(w[0].seqs[0].token_ids if w[0].seqs else None, w[0].decodes.tolist()) for w in works] == [
-        ((10, 11, 12), []), (None, [a.seq_id]), (None, [a.seq_id]), (None, [a.seq_id])]
+        ((10, 11, 12), []),
+        (None, [a.seq_id]),
+        (None, [a.seq_id]),
+        (None, [a.seq_id]),
+    ]
     assert positions == [0, 1, 2, 3]
     assert a.output == [30, 31, 32, 33] and a.finished == "length" and a.pending == 0
     assert s.counts()["kv_blocks_used"] == 0
@@ -243,12 +252,12 @@ def test_a_stop_token_seen_one_step_late_costs_one_extra_step_whose_token_is_dro
     a = s.submit(req(n=2, max_tokens=10))
     got = []
     a.sink = got.append
-    works = late_steps(s, lambda seq: EOS if seq.num_output == 1 else 7)     # output index 1 is EOS
+    works = late_steps(s, lambda seq: EOS if seq.num_output == 1 else 7)  # output index 1 is EOS
     runs = [w for w in works if w[0].runs]
-    assert len(runs) == 3                          # index 2 ran before EOS at 1 was known
+    assert len(runs) == 3  # index 2 ran before EOS at 1 was known
     assert a.output == [7, EOS] and a.finished == "stop"
     assert [type(e).__name__ for e in got] == ["Token", "Token", "Finished"]
-    assert not works[-1][0].runs and works[-1][0].release == (a.seq_id,)    # released once EOS is known
+    assert not works[-1][0].runs and works[-1][0].release == (a.seq_id,)  # released once EOS is known
 
 
 def test_a_cancel_with_a_token_in_flight_drops_that_token():
@@ -257,7 +266,7 @@ def test_a_cancel_with_a_token_in_flight_drops_that_token():
     first = s.schedule()
     s.cancel(a)
     assert s.schedule()[0].release == (a.seq_id,)
-    s.on_results(first, {a.seq_id: 7}, {})          # the prompt's token arrives after the cancel
+    s.on_results(first, {a.seq_id: 7}, {})  # the prompt's token arrives after the cancel
     assert a.output == [] and a.finished == "cancelled"
 
 
@@ -266,13 +275,14 @@ def test_a_request_held_at_the_head_of_the_queue_says_why_once(caplog):
     routers' room, token budget and free blocks (what held it), not on every step."""
     import logging
     from moeserve.router.engine import scheduler as sched_mod
+
     s = sched(routers=1, max_num_seqs=1)
     first = s.submit(req(3, 8))
     second = s.submit(req(2, 8))
-    assert s.schedule() is not None                      # the first is admitted; max_num_seqs=1 holds the second
+    assert s.schedule() is not None  # the first is admitted; max_num_seqs=1 holds the second
     with caplog.at_level(logging.WARNING, logger=sched_mod.__name__):
-        s.schedule()                                     # held, but not for long yet: nothing said
-        second.queued_at -= 5.0                          # as if it had waited 5 s
+        s.schedule()  # held, but not for long yet: nothing said
+        second.queued_at -= 5.0  # as if it had waited 5 s
         s.schedule()
         s.schedule()
     lines = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]

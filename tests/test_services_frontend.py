@@ -1,6 +1,7 @@
 """The serving front end's own answers, with a stand-in for the leader's local channel: a full
 queue is RESOURCE_EXHAUSTED, a leader gone is UNAVAILABLE, input only the front end can judge
 is INVALID_ARGUMENT with what is allowed."""
+
 import grpc
 import pytest
 
@@ -32,8 +33,9 @@ class StandInLeader:
 def front():
     leader = StandInLeader()
     service = ServingService(leader, tokenizer=None)
-    srv = ThreadedServer(ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s),
-                                       ServerOptions()))
+    srv = ThreadedServer(
+        ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), ServerOptions())
+    )
     srv.start()
     yield leader, Client(f"127.0.0.1:{srv.server.port}", timeout=10)
     srv.stop()
@@ -42,27 +44,43 @@ def front():
 def test_requests_reach_the_leader_as_engine_requests(front):
     leader, c = front
     leader.error = None
-    out = c.generate(prompt_token_ids=[5, 6], max_tokens=2, temperature=0.5, top_p=0.9, top_k=4, seed=3,
-                     stop_token_ids=[9], ignore_eos=True)
+    out = c.generate(
+        prompt_token_ids=[5, 6],
+        max_tokens=2,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=4,
+        seed=3,
+        stop_token_ids=[9],
+        ignore_eos=True,
+    )
     assert out.token_ids == [11, 12] and out.finish_reason == "length" and out.text == ""
     req = leader.seen[-1]
     assert (req.prompt_ids, req.max_tokens, req.stop_token_ids, req.ignore_eos) == ((5, 6), 2, (9,), True)
     assert (req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.sampling.seed) == (0.5, 0.9, 4, 3)
 
 
-@pytest.mark.parametrize("error,code,message", [
-    (QueueFull("the admission queue is full (1 waiting requests); retry later"), grpc.StatusCode.RESOURCE_EXHAUSTED,
-     "admission queue is full"),
-    (ClusterError("rank 2 exited with signal SIGKILL"), grpc.StatusCode.UNAVAILABLE, "rank 2 exited"),
-    (InvalidRequest("prompt token id 999 is outside the vocabulary [0, 512)"), grpc.StatusCode.INVALID_ARGUMENT,
-     "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "error,code,message",
+    [
+        (
+            QueueFull("the admission queue is full (1 waiting requests); retry later"),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "admission queue is full",
+        ),
+        (ClusterError("rank 2 exited with signal SIGKILL"), grpc.StatusCode.UNAVAILABLE, "rank 2 exited"),
+        (
+            InvalidRequest("prompt token id 999 is outside the vocabulary [0, 512)"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "outside the vocabulary",
+        ),
+    ],
+)
 def test_what_the_leader_refuses_maps_to_a_status(front, error, code, message):
     leader, c = front
     leader.error = error
     try:
-        for call in (lambda: c.generate(prompt_token_ids=[5]),
-                     lambda: list(c.generate_stream(prompt_token_ids=[5]))):
+        for call in (lambda: c.generate(prompt_token_ids=[5]), lambda: list(c.generate_stream(prompt_token_ids=[5]))):
             with pytest.raises(MoeserveError) as e:
                 call()
             assert e.value.code == code and message in e.value.message
@@ -70,13 +88,16 @@ def test_what_the_leader_refuses_maps_to_a_status(front, error, code, message):
         leader.error = None
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(prompt="hi", prompt_token_ids=[1]), "not both"),
-    (dict(prompt="hi"), "no tokenizer"),
-    (dict(prompt_token_ids=[1], top_p=0.0), "top_p must be in (0, 1]"),
-    (dict(prompt_token_ids=[1], top_k=-1), "top_k must be an integer >= 0"),
-    (dict(prompt_token_ids=[1], seed=-5), "seed must be None or an integer in 0.."),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(prompt="hi", prompt_token_ids=[1]), "not both"),
+        (dict(prompt="hi"), "no tokenizer"),
+        (dict(prompt_token_ids=[1], top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(prompt_token_ids=[1], top_k=-1), "top_k must be an integer >= 0"),
+        (dict(prompt_token_ids=[1], seed=-5), "seed must be None or an integer in 0.."),
+    ],
+)
 def test_input_the_front_end_judges_is_invalid_with_what_is_allowed(front, kw, message):
     _, c = front
     with pytest.raises(MoeserveError) as e:
@@ -92,11 +113,13 @@ def test_a_generation_the_front_end_answered_unavailable_is_not_repeated(front):
     import asyncio
 
     from moeserve.client import AsyncClient
+
     leader, c = front
     leader.error = ClusterError("the leader exited")
 
     async def aio(address):
         async with AsyncClient(address, timeout=10) as a:
+
             async def stream():
                 return [x async for x in a.generate_stream(prompt_token_ids=[5])]
 

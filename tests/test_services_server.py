@@ -1,6 +1,7 @@
 """The server plumbing every service shares, against real servers on 127.0.0.1 port 0: health,
 reflection, the service check, bearer tokens, message limits, deadlines, TLS and graceful stop.
 A small stand-in balancer servicer keeps these tests free of a cluster."""
+
 import asyncio
 import threading
 import time
@@ -23,14 +24,14 @@ class StandIn(balancer_pb2_grpc.BalancerServicer):
     def __init__(self):
         self.rebalances = 0
 
-    async def Rebalance(self, request, context):          # as the balancer does when the admin API is away
+    async def Rebalance(self, request, context):  # as the balancer does when the admin API is away
         self.rebalances += 1
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the admin API answered UNAVAILABLE")
 
     async def GetBalancerStatus(self, request, context):
         return balancer_pb2.BalancerStatus(state="idle")
 
-    async def SetConfig(self, request, context):          # sleeps step_interval milliseconds
+    async def SetConfig(self, request, context):  # sleeps step_interval milliseconds
         await asyncio.sleep(request.step_interval / 1000)
         return balancer_pb2.BalancerStatus(step_interval=request.step_interval)
 
@@ -64,13 +65,16 @@ def test_health_answers_serving_without_a_token(server):
     with grpc.insecure_channel(addr(server)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         for name in ("", BALANCER):
-            assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
 
 
 @pytest.mark.timeout(60)
 def test_reflection_lists_the_service_health_and_reflection(server):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
     with grpc.insecure_channel(addr(server)) as ch:
         services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
     assert {BALANCER, "grpc.health.v1.Health"} <= services
@@ -94,7 +98,7 @@ def test_a_method_of_another_service_is_unimplemented_and_names_the_right_one(se
         c.placement()
     assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
     assert "admin API" in e.value.message and "--admin-port" in e.value.message and "--balancer-port" in e.value.message
-    with pytest.raises(MoeserveError) as e:                  # a streaming method too
+    with pytest.raises(MoeserveError) as e:  # a streaming method too
         list(c.generate_stream(prompt_token_ids=[1], max_tokens=1))
     assert e.value.code == grpc.StatusCode.UNIMPLEMENTED and "--port" in e.value.message
 
@@ -102,8 +106,9 @@ def test_a_method_of_another_service_is_unimplemented_and_names_the_right_one(se
 @pytest.mark.timeout(60)
 def test_an_oversized_message_is_refused_and_the_server_goes_on(server):
     with grpc.insecure_channel(addr(server)) as ch:
-        raw = ch.unary_unary(f"/{BALANCER}/GetBalancerStatus", request_serializer=lambda b: b,
-                             response_deserializer=lambda b: b)
+        raw = ch.unary_unary(
+            f"/{BALANCER}/GetBalancerStatus", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
         with pytest.raises(grpc.RpcError) as e:
             raw(b"\x00" * 10_000, timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -145,15 +150,16 @@ def test_stop_goes_not_serving_first_and_lets_in_flight_calls_finish():
             pass
 
     threading.Thread(target=follow, daemon=True).start()
-    slow = threading.Thread(target=lambda: result.update(
-        status=Client(addr(srv), token=TOKEN).set_config(step_interval=1500)), daemon=True)
+    slow = threading.Thread(
+        target=lambda: result.update(status=Client(addr(srv), token=TOKEN).set_config(step_interval=1500)), daemon=True
+    )
     slow.start()
     time.sleep(0.5)
     t0 = time.monotonic()
-    srv.stop()                                              # grace 5 s
+    srv.stop()  # grace 5 s
     slow.join(10)
-    assert result["status"].step_interval == 1500           # the in-flight call finished
-    assert time.monotonic() - t0 < 5 + 2                    # open Watch streams are cut at the grace period
+    assert result["status"].step_interval == 1500  # the in-flight call finished
+    assert time.monotonic() - t0 < 5 + 2  # open Watch streams are cut at the grace period
     assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
     with pytest.raises(MoeserveError) as e:
         Client(addr(srv), token=TOKEN, timeout=2).balancer_status()
@@ -174,10 +180,15 @@ def test_tls_serves_clients_that_trust_the_ca_and_no_plaintext_ones(tmp_path):
         srv.stop()
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(tls_cert="c.pem"), "both a certificate and a key"), (dict(port=70000), "port"),
-    (dict(max_message_bytes=10), "max_message_bytes"), (dict(token=""), "token"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(tls_cert="c.pem"), "both a certificate and a key"),
+        (dict(port=70000), "port"),
+        (dict(max_message_bytes=10), "max_message_bytes"),
+        (dict(token=""), "token"),
+    ],
+)
 def test_bad_server_options_say_what_is_allowed(kw, match):
     with pytest.raises(ValueError, match=match):
         ServerOptions(**kw)
@@ -198,10 +209,11 @@ def test_every_answer_carries_the_servers_mark_aborted_ones_too(server):
     mark = (SERVER_METADATA_KEY, BALANCER)
     with grpc.insecure_channel(addr(server)) as ch:
         stub = balancer_pb2_grpc.BalancerStub(ch)
-        _, call = stub.GetBalancerStatus.with_call(balancer_pb2.GetBalancerStatusRequest(), timeout=5,
-                                                   metadata=(("authorization", f"Bearer {TOKEN}"),))
+        _, call = stub.GetBalancerStatus.with_call(
+            balancer_pb2.GetBalancerStatusRequest(), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),)
+        )
         assert mark in tuple(call.trailing_metadata())
-        for auth in ((), (("authorization", f"Bearer {TOKEN}"),)):     # refused by the token check; by the handler
+        for auth in ((), (("authorization", f"Bearer {TOKEN}"),)):  # refused by the token check; by the handler
             with pytest.raises(grpc.RpcError) as e:
                 stub.Rebalance(balancer_pb2.RebalanceRequest(), timeout=5, metadata=auth)
             assert mark in tuple(e.value.trailing_metadata()), e.value
@@ -226,11 +238,12 @@ def test_an_unavailable_the_server_answered_is_not_repeated(server, pauses):
 
 @pytest.mark.timeout(60)
 def test_a_call_that_reached_no_server_is_retried_after_every_pause(pauses):
-    port, = free_ports(1)                                   # nothing listens there
+    (port,) = free_ports(1)  # nothing listens there
     c = Client(f"127.0.0.1:{port}", token=TOKEN, timeout=5)
 
     async def aio():
         async with AsyncClient(f"127.0.0.1:{port}", token=TOKEN, timeout=5) as a:
+
             async def stream():
                 return [x async for x in a.generate_stream(prompt_token_ids=[1])]
 
@@ -240,7 +253,7 @@ def test_a_call_that_reached_no_server_is_retried_after_every_pause(pauses):
                     await call()
                 assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 >= sum(PAUSES)
 
-    for call in (c.rebalance, lambda: list(c.generate_stream(prompt_token_ids=[1]))):   # not idempotent: still safe
+    for call in (c.rebalance, lambda: list(c.generate_stream(prompt_token_ids=[1]))):  # not idempotent: still safe
         t0 = time.monotonic()
         with pytest.raises(MoeserveError) as e:
             call()

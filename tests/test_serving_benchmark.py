@@ -1,6 +1,7 @@
 """benchmarks/serving.py --smoke runs end to end on the CPU (moeserve up with dummy weights, the
 front end, SDK clients in two processes, transformers) and writes every figure of the JSON; with
 --apis grpc,http the same workloads also go through the HTTP API's streamed completions."""
+
 import importlib.util
 import json
 import subprocess
@@ -23,8 +24,9 @@ def _bench():
 def test_smoke_run_writes_every_figure(tmp_path):
     bench = _bench()
     out = tmp_path / "serving.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
-                         capture_output=True, text=True, timeout=230)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out)], capture_output=True, text=True, timeout=230
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     res = json.loads(out.read_text())
     assert {"shape", "command", "git", "gpu", "device", "model", "workload", "hbm", "configs", "elapsed_s"} <= set(res)
@@ -55,7 +57,7 @@ def test_smoke_run_writes_every_figure(tmp_path):
     assert hf["error"] is None, hf.get("error_detail")
     assert hf["burst"]["output_tokens"] == n * new and hf["burst"]["steady_step_s"] > 0
     assert hf["roofline"]["weight_bytes_per_gpu"] == hf["run"]["weight_bytes"]
-    assert "moeserve-1rank" in run.stdout and "transformers" in run.stdout      # the table
+    assert "moeserve-1rank" in run.stdout and "transformers" in run.stdout  # the table
 
 
 @pytest.mark.timeout(240)
@@ -65,9 +67,28 @@ def test_smoke_run_through_grpc_and_http_on_one_cluster(tmp_path):
     its own chunk (none only from the usage), and the ratio is reported."""
     bench = _bench()
     out = tmp_path / "serving.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--configs", "moeserve-1rank", "--apis", "grpc,http",
-                          "--burst-requests", "4", "--burst-output", "12", "--requests", "3", "--json", str(out)],
-                         capture_output=True, text=True, timeout=230)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--smoke",
+            "--configs",
+            "moeserve-1rank",
+            "--apis",
+            "grpc,http",
+            "--burst-requests",
+            "4",
+            "--burst-output",
+            "12",
+            "--requests",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["apis"] == ["grpc", "http"] and res["tokenizer"] == "words"
@@ -101,20 +122,30 @@ def test_sse_tokens_are_counted_per_chunk_and_checked_against_the_usage():
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
     def chunk(**choice):
-        return event({"object": "text_completion", "choices": [{"index": 0, "logprobs": None, "finish_reason": None,
-                                                                 **choice}], "usage": None})
+        return event(
+            {
+                "object": "text_completion",
+                "choices": [{"index": 0, "logprobs": None, "finish_reason": None, **choice}],
+                "usage": None,
+            }
+        )
 
     s = bench.SseTokens()
-    stream = (chunk(text="t5") + chunk(text=" t7") + chunk(text="") + chunk(text=" t9") +
-              chunk(text="", finish_reason="length") +
-              event({"object": "text_completion", "choices": [], "usage": {"completion_tokens": 4}}) +
-              b"data: [DONE]\n\n")
-    got = [s.feed(stream[k:k + 7]) for k in range(0, len(stream), 7)]          # split anywhere
+    stream = (
+        chunk(text="t5")
+        + chunk(text=" t7")
+        + chunk(text="")
+        + chunk(text=" t9")
+        + chunk(text="", finish_reason="length")
+        + event({"object": "text_completion", "choices": [], "usage": {"completion_tokens": 4}})
+        + b"data: [DONE]\n\n"
+    )
+    got = [s.feed(stream[k : k + 7]) for k in range(0, len(stream), 7)]  # split anywhere
     assert sum(got) == 3 and s.counted == 3 and s.finish == "length" and s.done and s.error is None
-    assert s.usage_tokens == 4 and s.missing() == 1               # the token the empty chunk held back
+    assert s.usage_tokens == 4 and s.missing() == 1  # the token the empty chunk held back
 
     s = bench.SseTokens()
-    assert s.feed(chunk(text="ab", token_ids=[3, 4])) == 2 and s.token_ids    # a chunk with several tokens
+    assert s.feed(chunk(text="ab", token_ids=[3, 4])) == 2 and s.token_ids  # a chunk with several tokens
     assert s.feed(chunk(text="", token_ids=[5], finish_reason="stop")) == 1 and s.finish == "stop"
     assert s.feed(chunk(text="x", logprobs={"tokens": ["x"]})) == 1
     assert s.feed(event({"error": {"message": "boom"}})) == 0 and s.error == "boom"
@@ -122,7 +153,9 @@ def test_sse_tokens_are_counted_per_chunk_and_checked_against_the_usage():
 
 def test_apis_flag():
     bench = _bench()
-    assert bench.parse(["--shape", "scout8"]).apis == ["grpc"] and bench.parse(["--shape", "scout8"]).tokenizer == "none"
+    assert (
+        bench.parse(["--shape", "scout8"]).apis == ["grpc"] and bench.parse(["--shape", "scout8"]).tokenizer == "none"
+    )
     a = bench.parse(["--shape", "scout8", "--apis", "grpc,http"])
     assert a.apis == ["grpc", "http"] and a.tokenizer == "words"
     for bad in (["--apis", "grpc,rest"], ["--apis", "http,http"], ["--apis", "http", "--tokenizer", "none"]):
@@ -148,7 +181,7 @@ def test_the_steady_window_is_where_every_stream_decodes():
 def test_roofline_counts_chunked_layers_up_to_their_chunk():
     bench = _bench()
     sizes = {"chunked": [True, False], "chunk": 8, "kv_layer_token": 10}
-    assert bench.kv_bytes_read(sizes, [20]) == (4 + 20) * 10       # position 20 is 4 tokens into its chunk
+    assert bench.kv_bytes_read(sizes, [20]) == (4 + 20) * 10  # position 20 is 4 tokens into its chunk
     r = bench.roofline(1000, 200, 0.002, {"x": 1e6}, 1, 1, 20)
     assert r["x"]["step_s"] == pytest.approx(1.2e-3) and r["x"]["step_over_roofline"] == pytest.approx(0.002 / 1.2e-3)
 
@@ -179,9 +212,15 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
         assert cfg.use_rope == (True, True, True, False) * 2 and cfg.moe_layer_ids == tuple(range(8))
         assert cfg.rope.type == "llama3" and cfg.attention_chunk_size == 8192
     if shape == "ernie28":
-        assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (28, 2560, 103424, 64, 6)
+        assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (
+            28,
+            2560,
+            103424,
+            64,
+            6,
+        )
         assert cfg.moe_layer_ids == tuple(range(1, 28)) and cfg.shared_intermediate_size == 3072
-        assert 20e9 < sizes["router_bytes"] / 2 + sizes["all_experts_bytes"] / 2 < 22.5e9     # 21B parameters
+        assert 20e9 < sizes["router_bytes"] / 2 + sizes["all_experts_bytes"] / 2 < 22.5e9  # 21B parameters
 
 
 @pytest.mark.timeout(240)
@@ -192,10 +231,22 @@ def test_smoke_eplb_workload_measures_a_rebalance_end_to_end(tmp_path, step_mode
     the online load; every figure is present and sane. With a step-model table (the CPU example's
     entry) the balancer plans by predicted step time and sends break-even counts."""
     out = tmp_path / "eplb.json"
-    extra = ["--eplb-step-model", str(SCRIPT.parent / "results" / "step_model_cpu_example.json"),
-             "--eplb-step-model-shape", "smoke-tiny"] if step_model else []
-    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--workloads", "eplb", "--json", str(out), *extra],
-                         capture_output=True, text=True, timeout=230)
+    extra = (
+        [
+            "--eplb-step-model",
+            str(SCRIPT.parent / "results" / "step_model_cpu_example.json"),
+            "--eplb-step-model-shape",
+            "smoke-tiny",
+        ]
+        if step_model
+        else []
+    )
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--workloads", "eplb", "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     res = json.loads(out.read_text())
     assert set(res["configs"]) == {"moeserve-ep2"}
@@ -235,7 +286,7 @@ def test_smoke_eplb_workload_measures_a_rebalance_end_to_end(tmp_path, step_mode
     assert set(lv["targets"]) == {"rebalance_within_30s", "itl_p99_during_within_1_1x_steady", "no_request_failed"}
     assert lv["targets"]["rebalance_within_30s"] and lv["targets"]["no_request_failed"]
     assert e["failed_requests"] == 0
-    assert "EPLB end to end" in run.stdout and "(f) live rebalance" in run.stdout      # the table
+    assert "EPLB end to end" in run.stdout and "(f) live rebalance" in run.stdout  # the table
 
 
 def test_eplb_flags():
@@ -243,10 +294,14 @@ def test_eplb_flags():
     a = bench.parse(["--shape", "scout8", "--configs", "moeserve-ep2", "--workloads", "eplb"])
     assert a.eplb_prompt == 2048 and a.eplb_output == 32 and a.max_num_batched_tokens == 8192
     assert a.max_model_len >= 2048 + 32
-    assert a.hot_experts_cfg == {"experts": 2, "share": 0.8, "ids": [2, 3]}       # one copy each, both on worker 0
+    assert a.hot_experts_cfg == {"experts": 2, "share": 0.8, "ids": [2, 3]}  # one copy each, both on worker 0
     assert bench.parse(["--smoke", "--workloads", "eplb"]).configs == ["moeserve-ep2"]
-    for bad in (["--workloads", "eplb,burst"], ["--workloads", "eplb", "--configs", "moeserve-1rank"],
-                ["--workloads", "eplb", "--hot-experts", "x"], ["--workloads", "eplb", "--redundant-experts", "0"],
-                ["--workloads", "eplb", "--apis", "grpc,http"]):
+    for bad in (
+        ["--workloads", "eplb,burst"],
+        ["--workloads", "eplb", "--configs", "moeserve-1rank"],
+        ["--workloads", "eplb", "--hot-experts", "x"],
+        ["--workloads", "eplb", "--redundant-experts", "0"],
+        ["--workloads", "eplb", "--apis", "grpc,http"],
+    ):
         with pytest.raises(SystemExit):
             bench.parse(["--smoke", *bad])

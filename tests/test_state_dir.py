@@ -3,6 +3,7 @@ balancer's settings (Pause included) and a restart with the same folder starts f
 workers load the saved placement's experts: the tokens are the single-process reference's);
 ``--init-expert-location`` starts from an SGLang expert-location file; a folder or file that
 does not fit the cluster is refused at start, naming the file."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from cluster_util import prompts_for, random_placement, reference_generate, refe
 from control_util import Up
 
 WORKERS, REDUNDANT = 2, 2
-QUIET = "1000000000"                       # a step interval the balancer's loop never reaches
+QUIET = "1000000000"  # a step interval the balancer's loop never reaches
 
 
 def _wait_for(what, cond, timeout_s: float = 40.0, every_s: float = 0.2):
@@ -54,14 +55,25 @@ def test_a_restart_restores_the_placement_and_the_paused_balancer(tmp_path):
     first = random_placement(layers, experts, experts + REDUNDANT, seed=4)
     init = _sglang_file(tmp_path / "expert-location.json", first, mcfg.moe_layer_ids, mcfg.num_layers)
     state_dir = tmp_path / "state"
-    flags = ("--workers", str(WORKERS), "--enable-eplb", "--num-redundant-experts", str(REDUNDANT),
-             "--eplb-step-interval", QUIET, "--state-dir", str(state_dir), "--init-expert-location", str(init))
+    flags = (
+        "--workers",
+        str(WORKERS),
+        "--enable-eplb",
+        "--num-redundant-experts",
+        str(REDUNDANT),
+        "--eplb-step-interval",
+        QUIET,
+        "--state-dir",
+        str(state_dir),
+        "--init-expert-location",
+        str(init),
+    )
 
     up = Up(path, *flags)
     try:
         serving, admin, balancer = up.clients()
         p = admin.placement()
-        np.testing.assert_array_equal(p.phy2log, first)                 # --init-expert-location
+        np.testing.assert_array_equal(p.phy2log, first)  # --init-expert-location
         assert serving.generate(prompt_token_ids=prompt, max_tokens=10, ignore_eos=True).token_ids == want
         second = random_placement(layers, experts, experts + REDUNDANT, seed=9)
         res = admin.apply_placement(second, wait=True)
@@ -76,11 +88,11 @@ def test_a_restart_restores_the_placement_and_the_paused_balancer(tmp_path):
     assert sorted(f.name for f in state_dir.iterdir()) == ["balancer.json", "placement.json"]
     assert oct(state_dir.stat().st_mode & 0o777) == "0o700"
 
-    up = Up(path, *flags)                                               # the same command line again
+    up = Up(path, *flags)  # the same command line again
     try:
         serving, admin, balancer = up.clients()
         p = admin.placement()
-        np.testing.assert_array_equal(p.phy2log, second)                 # the state folder wins over the file
+        np.testing.assert_array_equal(p.phy2log, second)  # the state folder wins over the file
         assert p.version == saved.version and list(p.layer_versions) == list(saved.layer_versions)
         st = balancer.balancer_status()
         assert st.paused and st.min_balancedness == 0.25
@@ -89,10 +101,13 @@ def test_a_restart_restores_the_placement_and_the_paused_balancer(tmp_path):
         assert serving.generate(prompt_token_ids=prompt, max_tokens=10, ignore_eos=True).token_ids == want
         third = random_placement(layers, experts, experts + REDUNDANT, seed=11)
         assert admin.apply_placement(third, wait=True).migration.state == "done"
-        assert admin.placement().version > saved.version                 # versions keep increasing
-        _wait_for("placement.json holds the new placement (written off the step driver)",   # replaced atomically:
-                  lambda: json.loads((state_dir / "placement.json").read_text())["phy2log"] == third.tolist(),
-                  timeout_s=10, every_s=0.02)                                                   # never torn
+        assert admin.placement().version > saved.version  # versions keep increasing
+        _wait_for(
+            "placement.json holds the new placement (written off the step driver)",  # replaced atomically:
+            lambda: json.loads((state_dir / "placement.json").read_text())["phy2log"] == third.tolist(),
+            timeout_s=10,
+            every_s=0.02,
+        )  # never torn
     finally:
         assert up.stop() == 0, up.logs()
 
@@ -107,12 +122,31 @@ def test_a_state_dir_or_placement_file_that_does_not_fit_is_refused_naming_the_f
     (state_dir / "placement.json").write_text("{torn")
     settings_dir = tmp_path / "settings"
     settings_dir.mkdir()
-    (settings_dir / "balancer.json").write_text(json.dumps({"format": "moeserve.balancer_settings/1",
-                                                            "step_interval": -1}))
-    for flags, what in ((("--init-expert-location", str(bad)), f"--init-expert-location {bad}"),
-                        (("--state-dir", str(state_dir)), str(state_dir / "placement.json")),
-                        (("--state-dir", str(settings_dir)), f"{settings_dir / 'balancer.json'}: step_interval")):
-        out = subprocess.run([sys.executable, "-m", "moeserve", "up", "--model", path, "--workers", "2",
-                              "--enable-eplb", "--num-redundant-experts", "2", *flags],
-                             capture_output=True, text=True, timeout=120)
+    (settings_dir / "balancer.json").write_text(
+        json.dumps({"format": "moeserve.balancer_settings/1", "step_interval": -1})
+    )
+    for flags, what in (
+        (("--init-expert-location", str(bad)), f"--init-expert-location {bad}"),
+        (("--state-dir", str(state_dir)), str(state_dir / "placement.json")),
+        (("--state-dir", str(settings_dir)), f"{settings_dir / 'balancer.json'}: step_interval"),
+    ):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moeserve",
+                "up",
+                "--model",
+                path,
+                "--workers",
+                "2",
+                "--enable-eplb",
+                "--num-redundant-experts",
+                "2",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2 and what in out.stderr and "Traceback" not in out.stderr, out.stderr

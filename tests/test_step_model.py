@@ -1,5 +1,6 @@
 """The step-time model (balancer/policy/cost.py): monotone, its table's format and errors, and the
 calibration command's plumbing (CPU, --smoke)."""
+
 import json
 import subprocess
 import sys
@@ -9,8 +10,16 @@ import numpy as np
 import pytest
 
 from moeserve.balancer.policy import make_policy, place
-from moeserve.balancer.policy.cost import (FORMAT, StepModel, StepModelError, expected_busy, layer_times,
-                                           load_table, parse_table, worker_times)
+from moeserve.balancer.policy.cost import (
+    FORMAT,
+    StepModel,
+    StepModelError,
+    expected_busy,
+    layer_times,
+    load_table,
+    parse_table,
+    worker_times,
+)
 from moeserve.balancer.policy.rule import plan_breakeven, rule_times
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,8 +27,17 @@ MODEL = StepModel("H200", "scout", 5120, 8192, 2, 4.0e12, 6.0e14, 5e-6, 2e-5)
 
 
 def entry(**kw):
-    e = dict(gpu="NVIDIA H200", shape="llama4-scout", hidden_size=5120, intermediate_size=8192, dtype_bytes=2,
-             hbm_bytes_per_s=4.0e12, matmul_flops_per_s=6.0e14, slot_overhead_s=5e-6, layer_overhead_s=2e-5)
+    e = dict(
+        gpu="NVIDIA H200",
+        shape="llama4-scout",
+        hidden_size=5120,
+        intermediate_size=8192,
+        dtype_bytes=2,
+        hbm_bytes_per_s=4.0e12,
+        matmul_flops_per_s=6.0e14,
+        slot_overhead_s=5e-6,
+        layer_overhead_s=2e-5,
+    )
     e.update(kw)
     return e
 
@@ -46,14 +64,14 @@ def test_more_tokens_on_a_placement_never_predict_less_time():
 
 
 def test_busy_probability_is_poisson_from_the_window_mean_and_a_histogram_agrees_at_the_extremes():
-    phy2log = np.array([[0, 1, 0, 2]])                        # expert 0 on two slots
+    phy2log = np.array([[0, 1, 0, 2]])  # expert 0 on two slots
     load = np.array([[8.0, 1.0, 0.0]])
     p = expected_busy(load, phy2log, steps=4)
     assert p[0].tolist() == pytest.approx([1 - np.exp(-1.0), 1 - np.exp(-0.25), 1 - np.exp(-1.0), 0.0])
     hist = np.zeros((1, 3, 6))
-    hist[0, 0, 5] = 4                                          # expert 0: 16..31 tokens every step
-    hist[0, 1, 0] = 4                                          # expert 1: never
-    hist[0, 2, 1] = 4                                          # expert 2: exactly one token each step
+    hist[0, 0, 5] = 4  # expert 0: 16..31 tokens every step
+    hist[0, 1, 0] = 4  # expert 1: never
+    hist[0, 2, 1] = 4  # expert 2: exactly one token each step
     h = expected_busy(None, phy2log, histogram=hist)
     assert h[0, 1] == 0.0 and h[0, 3] == 1.0 and h[0, 0] == pytest.approx(1.0, abs=1e-4)
 
@@ -67,23 +85,28 @@ def test_the_table_loads_and_finds_its_entries(tmp_path):
         table.get("NVIDIA H200", "deepseek")
 
 
-@pytest.mark.parametrize("doc, message", [
-    ([], "is a JSON object"),
-    ({"format": "v0", "entries": [entry()]}, f"format must be '{FORMAT}'"),
-    ({"format": FORMAT, "entries": []}, "entries must be a non-empty list"),
-    ({"format": FORMAT, "entries": [entry()], "colour": 1}, r"unknown keys \['colour'\]; allowed"),
-    ({"format": FORMAT, "entries": [7]}, r"entries\[0\] must be an object"),
-    ({"format": FORMAT, "entries": [{k: v for k, v in entry().items() if k != "hbm_bytes_per_s"}]},
-     r"entries\[0\] lacks \['hbm_bytes_per_s'\]"),
-    ({"format": FORMAT, "entries": [entry(hbm_bytes_per_s=0)]}, r"hbm_bytes_per_s must be > 0"),
-    ({"format": FORMAT, "entries": [entry(slot_overhead_s=-1e-6)]}, r"slot_overhead_s must be >= 0"),
-    ({"format": FORMAT, "entries": [entry(matmul_flops_per_s="fast")]}, "must be a finite number"),
-    ({"format": FORMAT, "entries": [entry(hidden_size=0)]}, "hidden_size must be a positive integer"),
-    ({"format": FORMAT, "entries": [entry(dtype_bytes=2.0)]}, "dtype_bytes must be a positive integer"),
-    ({"format": FORMAT, "entries": [entry(gpu="")]}, "gpu must be a non-empty string"),
-    ({"format": FORMAT, "entries": [entry(speed=1)]}, r"unknown keys \['speed'\]"),
-    ({"format": FORMAT, "entries": [entry(), entry()]}, "a second entry for gpu"),
-])
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ([], "is a JSON object"),
+        ({"format": "v0", "entries": [entry()]}, f"format must be '{FORMAT}'"),
+        ({"format": FORMAT, "entries": []}, "entries must be a non-empty list"),
+        ({"format": FORMAT, "entries": [entry()], "colour": 1}, r"unknown keys \['colour'\]; allowed"),
+        ({"format": FORMAT, "entries": [7]}, r"entries\[0\] must be an object"),
+        (
+            {"format": FORMAT, "entries": [{k: v for k, v in entry().items() if k != "hbm_bytes_per_s"}]},
+            r"entries\[0\] lacks \['hbm_bytes_per_s'\]",
+        ),
+        ({"format": FORMAT, "entries": [entry(hbm_bytes_per_s=0)]}, r"hbm_bytes_per_s must be > 0"),
+        ({"format": FORMAT, "entries": [entry(slot_overhead_s=-1e-6)]}, r"slot_overhead_s must be >= 0"),
+        ({"format": FORMAT, "entries": [entry(matmul_flops_per_s="fast")]}, "must be a finite number"),
+        ({"format": FORMAT, "entries": [entry(hidden_size=0)]}, "hidden_size must be a positive integer"),
+        ({"format": FORMAT, "entries": [entry(dtype_bytes=2.0)]}, "dtype_bytes must be a positive integer"),
+        ({"format": FORMAT, "entries": [entry(gpu="")]}, "gpu must be a non-empty string"),
+        ({"format": FORMAT, "entries": [entry(speed=1)]}, r"unknown keys \['speed'\]"),
+        ({"format": FORMAT, "entries": [entry(), entry()]}, "a second entry for gpu"),
+    ],
+)
 def test_a_bad_table_says_what_is_wrong_and_what_is_allowed(doc, message):
     with pytest.raises(StepModelError, match=message):
         parse_table(doc)
@@ -111,8 +134,13 @@ def test_the_committed_example_table_loads_and_says_it_is_not_a_gpu():
 
 def test_calibrate_smoke_runs_on_cpu_and_writes_a_table_that_loads(tmp_path):
     out = tmp_path / "sm.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "calibrate.py"), "--smoke", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "calibrate.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr
     assert "measured us" in run.stdout and "model us" in run.stdout
     table = load_table(out)

@@ -17,6 +17,7 @@ recorded instead of compiled: the key is computed by Triton's own binder
 arguments. The test: over a sweep of step shapes, the launches that share their constexprs and
 options share their whole key. No GPU needed.
 """
+
 import itertools
 import math
 import random
@@ -30,8 +31,12 @@ from triton_util import needs_triton
 
 pytestmark = [needs_triton, pytest.mark.timeout(300)]
 
-MODULES = ("moeserve.kernels.triton_attention", "moeserve.kernels.triton_sampling", "moeserve.kernels.triton_experts",
-           "moeserve.kernels.triton_exchange")
+MODULES = (
+    "moeserve.kernels.triton_attention",
+    "moeserve.kernels.triton_sampling",
+    "moeserve.kernels.triton_experts",
+    "moeserve.kernels.triton_exchange",
+)
 
 
 def _forget_kernels():
@@ -40,6 +45,7 @@ def _forget_kernels():
     import moeserve.kernels as K
     import moeserve.models.attention as A
     import moeserve.sampling as S
+
     for name in MODULES:
         sys.modules.pop(name, None)
     A._kernels.cache_clear()
@@ -66,7 +72,7 @@ def launches(monkeypatch):
         _, spec, options = binders[self](*args, **kwargs)
         config = tuple((p.name, s) for p, s in zip(self.params, spec) if p.is_constexpr)
         config += tuple(sorted(options.items()))
-        spec = tuple((p.name, s) for p, s in zip(self.params, spec))     # an int == 1 is a constexpr here too
+        spec = tuple((p.name, s) for p, s in zip(self.params, spec))  # an int == 1 is a constexpr here too
         seen[self.fn.__name__].append((config, spec))
         return None
 
@@ -84,8 +90,10 @@ def assert_one_key_per_config(seen, kernel: str, configs: range):
     by_config = defaultdict(set)
     for config, spec in seen[kernel]:
         by_config[config].add(spec)
-    assert len(by_config) in configs, (f"{kernel}: {len(by_config)} launch configurations, want "
-                                       f"{configs.start}..{configs.stop - 1}: {sorted(by_config)}")
+    assert len(by_config) in configs, (
+        f"{kernel}: {len(by_config)} launch configurations, want "
+        f"{configs.start}..{configs.stop - 1}: {sorted(by_config)}"
+    )
     compiles, classes = 0, defaultdict(set)
     for config, specs in by_config.items():
         compiles += len(specs)
@@ -94,16 +102,19 @@ def assert_one_key_per_config(seen, kernel: str, configs: range):
                 if x != y:
                     classes[n] |= {str(x), str(y)}
     if classes:
-        pytest.fail(f"{kernel}: {compiles} compiles for {len(by_config)} launch configurations; the specialization "
-                    f"of {dict((n, sorted(c)) for n, c in sorted(classes.items()))} follows the step's shape")
+        pytest.fail(
+            f"{kernel}: {compiles} compiles for {len(by_config)} launch configurations; the specialization "
+            f"of {dict((n, sorted(c)) for n, c in sorted(classes.items()))} follows the step's shape"
+        )
 
 
 def _batch(lens, starts, block_size, extra_blocks=2):
     from moeserve.models.paged import PagedBatch
+
     need = [math.ceil((s + n) / block_size) for s, n in zip(starts, lens)]
     ids, tables = list(range(sum(need) + extra_blocks)), []
     for k in need:
-        tables.append(ids[:k] + [0] * random.Random(k).randrange(3))     # tables of uneven widths
+        tables.append(ids[:k] + [0] * random.Random(k).randrange(3))  # tables of uneven widths
         ids = ids[k:]
     return PagedBatch.build(lens, starts, tables, block_size), sum(need) + extra_blocks
 
@@ -111,12 +122,16 @@ def _batch(lens, starts, block_size, extra_blocks=2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_compiles_once_per_tile_shape_and_split(launches, dtype):
     from moeserve.models.attention import attention_config, paged_attention_triton
+
     rng = random.Random(0)
     hq, hkv, d, block_size = 8, 2, 64, 16
     shapes = []
     for s in list(range(1, 40)) + [63, 64, 65, 128, 255, 256]:
         decode = [1] * s, [rng.randrange(0, 700) for _ in range(s)]
-        prefill = [rng.randrange(1, 90) for _ in range(s)], [rng.choice([0, 0, rng.randrange(0, 300)]) for _ in range(s)]
+        prefill = (
+            [rng.randrange(1, 90) for _ in range(s)],
+            [rng.choice([0, 0, rng.randrange(0, 300)]) for _ in range(s)],
+        )
         mixed = [1] * (s - 1) + [rng.randrange(2, 200)], [rng.randrange(0, 400) for _ in range(s)]
         shapes += [decode, prefill, mixed]
     for lens, starts in shapes:
@@ -124,7 +139,7 @@ def test_attention_compiles_once_per_tile_shape_and_split(launches, dtype):
         q = torch.empty(batch.num_tokens, hq, d, dtype=dtype)
         pool = torch.empty(blocks * block_size, hkv, d, dtype=dtype)
         for ns in {None, attention_config(batch, hq, hkv, d, 132)["NS"]}:
-            paged_attention_triton(q, pool, pool, batch, scale=d ** -0.5, chunk=None, num_segments=ns)
+            paged_attention_triton(q, pool, pool, batch, scale=d**-0.5, chunk=None, num_segments=ns)
     # decode or prefill tiles x the split (1, 2, 4, 8 or 16 segments)
     assert_one_key_per_config(launches, "paged_attention_kernel", range(3, 11))
     assert_one_key_per_config(launches, "paged_attention_reduce_kernel", range(1, 5))
@@ -133,18 +148,20 @@ def test_attention_compiles_once_per_tile_shape_and_split(launches, dtype):
 def test_the_race_compiles_once_per_vocabulary_and_filter_whatever_the_batch(launches):
     import moeserve.sampling as sm
     from moeserve.sampling import SamplingParams, SamplingTensors
+
     v = 202_048
     for b in list(range(1, 300, 3)) + [1, 2, 16, 32, 64, 4096 // 1024]:
         st = SamplingTensors.build([SamplingParams(temperature=0.7, seed=1)] * b, list(range(b)), [5] * b, "cpu")
         logits = torch.empty(b, v)
         sm._race_triton(logits, st, None)
         sm._race_triton(logits, st, torch.empty(b))
-    assert_one_key_per_config(launches, "race_kernel", range(2, 3))        # with and without a threshold
+    assert_one_key_per_config(launches, "race_kernel", range(2, 3))  # with and without a threshold
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_expert_kernels_compile_once_per_block_m(launches, dtype):
     from moeserve import kernels as K
+
     h, i, s = 128, 64, 6
     gate_up = torch.empty(s, h, 2 * i, dtype=dtype)
     down = torch.empty(s, i, h, dtype=dtype)
@@ -152,11 +169,12 @@ def test_the_expert_kernels_compile_once_per_block_m(launches, dtype):
     for c in list(range(1, 300, 7)) + [512, 1024, 2048]:
         offs = torch.linspace(0, c, s + 1)[1:].round().to(torch.int32)
         K.expert_mlp(buf[:c], gate_up, down, offs, K.expert_block_m(c // s))
-    assert_one_key_per_config(launches, "expert_matmul_kernel", range(6, 7))   # block_m 16, 32, 64 x two projections
+    assert_one_key_per_config(launches, "expert_matmul_kernel", range(6, 7))  # block_m 16, 32, 64 x two projections
 
 
 def test_the_exchange_helpers_compile_once_whatever_the_row_count(launches):
     from moeserve import kernels as K
+
     for t in list(range(1, 300, 5)) + [512, 1024]:
         K.weighted_sum(torch.empty(t * 2, 96), torch.empty(t, 2))
         K.silu_mul(torch.empty(t, 2 * 48), torch.tensor([t], dtype=torch.int32))
@@ -175,12 +193,13 @@ def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots
     from moeserve.expert_worker.store import expert_block_m_for
     from moeserve import kernels as K
     from moeserve.models.moe import ExpertSpec
+
     spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16)
     layers = [spec.views(torch.empty(slots, spec.numel, dtype=spec.dtype)) for _ in range(3)]
     assert K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"]) == [16, 32, 64]
     warm = _keys(launches, "expert_matmul_kernel")
     launches.clear()
-    recv = torch.empty(8192, spec.hidden_size, dtype=spec.dtype)           # the receive buffer
+    recv = torch.empty(8192, spec.hidden_size, dtype=spec.dtype)  # the receive buffer
     offs = torch.empty(slots, dtype=torch.int32)
     for pairs in [1, 7, 16, 100, slots * 16, slots * 33, slots * 64]:
         bm = expert_block_m_for(pairs, slots, "auto")
@@ -195,12 +214,17 @@ def test_the_race_warm_up_compiles_every_key_a_step_can_launch(launches):
     of sampling parameters then find their key there."""
     import moeserve.sampling as sm
     from moeserve.sampling import SamplingParams, SamplingTensors
+
     v = 50_000
     assert sm._warm_up_race(v, torch.device("cpu")) == 2
     warm = _keys(launches, "race_kernel")
     launches.clear()
-    mix = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.2, top_p=0.9, seed=2),
-           SamplingParams(temperature=0.7, top_k=40, seed=3), SamplingParams(temperature=0.0)]
+    mix = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=2),
+        SamplingParams(temperature=0.7, top_k=40, seed=3),
+        SamplingParams(temperature=0.0),
+    ]
     for b in [1, 2, 3, 16, 17, 64, 255, 256]:
         for k in (1, 2, 4):
             params = [mix[(i * k) % len(mix)] for i in range(b)]

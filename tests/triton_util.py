@@ -1,12 +1,14 @@
 """Whether Triton is importable, for tests of the Triton kernels (under the interpreter on CPU).
 
 The test extra installs it; under CI=true a missing Triton fails the import instead of skipping."""
+
 import os
 
 import pytest
 
 try:
     import triton  # noqa: F401
+
     HAVE_TRITON = True
 except ImportError:
     if os.environ.get("CI") == "true":

@@ -14,10 +14,23 @@
 - :mod:`.relabel`: matching a fresh plan's workers and slots to the placement in force.
 - :mod:`.reference`: the DeepSeek EPLB drop-in (``rebalance_experts``, ``place_reference``).
 """
+
 from moeserve.balancer.policy.policy import NOISE_K, PolicyConfig, cross_node_share, make_policy, place
 from moeserve.balancer.policy.reference import place_reference, rebalance_experts
 from moeserve.balancer.policy.cost import StepModel, StepModelError, load_table
 from moeserve.balancer.policy.report import PlanReport, evaluate
 
-__all__ = ["place", "make_policy", "PolicyConfig", "evaluate", "PlanReport", "cross_node_share", "NOISE_K",
-           "rebalance_experts", "place_reference", "StepModel", "StepModelError", "load_table"]
+__all__ = [
+    "place",
+    "make_policy",
+    "PolicyConfig",
+    "evaluate",
+    "PlanReport",
+    "cross_node_share",
+    "NOISE_K",
+    "rebalance_experts",
+    "place_reference",
+    "StepModel",
+    "StepModelError",
+    "load_table",
+]

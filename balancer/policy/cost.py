@@ -32,6 +32,7 @@ kept in a small JSON table (:func:`load_table`):
                   "intermediate_size": 8192, "dtype_bytes": 2, "hbm_bytes_per_s": 4.1e12,
                   "matmul_flops_per_s": 7.0e14, "slot_overhead_s": 4e-6, "layer_overhead_s": 2e-5}]}
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,20 @@ import numpy as np
 
 from moeserve.placement import logical_counts
 
-__all__ = ["FORMAT", "StepModel", "StepModelTable", "StepModelError", "load_table", "busy_probability",
-           "expected_busy", "worker_times", "layer_times", "step_time", "breakeven", "step_efficiency"]
+__all__ = [
+    "FORMAT",
+    "StepModel",
+    "StepModelTable",
+    "StepModelError",
+    "load_table",
+    "busy_probability",
+    "expected_busy",
+    "worker_times",
+    "layer_times",
+    "step_time",
+    "breakeven",
+    "step_efficiency",
+]
 
 FORMAT = "moeserve-step-model/1"
 _TOP_KEYS = {"format": str, "entries": list}
@@ -158,8 +171,10 @@ def parse_table(doc) -> StepModelTable:
             raise StepModelError(f"{where} must be an object, got {type(ent).__name__}")
         missing = allowed - {"layer_overhead_s"} - set(ent)
         if missing:
-            raise StepModelError(f"{where} lacks {sorted(missing)}; an entry has {sorted(allowed)} "
-                                 "(layer_overhead_s optional, 0 by default)")
+            raise StepModelError(
+                f"{where} lacks {sorted(missing)}; an entry has {sorted(allowed)} "
+                "(layer_overhead_s optional, 0 by default)"
+            )
         extra = set(ent) - allowed
         if extra:
             raise StepModelError(f"{where}: unknown keys {sorted(extra)}; allowed: {sorted(allowed)}")
@@ -201,6 +216,7 @@ def load_table(path) -> StepModelTable:
 
 # ---- which slots are busy ---------------------------------------------------------------------
 
+
 def busy_probability(mean_per_step) -> np.ndarray:
     """P(a slot receives at least one pair in a step) for Poisson counts of this mean."""
     return -np.expm1(-np.asarray(mean_per_step, dtype=np.float64))
@@ -209,7 +225,7 @@ def busy_probability(mean_per_step) -> np.ndarray:
 def _bin_counts(k: int) -> np.ndarray:
     """A representative count per histogram bin: 0, 1, then the geometric middle of 2**(j-1) .. 2**j - 1."""
     j = np.arange(k)
-    lo, hi = 2.0 ** np.maximum(j - 1, 0), 2.0 ** j - 1
+    lo, hi = 2.0 ** np.maximum(j - 1, 0), 2.0**j - 1
     return np.where(j == 0, 0.0, np.sqrt(lo * np.maximum(hi, lo)))
 
 
@@ -224,14 +240,14 @@ def expected_busy(load, phy2log, steps: int | None = None, histogram=None) -> np
     if histogram is not None:
         hist = np.asarray(histogram, dtype=np.float64)
         e = hist.shape[1]
-        logcnt = logical_counts(phy2log, e).astype(np.float64)                   # [L, E]
+        logcnt = logical_counts(phy2log, e).astype(np.float64)  # [L, E]
         total = hist.sum(2, keepdims=True)
-        share = hist / np.where(total > 0, total, 1.0)                           # [L, E, K]
-        n = _bin_counts(hist.shape[2])                                           # [K]
+        share = hist / np.where(total > 0, total, 1.0)  # [L, E, K]
+        n = _bin_counts(hist.shape[2])  # [K]
         c = logcnt[:, :, None]
         busy_replicas = c * -np.expm1(n * np.log1p(-1.0 / np.maximum(c, 1.0 + 1e-12)))
         busy_replicas = np.where(c == 1, (n > 0).astype(np.float64), busy_replicas)
-        per_slot = (share * busy_replicas).sum(2) / logcnt                       # [L, E]
+        per_slot = (share * busy_replicas).sum(2) / logcnt  # [L, E]
         return np.take_along_axis(per_slot, phy2log, 1)
     if steps is None or steps < 1:
         raise ValueError(f"steps must be a positive integer (forward steps in the window), got {steps!r}")
@@ -241,8 +257,9 @@ def expected_busy(load, phy2log, steps: int | None = None, histogram=None) -> np
     return busy_probability(per_slot_mean)
 
 
-def worker_times(model: StepModel, load, phy2log, num_workers: int, steps: int | None = None,
-                 histogram=None) -> np.ndarray:
+def worker_times(
+    model: StepModel, load, phy2log, num_workers: int, steps: int | None = None, histogram=None
+) -> np.ndarray:
     """Predicted seconds of every layer on every worker in one step: ``[L, W]``.
 
     load [L, E]: pairs per expert over ``steps`` steps (a worker's pairs per step: its share of
@@ -253,26 +270,27 @@ def worker_times(model: StepModel, load, phy2log, num_workers: int, steps: int |
     layers, p = phy2log.shape
     if steps is None or steps < 1:
         raise ValueError(f"steps must be a positive integer (forward steps in the window), got {steps!r}")
-    busy = expected_busy(load, phy2log, steps, histogram)                        # [L, P]
+    busy = expected_busy(load, phy2log, steps, histogram)  # [L, P]
     logcnt = logical_counts(phy2log, load.shape[1])
     pairs = np.take_along_axis(load / np.maximum(logcnt, 1), phy2log, 1) / steps
     w = num_workers
     return model.time(busy.reshape(layers, w, p // w).sum(2), pairs.reshape(layers, w, p // w).sum(2))
 
 
-def layer_times(model: StepModel, load, phy2log, num_workers: int, steps: int | None = None,
-                histogram=None) -> np.ndarray:
+def layer_times(
+    model: StepModel, load, phy2log, num_workers: int, steps: int | None = None, histogram=None
+) -> np.ndarray:
     """Predicted seconds of every layer (its slowest worker): ``[L]``."""
     return worker_times(model, load, phy2log, num_workers, steps, histogram).max(1)
 
 
-def step_time(model: StepModel, load, phy2log, num_workers: int, steps: int | None = None,
-              histogram=None) -> float:
+def step_time(model: StepModel, load, phy2log, num_workers: int, steps: int | None = None, histogram=None) -> float:
     """Predicted seconds of a step's MoE layers (the sum of every layer's slowest worker)."""
     return float(layer_times(model, load, phy2log, num_workers, steps, histogram).sum())
 
 
 # ---- the break-even counts the data plane applies, and the trigger's step-time measure ---------
+
 
 def breakeven(model: StepModel | None, num_layers: int, num_experts: int) -> np.ndarray:
     """int64 [L, E]: the break-even count b of every (MoE layer, logical expert) for the data
@@ -288,6 +306,6 @@ def step_efficiency(model: StepModel, load, phy2log, num_workers: int, steps: in
     """The step-time analogue of balancedness, in (0, 1]: the sum over layers of the mean
     worker's predicted time over the sum of the slowest worker's (1.0: no worker waits on
     another); 1.0 when nothing is predicted to run."""
-    t = worker_times(model, load, phy2log, num_workers, steps, histogram)          # [L, W]
+    t = worker_times(model, load, phy2log, num_workers, steps, histogram)  # [L, W]
     slowest = float(t.max(1).sum())
     return float(t.mean(1).sum()) / slowest if slowest > 0 else 1.0

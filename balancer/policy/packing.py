@@ -9,6 +9,7 @@ A row's slot ``k`` lives on worker ``k // s``. A logical expert's load splits ev
 replicas; a worker's load is the sum over its slots. Every function works on all rows at once;
 the only Python loops run over replicas or rounds, never over rows.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,7 +34,7 @@ def replica_counts(load: np.ndarray, num_slots: int, num_workers: int | None = N
     flat_cnt = np.ones(rows * e, dtype=np.int64)
     flat_load = np.ascontiguousarray(load, dtype=np.float64).ravel()
     per_replica = flat_load.copy()
-    per_replica_rows = per_replica.reshape(rows, e)                  # [B, e], a view
+    per_replica_rows = per_replica.reshape(rows, e)  # [B, e], a view
     row_base = np.arange(rows) * e
     for _ in range(num_slots - e):
         k = per_replica_rows.argmax(axis=1) + row_base
@@ -42,12 +43,12 @@ def replica_counts(load: np.ndarray, num_slots: int, num_workers: int | None = N
     if num_workers is None or num_workers < 2:
         return flat_cnt.reshape(rows, e)
     w = num_workers
-    logcnt = flat_cnt.reshape(rows, e)                                # [B, e], a view
-    mean = load.sum(1) / w                                            # [B] mean worker load
+    logcnt = flat_cnt.reshape(rows, e)  # [B, e], a view
+    mean = load.sum(1) / w  # [B] mean worker load
     cut = (logcnt > w) & (logcnt < 2 * w) & (2 * load / logcnt > mean[:, None])
     if not cut.any():
         return logcnt
-    freed = np.where(cut, logcnt - w, 0).sum(1)                       # [B]
+    freed = np.where(cut, logcnt - w, 0).sum(1)  # [B]
     logcnt[cut] = w
     # experts at w replicas or more take no freed slot: -inf keeps them out of the argmax
     per_replica_rows[:] = np.where(cut | (logcnt >= w), -np.inf, load / logcnt)
@@ -72,7 +73,7 @@ def slot_load(load: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray) -> np.n
     """Load of every slot, its expert's load over its replica count: ``load [B, e]``,
     ``phy2log [B, p]``, ``logcnt [B, e]`` -> ``[B, p]`` float64."""
     rows, e = load.shape
-    flat = phy2log + (np.arange(rows) * e)[:, None]                   # 1-D gathers: faster than [r, phy2log]
+    flat = phy2log + (np.arange(rows) * e)[:, None]  # 1-D gathers: faster than [r, phy2log]
     return load.ravel()[flat] / logcnt.ravel()[flat]
 
 
@@ -84,7 +85,7 @@ def worker_load_rows(slot_load_: np.ndarray, num_workers: int) -> np.ndarray:
 
 def _replicas_heaviest_first(load: np.ndarray, logcnt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every replica of ``logcnt [B, e]``, heaviest first: expert ids ``[B, p]`` and their loads ``[B, p]``."""
-    replicas = expand_counts(logcnt)                                  # [B, p]
+    replicas = expand_counts(logcnt)  # [B, p]
     replica_load = slot_load(np.ascontiguousarray(load, dtype=np.float64), replicas, logcnt)
     order = np.argsort(-replica_load, axis=1)
     return np.take_along_axis(replicas, order, 1), np.take_along_axis(replica_load, order, 1)
@@ -104,12 +105,12 @@ def pack_greedy(load: np.ndarray, logcnt: np.ndarray, num_workers: int) -> np.nd
     s = p // w
     phy2log = np.empty(rows * p, dtype=np.int64)
     worker_load = np.zeros(rows * w)
-    worker_load_2d = worker_load.reshape(rows, w)                     # [B, w], a view
+    worker_load_2d = worker_load.reshape(rows, w)  # [B, w], a view
     worker_base = (np.arange(rows) * w)[:, None]
     for k in range(s):
         lightest_first = np.argsort(worker_load_2d, axis=1) + worker_base  # [B, w] flat worker ids
-        phy2log[lightest_first * s + k] = replicas[:, k * w:(k + 1) * w]
-        worker_load[lightest_first] += replica_load[:, k * w:(k + 1) * w]
+        phy2log[lightest_first * s + k] = replicas[:, k * w : (k + 1) * w]
+        worker_load[lightest_first] += replica_load[:, k * w : (k + 1) * w]
     return phy2log.reshape(rows, p)
 
 
@@ -126,11 +127,11 @@ def pack_ldm(load: np.ndarray, logcnt: np.ndarray, num_workers: int) -> np.ndarr
     p = replicas.shape[1]
     w = num_workers
     s = p // w
-    sums = replica_load.reshape(rows * s, w)                          # [(B, s), w] descending
+    sums = replica_load.reshape(rows * s, w)  # [(B, s), w] descending
     # place[b, r, j]: where the j-th replica of round r sits in its partial packing (desc order)
     place = np.broadcast_to(np.arange(w), (rows, s, w)).copy()
     packing_of_round = np.broadcast_to(np.arange(s), (rows, s)).copy()
-    spread = (sums[:, 0] - sums[:, -1]).reshape(rows, s)              # [B, s]
+    spread = (sums[:, 0] - sums[:, -1]).reshape(rows, s)  # [B, s]
     r = np.arange(rows)
     round_base = r * s
     worker_base = (r * w)[:, None, None]
@@ -140,7 +141,7 @@ def pack_ldm(load: np.ndarray, logcnt: np.ndarray, num_workers: int) -> np.ndarr
         second = spread.argmax(1)
         merged = sums[round_base + widest] + sums[round_base + second][:, ::-1]  # [B, w]
         order = np.argsort(-merged, axis=1)
-        rank = np.argsort(order, axis=1)                              # old place -> new
+        rank = np.argsort(order, axis=1)  # old place -> new
         sums[round_base + widest] = np.take_along_axis(merged, order, 1)
         spread[r, widest] = merged.max(1) - merged.min(1)
         spread[r, second] = -np.inf
@@ -160,7 +161,7 @@ def pack(load: np.ndarray, logcnt: np.ndarray, num_workers: int) -> np.ndarray:
     the two balance alike and the greedy is faster).
     """
     p = int(logcnt[0].sum()) if logcnt.size else 0
-    if num_workers == 1:                                              # one worker holds everything
+    if num_workers == 1:  # one worker holds everything
         return expand_counts(logcnt)
     if 2 < num_workers <= 16 and p // num_workers <= 32:
         return pack_ldm(load, logcnt, num_workers)

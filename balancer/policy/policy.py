@@ -34,6 +34,7 @@ How a call decides (the primitives: :mod:`~moeserve.balancer.policy.packing` for
   first replica stays home); that trades cross-node traffic for balance and is not valid under
   strict group-limited routing (the yardstick rejects it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -41,8 +42,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moeserve.balancer.policy.cost import StepModel
-from moeserve.balancer.policy.packing import (expand_counts, pack, pack_greedy, replica_counts, slot_load,
-                                              worker_load_rows)
+from moeserve.balancer.policy.packing import (
+    expand_counts,
+    pack,
+    pack_greedy,
+    replica_counts,
+    slot_load,
+    worker_load_rows,
+)
 from moeserve.balancer.policy.reads import read_search
 from moeserve.balancer.policy.relabel import greedy_match, relabel
 from moeserve.balancer.policy.rule import NEVER_SPREAD, b_candidates, plan_breakeven, rule_times
@@ -95,8 +102,14 @@ class PolicyConfig:
             raise ValueError(f"step_model must be a StepModel (see cost.load_table) or None, got {self.step_model!r}")
 
 
-def make_policy(move_budget: float | None = 0.10, *, cross_node_replicas: bool = False, max_iter: int = 24,
-                follow_counts: bool = True, step_model: StepModel | None = None):
+def make_policy(
+    move_budget: float | None = 0.10,
+    *,
+    cross_node_replicas: bool = False,
+    max_iter: int = 24,
+    follow_counts: bool = True,
+    step_model: StepModel | None = None,
+):
     """A policy with the yardstick's signature and these settings (see :class:`PolicyConfig`).
 
     The function returned has a ``config`` attribute, and takes two optional keywords beyond the
@@ -106,8 +119,7 @@ def make_policy(move_budget: float | None = 0.10, *, cross_node_replicas: bool =
     """
     cfg = PolicyConfig(move_budget, cross_node_replicas, max_iter, follow_counts, step_model)
 
-    def policy(load, num_slots, num_workers, num_groups=1, num_nodes=1, current=None, *, steps=None,
-               histogram=None):
+    def policy(load, num_slots, num_workers, num_groups=1, num_nodes=1, current=None, *, steps=None, histogram=None):
         return _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg, steps, histogram)
 
     policy.config = cfg
@@ -136,6 +148,7 @@ _DEFAULT = PolicyConfig()
 
 
 # ---- arguments -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _Shape:
@@ -187,8 +200,13 @@ def _check(load, num_slots, num_workers, num_groups, num_nodes, current):
         raise ValueError(f"load must be 2-D [layers, logical experts] with at least one expert, got shape {load.shape}")
     if not np.isfinite(load).all() or (load < 0).any():
         raise ValueError("load must be finite and non-negative")
-    shape = _Shape(*load.shape, _positive_int("num_slots", num_slots), _positive_int("num_workers", num_workers),
-                   _positive_int("num_groups", num_groups), _positive_int("num_nodes", num_nodes))
+    shape = _Shape(
+        *load.shape,
+        _positive_int("num_slots", num_slots),
+        _positive_int("num_workers", num_workers),
+        _positive_int("num_groups", num_groups),
+        _positive_int("num_nodes", num_nodes),
+    )
     layers, e, p, w, g, n = shape.layers, shape.experts, shape.slots, shape.workers, shape.groups, shape.nodes
     if p < e:
         raise ValueError(f"num_slots ({p}) must be at least the number of logical experts ({e})")
@@ -196,7 +214,9 @@ def _check(load, num_slots, num_workers, num_groups, num_nodes, current):
         raise ValueError(f"num_slots ({p}) must be a multiple of num_workers ({w})")
     if shape.hierarchical:
         if e % g:
-            raise ValueError(f"hierarchical placement: the {e} logical experts do not split into num_groups={g} equal groups")
+            raise ValueError(
+                f"hierarchical placement: the {e} logical experts do not split into num_groups={g} equal groups"
+            )
         if w % n:
             raise ValueError(f"hierarchical placement: num_workers ({w}) must be a multiple of num_nodes ({n})")
     if current is not None:
@@ -217,8 +237,10 @@ def _check(load, num_slots, num_workers, num_groups, num_nodes, current):
 
 # ---- the plan --------------------------------------------------------------------------------
 
-def _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg: PolicyConfig, steps=None,
-          histogram=None) -> np.ndarray:
+
+def _plan(
+    load, num_slots, num_workers, num_groups, num_nodes, current, cfg: PolicyConfig, steps=None, histogram=None
+) -> np.ndarray:
     """:func:`place` with the settings ``cfg``: phy2log [L, P]."""
     load, shape, current = _check(load, num_slots, num_workers, num_groups, num_nodes, current)
     budget = None if (current is None or cfg.move_budget is None) else int(cfg.move_budget * shape.layers * shape.slots)
@@ -254,8 +276,7 @@ class _Cost:
         hist = np.take_along_axis(self.histogram, local2global.reshape(layers, -1)[:, :, None], 1)
         return _Cost(self.model, self.steps, hist.reshape(rows, -1, k), ids)
 
-    def times(self, load: np.ndarray, phy2log: np.ndarray, w: int,
-              candidates: np.ndarray | None = None) -> np.ndarray:
+    def times(self, load: np.ndarray, phy2log: np.ndarray, w: int, candidates: np.ndarray | None = None) -> np.ndarray:
         """Predicted seconds of every row ``[B]`` of ``phy2log [B, p]`` (``load [B, e]``) under the
         data plane's replica rule with the break-even counts
         :func:`~moeserve.balancer.policy.rule.plan_breakeven` gives that placement (those a caller
@@ -266,8 +287,12 @@ class _Cost:
 
     def subset(self, rows: np.ndarray) -> "_Cost":
         """The same for the rows ``rows`` only."""
-        return _Cost(self.model, self.steps, None if self.histogram is None else self.histogram[rows],
-                     None if self.expert_ids is None else self.expert_ids[rows])
+        return _Cost(
+            self.model,
+            self.steps,
+            None if self.histogram is None else self.histogram[rows],
+            None if self.expert_ids is None else self.expert_ids[rows],
+        )
 
 
 def _cost_context(cfg: PolicyConfig, steps, histogram, load) -> _Cost | None:
@@ -279,8 +304,10 @@ def _cost_context(cfg: PolicyConfig, steps, histogram, load) -> _Cost | None:
     if histogram is not None:
         histogram = np.asarray(histogram, dtype=np.float64)
         if histogram.ndim != 3 or histogram.shape[:2] != load.shape or histogram.shape[2] < 1:
-            raise ValueError(f"histogram must be [layers, experts, bins] with [layers, experts] = {load.shape}, "
-                             f"got shape {histogram.shape}")
+            raise ValueError(
+                f"histogram must be [layers, experts, bins] with [layers, experts] = {load.shape}, "
+                f"got shape {histogram.shape}"
+            )
         if not np.isfinite(histogram).all() or (histogram < 0).any():
             raise ValueError("histogram must be finite and non-negative")
     return _Cost(cfg.step_model, int(steps), histogram)
@@ -342,8 +369,9 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip
     predict no saving keeps the placement in force.
     """
     rows, p = current.shape
-    settings = SearchSettings(max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), replicate=True,
-                              stop_cost=1.2 * budget)
+    settings = SearchSettings(
+        max_iter=cfg.max_iter, pairs=_pairs_for(budget / rows), replicate=True, stop_cost=1.2 * budget
+    )
     tol = _noise_tol(load, w, 1e-9)
     search = refine(load, current, w, settings, tol=tol, skip_below=skip_below)
     paths = [_Path(search, *search.curves())]
@@ -373,7 +401,7 @@ def _read_paths(load, current, w: int, budget: int, cost: "_Cost") -> list[np.nd
     ``[B, p]`` each, step 0 left out."""
     rows, p = current.shape
     e = load.shape[1]
-    length = int(min(p - e, max(4, np.ceil(2.0 * budget / rows))))         # moves per row, as follow_counts
+    length = int(min(p - e, max(4, np.ceil(2.0 * budget / rows))))  # moves per row, as follow_counts
     planned = plan_breakeven(cost.model, load, current, w, cost.steps, cost.histogram, cost.expert_ids)
     out = []
     for b in (planned, np.full_like(planned, NEVER_SPREAD)):
@@ -385,13 +413,13 @@ def _cheapest(load, current, options: list[np.ndarray], w: int, budget: int, cos
     """Per row, the option (``options[0]`` the placement in force) saving the most predicted layer
     time per slot moved, within ``budget`` slots over all rows. Each option is priced under the
     data plane's replica rule with the break-even counts planned for it (:meth:`_Cost.times`)."""
-    stack = np.stack(options)                                                # [K, B, p]
+    stack = np.stack(options)  # [K, B, p]
     k, rows, p = stack.shape
-    moved = (stack != current[None]).sum(2)                                 # [K, B]
+    moved = (stack != current[None]).sum(2)  # [K, B]
     # b is planned row by row (from one list of candidate counts), so a row an option leaves
     # as it is keeps the time of the placement in force: only the rows it changes are priced
     cand = b_candidates(cost.model, load, cost.steps, cost.histogram)
-    times = np.repeat(cost.times(load, current, w, cand)[None], k, 0)        # [K, B]
+    times = np.repeat(cost.times(load, current, w, cand)[None], k, 0)  # [K, B]
     for i in range(1, k):
         ch = np.flatnonzero(moved[i])
         if ch.size:
@@ -412,7 +440,7 @@ class _Path:
         self.search, self.peak, self.cost = search, peak, cost
 
 
-_THEN_ITER = 12          # the search after the counts moved: a shorter one (its moves come on top)
+_THEN_ITER = 12  # the search after the counts moved: a shorter one (its moves come on top)
 
 
 def _follow_paths(load, current, w, budget, settings, tol, skip_below) -> list[_Path]:
@@ -423,7 +451,9 @@ def _follow_paths(load, current, w, budget, settings, tol, skip_below) -> list[_
     target = replica_counts(load, p, w)
     searched = None
     if skip_below is not None:
-        searched = worker_load_rows(slot_load(load, current, logical_counts(current, e)), w).max(1) > np.maximum(skip_below, 0)
+        searched = worker_load_rows(slot_load(load, current, logical_counts(current, e)), w).max(1) > np.maximum(
+            skip_below, 0
+        )
     steps = int(min(p - e, max(4, np.ceil(2.0 * budget / rows))))
     follow = follow_counts(load, current, w, target, steps, rows=searched)
     f_peak, f_cost = follow.curves()
@@ -431,9 +461,10 @@ def _follow_paths(load, current, w, budget, settings, tol, skip_below) -> list[_
     if not moved.any():
         return []
     out = [_Path(follow, f_peak[1:], f_cost[1:])]
-    skip = np.where(moved, -np.inf if skip_below is None else skip_below, np.inf)   # only the rows that moved
-    then = refine(load, follow.final, w, replace(settings, max_iter=min(settings.max_iter, _THEN_ITER)), tol=tol,
-                  skip_below=skip)
+    skip = np.where(moved, -np.inf if skip_below is None else skip_below, np.inf)  # only the rows that moved
+    then = refine(
+        load, follow.final, w, replace(settings, max_iter=min(settings.max_iter, _THEN_ITER)), tol=tol, skip_below=skip
+    )
     t_peak, t_cost = then.curves()
     out.append(_Path(then, t_peak[1:], t_cost[1:] + f_cost[-1]))
     return out
@@ -446,7 +477,7 @@ def _value(peak, mean, layer_of_row, layer_mean) -> np.ndarray:
         return np.where(peak > 0, mean / np.where(peak > 0, peak, 1.0), 1.0)
     # a node below its layer's hottest node buys nothing by going lower still
     floor = np.zeros(int(layer_of_row.max()) + 1)
-    np.maximum.at(floor, layer_of_row, peak.min(0))                 # the least peak each row reaches
+    np.maximum.at(floor, layer_of_row, peak.min(0))  # the least peak each row reaches
     top = np.maximum(peak, floor[layer_of_row])
     return np.where(top > 0, layer_mean / np.where(top > 0, top, 1.0), 1.0)
 
@@ -467,6 +498,7 @@ def _replay(paths: list[_Path], choice: np.ndarray) -> np.ndarray:
 
 # ---- hierarchical ----------------------------------------------------------------------------
 
+
 def _replicas_per_node(phy2log: np.ndarray, shape: _Shape) -> np.ndarray:
     """``phy2log [L, P]`` -> replicas of each expert group on each node: ``[L, G, N]``."""
     g, n = shape.groups, shape.nodes
@@ -484,23 +516,23 @@ def _node_of_group(load, current, shape: _Shape, keep: bool) -> np.ndarray:
     the packed nodes are renamed to match the placement in force as far as they can.
     """
     layers, g, n = shape.layers, shape.groups, shape.nodes
-    group_load = load.reshape(layers, g, shape.group_size).sum(2)           # [L, G]
+    group_load = load.reshape(layers, g, shape.group_size).sum(2)  # [L, G]
     packed = pack_greedy(group_load, np.ones((layers, g), dtype=np.int64), n)
-    packed = refine(group_load, packed, n).final                            # [L, G] slot -> group
+    packed = refine(group_load, packed, n).final  # [L, G] slot -> group
     node = np.empty((layers, g), dtype=np.int64)
     np.put_along_axis(node, packed, np.broadcast_to(np.arange(g) // shape.groups_per_node, (layers, g)), axis=1)
     if current is None:
         return node
-    votes = _replicas_per_node(current, shape)                              # [L, G, N]
-    home = votes.argmax(2)                                                  # [L, G]
-    groups_on_node = logical_counts(home, n)                                 # [L, N]
+    votes = _replicas_per_node(current, shape)  # [L, G, N]
+    home = votes.argmax(2)  # [L, G]
+    groups_on_node = logical_counts(home, n)  # [L, N]
     valid = (groups_on_node == shape.groups_per_node).all(1) if keep else np.zeros(layers, dtype=bool)
     if valid.all():
         return home
     # score[l, a, b]: replicas of packed node a's groups already on node b
     score = np.zeros((layers, n, n))
     np.add.at(score, (np.arange(layers)[:, None], node), votes)
-    rename = greedy_match(score)                                            # [L, N] packed -> current
+    rename = greedy_match(score)  # [L, N] packed -> current
     return np.where(valid[:, None], home, np.take_along_axis(rename, node, 1))
 
 
@@ -515,8 +547,12 @@ def _node_rows(node_of_group, shape: _Shape):
     local2global = order.reshape(layers, n, per_node)[..., None] * size + np.arange(size)
     local2global = local2global.reshape(layers, n, per_node * size)
     global2local = np.empty((layers, e), dtype=np.int64)
-    np.put_along_axis(global2local, local2global.reshape(layers, e),
-                      np.broadcast_to(np.tile(np.arange(per_node * size), n), (layers, e)), axis=1)
+    np.put_along_axis(
+        global2local,
+        local2global.reshape(layers, e),
+        np.broadcast_to(np.tile(np.arange(per_node * size), n), (layers, e)),
+        axis=1,
+    )
     return local2global, global2local
 
 
@@ -536,9 +572,17 @@ def _plan_hierarchical(load, shape: _Shape, current, budget, cfg, cost=None) -> 
     else:
         current_rows, repaired = _current_rows(current, node_of_group, global2local, shape, row_load)
         layer_mean = np.repeat(load.sum(1) / shape.workers, n)
-        out = _budgeted(row_load, current_rows, local_workers, max(budget - repaired, 0), cfg,
-                        layer_of_row=np.repeat(np.arange(layers), n), layer_mean=layer_mean, skip_below=floor,
-                        cost=None if cost is None else cost.rows(local2global, layers * n))
+        out = _budgeted(
+            row_load,
+            current_rows,
+            local_workers,
+            max(budget - repaired, 0),
+            cfg,
+            layer_of_row=np.repeat(np.arange(layers), n),
+            layer_mean=layer_mean,
+            skip_below=floor,
+            cost=None if cost is None else cost.rows(local2global, layers * n),
+        )
     phy2log = np.take_along_axis(local2global.reshape(layers * n, local_experts), out, 1)
     return phy2log.reshape(layers, shape.slots)
 
@@ -558,7 +602,7 @@ def _current_rows(current, node_of_group, global2local, shape: _Shape, row_load)
     held = np.bincount(flat[valid], minlength=layers * n * local_experts)
     bad_rows = np.flatnonzero(~valid.all(1) | (held.reshape(layers * n, local_experts) == 0).any(1))
     repaired = 0
-    for r in bad_rows:                                                      # rare: a grouping change
+    for r in bad_rows:  # rare: a grouping change
         repaired += _repair_row(local[r], row_load[r])
     return local, repaired
 
@@ -571,7 +615,7 @@ def _repair_row(row: np.ndarray, row_load: np.ndarray) -> int:
     free = list(np.flatnonzero(row < 0))
     changed = 0
     for expert in np.flatnonzero(logcnt == 0):
-        if not free:                                                        # take a spare replica
+        if not free:  # take a spare replica
             spare = np.flatnonzero((row >= 0) & (logcnt[np.maximum(row, 0)] >= 2))
             k = spare[np.argmin(row_load[row[spare]] / logcnt[row[spare]])]
             logcnt[row[k]] -= 1
@@ -590,16 +634,17 @@ def _repair_row(row: np.ndarray, row_load: np.ndarray) -> int:
 
 # ---- hierarchical, redundant replicas may leave their node -------------------------------------
 
+
 def _plan_cross_node(load, shape: _Shape, current, cfg) -> np.ndarray:
     """Every expert keeps one replica on its group's node; the other replicas go to whichever
     node is lightest (the home node on ties), then each node is packed on its own. The plan is
     made afresh and relabelled node by node to the placement in force (no move budget)."""
     layers, e, p, n = shape.layers, shape.experts, shape.slots, shape.nodes
     node_of_group = _node_of_group(load, current, shape, keep=True)
-    home = np.repeat(node_of_group, shape.group_size, axis=1)               # [L, E]
-    logcnt = replica_counts(load, p)                                        # [L, E] over all nodes
+    home = np.repeat(node_of_group, shape.group_size, axis=1)  # [L, E]
+    logcnt = replica_counts(load, p)  # [L, E] over all nodes
     per_replica = load / logcnt
-    node_logcnt = _spread_replicas(per_replica, logcnt, home, shape)        # [L, N, E]
+    node_logcnt = _spread_replicas(per_replica, logcnt, home, shape)  # [L, N, E]
     # pack each node: rows (l, node) over all E experts, the load of e there = per_replica[e] * copies
     rows_load = (per_replica[:, None, :] * node_logcnt).reshape(layers * n, e)
     rows_logcnt = node_logcnt.reshape(layers * n, e)
@@ -625,7 +670,7 @@ def _spread_replicas(per_replica, logcnt, home, shape: _Shape) -> np.ndarray:
     free = np.full((layers, n), shape.slots_per_node - shape.experts_per_node)
     extra = expand_counts(logcnt - 1) if shape.slots > e else np.zeros((layers, 0), dtype=np.int64)
     order = np.argsort(-np.take_along_axis(per_replica, extra, 1), axis=1, kind="stable")
-    extra = np.take_along_axis(extra, order, 1)                             # heaviest first
+    extra = np.take_along_axis(extra, order, 1)  # heaviest first
     for k in range(extra.shape[1]):
         expert = extra[:, k]
         replica_load = per_replica[r, expert]
@@ -648,7 +693,7 @@ def cross_node_share(load, phy2log, num_groups: int, num_nodes: int) -> float:
     phy2log = np.asarray(phy2log, dtype=np.int64)
     layers, e = load.shape
     shape = _Shape(layers, e, phy2log.shape[1], 1, num_groups, num_nodes)
-    home = _replicas_per_node(phy2log, shape).argmax(2)                     # [L, G]
+    home = _replicas_per_node(phy2log, shape).argmax(2)  # [L, G]
     logcnt = logical_counts(phy2log, e)
     per_slot = np.take_along_axis(load / np.maximum(logcnt, 1), phy2log, 1)  # [L, P]
     slot_node = np.arange(shape.slots) // shape.slots_per_node

@@ -22,6 +22,7 @@ equally loaded packs the lower pack wins, among experts with equal load per repl
 expert gets the next replica. Weights are float32 as in the original, so the README's example
 reproduces exactly. Bad arguments raise ``ValueError`` (the original asserts).
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,9 +49,8 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     rows, n = weight.shape
     per_pack = n // num_packs
     if per_pack == 1:
-        return (np.broadcast_to(np.arange(n, dtype=np.int64), (rows, n)).copy(),
-                np.zeros((rows, n), dtype=np.int64))
-    order = np.argsort(-weight, axis=1, kind="stable")          # [B, n] heaviest first, ties by index
+        return (np.broadcast_to(np.arange(n, dtype=np.int64), (rows, n)).copy(), np.zeros((rows, n), dtype=np.int64))
+    order = np.argsort(-weight, axis=1, kind="stable")  # [B, n] heaviest first, ties by index
     pack_index = np.empty((rows, n), dtype=np.int64)
     rank_in_pack = np.empty((rows, n), dtype=np.int64)
     pack_weight = np.zeros((rows, num_packs), dtype=np.float32)  # float32 sums, as the original
@@ -79,10 +79,10 @@ def replicate_experts(weight: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.
     phy2log[:, :n] = np.arange(n)
     rank = np.zeros((rows, num_phy), dtype=np.int64)
     logcnt = np.ones((rows, n), dtype=np.int64)
-    per_replica = weight.copy()                                   # [B, n] float32
+    per_replica = weight.copy()  # [B, n] float32
     r = np.arange(rows)
     for i in range(n, num_phy):
-        e = per_replica.argmax(axis=1)                            # first maximum on ties
+        e = per_replica.argmax(axis=1)  # first maximum on ties
         phy2log[:, i] = e
         rank[:, i] = logcnt[r, e]
         logcnt[r, e] += 1
@@ -94,14 +94,20 @@ def _check(weight_shape, num_replicas, num_groups, num_nodes, num_gpus) -> None:
     if len(weight_shape) != 2:
         raise ValueError(f"weight must be 2-D [layers, logical experts], got shape {tuple(weight_shape)}")
     num_logical = weight_shape[1]
-    for name, v in (("num_replicas", num_replicas), ("num_groups", num_groups),
-                    ("num_nodes", num_nodes), ("num_gpus", num_gpus)):
+    for name, v in (
+        ("num_replicas", num_replicas),
+        ("num_groups", num_groups),
+        ("num_nodes", num_nodes),
+        ("num_gpus", num_gpus),
+    ):
         if int(v) != v or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if num_logical < 1:
         raise ValueError("weight has no logical experts (shape [L, 0])")
     if num_replicas < num_logical:
-        raise ValueError(f"num_replicas ({num_replicas}) must be at least the number of logical experts ({num_logical})")
+        raise ValueError(
+            f"num_replicas ({num_replicas}) must be at least the number of logical experts ({num_logical})"
+        )
     if num_replicas % num_gpus:
         raise ValueError(f"num_replicas ({num_replicas}) must be a multiple of num_gpus ({num_gpus})")
 
@@ -119,10 +125,11 @@ def _hierarchical(weight: np.ndarray, num_phy: int, num_groups: int, num_nodes: 
 
     # 1. groups to nodes. Sums in float64, then float32: exact for integer counts below 2**24.
     group_load = weight.astype(np.float64).reshape(layers, num_groups, group_size).sum(-1).astype(np.float32)
-    group_node, group_rank = balanced_packing(group_load, num_nodes)            # [L, G]
+    group_node, group_rank = balanced_packing(group_load, num_nodes)  # [L, G]
     # "middle" ids: experts renumbered node by node, groups in packing order inside a node
-    log2mlog = (((group_node * groups_per_node + group_rank) * group_size)[:, :, None]
-                + np.arange(group_size)).reshape(layers, num_log)               # [L, E]
+    log2mlog = (((group_node * groups_per_node + group_rank) * group_size)[:, :, None] + np.arange(group_size)).reshape(
+        layers, num_log
+    )  # [L, E]
     mlog2log = _inverse(log2mlog)
 
     # 2. replicas inside each node: rows are (layer, node)
@@ -166,8 +173,9 @@ def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int
         phy2log, phyrank, logcnt = _hierarchical(w32, num_replicas, 1, 1, num_gpus)
     x = int(logcnt.max())
     log2phy = np.full((layers, num_log * x), -1, dtype=np.int64)
-    np.put_along_axis(log2phy, phy2log * x + phyrank,
-                      np.broadcast_to(np.arange(num_replicas, dtype=np.int64), phy2log.shape), axis=1)
+    np.put_along_axis(
+        log2phy, phy2log * x + phyrank, np.broadcast_to(np.arange(num_replicas, dtype=np.int64), phy2log.shape), axis=1
+    )
     log2phy = log2phy.reshape(layers, num_log, x)
     if is_torch:
         # the caller's tensor means torch is loaded: take it from sys.modules, so that the policy

@@ -4,6 +4,7 @@ logical experts sit moves nothing (numpy only).
 Dimension letters: B rows (a MoE layer, or a (layer, node) pair in the hierarchical case),
 e logical experts of a row, p slots of a row, w workers of a row, s = p / w slots per worker.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,7 @@ def greedy_match(score: np.ndarray) -> np.ndarray:
         k = score.reshape(rows, m * m).argmax(1)
         i, j = k // m, k % m
         match[r, i] = j
-        score[r, i, :] = -1.0                                               # matched: out of the argmax
+        score[r, i, :] = -1.0  # matched: out of the argmax
         score[r, :, j] = -1.0
     return match
 
@@ -50,20 +51,20 @@ def relabel(current: np.ndarray, proposed: np.ndarray, num_workers: int, num_log
     # overlap[b, new worker, old worker]: slots of the new worker whose expert the old one holds
     held = np.zeros((rows * e, w), dtype=bool)
     held[(current + expert_base).ravel(), np.tile(np.arange(p) // s, rows)] = True
-    overlap = held[proposed + expert_base].reshape(rows, w, s, w).sum(2)   # [B, w, w]
-    new_of_old = np.argsort(greedy_match(overlap), axis=1)                  # the inverse permutation
+    overlap = held[proposed + expert_base].reshape(rows, w, s, w).sum(2)  # [B, w, w]
+    new_of_old = np.argsort(greedy_match(overlap), axis=1)  # the inverse permutation
     new_slots = proposed.reshape(rows, w, s)[np.arange(rows)[:, None], new_of_old]  # [B, w(old), s]
     old_slots = current.reshape(rows, w, s)
     out = np.full((rows, w, s), -1, dtype=np.int64)
-    unplaced = np.ones((rows, w, s), dtype=bool)                             # new_slots not yet placed
-    for k in range(s):                                                      # keep what sits already
-        hit = unplaced & (new_slots == old_slots[:, :, k:k + 1])
+    unplaced = np.ones((rows, w, s), dtype=bool)  # new_slots not yet placed
+    for k in range(s):  # keep what sits already
+        hit = unplaced & (new_slots == old_slots[:, :, k : k + 1])
         first_hit = hit.argmax(2)
         found = hit.any(2)
         out[:, :, k] = np.where(found, old_slots[:, :, k], -1)
         b, v = np.nonzero(found)
         unplaced[b, v, first_hit[b, v]] = False
-    empty = out < 0                                                         # fill the rest in order
+    empty = out < 0  # fill the rest in order
     empty_slot = np.argsort(~empty, axis=2, kind="stable")
     unplaced_item = np.argsort(~unplaced, axis=2, kind="stable")
     take = np.arange(s) < empty.sum(2)[:, :, None]

@@ -3,6 +3,7 @@ slots and bytes moved (numpy only), so the balancer can skip a rebalance that do
 
 Dimension letters: L MoE layers, E logical experts, P slots per layer, W workers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,7 +57,12 @@ def evaluate(load, current, proposed, num_workers: int, expert_bytes: int) -> Pl
     held[np.arange(layers)[:, None], worker, cur] = True
     local = held[np.arange(layers)[:, None], worker, new]
     across = int((changed & ~local).sum())
-    return PlanReport(before, after,
-                      float(before[busy].mean()) if busy.any() else 1.0,
-                      float(after[busy].mean()) if busy.any() else 1.0,
-                      int(changed.sum()), across, across * int(expert_bytes))
+    return PlanReport(
+        before,
+        after,
+        float(before[busy].mean()) if busy.any() else 1.0,
+        float(after[busy].mean()) if busy.any() else 1.0,
+        int(changed.sum()),
+        across,
+        across * int(expert_bytes),
+    )

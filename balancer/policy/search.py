@@ -18,6 +18,7 @@ Moves:
 - **re-replication**: the heavy worker's heaviest logical expert gets one more replica, in a slot
   of the light worker whose expert has a replica to spare (1 slot changes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,13 +87,13 @@ class Search:
     """
 
     def __init__(self, start: np.ndarray, peak0: np.ndarray, mean: np.ndarray, pairs: int):
-        self.start = start            # [B, p] the placement searched from
-        self.peak0 = peak0            # [B] its peak worker load
+        self.start = start  # [B, p] the placement searched from
+        self.peak0 = peak0  # [B] its peak worker load
         self.peak_now = peak0.copy()  # [B] the peak after the moves so far
-        self.mean = mean              # [B] mean worker load
-        self.pairs = pairs            # Q
+        self.mean = mean  # [B] mean worker load
+        self.pairs = pairs  # Q
         self.moves: list[Moves] = []
-        self.final = start            # [B, p] the placement after every move
+        self.final = start  # [B, p] the placement after every move
 
     def record(self, moves: Moves) -> None:
         """Keep one iteration's moves, setting ``moves.peak`` of the steps past a row's last
@@ -148,8 +149,21 @@ class _Rows:
     row's experts, slots and workers; pair_ids [n * Q].
     """
 
-    __slots__ = ("rows", "phy2log", "slot_load", "worker_load", "logcnt", "load", "min_gain", "may_replicate",
-                 "pairs", "expert_base", "slot_base", "worker_base", "pair_ids")
+    __slots__ = (
+        "rows",
+        "phy2log",
+        "slot_load",
+        "worker_load",
+        "logcnt",
+        "load",
+        "min_gain",
+        "may_replicate",
+        "pairs",
+        "expert_base",
+        "slot_base",
+        "worker_base",
+        "pair_ids",
+    )
 
     def __init__(self, rows, phy2log, slot_load_, worker_load, logcnt, load, min_gain, may_replicate, pairs):
         self.rows, self.phy2log, self.slot_load, self.worker_load = rows, phy2log, slot_load_, worker_load
@@ -220,13 +234,22 @@ def _pair_workers(rows: _Rows, q: int) -> _Pairs:
     s = rows.phy2log.shape[1] // w
     flat_worker_load = worker_load.ravel()
     order = np.argsort(worker_load, axis=1)
-    heavy = order[:, :-q - 1:-1] + worker_base                         # [n, Q] heaviest first
-    light = order[:, :q] + worker_base                                 # [n, Q] lightest first
+    heavy = order[:, : -q - 1 : -1] + worker_base  # [n, Q] heaviest first
+    light = order[:, :q] + worker_base  # [n, Q] lightest first
     next_load = flat_worker_load[order[:, -q - 1] + worker_base[:, 0]] if w > 2 * q else np.zeros(n)
     by_worker_load, by_worker_expert = rows.slot_load.reshape(n * w, s), rows.phy2log.reshape(n * w, s)
-    return _Pairs(heavy, light, flat_worker_load[heavy], flat_worker_load[light], next_load,
-                  by_worker_load[heavy], by_worker_load[light], by_worker_expert[light],
-                  (heavy - worker_base) * s, (light - worker_base) * s)
+    return _Pairs(
+        heavy,
+        light,
+        flat_worker_load[heavy],
+        flat_worker_load[light],
+        next_load,
+        by_worker_load[heavy],
+        by_worker_load[light],
+        by_worker_expert[light],
+        (heavy - worker_base) * s,
+        (light - worker_base) * s,
+    )
 
 
 def _best_swaps(rows: _Rows, pairs: _Pairs, heavy_slots: int) -> _Candidates:
@@ -237,7 +260,7 @@ def _best_swaps(rows: _Rows, pairs: _Pairs, heavy_slots: int) -> _Candidates:
     k = min(heavy_slots, s)
     ids = rows.pair_ids
     if k < s:
-        top_k = np.argpartition(heavy_slot_load, s - k, axis=2)[:, :, s - k:]   # [n, Q, K]
+        top_k = np.argpartition(heavy_slot_load, s - k, axis=2)[:, :, s - k :]  # [n, Q, K]
         heavy_k = heavy_slot_load.reshape(-1, s)[ids[:, None], top_k.reshape(-1, k)].reshape(n, q, k)
     else:
         heavy_k = heavy_slot_load
@@ -245,15 +268,16 @@ def _best_swaps(rows: _Rows, pairs: _Pairs, heavy_slots: int) -> _Candidates:
     # max(heavy - d, light + d) = centre + |d - half| (half = (heavy - light) / 2): the best swap
     # has d nearest to half, and it lowers the pair's peak only if |d - half| < half
     half = (pairs.heavy_load - pairs.light_load) * 0.5
-    gap = (heavy_k - half[:, :, None])[:, :, :, None] - pairs.light_slot_load[:, :, None, :]   # [n, Q, K, s]
-    gap = np.abs(gap, out=gap).reshape(-1, k * s)                      # in place: the largest array of a call
-    best = gap.argmin(1)                                                # [n*Q]
+    gap = (heavy_k - half[:, :, None])[:, :, :, None] - pairs.light_slot_load[:, :, None, :]  # [n, Q, K, s]
+    gap = np.abs(gap, out=gap).reshape(-1, k * s)  # in place: the largest array of a call
+    best = gap.argmin(1)  # [n*Q]
     new_peak = (pairs.heavy_load - half) + gap[ids, best].reshape(n, q)
     heavy_pick, light_pick = best // s, best % s
     if k < s:
         heavy_pick = top_k.reshape(-1, k)[ids, heavy_pick]
-    return _Candidates(new_peak, pairs.heavy_first + heavy_pick.reshape(n, q),
-                       pairs.light_first + light_pick.reshape(n, q))
+    return _Candidates(
+        new_peak, pairs.heavy_first + heavy_pick.reshape(n, q), pairs.light_first + light_pick.reshape(n, q)
+    )
 
 
 def _prefer_replications(rows: _Rows, pairs: _Pairs, swaps: _Candidates) -> _Candidates:
@@ -269,7 +293,7 @@ def _prefer_replications(rows: _Rows, pairs: _Pairs, swaps: _Candidates) -> _Can
     n, q, s = pairs.heavy_slot_load.shape
     ids = rows.pair_ids
     flat_phy2log, flat_logcnt = rows.phy2log.ravel(), rows.logcnt.ravel()
-    heaviest = pairs.heavy_slot_load.argmax(2)                          # [n, Q]
+    heaviest = pairs.heavy_slot_load.argmax(2)  # [n, Q]
     heaviest_load = pairs.heavy_slot_load.reshape(-1, s)[ids, heaviest.ravel()].reshape(n, q)
     expert = flat_phy2log[rows.slot_base + pairs.heavy_first + heaviest]
     light_flat_expert = pairs.light_experts + rows.expert_base[:, :, None]
@@ -280,11 +304,17 @@ def _prefer_replications(rows: _Rows, pairs: _Pairs, swaps: _Candidates) -> _Can
     light_pick_load = pairs.light_slot_load.reshape(-1, s)[ids, light_pick.ravel()].reshape(n, q)
     relief = heaviest_load / (flat_logcnt[expert + rows.expert_base] + 1)
     new_peak = np.maximum(pairs.heavy_load - relief, pairs.light_load + heaviest_load - relief - light_pick_load)
-    better = (((pairs.heavy_load - new_peak) > (pairs.heavy_load - swaps.new_peak) * 0.5)
-              & (rank.min(2) < np.inf) & rows.may_replicate[:, None])
-    return _Candidates(np.where(better, new_peak, swaps.new_peak),
-                       np.where(better, pairs.heavy_first + heaviest, swaps.heavy_slot),
-                       np.where(better, pairs.light_first + light_pick, swaps.light_slot), better)
+    better = (
+        ((pairs.heavy_load - new_peak) > (pairs.heavy_load - swaps.new_peak) * 0.5)
+        & (rank.min(2) < np.inf)
+        & rows.may_replicate[:, None]
+    )
+    return _Candidates(
+        np.where(better, new_peak, swaps.new_peak),
+        np.where(better, pairs.heavy_first + heaviest, swaps.heavy_slot),
+        np.where(better, pairs.light_first + light_pick, swaps.light_slot),
+        better,
+    )
 
 
 def _accepted(rows: _Rows, pairs: _Pairs, best: _Candidates) -> np.ndarray:
@@ -292,12 +322,14 @@ def _accepted(rows: _Rows, pairs: _Pairs, best: _Candidates) -> np.ndarray:
     than ``min_gain`` and below the level pair 0 reaches (once a pair's heavy worker cannot come
     down, the row's peak cannot drop below it this iteration, and lighter pairs would move in vain)."""
     gain = pairs.heavy_load - best.new_peak
-    return np.logical_and.accumulate((gain > rows.min_gain) & (pairs.heavy_load > best.new_peak[:, :1] + rows.min_gain),
-                                     axis=1)
+    return np.logical_and.accumulate(
+        (gain > rows.min_gain) & (pairs.heavy_load > best.new_peak[:, :1] + rows.min_gain), axis=1
+    )
 
 
-def _limit_replications(rows: _Rows, pairs: _Pairs, best: _Candidates, made: np.ndarray,
-                        light_expert: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _limit_replications(
+    rows: _Rows, pairs: _Pairs, best: _Candidates, made: np.ndarray, light_expert: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """At most one re-replication per row and iteration, and none that lifts another holder of the
     expert giving up a replica above the level its pair reaches: such a row makes no move now and
     swaps only from its next iteration, so a row's peak never rises.
@@ -315,8 +347,8 @@ def _limit_replications(rows: _Rows, pairs: _Pairs, best: _Candidates, made: np.
     replication = first & made
     row, pair = np.nonzero(replication)
     giver = light_expert[row, pair]
-    holds = rows.phy2log[row] == giver[:, None]                         # [m, p]
-    holds[np.arange(row.size), best.light_slot[row, pair]] = False     # the slot that changes
+    holds = rows.phy2log[row] == giver[:, None]  # [m, p]
+    holds[np.arange(row.size), best.light_slot[row, pair]] = False  # the slot that changes
     giver_cnt = rows.logcnt.ravel()[rows.expert_base[row, 0] + giver]
     rise = pairs.light_slot_load[row, pair, best.light_slot[row, pair] % s] / (giver_cnt - 1)  # per other replica
     # worker_load still holds the heavy worker's load before the move, so peak_after is at
@@ -339,8 +371,9 @@ def _peak_after_each_move(pairs: _Pairs, best: _Candidates, made: np.ndarray) ->
     return np.maximum(np.maximum.accumulate(moved_peak, 1), not_yet_relieved)
 
 
-def _apply_swaps(rows: _Rows, pairs: _Pairs, best: _Candidates, swap: np.ndarray,
-                 heavy_expert: np.ndarray, light_expert: np.ndarray) -> None:
+def _apply_swaps(
+    rows: _Rows, pairs: _Pairs, best: _Candidates, swap: np.ndarray, heavy_expert: np.ndarray, light_expert: np.ndarray
+) -> None:
     """Exchange the two slots' experts and loads; the pair's workers shift by their difference."""
     flat_phy2log, flat_load, flat_worker_load = rows.phy2log.ravel(), rows.slot_load.ravel(), rows.worker_load.ravel()
     heavy_slot, light_slot = (rows.slot_base + best.heavy_slot)[swap], (rows.slot_base + best.light_slot)[swap]
@@ -351,8 +384,9 @@ def _apply_swaps(rows: _Rows, pairs: _Pairs, best: _Candidates, swap: np.ndarray
     flat_worker_load[pairs.light[swap]] += shift
 
 
-def _apply_replications(rows: _Rows, best: _Candidates, replication: np.ndarray,
-                        heavy_expert: np.ndarray, light_expert: np.ndarray) -> None:
+def _apply_replications(
+    rows: _Rows, best: _Candidates, replication: np.ndarray, heavy_expert: np.ndarray, light_expert: np.ndarray
+) -> None:
     """The light slot takes the heavy slot's expert; two replica counts change, so the rows'
     slot and worker loads are recomputed."""
     w = rows.worker_load.shape[1]
@@ -380,7 +414,7 @@ def _iterate(rows: _Rows, settings: SearchSettings) -> tuple[Moves, np.ndarray] 
     if not made.any():
         return None
     flat_phy2log = rows.phy2log.ravel()
-    heavy_expert = flat_phy2log[rows.slot_base + best.heavy_slot]                 # [n, Q] before the move
+    heavy_expert = flat_phy2log[rows.slot_base + best.heavy_slot]  # [n, Q] before the move
     light_expert = flat_phy2log[rows.slot_base + best.light_slot]
     made, replication, blocked = _limit_replications(rows, pairs, best, made, light_expert)
     peak = _peak_after_each_move(pairs, best, made)
@@ -392,13 +426,21 @@ def _iterate(rows: _Rows, settings: SearchSettings) -> tuple[Moves, np.ndarray] 
     last = (np.arange(rows.rows.size), np.maximum(made_count - 1, 0))
     peak[last] = np.where(made_count > 0, rows.worker_load.max(1), peak[last])
     cost = np.where(made, np.where(replication, 1, 2), 0)
-    moves = Moves(rows.rows, best.heavy_slot, best.light_slot, heavy_expert, light_expert, made, replication,
-                  peak, cost)
+    moves = Moves(
+        rows.rows, best.heavy_slot, best.light_slot, heavy_expert, light_expert, made, replication, peak, cost
+    )
     return moves, (made_count > 0) | blocked
 
 
-def refine(load: np.ndarray, phy2log: np.ndarray, num_workers: int, settings: SearchSettings = SearchSettings(), *,
-           tol: float | np.ndarray = 1e-9, skip_below: np.ndarray | None = None) -> Search:
+def refine(
+    load: np.ndarray,
+    phy2log: np.ndarray,
+    num_workers: int,
+    settings: SearchSettings = SearchSettings(),
+    *,
+    tol: float | np.ndarray = 1e-9,
+    skip_below: np.ndarray | None = None,
+) -> Search:
     """Local search that lowers the heavy workers' loads, all rows at once; returns a :class:`Search`.
 
     load [B, e] float; phy2log [B, p] int, the placement to start from (not modified);
@@ -423,8 +465,8 @@ def refine(load: np.ndarray, phy2log: np.ndarray, num_workers: int, settings: Se
     start = phy2log.astype(np.int64, copy=True)
     load = np.ascontiguousarray(load, dtype=np.float64)
     logcnt = logical_counts(start, e)
-    slot_loads = slot_load(load, start, logcnt)                          # [B, p]
-    worker_load = worker_load_rows(slot_loads, w)                        # [B, w]
+    slot_loads = slot_load(load, start, logcnt)  # [B, p]
+    worker_load = worker_load_rows(slot_loads, w)  # [B, w]
     search = Search(start.copy(), worker_load.max(1), worker_load.mean(1), q)
     search.final = start
     busy = search.peak0 > 0 if skip_below is None else search.peak0 > np.maximum(skip_below, 0)
@@ -436,10 +478,19 @@ def refine(load: np.ndarray, phy2log: np.ndarray, num_workers: int, settings: Se
         may_replicate = slot_loads[idx].max(1) > REPLICATE_ABOVE * search.mean[idx]
     else:
         may_replicate = np.zeros(idx.size, dtype=bool)
-    if idx.size < batch:                                                 # idle rows stay out
-        rows = _Rows(idx, start[idx], slot_loads[idx], worker_load[idx], logcnt[idx], load[idx].ravel(),
-                     min_gain, may_replicate, q)
-    else:                                                                # work in place: copies cost ~5 %
+    if idx.size < batch:  # idle rows stay out
+        rows = _Rows(
+            idx,
+            start[idx],
+            slot_loads[idx],
+            worker_load[idx],
+            logcnt[idx],
+            load[idx].ravel(),
+            min_gain,
+            may_replicate,
+            q,
+        )
+    else:  # work in place: copies cost ~5 %
         rows = _Rows(idx, start, slot_loads, worker_load, logcnt, load.ravel(), min_gain, may_replicate, q)
     spent = 0
     for _ in range(settings.max_iter):
@@ -451,7 +502,7 @@ def refine(load: np.ndarray, phy2log: np.ndarray, num_workers: int, settings: Se
         spent += int(moves.cost.sum())
         if settings.stop_cost is not None and spent >= settings.stop_cost:
             break
-        if alive.sum() <= rows.rows.size // 2:                           # shrink the working set
+        if alive.sum() <= rows.rows.size // 2:  # shrink the working set
             rows.save(start)
             rows.keep(alive)
             if rows.rows.size == 0:
@@ -475,20 +526,26 @@ def select_prefix(value: np.ndarray, cost: np.ndarray, budget: float | None, gri
     best = np.argmax(value, 0)
     if budget is None or cost[best, cols].sum() <= budget:
         return best
-    gain = np.ascontiguousarray((value - value[:1]).T)                  # [B, T+1]
-    row_cost = np.ascontiguousarray(cost.T)                              # [B, T+1]
+    gain = np.ascontiguousarray((value - value[:1]).T)  # [B, T+1]
+    row_cost = np.ascontiguousarray(cost.T)  # [B, T+1]
     low, high = 0.0, float((gain / np.maximum(row_cost, 1)).max()) * 1.0001 + 1e-300  # at high nothing moves
     for _ in range(3):
-        price = np.linspace(low, high, grid)                             # [G]
+        price = np.linspace(low, high, grid)  # [G]
         steps = np.argmax(gain[None] - price[:, None, None] * row_cost[None], 2)  # [G, B]
-        spend = np.take_along_axis(row_cost, steps.T, 1).sum(0)          # [G], falls with the price
-        k = int(np.argmax(spend <= budget))                              # first price within budget
+        spend = np.take_along_axis(row_cost, steps.T, 1).sum(0)  # [G], falls with the price
+        k = int(np.argmax(spend <= budget))  # first price within budget
         low, high = (price[k - 1] if k > 0 else low), price[k]
     return np.argmax(gain - high * row_cost, 1)
 
 
-def follow_counts(load: np.ndarray, phy2log: np.ndarray, num_workers: int, target: np.ndarray, max_steps: int,
-                  rows: np.ndarray | None = None) -> Search:
+def follow_counts(
+    load: np.ndarray,
+    phy2log: np.ndarray,
+    num_workers: int,
+    target: np.ndarray,
+    max_steps: int,
+    rows: np.ndarray | None = None,
+) -> Search:
     """Move replica counts toward ``target [B, e]``, one slot per row and step: a :class:`Search`.
 
     The local search keeps replica counts unless one replica outweighs most of a worker, so
@@ -525,9 +582,9 @@ def follow_counts(load: np.ndarray, phy2log: np.ndarray, num_workers: int, targe
     e_base = (r * e)[:, None]
     wl = worker_load[idx]
     # the slots that may give: those of experts over their target (a set that only shrinks), [n, C]
-    cnt_flat, lo_flat, tgt_flat = cnt.reshape(-1), lo.reshape(-1), tgt.reshape(-1)   # views
+    cnt_flat, lo_flat, tgt_flat = cnt.reshape(-1), lo.reshape(-1), tgt.reshape(-1)  # views
     over = (cnt > tgt).reshape(-1)[cur + e_base]
-    cand = np.argsort(~over, axis=1, kind="stable")[:, :max(int(over.sum(1).max()), 1)]
+    cand = np.argsort(~over, axis=1, kind="stable")[:, : max(int(over.sum(1).max()), 1)]
     cand_ok = np.take_along_axis(over, cand, 1)
     cand_worker = cand // s
     w_base = (r * w)[:, None]
@@ -538,19 +595,19 @@ def follow_counts(load: np.ndarray, phy2log: np.ndarray, num_workers: int, targe
         if not live.any():
             break
         per_replica = lo / cnt
-        b = np.where(deficit, per_replica, -np.inf).argmax(1)                       # [n] the expert gaining
+        b = np.where(deficit, per_replica, -np.inf).argmax(1)  # [n] the expert gaining
         cb, lb = cnt[r, b], lo[r, b]
-        d = wl - wl.mean(1, keepdims=True)                                          # [n, w]
+        d = wl - wl.mean(1, keepdims=True)  # [n, w]
         flat_cur = cur + e_base
         g = np.bincount(flat_cur.reshape(-1), weights=d[:, slot_worker].reshape(-1), minlength=n * e)
-        a = np.take_along_axis(cur, cand, 1)                                        # [n, C] the expert losing
+        a = np.take_along_axis(cur, cand, 1)  # [n, C] the expert losing
         flat_a = a + e_base
         ca, la = cnt_flat[flat_a], lo_flat[flat_a]
         ok = cand_ok & (ca > tgt_flat[flat_a]) & live[:, None]
         d_here = d.reshape(-1)[cand_worker + w_base]
-        own = (lb / (cb + 1))[:, None] - la / ca                                    # change on the slot's worker
-        delta_a = la / np.maximum(ca - 1, 1) - la / ca                              # each other replica of a
-        delta_b = lb / (cb + 1) - lb / cb                                           # each replica of b
+        own = (lb / (cb + 1))[:, None] - la / ca  # change on the slot's worker
+        delta_a = la / np.maximum(ca - 1, 1) - la / ca  # each other replica of a
+        delta_b = lb / (cb + 1) - lb / cb  # each replica of b
         score = d_here * own + 0.5 * own * own + delta_a * (g[flat_a] - d_here) + (delta_b * g[r * e + b])[:, None]
         score[~ok] = np.inf
         pick = score.argmin(1)
@@ -563,8 +620,19 @@ def follow_counts(load: np.ndarray, phy2log: np.ndarray, num_workers: int, targe
         cnt[rows_made, old[made]] -= 1
         flat_cur = (cur + e_base).reshape(-1)
         wl = (lo_flat[flat_cur] / cnt_flat[flat_cur]).reshape(n, w, s).sum(2)
-        search.record(Moves(idx, k[:, None], k[:, None], b[:, None], old[:, None], made[:, None],
-                            np.ones((n, 1), dtype=bool), wl.max(1)[:, None], made[:, None].astype(np.int64)))
+        search.record(
+            Moves(
+                idx,
+                k[:, None],
+                k[:, None],
+                b[:, None],
+                old[:, None],
+                made[:, None],
+                np.ones((n, 1), dtype=bool),
+                wl.max(1)[:, None],
+                made[:, None].astype(np.int64),
+            )
+        )
     start[idx] = cur
     search.final = start
     return search

@@ -5,6 +5,7 @@ which adds its parser and sets ``func`` (called with the parsed namespace, retur
 code). Bad input raises :class:`UsageError`: the message goes to stderr and the exit code is 2,
 as for argparse's own errors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,7 @@ import sys
 from moeserve import __version__
 
 # Modules under moeserve.cli that provide subcommands, in the order ``--help`` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "init_model", "generate", "serve", "up", "services", "ops",
-                                        "health")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "init_model", "generate", "serve", "up", "services", "ops", "health")
 
 
 class UsageError(Exception):

@@ -4,6 +4,7 @@ With ``--model`` it runs the single-process reference model (every expert in thi
 with ``--address`` it asks a running serving front end. Either way it prints the prompt ids
 (with --model), the generated ids and, when there is a tokenizer, the generated text.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "generate", help="generate tokens with the single-process reference model",
-        description="Continue a prompt with a checkpoint folder's model and print the tokens.")
+        "generate",
+        help="generate tokens with the single-process reference model",
+        description="Continue a prompt with a checkpoint folder's model and print the tokens.",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", metavar="DIR", help="checkpoint folder (config.json + safetensors)")
     where.add_argument("--address", metavar="HOST:PORT", help="a running serving front end (moeserve up --port)")
@@ -56,9 +59,17 @@ def run_remote(args: argparse.Namespace) -> int:
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     try:
         with Client(args.address, ca_file=args.ca_file) as c:
-            out = c.generate(args.prompt, prompt_token_ids=ids, max_tokens=args.max_tokens,
-                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                             ignore_eos=args.ignore_eos, timeout=args.timeout)
+            out = c.generate(
+                args.prompt,
+                prompt_token_ids=ids,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                ignore_eos=args.ignore_eos,
+                timeout=args.timeout,
+            )
     except ValueError as e:
         raise UsageError(str(e)) from None
     except MoeserveError as e:
@@ -92,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
+
         tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     if args.prompt is not None:
         if tokenizer is None:
@@ -108,9 +120,16 @@ def run(args: argparse.Namespace) -> int:
         model = load_model(folder, dtype=getattr(torch, args.dtype), device=args.device)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
-    out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens, temperature=args.temperature,
-                         top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-    new = out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    new = out[0, len(ids) :].tolist()
     print("prompt ids:", ",".join(map(str, ids)))
     print("generated ids:", ",".join(map(str, new)))
     if tokenizer is not None:

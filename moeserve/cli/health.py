@@ -6,6 +6,7 @@
 - ``--metrics-url URL``: a process without a gRPC service (an expert-worker rank): healthy
   when its Prometheus endpoint answers 200.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,11 @@ from moeserve.cli import UsageError
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("health", help="probe a service's health (exit 0 when healthy)",
-                              description="Probe grpc.health.v1 of a moeserve service, or a rank's metrics endpoint.")
+    p = subparsers.add_parser(
+        "health",
+        help="probe a service's health (exit 0 when healthy)",
+        description="Probe grpc.health.v1 of a moeserve service, or a rank's metrics endpoint.",
+    )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--address", metavar="HOST:PORT", help="a gRPC service (grpc.health.v1)")
     what.add_argument("--metrics-url", metavar="URL", help="a Prometheus endpoint, e.g. http://127.0.0.1:9100/metrics")
@@ -67,8 +71,11 @@ def _grpc(address: str, service: str, ca_file: str | None, timeout: float) -> in
         channel = grpc.insecure_channel(address)
     with channel:
         try:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                timeout=timeout).status
+            status = (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                .status
+            )
         except grpc.RpcError as e:
             print(f"unhealthy: {address}: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

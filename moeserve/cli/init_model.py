@@ -3,6 +3,7 @@
 Nothing is downloaded: the folder gets config.json, model.safetensors and a small tokenizer
 (see moeserve/models/init.py), ready for ``moeserve generate --model DIR``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +19,20 @@ FAMILY_FIELDS = {  # CLI option -> config.json field, per family
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "init-model", help="write a small random checkpoint (Hugging Face layout, no download)",
-        description="Write a small random Llama 4 or ERNIE-4.5-MoE checkpoint with a tokenizer into DIR.")
+        "init-model",
+        help="write a small random checkpoint (Hugging Face layout, no download)",
+        description="Write a small random Llama 4 or ERNIE-4.5-MoE checkpoint with a tokenizer into DIR.",
+    )
     p.add_argument("dir", metavar="DIR", help="folder to write (created; an earlier init-model folder is overwritten)")
     p.add_argument("--family", choices=("llama4", "ernie45"), default="llama4", help="model family (default llama4)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
-    p.add_argument("--hot-experts", type=int, default=0, metavar="N",
-                   help="skew routing so that N experts per MoE layer receive most tokens (default 0)")
+    p.add_argument(
+        "--hot-experts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="skew routing so that N experts per MoE layer receive most tokens (default 0)",
+    )
     p.add_argument("--num-layers", type=int, help="decoder layers (default 4)")
     p.add_argument("--num-experts", type=int, help="routed experts per MoE layer (default 8 llama4, 16 ernie45)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="stored dtype (default float32)")
@@ -41,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if out.is_dir():
         foreign = sorted(p.name for p in out.iterdir() if p.name not in WRITTEN_FILES)
         if foreign:
-            raise UsageError(f"{out} holds files init-model did not write ({', '.join(foreign[:5])}); "
-                             "choose an empty or new folder")
+            raise UsageError(
+                f"{out} holds files init-model did not write ({', '.join(foreign[:5])}); choose an empty or new folder"
+            )
     overrides = {}
     for opt, fields in FAMILY_FIELDS.items():
         if getattr(args, opt) is not None:
@@ -55,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     cfg = load_config(path)
     size = (path / "model.safetensors").stat().st_size
-    print(f"wrote a random {args.family} checkpoint to {path}: {cfg.num_layers} layers, "
-          f"MoE layers {list(cfg.moe_layer_ids)}, {cfg.num_experts} experts, top-{cfg.top_k}, "
-          f"{cfg.num_shared_experts} shared, hot experts {args.hot_experts}, {size / 1e6:.1f} MB")
+    print(
+        f"wrote a random {args.family} checkpoint to {path}: {cfg.num_layers} layers, "
+        f"MoE layers {list(cfg.moe_layer_ids)}, {cfg.num_experts} experts, top-{cfg.top_k}, "
+        f"{cfg.num_shared_experts} shared, hot experts {args.hot_experts}, {size / 1e6:.1f} MB"
+    )
     return 0

@@ -12,6 +12,7 @@ Every command takes ``--address``, ``--admin-token`` (or $MOESERVE_ADMIN_TOKEN),
 and ``--timeout``; ``--json`` prints the result as JSON. A failed call prints the status code
 and the server's message and exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,12 +48,21 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("load", help="print the load window and its balancedness (admin API)")
     F.add_client_flags(p, "8001")
     p.add_argument("--window-steps", type=int, default=0, help="only the last N steps (default: the whole window)")
-    p.add_argument("--dump", metavar="FILE", help="also write the load (since start and window) and the placement as JSON")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="draw the load per expert and per slot (matplotlib: pip install 'moeserve[plot]'); "
-                        "of the DUMP files when given, else of the live window")
-    p.add_argument("dumps", nargs="*", metavar="DUMP",
-                   help="with --plot: files written by --dump (two: before and after a rebalance, side by side)")
+    p.add_argument(
+        "--dump", metavar="FILE", help="also write the load (since start and window) and the placement as JSON"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw the load per expert and per slot (matplotlib: pip install 'moeserve[plot]'); "
+        "of the DUMP files when given, else of the live window",
+    )
+    p.add_argument(
+        "dumps",
+        nargs="*",
+        metavar="DUMP",
+        help="with --plot: files written by --dump (two: before and after a rebalance, side by side)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_load)
 
@@ -71,6 +81,7 @@ def register(subparsers) -> None:
 
 def _client(args):
     from moeserve.client import Client
+
     try:
         return Client(args.address, F.token(args), timeout=args.timeout, ca_file=args.ca_file)
     except (ValueError, OSError) as e:
@@ -93,6 +104,7 @@ def _call(fn, about: str = ""):
     """``fn()``; a failed call prints its status and message (after ``about``: the file the call
     was about) and exits 1."""
     from moeserve.client import MoeserveError
+
     try:
         return fn()
     except MoeserveError as e:
@@ -111,25 +123,39 @@ def run_placement(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(_jsonable(p)))
         else:
-            print(f"placement version {p.version}: {p.phy2log.shape[0]} MoE layers x {p.phy2log.shape[1]} slots, "
-                  f"{p.num_logical} logical experts on {p.num_workers} workers")
+            print(
+                f"placement version {p.version}: {p.phy2log.shape[0]} MoE layers x {p.phy2log.shape[1]} slots, "
+                f"{p.num_logical} logical experts on {p.num_workers} workers"
+            )
             s = p.phy2log.shape[1] // p.num_workers
             for layer, row in enumerate(p.phy2log):
-                workers = " | ".join(" ".join(map(str, row[w * s:(w + 1) * s])) for w in range(p.num_workers))
+                workers = " | ".join(" ".join(map(str, row[w * s : (w + 1) * s])) for w in range(p.num_workers))
                 print(f"  layer {layer} (v{p.layer_versions[layer]}): {workers}")
             b = p.breakeven
             if b.any():
-                print("break-even counts b (the replica rule; 0: every replica always used): "
-                      + (f"{int(b.flat[0])} for every layer and expert" if (b == b.flat[0]).all()
-                         else f"{int(b.min())}..{int(b.max())} per (layer, expert)"))
+                print(
+                    "break-even counts b (the replica rule; 0: every replica always used): "
+                    + (
+                        f"{int(b.flat[0])} for every layer and expert"
+                        if (b == b.flat[0]).all()
+                        else f"{int(b.min())}..{int(b.max())} per (layer, expert)"
+                    )
+                )
     elif args.action == "apply":
         try:
-            res = _call(lambda: c.apply_placement(file=args.file, file_format=args.format,
-                                                  expected_version=args.expected_version, dry_run=args.dry_run,
-                                                  wait=not args.no_wait), args.file)
+            res = _call(
+                lambda: c.apply_placement(
+                    file=args.file,
+                    file_format=args.format,
+                    expected_version=args.expected_version,
+                    dry_run=args.dry_run,
+                    wait=not args.no_wait,
+                ),
+                args.file,
+            )
         except OSError as e:
             raise UsageError(f"cannot read {args.file}: {e.strerror}") from None
-        except ValueError as e:                       # the SDK's own checks (an unknown format name)
+        except ValueError as e:  # the SDK's own checks (an unknown format name)
             raise UsageError(f"{args.file}: {e}") from None
         if args.json:
             print(json.dumps(_jsonable(res)))
@@ -138,7 +164,9 @@ def run_placement(args: argparse.Namespace) -> int:
             print(f"balancedness before: {_bal(res.balancedness_before)}")
             print(f"balancedness after:  {_bal(res.balancedness_after)}")
             if res.migration:
-                print(f"migration {res.migration_id}: {res.migration.state} (target version {res.migration.target_version})")
+                print(
+                    f"migration {res.migration_id}: {res.migration.state} (target version {res.migration.target_version})"
+                )
     else:
         p = _call(c.placement)
         p.save(args.file)
@@ -148,6 +176,7 @@ def run_placement(args: argparse.Namespace) -> int:
 
 def _plot(path: str, pictures) -> None:
     from moeserve.ops.plot import PlotUnavailable, plot_load
+
     try:
         plot_load(pictures, path)
     except PlotUnavailable as e:
@@ -160,9 +189,16 @@ def _plot(path: str, pictures) -> None:
 def _dump_of(c) -> dict:
     d = _call(c.dump_load)
     p = _call(c.placement)
-    return {"format": "moeserve.load/1", **_jsonable(d),
-            "placement": {"phy2log": p.phy2log.tolist(), "version": int(p.version), "num_workers": p.num_workers,
-                          "breakeven": p.breakeven.tolist()}}
+    return {
+        "format": "moeserve.load/1",
+        **_jsonable(d),
+        "placement": {
+            "phy2log": p.phy2log.tolist(),
+            "version": int(p.version),
+            "num_workers": p.num_workers,
+            "breakeven": p.breakeven.tolist(),
+        },
+    }
 
 
 def run_load(args: argparse.Namespace) -> int:
@@ -170,6 +206,7 @@ def run_load(args: argparse.Namespace) -> int:
         if not args.plot:
             raise UsageError("DUMP files are read by --plot: moeserve load --plot FILE.png DUMP [DUMP]")
         from moeserve.ops.plot import LoadPicture
+
         try:
             pics = [LoadPicture.from_dump(f) for f in args.dumps]
         except ValueError as e:
@@ -187,14 +224,27 @@ def run_load(args: argparse.Namespace) -> int:
             json.dump(d, f)
     if args.plot:
         from moeserve.ops.plot import LoadPicture
+
         p = d["placement"]
-        _plot(args.plot, [LoadPicture(f"window of {rep.steps} steps (placement v{p['version']})", np.asarray(rep.load),
-                                      np.asarray(p["phy2log"]), p["num_workers"], rep.steps)])
+        _plot(
+            args.plot,
+            [
+                LoadPicture(
+                    f"window of {rep.steps} steps (placement v{p['version']})",
+                    np.asarray(rep.load),
+                    np.asarray(p["phy2log"]),
+                    p["num_workers"],
+                    rep.steps,
+                )
+            ],
+        )
     if args.json:
         print(json.dumps(_jsonable(rep)))
         return 0
-    print(f"load over {rep.steps} steps (window {rep.window_size}, {rep.total_steps} since start), "
-          f"placement version {rep.placement_version}, {rep.steps_since_placement_change} steps since it changed")
+    print(
+        f"load over {rep.steps} steps (window {rep.window_size}, {rep.total_steps} since start), "
+        f"placement version {rep.placement_version}, {rep.steps_since_placement_change} steps since it changed"
+    )
     print(f"balancedness measured:  {_bal(rep.measured)}")
     print(f"balancedness predicted: {_bal(rep.predicted)}")
     for layer, row in enumerate(rep.load):
@@ -210,13 +260,17 @@ def run_rebalance(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_jsonable(res)))
         return 0
-    print(f"plan from version {res.base_version}: {res.slots_moved} slots change, {res.slots_moved_across_workers} "
-          f"across workers, {res.bytes_moved} bytes")
+    print(
+        f"plan from version {res.base_version}: {res.slots_moved} slots change, {res.slots_moved_across_workers} "
+        f"across workers, {res.bytes_moved} bytes"
+    )
     print(f"balancedness before: {_bal(res.balancedness_before)}")
     print(f"balancedness after:  {_bal(res.balancedness_after)}")
     if res.predicted_step_s_before > 0:
-        print(f"predicted MoE step time: {res.predicted_step_s_before * 1e3:.3f} ms -> "
-              f"{res.predicted_step_s_after * 1e3:.3f} ms (step model)")
+        print(
+            f"predicted MoE step time: {res.predicted_step_s_before * 1e3:.3f} ms -> "
+            f"{res.predicted_step_s_after * 1e3:.3f} ms (step model)"
+        )
     if res.breakeven is not None and res.breakeven.size:
         print(f"break-even counts sent: {int(res.breakeven.min())}..{int(res.breakeven.max())}")
     if res.applied:
@@ -233,14 +287,18 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_jsonable(s)))
         return 0
-    print(f"step {s.step} ({s.forward_steps} forward), up {s.uptime_s:.0f} s, placement version {s.placement_version}, "
-          f"{s.running} running, {s.waiting} waiting{', ERROR: ' + s.error if s.error else ''}")
+    print(
+        f"step {s.step} ({s.forward_steps} forward), up {s.uptime_s:.0f} s, placement version {s.placement_version}, "
+        f"{s.running} running, {s.waiting} waiting{', ERROR: ' + s.error if s.error else ''}"
+    )
     print(f"model: {_jsonable(s.model)}")
     print(f"eplb: {_jsonable(s.eplb)}")
     for r in s.ranks:
         print(f"  rank {r.rank}: {r.role}")
     if s.migration:
         m = s.migration
-        print(f"migration {m.migration_id}: {m.state}, {m.moves_done}/{m.moves_total} moves, "
-              f"{m.layers_committed}/{m.layers_total} layers")
+        print(
+            f"migration {m.migration_id}: {m.state}, {m.moves_done}/{m.moves_total} moves, "
+            f"{m.layers_committed}/{m.layers_total} layers"
+        )
     return 0

@@ -31,6 +31,7 @@ A port in use, a model that cannot be found, a bad flag: one line saying what an
 (1, or 2 for a usage error), no traceback. Ctrl-C while starting stops everything (exit 130);
 once ready it drains in-flight requests as SIGTERM does (exit 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,19 +45,27 @@ from moeserve.cli import UsageError
 from moeserve.cli import flags as F
 
 DEFAULT_GRPC_PORT = 8003
-DTYPE_NAMES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
-               "float32": "float32"}
+DTYPE_NAMES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "serve", help="serve a model (folder or Hugging Face id): local cluster + OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model (folder or Hugging Face id): local cluster + OpenAI-compatible HTTP API",
         description="Run a whole local cluster (routers, expert workers, front end, balancer) for MODEL and serve "
-                    "the OpenAI-compatible HTTP API on --port, until Ctrl-C or SIGTERM.")
+        "the OpenAI-compatible HTTP API on --port, until Ctrl-C or SIGTERM.",
+    )
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a checkpoint folder or a Hugging Face model id")
     F.add_model_flags(p)
     F.add_state_flags(p)
-    for action in p._actions:                            # serve's MODEL is positional; vLLM's dtype and backend names
+    for action in p._actions:  # serve's MODEL is positional; vLLM's dtype and backend names
         if action.dest == "model":
             action.required = False
             action.help = "the same as MODEL (vLLM accepts both spellings)"
@@ -71,8 +80,12 @@ def register(subparsers) -> None:
             action.help = "auto (nccl when there is a CUDA device per rank, else gloo; default), gloo or nccl"
     g = p.add_argument_group("ports")
     g.add_argument("--port", type=F.port, default=8000, help="the HTTP API (default 8000; 0 = any free)")
-    g.add_argument("--grpc-port", type=F.port, default=DEFAULT_GRPC_PORT,
-                   help=f"the gRPC serving API (default {DEFAULT_GRPC_PORT})")
+    g.add_argument(
+        "--grpc-port",
+        type=F.port,
+        default=DEFAULT_GRPC_PORT,
+        help=f"the gRPC serving API (default {DEFAULT_GRPC_PORT})",
+    )
     g.add_argument("--admin-port", type=F.port, default=8001, help="admin API of the leader (default 8001)")
     g.add_argument("--balancer-port", type=F.port, default=8002, help="balancer (default 8002)")
     F.add_token_flag(p)
@@ -82,9 +95,12 @@ def register(subparsers) -> None:
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="serve without a tokenizer (vLLM's name; the same as --tokenizer none): prompts are token "
-                        "ids, completions carry no text (ask for return_token_ids to get the ids)")
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="serve without a tokenizer (vLLM's name; the same as --tokenizer none): prompts are token "
+        "ids, completions carry no text (ask for return_token_ids to get the ids)",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S", help="seconds to become ready")
     p.add_argument("--log-dir", metavar="DIR", help="keep every process's log here")
     p.set_defaults(func=run)
@@ -92,26 +108,34 @@ def register(subparsers) -> None:
 
 def parallel(args) -> None:
     """vLLM's parallelism flags -> routers, workers, co-located."""
-    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
-                        ("--pipeline-parallel-size", args.pipeline_parallel_size)):
+    for flag, value in (
+        ("--tensor-parallel-size", args.tensor_parallel_size),
+        ("--pipeline-parallel-size", args.pipeline_parallel_size),
+    ):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
         if value > 1:
-            raise UsageError(f"{flag} {value}: moeserve does not split layers over GPUs; it shards the experts over "
-                             f"ranks. For N GPUs use --data-parallel-size N --enable-expert-parallel (N co-located "
-                             f"ranks, each a router and an expert worker), or --routers R --workers W")
+            raise UsageError(
+                f"{flag} {value}: moeserve does not split layers over GPUs; it shards the experts over "
+                f"ranks. For N GPUs use --data-parallel-size N --enable-expert-parallel (N co-located "
+                f"ranks, each a router and an expert worker), or --routers R --workers W"
+            )
     dp = args.data_parallel_size
     if dp is None:
         return
     if dp < 1:
         raise UsageError(f"--data-parallel-size must be >= 1, got {dp}")
     if dp > 1 and not args.enable_expert_parallel:
-        raise UsageError(f"--data-parallel-size {dp} without --enable-expert-parallel would be {dp} independent copies "
-                         f"of the model; moeserve serves one expert-parallel cluster: add --enable-expert-parallel "
-                         f"({dp} co-located ranks)")
+        raise UsageError(
+            f"--data-parallel-size {dp} without --enable-expert-parallel would be {dp} independent copies "
+            f"of the model; moeserve serves one expert-parallel cluster: add --enable-expert-parallel "
+            f"({dp} co-located ranks)"
+        )
     if (args.routers, args.workers) not in ((1, 1), (dp, dp)):
-        raise UsageError(f"--data-parallel-size {dp} means {dp} co-located ranks; it disagrees with --routers "
-                         f"{args.routers} --workers {args.workers}")
+        raise UsageError(
+            f"--data-parallel-size {dp} means {dp} co-located ranks; it disagrees with --routers "
+            f"{args.routers} --workers {args.workers}"
+        )
     args.routers = args.workers = dp
     args.colocated = True
 
@@ -124,7 +148,7 @@ def vllm_eplb_config(args) -> list[str]:
     try:
         raw = json.loads(args.eplb_config)
     except json.JSONDecodeError:
-        return []                                         # flags.eplb_settings says what is wrong
+        return []  # flags.eplb_settings says what is wrong
     if not isinstance(raw, dict):
         return []
     notes = []
@@ -136,25 +160,31 @@ def vllm_eplb_config(args) -> list[str]:
             notes.append("use_async: weights move live, a slice of --migration-bytes-per-step per step")
         else:
             if args.migration_bytes_per_step != 512 << 20:
-                raise UsageError("--eplb-config use_async false moves each rearrangement in one step; it disagrees "
-                                 "with --migration-bytes-per-step (a slice per step): give one")
+                raise UsageError(
+                    "--eplb-config use_async false moves each rearrangement in one step; it disagrees "
+                    "with --migration-bytes-per-step (a slice per step): give one"
+                )
             args.migration_bytes_per_step = 1 << 50
             notes.append("use_async false: each rearrangement moves all its weights in one step")
     if "policy" in raw:
         v = raw.pop("policy")
         if v != "default":
-            raise UsageError(f"--eplb-config policy {v!r} is not available: moeserve's balancer plans with its own "
-                             f"policy (moeserve.balancer.policy: starts from the placement in force, moves at most "
-                             f"--eplb-move-budget of the slots); 'default' selects it")
+            raise UsageError(
+                f"--eplb-config policy {v!r} is not available: moeserve's balancer plans with its own "
+                f"policy (moeserve.balancer.policy: starts from the placement in force, moves at most "
+                f"--eplb-move-budget of the slots); 'default' selects it"
+            )
     if "log_balancedness_interval" in raw:
         v = raw.pop("log_balancedness_interval")
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise UsageError(f"--eplb-config key 'log_balancedness_interval' must be an integer >= 1, got {v!r}")
         interval = raw.get("step_interval", args.eplb_step_interval or 3000)
         if raw.get("log_balancedness", args.eplb_log_balancedness) and v != interval:
-            raise UsageError(f"--eplb-config log_balancedness_interval {v}: moeserve logs balancedness every "
-                             f"step_interval steps ({interval}); set step_interval to {v} or leave the key out "
-                             f"(per-layer balancedness is always on the leader's /metrics)")
+            raise UsageError(
+                f"--eplb-config log_balancedness_interval {v}: moeserve logs balancedness every "
+                f"step_interval steps ({interval}); set step_interval to {v} or leave the key out "
+                f"(per-layer balancedness is always on the leader's /metrics)"
+            )
     args.eplb_config = json.dumps(raw)
     return notes
 
@@ -176,6 +206,7 @@ def _backend(args, world: int) -> str:
         return args.backend
     try:
         import torch
+
         if torch.cuda.is_available() and torch.cuda.device_count() >= world:
             return "nccl"
     except Exception:
@@ -205,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     except hub.ModelNotFound as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 1
-    if no_tokenizer:                                      # the front end reads its tokenizer from a folder with none
+    if no_tokenizer:  # the front end reads its tokenizer from a folder with none
         tokenizer = Path(tempfile.mkdtemp(prefix="moeserve-no-tokenizer-"))
     world = args.routers if args.colocated else args.routers + args.workers
     args.dtype = _dtype(args, folder)
@@ -218,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
     if folder != Path(model):
         print(f"model    {model} -> {folder}", flush=True)
     from moeserve.cli import up
+
     try:
         return up.run(args)
     finally:

@@ -9,6 +9,7 @@
 - ``moeserve frontend --port P --control-address HOST:PORT``: the serving front end.
 - ``moeserve balancer --balancer-port B --admin-address HOST:PORT``: the balancer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +25,15 @@ DEFAULT_CONTROL_PORT = 29600
 
 
 def register(subparsers) -> None:
-    for name, what in (("router", "a router rank (rank 0 is the leader and hosts the admin API)"),
-                       ("worker", "an expert-worker rank")):
-        p = subparsers.add_parser(name, help=f"run {what} of a multi-process cluster",
-                                  description=f"Run {what}. Every rank gets the same model and cluster flags.")
+    for name, what in (
+        ("router", "a router rank (rank 0 is the leader and hosts the admin API)"),
+        ("worker", "an expert-worker rank"),
+    ):
+        p = subparsers.add_parser(
+            name,
+            help=f"run {what} of a multi-process cluster",
+            description=f"Run {what}. Every rank gets the same model and cluster flags.",
+        )
         F.add_model_flags(p)
         F.add_state_flags(p)
         g = p.add_argument_group("rank")
@@ -36,36 +42,61 @@ def register(subparsers) -> None:
         _env_arg(g, "--master-addr", "MASTER_ADDR", str, "127.0.0.1", "torch.distributed store host (rank 0)")
         _env_arg(g, "--master-port", "MASTER_PORT", int, 29500, "torch.distributed store port")
         g.add_argument("--control-host", default="127.0.0.1", help="leader: where the front end reaches it")
-        g.add_argument("--control-port", type=F.port, default=DEFAULT_CONTROL_PORT,
-                       help=f"leader: the local channel's port (default {DEFAULT_CONTROL_PORT}; "
-                            f"key from ${F.CONTROL_KEY_ENV})")
+        g.add_argument(
+            "--control-port",
+            type=F.port,
+            default=DEFAULT_CONTROL_PORT,
+            help=f"leader: the local channel's port (default {DEFAULT_CONTROL_PORT}; key from ${F.CONTROL_KEY_ENV})",
+        )
         g.add_argument("--admin-port", type=F.port, default=None, help="leader: serve the admin API on this port")
         F.add_token_flag(p)
         F.add_server_flags(p)
         F.add_metrics_flags(p, per_expert=True)
         p.set_defaults(func=run_rank, role=name)
 
-    p = subparsers.add_parser("frontend", help="run the serving front end (gRPC Generate)",
-                              description="Serve moeserve.v1.Serving in front of a running leader.")
+    p = subparsers.add_parser(
+        "frontend",
+        help="run the serving front end (gRPC Generate)",
+        description="Serve moeserve.v1.Serving in front of a running leader.",
+    )
     p.add_argument("--port", type=F.port, default=8000, help="serving port (default 8000)")
-    p.add_argument("--control-address", default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}", metavar="HOST:PORT",
-                   help=f"the leader's local channel (key from ${F.CONTROL_KEY_ENV})")
+    p.add_argument(
+        "--control-address",
+        default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}",
+        metavar="HOST:PORT",
+        help=f"the leader's local channel (key from ${F.CONTROL_KEY_ENV})",
+    )
     p.add_argument("--model", metavar="DIR", help="checkpoint folder, for its tokenizer (optional)")
     F.add_http_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p)
     p.set_defaults(func=run_frontend)
 
-    p = subparsers.add_parser("balancer", help="run the balancer service (the EPLB loop)",
-                              description="Serve moeserve.v1.Balancer and rebalance through the leader's admin API.")
+    p = subparsers.add_parser(
+        "balancer",
+        help="run the balancer service (the EPLB loop)",
+        description="Serve moeserve.v1.Balancer and rebalance through the leader's admin API.",
+    )
     p.add_argument("--balancer-port", type=F.port, default=8002, help="balancer port (default 8002)")
     p.add_argument("--admin-address", default="127.0.0.1:8001", metavar="HOST:PORT", help="the leader's admin API")
     p.add_argument("--ca-file", metavar="PEM", help="reach the admin API with TLS, trusting this CA")
-    p.add_argument("--admin-timeout", type=float, default=5.0, metavar="S", help="deadline of each admin call (default 5)")
-    p.add_argument("--eplb-window-size", type=int, default=None, metavar="N",
-                   help="steps of load to plan on (default: the leader's whole window)")
-    p.add_argument("--eplb-step-interval", type=int, default=3000, metavar="N",
-                   help="forward steps between periodic rebalances (default 3000)")
+    p.add_argument(
+        "--admin-timeout", type=float, default=5.0, metavar="S", help="deadline of each admin call (default 5)"
+    )
+    p.add_argument(
+        "--eplb-window-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps of load to plan on (default: the leader's whole window)",
+    )
+    p.add_argument(
+        "--eplb-step-interval",
+        type=int,
+        default=3000,
+        metavar="N",
+        help="forward steps between periodic rebalances (default 3000)",
+    )
     F.add_token_flag(p)
     F.add_balancer_flags(p)
     F.add_server_flags(p)
@@ -81,13 +112,20 @@ def _env_arg(group, flag: str, env: str, kind, default, help_: str) -> None:
             default = kind(value)
         except ValueError:
             raise UsageError(f"${env} must be {'an integer' if kind is int else 'a string'}, got {value!r}") from None
-    group.add_argument(flag, type=kind, default=default, required=default is None,
-                       help=f"{help_} (default: ${env}{'' if default is None else f', else {default}'})")
+    group.add_argument(
+        flag,
+        type=kind,
+        default=default,
+        required=default is None,
+        help=f"{help_} (default: ${env}{'' if default is None else f', else {default}'})",
+    )
 
 
 def _logging(name: str) -> None:
-    logging.basicConfig(level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s",
+    )
 
 
 def _parent_watch() -> None:
@@ -96,14 +134,17 @@ def _parent_watch() -> None:
     if parent:
         from moeserve.cluster.rank import _watch_parent
         import threading
+
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
 
 
 def control_key() -> bytes:
     key = os.environ.get(F.CONTROL_KEY_ENV)
     if not key:
-        raise UsageError(f"set ${F.CONTROL_KEY_ENV} to the local channel's key (hex, the same for the leader "
-                         "and the front end), e.g. $(python -c 'import secrets; print(secrets.token_hex(16))')")
+        raise UsageError(
+            f"set ${F.CONTROL_KEY_ENV} to the local channel's key (hex, the same for the leader "
+            "and the front end), e.g. $(python -c 'import secrets; print(secrets.token_hex(16))')"
+        )
     try:
         return bytes.fromhex(key)
     except ValueError:
@@ -114,19 +155,23 @@ def run_rank(args: argparse.Namespace) -> int:
     from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, rank_layout
 
     kw = F.cluster_kwargs(args, leader=args.rank == 0)
-    placement = kw.pop("placement", None)              # --state-dir / --init-expert-location: every rank loads it
-    breakeven = kw.pop("breakeven", None)              # ... with its break-even counts, when it has them
+    placement = kw.pop("placement", None)  # --state-dir / --init-expert-location: every rank loads it
+    breakeven = kw.pop("breakeven", None)  # ... with its break-even counts, when it has them
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
     if args.world_size != world:
-        raise UsageError(f"--world-size {args.world_size} does not match the cluster flags: "
-                         f"{'routers' if kw['colocated'] else 'routers + workers'} = {world}")
+        raise UsageError(
+            f"--world-size {args.world_size} does not match the cluster flags: "
+            f"{'routers' if kw['colocated'] else 'routers + workers'} = {world}"
+        )
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1}, got {args.rank}")
     router_ranks, worker_ranks = rank_layout(kw["routers"], kw["workers"], kw["colocated"])
     is_router, is_worker = args.rank in router_ranks, args.rank in worker_ranks
     if args.role == "router" and not is_router or args.role == "worker" and not is_worker:
-        raise UsageError(f"rank {args.rank} is {'a router' if is_router else 'a worker'} "
-                         f"(ranks 0..{kw['routers'] - 1} are routers): use 'moeserve {'router' if is_router else 'worker'}'")
+        raise UsageError(
+            f"rank {args.rank} is {'a router' if is_router else 'a worker'} "
+            f"(ranks 0..{kw['routers'] - 1} are routers): use 'moeserve {'router' if is_router else 'worker'}'"
+        )
     if args.rank == 0 and args.admin_port is not None and not F.token(args):
         raise UsageError(f"the admin API needs a token: --admin-token or ${F.TOKEN_ENV}")
     key = control_key() if args.rank == 0 else b""
@@ -135,13 +180,30 @@ def run_rank(args: argparse.Namespace) -> int:
     cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__})
     opts = F.server_options(args, args.admin_port or 0)
     try:
-        hook = {} if args.admin_port is None else admin_hook(args.admin_port, args.host, args.tls_cert or "",
-                                                             args.tls_key or "", opts.max_message_bytes, opts.grace_s)
-        cfg = ClusterConfig(model_dir=os.path.abspath(args.model), eplb=eplb, limits=limits, cache=cache,
-                            host=args.host, **hook,
-                            phy2log=None if placement is None else tuple(tuple(int(x) for x in r) for r in placement),
-                            breakeven=None if breakeven is None else tuple(tuple(int(x) for x in r) for r in breakeven),
-                            per_expert_metrics=args.per_expert_metrics, **kw)
+        hook = (
+            {}
+            if args.admin_port is None
+            else admin_hook(
+                args.admin_port,
+                args.host,
+                args.tls_cert or "",
+                args.tls_key or "",
+                opts.max_message_bytes,
+                opts.grace_s,
+            )
+        )
+        cfg = ClusterConfig(
+            model_dir=os.path.abspath(args.model),
+            eplb=eplb,
+            limits=limits,
+            cache=cache,
+            host=args.host,
+            **hook,
+            phy2log=None if placement is None else tuple(tuple(int(x) for x in r) for r in placement),
+            breakeven=None if breakeven is None else tuple(tuple(int(x) for x in r) for r in breakeven),
+            per_expert_metrics=args.per_expert_metrics,
+            **kw,
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     if F.token(args):
@@ -150,6 +212,7 @@ def run_rank(args: argparse.Namespace) -> int:
     _logging(f"rank{args.rank}")
     _parent_watch()
     from moeserve.cluster import rank
+
     return rank.serve(cfg, args.rank, key, None, args.control_host, args.control_port, args.metrics_port)
 
 
@@ -178,40 +241,61 @@ def run_frontend(args: argparse.Namespace) -> int:
     _parent_watch()
     metrics = None
     pm = F.start_metrics(args, "frontend")
-    if pm is None and args.http_port is not None:       # /metrics on the HTTP port
+    if pm is None and args.http_port is not None:  # /metrics on the HTTP port
         from moeserve.ops.metrics import ProcessMetrics
+
         pm = ProcessMetrics("frontend")
     if pm is not None:
         from moeserve.ops.metrics import FrontendMetrics
         from moeserve.services.server import SERVING
+
         metrics = FrontendMetrics(pm.registry)
         from moeserve.services.metrics import grpc_interceptor
+
         opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, grpc_interceptor(pm, SERVING)))
     from moeserve.services.readiness import Readiness, channel_probe
+
     engine = AsyncEngineClient(address, key)
-    admission = Admission(engine, load_tokenizer(args.model), metrics,
-                          AdmissionLimits(max_model_len=args.max_model_len))
+    admission = Admission(
+        engine, load_tokenizer(args.model), metrics, AdmissionLimits(max_model_len=args.max_model_len)
+    )
     readiness_metrics = None
     if pm is not None:
         from moeserve.ops.metrics import ReadinessMetrics
+
         readiness_metrics = ReadinessMetrics(pm.registry)
-    readiness = Readiness(channel_probe(engine), readiness_metrics)     # grpc.health and /health follow it
+    readiness = Readiness(channel_probe(engine), readiness_metrics)  # grpc.health and /health follow it
     srv = make_server(None, None, opts, admission=admission, api_key=api_key, readiness=readiness)
+
     def ready(port):
         print(f"serving front end on {args.host}:{port}", flush=True)
         from moeserve.ops import gcpause
-        gcpause.freeze_startup_heap()          # full collections skip the start-up heap
+
+        gcpause.freeze_startup_heap()  # full collections skip the start-up heap
 
     if args.http_port is None:
         server.run(server.serve_forever(srv, ready))
         return 0
     from moeserve.services.http import HttpApi, HttpServer
+
     names = args.served_model_name or [args.model or "default"]
-    api = HttpApi(admission, names, os.path.abspath(args.model) if args.model else "", api_key,
-                  pm.registry, max_body_bytes=opts.max_message_bytes)
+    api = HttpApi(
+        admission,
+        names,
+        os.path.abspath(args.model) if args.model else "",
+        api_key,
+        pm.registry,
+        max_body_bytes=opts.max_message_bytes,
+    )
     api.readiness = readiness
-    http = HttpServer(api, args.host, args.http_port, opts.grace_s,      # HTTPS with the gRPC side's files
-                      ssl_certfile=opts.tls_cert, ssl_keyfile=opts.tls_key)
+    http = HttpServer(
+        api,
+        args.host,
+        args.http_port,
+        opts.grace_s,  # HTTPS with the gRPC side's files
+        ssl_certfile=opts.tls_cert,
+        ssl_keyfile=opts.tls_key,
+    )
     try:
         server.run(_serve_both(srv, http, args.host))
     except OSError as e:
@@ -239,7 +323,8 @@ async def _serve_both(grpc_server, http, host: str) -> None:
         raise
     print(f"serving front end on {host}:{grpc_server.port}", flush=True)
     from moeserve.ops import gcpause
-    gcpause.freeze_startup_heap()                  # full collections skip the start-up heap
+
+    gcpause.freeze_startup_heap()  # full collections skip the start-up heap
     await stop.wait()
     logging.getLogger("moeserve.services").info("front end: shutting down (grace %.0f s)", http.grace_s)
     await asyncio.gather(http.stop(), grpc_server.stop())
@@ -260,10 +345,17 @@ def run_balancer(args: argparse.Namespace) -> int:
     _logging("balancer")
     _parent_watch()
     pm = F.start_metrics(args, "balancer")
-    server.run(serve_balancer(args.admin_address, tok, cfg, opts, poll_s=args.balancer_poll_interval,
-                              call_timeout_s=args.admin_timeout, ca_file=args.ca_file,
-                              on_started=lambda port: print(f"balancer on {args.host}:{port}", flush=True),
-                              process_metrics=pm))
+    server.run(
+        serve_balancer(
+            args.admin_address,
+            tok,
+            cfg,
+            opts,
+            poll_s=args.balancer_poll_interval,
+            call_timeout_s=args.admin_timeout,
+            ca_file=args.ca_file,
+            on_started=lambda port: print(f"balancer on {args.host}:{port}", flush=True),
+            process_metrics=pm,
+        )
+    )
     return 0
-
-

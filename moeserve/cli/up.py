@@ -21,6 +21,7 @@ M, the balancer on M+1, the front end on M+2, then every other rank in rank orde
 M = 0 gives each a free port. The list is printed once ready, and the leader reports it in
 GetStatus.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,11 @@ from moeserve.ops.procs import child_env, module_command
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("up", help="run a whole local cluster: ranks, front end, balancer",
-                              description="Run routers, workers, the serving front end and the balancer on this "
-                                          "machine until SIGTERM.")
+    p = subparsers.add_parser(
+        "up",
+        help="run a whole local cluster: ranks, front end, balancer",
+        description="Run routers, workers, the serving front end and the balancer on this machine until SIGTERM.",
+    )
     F.add_model_flags(p)
     F.add_state_flags(p)
     g = p.add_argument_group("ports")
@@ -64,11 +67,14 @@ def wait_serving(address: str, timeout_s: float, ca_file: str | None = None, ali
 
     deadline = time.monotonic() + timeout_s
     creds = grpc.ssl_channel_credentials(open(ca_file, "rb").read()) if ca_file else None
-    with (grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)) as ch:
+    with grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -85,6 +91,7 @@ def metrics_layout(base: int | None, world_size: int, taken=()) -> dict[str, int
     if base is None:
         return None
     from moeserve.ops.ports import free_port
+
     names = ["rank0", "balancer", "frontend"] + [f"rank{r}" for r in range(1, world_size)]
     if base == 0:
         ports: list[int] = []
@@ -103,19 +110,21 @@ def run(args: argparse.Namespace) -> int:
 
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
     kw = F.cluster_kwargs(args)
-    opts = F.server_options(args, 0)                    # validates the server flags
+    opts = F.server_options(args, 0)  # validates the server flags
     token = F.token(args) or secrets.token_urlsafe(18)
     http_port = getattr(args, "http_port", None)
     ports = {k: getattr(args, k) for k in ("port", "admin_port", "balancer_port")}
     if http_port is not None:
         ports["http_port"] = http_port
-    for k, v in ports.items():                            # 0: any free port, none of the given ones
+    for k, v in ports.items():  # 0: any free port, none of the given ones
         if not v:
             ports[k] = free_port(exclude=[p for p in ports.values() if p])
     if len(set(ports.values())) < len(ports):
         names = "--port, --admin-port, --balancer-port" + (" and the HTTP port" if http_port is not None else "")
         raise UsageError(f"{names} must differ, got {sorted(ports.values())}")
-    loop = F.loop_config(args, None, kw.get("step_interval"), args.model, kw.get("dtype"))   # validates the balancer flags
+    loop = F.loop_config(
+        args, None, kw.get("step_interval"), args.model, kw.get("dtype")
+    )  # validates the balancer flags
     host = args.host
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
     metrics = metrics_layout(args.metrics_port, world, taken=list(ports.values()))
@@ -123,8 +132,12 @@ def run(args: argparse.Namespace) -> int:
     # a real checkpoint). Ports this process picks lie outside the ephemeral range, so that no
     # rank's outgoing connection takes one meanwhile (moeserve.ops.ports).
     serve = getattr(args, "command", None) == "serve"
-    flag = {"port": "--grpc-port" if serve else "--port", "admin_port": "--admin-port",
-            "balancer_port": "--balancer-port", "http_port": "--port (the HTTP API)" if serve else "--http-port"}
+    flag = {
+        "port": "--grpc-port" if serve else "--port",
+        "admin_port": "--admin-port",
+        "balancer_port": "--balancer-port",
+        "http_port": "--port (the HTTP API)" if serve else "--http-port",
+    }
     try:
         check_bindable(host, {flag[k]: v for k, v in ports.items()})
         if metrics is not None and args.metrics_port:
@@ -134,13 +147,26 @@ def run(args: argparse.Namespace) -> int:
         return 1
     mkw = {}
     if metrics is not None:
-        mkw = dict(metrics_ports=[metrics[f"rank{r}"] for r in range(world)], per_expert_metrics=args.per_expert_metrics,
-                   metrics_peers={k: metrics[k] for k in ("balancer", "frontend")})
+        mkw = dict(
+            metrics_ports=[metrics[f"rank{r}"] for r in range(world)],
+            per_expert_metrics=args.per_expert_metrics,
+            metrics_peers={k: metrics[k] for k in ("balancer", "frontend")},
+        )
     try:
-        cluster = LocalCluster(args.model, admin_port=ports["admin_port"], admin_host=host, admin_token=token,
-                               admin_tls_cert=args.tls_cert or "", admin_tls_key=args.tls_key or "",
-                               max_message_bytes=opts.max_message_bytes, grace_s=opts.grace_s,
-                               startup_timeout_s=args.startup_timeout, log_dir=args.log_dir, **mkw, **kw)
+        cluster = LocalCluster(
+            args.model,
+            admin_port=ports["admin_port"],
+            admin_host=host,
+            admin_token=token,
+            admin_tls_cert=args.tls_cert or "",
+            admin_tls_key=args.tls_key or "",
+            max_message_bytes=opts.max_message_bytes,
+            grace_s=opts.grace_s,
+            startup_timeout_s=args.startup_timeout,
+            log_dir=args.log_dir,
+            **mkw,
+            **kw,
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -163,31 +189,71 @@ def run(args: argparse.Namespace) -> int:
         except ClusterError as e:
             print(f"{prog}: the cluster did not start: {e}", file=sys.stderr, flush=True)
             return 1
-        env = child_env(None, MOESERVE_PARENT_PID=str(os.getpid()), MOESERVE_ADMIN_TOKEN=token,
-                   **{F.CONTROL_KEY_ENV: cluster.authkey.hex()})
+        env = child_env(
+            None,
+            MOESERVE_PARENT_PID=str(os.getpid()),
+            MOESERVE_ADMIN_TOKEN=token,
+            **{F.CONTROL_KEY_ENV: cluster.authkey.hex()},
+        )
         api_key = F.api_key(args)
         if api_key:
-            env[F.API_KEY_ENV] = api_key                  # not on the command line, where ps shows it
-        common = ["--host", host, "--max-message-bytes", str(opts.max_message_bytes),
-                  "--grace-period", str(opts.grace_s)]
+            env[F.API_KEY_ENV] = api_key  # not on the command line, where ps shows it
+        common = [
+            "--host",
+            host,
+            "--max-message-bytes",
+            str(opts.max_message_bytes),
+            "--grace-period",
+            str(opts.grace_s),
+        ]
         if args.tls_cert:
             common += ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
         chost, cport = cluster.control_address
         tokenizer = getattr(args, "tokenizer_dir", None) or args.model
-        front = [*module_command("moeserve", "frontend"), "--port", str(ports["port"]),
-                 "--control-address", f"{chost}:{cport}", "--model", tokenizer,
-                 "--max-model-len", str(args.max_model_len), *common]
+        front = [
+            *module_command("moeserve", "frontend"),
+            "--port",
+            str(ports["port"]),
+            "--control-address",
+            f"{chost}:{cport}",
+            "--model",
+            tokenizer,
+            "--max-model-len",
+            str(args.max_model_len),
+            *common,
+        ]
         names = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
         if http_port is not None:
             front += ["--http-port", str(ports["http_port"]), "--served-model-name", *names]
-        bal = [*module_command("moeserve", "balancer"), "--balancer-port", str(ports["balancer_port"]),
-               "--admin-address", f"{host}:{ports['admin_port']}", "--eplb-step-interval", str(loop.step_interval),
-               "--eplb-min-balancedness", str(loop.min_balancedness), "--eplb-min-gain", str(loop.min_gain),
-               "--eplb-move-cost", str(loop.move_cost), "--eplb-move-budget", str(loop.move_budget),
-               "--balancer-poll-interval", str(args.balancer_poll_interval), *common]
-        if loop.step_model is not None:                   # the entry picked here, by name
-            bal += ["--eplb-step-model", os.path.abspath(args.eplb_step_model),
-                    "--eplb-step-model-gpu", loop.step_model.gpu, "--eplb-step-model-shape", loop.step_model.shape]
+        bal = [
+            *module_command("moeserve", "balancer"),
+            "--balancer-port",
+            str(ports["balancer_port"]),
+            "--admin-address",
+            f"{host}:{ports['admin_port']}",
+            "--eplb-step-interval",
+            str(loop.step_interval),
+            "--eplb-min-balancedness",
+            str(loop.min_balancedness),
+            "--eplb-min-gain",
+            str(loop.min_gain),
+            "--eplb-move-cost",
+            str(loop.move_cost),
+            "--eplb-move-budget",
+            str(loop.move_budget),
+            "--balancer-poll-interval",
+            str(args.balancer_poll_interval),
+            *common,
+        ]
+        if loop.step_model is not None:  # the entry picked here, by name
+            bal += [
+                "--eplb-step-model",
+                os.path.abspath(args.eplb_step_model),
+                "--eplb-step-model-gpu",
+                loop.step_model.gpu,
+                "--eplb-step-model-shape",
+                loop.step_model.shape,
+            ]
         if args.tls_cert:
             bal += ["--ca-file", args.tls_cert]
         if metrics is not None:
@@ -197,28 +263,40 @@ def run(args: argparse.Namespace) -> int:
 
         def spawn(name, cmd):
             with open(os.path.join(logs, f"{name}.log"), "ab") as out:
-                return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                return subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,
+                )
 
         children.extend([spawn("frontend", front), spawn("balancer", bal)])
-        addrs = {"serving": f"{host}:{ports['port']}", "admin": f"{host}:{ports['admin_port']}",
-                 "balancer": f"{host}:{ports['balancer_port']}"}
+        addrs = {
+            "serving": f"{host}:{ports['port']}",
+            "admin": f"{host}:{ports['admin_port']}",
+            "balancer": f"{host}:{ports['balancer_port']}",
+        }
         ca = args.tls_cert if args.tls_cert else None
-        alive = lambda: cluster.alive and all(c.poll() is None for c in children)   # noqa: E731
+        alive = lambda: cluster.alive and all(c.poll() is None for c in children)  # noqa: E731
         for name, addr in addrs.items():
             wait_serving(addr, args.startup_timeout, ca, alive=alive)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        scheme = "https" if args.tls_cert else "http"       # the HTTP API serves the same certificate
+        scheme = "https" if args.tls_cert else "http"  # the HTTP API serves the same certificate
         if http_port is not None:
-            wait_http(f"{scheme}://{shown}:{ports['http_port']}/health", args.startup_timeout, alive=alive,
-                      ca_file=ca)
+            wait_http(f"{scheme}://{shown}:{ports['http_port']}/health", args.startup_timeout, alive=alive, ca_file=ca)
         print(f"serving  {addrs['serving']}\nadmin    {addrs['admin']}\nbalancer {addrs['balancer']}", flush=True)
         if http_port is not None:
             base = f"{scheme}://{shown}:{ports['http_port']}"
-            print(f"http     {base}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models; "
-                  f"{base}/health, /version, /metrics)\nmodel    {', '.join(names)}"
-                  f"{'' if args.model in names else f' ({args.model})'}"
-                  f"{'; API key required' if api_key else ''}", flush=True)
+            print(
+                f"http     {base}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models; "
+                f"{base}/health, /version, /metrics)\nmodel    {', '.join(names)}"
+                f"{'' if args.model in names else f' ({args.model})'}"
+                f"{'; API key required' if api_key else ''}",
+                flush=True,
+            )
         if metrics is not None:
             print(metrics_list(metrics, host, cluster.config), flush=True)
         if not F.token(args):
@@ -234,17 +312,27 @@ def run(args: argparse.Namespace) -> int:
             # replace ends the cluster.
             for i, (name, cmd) in enumerate((("frontend", front), ("balancer", bal))):
                 if children[i].poll() is not None and cluster.alive and not stop.is_set():
-                    print(f"{prog}: the {'front end' if name == 'frontend' else name} exited "
-                          f"({describe_exit(children[i].returncode)}); starting it again", file=sys.stderr, flush=True)
+                    print(
+                        f"{prog}: the {'front end' if name == 'frontend' else name} exited "
+                        f"({describe_exit(children[i].returncode)}); starting it again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     children[i] = spawn(name, cmd)
             if not cluster.alive:
-                print(f"{prog}: the cluster stopped: {cluster.error or 'a rank exited'}; stopping", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"{prog}: the cluster stopped: {cluster.error or 'a rank exited'}; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 code = 1
                 break
         if stop.is_set():
-            print(f"{prog}: stopping: draining in-flight requests (up to {opts.grace_s:.0f} s)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{prog}: stopping: draining in-flight requests (up to {opts.grace_s:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         return code
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted while starting; stopped", file=sys.stderr, flush=True)
@@ -298,6 +386,7 @@ class Progress:
 
     def __init__(self, model: str, world: int):
         from pathlib import Path
+
         files = sorted(Path(model).glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         self.what = f"{size / 2**30:.2f} GiB in {len(files)} file{'s' if len(files) != 1 else ''}"
@@ -321,8 +410,9 @@ class Progress:
         if self.tty:
             print("\r", end="")
         if ok:
-            print(f"  weights loaded, {self.world} rank{'s' if self.world != 1 else ''} ready in {took:.1f} s",
-                  flush=True)
+            print(
+                f"  weights loaded, {self.world} rank{'s' if self.world != 1 else ''} ready in {took:.1f} s", flush=True
+            )
 
 
 def wait_http(url: str, timeout_s: float, alive=lambda: True, ca_file: str | None = None) -> None:
@@ -331,7 +421,7 @@ def wait_http(url: str, timeout_s: float, alive=lambda: True, ca_file: str | Non
     import urllib.error
     import urllib.request
 
-    handlers = [urllib.request.ProxyHandler({})]                             # a local address: no proxy
+    handlers = [urllib.request.ProxyHandler({})]  # a local address: no proxy
     if ca_file:
         handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca_file)))
     opener = urllib.request.build_opener(*handlers)

@@ -19,15 +19,47 @@ e.g. a refused connection), so that Generate, ApplyPlacement and Rebalance never
 The SDK imports :mod:`moeserve.wire`, :mod:`moeserve.placement` and the generated code only:
 no server code, no torch.
 """
+
 from moeserve.client.aio import AsyncClient
 from moeserve.client.sync import Client
-from moeserve.client.types import (ApplyResult, BalancerSettings, BalancerStatus, ClusterStatus, EplbInfo,
-                                   ExpertLoad, GenerateChunk, GenerateResult, LoadDump, ModelInfo, MoeserveError,
-                                   RankInfo, RebalanceResult, Usage)
+from moeserve.client.types import (
+    ApplyResult,
+    BalancerSettings,
+    BalancerStatus,
+    ClusterStatus,
+    EplbInfo,
+    ExpertLoad,
+    GenerateChunk,
+    GenerateResult,
+    LoadDump,
+    ModelInfo,
+    MoeserveError,
+    RankInfo,
+    RebalanceResult,
+    Usage,
+)
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.wire import Balancedness
 
-__all__ = ["AsyncClient", "ApplyResult", "Balancedness", "BalancerSettings", "BalancerStatus", "Client",
-           "ClusterStatus", "EplbInfo", "ExpertLoad", "GenerateChunk", "GenerateResult", "LoadDump",
-           "MigrationProgress", "MigrationState", "ModelInfo", "MoeserveError", "Placement", "RankInfo",
-           "RebalanceResult", "Usage"]
+__all__ = [
+    "AsyncClient",
+    "ApplyResult",
+    "Balancedness",
+    "BalancerSettings",
+    "BalancerStatus",
+    "Client",
+    "ClusterStatus",
+    "EplbInfo",
+    "ExpertLoad",
+    "GenerateChunk",
+    "GenerateResult",
+    "LoadDump",
+    "MigrationProgress",
+    "MigrationState",
+    "ModelInfo",
+    "MoeserveError",
+    "Placement",
+    "RankInfo",
+    "RebalanceResult",
+    "Usage",
+]

@@ -1,4 +1,5 @@
 """What the sync and async clients share: channels, metadata, retries, request builders."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,12 @@ from moeserve.wire import SERVER_METADATA_KEY, int64_matrix
 
 DEFAULT_TIMEOUT_S = 60.0
 WAIT_TIMEOUT_S = 600.0
-RETRY_DELAYS_S = (0.1, 0.3, 1.0)          # pauses between attempts of a call that reached no server
-FILE_FORMATS = {"moeserve": admin_pb2.PlacementFile.MOESERVE_JSON, "sglang-json": admin_pb2.PlacementFile.SGLANG_JSON,
-                "sglang-pt": admin_pb2.PlacementFile.SGLANG_PT}
+RETRY_DELAYS_S = (0.1, 0.3, 1.0)  # pauses between attempts of a call that reached no server
+FILE_FORMATS = {
+    "moeserve": admin_pb2.PlacementFile.MOESERVE_JSON,
+    "sglang-json": admin_pb2.PlacementFile.SGLANG_JSON,
+    "sglang-pt": admin_pb2.PlacementFile.SGLANG_PT,
+}
 
 
 def channel_args(address: str, token: str | None, tls: bool, ca_file: str | None, max_message_bytes: int):
@@ -24,9 +28,13 @@ def channel_args(address: str, token: str | None, tls: bool, ca_file: str | None
         raise ValueError(f"address must be 'host:port', got {address!r}")
     # A server that was down and came up is reconnected to within a second (gRPC's default
     # backoff grows to two minutes, during which calls fail fast without trying the server).
-    opts = [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", -1),
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)]
+    opts = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
     creds = None
     if tls or ca_file:
         root = Path(ca_file).read_bytes() if ca_file else None
@@ -36,11 +44,19 @@ def channel_args(address: str, token: str | None, tls: bool, ca_file: str | None
     return address, creds, opts, metadata
 
 
-def generate_request(prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids,
-                     ignore_eos) -> serving_pb2.GenerateRequest:
-    r = serving_pb2.GenerateRequest(prompt=prompt or "", prompt_token_ids=list(prompt_token_ids or ()),
-                                    max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                                    top_k=int(top_k), stop_token_ids=list(stop_token_ids), ignore_eos=bool(ignore_eos))
+def generate_request(
+    prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+) -> serving_pb2.GenerateRequest:
+    r = serving_pb2.GenerateRequest(
+        prompt=prompt or "",
+        prompt_token_ids=list(prompt_token_ids or ()),
+        max_tokens=int(max_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=bool(ignore_eos),
+    )
     if seed is not None:
         r.seed = int(seed)
     return r
@@ -57,8 +73,9 @@ def file_format(path: str, fmt: str | None) -> int:
     return FILE_FORMATS[fmt]
 
 
-def apply_request(phy2log, expected_version, dry_run, file, file_format_name,
-                  breakeven=None) -> admin_pb2.ApplyPlacementRequest:
+def apply_request(
+    phy2log, expected_version, dry_run, file, file_format_name, breakeven=None
+) -> admin_pb2.ApplyPlacementRequest:
     if (phy2log is None) == (file is None):
         raise ValueError("give either phy2log [L, P] or file=PATH")
     r = admin_pb2.ApplyPlacementRequest(dry_run=bool(dry_run))
@@ -67,8 +84,9 @@ def apply_request(phy2log, expected_version, dry_run, file, file_format_name,
     if phy2log is not None:
         r.phy2log.CopyFrom(int64_matrix(np.asarray(phy2log)))
     else:
-        r.file.CopyFrom(admin_pb2.PlacementFile(format=file_format(file, file_format_name),
-                                                content=Path(file).read_bytes()))
+        r.file.CopyFrom(
+            admin_pb2.PlacementFile(format=file_format(file, file_format_name), content=Path(file).read_bytes())
+        )
     if expected_version is not None:
         r.expected_version = int(expected_version)
     return r

@@ -1,4 +1,5 @@
 """``Client``: the blocking SDK for all three services (see moeserve/client/__init__.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,18 @@ import time
 import grpc
 
 from moeserve.client import _base
-from moeserve.client.types import (ApplyResult, BalancerSettings, BalancerStatus, ClusterStatus, ExpertLoad,
-                                   GenerateChunk, GenerateResult, LoadDump, MoeserveError, RebalanceResult)
+from moeserve.client.types import (
+    ApplyResult,
+    BalancerSettings,
+    BalancerStatus,
+    ClusterStatus,
+    ExpertLoad,
+    GenerateChunk,
+    GenerateResult,
+    LoadDump,
+    MoeserveError,
+    RebalanceResult,
+)
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.rpc import admin_pb2, admin_pb2_grpc, balancer_pb2, balancer_pb2_grpc, serving_pb2_grpc
 from moeserve.wire import migration_from_msg, placement_from_msg
@@ -26,8 +37,16 @@ class Client:
     message naming the right one.
     """
 
-    def __init__(self, address: str, token: str | None = None, *, timeout: float = _base.DEFAULT_TIMEOUT_S,
-                 tls: bool = False, ca_file: str | None = None, max_message_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        *,
+        timeout: float = _base.DEFAULT_TIMEOUT_S,
+        tls: bool = False,
+        ca_file: str | None = None,
+        max_message_bytes: int = 256 << 20,
+    ):
         target, creds, opts, self._metadata = _base.channel_args(address, token, tls, ca_file, max_message_bytes)
         self.address = address
         self.timeout = timeout
@@ -59,24 +78,48 @@ class Client:
 
     # -- serving ----------------------------------------------------------------------------
 
-    def generate(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop_token_ids=(), ignore_eos: bool = False, timeout: float | None = None) -> GenerateResult:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids=None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids=(),
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+    ) -> GenerateResult:
         """Generate for prompt text or ``prompt_token_ids``; ``.token_ids`` are the generated ids."""
-        req = _base.generate_request(prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed,
-                                     stop_token_ids, ignore_eos)
+        req = _base.generate_request(
+            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+        )
         return GenerateResult.from_msg(self._call(self._serving.Generate, req, timeout))
 
-    def generate_stream(self, prompt: str | None = None, *, prompt_token_ids=None, max_tokens: int = 16,
-                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                        stop_token_ids=(), ignore_eos: bool = False, timeout: float | None = None):
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids=None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids=(),
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+    ):
         """Yield :class:`GenerateChunk` s as tokens are sampled; leaving the loop early cancels."""
-        req = _base.generate_request(prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed,
-                                     stop_token_ids, ignore_eos)
+        req = _base.generate_request(
+            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+        )
         pauses = list(_base.RETRY_DELAYS_S)
         while True:
             call = self._serving.GenerateStream(req, timeout=timeout, metadata=self._metadata)
-            started = False                   # once a chunk came, the stream reached a server
+            started = False  # once a chunk came, the stream reached a server
             try:
                 for m in call:
                     started = True
@@ -97,9 +140,18 @@ class Client:
         ``.num_logical``, ``.num_workers``, ``.workers_per_node``, ``.breakeven`` [L, E]."""
         return placement_from_msg(self._call(self._admin.GetPlacement, admin_pb2.GetPlacementRequest()))
 
-    def apply_placement(self, phy2log=None, *, expected_version: int | None = None, dry_run: bool = False,
-                        wait: bool = False, file: str | None = None, file_format: str | None = None,
-                        timeout: float | None = None, breakeven=None) -> ApplyResult:
+    def apply_placement(
+        self,
+        phy2log=None,
+        *,
+        expected_version: int | None = None,
+        dry_run: bool = False,
+        wait: bool = False,
+        file: str | None = None,
+        file_format: str | None = None,
+        timeout: float | None = None,
+        breakeven=None,
+    ) -> ApplyResult:
         """Migrate to ``phy2log`` [L, P] (or a placement file: moeserve JSON, SGLang .json/.pt)
         live. ``expected_version``: refuse (FAILED_PRECONDITION) unless it is in force;
         ``dry_run``: validate and plan only; ``wait``: return when the migration ended (an
@@ -128,8 +180,10 @@ class Client:
                     raise MoeserveError(grpc.StatusCode.ABORTED, f"migration {migration_id} {mig.state}: {mig.error}")
                 return mig
             if time.monotonic() > deadline:
-                raise MoeserveError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"migration {migration_id} still {mig.state} after {timeout:.0f} s")
+                raise MoeserveError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"migration {migration_id} still {mig.state} after {timeout:.0f} s",
+                )
 
     def abort_migration(self) -> bool:
         return self._call(self._admin.AbortMigration, admin_pb2.AbortMigrationRequest()).aborted
@@ -147,8 +201,9 @@ class Client:
 
     def balancer_settings(self) -> BalancerSettings:
         """The balancer's settings kept on the leader."""
-        return BalancerSettings.from_msg(self._call(self._admin.GetBalancerSettings,
-                                                    admin_pb2.GetBalancerSettingsRequest()))
+        return BalancerSettings.from_msg(
+            self._call(self._admin.GetBalancerSettings, admin_pb2.GetBalancerSettingsRequest())
+        )
 
     def put_balancer_settings(self, settings: BalancerSettings) -> BalancerSettings:
         return BalancerSettings.from_msg(self._call(self._admin.PutBalancerSettings, settings.to_msg()))
@@ -162,8 +217,9 @@ class Client:
         t = timeout if timeout is not None else (_base.WAIT_TIMEOUT_S if wait else self.timeout)
         return RebalanceResult.from_msg(self._call(self._balancer.Rebalance, req, t))
 
-    def set_config(self, window_steps: int | None = None, step_interval: int | None = None,
-                   min_balancedness: float | None = None) -> BalancerStatus:
+    def set_config(
+        self, window_steps: int | None = None, step_interval: int | None = None, min_balancedness: float | None = None
+    ) -> BalancerStatus:
         req = _base.balancer_config(window_steps, step_interval, min_balancedness)
         return BalancerStatus.from_msg(self._call(self._balancer.SetConfig, req))
 
@@ -174,5 +230,6 @@ class Client:
         return BalancerStatus.from_msg(self._call(self._balancer.Resume, balancer_pb2.ResumeRequest()))
 
     def balancer_status(self) -> BalancerStatus:
-        return BalancerStatus.from_msg(self._call(self._balancer.GetBalancerStatus,
-                                                  balancer_pb2.GetBalancerStatusRequest()))
+        return BalancerStatus.from_msg(
+            self._call(self._balancer.GetBalancerStatus, balancer_pb2.GetBalancerStatusRequest())
+        )

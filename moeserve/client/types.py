@@ -6,6 +6,7 @@ Placements and migrations are the engine's own value types (:class:`moeserve.pla
 :class:`moeserve.placement.MigrationProgress`); every conversion that is not a plain field copy
 lives in :mod:`moeserve.wire`, which the services use too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,14 @@ import numpy as np
 
 from moeserve.placement import MigrationProgress
 from moeserve.rpc import admin_pb2, balancer_pb2, serving_pb2
-from moeserve.wire import (FINISH_NAMES, Balancedness, balancedness_from_msg, breakeven_from_msg,
-                           from_int64_matrix, migration_from_msg)
+from moeserve.wire import (
+    FINISH_NAMES,
+    Balancedness,
+    balancedness_from_msg,
+    breakeven_from_msg,
+    from_int64_matrix,
+    migration_from_msg,
+)
 
 
 class MoeserveError(Exception):
@@ -56,8 +63,12 @@ class GenerateResult:
 
     @classmethod
     def from_msg(cls, m: serving_pb2.GenerateResponse) -> "GenerateResult":
-        return cls(list(m.token_ids), m.text, FINISH_NAMES.get(m.finish_reason, ""),
-                   Usage(m.usage.prompt_tokens, m.usage.completion_tokens))
+        return cls(
+            list(m.token_ids),
+            m.text,
+            FINISH_NAMES.get(m.finish_reason, ""),
+            Usage(m.usage.prompt_tokens, m.usage.completion_tokens),
+        )
 
 
 @dataclass(frozen=True)
@@ -72,8 +83,12 @@ class GenerateChunk:
     @classmethod
     def from_msg(cls, m: serving_pb2.GenerateStreamResponse) -> "GenerateChunk":
         last = m.finish_reason != serving_pb2.FINISH_REASON_UNSPECIFIED
-        return cls(list(m.token_ids), m.text, FINISH_NAMES.get(m.finish_reason) if last else None,
-                   Usage(m.usage.prompt_tokens, m.usage.completion_tokens) if last else None)
+        return cls(
+            list(m.token_ids),
+            m.text,
+            FINISH_NAMES.get(m.finish_reason) if last else None,
+            Usage(m.usage.prompt_tokens, m.usage.completion_tokens) if last else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,9 +110,17 @@ class ApplyResult:
 
     @classmethod
     def from_msg(cls, m: admin_pb2.ApplyPlacementResponse) -> "ApplyResult":
-        return cls(m.migration_id, m.dry_run, _migration_or_none(m), m.moves, m.bytes,
-                   balancedness_from_msg(m.balancedness_before), balancedness_from_msg(m.balancedness_after),
-                   from_int64_matrix(m.phy2log, "phy2log"), breakeven_from_msg(m))
+        return cls(
+            m.migration_id,
+            m.dry_run,
+            _migration_or_none(m),
+            m.moves,
+            m.bytes,
+            balancedness_from_msg(m.balancedness_before),
+            balancedness_from_msg(m.balancedness_after),
+            from_int64_matrix(m.phy2log, "phy2log"),
+            breakeven_from_msg(m),
+        )
 
 
 @dataclass(frozen=True)
@@ -127,14 +150,25 @@ class ExpertLoad:
         if m.histogram.rows and m.histogram_bins > 0:
             flat = from_int64_matrix(m.histogram, "histogram")
             if flat.shape[1] % m.histogram_bins:
-                raise ValueError(f"histogram has {flat.shape[1]} columns, not a multiple of its "
-                                 f"{m.histogram_bins} bins")
+                raise ValueError(
+                    f"histogram has {flat.shape[1]} columns, not a multiple of its {m.histogram_bins} bins"
+                )
             hist = flat.reshape(flat.shape[0], -1, m.histogram_bins)
         if m.slot_busy_steps.rows:
             busy = from_int64_matrix(m.slot_busy_steps, "slot_busy_steps")
-        return cls(from_int64_matrix(m.load, "load"), from_int64_matrix(m.worker_load, "worker_load"), m.steps,
-                   m.total_steps, balancedness_from_msg(m.measured), balancedness_from_msg(m.predicted),
-                   m.placement_version, m.steps_since_placement_change, m.window_size, hist, busy)
+        return cls(
+            from_int64_matrix(m.load, "load"),
+            from_int64_matrix(m.worker_load, "worker_load"),
+            m.steps,
+            m.total_steps,
+            balancedness_from_msg(m.measured),
+            balancedness_from_msg(m.predicted),
+            m.placement_version,
+            m.steps_since_placement_change,
+            m.window_size,
+            hist,
+            busy,
+        )
 
 
 @dataclass(frozen=True)
@@ -150,8 +184,14 @@ class LoadDump:
 
     @classmethod
     def from_msg(cls, m: admin_pb2.LoadDump) -> "LoadDump":
-        return cls(from_int64_matrix(m.total_load, "total_load"), from_int64_matrix(m.window_load, "window_load"),
-                   m.total_steps, m.window_steps, list(m.moe_layer_ids), m.num_decoder_layers)
+        return cls(
+            from_int64_matrix(m.total_load, "total_load"),
+            from_int64_matrix(m.window_load, "window_load"),
+            m.total_steps,
+            m.window_steps,
+            list(m.moe_layer_ids),
+            m.num_decoder_layers,
+        )
 
 
 @dataclass(frozen=True)
@@ -215,10 +255,24 @@ class ClusterStatus:
 
     @classmethod
     def from_msg(cls, m: admin_pb2.ClusterStatus) -> "ClusterStatus":
-        return cls(m.step, m.forward_steps, m.uptime_s, m.placement_version, list(m.layer_versions),
-                   _migration_or_none(m), m.waiting, m.running, [_flat(RankInfo, r) for r in m.ranks],
-                   dict(m.metrics_ports), _flat(ModelInfo, m.model), _flat(EplbInfo, m.eplb), m.error,
-                   m.kv_blocks_total, m.kv_blocks_used, m.preemptions)
+        return cls(
+            m.step,
+            m.forward_steps,
+            m.uptime_s,
+            m.placement_version,
+            list(m.layer_versions),
+            _migration_or_none(m),
+            m.waiting,
+            m.running,
+            [_flat(RankInfo, r) for r in m.ranks],
+            dict(m.metrics_ports),
+            _flat(ModelInfo, m.model),
+            _flat(EplbInfo, m.eplb),
+            m.error,
+            m.kv_blocks_total,
+            m.kv_blocks_used,
+            m.preemptions,
+        )
 
 
 @dataclass(frozen=True)
@@ -263,10 +317,22 @@ class RebalanceResult:
 
     @classmethod
     def from_msg(cls, m: balancer_pb2.RebalanceResponse) -> "RebalanceResult":
-        return cls(from_int64_matrix(m.phy2log, "phy2log"), balancedness_from_msg(m.balancedness_before),
-                   balancedness_from_msg(m.balancedness_after), m.slots_moved, m.slots_moved_across_workers,
-                   m.bytes_moved, m.base_version, m.applied, m.migration_id, _migration_or_none(m), m.note,
-                   breakeven_from_msg(m), m.predicted_step_s_before, m.predicted_step_s_after)
+        return cls(
+            from_int64_matrix(m.phy2log, "phy2log"),
+            balancedness_from_msg(m.balancedness_before),
+            balancedness_from_msg(m.balancedness_after),
+            m.slots_moved,
+            m.slots_moved_across_workers,
+            m.bytes_moved,
+            m.base_version,
+            m.applied,
+            m.migration_id,
+            _migration_or_none(m),
+            m.note,
+            breakeven_from_msg(m),
+            m.predicted_step_s_before,
+            m.predicted_step_s_after,
+        )
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ def __getattr__(name):
     # Lazy, so that ``python -m moeserve.cluster.rank`` does not import the launcher.
     if name in ("LocalCluster", "Generation"):
         from moeserve.cluster import launcher
+
         return getattr(launcher, name)
     if name == "ClusterError":
         from moeserve.router.engine.channel import ClusterError
+
         return ClusterError
     raise AttributeError(name)
 

@@ -9,6 +9,7 @@ watches them every 0.2 s, and when one exits unexpectedly kills the others and f
 pending call with a ``ClusterError`` naming the rank, its exit code and the end of its log.
 Ranks also exit when the launcher's process goes away (no orphans).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -35,7 +36,7 @@ from moeserve.router.engine.channel import ClusterError, EngineClient
 from moeserve.sampling import SamplingParams
 
 
-RESTART_WINDOW_S = 60.0      # more replacements of one rank than max_worker_restarts within this: a crash loop
+RESTART_WINDOW_S = 60.0  # more replacements of one rank than max_worker_restarts within this: a crash loop
 
 
 def free_port() -> int:
@@ -55,7 +56,7 @@ def describe_exit(code: int) -> str:
 def _die_with_parent() -> None:
     """Run in the child before exec: SIGKILL it when the launcher's thread dies (Linux)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -90,67 +91,144 @@ class LocalCluster:
     rank's device from config.json alone; moeserve.models.dummy).
     """
 
-    def __init__(self, model_dir, routers: int = 1, workers: int = 1, colocated: bool = False,
-                 num_redundant_experts: int = 0, backend: str = "gloo", *, enable_eplb: bool = True,
-                 placement=None, dtype: str = "float32", window_size: int = 1000, step_interval: int = 3000,
-                 log_balancedness: bool = False, max_model_len: int = 4096, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 4096, max_waiting: int = 1024, workers_per_node: int = 0,
-                 migration_bytes_per_step: int = 512 << 20, max_staging_bytes: int = 0, heartbeat_s: float = 0.1, pg_timeout_s: float = 30.0,
-                 startup_timeout_s: float = 300.0, env: dict | None = None, log_dir: str | None = None,
-                 admin_port: int = -1, admin_host: str = "127.0.0.1", admin_token: str | None = None,
-                 admin_tls_cert: str = "", admin_tls_key: str = "", max_message_bytes: int = 64 << 20,
-                 grace_s: float = 30.0, metrics_ports=None, per_expert_metrics: str = "auto",
-                 metrics_peers: dict | None = None, exchange: str = "auto", block_size: int = 16,
-                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int = 0,
-                 cpu_kv_cache_gib: float = 1.0, max_worker_restarts: int = 3, load_format: str = "auto",
-                 state_dir: str = "", enforce_eager: bool = False, breakeven=None, async_scheduling: bool = True,
-                 capture_graphs_at_start: bool = False):
+    def __init__(
+        self,
+        model_dir,
+        routers: int = 1,
+        workers: int = 1,
+        colocated: bool = False,
+        num_redundant_experts: int = 0,
+        backend: str = "gloo",
+        *,
+        enable_eplb: bool = True,
+        placement=None,
+        dtype: str = "float32",
+        window_size: int = 1000,
+        step_interval: int = 3000,
+        log_balancedness: bool = False,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        max_waiting: int = 1024,
+        workers_per_node: int = 0,
+        migration_bytes_per_step: int = 512 << 20,
+        max_staging_bytes: int = 0,
+        heartbeat_s: float = 0.1,
+        pg_timeout_s: float = 30.0,
+        startup_timeout_s: float = 300.0,
+        env: dict | None = None,
+        log_dir: str | None = None,
+        admin_port: int = -1,
+        admin_host: str = "127.0.0.1",
+        admin_token: str | None = None,
+        admin_tls_cert: str = "",
+        admin_tls_key: str = "",
+        max_message_bytes: int = 64 << 20,
+        grace_s: float = 30.0,
+        metrics_ports=None,
+        per_expert_metrics: str = "auto",
+        metrics_peers: dict | None = None,
+        exchange: str = "auto",
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int = 0,
+        cpu_kv_cache_gib: float = 1.0,
+        max_worker_restarts: int = 3,
+        load_format: str = "auto",
+        state_dir: str = "",
+        enforce_eager: bool = False,
+        breakeven=None,
+        async_scheduling: bool = True,
+        capture_graphs_at_start: bool = False,
+    ):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
         model_dir = os.fspath(model_dir)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        mcfg = load_config(model_dir)                     # fails early on a bad checkpoint
+        mcfg = load_config(model_dir)  # fails early on a bad checkpoint
         info = MoEInfo.from_config(mcfg, DTYPES[dtype])
         num_slots = info.num_logical_experts + num_redundant_experts
         check_topology(routers, workers, colocated, num_slots)
         if not -1 <= admin_port <= 65535:
             raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {admin_port}")
-        hook = {} if admin_port < 0 else admin_hook(admin_port, admin_host, admin_tls_cert, admin_tls_key,
-                                                    max_message_bytes, grace_s)
+        hook = (
+            {}
+            if admin_port < 0
+            else admin_hook(admin_port, admin_host, admin_tls_cert, admin_tls_key, max_message_bytes, grace_s)
+        )
         phy2log = b_start = None
         if breakeven is None and isinstance(placement, Placement):
             breakeven = placement.breakeven
         if breakeven is not None:
             from moeserve.placement import check_breakeven
-            b_start = tuple(tuple(int(x) for x in row) for row in check_breakeven(
-                breakeven, info.num_moe_layers, info.num_logical_experts))
+
+            b_start = tuple(
+                tuple(int(x) for x in row)
+                for row in check_breakeven(breakeven, info.num_moe_layers, info.num_logical_experts)
+            )
         if placement is not None:
-            p = Placement(phy2log=np.asarray(getattr(placement, "phy2log", placement)),
-                          num_logical=info.num_logical_experts, num_workers=workers,
-                          workers_per_node=workers_per_node or workers, version=1)
+            p = Placement(
+                phy2log=np.asarray(getattr(placement, "phy2log", placement)),
+                num_logical=info.num_logical_experts,
+                num_workers=workers,
+                workers_per_node=workers_per_node or workers,
+                version=1,
+            )
             if p.phy2log.shape != (info.num_moe_layers, num_slots):
-                raise ValueError(f"placement has shape {p.phy2log.shape}, expected (L, P) = "
-                                 f"({info.num_moe_layers}, {num_slots})")
+                raise ValueError(
+                    f"placement has shape {p.phy2log.shape}, expected (L, P) = ({info.num_moe_layers}, {num_slots})"
+                )
             phy2log = tuple(tuple(int(x) for x in row) for row in p.phy2log)
         self.config = ClusterConfig(
-            model_dir=os.path.abspath(model_dir), routers=routers, workers=workers, colocated=colocated,
-            backend=backend, dtype=dtype,
-            eplb=EplbConfig(enable_eplb=enable_eplb, num_redundant_experts=num_redundant_experts,
-                            window_size=window_size, step_interval=step_interval, log_balancedness=log_balancedness),
-            limits=Limits(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_waiting=max_waiting),
-            cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                              num_gpu_blocks_override=num_gpu_blocks_override, cpu_kv_cache_gib=cpu_kv_cache_gib),
-            workers_per_node=workers_per_node, phy2log=phy2log, breakeven=b_start, migration_bytes_per_step=migration_bytes_per_step,
+            model_dir=os.path.abspath(model_dir),
+            routers=routers,
+            workers=workers,
+            colocated=colocated,
+            backend=backend,
+            dtype=dtype,
+            eplb=EplbConfig(
+                enable_eplb=enable_eplb,
+                num_redundant_experts=num_redundant_experts,
+                window_size=window_size,
+                step_interval=step_interval,
+                log_balancedness=log_balancedness,
+            ),
+            limits=Limits(
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_waiting=max_waiting,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+                cpu_kv_cache_gib=cpu_kv_cache_gib,
+            ),
+            workers_per_node=workers_per_node,
+            phy2log=phy2log,
+            breakeven=b_start,
+            migration_bytes_per_step=migration_bytes_per_step,
             max_staging_bytes=max_staging_bytes,
-            heartbeat_s=heartbeat_s, pg_timeout_s=pg_timeout_s, host=admin_host, **hook,
-            per_expert_metrics=per_expert_metrics, exchange=exchange, load_format=load_format,
-            state_dir=os.path.abspath(state_dir) if state_dir else "", enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, capture_graphs_at_start=capture_graphs_at_start, metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())))
+            heartbeat_s=heartbeat_s,
+            pg_timeout_s=pg_timeout_s,
+            host=admin_host,
+            **hook,
+            per_expert_metrics=per_expert_metrics,
+            exchange=exchange,
+            load_format=load_format,
+            state_dir=os.path.abspath(state_dir) if state_dir else "",
+            enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
+            capture_graphs_at_start=capture_graphs_at_start,
+            metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())),
+        )
         if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
-            raise ValueError(f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}")
+            raise ValueError(
+                f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}"
+            )
         self.metrics_ports = None if metrics_ports is None else [int(p) for p in metrics_ports]
         self.moe_info = info
         self.vocab_size = mcfg.vocab_size
@@ -165,7 +243,7 @@ class LocalCluster:
         self.run_dir: str | None = None
         self.error: str | None = None
         self.max_worker_restarts = max_worker_restarts
-        self.replaced: list[tuple[int, int, float]] = []      # (rank, exit code, time) of each replacement
+        self.replaced: list[tuple[int, int, float]] = []  # (rank, exit code, time) of each replacement
         self._stopping = False
         self._client: EngineClient | None = None
         self._monitor: threading.Thread | None = None
@@ -191,9 +269,15 @@ class LocalCluster:
         authkey = secrets.token_bytes(16)
         port = free_port()
         base = child_env(self.env)
-        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(cfg.world_size),
-                    MOESERVE_CLUSTER_CONFIG=cfg_path, MOESERVE_RUN_DIR=self.run_dir,
-                    MOESERVE_AUTHKEY=authkey.hex(), MOESERVE_PARENT_PID=str(os.getpid()))
+        base.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(cfg.world_size),
+            MOESERVE_CLUSTER_CONFIG=cfg_path,
+            MOESERVE_RUN_DIR=self.run_dir,
+            MOESERVE_AUTHKEY=authkey.hex(),
+            MOESERVE_PARENT_PID=str(os.getpid()),
+        )
         if cfg.backend == "gloo":
             base.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         self.log_paths = []
@@ -206,9 +290,16 @@ class LocalCluster:
             path = os.path.join(logs, f"rank{rank}.log")
             self.log_paths.append(path)
             out = open(path, "wb")
-            self.procs.append(subprocess.Popen(module_command("moeserve.cluster.rank"), env=env,
-                                               stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               preexec_fn=_die_with_parent))
+            self.procs.append(
+                subprocess.Popen(
+                    module_command("moeserve.cluster.rank"),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent,
+                )
+            )
             out.close()
         # The monitor also starts replacements: they die with the thread that started them (PDEATHSIG).
         self._monitor = threading.Thread(target=self._watch, name="cluster-monitor", daemon=True)
@@ -221,8 +312,9 @@ class LocalCluster:
                 raise ClusterError(self.error)
             if time.monotonic() > deadline:
                 self.stop()
-                raise ClusterError(f"the cluster did not become ready within {self.startup_timeout_s:.0f} s "
-                                   f"(logs: {logs})")
+                raise ClusterError(
+                    f"the cluster did not become ready within {self.startup_timeout_s:.0f} s (logs: {logs})"
+                )
             time.sleep(0.05)
         with open(ready) as f:
             addr = json.load(f)
@@ -276,15 +368,16 @@ class LocalCluster:
                 return
             exited = [(rank, p.poll()) for rank, p in enumerate(self.procs) if p.poll() is not None]
             if exited:
-                time.sleep(0.3)                     # let peers that saw the failure exit too
+                time.sleep(0.3)  # let peers that saw the failure exit too
                 exited = [(rank, p.poll()) for rank, p in enumerate(self.procs) if p.poll() is not None]
                 if self._replace(exited):
                     continue
                 # A rank killed by a signal is the likely cause; the others died of losing it.
                 exited.sort(key=lambda rc: (rc[1] >= 0, rc[0]))
                 first, code = exited[0]
-                what = "; ".join(f"rank {r} ({self.config.role(r).name}) exited with {describe_exit(c)}"
-                                 for r, c in exited)
+                what = "; ".join(
+                    f"rank {r} ({self.config.role(r).name}) exited with {describe_exit(c)}" for r, c in exited
+                )
                 self.error = f"{what}\n--- end of rank {first}'s log ---\n{self._log_tail(first)}"
                 self._kill_all()
                 return
@@ -306,9 +399,14 @@ class LocalCluster:
         with open(self.log_paths[rank], "ab") as out:
             out.write(f"--- rank {rank} exited with {describe_exit(code)}: starting its replacement ---\n".encode())
             out.flush()
-            self.procs[rank] = subprocess.Popen(module_command("moeserve.cluster.rank"), env=self._envs[rank],
-                                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                preexec_fn=_die_with_parent)
+            self.procs[rank] = subprocess.Popen(
+                module_command("moeserve.cluster.rank"),
+                env=self._envs[rank],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
         return True
 
     def _failure(self, wait_s: float = 3.0) -> str | None:
@@ -345,9 +443,19 @@ class LocalCluster:
             raise ClusterError(self.error)
         return self._client
 
-    def generate(self, prompts, max_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = None, ignore_eos: bool = False, stop_token_ids=(),
-                 return_logits: bool = False, details: bool = False):
+    def generate(
+        self,
+        prompts,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids=(),
+        return_logits: bool = False,
+        details: bool = False,
+    ):
         """Generate for each prompt (a list of token ids); all prompts run concurrently.
 
         Returns the generated ids per prompt (prompt excluded), or with ``details`` a list of
@@ -355,8 +463,17 @@ class LocalCluster:
         generated token was sampled from). Invalid input raises ValueError before anything runs.
         """
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        reqs = [GenerateRequest(tuple(int(t) for t in p), max_tokens, sp, tuple(stop_token_ids), ignore_eos,
-                                "last" if return_logits else "") for p in prompts]
+        reqs = [
+            GenerateRequest(
+                tuple(int(t) for t in p),
+                max_tokens,
+                sp,
+                tuple(stop_token_ids),
+                ignore_eos,
+                "last" if return_logits else "",
+            )
+            for p in prompts
+        ]
         toks = [[] for _ in reqs]
         logits = [[] for _ in reqs]
         reasons = [""] * len(reqs)
@@ -368,7 +485,7 @@ class LocalCluster:
             elif isinstance(ev, Finished):
                 reasons[i] = str(ev.reason)
             elif isinstance(ev, Failed):
-                raise ClusterError(self._failure() or ev.message)     # the monitor names the rank that died first
+                raise ClusterError(self._failure() or ev.message)  # the monitor names the rank that died first
         if not details:
             return toks
         return [Generation(t, r, np.concatenate(lg) if lg else None) for t, r, lg in zip(toks, reasons, logits)]
@@ -380,7 +497,7 @@ class LocalCluster:
             if isinstance(ev, Token):
                 return ev.logits
             if isinstance(ev, Failed):
-                raise ClusterError(self._failure() or ev.message)     # the monitor names the rank that died first
+                raise ClusterError(self._failure() or ev.message)  # the monitor names the rank that died first
         raise ClusterError("no logits came back")
 
     def placement(self) -> Placement:
@@ -388,8 +505,9 @@ class LocalCluster:
         ``.breakeven`` [L, E])."""
         return self._c().placement()
 
-    def apply_placement(self, phy2log, wait: bool = True, expected_version: int | None = None,
-                        timeout_s: float = 600.0, breakeven=None) -> str:
+    def apply_placement(
+        self, phy2log, wait: bool = True, expected_version: int | None = None, timeout_s: float = 600.0, breakeven=None
+    ) -> str:
         """Migrate to ``phy2log`` [L, P] live; returns the migration id (at once with
         wait=False). ``breakeven`` [L, E]: the break-even counts b that come with it (None:
         those in force stay). Raises ValueError (InvalidRequest), changing nothing, when it is
@@ -397,8 +515,9 @@ class LocalCluster:
         target = np.asarray(phy2log)
         if breakeven is not None:
             cur = self.placement()
-            target = Placement(target, cur.num_logical, cur.num_workers, cur.workers_per_node, cur.version,
-                               breakeven=breakeven)
+            target = Placement(
+                target, cur.num_logical, cur.num_workers, cur.workers_per_node, cur.version, breakeven=breakeven
+            )
         mig = self._c().apply_placement(target, expected_version)
         if wait:
             self.wait_migration(mig.migration_id, timeout_s)

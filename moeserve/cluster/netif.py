@@ -1,13 +1,14 @@
 """Which network interface a rank's gloo (and NCCL's bootstrap) traffic uses: the one that
 holds the address this rank reaches the leader from, picked by address, never by a name
 guessed in advance (``lo`` on one machine, ``eth0`` or ``ens5`` elsewhere)."""
+
 from __future__ import annotations
 
 import fcntl
 import socket
 import struct
 
-SIOCGIFADDR = 0x8915          # Linux: an interface's IPv4 address
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def local_address_towards(host: str, port: int = 9) -> str:
@@ -23,7 +24,7 @@ def interface_of(address: str) -> str | None:
         for _, name in socket.if_nameindex():
             try:
                 raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:                       # no IPv4 address on it
+            except OSError:  # no IPv4 address on it
                 continue
             if socket.inet_ntoa(raw[20:24]) == address:
                 return name

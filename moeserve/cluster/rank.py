@@ -11,6 +11,7 @@ the main thread becomes the step driver (docs/dataplane.md). The leader also ser
 channel, and runs ``cfg.leader_hook`` (``module:function``, e.g. the gRPC admin server the CLI
 asks for): no module imported here at start imports gRPC or protobuf.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -51,11 +52,17 @@ def initial_placement(cfg: ClusterConfig, num_layers: int, num_logical: int) -> 
         b = np.asarray(cfg.breakeven, dtype=np.int64)
     else:
         b = np.full((num_layers, num_logical), default_breakeven(), dtype=np.int64)
-    return Placement(phy2log=phy2log, num_logical=num_logical, num_workers=cfg.workers,
-                     workers_per_node=cfg.workers_per_node or cfg.workers, version=1, breakeven=b)
+    return Placement(
+        phy2log=phy2log,
+        num_logical=num_logical,
+        num_workers=cfg.workers,
+        workers_per_node=cfg.workers_per_node or cfg.workers,
+        version=1,
+        breakeven=b,
+    )
 
 
-_LISTEN: list = []          # the leader's listening socket of the store, kept open for the process's life
+_LISTEN: list = []  # the leader's listening socket of the store, kept open for the process's life
 
 
 def open_store(cfg: ClusterConfig, rank: int):
@@ -63,6 +70,7 @@ def open_store(cfg: ClusterConfig, rank: int):
     on MASTER_ADDR:MASTER_PORT through a socket bound to that address only, not on every
     interface; the other ranks connect to it."""
     import socket
+
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(seconds=max(60.0, cfg.pg_timeout_s))
     if rank != 0:
@@ -72,8 +80,9 @@ def open_store(cfg: ClusterConfig, rank: int):
     sock.bind((host, port))
     sock.listen(512)
     _LISTEN.append(sock)
-    return dist.TCPStore(host, port, cfg.world_size, True, timeout, wait_for_workers=False,
-                         master_listen_fd=sock.fileno())
+    return dist.TCPStore(
+        host, port, cfg.world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.fileno()
+    )
 
 
 def join(cfg: ClusterConfig, rank: int, device: torch.device, store, generation: int):
@@ -82,14 +91,20 @@ def join(cfg: ClusterConfig, rank: int, device: torch.device, store, generation:
     (and NCCL's bootstrap) use the interface that holds this rank's address towards the
     leader, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise."""
     from moeserve.cluster.netif import data_interface
+
     iface = data_interface(os.environ["MASTER_ADDR"])
     if iface:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
-    dist.init_process_group(cfg.backend, store=dist.PrefixStore(f"generation{generation}", store), rank=rank,
-                            world_size=cfg.world_size, timeout=timeout,
-                            device_id=device if cfg.backend == "nccl" else None)
+    dist.init_process_group(
+        cfg.backend,
+        store=dist.PrefixStore(f"generation{generation}", store),
+        rank=rank,
+        world_size=cfg.world_size,
+        timeout=timeout,
+        device_id=device if cfg.backend == "nccl" else None,
+    )
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
@@ -114,15 +129,16 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
     topo = None
     role = cfg.role(rank)
     if role.router_index >= 0:
-        info_model = load_model(cfg.model_dir, dtype=dtype, device=device, load_experts=False,
-                                load_format=cfg.load_format)
+        info_model = load_model(
+            cfg.model_dir, dtype=dtype, device=device, load_experts=False, load_format=cfg.load_format
+        )
         info = info_model.moe_info
     else:
         info = _moe_info(cfg.model_dir, dtype)
     e = info.num_logical_experts
     topo = Topology.build(cfg.routers, cfg.workers, cfg.colocated, e + cfg.eplb.num_redundant_experts)
     placement = initial_placement(cfg, info.num_moe_layers, e)
-    if generation:                                        # a replacement: the placement in force
+    if generation:  # a replacement: the placement in force
         placement = _placement_from_leader(control, placement)
     exchange = make_exchange(cfg, topo, rank, device, control, mcfg.hidden_size, dtype, info.top_k)
     st = RankState(rank, topo, exchange, control, info.num_moe_layers, mcfg.hidden_size, dtype, top_k=info.top_k)
@@ -130,35 +146,61 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
     if role.worker_index >= 0:
         from moeserve.expert_worker.migration import run_moves
         from moeserve.expert_worker.store import ExpertStore
+
         # "dummy": every worker makes an expert from (seed, its name), so replicas are identical
         with open_reader(cfg.model_dir, cfg.load_format, device) as reader:
-            st.store = ExpertStore.from_checkpoint(reader, info.expert_spec, role.worker_index, placement.phy2log,
-                                                   topo.num_workers, device, cfg.max_staging_bytes)
+            st.store = ExpertStore.from_checkpoint(
+                reader,
+                info.expert_spec,
+                role.worker_index,
+                placement.phy2log,
+                topo.num_workers,
+                device,
+                cfg.max_staging_bytes,
+            )
         st.run_moves = partial(run_moves, store=st.store, topo=topo)
     if role.router_index >= 0:
         from moeserve.router.dispatcher import DistributedExperts, RouterMaps
         from moeserve.router.runner import RouterRunner
-        st.maps = RouterMaps(placement.phy2log, e, cfg.eplb.num_redundant_experts + 1, device,
-                             breakeven=placement.breakeven)
+
+        st.maps = RouterMaps(
+            placement.phy2log, e, cfg.eplb.num_redundant_experts + 1, device, breakeven=placement.breakeven
+        )
         experts = DistributedExperts(exchange, st.maps, role.router_index, info.num_moe_layers, st.store)
         from moeserve.router.graphs import applies
+
         use_graphs, why = applies(info_model, exchange, st.store, cfg.enforce_eager)
         if not use_graphs and device.type == "cuda":
             log.info("decode steps run eagerly: %s", why)
-        st.runner = RouterRunner(info_model, experts, kv_blocks(cfg, mcfg, dtype, device), cfg.cache.block_size,
-                                 graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len) if use_graphs else None,
-                                 async_outputs=cfg.async_scheduling)
+        st.runner = RouterRunner(
+            info_model,
+            experts,
+            kv_blocks(cfg, mcfg, dtype, device),
+            cfg.cache.block_size,
+            graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len) if use_graphs else None,
+            async_outputs=cfg.async_scheduling,
+        )
     if rank == 0:
         from moeserve.router.engine.api import ModelShape
         from moeserve.router.engine.leader import Engine
-        shape = ModelShape(info.num_moe_layers, e, info.top_k, mcfg.vocab_size, tuple(mcfg.eos_token_ids),
-                           info.expert_bytes, tuple(int(x) for x in info.moe_layer_ids), mcfg.num_layers)
+
+        shape = ModelShape(
+            info.num_moe_layers,
+            e,
+            info.top_k,
+            mcfg.vocab_size,
+            tuple(mcfg.eos_token_ids),
+            info.expert_bytes,
+            tuple(int(x) for x in info.moe_layer_ids),
+            mcfg.num_layers,
+        )
         st.leader = Engine(cfg, shape, placement)
         if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:
-            st.leader.warm_up(st.runner.graphs.warmup_keys())      # every router has the same keys
+            st.leader.warm_up(st.runner.graphs.warmup_keys())  # every router has the same keys
 
     _warm_up_kernels(st, mcfg.vocab_size, device)
     from moeserve.expert_worker.migration import warm_up_pairs
+
     warm_up_pairs(rank, world, device)
     st.recover = partial(_recover, st, cfg, store, device, [generation])
     return st
@@ -176,11 +218,16 @@ def _warm_up_kernels(st: RankState, vocab_size: int, device: torch.device) -> No
     races = 0
     if st.runner is not None:
         from moeserve import sampling
+
         races = sampling.warm_up(vocab_size, device)
     torch.cuda.synchronize(device)
     if blocks or races:
-        log.info("compiled the expert kernels for rows per pass %s and %d race sampler configurations in %.1f s",
-                 blocks, races, time.perf_counter() - t0)
+        log.info(
+            "compiled the expert kernels for rows per pass %s and %d race sampler configurations in %.1f s",
+            blocks,
+            races,
+            time.perf_counter() - t0,
+        )
 
 
 def _placement_from_leader(control, placement: Placement) -> Placement:
@@ -197,7 +244,7 @@ def _next_generation(store, current: int, timeout_s: float) -> int | None:
     while time.monotonic() < deadline:
         try:
             gen = int(store.add("generation", 0))
-        except Exception:                                 # the store (the leader) is gone: fatal
+        except Exception:  # the store (the leader) is gone: fatal
             return None
         if gen > current:
             return gen
@@ -205,8 +252,9 @@ def _next_generation(store, current: int, timeout_s: float) -> int | None:
     return None
 
 
-def _recover(st: RankState, cfg: ClusterConfig, store, device: torch.device, generation: list[int],
-             error: BaseException) -> bool:
+def _recover(
+    st: RankState, cfg: ClusterConfig, store, device: torch.device, generation: list[int], error: BaseException
+) -> bool:
     """A step's collective failed. When a replacement for a lost expert worker announces a new
     generation (within pg_timeout_s + 30 s), re-form the groups with it, install the leader's
     placement in force on every rank (a commit may have reached some ranks and not others),
@@ -220,7 +268,7 @@ def _recover(st: RankState, cfg: ClusterConfig, store, device: torch.device, gen
         return False
     try:
         dist.destroy_process_group()
-    except Exception:                                     # a group whose peer died may not close cleanly
+    except Exception:  # a group whose peer died may not close cleanly
         pass
     st.control_group = join(cfg, st.rank, device, store, gen)
     placement = st.leader.on_peer_lost() if st.leader is not None else None
@@ -232,14 +280,24 @@ def _recover(st: RankState, cfg: ClusterConfig, store, device: torch.device, gen
             st.maps.set_layer(layer, phy2log[layer], breakeven[layer])
     if st.store is not None:
         from moeserve.models import open_reader
+
         with open_reader(cfg.model_dir, cfg.load_format, device) as reader:
             st.store.resync(reader, phy2log)
-    st.exchange = make_exchange(cfg, st.topo, st.rank, device, st.control_group, st.hidden_size, st.dtype,
-                                st.runner.model.moe_info.top_k if st.runner is not None else _top_k(cfg))
+    st.exchange = make_exchange(
+        cfg,
+        st.topo,
+        st.rank,
+        device,
+        st.control_group,
+        st.hidden_size,
+        st.dtype,
+        st.runner.model.moe_info.top_k if st.runner is not None else _top_k(cfg),
+    )
     if st.runner is not None:
         st.runner.experts.exchange = st.exchange
-        st.runner.experts.discard_load()                  # the failed step's partial load, and the unread
+        st.runner.experts.discard_load()  # the failed step's partial load, and the unread
     from moeserve.expert_worker.migration import warm_up_pairs
+
     warm_up_pairs(st.rank, cfg.world_size, device)
     generation[0] = gen
     log.warning("re-formed the groups as generation %d in %.2f s", gen, time.monotonic() - t0)
@@ -253,11 +311,13 @@ def _peer_lost(error: BaseException) -> bool:
         return True
     text = str(error)
     return isinstance(error, RuntimeError) and any(
-        m in text for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out"))
+        m in text for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out")
+    )
 
 
 def _top_k(cfg: ClusterConfig) -> int:
     from moeserve.models import load_config
+
     return load_config(cfg.model_dir).top_k
 
 
@@ -267,6 +327,7 @@ def kv_blocks(cfg: ClusterConfig, mcfg, dtype: torch.dtype, device: torch.device
     device, less room for one step's activations; CPU: cpu_kv_cache_gib), at most what
     max_num_seqs sequences of max_model_len tokens need."""
     from moeserve.models.paged import PagedKVCache
+
     c, lim = cfg.cache, cfg.limits
     per_block = PagedKVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, c.block_size, dtype)
     enough = lim.max_num_seqs * -(-lim.max_model_len // c.block_size) + 1
@@ -278,21 +339,34 @@ def kv_blocks(cfg: ClusterConfig, mcfg, dtype: torch.dtype, device: torch.device
         # A step's activations: hidden states and MLP of max_num_batched_tokens tokens, and the
         # logits of max_num_seqs rows (fp32) with the sampler's temporaries.
         width = max(mcfg.intermediate_size, mcfg.hidden_size * 4)
-        activations = (lim.max_num_batched_tokens * (mcfg.hidden_size * 8 + width * 3) * dtype.itemsize
-                       + lim.max_num_seqs * mcfg.vocab_size * 4 * 6 + (1 << 30))
+        activations = (
+            lim.max_num_batched_tokens * (mcfg.hidden_size * 8 + width * 3) * dtype.itemsize
+            + lim.max_num_seqs * mcfg.vocab_size * 4 * 6
+            + (1 << 30)
+        )
         budget = int(total * c.gpu_memory_utilization) - used - activations
     else:
         budget = int(c.cpu_kv_cache_gib * (1 << 30))
     blocks = min(enough, budget // per_block)
     if blocks < 1:
-        raise RuntimeError(f"no memory is left for the KV cache ({budget / 2**30:.2f} GiB after the weights and "
-                           f"activations; one block of {c.block_size} tokens needs {per_block} bytes): raise "
-                           f"gpu_memory_utilization, lower max_num_batched_tokens, or use more GPUs")
+        raise RuntimeError(
+            f"no memory is left for the KV cache ({budget / 2**30:.2f} GiB after the weights and "
+            f"activations; one block of {c.block_size} tokens needs {per_block} bytes): raise "
+            f"gpu_memory_utilization, lower max_num_batched_tokens, or use more GPUs"
+        )
     return int(blocks)
 
 
-def make_exchange(cfg: ClusterConfig, topo: Topology, rank: int, device: torch.device, control,
-                  hidden_size: int, dtype: torch.dtype, top_k: int):
+def make_exchange(
+    cfg: ClusterConfig,
+    topo: Topology,
+    rank: int,
+    device: torch.device,
+    control,
+    hidden_size: int,
+    dtype: torch.dtype,
+    top_k: int,
+):
     """The data plane's per-layer exchange, the same kind on every rank (``cfg.exchange``).
 
     "auto" takes the direct NVLink exchange when every rank can run it (one collective on the
@@ -301,22 +375,33 @@ def make_exchange(cfg: ClusterConfig, topo: Topology, rank: int, device: torch.d
     if cfg.exchange == "collective" or cfg.backend != "nccl":
         return CollectiveExchange(topo, rank, group=None, device=device)
     from moeserve.dataplane import nvlink
+
     ok, why = nvlink.usable(device)
     flag = torch.tensor([1 if ok else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control)
     if not int(flag.item()):
         if cfg.exchange == "nvlink":
-            raise RuntimeError(f"exchange='nvlink' cannot run on every rank (rank {rank}: {why or 'usable'}); "
-                               f"use exchange='auto' or 'collective'")
+            raise RuntimeError(
+                f"exchange='nvlink' cannot run on every rank (rank {rank}: {why or 'usable'}); "
+                f"use exchange='auto' or 'collective'"
+            )
         return CollectiveExchange(topo, rank, group=None, device=device)
-    return nvlink.NvlinkExchange(topo, rank, device, hidden_size, dtype,
-                                 pair_capacity=cfg.limits.max_num_batched_tokens * top_k, top_k=top_k,
-                                 timeout_ms=int(cfg.pg_timeout_s * 1000))
+    return nvlink.NvlinkExchange(
+        topo,
+        rank,
+        device,
+        hidden_size,
+        dtype,
+        pair_capacity=cfg.limits.max_num_batched_tokens * top_k,
+        top_k=top_k,
+        timeout_ms=int(cfg.pg_timeout_s * 1000),
+    )
 
 
 def _moe_info(model_dir: str, dtype: torch.dtype):
     """MoE shapes without building a model (a worker holds no attention)."""
     from moeserve.models import MoEInfo, load_config
+
     return MoEInfo.from_config(load_config(model_dir), dtype)
 
 
@@ -327,8 +412,15 @@ def _watch_parent(pid: int) -> None:
             os._exit(3)
 
 
-def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = None,
-          control_host: str = "127.0.0.1", control_port: int = 0, metrics_port: int | None = None) -> int:
+def serve(
+    cfg: ClusterConfig,
+    rank: int,
+    authkey: bytes,
+    run_dir: str | None = None,
+    control_host: str = "127.0.0.1",
+    control_port: int = 0,
+    metrics_port: int | None = None,
+) -> int:
     """Build this rank and run its step loop until a stop header. The leader also serves the
     local channel on (control_host, control_port) and runs ``cfg.leader_hook`` with its engine;
     with ``run_dir`` it writes what the hook returns as ``<name>.json`` and then
@@ -340,15 +432,16 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
     hooked = None
     metrics = None
     try:
-        if metrics_port is not None:                   # before the model loads: a slow start shows
+        if metrics_port is not None:  # before the model loads: a slow start shows
             from moeserve.ops.metrics import ProcessMetrics
+
             metrics = ProcessMetrics(cfg.role(rank).name, rank)
             metrics.serve(metrics_port, cfg.host)
             log.info("metrics on http://%s:%d/metrics", cfg.host, metrics.port)
         store = open_store(cfg, rank)
         generation = _rejoining(cfg, rank, store)
         st = build(cfg, rank, store, generation)
-        if generation == 0:                            # a replacement joins a running cluster: no start gather
+        if generation == 0:  # a replacement joins a running cluster: no start gather
             ports = [None] * cfg.world_size if rank == 0 else None
             blocks = st.runner.num_blocks if st.runner is not None else 0
             dist.gather_object((metrics.port if metrics else -1, blocks), ports, dst=0, group=st.control_group)
@@ -356,28 +449,39 @@ def serve(cfg: ClusterConfig, rank: int, authkey: bytes, run_dir: str | None = N
             _record_metrics(metrics, st, cfg)
         if st.leader is not None:
             engine = st.leader
-            engine.metrics_ports = {**{f"rank{r}": int(p) for r, (p, _) in enumerate(ports) if p >= 0},
-                                    **dict(cfg.metrics_peers)}
+            engine.metrics_ports = {
+                **{f"rank{r}": int(p) for r, (p, _) in enumerate(ports) if p >= 0},
+                **dict(cfg.metrics_peers),
+            }
             engine.set_kv_capacity([ports[r][1] for r in range(cfg.world_size) if cfg.role(r).router_index >= 0])
             from moeserve.router.engine.channel import ChannelServer
+
             server = ChannelServer(engine, authkey, control_host, control_port)
             server.start()
             signal.signal(signal.SIGTERM, lambda *_: engine.request_stop())
             if cfg.leader_hook:
                 hooked = _load_hook(cfg.leader_hook)(engine, cfg.leader_hook_config, metrics)
                 if run_dir:
-                    _write_json(os.path.join(run_dir, f"{hooked.name}.json"), {"host": hooked.address[0],
-                                                                               "port": hooked.address[1]})
+                    _write_json(
+                        os.path.join(run_dir, f"{hooked.name}.json"),
+                        {"host": hooked.address[0], "port": hooked.address[1]},
+                    )
                 log.info("%s on %s:%d", hooked.name, *hooked.address)
-            store.set("running", "1")                  # from now on a restarted worker is a replacement
+            store.set("running", "1")  # from now on a restarted worker is a replacement
             if run_dir:
                 server.write_address(os.path.join(run_dir, "control.json"))
-            log.info("leader ready: %d routers, %d workers, world %d, local channel on %s:%d",
-                     cfg.routers, cfg.workers, cfg.world_size, *server.address)
+            log.info(
+                "leader ready: %d routers, %d workers, world %d, local channel on %s:%d",
+                cfg.routers,
+                cfg.workers,
+                cfg.world_size,
+                *server.address,
+            )
         from moeserve.kernels import compilelog, gcpause
-        gcpause.freeze_startup_heap()                  # full collections skip the start-up heap
+
+        gcpause.freeze_startup_heap()  # full collections skip the start-up heap
         if cfg.backend == "nccl":
-            compilelog.watch()                         # every Triton compile from here on is logged
+            compilelog.watch()  # every Triton compile from here on is logged
         step_loop(st)
     except Exception as e:
         traceback.print_exc()
@@ -400,8 +504,10 @@ def _rejoining(cfg: ClusterConfig, rank: int, store) -> int:
         return 0
     role = cfg.role(rank)
     if role.router_index >= 0:
-        raise RuntimeError(f"rank {rank} ({role.name}) cannot rejoin a running cluster: a router's KV cache and "
-                           f"sequences are lost with it; restart the whole cluster")
+        raise RuntimeError(
+            f"rank {rank} ({role.name}) cannot rejoin a running cluster: a router's KV cache and "
+            f"sequences are lost with it; restart the whole cluster"
+        )
     gen = int(store.add("generation", 1))
     log.warning("rank %d (worker %d) replaces a lost worker: generation %d", rank, role.worker_index, gen)
     return gen
@@ -411,6 +517,7 @@ def _load_hook(spec: str):
     """``module:function`` -> the function (called on the leader as ``fn(engine, config_json,
     process_metrics)``; it returns an object with ``name``, ``address`` and ``stop()``)."""
     import importlib
+
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -419,6 +526,7 @@ def _record_metrics(metrics, st: RankState, cfg: ClusterConfig) -> None:
     """Hand this rank's roles what they record: the leader's step hook and state, the router's
     dispatch/combine timings."""
     from moeserve.ops.metrics import LeaderMetrics, RouterMetrics
+
     if st.leader is not None:
         st.leader.metrics = LeaderMetrics(metrics.registry, st.leader, cfg.per_expert_metrics)
     if st.runner is not None:
@@ -427,6 +535,7 @@ def _record_metrics(metrics, st: RankState, cfg: ClusterConfig) -> None:
 
 def _write_json(path: str, value) -> None:
     import json
+
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(value, f)
@@ -435,16 +544,23 @@ def _write_json(path: str, value) -> None:
 
 def main() -> int:
     rank = int(os.environ["RANK"])
-    logging.basicConfig(level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s",
+    )
     parent = os.environ.get("MOESERVE_PARENT_PID")
     if parent:
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
     with open(os.environ["MOESERVE_CLUSTER_CONFIG"]) as f:
         cfg = ClusterConfig.from_json(f.read())
     port = os.environ.get("MOESERVE_METRICS_PORT")
-    return serve(cfg, rank, bytes.fromhex(os.environ["MOESERVE_AUTHKEY"]), os.environ["MOESERVE_RUN_DIR"],
-                 metrics_port=int(port) if port else None)
+    return serve(
+        cfg,
+        rank,
+        bytes.fromhex(os.environ["MOESERVE_AUTHKEY"]),
+        os.environ["MOESERVE_RUN_DIR"],
+        metrics_port=int(port) if port else None,
+    )
 
 
 if __name__ == "__main__":

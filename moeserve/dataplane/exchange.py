@@ -11,6 +11,7 @@ stores into peers' symmetric memory, one host, CUDA). The router's experts backe
 (``moeserve.router.dispatcher``) and the step loop (``moeserve.dataplane.step``) drive either
 through this interface and never ask which one they have.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,8 +80,15 @@ def count(values: torch.Tensor, n: int) -> torch.Tensor:
     return out.index_add_(0, values, torch.ones_like(values))
 
 
-def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int,
-                 breakeven: torch.Tensor | None = None, router: int = 0, num_routers: int = 1) -> torch.Tensor:
+def choose_slots(
+    ids: torch.Tensor,
+    log2phy: torch.Tensor,
+    logcnt: torch.Tensor,
+    offset: int,
+    breakeven: torch.Tensor | None = None,
+    router: int = 0,
+    num_routers: int = 1,
+) -> torch.Tensor:
     """Map each (token, k) pair to a physical slot, spreading tokens over replicas that pay.
 
     ids:       LongTensor [T, K] logical expert ids.
@@ -106,19 +114,21 @@ def choose_slots(ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
     why the token index and not the flat pair index). All on the device: no host read.
     """
     t, k = ids.shape
-    flat = ids.reshape(-1)                                                        # [N]
+    flat = ids.reshape(-1)  # [N]
     token = torch.arange(t, device=ids.device).repeat_interleave(k) if k > 1 else torch.arange(t, device=ids.device)
     if breakeven is None:
-        replica = (token + offset) % logcnt.index_select(0, flat)                 # [N]
+        replica = (token + offset) % logcnt.index_select(0, flat)  # [N]
         return log2phy[flat, replica]
     used, alone = replicas_used(count(flat, logcnt.numel()) * num_routers, logcnt, breakeven, offset - router)
-    replica = torch.where(alone.index_select(0, flat) >= 0, alone.index_select(0, flat),
-                          (token + offset) % used.index_select(0, flat))          # [N]
+    replica = torch.where(
+        alone.index_select(0, flat) >= 0, alone.index_select(0, flat), (token + offset) % used.index_select(0, flat)
+    )  # [N]
     return log2phy[flat, replica]
 
 
-def replicas_used(estimate: torch.Tensor, logcnt: torch.Tensor, breakeven: torch.Tensor, step: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def replicas_used(
+    estimate: torch.Tensor, logcnt: torch.Tensor, breakeven: torch.Tensor, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The break-even rule per logical expert (the torch reference of the route kernel's).
 
     estimate: LongTensor [E], the step's estimated pairs of each expert; logcnt [E]; breakeven
@@ -156,10 +166,9 @@ class Exchange(Protocol):
 
     topo: Topology
     device: torch.device
-    slot_position: torch.Tensor         # LongTensor [P]: column of each slot in an [R*S] table
+    slot_position: torch.Tensor  # LongTensor [P]: column of each slot in an [R*S] table
 
-    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing, maps, offset: int,
-                 sent: torch.Tensor) -> object:
+    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing, maps, offset: int, sent: torch.Tensor) -> object:
         """Send the rows of ``hidden [T, H]`` for ``routing`` (ids [T, K]); returns a handle."""
         ...
 
@@ -172,8 +181,7 @@ class Exchange(Protocol):
         ...
 
 
-def idle_walk(exchange: Exchange, num_layers: int, hidden_size: int, dtype: torch.dtype, store=None,
-              maps=None) -> None:
+def idle_walk(exchange: Exchange, num_layers: int, hidden_size: int, dtype: torch.dtype, store=None, maps=None) -> None:
     """Take part in every MoE layer's exchange with no rows of one's own (an idle router, or a
     worker): all ranks walk the MoE layers in lockstep. ``maps``: an idle router's RouterMaps."""
     for layer in range(num_layers):
@@ -192,10 +200,10 @@ def slot_major_index(received: RecvCounts) -> tuple[torch.Tensor, list[int], tor
     counts = received.device
     r, s = counts.shape
     total = int(received.host.sum())
-    sizes = counts.reshape(-1)                                             # [R*S] received layout
-    block_start = (torch.cumsum(sizes, 0) - sizes).view(r, s)              # [R, S]
-    sizes_t = counts.t().reshape(-1)                                       # [S*R] slot-major blocks
-    start_t = torch.cumsum(sizes_t, 0) - sizes_t                           # where each block goes
+    sizes = counts.reshape(-1)  # [R*S] received layout
+    block_start = (torch.cumsum(sizes, 0) - sizes).view(r, s)  # [R, S]
+    sizes_t = counts.t().reshape(-1)  # [S*R] slot-major blocks
+    start_t = torch.cumsum(sizes_t, 0) - sizes_t  # where each block goes
     # index[j] = block_start[b] + (j - start_t[b]) for the slot-major block b that holds j.
     shift = torch.repeat_interleave(block_start.t().reshape(-1) - start_t, sizes_t, output_size=total)
     index = shift + torch.arange(total, device=counts.device)

@@ -22,18 +22,27 @@ packed 8 to a word, little-endian, after their byte count):
     M moves, per commit (layer, version, P, S staged, E break-even counts, phy2log [P], staged
     [S, 2], break-even [E]), per move its 7 fields (``MoveOp`` order).
 """
+
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeserve.dataplane.protocol import (LayerCommit, MigrationOps, MoveOp, RouterWork, SeqWork, StepHeader,
-                                         _NO_BLOCKS, _NO_IDS)
+from moeserve.dataplane.protocol import (
+    LayerCommit,
+    MigrationOps,
+    MoveOp,
+    RouterWork,
+    SeqWork,
+    StepHeader,
+    _NO_BLOCKS,
+    _NO_IDS,
+)
 from moeserve.sampling import SamplingParams
 
-MAGIC = 0x4D53_4844_0001                     # "MSHD", layout 1
-DEFAULT_CAPACITY = 4096                     # words broadcast every step (32 KiB)
+MAGIC = 0x4D53_4844_0001  # "MSHD", layout 1
+DEFAULT_CAPACITY = 4096  # words broadcast every step (32 KiB)
 _FORWARD, _REPORT, _READ_LOAD, _STOP, _WARMUP, _MIGRATION = (1 << i for i in range(6))
 _SAMPLE, _SAMPLING, _SEED = 1, 2, 4
 _LOGITS = {"": 0, "last": 1, "all": 2}
@@ -60,8 +69,14 @@ def _str_words(s: str) -> list[int]:
 
 def encode(h: StepHeader) -> np.ndarray:
     """The header as int64 words [W] (see the module docstring)."""
-    flags = (_FORWARD * h.forward | _REPORT * h.report | _READ_LOAD * h.read_load | _STOP * h.stop
-             | _WARMUP * (h.warmup is not None) | _MIGRATION * (h.migration is not None))
+    flags = (
+        _FORWARD * h.forward
+        | _REPORT * h.report
+        | _READ_LOAD * h.read_load
+        | _STOP * h.stop
+        | _WARMUP * (h.warmup is not None)
+        | _MIGRATION * (h.migration is not None)
+    )
     wb, wl = h.warmup if h.warmup is not None else (0, 0)
     parts: list = []
     head = [MAGIC, 0, h.step, flags, wb, wl, len(h.work)]
@@ -75,8 +90,12 @@ def encode(h: StepHeader) -> np.ndarray:
         parts.append(list(w.release))
         for sw in w.seqs:
             sp = sw.sampling
-            f = (_SAMPLE * bool(sw.sample) | _SAMPLING * (sp is not None)
-                 | _SEED * (sp is not None and sp.seed is not None) | _LOGITS[sw.return_logits or ""] << 3)
+            f = (
+                _SAMPLE * bool(sw.sample)
+                | _SAMPLING * (sp is not None)
+                | _SEED * (sp is not None and sp.seed is not None)
+                | _LOGITS[sw.return_logits or ""] << 3
+            )
             words = [sw.seq_id, sw.start, len(sw.token_ids), len(sw.new_blocks), sw.out_pos, f]
             if sp is not None:
                 words += [_f2w(sp.temperature), _f2w(sp.top_p), sp.top_k, sp.seed if sp.seed is not None else 0]
@@ -85,8 +104,13 @@ def encode(h: StepHeader) -> np.ndarray:
             parts.append(sw.new_blocks)
     if h.migration is not None:
         m = h.migration
-        words = _str_words(m.migration_id) + [m.begin_staging_slots, int(m.rollback), int(m.end), len(m.commits),
-                                              len(m.moves)]
+        words = _str_words(m.migration_id) + [
+            m.begin_staging_slots,
+            int(m.rollback),
+            int(m.end),
+            len(m.commits),
+            len(m.moves),
+        ]
         for c in m.commits:
             words += [c.moe_layer, c.version, len(c.phy2log), len(c.staged), len(c.breakeven)]
             words += list(c.phy2log) + [x for pair in c.staged for x in pair] + list(c.breakeven)
@@ -102,8 +126,10 @@ def decode(words: np.ndarray) -> StepHeader:
     """The header of ``encode``'s words (a copy: nothing refers to ``words`` afterwards)."""
     words = np.asarray(words, dtype=np.int64)
     if len(words) < 7 or int(words[0]) != MAGIC or int(words[1]) > len(words):
-        raise HeaderError(f"not a step header of layout 1: magic {int(words[0]) if len(words) else None:#x}, "
-                          f"{int(words[1]) if len(words) > 1 else 0} words announced, {len(words)} received")
+        raise HeaderError(
+            f"not a step header of layout 1: magic {int(words[0]) if len(words) else None:#x}, "
+            f"{int(words[1]) if len(words) > 1 else 0} words announced, {len(words)} received"
+        )
     n = int(words[1])
     i = 7
     step, flags, wb, wl, routers = (int(x) for x in words[2:7])
@@ -112,7 +138,7 @@ def decode(words: np.ndarray) -> StepHeader:
         nonlocal i
         if k < 0 or i + k > n:
             raise HeaderError(f"step header of {n} words ends inside a field (word {i}, {k} more)")
-        v = words[i:i + k]
+        v = words[i : i + k]
         i += k
         return v
 
@@ -128,12 +154,23 @@ def decode(words: np.ndarray) -> StepHeader:
             sampling = None
             if f & _SAMPLING:
                 temp, top_p, top_k, seed = take(4)
-                sampling = SamplingParams(temperature=_w2f(temp), top_p=_w2f(top_p), top_k=int(top_k),
-                                          seed=int(seed) if f & _SEED else None)
+                sampling = SamplingParams(
+                    temperature=_w2f(temp), top_p=_w2f(top_p), top_k=int(top_k), seed=int(seed) if f & _SEED else None
+                )
             token_ids = tuple(take(t).tolist())
             new_blocks = tuple(take(b).tolist())
-            seqs.append(SeqWork(seq_id, token_ids, start, sampling, _LOGITS_NAME[(f >> 3) & 3], new_blocks,
-                                bool(f & _SAMPLE), out_pos))
+            seqs.append(
+                SeqWork(
+                    seq_id,
+                    token_ids,
+                    start,
+                    sampling,
+                    _LOGITS_NAME[(f >> 3) & 3],
+                    new_blocks,
+                    bool(f & _SAMPLE),
+                    out_pos,
+                )
+            )
         work.append(RouterWork(tuple(seqs), release, decodes, blocks))
     migration = None
     if flags & _MIGRATION:
@@ -150,9 +187,16 @@ def decode(words: np.ndarray) -> StepHeader:
         migration = MigrationOps(raw.decode(), staging, tuple(commits), bool(rollback), moves, bool(end))
     if i != n:
         raise HeaderError(f"step header announced {n} words but its fields end at word {i}")
-    return StepHeader(step, forward=bool(flags & _FORWARD), work=tuple(work), migration=migration,
-                      report=bool(flags & _REPORT), read_load=bool(flags & _READ_LOAD),
-                      warmup=(wb, wl) if flags & _WARMUP else None, stop=bool(flags & _STOP))
+    return StepHeader(
+        step,
+        forward=bool(flags & _FORWARD),
+        work=tuple(work),
+        migration=migration,
+        report=bool(flags & _REPORT),
+        read_load=bool(flags & _READ_LOAD),
+        warmup=(wb, wl) if flags & _WARMUP else None,
+        stop=bool(flags & _STOP),
+    )
 
 
 class HeaderWire:
@@ -167,14 +211,14 @@ class HeaderWire:
         self.group = group
         self.src = src
         self.buf = torch.zeros(capacity, dtype=torch.int64)
-        self.overflows = 0                      # headers that needed the second broadcast
+        self.overflows = 0  # headers that needed the second broadcast
 
     def exchange(self, header: StepHeader | None) -> StepHeader:
         cap = self.buf.numel()
         view = self.buf.numpy()
-        if header is not None:                                   # the leader
+        if header is not None:  # the leader
             words = encode(header)
-            view[:min(cap, len(words))] = words[:cap]
+            view[: min(cap, len(words))] = words[:cap]
             dist.broadcast(self.buf, src=self.src, group=self.group)
             if len(words) > cap:
                 self.overflows += 1
@@ -187,4 +231,4 @@ class HeaderWire:
             rest = torch.empty(n - cap, dtype=torch.int64)
             dist.broadcast(rest, src=self.src, group=self.group)
             return decode(np.concatenate([view, rest.numpy()]))
-        return decode(view[:n] if n else view)                   # n == 0: not a header, decode says why
+        return decode(view[:n] if n else view)  # n == 0: not a header, decode says why

@@ -39,6 +39,7 @@ is captured into a CUDA graph at its second use and replayed afterwards (``graph
 Capacity: B = max_num_batched_tokens x K per router; C = routers x B (all routers may pick one
 worker). Buffers are allocated once at start.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,13 +61,14 @@ def usable(device: torch.device) -> tuple[bool, str]:
         return False, "needs Triton"
     try:
         import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
-    except Exception as e:                                              # pragma: no cover - build without it
+    except Exception as e:  # pragma: no cover - build without it
         return False, f"torch has no symmetric memory: {e}"
     return True, ""
 
 
-def positions(counts: torch.Tensor, rank: int, slots_sorted: torch.Tensor, topo: Topology
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def positions(
+    counts: torch.Tensor, rank: int, slots_sorted: torch.Tensor, topo: Topology
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference (torch) of where this rank's sent rows land; the kernels compute the same.
 
     counts:       int64 [R, P], pairs each rank sends to each slot (all ranks' rows).
@@ -75,12 +77,12 @@ def positions(counts: torch.Tensor, rank: int, slots_sorted: torch.Tensor, topo:
                   worker's buffer is slot-major and, inside a slot, ordered by sending rank.
     """
     w, s = topo.num_workers, topo.slots_per_worker
-    total = counts.sum(0)                                                 # [P] rows per slot
+    total = counts.sum(0)  # [P] rows per slot
     slot_base = (torch.cumsum(total.view(w, s), 1) - total.view(w, s)).reshape(-1)
-    before = (torch.cumsum(counts, 0) - counts)[rank]                     # [P] from earlier ranks
+    before = (torch.cumsum(counts, 0) - counts)[rank]  # [P] from earlier ranks
     mine = counts[rank]
-    my_start = torch.cumsum(mine, 0) - mine                               # [P] in my sorted order
-    shift = slot_base + before - my_start                                 # [P]
+    my_start = torch.cumsum(mine, 0) - mine  # [P] in my sorted order
+    shift = slot_base + before - my_start  # [P]
     n = slots_sorted.numel()
     row = shift.index_select(0, slots_sorted) + torch.arange(n, device=slots_sorted.device)
     rank_of_slot = torch.as_tensor(topo.worker_ranks, device=counts.device).repeat_interleave(s)
@@ -90,15 +92,15 @@ def positions(counts: torch.Tensor, rank: int, slots_sorted: torch.Tensor, topo:
 def worker_offsets(counts: torch.Tensor, worker: int, topo: Topology) -> torch.Tensor:
     """Reference: int32 [S], cumulative rows per local slot of ``worker`` (its buffer's layout)."""
     s = topo.slots_per_worker
-    return torch.cumsum(counts[:, worker * s:(worker + 1) * s].sum(0), 0).to(torch.int32)
+    return torch.cumsum(counts[:, worker * s : (worker + 1) * s].sum(0), 0).to(torch.int32)
 
 
 @dataclass
 class NvlinkHandle:
     moe_layer: int
     routing: RoutingResult | None
-    pairs: int                      # N
-    keep: tuple                     # the tensors the kernels read (kept alive until combine)
+    pairs: int  # N
+    keep: tuple  # the tensors the kernels read (kept alive until combine)
 
 
 class NvlinkExchange:
@@ -117,9 +119,21 @@ class NvlinkExchange:
 
     kind = "nvlink"
 
-    def __init__(self, topo: Topology, rank: int, device: torch.device, hidden_size: int, dtype: torch.dtype,
-                 pair_capacity: int, top_k: int, group=None, timeout_ms: int = 30_000, graphs: bool = True):
+    def __init__(
+        self,
+        topo: Topology,
+        rank: int,
+        device: torch.device,
+        hidden_size: int,
+        dtype: torch.dtype,
+        pair_capacity: int,
+        top_k: int,
+        group=None,
+        timeout_ms: int = 30_000,
+        graphs: bool = True,
+    ):
         import torch.distributed._symmetric_memory as symm_mem
+
         self.topo = topo
         self.rank = rank
         self.device = torch.device(device)
@@ -144,8 +158,9 @@ class NvlinkExchange:
         self.counts.zero_()
 
         def table(h, shape, dt):
-            return torch.tensor([h.get_buffer(d, shape, dt, 0).data_ptr() for d in range(r)],
-                                dtype=torch.long, device=self.device)
+            return torch.tensor(
+                [h.get_buffer(d, shape, dt, 0).data_ptr() for d in range(r)], dtype=torch.long, device=self.device
+            )
 
         self.counts_table = table(self._h_counts, (r, p), torch.long)
         self.rows_table = table(self._h_rows, (self.recv_capacity, hidden_size), dtype)
@@ -154,17 +169,17 @@ class NvlinkExchange:
         if list(topo.worker_ranks) != list(range(topo.worker_ranks[0], topo.worker_ranks[0] + topo.num_workers)):
             raise ValueError(f"worker ranks must be consecutive, got {topo.worker_ranks}")
         self.worker_base = topo.worker_ranks[0]
-        self.slot_position = topo.slot_positions().to(self.device)          # as Exchange's (take_load reads it)
+        self.slot_position = topo.slot_positions().to(self.device)  # as Exchange's (take_load reads it)
         # Sort keys: the narrowest integer type that holds every slot (fewer radix-sort passes).
-        self.shift = torch.zeros(p, dtype=torch.long, device=self.device)                 # [P]
-        self.offs = torch.zeros(max(topo.slots_per_worker, 1), dtype=torch.int32, device=self.device)   # [S]
+        self.shift = torch.zeros(p, dtype=torch.long, device=self.device)  # [P]
+        self.offs = torch.zeros(max(topo.slots_per_worker, 1), dtype=torch.int32, device=self.device)  # [S]
         self.top_k = top_k
-        self.args = torch.zeros(5, dtype=torch.long, device=self.device)                  # pair_args, on the device
+        self.args = torch.zeros(5, dtype=torch.long, device=self.device)  # pair_args, on the device
         self._scratch_sent = torch.zeros(p, dtype=torch.long, device=self.device)
         self._scaled = False
         self.graphs = graphs and self.device.type == "cuda"
-        self._graphs: dict = {}                 # key -> (CUDAGraph, tensors kept alive)
-        self._seen: dict = {}                   # key -> tensors kept alive (first, eager use)
+        self._graphs: dict = {}  # key -> (CUDAGraph, tensors kept alive)
+        self._seen: dict = {}  # key -> tensors kept alive (first, eager use)
         self._pool = None
         self._in_flight = False
         # Whole-step graphs (moeserve.router.graphs): per MoE layer a device row like ``args``
@@ -172,8 +187,8 @@ class NvlinkExchange:
         # each replay (``set_step_args``); ``valid_pairs`` caps N when a padded batch runs eagerly.
         self.step_args: torch.Tensor | None = None
         self.valid_pairs: int | None = None
-        self.out.zero_()                                      # rows of padded pairs are read, never used
-        self._barrier()                                       # every rank's counts are zero
+        self.out.zero_()  # rows of padded pairs are read, never used
+        self._barrier()  # every rank's counts are zero
 
     def _barrier(self) -> None:
         self._h_counts.barrier(channel=0, timeout_ms=self.timeout_ms)
@@ -185,7 +200,7 @@ class NvlinkExchange:
         tensors it reads that this exchange does not own); ``keep`` holds those tensors, so that
         no address in a key can be freed and reused while its graph exists."""
         if not (self.graphs and capturable) or torch.cuda.is_current_stream_capturing():
-            body()                  # (inside a whole-step capture: recorded into that graph)
+            body()  # (inside a whole-step capture: recorded into that graph)
             return
         entry = self._graphs.get(key)
         if entry is None:
@@ -231,39 +246,71 @@ class NvlinkExchange:
             args = args.pin_memory().to(self.step_args.device, non_blocking=True)
         self.step_args[:, 3:].copy_(args.expand(self.step_args.shape[0], 2))
 
-    def _send_half(self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor,
-                   args: torch.Tensor | None = None) -> None:
+    def _send_half(
+        self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor, args: torch.Tensor | None = None
+    ) -> None:
         """Steps 1-3: publish this router's counts, barrier, layout, rows, barrier (any rank)."""
         args = self.args if args is None else args
 
         def body():
             if self.router is not None:
-                slots, hist = kernels.route(args, maps.log2phy[moe_layer], maps.logcnt[moe_layer],
-                                            self.topo.num_slots, single, self.top_k, self.pair_capacity,
-                                            maps.route_breakeven(moe_layer, always=self.graphs), self.router,
-                                            self.topo.num_routers)
+                slots, hist = kernels.route(
+                    args,
+                    maps.log2phy[moe_layer],
+                    maps.logcnt[moe_layer],
+                    self.topo.num_slots,
+                    single,
+                    self.top_k,
+                    self.pair_capacity,
+                    maps.route_breakeven(moe_layer, always=self.graphs),
+                    self.router,
+                    self.topo.num_routers,
+                )
                 prefix = torch.empty_like(hist)
                 kernels.publish(args, hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
             self._barrier()
-            kernels.prep(self.counts, self.rank, -1 if self.worker is None else self.worker,
-                         self.topo.num_workers, self.shift, self.offs)
+            kernels.prep(
+                self.counts,
+                self.rank,
+                -1 if self.worker is None else self.worker,
+                self.topo.num_workers,
+                self.shift,
+                self.offs,
+            )
             if self.router is not None:
-                kernels.scatter_pairs(args, self.dtype, self.hidden_size, self.top_k, scaled, slots, prefix,
-                                      self.shift, self.topo.slots_per_worker, self.worker_base, self.rows_table,
-                                      self.meta_table, self.rank * self.pair_capacity)
+                kernels.scatter_pairs(
+                    args,
+                    self.dtype,
+                    self.hidden_size,
+                    self.top_k,
+                    scaled,
+                    slots,
+                    prefix,
+                    self.shift,
+                    self.topo.slots_per_worker,
+                    self.worker_base,
+                    self.rows_table,
+                    self.meta_table,
+                    self.rank * self.pair_capacity,
+                )
             self._barrier()
+
         tables = (maps.log2phy, maps.logcnt) if maps is not None else ()
-        self._run(("send", moe_layer, single, scaled, sent.data_ptr(), *(t.data_ptr() for t in tables)), body,
-                  keep=(sent, *tables))
+        self._run(
+            ("send", moe_layer, single, scaled, sent.data_ptr(), *(t.data_ptr() for t in tables)),
+            body,
+            keep=(sent, *tables),
+        )
 
     def sent_slice(self, sent_row: torch.Tensor) -> torch.Tensor:
         """The part [P] of a router's per-(rank, local slot) counts [R*S] that holds the slots
         (workers are consecutive ranks, so it is one contiguous range)."""
         s0 = self.worker_base * self.topo.slots_per_worker
-        return sent_row[s0:s0 + self.topo.num_slots]
+        return sent_row[s0 : s0 + self.topo.num_slots]
 
-    def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult, maps, offset: int,
-                     sent_row: torch.Tensor) -> NvlinkHandle:
+    def dispatch(
+        self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult, maps, offset: int, sent_row: torch.Tensor
+    ) -> NvlinkHandle:
         """Route and send a router's pairs: slot choice by the replica rule of ``maps``
         (``RouterMaps``) for ``routing.ids`` [T, K] with ``offset`` (router + step), the counts,
         the layout and the rows. Adds the pairs sent per slot to ``sent_row`` [R*S] (on the device)."""
@@ -272,13 +319,17 @@ class NvlinkExchange:
         t, k = routing.ids.shape
         n = t * k
         if n > self.pair_capacity:
-            raise ValueError(f"{n} (token, k) pairs in one MoE layer exceed the exchange's capacity of "
-                             f"{self.pair_capacity} (max_num_batched_tokens x top-k)")
+            raise ValueError(
+                f"{n} (token, k) pairs in one MoE layer exceed the exchange's capacity of "
+                f"{self.pair_capacity} (max_num_batched_tokens x top-k)"
+            )
         if k != self.top_k or hidden.dtype != self.dtype or hidden.shape[1] != self.hidden_size:
-            raise ValueError(f"dispatch of [T, {hidden.shape[1]}] {hidden.dtype} rows with top-{k}: this exchange "
-                             f"was built for [T, {self.hidden_size}] {self.dtype} with top-{self.top_k}")
+            raise ValueError(
+                f"dispatch of [T, {hidden.shape[1]}] {hidden.dtype} rows with top-{k}: this exchange "
+                f"was built for [T, {self.hidden_size}] {self.dtype} with top-{self.top_k}"
+            )
         x = hidden.contiguous()
-        if x.data_ptr() % 16:                              # the kernels assume 16-byte aligned rows' base
+        if x.data_ptr() % 16:  # the kernels assume 16-byte aligned rows' base
             x = x.clone()
         ids = routing.ids.contiguous()
         scaled = bool(routing.weights_on_input)
@@ -310,21 +361,27 @@ class NvlinkExchange:
         def body():
             if self.worker is not None:
                 total = self.offs[-1:]
-                y = store.compute_slot_major(moe_layer, self.rows, self.offs, total)      # [C, H]
+                y = store.compute_slot_major(moe_layer, self.rows, self.offs, total)  # [C, H]
                 kernels.return_rows(y, self.meta, total, self.out_table, self.pair_capacity)
             self._barrier()
-        self._run(("serve", moe_layer, id(store), getattr(store, "kernel_key", 0)), body,
-                  capturable=self.worker is None or getattr(store, "capturable", False), keep=(store,))
+
+        self._run(
+            ("serve", moe_layer, id(store), getattr(store, "kernel_key", 0)),
+            body,
+            capturable=self.worker is None or getattr(store, "capturable", False),
+            keep=(store,),
+        )
 
     def combine_rows(self, handle: NvlinkHandle, store) -> torch.Tensor:
         """The outputs of the router's pairs, [N, H] in (token, k) order: a view of this rank's
         output buffer, valid until the next layer's combine (use it before dispatching again)."""
         self._serve(handle.moe_layer, store)
         self._in_flight = False
-        return self.out[:handle.pairs]
+        return self.out[: handle.pairs]
 
-    def walk_layer(self, moe_layer: int, store, hidden_size: int = 0, dtype: torch.dtype | None = None,
-                   maps=None) -> None:
+    def walk_layer(
+        self, moe_layer: int, store, hidden_size: int = 0, dtype: torch.dtype | None = None, maps=None
+    ) -> None:
         """Take part in one MoE layer with no rows of one's own (idle router, or worker). An
         idle router publishes zero counts (``maps``: its RouterMaps; the tables are not read)."""
         self._set_args(kernels.pair_args(None, None, None, 0, 0))

@@ -12,6 +12,7 @@ unpickle.
 Dimension letters: L MoE layers, E logical experts, P physical slots per MoE layer, W workers,
 V vocabulary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -139,9 +140,9 @@ class StepHeader:
     forward: bool = False
     work: tuple[RouterWork, ...] = ()
     migration: MigrationOps | None = None
-    report: bool = False            # workers send a digest of every slot's weights
-    read_load: bool = False         # routers send the load of the forward steps before this one
-    warmup: tuple[int, int] | None = None   # (bucket, longest sequence): a decode graph warm-up step
+    report: bool = False  # workers send a digest of every slot's weights
+    read_load: bool = False  # routers send the load of the forward steps before this one
+    warmup: tuple[int, int] | None = None  # (bucket, longest sequence): a decode graph warm-up step
     stop: bool = False
 
 
@@ -174,5 +175,5 @@ class RankResult:
     histogram: np.ndarray | None = None
     slot_busy: np.ndarray | None = None
     staging_error: str | None = None
-    slot_digest: np.ndarray | None = None     # float64 [L, S, 2] (sum, sum of squares) per slot, when asked
-    router_maps: tuple | None = None          # (phy2log [L, P], breakeven [L, E]) of a router, when asked
+    slot_digest: np.ndarray | None = None  # float64 [L, S, 2] (sum, sum of squares) per slot, when asked
+    router_maps: tuple | None = None  # (phy2log [L, P], breakeven [L, E]) of a router, when asked

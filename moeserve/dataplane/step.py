@@ -9,6 +9,7 @@ This module only drives: it knows a rank's roles by what they can do (a router r
 worker store, the leader's engine), never which classes implement them, so the data plane
 imports neither the router, the worker, the engine nor any gRPC code.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,7 @@ from moeserve.dataplane.protocol import RankResult, StepHeader
 
 log = logging.getLogger(__name__)
 
-SLOW_STEP_S = 0.5       # a rank's part of one step that takes longer is logged (with what it did)
+SLOW_STEP_S = 0.5  # a rank's part of one step that takes longer is logged (with what it did)
 
 
 @dataclass
@@ -62,9 +63,9 @@ class RankState:
     leader: object = None
     recover: Callable[[BaseException], bool] | None = None
     top_k: int = 1
-    last_enqueue_s: float = 0.0      # the last step's runner.run (host enqueue) and deliver (wait for tokens)
+    last_enqueue_s: float = 0.0  # the last step's runner.run (host enqueue) and deliver (wait for tokens)
     last_deliver_s: float = 0.0
-    header_wire: object = None       # HeaderWire on control_group (made by the step loop)
+    header_wire: object = None  # HeaderWire on control_group (made by the step loop)
 
 
 def step_pairs(header: StepHeader, top_k: int) -> int:
@@ -86,7 +87,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
     if mig is not None:
         if st.store is not None and mig.begin_staging_slots:
             res.staging_error = st.store.begin_staging(mig.begin_staging_slots)
-        for c in mig.commits:                      # rows of a placement the leader validated: trusted
+        for c in mig.commits:  # rows of a placement the leader validated: trusted
             if st.maps is not None:
                 st.maps.set_layer(c.moe_layer, c.phy2log, c.breakeven or 0)
             if st.store is not None:
@@ -105,9 +106,14 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
     router = st.topo.router_index(st.rank)
     if st.store is not None and hasattr(st.store, "set_step_pairs"):
         # the expert kernels by rows per slot (every rank sees every router's work)
-        st.store.set_step_pairs(header.warmup[0] * st.top_k * st.topo.num_routers if header.warmup is not None
-                                else step_pairs(header, st.top_k) if header.forward else 0)
-    if header.warmup is not None:                  # a decode graph warm-up at start: every rank's exchange
+        st.store.set_step_pairs(
+            header.warmup[0] * st.top_k * st.topo.num_routers
+            if header.warmup is not None
+            else step_pairs(header, st.top_k)
+            if header.forward
+            else 0
+        )
+    if header.warmup is not None:  # a decode graph warm-up at start: every rank's exchange
         if st.runner is not None:
             st.runner.warmup(*header.warmup, header.step)
         else:
@@ -161,7 +167,7 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
     if leader is not None and took > SLOW_STEP_S and box[0] is not None and (box[0].forward or box[0].migration):
         log.warning("slow schedule of step %d: %.2f s in the leader's next_header", box[0].step, took)
     with profiling.span("header_broadcast"):
-        if st.header_wire is None or st.header_wire.group is not st.control_group:   # new groups after a lost peer
+        if st.header_wire is None or st.header_wire.group is not st.control_group:  # new groups after a lost peer
             st.header_wire = HeaderWire(st.control_group)
         header: StepHeader = st.header_wire.exchange(box[0])
     if header.stop:
@@ -175,11 +181,22 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
     took = time.perf_counter() - t0
     if took > SLOW_STEP_S:
         after = (graphs.captures, len(graphs.seen)) if graphs is not None else (0, 0)
-        log.warning("slow step %d on rank %d: %.2f s (enqueue %.2f s, waiting for tokens %.2f s; forward %s, %d "
-                    "pairs, %d decode graph captures, %d first eager runs of a graph key, migration %s, load "
-                    "read %s)", header.step, st.rank, took, st.last_enqueue_s, st.last_deliver_s,
-                    header.forward, step_pairs(header, st.top_k) if header.forward else 0, after[0] - before[0],
-                    after[1] - before[1], header.migration is not None, header.read_load)
+        log.warning(
+            "slow step %d on rank %d: %.2f s (enqueue %.2f s, waiting for tokens %.2f s; forward %s, %d "
+            "pairs, %d decode graph captures, %d first eager runs of a graph key, migration %s, load "
+            "read %s)",
+            header.step,
+            st.rank,
+            took,
+            st.last_enqueue_s,
+            st.last_deliver_s,
+            header.forward,
+            step_pairs(header, st.top_k) if header.forward else 0,
+            after[0] - before[0],
+            after[1] - before[1],
+            header.migration is not None,
+            header.read_load,
+        )
     st.last_enqueue_s = st.last_deliver_s = 0.0
     out = [None] * st.topo.world_size if leader is not None else None
     with profiling.span("result_gather"):

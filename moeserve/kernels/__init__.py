@@ -35,6 +35,7 @@ Triton is imported lazily: the data plane must import without it (CPU, gloo). Un
 (the interpreter truncates fp32 -> bf16 instead of rounding to nearest, so bf16 results may
 differ from torch's in the last bit there, never on the GPU).
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,7 @@ def available() -> bool:
     """True when Triton can be imported."""
     try:
         import triton  # noqa: F401
-    except Exception:                                    # ImportError, or a broken install
+    except Exception:  # ImportError, or a broken install
         return False
     return True
 
@@ -58,6 +59,7 @@ def fresh_module(name: str):
     defined, so each cache generation (tests switch it) gets its own copy. Callers cache it."""
     import importlib
     import sys
+
     sys.modules.pop(name, None)
     return importlib.import_module(name)
 
@@ -65,9 +67,16 @@ def fresh_module(name: str):
 @functools.lru_cache(maxsize=None)
 def _kernels():
     k = fresh_module("moeserve.kernels.triton_exchange")
-    return dict(route=k.route_kernel, expert_count=k.expert_count_kernel, publish=k.publish_kernel,
-                prep=k.prep_kernel, scatter=k.scatter_pairs_kernel,
-                ret=k.return_rows_kernel, silu_mul=k.silu_mul_kernel, weighted_sum=k.weighted_sum_kernel)
+    return dict(
+        route=k.route_kernel,
+        expert_count=k.expert_count_kernel,
+        publish=k.publish_kernel,
+        prep=k.prep_kernel,
+        scatter=k.scatter_pairs_kernel,
+        ret=k.return_rows_kernel,
+        silu_mul=k.silu_mul_kernel,
+        weighted_sum=k.weighted_sum_kernel,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,29 +107,41 @@ def _block(n: int) -> int:
 
 
 # (rows per program, columns per iteration, warps) of the two row-moving kernels.
-TUNING = {"scatter": (8, 1024, 8), "return": (16, 512, 8)}   # picked from 28 pairs timed on 2 x H200
+TUNING = {"scatter": (8, 1024, 8), "return": (16, 512, 8)}  # picked from 28 pairs timed on 2 x H200
 
-BLOCK_PAIRS = 256        # pairs per block of route/scatter (the unit of the stable in-block ranking)
+BLOCK_PAIRS = 256  # pairs per block of route/scatter (the unit of the stable in-block ranking)
 
 
 def num_blocks(n: int) -> int:
     return (n + BLOCK_PAIRS - 1) // BLOCK_PAIRS
 
 
-def pair_args(x: torch.Tensor | None, ids: torch.Tensor | None, weights: torch.Tensor | None, n: int,
-              offset: int = 0) -> torch.Tensor:
+def pair_args(
+    x: torch.Tensor | None, ids: torch.Tensor | None, weights: torch.Tensor | None, n: int, offset: int = 0
+) -> torch.Tensor:
     """The int64 [5] host table the routing kernels read their inputs from: addresses of x
     [T, H], ids int64 [T, K] and the per-pair weights [N] (0 when absent), N, and the replica
     offset. Copied to the device before the kernels run (``NvlinkExchange`` keeps one device
     copy, so that kernels captured once in a CUDA graph read each step's tensors)."""
+
     def addr(t):
         return 0 if t is None else t.data_ptr()
+
     return torch.tensor([addr(x), addr(ids), addr(weights), n, offset], dtype=torch.long)
 
 
-def route(args: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, num_slots: int,
-          single: bool, k: int, capacity: int, breakeven: torch.Tensor | None = None, router: int = 0,
-          num_routers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    args: torch.Tensor,
+    log2phy: torch.Tensor,
+    logcnt: torch.Tensor,
+    num_slots: int,
+    single: bool,
+    k: int,
+    capacity: int,
+    breakeven: torch.Tensor | None = None,
+    router: int = 0,
+    num_routers: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Slots of a router's pairs and their per-block histogram.
 
     args:      device int64 [5] from ``pair_args``: ids int64 [T, K] contiguous, N = T*K, and
@@ -151,43 +172,93 @@ def route(args: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, num_s
         ecnt = torch.zeros(eb, dtype=torch.int32, device=dev)
         _kernels()["expert_count"][(nb,)](args, ecnt, B=BLOCK_PAIRS, EB=eb, num_warps=4)
     else:
-        ecnt = breakeven = logcnt                                     # not read
-    _kernels()["route"][(nb,)](args, log2phy, logcnt, slots, hist, ecnt, breakeven, router, K=k, X=log2phy.shape[1],
-                               SINGLE=single, BREAKEVEN=use_b, NR=num_routers, B=BLOCK_PAIRS, PB=pb, num_warps=4)
+        ecnt = breakeven = logcnt  # not read
+    _kernels()["route"][(nb,)](
+        args,
+        log2phy,
+        logcnt,
+        slots,
+        hist,
+        ecnt,
+        breakeven,
+        router,
+        K=k,
+        X=log2phy.shape[1],
+        SINGLE=single,
+        BREAKEVEN=use_b,
+        NR=num_routers,
+        B=BLOCK_PAIRS,
+        PB=pb,
+        num_warps=4,
+    )
     return slots, hist
 
 
-def publish(args: torch.Tensor, hist: torch.Tensor, prefix: torch.Tensor, counts_table: torch.Tensor, rank: int,
-            sent: torch.Tensor, num_slots: int) -> None:
+def publish(
+    args: torch.Tensor,
+    hist: torch.Tensor,
+    prefix: torch.Tensor,
+    counts_table: torch.Tensor,
+    rank: int,
+    sent: torch.Tensor,
+    num_slots: int,
+) -> None:
     """From the block histograms [nb, PB] of the N pairs in ``args``: prefix [nb, PB] (pairs of
     each slot in earlier blocks), this router's pairs per slot c [P] into row ``rank`` of every
     rank's counts [R, P] (addresses in ``counts_table`` [R]), and c added to ``sent`` (int64
     [P], contiguous)."""
     pb = _pow2(num_slots)
-    _kernels()["publish"][(1,)](args, hist, prefix, counts_table, sent, rank, R=counts_table.numel(),
-                                P=num_slots, PB=pb, B=BLOCK_PAIRS, CH=max(1, min(32, 4096 // pb)), num_warps=4)
+    _kernels()["publish"][(1,)](
+        args,
+        hist,
+        prefix,
+        counts_table,
+        sent,
+        rank,
+        R=counts_table.numel(),
+        P=num_slots,
+        PB=pb,
+        B=BLOCK_PAIRS,
+        CH=max(1, min(32, 4096 // pb)),
+        num_warps=4,
+    )
 
 
-def prep(counts: torch.Tensor, rank: int, worker: int, num_workers: int, shift: torch.Tensor,
-         offs: torch.Tensor) -> None:
+def prep(
+    counts: torch.Tensor, rank: int, worker: int, num_workers: int, shift: torch.Tensor, offs: torch.Tensor
+) -> None:
     """From every rank's counts [R, P]: shift [P] (the rows of the slots before p on p's worker
     plus the rows earlier ranks send to p; a pair's row there is shift[p] + its rank among this
     router's pairs of slot p) and, when ``worker >= 0``, the worker's cumulative rows per slot,
     offs int32 [S]."""
     r, p = counts.shape
     s = p // num_workers
-    _kernels()["prep"][(1,)](counts, shift, offs, rank, worker, R=r, W=num_workers, S=s,
-                             RB=_pow2(r), WB=_pow2(num_workers), SB=_pow2(s))
+    _kernels()["prep"][(1,)](
+        counts, shift, offs, rank, worker, R=r, W=num_workers, S=s, RB=_pow2(r), WB=_pow2(num_workers), SB=_pow2(s)
+    )
 
 
 def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
+
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
-def scatter_pairs(args: torch.Tensor, dtype: torch.dtype, hidden_size: int, k: int, scaled: bool,
-                  slots: torch.Tensor, prefix: torch.Tensor, shift: torch.Tensor, slots_per_worker: int,
-                  worker_base: int, rows_table: torch.Tensor, meta_table: torch.Tensor, meta_base: int) -> None:
+def scatter_pairs(
+    args: torch.Tensor,
+    dtype: torch.dtype,
+    hidden_size: int,
+    k: int,
+    scaled: bool,
+    slots: torch.Tensor,
+    prefix: torch.Tensor,
+    shift: torch.Tensor,
+    slots_per_worker: int,
+    worker_base: int,
+    rows_table: torch.Tensor,
+    meta_table: torch.Tensor,
+    meta_base: int,
+) -> None:
     """Write the rows of the N (token, k) pairs in ``args`` into their workers' receive buffers.
 
     args:         device int64 [5] from ``pair_args``: x [T, H] contiguous of ``dtype``, and
@@ -204,13 +275,30 @@ def scatter_pairs(args: torch.Tensor, dtype: torch.dtype, hidden_size: int, k: i
     """
     rows, block_h, num_warps = TUNING["scatter"]
     _kernels()["scatter"][(prefix.shape[0], BLOCK_PAIRS // rows)](
-        args, slots, prefix, shift, rows_table, meta_table, meta_base, worker_base,
-        H=hidden_size, K=k, S=slots_per_worker, PB=prefix.shape[1], DTYPE=_tl_dtype(dtype), SCALE=scaled,
-        B=BLOCK_PAIRS, ROWS=rows, BLOCK_H=min(_block(hidden_size), block_h), num_warps=num_warps)
+        args,
+        slots,
+        prefix,
+        shift,
+        rows_table,
+        meta_table,
+        meta_base,
+        worker_base,
+        H=hidden_size,
+        K=k,
+        S=slots_per_worker,
+        PB=prefix.shape[1],
+        DTYPE=_tl_dtype(dtype),
+        SCALE=scaled,
+        B=BLOCK_PAIRS,
+        ROWS=rows,
+        BLOCK_H=min(_block(hidden_size), block_h),
+        num_warps=num_warps,
+    )
 
 
-def return_rows(y: torch.Tensor, meta: torch.Tensor, total: torch.Tensor, out_table: torch.Tensor,
-                capacity: int) -> None:
+def return_rows(
+    y: torch.Tensor, meta: torch.Tensor, total: torch.Tensor, out_table: torch.Tensor, capacity: int
+) -> None:
     """Send expert outputs back: row j < total of ``y`` [C, H] goes to rank ``meta[j] // capacity``,
     row ``meta[j] % capacity`` of its output buffer (address in ``out_table`` [R]).
     total: int32/int64 [1] on the device. Rows past it are not read."""
@@ -218,8 +306,9 @@ def return_rows(y: torch.Tensor, meta: torch.Tensor, total: torch.Tensor, out_ta
     if c == 0:
         return
     rows, block_h, num_warps = TUNING["return"]
-    _kernels()["ret"][((c + rows - 1) // rows,)](y, meta, total, out_table, capacity, H=h, ROWS=rows,
-                                                  BLOCK_H=min(_block(h), block_h), num_warps=num_warps)
+    _kernels()["ret"][((c + rows - 1) // rows,)](
+        y, meta, total, out_table, capacity, H=h, ROWS=rows, BLOCK_H=min(_block(h), block_h), num_warps=num_warps
+    )
 
 
 def silu_mul(gu: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -240,8 +329,7 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     h = x.shape[1]
     out = x.new_empty(t, h)
     if t:
-        _kernels()["weighted_sum"][(t,)](x, w.to(x.dtype).contiguous(), out, H=h, K=k, BLOCK_H=_block(h),
-                                         num_warps=4)
+        _kernels()["weighted_sum"][(t,)](x, w.to(x.dtype).contiguous(), out, H=h, K=k, BLOCK_H=_block(h), num_warps=4)
     return out
 
 
@@ -273,8 +361,9 @@ def expert_block_m(rows_per_slot: int) -> int:
     return min(EXPERT_MAX_BM, max(16, _pow2(max(1, rows_per_slot))))
 
 
-def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor,
-               block_m: int = 16) -> torch.Tensor:
+def expert_mlp(
+    rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, block_m: int = 16
+) -> torch.Tensor:
     """The grouped SwiGLU expert MLP of rows already grouped by slot, in two launches with
     device-side counts (nothing read back, graph-capturable).
 
@@ -295,8 +384,10 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, of
     s, k_gu, two_i = gate_up.shape
     i = two_i // 2
     if k_gu != hdim or tuple(down.shape) != (s, i, hdim) or offs.numel() != s:
-        raise ValueError(f"expert_mlp: rows [C, {hdim}], gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, "
-                         f"offs [{offs.numel()}] do not agree (want gate_up [S, H, 2I], down [S, I, H], offs [S])")
+        raise ValueError(
+            f"expert_mlp: rows [C, {hdim}], gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, "
+            f"offs [{offs.numel()}] do not agree (want gate_up [S, H, 2I], down [S, I, H], offs [S])"
+        )
     if rows.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("expert_mlp: the last dim of rows and of the weights must be contiguous")
     if c == 0 or s == 0:
@@ -320,27 +411,30 @@ def warm_up_expert_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> list[int]:
     done = []
     for bm in expert_block_ms():
         rows = torch.zeros(bm, h, dtype=gate_up.dtype, device=gate_up.device)
-        offs = torch.full((s,), bm, dtype=torch.int32, device=gate_up.device)        # every row in slot 0
+        offs = torch.full((s,), bm, dtype=torch.int32, device=gate_up.device)  # every row in slot 0
         expert_mlp(rows, gate_up, down, offs, bm)
         done.append(bm)
     return done
 
 
-def expert_gate_up(rows: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, block_m: int = 16,
-                   tuning: tuple | None = None) -> torch.Tensor:
+def expert_gate_up(
+    rows: torch.Tensor, gate_up: torch.Tensor, offs: torch.Tensor, block_m: int = 16, tuning: tuple | None = None
+) -> torch.Tensor:
     """First half of ``expert_mlp``: rows [C, H] -> silu(gate) * up [C, I]. ``tuning`` (BN, BK,
     warps, stages) overrides ``expert_tuning`` (benchmarks/expert_kernel.py --tune)."""
     return _expert_matmul(rows, gate_up, offs, block_m, tuning or expert_tuning("gate_up", block_m), gated=True)
 
 
-def expert_down(h: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, block_m: int = 16,
-                tuning: tuple | None = None) -> torch.Tensor:
+def expert_down(
+    h: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, block_m: int = 16, tuning: tuple | None = None
+) -> torch.Tensor:
     """Second half of ``expert_mlp``: h [C, I] -> [C, H]."""
     return _expert_matmul(h, down, offs, block_m, tuning or expert_tuning("down", block_m), gated=False)
 
 
-def _expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_m: int, tuning: tuple,
-                   gated: bool) -> torch.Tensor:
+def _expert_matmul(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_m: int, tuning: tuple, gated: bool
+) -> torch.Tensor:
     """One launch of ``expert_matmul_kernel``: x [C, K] slot-major through w [S, K, N] ([S, K,
     2N] gated: silu(gate) * up) -> [C, N]."""
     c, k = x.shape
@@ -352,11 +446,29 @@ def _expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_m
     bk = min(bk, max(16, _pow2(k)))
     extra = {} if interp else dict(num_warps=warps, num_stages=stages)
     _expert_kernels().expert_matmul_kernel[(EXPERT_PASS_GROUPS, s, -(-n // bn))](
-        x, w, out, offs, k, n, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        BM=block_m, BN=bn, BK=bk, EVEN_K=k % bk == 0, GATED=gated, PRECISION=_precision(x.dtype),
-        PRECISE=not interp, INTERPRET=interp, G=EXPERT_PASS_GROUPS, **extra)
+        x,
+        w,
+        out,
+        offs,
+        k,
+        n,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        BM=block_m,
+        BN=bn,
+        BK=bk,
+        EVEN_K=k % bk == 0,
+        GATED=gated,
+        PRECISION=_precision(x.dtype),
+        PRECISE=not interp,
+        INTERPRET=interp,
+        G=EXPERT_PASS_GROUPS,
+        **extra,
+    )
     return out
 
 
 def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"          # tf32 is ignored for 16-bit operands
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands

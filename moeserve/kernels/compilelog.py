@@ -14,6 +14,7 @@ its duration (a warning over ``SLOW_COMPILE_S``); rank processes call it once th
 so every compile logged is one that ran while serving. Nothing happens without Triton, under
 its interpreter (nothing compiles), or with a Triton that lacks the hooks.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,12 +26,12 @@ log = logging.getLogger(__name__)
 SLOW_COMPILE_S = 0.2
 _started: dict = {}
 _installed = False
-counts: Counter = Counter()          # compiles since ``watch``, by kernel name (benchmarks/gpu_compiles.py)
+counts: Counter = Counter()  # compiles since ``watch``, by kernel name (benchmarks/gpu_compiles.py)
 
 
 def _before(*, key, repr, **_):
     _started[str(key)] = time.perf_counter()
-    return None                                      # compile as usual
+    return None  # compile as usual
 
 
 def _after(*, key, repr, **_):
@@ -38,7 +39,8 @@ def _after(*, key, repr, **_):
     t0 = _started.pop(str(key), None)
     took = time.perf_counter() - t0 if t0 is not None else float("nan")
     (log.warning if not took <= SLOW_COMPILE_S else log.info)(
-        "Triton compiled %s while serving in %.2f s", repr[:400], took)
+        "Triton compiled %s while serving in %.2f s", repr[:400], took
+    )
     return None
 
 
@@ -49,12 +51,13 @@ def watch() -> bool:
         return True
     try:
         from triton import knobs
+
         rt = knobs.runtime
         if getattr(rt, "jit_cache_hook", None) is not None or getattr(rt, "jit_post_compile_hook", None) is not None:
-            return False                             # hooks of someone else's: leave them
+            return False  # hooks of someone else's: leave them
         rt.jit_cache_hook = _before
         rt.jit_post_compile_hook = _after
-    except Exception:                                # noqa: BLE001 - no Triton, or one without the hooks
+    except Exception:  # noqa: BLE001 - no Triton, or one without the hooks
         return False
     _installed = True
     return True

@@ -13,6 +13,7 @@ the start of a burst on an H200 host were most likely Triton recompiles
 ``capture`` keeps the synchronisation (the capture stream must not overlap work enqueued before
 it) and the side stream, and leaves the caches alone.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager

@@ -3,6 +3,7 @@
 They live at module level so that Triton's interpreter (``TRITON_INTERPRET=1``) can patch the
 ``triton.language`` helpers they call; ``moeserve.kernels`` documents and launches them.
 """
+
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -25,9 +26,23 @@ def expert_count_kernel(args_ptr, ecnt_ptr, B: tl.constexpr, EB: tl.constexpr):
 
 
 @triton.jit
-def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, ecnt_ptr, b_ptr, router,
-                 K: tl.constexpr, X: tl.constexpr, SINGLE: tl.constexpr, BREAKEVEN: tl.constexpr, NR: tl.constexpr,
-                 B: tl.constexpr, PB: tl.constexpr):
+def route_kernel(
+    args_ptr,
+    log2phy_ptr,
+    logcnt_ptr,
+    slots_ptr,
+    hist_ptr,
+    ecnt_ptr,
+    b_ptr,
+    router,
+    K: tl.constexpr,
+    X: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BREAKEVEN: tl.constexpr,
+    NR: tl.constexpr,
+    B: tl.constexpr,
+    PB: tl.constexpr,
+):
     # args = (x address, ids address, weights address, N, offset). Block b of B pairs (flat (token, k)
     # order): the slot of each pair by the replica rule (token + offset) mod logcnt[e] (replica 0
     # when every expert has one), and the block's histogram over the slots [PB]. Blocks past N
@@ -64,19 +79,30 @@ def route_kernel(args_ptr, log2phy_ptr, logcnt_ptr, slots_ptr, hist_ptr, ecnt_pt
 
 
 @triton.jit
-def publish_kernel(args_ptr, hist_ptr, prefix_ptr, counts_table, sent_ptr, rank, R: tl.constexpr, P: tl.constexpr,
-                   PB: tl.constexpr, B: tl.constexpr, CH: tl.constexpr):
+def publish_kernel(
+    args_ptr,
+    hist_ptr,
+    prefix_ptr,
+    counts_table,
+    sent_ptr,
+    rank,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    PB: tl.constexpr,
+    B: tl.constexpr,
+    CH: tl.constexpr,
+):
     # One program: prefix[b, p] = pairs of slot p in blocks before b; c[p] = this router's pairs
     # per slot, into row `rank` of every rank's counts [R, P], and added to sent [P].
     n = tl.load(args_ptr + 3)
     nb = (n + B - 1) // B
     p = tl.arange(0, PB)
     running = tl.zeros((PB,), dtype=tl.int32)
-    b0 = nb * 0                     # a while loop: Triton's interpreter cannot range() over a runtime bound
+    b0 = nb * 0  # a while loop: Triton's interpreter cannot range() over a runtime bound
     while b0 < nb:
         rows = b0 + tl.arange(0, CH)
         m = (rows < nb)[:, None]
-        h = tl.load(hist_ptr + rows[:, None] * PB + p[None, :], mask=m, other=0)          # [CH, PB]
+        h = tl.load(hist_ptr + rows[:, None] * PB + p[None, :], mask=m, other=0)  # [CH, PB]
         tl.store(prefix_ptr + rows[:, None] * PB + p[None, :], tl.cumsum(h, axis=0) - h + running[None, :], mask=m)
         running += tl.sum(h, axis=0)
         b0 += CH
@@ -89,8 +115,19 @@ def publish_kernel(args_ptr, hist_ptr, prefix_ptr, counts_table, sent_ptr, rank,
 
 
 @triton.jit
-def prep_kernel(counts_ptr, shift_ptr, offs_ptr, rank, worker, R: tl.constexpr, W: tl.constexpr,
-                S: tl.constexpr, RB: tl.constexpr, WB: tl.constexpr, SB: tl.constexpr):
+def prep_kernel(
+    counts_ptr,
+    shift_ptr,
+    offs_ptr,
+    rank,
+    worker,
+    R: tl.constexpr,
+    W: tl.constexpr,
+    S: tl.constexpr,
+    RB: tl.constexpr,
+    WB: tl.constexpr,
+    SB: tl.constexpr,
+):
     # counts [R, P] seen as [R, W, S]. shift[p] = (rows of the slots before p on p's worker)
     # + (rows earlier ranks send to p); offs [S] = cumulative rows per slot of `worker`
     # (skipped when worker < 0).
@@ -98,25 +135,40 @@ def prep_kernel(counts_ptr, shift_ptr, offs_ptr, rank, worker, R: tl.constexpr, 
     w = tl.arange(0, WB)[None, :, None]
     s = tl.arange(0, SB)[None, None, :]
     m = (r < R) & (w < W) & (s < S)
-    c = tl.load(counts_ptr + r * (W * S) + w * S + s, mask=m, other=0)     # [RB, WB, SB]
-    total = tl.sum(c, axis=0)                                              # [WB, SB]
-    before = tl.sum(tl.where(r < rank, c, 0), axis=0)                      # [WB, SB]
-    within = tl.cumsum(total, axis=1)                                      # [WB, SB] inclusive
+    c = tl.load(counts_ptr + r * (W * S) + w * S + s, mask=m, other=0)  # [RB, WB, SB]
+    total = tl.sum(c, axis=0)  # [WB, SB]
+    before = tl.sum(tl.where(r < rank, c, 0), axis=0)  # [WB, SB]
+    within = tl.cumsum(total, axis=1)  # [WB, SB] inclusive
     w2 = tl.arange(0, WB)[:, None]
     s2 = tl.arange(0, SB)[None, :]
     m2 = (w2 < W) & (s2 < S)
     tl.store(shift_ptr + w2 * S + s2, within - total + before, mask=m2)
     if worker >= 0:
-        offs = tl.sum(tl.where(w2 == worker, within, 0), axis=0)           # [SB]
+        offs = tl.sum(tl.where(w2 == worker, within, 0), axis=0)  # [SB]
         s1 = tl.arange(0, SB)
         tl.store(offs_ptr + s1, offs.to(tl.int32), mask=s1 < S)
 
 
 @triton.jit
-def scatter_pairs_kernel(args_ptr, slots_ptr, prefix_ptr, shift_ptr, rows_table, meta_table, meta_base,
-                         worker_base, H: tl.constexpr, K: tl.constexpr, S: tl.constexpr, PB: tl.constexpr,
-                         DTYPE: tl.constexpr, SCALE: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+def scatter_pairs_kernel(
+    args_ptr,
+    slots_ptr,
+    prefix_ptr,
+    shift_ptr,
+    rows_table,
+    meta_table,
+    meta_base,
+    worker_base,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    S: tl.constexpr,
+    PB: tl.constexpr,
+    DTYPE: tl.constexpr,
+    SCALE: tl.constexpr,
+    B: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     # Program (b, q): pairs i = b*B + q*ROWS ... + ROWS-1 (flat (token, k) order) of the N in
     # args. A pair's row on its worker: shift[slot] + prefix[b, slot] + (pairs of the same slot
     # before it in block b), which is its rank in a stable sort of this router's pairs by slot.
@@ -128,16 +180,19 @@ def scatter_pairs_kernel(args_ptr, slots_ptr, prefix_ptr, shift_ptr, rows_table,
         # allocations are), or Triton falls back to 2-byte accesses.
         x_ptr = tl.multiple_of(tl.load(args_ptr), 16).to(tl.pointer_type(DTYPE))
         jb = tl.arange(0, B)
-        sb = tl.load(slots_ptr + b * B + jb, mask=b * B + jb < n, other=-1)                # [B]
-        li = q * ROWS + tl.arange(0, ROWS)                                                  # in block
+        sb = tl.load(slots_ptr + b * B + jb, mask=b * B + jb < n, other=-1)  # [B]
+        li = q * ROWS + tl.arange(0, ROWS)  # in block
         i = b * B + li
         m = i < n
-        s = tl.load(slots_ptr + i, mask=m, other=0)                                         # [ROWS]
+        s = tl.load(slots_ptr + i, mask=m, other=0)  # [ROWS]
         same = (sb[None, :] == s[:, None]) & (jb[None, :] < li[:, None])
         rank_in_block = tl.sum(same.to(tl.int64), axis=1)
         s64 = s.to(tl.int64)
-        row = tl.load(shift_ptr + s64, mask=m, other=0) + tl.load(prefix_ptr + b * PB + s64, mask=m, other=0) \
+        row = (
+            tl.load(shift_ptr + s64, mask=m, other=0)
+            + tl.load(prefix_ptr + b * PB + s64, mask=m, other=0)
             + rank_in_block
+        )
         d = worker_base + s64 // S
         dst = tl.multiple_of(tl.load(rows_table + d, mask=m, other=0), 16).to(tl.pointer_type(DTYPE))
         meta = tl.load(meta_table + d, mask=m, other=0).to(tl.pointer_type(tl.int64))
@@ -156,8 +211,9 @@ def scatter_pairs_kernel(args_ptr, slots_ptr, prefix_ptr, shift_ptr, rows_table,
 
 
 @triton.jit
-def return_rows_kernel(y_ptr, meta_ptr, total_ptr, out_table, capacity, H: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
+def return_rows_kernel(
+    y_ptr, meta_ptr, total_ptr, out_table, capacity, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr
+):
     # Rows j < total, ROWS per program: back to rank meta // capacity, row meta % capacity there.
     j0 = tl.program_id(0).to(tl.int64) * ROWS
     total = tl.load(total_ptr).to(tl.int64)
@@ -186,12 +242,13 @@ def silu_mul_kernel(gu_ptr, out_ptr, total_ptr, I: tl.constexpr, BLOCK: tl.const
             m = cols < I
             a = tl.load(gu_ptr + j * 2 * I + cols, mask=m).to(tl.float32)
             u = tl.load(gu_ptr + j * 2 * I + I + cols, mask=m)
-            if PRECISE:                          # libdevice's expf, as ATen's silu (GPU)
+            if PRECISE:  # libdevice's expf, as ATen's silu (GPU)
                 e = libdevice.exp(-a)
-            else:                                # the interpreter has no libdevice
+            else:  # the interpreter has no libdevice
                 e = tl.exp(-a)
             sl = tl.math.div_rn(a, 1.0 + e).to(u.dtype)
             tl.store(out_ptr + j * I + cols, (sl.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=m)
+
 
 @triton.jit
 def weighted_sum_kernel(x_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr):

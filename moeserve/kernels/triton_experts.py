@@ -3,15 +3,35 @@
 Imported lazily through ``moeserve.kernels`` (never at data-plane import). See
 ``moeserve.kernels.expert_mlp`` for shapes and rounding.
 """
+
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 
 @triton.jit
-def _rows(x_ptr, w, out_ptr, m0, end, rn, n_ok, K: tl.constexpr, N: tl.constexpr, stride_x, stride_wk,
-          stride_out, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-          GATED: tl.constexpr, PRECISION: tl.constexpr, PRECISE: tl.constexpr, INTERPRET: tl.constexpr):
+def _rows(
+    x_ptr,
+    w,
+    out_ptr,
+    m0,
+    end,
+    rn,
+    n_ok,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    stride_x,
+    stride_wk,
+    stride_out,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     # rows m0 .. m0 + BM - 1 (< end) of one slot through its weight columns rn; GATED: the gate
     # columns rn and the up columns N + rn, out = silu(gate) * up
     rm = m0 + tl.arange(0, BM)
@@ -29,9 +49,9 @@ def _rows(x_ptr, w, out_ptr, m0, end, rn, n_ok, K: tl.constexpr, N: tl.constexpr
             w_mask = k_ok[:, None] & n_ok[None, :]
         a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=a_mask, other=0.0)
         b = tl.load(w + rk[:, None] * stride_wk + rn[None, :], mask=w_mask, other=0.0)
-        if GATED:                               # both panels' loads before the products, as the tuned kernel had them
+        if GATED:  # both panels' loads before the products, as the tuned kernel had them
             bu = tl.load(w + rk[:, None] * stride_wk + (N + rn)[None, :], mask=w_mask, other=0.0)
-        if INTERPRET:                           # the interpreter's dot mishandles bf16: exact products in fp32
+        if INTERPRET:  # the interpreter's dot mishandles bf16: exact products in fp32
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
@@ -44,7 +64,7 @@ def _rows(x_ptr, w, out_ptr, m0, end, rn, n_ok, K: tl.constexpr, N: tl.constexpr
         u = acc_u.to(out_ptr.dtype.element_ty)
         if PRECISE:
             e = libdevice.exp(-g)
-        else:                                   # the interpreter has no libdevice
+        else:  # the interpreter has no libdevice
             e = tl.exp(-g)
         sl = tl.math.div_rn(g, 1.0 + e).to(u.dtype)
         out = (sl.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
@@ -54,10 +74,27 @@ def _rows(x_ptr, w, out_ptr, m0, end, rn, n_ok, K: tl.constexpr, N: tl.constexpr
 
 
 @triton.jit
-def expert_matmul_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, K: tl.constexpr, N: tl.constexpr, stride_x, stride_ws,
-                         stride_wk, stride_out, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         EVEN_K: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr, PRECISE: tl.constexpr,
-                         INTERPRET: tl.constexpr, G: tl.constexpr):
+def expert_matmul_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    offs_ptr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    stride_x,
+    stride_ws,
+    stride_wk,
+    stride_out,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    G: tl.constexpr,
+):
     # Program (g, s, j): out[r, jBN:(j+1)BN] for the rows r of slot s, in passes g, g + G, .. of BM
     # rows: x[r] @ W[s][:, jBN:(j+1)BN] (W[s] is [K, N]), or with GATED silu of that times
     # x[r] @ W[s][:, N + jBN:..] (W[s] is [K, 2N]: gate columns, then up). The G programs of a tile
@@ -66,19 +103,59 @@ def expert_matmul_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, K: tl.constexpr, N: tl
     g = tl.program_id(0)
     s = tl.program_id(1)
     j = tl.program_id(2)
-    end = tl.load(offs_ptr + s).to(tl.int64)          # rows [start, end) of slot s (offs: inclusive cumsum)
+    end = tl.load(offs_ptr + s).to(tl.int64)  # rows [start, end) of slot s (offs: inclusive cumsum)
     prev = tl.load(offs_ptr + tl.maximum(s - 1, 0)).to(tl.int64)
     start = tl.where(s > 0, prev, 0)
     rn = j * BN + tl.arange(0, BN)
     n_ok = rn < N
     w = w_ptr + s.to(tl.int64) * stride_ws
-    if INTERPRET:                               # the interpreter cannot range() over a runtime bound
+    if INTERPRET:  # the interpreter cannot range() over a runtime bound
         m0 = start + g * BM
         while m0 < end:
-            _rows(x_ptr, w, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_out, BM, BN, BK, EVEN_K,
-                  GATED, PRECISION, PRECISE, INTERPRET)
+            _rows(
+                x_ptr,
+                w,
+                out_ptr,
+                m0,
+                end,
+                rn,
+                n_ok,
+                K,
+                N,
+                stride_x,
+                stride_wk,
+                stride_out,
+                BM,
+                BN,
+                BK,
+                EVEN_K,
+                GATED,
+                PRECISION,
+                PRECISE,
+                INTERPRET,
+            )
             m0 += G * BM
     else:
         for m0 in range(start + g * BM, end, G * BM):
-            _rows(x_ptr, w, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_out, BM, BN, BK, EVEN_K,
-                  GATED, PRECISION, PRECISE, INTERPRET)
+            _rows(
+                x_ptr,
+                w,
+                out_ptr,
+                m0,
+                end,
+                rn,
+                n_ok,
+                K,
+                N,
+                stride_x,
+                stride_wk,
+                stride_out,
+                BM,
+                BN,
+                BK,
+                EVEN_K,
+                GATED,
+                PRECISION,
+                PRECISE,
+                INTERPRET,
+            )

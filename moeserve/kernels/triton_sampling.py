@@ -4,6 +4,7 @@ It lives at module level so that Triton's interpreter (``TRITON_INTERPRET=1``) c
 ``triton.language`` helpers it calls; ``moeserve.sampling`` documents and launches it, and its
 torch twin (``sampling._race_torch``) is the reference it is tested against.
 """
+
 import triton
 import triton.language as tl
 
@@ -22,8 +23,9 @@ def _keys(x, idx, t, thr, seed, pos_lo, pos_hi, n, HAS_THR: tl.constexpr, RANDOM
         # Triton's own philox, which sampling.philox4x32 reproduces with int64 torch ops.
         r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c3)
         w4 = tl.arange(0, 4)[None, :]
-        bits = tl.where(w4 == 0, r0[:, None],
-                        tl.where(w4 == 1, r1[:, None], tl.where(w4 == 2, r2[:, None], r3[:, None])))
+        bits = tl.where(
+            w4 == 0, r0[:, None], tl.where(w4 == 1, r1[:, None], tl.where(w4 == 2, r2[:, None], r3[:, None]))
+        )
         # (m + 0.5) / 2**32 in (0, 1), kept below 1 so that log(1 - w) stays finite.
         w = tl.minimum((bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
         y = 1.0 - w
@@ -41,8 +43,21 @@ def _keys(x, idx, t, thr, seed, pos_lo, pos_hi, n, HAS_THR: tl.constexpr, RANDOM
 # Not specialized, as they follow the batch (tests/test_triton_specialization.py): S, and the
 # per-row fields of SamplingTensors, views at offsets that follow B into one packed buffer.
 @triton.jit(do_not_specialize=["S"], do_not_specialize_on_alignment=["temp_ptr", "thr_ptr", "seed_ptr", "pos_ptr"])
-def race_kernel(x_ptr, stride_x, temp_ptr, thr_ptr, seed_ptr, pos_ptr, best_val_ptr, best_idx_ptr, V, chunk, S,
-                HAS_THR: tl.constexpr, N: tl.constexpr):
+def race_kernel(
+    x_ptr,
+    stride_x,
+    temp_ptr,
+    thr_ptr,
+    seed_ptr,
+    pos_ptr,
+    best_val_ptr,
+    best_idx_ptr,
+    V,
+    chunk,
+    S,
+    HAS_THR: tl.constexpr,
+    N: tl.constexpr,
+):
     # S (chunks per row) is a plain argument, not a constexpr: it follows the batch size, and a
     # constexpr would compile the kernel again for every new one (~1 s each, mid-serving);
     # nor is it specialized (above).
@@ -65,17 +80,17 @@ def race_kernel(x_ptr, stride_x, temp_ptr, thr_ptr, seed_ptr, pos_ptr, best_val_
     best_i = start
     row = x_ptr + b * stride_x
     off = start
-    while off < end:                   # a while loop: the interpreter cannot range() over a runtime bound
-        n = off // 4 + tl.arange(0, N)                                   # [N] Philox counters
-        idx = 4 * n[:, None] + tl.arange(0, 4)[None, :]                  # [N, 4] columns
+    while off < end:  # a while loop: the interpreter cannot range() over a runtime bound
+        n = off // 4 + tl.arange(0, N)  # [N] Philox counters
+        idx = 4 * n[:, None] + tl.arange(0, 4)[None, :]  # [N, 4] columns
         x = tl.load(row + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
         if t > 0:
             key = _keys(x, idx, t, thr, seed, pos_lo, pos_hi, n, HAS_THR, True)
         else:
             key = _keys(x, idx, t, thr, seed, pos_lo, pos_hi, n, HAS_THR, False)
         m = tl.max(tl.max(key, axis=1), axis=0)
-        j = tl.min(tl.min(tl.where(key == m, idx, V), axis=1), axis=0)   # lowest index of the max
-        better = m > best                                                # strict: earlier tiles win ties
+        j = tl.min(tl.min(tl.where(key == m, idx, V), axis=1), axis=0)  # lowest index of the max
+        better = m > best  # strict: earlier tiles win ties
         best_i = tl.where(better, j, best_i)
         best = tl.where(better, m, best)
         off += 4 * N

@@ -14,6 +14,7 @@
 The MoE layer index (0 .. num_moe_layers-1, the ordinal among MoE layers) is what the expert
 side sees; ``MoEInfo.moe_layer_ids[m]`` is the decoder-layer index of MoE layer m.
 """
+
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.checkpoint import CheckpointReader
 from moeserve.models.config import CheckpointError, ModelConfig, RopeConfig, load_config
@@ -23,7 +24,20 @@ from moeserve.models.model import DecoderModel, MoEInfo, load_model
 from moeserve.models.paged import PagedBatch, PagedKVCache
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "DecoderModel", "DummyReader", "KVCache", "LOAD_FORMATS", "MoEInfo",
-    "ModelConfig", "PagedBatch", "PagedKVCache", "RopeConfig", "StepBatch", "init_model", "load_config",
-    "load_model", "open_reader",
+    "CheckpointError",
+    "CheckpointReader",
+    "DecoderModel",
+    "DummyReader",
+    "KVCache",
+    "LOAD_FORMATS",
+    "MoEInfo",
+    "ModelConfig",
+    "PagedBatch",
+    "PagedKVCache",
+    "RopeConfig",
+    "StepBatch",
+    "init_model",
+    "load_config",
+    "load_model",
+    "open_reader",
 ]

@@ -21,6 +21,7 @@ Two implementations, one per device:
   cache for the whole mixed step (``moeserve.kernels.triton_attention``); a second, tiny launch only
   when the key range is split into segments (long decodes with too few programs to fill the GPU).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,8 +35,17 @@ from moeserve.kernels import fresh_module
 from moeserve.models.paged import PagedBatch
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch, *,
-                    scale: float, chunk: int | None, softmax_fp32: bool, backend: str | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: PagedBatch,
+    *,
+    scale: float,
+    chunk: int | None,
+    softmax_fp32: bool,
+    backend: str | None = None,
+) -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] over one layer's pools k_pool, v_pool
     [N, Hkv, D], which already hold this step's keys (written at ``batch.slot_mapping``).
     Returns [T, Hq, D] in q's dtype.
@@ -54,8 +64,17 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 # -- torch ---------------------------------------------------------------------------------------
 
-def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch, *,
-                          scale: float, chunk: int | None, softmax_fp32: bool) -> torch.Tensor:
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: PagedBatch,
+    *,
+    scale: float,
+    chunk: int | None,
+    softmax_fp32: bool,
+) -> torch.Tensor:
     """The padded, vectorised formulation (see the module docstring): q [T, Hq, D] -> [T, Hq, D].
 
     Same arithmetic as the eager ``_attend``: scores in q's dtype times scale, masked with -inf,
@@ -70,23 +89,23 @@ def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     hkv = k_pool.shape[1]
     g = hq // hkv
     dev = q.device
-    qs = batch.query_start.long()                                          # [S + 1]
-    q_len = qs[1:] - qs[:-1]                                               # [S]
-    ctx = batch.seq_lens.long() - q_len                                    # [S] cached before the step
-    qi = torch.arange(qmax, device=dev)                                    # [Q]
-    q_ok = qi[None, :] < q_len[:, None]                                    # [S, Q]
-    q_idx = torch.where(q_ok, qs[:-1, None] + qi[None, :], 0)              # [S, Q] row of q (0 for padding)
-    q_pos = ctx[:, None] + qi[None, :]                                     # [S, Q]
-    ki = torch.arange(lmax, device=dev)                                    # [L]
-    k_ok = ki[None, :] < batch.seq_lens.long()[:, None]                    # [S, L]
-    slots = batch.block_tables.long()[:, ki // bs] * bs + ki % bs          # [S, L] flat slots
-    keys = k_pool[slots]                                                   # [S, L, Hkv, D]
-    values = v_pool[slots].masked_fill(~k_ok[:, :, None, None], 0)         # [S, L, Hkv, D]
+    qs = batch.query_start.long()  # [S + 1]
+    q_len = qs[1:] - qs[:-1]  # [S]
+    ctx = batch.seq_lens.long() - q_len  # [S] cached before the step
+    qi = torch.arange(qmax, device=dev)  # [Q]
+    q_ok = qi[None, :] < q_len[:, None]  # [S, Q]
+    q_idx = torch.where(q_ok, qs[:-1, None] + qi[None, :], 0)  # [S, Q] row of q (0 for padding)
+    q_pos = ctx[:, None] + qi[None, :]  # [S, Q]
+    ki = torch.arange(lmax, device=dev)  # [L]
+    k_ok = ki[None, :] < batch.seq_lens.long()[:, None]  # [S, L]
+    slots = batch.block_tables.long()[:, ki // bs] * bs + ki % bs  # [S, L] flat slots
+    keys = k_pool[slots]  # [S, L, Hkv, D]
+    values = v_pool[slots].masked_fill(~k_ok[:, :, None, None], 0)  # [S, L, Hkv, D]
 
-    qh = q[q_idx].view(s, qmax, hkv, g, d).permute(0, 2, 3, 1, 4)          # [S, Hkv, G, Q, D]
-    kh = keys.permute(0, 2, 1, 3).unsqueeze(2)                             # [S, Hkv, 1, L, D]
-    vh = values.permute(0, 2, 1, 3).unsqueeze(2)                           # [S, Hkv, 1, L, D]
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale                # [S, Hkv, G, Q, L]
+    qh = q[q_idx].view(s, qmax, hkv, g, d).permute(0, 2, 3, 1, 4)  # [S, Hkv, G, Q, D]
+    kh = keys.permute(0, 2, 1, 3).unsqueeze(2)  # [S, Hkv, 1, L, D]
+    vh = values.permute(0, 2, 1, 3).unsqueeze(2)  # [S, Hkv, 1, L, D]
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [S, Hkv, G, Q, L]
     visible = (ki[None, None, :] <= q_pos[:, :, None]) & k_ok[:, None, :]  # [S, Q, L]
     if chunk:
         visible = visible & ((ki // chunk)[None, None, :] == (q_pos // chunk)[:, :, None])
@@ -95,16 +114,17 @@ def paged_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, vh)                                          # [S, Hkv, G, Q, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(s * qmax, hq, d)              # [S * Q, Hq, D]
+    out = torch.matmul(probs, vh)  # [S, Hkv, G, Q, D]
+    out = out.permute(0, 3, 1, 2, 4).reshape(s * qmax, hq, d)  # [S * Q, Hq, D]
     # Back to the flat token order without a boolean index (no host synchronisation): token i
     # of the step is row (its sequence) * Q + (i - query_start[its sequence]).
     tok = torch.arange(t, device=dev)
-    seq = torch.searchsorted(qs[1:], tok, right=True)                      # [T]
+    seq = torch.searchsorted(qs[1:], tok, right=True)  # [T]
     return out[seq * qmax + tok - qs[seq]]
 
 
 # -- Triton --------------------------------------------------------------------------------------
+
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
@@ -128,14 +148,17 @@ def _num_sms(index: int) -> int:
 # points (FlashAttention-2 / vLLM-like), to be timed on the H200s. A decode-only step uses the
 # smallest MMA height (16 rows: one token's G heads, or a few tokens); any step with a longer
 # query uses 64-row tiles so that each key tile read serves 64 / G query tokens.
-TUNING = {"decode": dict(BM=16, BN=64, num_warps=4, num_stages=2, SKIP_MASK=False),
-          "prefill": dict(BM=64, BN=64, num_warps=4, num_stages=2, SKIP_MASK=True)}
-MAX_SEGMENTS = 16          # split-KV segments at most (a power of two: the reduction's arange)
+TUNING = {
+    "decode": dict(BM=16, BN=64, num_warps=4, num_stages=2, SKIP_MASK=False),
+    "prefill": dict(BM=64, BN=64, num_warps=4, num_stages=2, SKIP_MASK=True),
+}
+MAX_SEGMENTS = 16  # split-KV segments at most (a power of two: the reduction's arange)
 MIN_KEYS_PER_SEGMENT = 256  # a segment shorter than this costs more in partials than it saves
 
 
-def attention_config(batch: PagedBatch, num_heads: int, num_kv_heads: int, head_dim: int,
-                     num_sms: int | None = None) -> dict:
+def attention_config(
+    batch: PagedBatch, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int | None = None
+) -> dict:
     """Launch parameters of a step (host ints only, so the choice is free and graph-capturable
     for a fixed shape): BM, BQ = BM // G query tokens per program, BN, warps, stages, the grid's
     query-tile count T // BQ + S, and NS key segments (1 = no split)."""
@@ -143,7 +166,7 @@ def attention_config(batch: PagedBatch, num_heads: int, num_kv_heads: int, head_
     cfg = dict(TUNING["decode" if batch.max_query_len * g <= TUNING["decode"]["BM"] else "prefill"])
     cfg["BM"] = max(cfg["BM"], _pow2(g))
     if head_dim > 128:
-        cfg["BN"] = 32            # keep the [BM, DP] accumulator and [BN, DP] tiles in registers
+        cfg["BN"] = 32  # keep the [BM, DP] accumulator and [BN, DP] tiles in registers
     cfg["BQ"] = cfg["BM"] // g
     cfg["tiles"] = batch.num_tokens // cfg["BQ"] + batch.num_seqs
     ns = 1
@@ -151,15 +174,26 @@ def attention_config(batch: PagedBatch, num_heads: int, num_kv_heads: int, head_
         # Decode-like (one tile per sequence): with fewer programs than ~2 waves of SMs, split
         # each sequence's keys so that every SM gets work; each segment keeps >= MIN keys.
         programs = batch.num_seqs * num_kv_heads
-        while (ns < MAX_SEGMENTS and programs * ns * 2 <= 2 * num_sms
-               and batch.max_seq_len >= 2 * ns * MIN_KEYS_PER_SEGMENT):
+        while (
+            ns < MAX_SEGMENTS
+            and programs * ns * 2 <= 2 * num_sms
+            and batch.max_seq_len >= 2 * ns * MIN_KEYS_PER_SEGMENT
+        ):
             ns *= 2
     cfg["NS"] = ns
     return cfg
 
 
-def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: PagedBatch, *,
-                           scale: float, chunk: int | None, num_segments: int | None = None) -> torch.Tensor:
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: PagedBatch,
+    *,
+    scale: float,
+    chunk: int | None,
+    num_segments: int | None = None,
+) -> torch.Tensor:
     """The Triton varlen paged flash-attention: q [T, Hq, D] -> [T, Hq, D] (q's dtype), one
     launch per call (two with a split key range).
 
@@ -174,31 +208,69 @@ def paged_attention_triton(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return out
     hkv = k_pool.shape[1]
     if k_pool.stride(2) != 1 or v_pool.stride() != k_pool.stride() or q.stride(2) != 1:
-        raise ValueError("paged_attention_triton: the head dim of q and of the pools must be contiguous, "
-                         "and k and v pools must share strides")
+        raise ValueError(
+            "paged_attention_triton: the head dim of q and of the pools must be contiguous, "
+            "and k and v pools must share strides"
+        )
     sms = _num_sms(q.device.index or 0) if q.is_cuda else None
     cfg = attention_config(batch, hq, hkv, d, sms)
     ns = num_segments if num_segments is not None else cfg["NS"]
     if ns < 1 or ns & (ns - 1):
         raise ValueError(f"num_segments must be a power of two >= 1, found {ns}")
     dp = max(16, _pow2(d))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"   # tf32 is ignored for 16-bit operands
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
     if ns > 1:
         part = torch.empty(t, hq, ns, dp, dtype=torch.float32, device=q.device)
         stat = torch.empty(t, hq, ns, 2, dtype=torch.float32, device=q.device)
     else:
-        part = stat = out             # not read: the NS == 1 branch is compiled out
+        part = stat = out  # not read: the NS == 1 branch is compiled out
     k = _kernels()
     extra = {} if _interpreted() else dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     k.paged_attention_kernel[(cfg["tiles"], hkv, ns)](
-        q, k_pool, v_pool, out, part, stat, batch.block_tables, batch.seq_lens, batch.query_start,
-        batch.num_seqs, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), out.stride(0), out.stride(1),
+        q,
+        k_pool,
+        v_pool,
+        out,
+        part,
+        stat,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start,
+        batch.num_seqs,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
         batch.block_tables.stride(0),
-        HQ=hq, G=hq // hkv, D=d, DP=dp, B=batch.block_size, CHUNK=chunk or 0,
-        BM=cfg["BM"], BQ=cfg["BQ"], BN=cfg["BN"], NS=ns, SKIP_MASK=cfg["SKIP_MASK"], PRECISION=precision,
-        INTERPRET=_interpreted(), **extra)
+        HQ=hq,
+        G=hq // hkv,
+        D=d,
+        DP=dp,
+        B=batch.block_size,
+        CHUNK=chunk or 0,
+        BM=cfg["BM"],
+        BQ=cfg["BQ"],
+        BN=cfg["BN"],
+        NS=ns,
+        SKIP_MASK=cfg["SKIP_MASK"],
+        PRECISION=precision,
+        INTERPRET=_interpreted(),
+        **extra,
+    )
     if ns > 1:
-        k.paged_attention_reduce_kernel[(t, hq)](part, stat, out, out.stride(0), out.stride(1),
-                                                 HQ=hq, D=d, DP=dp, NS=ns, **({} if _interpreted() else dict(num_warps=1)))
+        k.paged_attention_reduce_kernel[(t, hq)](
+            part,
+            stat,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HQ=hq,
+            D=d,
+            DP=dp,
+            NS=ns,
+            **({} if _interpreted() else dict(num_warps=1)),
+        )
     return out

@@ -7,6 +7,7 @@ A step carries the new tokens of several sequences back to back: a whole prompt 
 token (decode) or a later chunk all look the same. ``StepBatch.starts[s]`` is the absolute
 position of sequence s's first new token, which must equal the tokens already cached for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,10 @@ class StepBatch:
         object.__setattr__(self, "lens", tuple(int(n) for n in self.lens))
         object.__setattr__(self, "starts", tuple(int(s) for s in self.starts))
         if not len(self.seq_ids) == len(self.lens) == len(self.starts):
-            raise ValueError(f"StepBatch: seq_ids, lens and starts must have one entry per sequence, "
-                             f"found {len(self.seq_ids)}, {len(self.lens)}, {len(self.starts)}")
+            raise ValueError(
+                f"StepBatch: seq_ids, lens and starts must have one entry per sequence, "
+                f"found {len(self.seq_ids)}, {len(self.lens)}, {len(self.starts)}"
+            )
         if len(set(self.seq_ids)) != len(self.seq_ids):
             raise ValueError(f"StepBatch: seq_ids must be distinct, found {self.seq_ids}")
         if any(n < 1 for n in self.lens):
@@ -87,8 +90,14 @@ class KVCache:
     key too; attention reads only the chunk it needs.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self._len: dict[Hashable, int] = {}
@@ -127,8 +136,9 @@ class KVCache:
                 self._k[sid] = [None] * self.num_layers
                 self._v[sid] = [None] * self.num_layers
 
-    def write(self, layer: int, seq_id: Hashable, start: int, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, seq_id: Hashable, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [n, Hkv, D] at positions start..start+n-1 of one layer.
 
         Returns views of all keys and values of the sequence in that layer: [start + n, Hkv, D].

@@ -22,6 +22,7 @@ Routed experts come back in the canonical layout of ``moe.py`` whatever the file
 - per expert, nn.Linear style (ERNIE; quantized Llama 4): ``experts.{e}.gate_proj.weight [I, H]``,
   ``experts.{e}.up_proj.weight [I, H]``, ``experts.{e}.down_proj.weight [H, I]``.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,13 +38,22 @@ from moeserve.models.moe import ExpertSpec
 
 # safetensors dtype names -> torch dtypes, for stored_dtype (safetensors' own table is private).
 ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
-MAX_HEADER_BYTES = 100_000_000     # safetensors refuses longer headers; also bounds what an error message reads
+MAX_HEADER_BYTES = 100_000_000  # safetensors refuses longer headers; also bounds what an error message reads
 SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
-SKIPPED_COMPONENT = "mtp"    # ERNIE's multi-token-prediction tensors: model.mtp_block.*, model.mtp_emb_norm.*, ...
+SKIPPED_COMPONENT = "mtp"  # ERNIE's multi-token-prediction tensors: model.mtp_block.*, model.mtp_emb_norm.*, ...
 # Where each family keeps the routed experts of decoder layer i.
 EXPERTS_PREFIX = {"llama4": "model.layers.{}.feed_forward.experts.", "ernie45": "model.layers.{}.mlp.experts."}
 
@@ -71,7 +81,7 @@ class SafetensorsFile:
         return cls(path, handle, frozenset(handle.keys()))
 
     def close(self) -> None:
-        self.handle.__exit__(None, None, None)     # safe_open has no close(); leaving its context closes it
+        self.handle.__exit__(None, None, None)  # safe_open has no close(); leaving its context closes it
 
 
 def corrupt_file_error(path: Path, err: SafetensorError) -> CheckpointError:
@@ -94,8 +104,10 @@ def corrupt_file_error(path: Path, err: SafetensorError) -> CheckpointError:
         else:
             try:
                 json.loads(fh.read(n))
-                detail = (f"the tensors' dtype, shape and data_offsets do not hold them in a data section "
-                          f"of {size - 8 - n} bytes")
+                detail = (
+                    f"the tensors' dtype, shape and data_offsets do not hold them in a data section "
+                    f"of {size - 8 - n} bytes"
+                )
             except ValueError:
                 detail = "header is not valid JSON"
     return CheckpointError(f"{path}: corrupt safetensors header: {detail} (safetensors: {err})")
@@ -140,8 +152,10 @@ class CheckpointReader:
         elif "language_model.model.embed_tokens.weight" in self._where:
             self.prefix = "language_model."
         else:
-            raise CheckpointError(f"{self._source}: tensor 'model.embed_tokens.weight' is missing "
-                                  "(also looked for 'language_model.model.embed_tokens.weight')")
+            raise CheckpointError(
+                f"{self._source}: tensor 'model.embed_tokens.weight' is missing "
+                "(also looked for 'language_model.model.embed_tokens.weight')"
+            )
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -150,7 +164,9 @@ class CheckpointReader:
             raw = json.loads(index.read_text())
             wmap = raw["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index (need a JSON object with 'weight_map'): {e}") from None
+            raise CheckpointError(
+                f"{index}: not a safetensors index (need a JSON object with 'weight_map'): {e}"
+            ) from None
         if not isinstance(wmap, dict) or not all(isinstance(v, str) and "/" not in v for v in wmap.values()):
             raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names in this folder")
         return dict(wmap)
@@ -195,7 +211,7 @@ class CheckpointReader:
         for full in self._where:
             if not full.startswith(self.prefix):
                 continue
-            name = full[len(self.prefix):]
+            name = full[len(self.prefix) :]
             if name.startswith(SKIPPED_PREFIXES) or any(c.startswith(SKIPPED_COMPONENT) for c in name.split(".")):
                 continue
             out.append(name)
@@ -214,8 +230,7 @@ class CheckpointReader:
             raise CheckpointError(f"{f.path}: tensor '{full}' has dtype {st}; the reader knows {sorted(ST_DTYPES)}")
         return ST_DTYPES[st]
 
-    def read(self, name: str, dtype: torch.dtype | None = None,
-             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def read(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Read one whole tensor, checking its shape when ``shape`` is given; cast to ``dtype``."""
         f, full, sl = self._slice(name)
         if shape is not None:
@@ -229,8 +244,10 @@ class CheckpointReader:
         f, full, sl = self._slice(name)
         shape = tuple(sl.get_shape())
         if not shape or not 0 <= start <= start + count <= shape[0]:
-            raise CheckpointError(f"{f.path}: tensor '{full}' of shape {shape} has no rows {start}..{start + count - 1}")
-        t = sl[start:start + count]
+            raise CheckpointError(
+                f"{f.path}: tensor '{full}' of shape {shape} has no rows {start}..{start + count - 1}"
+            )
+        t = sl[start : start + count]
         self._count(t)
         return _owned(t, dtype)
 
@@ -253,12 +270,14 @@ class CheckpointReader:
     def _experts_prefix(self, moe_layer: int) -> str:
         cfg = self.config
         if not 0 <= moe_layer < cfg.num_moe_layers:
-            raise ValueError(f"MoE layer index {moe_layer} out of range 0..{cfg.num_moe_layers - 1} "
-                             f"(the ordinal among MoE layers, not the decoder-layer index)")
+            raise ValueError(
+                f"MoE layer index {moe_layer} out of range 0..{cfg.num_moe_layers - 1} "
+                f"(the ordinal among MoE layers, not the decoder-layer index)"
+            )
         return EXPERTS_PREFIX[self.config.family].format(cfg.moe_layer_ids[moe_layer])
 
     def expert_layout(self, moe_layer: int) -> str:
-        """"fused" (experts.gate_up_proj / down_proj) or "per_expert" (experts.{e}.*_proj.weight)."""
+        """ "fused" (experts.gate_up_proj / down_proj) or "per_expert" (experts.{e}.*_proj.weight)."""
         return "fused" if self.has(self._experts_prefix(moe_layer) + "gate_up_proj") else "per_expert"
 
     def expert_spec(self, dtype: torch.dtype | None = None) -> ExpertSpec:
@@ -266,7 +285,9 @@ class CheckpointReader:
         cfg = self.config
         if dtype is None and cfg.num_moe_layers:
             p = self._experts_prefix(0)
-            dtype = self.stored_dtype(p + ("gate_up_proj" if self.expert_layout(0) == "fused" else "0.gate_proj.weight"))
+            dtype = self.stored_dtype(
+                p + ("gate_up_proj" if self.expert_layout(0) == "fused" else "0.gate_proj.weight")
+            )
         return ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype or cfg.dtype)
 
     def read_expert(self, moe_layer: int, expert: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -283,17 +304,19 @@ class CheckpointReader:
         if self.expert_layout(moe_layer) == "fused":
             self.check_shape(prefix + "gate_up_proj", (n_exp, h, 2 * i))
             self.check_shape(prefix + "down_proj", (n_exp, i, h))
-            gate_up = self.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0]     # [H, 2I]
-            down = self.read_rows(prefix + "down_proj", expert, 1, dtype)[0]           # [I, H]
+            gate_up = self.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0]  # [H, 2I]
+            down = self.read_rows(prefix + "down_proj", expert, 1, dtype)[0]  # [I, H]
             return {"gate_up": gate_up, "down": down}
         p = f"{prefix}{expert}."
         if not self.has(p + "gate_proj.weight"):
-            raise CheckpointError(f"{self._source}: tensor '{self.prefix}{prefix}gate_up_proj' is missing, and so is "
-                                  f"the per-expert '{self.prefix}{p}gate_proj.weight' (routed experts of MoE layer "
-                                  f"{moe_layer} = decoder layer {cfg.moe_layer_ids[moe_layer]})")
-        gate = self.read(p + "gate_proj.weight", dtype, shape=(i, h))                   # [I, H]
-        up = self.read(p + "up_proj.weight", dtype, shape=(i, h))                       # [I, H]
-        down = self.read(p + "down_proj.weight", dtype, shape=(h, i))                   # [H, I]
+            raise CheckpointError(
+                f"{self._source}: tensor '{self.prefix}{prefix}gate_up_proj' is missing, and so is "
+                f"the per-expert '{self.prefix}{p}gate_proj.weight' (routed experts of MoE layer "
+                f"{moe_layer} = decoder layer {cfg.moe_layer_ids[moe_layer]})"
+            )
+        gate = self.read(p + "gate_proj.weight", dtype, shape=(i, h))  # [I, H]
+        up = self.read(p + "up_proj.weight", dtype, shape=(i, h))  # [I, H]
+        down = self.read(p + "down_proj.weight", dtype, shape=(h, i))  # [H, I]
         return {"gate_up": torch.cat([gate.t(), up.t()], dim=1).contiguous(), "down": down.t().contiguous()}
 
     def read_experts(self, moe_layer: int, ids, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

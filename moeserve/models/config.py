@@ -17,6 +17,7 @@ The *MoE layer index* is the ordinal of a MoE layer among the model's MoE layers
 (``0 .. num_moe_layers-1``); ``moe_layer_ids[m]`` is the decoder-layer index of MoE layer ``m``.
 Everything that talks to expert workers (dispatch, placement, load) uses the MoE layer index.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,38 +69,38 @@ class ModelConfig:
     experts form one SwiGLU MLP of width ``moe_intermediate_size * num_shared_experts``.
     """
 
-    family: str                         # "llama4" | "ernie45"
-    model_type: str                     # config.json's model_type
+    family: str  # "llama4" | "ernie45"
+    model_type: str  # config.json's model_type
     vocab_size: int
     hidden_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int              # dense SwiGLU layers
+    intermediate_size: int  # dense SwiGLU layers
     rms_norm_eps: float
     rope: RopeConfig
-    use_rope: tuple[bool, ...]          # [num_layers]; False = NoPE layer (no RoPE, no qk-norm)
-    chunked_attention: tuple[bool, ...] # [num_layers]; True = causal within chunks of attention_chunk_size
+    use_rope: tuple[bool, ...]  # [num_layers]; False = NoPE layer (no RoPE, no qk-norm)
+    chunked_attention: tuple[bool, ...]  # [num_layers]; True = causal within chunks of attention_chunk_size
     attention_chunk_size: int | None
-    use_qk_norm: bool                   # weightless L2 norm of q and k after RoPE (RoPE layers only)
-    attn_temperature_tuning: bool       # scale q on NoPE layers by 1 + attn_scale*log1p(floor((pos+1)/floor_scale))
+    use_qk_norm: bool  # weightless L2 norm of q and k after RoPE (RoPE layers only)
+    attn_temperature_tuning: bool  # scale q on NoPE layers by 1 + attn_scale*log1p(floor((pos+1)/floor_scale))
     floor_scale: float
     attn_scale: float
-    attention_bias: bool                # q/k/v/o projections have biases
-    mlp_bias: bool                      # dense and shared-expert MLPs (and ERNIE's lm_head) have biases
+    attention_bias: bool  # q/k/v/o projections have biases
+    mlp_bias: bool  # dense and shared-expert MLPs (and ERNIE's lm_head) have biases
     tie_word_embeddings: bool
-    moe_layer_ids: tuple[int, ...]      # decoder-layer index of each MoE layer, ascending
-    num_experts: int                    # logical routed experts per MoE layer
+    moe_layer_ids: tuple[int, ...]  # decoder-layer index of each MoE layer, ascending
+    num_experts: int  # logical routed experts per MoE layer
     top_k: int
-    moe_intermediate_size: int          # one routed expert's intermediate size I
+    moe_intermediate_size: int  # one routed expert's intermediate size I
     num_shared_experts: int
-    shared_intermediate_size: int       # width of the shared-expert MLP (0 when none)
-    moe_norm_min: float                 # ERNIE: floor of the top-k weight sum before renormalising
+    shared_intermediate_size: int  # width of the shared-expert MLP (0 when none)
+    moe_norm_min: float  # ERNIE: floor of the top-k weight sum before renormalising
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    dtype: torch.dtype                  # dtype the checkpoint declares (dtype / torch_dtype)
+    dtype: torch.dtype  # dtype the checkpoint declares (dtype / torch_dtype)
     max_position_embeddings: int
 
     @property
@@ -135,8 +136,9 @@ def load_config(path: str | Path) -> ModelConfig:
     return parse_config(raw, source=str(file), eos_override=eos_override)
 
 
-def parse_config(raw: dict[str, Any], source: str = "config.json",
-                 eos_override: tuple[int, ...] | None = None) -> ModelConfig:
+def parse_config(
+    raw: dict[str, Any], source: str = "config.json", eos_override: tuple[int, ...] | None = None
+) -> ModelConfig:
     """Parse a config dict (as read from ``source``, named in errors) into a ModelConfig."""
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -144,7 +146,9 @@ def parse_config(raw: dict[str, Any], source: str = "config.json",
     if model_type == "llama4":
         text = raw.get("text_config")
         if not isinstance(text, dict):
-            raise CheckpointError(f"{source}: model_type 'llama4' needs a 'text_config' object (the text model's settings)")
+            raise CheckpointError(
+                f"{source}: model_type 'llama4' needs a 'text_config' object (the text model's settings)"
+            )
         f = _Fields({**{k: raw[k] for k in ("dtype", "torch_dtype") if k in raw}, **text}, source, "text_config.")
         cfg = _parse_llama4(f, model_type)
     elif model_type == "llama4_text":
@@ -277,12 +281,14 @@ def _rope(f: _Fields) -> RopeConfig:
         if name not in params:
             raise sub.error(name, "is missing (llama3 RoPE scaling needs factor, low_freq_factor, high_freq_factor)")
     rope = RopeConfig(
-        theta=float(theta), type="llama3",
+        theta=float(theta),
+        type="llama3",
         factor=sub.float("factor", 1.0),
         low_freq_factor=sub.float("low_freq_factor", 1.0),
         high_freq_factor=sub.float("high_freq_factor", 4.0),
         original_max_position_embeddings=sub.int(
-            "original_max_position_embeddings", f.int("max_position_embeddings", 131072)),
+            "original_max_position_embeddings", f.int("max_position_embeddings", 131072)
+        ),
     )
     if rope.high_freq_factor == rope.low_freq_factor:
         raise sub.error("high_freq_factor", "must differ from low_freq_factor")
@@ -298,7 +304,9 @@ def _heads(f: _Fields) -> tuple[int, int, int]:
     if not head_dim:
         hidden = f.int("hidden_size")
         if hidden % heads:
-            raise f.error("hidden_size", f"({hidden}) is not a multiple of num_attention_heads ({heads}) and head_dim is absent")
+            raise f.error(
+                "hidden_size", f"({hidden}) is not a multiple of num_attention_heads ({heads}) and head_dim is absent"
+            )
         head_dim = hidden // heads
     if head_dim % 2:
         raise f.error("head_dim", f"must be even (RoPE rotates pairs), found {head_dim}")
@@ -344,24 +352,39 @@ def _parse_llama4(f: _Fields, model_type: str) -> ModelConfig:
 
     expert_width = f.int("intermediate_size")
     return ModelConfig(
-        family="llama4", model_type=model_type,
-        vocab_size=f.int("vocab_size"), hidden_size=f.int("hidden_size"), num_layers=layers,
-        num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        family="llama4",
+        model_type=model_type,
+        vocab_size=f.int("vocab_size"),
+        hidden_size=f.int("hidden_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
         intermediate_size=f.int("intermediate_size_mlp", 16384),
-        rms_norm_eps=f.float("rms_norm_eps", 1e-5), rope=_rope(f),
-        use_rope=use_rope, chunked_attention=chunked, attention_chunk_size=chunk,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
+        rope=_rope(f),
+        use_rope=use_rope,
+        chunked_attention=chunked,
+        attention_chunk_size=chunk,
         use_qk_norm=f.bool("use_qk_norm", True),
         attn_temperature_tuning=f.bool("attn_temperature_tuning", True, allow_int=True),
-        floor_scale=f.float("floor_scale", 8192.0), attn_scale=f.float("attn_scale", 0.1),
-        attention_bias=f.bool("attention_bias", False), mlp_bias=False,
+        floor_scale=f.float("floor_scale", 8192.0),
+        attn_scale=f.float("attn_scale", 0.1),
+        attention_bias=f.bool("attention_bias", False),
+        mlp_bias=False,
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
-        moe_layer_ids=tuple(moe_layers), num_experts=num_experts, top_k=top_k,
-        moe_intermediate_size=expert_width, num_shared_experts=1, shared_intermediate_size=expert_width,
+        moe_layer_ids=tuple(moe_layers),
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=expert_width,
+        num_shared_experts=1,
+        shared_intermediate_size=expert_width,
         moe_norm_min=0.0,
         bos_token_id=_optional_id(f, "bos_token_id", 1),
         eos_token_ids=_token_ids(f.raw.get("eos_token_id", 2), f.source, "eos_token_id"),
         pad_token_id=_optional_id(f, "pad_token_id", None),
-        dtype=_dtype(f), max_position_embeddings=f.int("max_position_embeddings", 131072),
+        dtype=_dtype(f),
+        max_position_embeddings=f.int("max_position_embeddings", 131072),
     )
 
 
@@ -381,21 +404,37 @@ def _parse_ernie45(f: _Fields, model_type: str) -> ModelConfig:
     shared = f.int("moe_num_shared_experts", 2, minimum=0)
     use_bias = f.bool("use_bias", False)
     return ModelConfig(
-        family="ernie45", model_type=model_type,
-        vocab_size=f.int("vocab_size"), hidden_size=f.int("hidden_size"), num_layers=layers,
-        num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        family="ernie45",
+        model_type=model_type,
+        vocab_size=f.int("vocab_size"),
+        hidden_size=f.int("hidden_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
         intermediate_size=f.int("intermediate_size"),
-        rms_norm_eps=f.float("rms_norm_eps", 1e-5), rope=_rope(f),
-        use_rope=(True,) * layers, chunked_attention=(False,) * layers, attention_chunk_size=None,
-        use_qk_norm=False, attn_temperature_tuning=False, floor_scale=1.0, attn_scale=0.0,
-        attention_bias=use_bias, mlp_bias=use_bias,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
+        rope=_rope(f),
+        use_rope=(True,) * layers,
+        chunked_attention=(False,) * layers,
+        attention_chunk_size=None,
+        use_qk_norm=False,
+        attn_temperature_tuning=False,
+        floor_scale=1.0,
+        attn_scale=0.0,
+        attention_bias=use_bias,
+        mlp_bias=use_bias,
         tie_word_embeddings=f.bool("tie_word_embeddings", True),
-        moe_layer_ids=moe_layers, num_experts=num_experts, top_k=top_k,
-        moe_intermediate_size=width, num_shared_experts=shared, shared_intermediate_size=width * shared,
+        moe_layer_ids=moe_layers,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=width,
+        num_shared_experts=shared,
+        shared_intermediate_size=width * shared,
         moe_norm_min=f.float("moe_norm_min", 1e-12),
         bos_token_id=_optional_id(f, "bos_token_id", 1),
         eos_token_ids=_token_ids(f.raw.get("eos_token_id", 2), f.source, "eos_token_id"),
         pad_token_id=_optional_id(f, "pad_token_id", 0),
-        dtype=_dtype(f), max_position_embeddings=f.int("max_position_embeddings", 131072),
+        dtype=_dtype(f),
+        max_position_embeddings=f.int("max_position_embeddings", 131072),
     )
-

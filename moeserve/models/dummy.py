@@ -51,6 +51,7 @@ The share is about what the argument asks (within a few points on random prompts
 route the generated tokens, whatever they are); at most ``k / top_k`` (every token picks every hot
 expert) and at least the uniform ``k / E``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -68,17 +69,18 @@ from moeserve.models.config import CheckpointError, ModelConfig, load_config
 from moeserve.models.moe import ExpertSpec
 
 LOAD_FORMATS = ("auto", "dummy")
-LOW, HIGH = -1e-3, 1e-3                    # vLLM's dummy init range
-FP32_NAMES = ("mlp.gate.weight", "e_score_correction_bias")   # stored in fp32 in ERNIE checkpoints
-HOT_ENV = "MOESERVE_DUMMY_HOT_EXPERTS"     # "k:share", e.g. "2:0.8"
-HOT_CONFIG_KEY = "moeserve_dummy_hot_experts"   # config.json: {"experts": k, "share": share}
-HOT_EMBED_SCALE = 1e3                      # hot experts: the embedding dominates the residual stream
-HOT_CHANNEL = 0                            # ... and carries the constant 1 on this channel
-SIGMA_UNIFORM = (HIGH - LOW) / math.sqrt(12.0)   # standard deviation of a dummy value
+LOW, HIGH = -1e-3, 1e-3  # vLLM's dummy init range
+FP32_NAMES = ("mlp.gate.weight", "e_score_correction_bias")  # stored in fp32 in ERNIE checkpoints
+HOT_ENV = "MOESERVE_DUMMY_HOT_EXPERTS"  # "k:share", e.g. "2:0.8"
+HOT_CONFIG_KEY = "moeserve_dummy_hot_experts"  # config.json: {"experts": k, "share": share}
+HOT_EMBED_SCALE = 1e3  # hot experts: the embedding dominates the residual stream
+HOT_CHANNEL = 0  # ... and carries the constant 1 on this channel
+SIGMA_UNIFORM = (HIGH - LOW) / math.sqrt(12.0)  # standard deviation of a dummy value
 
 
-def open_reader(path: str | Path, load_format: str = "auto", device: torch.device | str = "cpu",
-                seed: int = 0) -> CheckpointReader | DummyReader:
+def open_reader(
+    path: str | Path, load_format: str = "auto", device: torch.device | str = "cpu", seed: int = 0
+) -> CheckpointReader | DummyReader:
     """The reader for ``load_format``: "auto" reads the checkpoint files (on the CPU; callers
     move tensors), "dummy" makes seeded random weights on ``device``."""
     if load_format == "auto":
@@ -102,8 +104,9 @@ def parse_hot(spec) -> tuple[int, float] | None:
         else:
             k, share = int(spec[0]), float(spec[1])
     except (ValueError, KeyError, TypeError, IndexError):
-        raise ValueError(f"hot experts must be 'k:share' (e.g. 2:0.8) or {{\"experts\": k, \"share\": s}}, "
-                         f"got {spec!r}") from None
+        raise ValueError(
+            f'hot experts must be \'k:share\' (e.g. 2:0.8) or {{"experts": k, "share": s}}, got {spec!r}'
+        ) from None
     if k < 0 or not 0.0 < share < 1.0:
         raise ValueError(f"hot experts: k must be >= 0 and share in (0, 1), got k={k}, share={share}")
     return (k, share) if k else None
@@ -222,8 +225,9 @@ class DummyReader:
         if ids is not None:
             ids = sorted(int(e) for e in ids)
             if len(ids) != self.hot[0] or len(set(ids)) != len(ids) or not all(0 <= e < cfg.num_experts for e in ids):
-                raise ValueError(f"hot experts: ids must be {self.hot[0]} distinct experts of 0..{cfg.num_experts - 1}, "
-                                 f"got {ids}")
+                raise ValueError(
+                    f"hot experts: ids must be {self.hot[0]} distinct experts of 0..{cfg.num_experts - 1}, got {ids}"
+                )
             self._fixed_hot = ids
         if self.hot and self.hot[0] > cfg.num_experts:
             raise ValueError(f"hot experts: k={self.hot[0]} > {cfg.num_experts} experts")
@@ -244,7 +248,7 @@ class DummyReader:
         if self._fixed_hot is not None:
             return list(self._fixed_hot)
         rng = np.random.default_rng(tensor_seed(self.seed, f"hot-experts:{moe_layer}"))
-        return sorted(int(e) for e in rng.permutation(self.config.num_experts)[:self.hot[0]])
+        return sorted(int(e) for e in rng.permutation(self.config.num_experts)[: self.hot[0]])
 
     def close(self) -> None:
         """Hand the float32 temporaries back to the device, so that what is free afterwards (the
@@ -278,8 +282,7 @@ class DummyReader:
         if tuple(found) != tuple(expected):
             raise CheckpointError(f"{self._source}: tensor '{name}' has shape {list(found)}, expected {list(expected)}")
 
-    def read(self, name: str, dtype: torch.dtype | None = None,
-             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def read(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """One whole tensor (a fused expert tensor: its experts' rows stacked), made on the device."""
         if shape is not None:
             self.check_shape(name, shape)
@@ -323,22 +326,26 @@ class DummyReader:
         reading the whole tensor agree."""
         full = self.shape(name)
         if not full or not 0 <= start <= start + count <= full[0]:
-            raise CheckpointError(f"{self._source}: tensor '{name}' of shape {full} has no rows {start}..{start + count - 1}")
+            raise CheckpointError(
+                f"{self._source}: tensor '{name}' of shape {full} has no rows {start}..{start + count - 1}"
+            )
         dtype = dtype or self.stored_dtype(name)
         if self._fused(name):
             rows = [self._make(f"{name}[{r}]", full[1:], dtype) for r in range(start, start + count)]
             if not rows:
                 return torch.empty((0, *full[1:]), dtype=dtype, device=self.device)
             return torch.stack(rows) if count > 1 else rows[0].unsqueeze(0)
-        return self.read(name, dtype)[start:start + count].clone()
+        return self.read(name, dtype)[start : start + count].clone()
 
     # -- routed experts (as CheckpointReader: canonical gate_up [H, 2I], down [I, H]) --------------
 
     def _experts_prefix(self, moe_layer: int) -> str:
         cfg = self.config
         if not 0 <= moe_layer < cfg.num_moe_layers:
-            raise ValueError(f"MoE layer index {moe_layer} out of range 0..{cfg.num_moe_layers - 1} "
-                             f"(the ordinal among MoE layers, not the decoder-layer index)")
+            raise ValueError(
+                f"MoE layer index {moe_layer} out of range 0..{cfg.num_moe_layers - 1} "
+                f"(the ordinal among MoE layers, not the decoder-layer index)"
+            )
         return EXPERTS_PREFIX[cfg.family].format(cfg.moe_layer_ids[moe_layer])
 
     def expert_layout(self, moe_layer: int) -> str:
@@ -355,12 +362,14 @@ class DummyReader:
         if not 0 <= expert < n_exp:
             raise ValueError(f"logical expert id {expert} out of range 0..{n_exp - 1}")
         if self.expert_layout(moe_layer) == "fused":
-            return {"gate_up": self.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0],     # [H, 2I]
-                    "down": self.read_rows(prefix + "down_proj", expert, 1, dtype)[0]}           # [I, H]
+            return {
+                "gate_up": self.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0],  # [H, 2I]
+                "down": self.read_rows(prefix + "down_proj", expert, 1, dtype)[0],
+            }  # [I, H]
         p = f"{prefix}{expert}."
-        gate = self.read(p + "gate_proj.weight", dtype, shape=(i, h))                          # [I, H]
-        up = self.read(p + "up_proj.weight", dtype, shape=(i, h))                              # [I, H]
-        down = self.read(p + "down_proj.weight", dtype, shape=(h, i))                          # [H, I]
+        gate = self.read(p + "gate_proj.weight", dtype, shape=(i, h))  # [I, H]
+        up = self.read(p + "up_proj.weight", dtype, shape=(i, h))  # [I, H]
+        down = self.read(p + "down_proj.weight", dtype, shape=(h, i))  # [H, I]
         return {"gate_up": torch.cat([gate.t(), up.t()], dim=1).contiguous(), "down": down.t().contiguous()}
 
     def read_experts(self, moe_layer: int, ids, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -380,8 +389,9 @@ class DummyReader:
 
     def _known(self, name: str) -> str:
         if name not in self._shapes:
-            raise CheckpointError(f"{self._source}: tensor '{name}' is missing (a checkpoint of this config.json "
-                                  f"has no such tensor)")
+            raise CheckpointError(
+                f"{self._source}: tensor '{name}' is missing (a checkpoint of this config.json has no such tensor)"
+            )
         return name
 
     def _fused(self, name: str) -> bool:

@@ -16,6 +16,7 @@ Checkpoint names: ``model.layers.{i}.mlp.gate.weight [E, H]``,
 ``model.layers.{i}.mlp.{gate,up,down}_proj.weight``. There is no ``lm_head.weight`` when the
 embeddings are tied. ``mtp*`` tensors are ignored.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,9 +35,15 @@ BIAS_NAMES = ("mlp.moe_statics.e_score_correction_bias", "mlp.gate.e_score_corre
 class Ernie45MoEBlock:
     """Router-side part of one ERNIE MoE layer: fp32 gate, correction bias, shared experts."""
 
-    def __init__(self, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-                 norm_min: float, shared_experts: SwiGLU | None):
-        self.gate_weight = gate_weight          # [E, H] fp32
+    def __init__(
+        self,
+        gate_weight: torch.Tensor,
+        correction_bias: torch.Tensor,
+        top_k: int,
+        norm_min: float,
+        shared_experts: SwiGLU | None,
+    ):
+        self.gate_weight = gate_weight  # [E, H] fp32
         self.correction_bias = correction_bias  # [E] fp32, indexed by logical expert
         self.top_k = top_k
         self.norm_min = norm_min
@@ -48,22 +55,23 @@ class Ernie45MoEBlock:
         e, h = cfg.num_experts, cfg.hidden_size
         gate = reader.read(f"{p}.gate.weight", torch.float32, shape=(e, h)).to(device)
         names = [f"model.layers.{layer}.{n}" for n in BIAS_NAMES]
-        name = next((n for n in names if reader.has(n)), names[0])   # a missing bias is reported under its usual name
+        name = next((n for n in names if reader.has(n)), names[0])  # a missing bias is reported under its usual name
         shape = reader.shape(name)
         if shape not in ((1, e), (e,)):
             reader.check_shape(name, (1, e))
         bias = reader.read(name, torch.float32).reshape(e).to(device)
         shared = None
         if cfg.num_shared_experts:
-            shared = load_swiglu(reader, f"{p}.shared_experts", h, cfg.shared_intermediate_size,
-                                 cfg.mlp_bias, dtype, device)
+            shared = load_swiglu(
+                reader, f"{p}.shared_experts", h, cfg.shared_intermediate_size, cfg.mlp_bias, dtype, device
+            )
         return cls(gate, bias, cfg.top_k, cfg.moe_norm_min, shared)
 
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] -> ids [T, K], weights [T, K] (renormalised softmax), applied to the output."""
-        probs = torch.softmax(F.linear(hidden.float(), self.gate_weight), dim=-1)    # [T, E] fp32
-        ids = torch.topk(probs + self.correction_bias, self.top_k, dim=-1).indices    # [T, K]
-        weights = probs.gather(-1, ids)                                               # [T, K]
+        probs = torch.softmax(F.linear(hidden.float(), self.gate_weight), dim=-1)  # [T, E] fp32
+        ids = torch.topk(probs + self.correction_bias, self.top_k, dim=-1).indices  # [T, K]
+        weights = probs.gather(-1, ids)  # [T, K]
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
         return RoutingResult(ids=ids, weights=weights.to(hidden.dtype), weights_on_input=False)
 
@@ -74,5 +82,6 @@ class Ernie45MoEBlock:
 
 def load_dense_mlp(reader, cfg: ModelConfig, layer: int, dtype: torch.dtype, device) -> SwiGLU:
     """The SwiGLU of a dense layer, width ``intermediate_size``."""
-    return load_swiglu(reader, FFN_PREFIX.format(layer), cfg.hidden_size, cfg.intermediate_size,
-                       cfg.mlp_bias, dtype, device)
+    return load_swiglu(
+        reader, FFN_PREFIX.format(layer), cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device
+    )

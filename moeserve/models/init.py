@@ -23,6 +23,7 @@ prompts until the hot experts receive ``HOT_SHARE`` (80%) of the routed tokens.
 ERNIE: the hot experts' correction bias is +1, so they are selected for every token (their
 weights still come from the unbiased scores).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,50 +35,103 @@ from safetensors.torch import save_file
 
 from moeserve.models.config import DTYPES, ModelConfig, parse_config
 
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")       # ids 0, 1, 2: pad, bos, eos
-WRITTEN_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json")
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos
+WRITTEN_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 # A small chat template (the tokenizer has no chat tokens of its own: roles are spelled as text),
 # so that /v1/chat/completions serves these checkpoints; rendered as transformers renders it.
-CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
-                 "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
-                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
-FILE_MODE = 0o644                               # readable by every user (a container's non-root user too)
-HOT_CHANNEL = 0                                 # the hidden channel the Llama 4 hot-expert skew rides on
-HOT_SHARE = 0.8                                 # Llama 4: share of routed tokens the hot experts receive
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+FILE_MODE = 0o644  # readable by every user (a container's non-root user too)
+HOT_CHANNEL = 0  # the hidden channel the Llama 4 hot-expert skew rides on
+HOT_SHARE = 0.8  # Llama 4: share of routed tokens the hot experts receive
 
 LLAMA4_DEFAULTS: dict[str, Any] = {
-    "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
-    "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 96,
-    "num_local_experts": 8, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
-    "no_rope_layer_interval": 4, "attention_chunk_size": 8, "use_qk_norm": True,
-    "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.1,
-    "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "attention_bias": False,
-    "tie_word_embeddings": False, "initializer_range": 0.05,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32",
+    "architectures": ["Llama4ForCausalLM"],
+    "model_type": "llama4_text",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "intermediate_size_mlp": 96,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "no_rope_layer_interval": 4,
+    "attention_chunk_size": 8,
+    "use_qk_norm": True,
+    "attn_temperature_tuning": True,
+    "floor_scale": 4,
+    "attn_scale": 0.1,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.05,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
 }
 ERNIE45_DEFAULTS: dict[str, Any] = {
-    "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe",
-    "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "intermediate_size": 96, "moe_intermediate_size": 32,
-    "moe_num_experts": 16, "moe_k": 4, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
-    "moe_layer_end_index": -1, "moe_layer_interval": 1, "moe_norm_min": 1e-12,
+    "architectures": ["Ernie4_5_MoeForCausalLM"],
+    "model_type": "ernie4_5_moe",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "moe_num_experts": 16,
+    "moe_k": 4,
+    "moe_num_shared_experts": 2,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": -1,
+    "moe_layer_interval": 1,
+    "moe_norm_min": 1e-12,
     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "use_bias": False,
-    "tie_word_embeddings": True, "initializer_range": 0.3,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "dtype": "float32",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "use_bias": False,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.3,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
 }
 DEFAULTS = {"llama4": LLAMA4_DEFAULTS, "ernie45": ERNIE45_DEFAULTS}
 # Optional fields that may be given although the defaults leave them out.
 EXTRA_KEYS = {"llama4": {"moe_layers", "no_rope_layers", "layer_types"}, "ernie45": {"head_dim"}}
 
 
-def init_model(path: str | Path, family: str = "llama4", seed: int = 0, hot_experts: int = 0,
-               **config_overrides) -> Path:
+def init_model(
+    path: str | Path, family: str = "llama4", seed: int = 0, hot_experts: int = 0, **config_overrides
+) -> Path:
     """Write a random checkpoint of ``family`` ("llama4" | "ernie45") into folder ``path``.
 
     ``config_overrides`` are config.json fields in the transformers-5 spelling (for example
@@ -95,8 +149,9 @@ def init_model(path: str | Path, family: str = "llama4", seed: int = 0, hot_expe
     if isinstance(hot_experts, bool) or not isinstance(hot_experts, int) or not 0 <= hot_experts <= cfg.num_experts:
         raise ValueError(f"hot_experts must be an integer in 0..{cfg.num_experts}, found {hot_experts!r}")
     if cfg.vocab_size < len(SPECIAL_TOKENS) + 256:
-        raise ValueError(f"vocab_size must be >= {len(SPECIAL_TOKENS) + 256} (special tokens + 256 bytes), "
-                         f"found {cfg.vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {len(SPECIAL_TOKENS) + 256} (special tokens + 256 bytes), found {cfg.vocab_size}"
+        )
     raw = _spell_out(raw, cfg)
 
     gen = torch.Generator().manual_seed(seed)
@@ -106,8 +161,10 @@ def init_model(path: str | Path, family: str = "llama4", seed: int = 0, hot_expe
     else:
         tensors = _ernie45_weights(cfg, gen, std, hot_experts)
     dtype = DTYPES[raw["dtype"]]
-    tensors = {k: (v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype)).contiguous()
-               for k, v in tensors.items()}
+    tensors = {
+        k: (v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype)).contiguous()
+        for k, v in tensors.items()
+    }
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -155,10 +212,12 @@ def _norm_weight(gen: torch.Generator, h: int) -> torch.Tensor:
 def _attention(cfg: ModelConfig, i: int, gen: torch.Generator, std: float) -> dict[str, torch.Tensor]:
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     p = f"model.layers.{i}"
-    out = {f"{p}.self_attn.q_proj.weight": _normal(gen, (q, h), std),
-           f"{p}.self_attn.k_proj.weight": _normal(gen, (kv, h), std),
-           f"{p}.self_attn.v_proj.weight": _normal(gen, (kv, h), std),
-           f"{p}.self_attn.o_proj.weight": _normal(gen, (h, q), std)}
+    out = {
+        f"{p}.self_attn.q_proj.weight": _normal(gen, (q, h), std),
+        f"{p}.self_attn.k_proj.weight": _normal(gen, (kv, h), std),
+        f"{p}.self_attn.v_proj.weight": _normal(gen, (kv, h), std),
+        f"{p}.self_attn.o_proj.weight": _normal(gen, (h, q), std),
+    }
     if cfg.attention_bias:
         for n, d in (("q", q), ("k", kv), ("v", kv), ("o", h)):
             out[f"{p}.self_attn.{n}_proj.bias"] = _normal(gen, (d,), std)
@@ -168,9 +227,11 @@ def _attention(cfg: ModelConfig, i: int, gen: torch.Generator, std: float) -> di
 
 
 def _swiglu(prefix: str, h: int, width: int, bias: bool, gen: torch.Generator, std: float) -> dict[str, torch.Tensor]:
-    out = {f"{prefix}.gate_proj.weight": _normal(gen, (width, h), std),
-           f"{prefix}.up_proj.weight": _normal(gen, (width, h), std),
-           f"{prefix}.down_proj.weight": _normal(gen, (h, width), std)}
+    out = {
+        f"{prefix}.gate_proj.weight": _normal(gen, (width, h), std),
+        f"{prefix}.up_proj.weight": _normal(gen, (width, h), std),
+        f"{prefix}.down_proj.weight": _normal(gen, (h, width), std),
+    }
     if bias:
         for n, d in (("gate", width), ("up", width), ("down", h)):
             out[f"{prefix}.{n}_proj.bias"] = _normal(gen, (d,), std)
@@ -193,10 +254,10 @@ def _llama4_weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: int
         router = _normal(gen, (e, h), std)
         if hot:
             router[:, HOT_CHANNEL] = 0.0
-            router[_hot_ids(gen, e, hot), HOT_CHANNEL] = float("nan")   # marks the hot rows; calibrated later
+            router[_hot_ids(gen, e, hot), HOT_CHANNEL] = float("nan")  # marks the hot rows; calibrated later
         t[f"{p}.router.weight"] = router
-        t[f"{p}.experts.gate_up_proj"] = _normal(gen, (e, h, 2 * i), std)     # [E, H, 2I], gate first
-        t[f"{p}.experts.down_proj"] = _normal(gen, (e, i, h), std)            # [E, I, H]
+        t[f"{p}.experts.gate_up_proj"] = _normal(gen, (e, h, 2 * i), std)  # [E, H, 2I], gate first
+        t[f"{p}.experts.down_proj"] = _normal(gen, (e, i, h), std)  # [E, I, H]
         t.update(_swiglu(f"{p}.shared_expert", h, i, False, gen, std))
     t["model.norm.weight"] = _norm_weight(gen, h)
     if not cfg.tie_word_embeddings:
@@ -214,15 +275,16 @@ def _reserve_channel(t: dict[str, torch.Tensor], ch: int, value: float) -> None:
     for name, w in t.items():
         if name == "model.embed_tokens.weight":
             w[:, ch] = value
-        elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                            "up_proj.weight", "lm_head.weight")):
-            w[:, ch] = 0.0                   # [out, H]
+        elif name.endswith(
+            ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight", "lm_head.weight")
+        ):
+            w[:, ch] = 0.0  # [out, H]
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[ch, :] = 0.0                   # [H, in]
+            w[ch, :] = 0.0  # [H, in]
         elif name.endswith("experts.gate_up_proj"):
-            w[:, ch, :] = 0.0                # [E, H, 2I]
+            w[:, ch, :] = 0.0  # [E, H, 2I]
         elif name.endswith("experts.down_proj"):
-            w[:, :, ch] = 0.0                # [E, I, H]
+            w[:, :, ch] = 0.0  # [E, I, H]
 
 
 def _ernie45_weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: int) -> dict[str, torch.Tensor]:
@@ -235,7 +297,7 @@ def _ernie45_weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: in
             t.update(_swiglu(p, h, cfg.intermediate_size, cfg.mlp_bias, gen, std))
             continue
         t[f"{p}.gate.weight"] = _normal(gen, (e, h), std)
-        bias = 0.05 * torch.randn((1, e), generator=gen)                      # selection only
+        bias = 0.05 * torch.randn((1, e), generator=gen)  # selection only
         if hot:
             bias[0, _hot_ids(gen, e, hot)] += 1.0
         t[f"{p}.moe_statics.e_score_correction_bias"] = bias
@@ -259,7 +321,7 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
     from moeserve.models.model import load_model
 
     names = [f"model.layers.{i}.feed_forward.router.weight" for i in cfg.moe_layer_ids]
-    hot_rows = [torch.isnan(tensors[n][:, HOT_CHANNEL]) for n in names]          # [E] bool per MoE layer
+    hot_rows = [torch.isnan(tensors[n][:, HOT_CHANNEL]) for n in names]  # [E] bool per MoE layer
     for n in names:
         tensors[n][:, HOT_CHANNEL] = torch.nan_to_num(tensors[n][:, HOT_CHANNEL], nan=0.0)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -292,7 +354,7 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
         for _ in range(12):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if share(m, mid) < HOT_SHARE else (lo, mid)
-        share(m, hi)                                                                  # keep it for later layers
+        share(m, hi)  # keep it for later layers
         tensors[name][hot_rows[m], HOT_CHANNEL] = hi
 
 
@@ -317,17 +379,32 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:   # the corpus ran out of merges: fill the rest with unused special tokens
+    if missing > 0:  # the corpus ran out of merges: fill the rest with unused special tokens
         tok.add_special_tokens([f"<unused_{n}>" for n in range(missing)])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     tok.save(str(out / "tokenizer.json"))
     specials = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
-         "clean_up_tokenization_spaces": False, **specials, "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+                **specials,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+        + "\n"
+    )

@@ -11,6 +11,7 @@ mixed step (``moeserve.models.attention``).
 Weights are plain tensors (no nn.Module, no autograd): the model is inference only, and the
 router and expert sides load different subsets of them.
 """
+
 from __future__ import annotations
 
 import math
@@ -65,9 +66,9 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent pair (x[2j], x[2j+1]) as a complex number, in fp32: x [T, heads, D]."""
-    xf = x.float().unflatten(-1, (-1, 2))                   # [T, heads, D/2, 2]
+    xf = x.float().unflatten(-1, (-1, 2))  # [T, heads, D/2, 2]
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]                 # [T, 1, D/2]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
 
 
@@ -108,12 +109,11 @@ class Attention:
     with absolute positions (non-overlapping chunks, not a sliding window).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, q: Linear, k: Linear, v: Linear, o: Linear,
-                 softmax_fp32: bool):
+    def __init__(self, cfg: ModelConfig, layer: int, q: Linear, k: Linear, v: Linear, o: Linear, softmax_fp32: bool):
         self.layer = layer
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.use_rope = cfg.use_rope[layer]
         self.qk_norm = cfg.use_qk_norm and self.use_rope
         self.eps = cfg.rms_norm_eps
@@ -122,8 +122,14 @@ class Attention:
         self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
         self.softmax_fp32 = softmax_fp32
 
-    def __call__(self, x: torch.Tensor, batch: StepBatch | PagedBatch, positions: torch.Tensor,
-                 rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | PagedKVCache) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        batch: StepBatch | PagedBatch,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | PagedKVCache,
+    ) -> torch.Tensor:
         """x [T, H] (normalised), positions [T], rope = (cos, sin) [T, D/2] -> [T, H].
 
         With a ``PagedKVCache`` (and a ``PagedBatch``) the step's k/v are written at
@@ -131,9 +137,9 @@ class Attention:
         (``moeserve.models.attention``); with a ``KVCache`` (the eager oracle) sequence by sequence.
         """
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)        # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.use_rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.qk_norm:
@@ -142,13 +148,20 @@ class Attention:
             q = (q * temperature_scales(positions, self.floor_scale, self.attn_scale)[:, None, None]).to(q.dtype)
         if isinstance(cache, PagedKVCache):
             cache.write(self.layer, batch.slot_mapping, k, v)
-            out = paged_attention(q, cache.k[self.layer], cache.v[self.layer], batch, scale=self.scale,
-                                  chunk=self.chunk, softmax_fp32=self.softmax_fp32)       # [T, Hq, D]
+            out = paged_attention(
+                q,
+                cache.k[self.layer],
+                cache.v[self.layer],
+                batch,
+                scale=self.scale,
+                chunk=self.chunk,
+                softmax_fp32=self.softmax_fp32,
+            )  # [T, Hq, D]
             return self.o_proj(out.view(t, self.num_heads * self.head_dim))
-        out = torch.empty_like(q)                                        # [T, Hq, D]
+        out = torch.empty_like(q)  # [T, Hq, D]
         for s, (sid, start) in enumerate(zip(batch.seq_ids, batch.starts)):
             a, b = batch.offsets[s], batch.offsets[s + 1]
-            keys, values = cache.write(self.layer, sid, start, k[a:b], v[a:b])   # [start+n, Hkv, D]
+            keys, values = cache.write(self.layer, sid, start, k[a:b], v[a:b])  # [start+n, Hkv, D]
             out[a:b] = self._attend(q[a:b], keys, values, start)
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
@@ -156,15 +169,15 @@ class Attention:
         """One sequence: q [n, Hq, D] at positions start.., keys/values [start+n, Hkv, D] -> [n, Hq, D]."""
         n, end = q.shape[0], keys.shape[0]
         first = (start // self.chunk) * self.chunk if self.chunk else 0  # keys before the chunk are never visible
-        keys, values = keys[first:], values[first:]                       # [L, Hkv, D]
+        keys, values = keys[first:], values[first:]  # [L, Hkv, D]
         g = self.num_heads // self.num_kv_heads
-        qh = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)   # [Hkv, G, n, D]
-        kh = keys.permute(1, 0, 2).unsqueeze(1)                                   # [Hkv, 1, L, D]
-        vh = values.permute(1, 0, 2).unsqueeze(1)                                 # [Hkv, 1, L, D]
-        scores = torch.matmul(qh, kh.transpose(-1, -2)) * self.scale              # [Hkv, G, n, L]
+        qh = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        kh = keys.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
+        vh = values.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) * self.scale  # [Hkv, G, n, L]
         if n > 1 or self.chunk:
-            q_pos = torch.arange(start, end, device=q.device)[:, None]           # [n, 1]
-            k_pos = torch.arange(first, end, device=q.device)[None, :]           # [1, L]
+            q_pos = torch.arange(start, end, device=q.device)[:, None]  # [n, 1]
+            k_pos = torch.arange(first, end, device=q.device)[None, :]  # [1, L]
             visible = k_pos <= q_pos
             if self.chunk:
                 visible = visible & (k_pos // self.chunk == q_pos // self.chunk)
@@ -173,12 +186,13 @@ class Attention:
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         else:
             probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, vh)                                             # [Hkv, G, n, D]
+        out = torch.matmul(probs, vh)  # [Hkv, G, n, D]
         return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
 
 
-def load_linear(reader, name: str, out_features: int, in_features: int, bias: bool,
-                dtype: torch.dtype, device) -> Linear:
+def load_linear(
+    reader, name: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype, device
+) -> Linear:
     """Read ``{name}.weight`` [out, in] (and ``{name}.bias`` [out] when ``bias``) from a checkpoint."""
     w = reader.read(f"{name}.weight", dtype, shape=(out_features, in_features)).to(device)
     b = reader.read(f"{name}.bias", dtype, shape=(out_features,)).to(device) if bias else None

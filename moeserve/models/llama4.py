@@ -14,6 +14,7 @@ Checkpoint names (``language_model.`` in front for multimodal checkpoints, added
 ``model.layers.{i}.feed_forward.experts.*`` (fused or per expert: see checkpoint.py), and for
 dense layers ``model.layers.{i}.feed_forward.{gate,up,down}_proj.weight``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ class Llama4MoEBlock:
     """Router-side part of one Llama 4 MoE layer: the router and the shared expert."""
 
     def __init__(self, router_weight: torch.Tensor, shared_expert: SwiGLU, top_k: int):
-        self.router_weight = router_weight      # [E, H], model dtype
+        self.router_weight = router_weight  # [E, H], model dtype
         self.shared_expert = shared_expert
         self.top_k = top_k
 
@@ -40,15 +41,16 @@ class Llama4MoEBlock:
     def load(cls, reader, cfg: ModelConfig, layer: int, dtype: torch.dtype, device) -> Llama4MoEBlock:
         p = FFN_PREFIX.format(layer)
         router = reader.read(f"{p}.router.weight", dtype, shape=(cfg.num_experts, cfg.hidden_size)).to(device)
-        shared = load_swiglu(reader, f"{p}.shared_expert", cfg.hidden_size, cfg.moe_intermediate_size,
-                             False, dtype, device)
+        shared = load_swiglu(
+            reader, f"{p}.shared_expert", cfg.hidden_size, cfg.moe_intermediate_size, False, dtype, device
+        )
         return cls(router, shared, cfg.top_k)
 
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] -> ids [T, K], weights [T, K] = sigmoid(top-k logits), applied to the input."""
-        logits = F.linear(hidden, self.router_weight)                    # [T, E]
-        top, ids = torch.topk(logits, self.top_k, dim=-1)                # [T, K]
-        weights = torch.sigmoid(top.float()).to(hidden.dtype)            # [T, K]
+        logits = F.linear(hidden, self.router_weight)  # [T, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)  # [T, K]
+        weights = torch.sigmoid(top.float()).to(hidden.dtype)  # [T, K]
         return RoutingResult(ids=ids, weights=weights, weights_on_input=True)
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ backend in here)::
 
 The backend sees the MoE layer index (0 .. num_moe_layers-1), never the decoder-layer index.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,18 +58,25 @@ class MoEInfo:
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> MoEInfo:
         spec = ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype)
-        return cls(num_moe_layers=cfg.num_moe_layers, moe_layer_ids=cfg.moe_layer_ids,
-                   num_logical_experts=cfg.num_experts, num_shared_experts=cfg.num_shared_experts,
-                   top_k=cfg.top_k, num_expert_groups=1, expert_spec=spec, expert_bytes=spec.nbytes)
+        return cls(
+            num_moe_layers=cfg.num_moe_layers,
+            moe_layer_ids=cfg.moe_layer_ids,
+            num_logical_experts=cfg.num_experts,
+            num_shared_experts=cfg.num_shared_experts,
+            top_k=cfg.top_k,
+            num_expert_groups=1,
+            expert_spec=spec,
+            expert_bytes=spec.nbytes,
+        )
 
 
 @dataclass
 class DecoderLayer:
     """One decoder layer's router-side weights; ``mlp`` for dense layers, ``moe_index`` for MoE layers."""
 
-    input_norm: torch.Tensor        # [H]
+    input_norm: torch.Tensor  # [H]
     attn: Attention
-    post_norm: torch.Tensor         # [H]
+    post_norm: torch.Tensor  # [H]
     mlp: SwiGLU | None
     moe_index: int | None
 
@@ -81,19 +89,28 @@ class DecoderModel:
     ``load_experts=False``, in which case ``step`` needs an ``experts`` backend.
     """
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: Linear, moe_blocks: list, experts: LocalExperts | None,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayer],
+        norm: torch.Tensor,
+        lm_head: Linear,
+        moe_blocks: list,
+        experts: LocalExperts | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.config = config
-        self.embed = embed              # [V, H]
+        self.embed = embed  # [V, H]
         self.layers = layers
-        self.norm = norm                # [H]
-        self.lm_head = lm_head          # weight [V, H] (the embedding when tied)
+        self.norm = norm  # [H]
+        self.lm_head = lm_head  # weight [V, H] (the embedding when tied)
         self.moe_blocks = moe_blocks
         self.experts = experts
         self.dtype, self.device = dtype, device
         self.moe_info = MoEInfo.from_config(config, dtype)
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope).to(device)   # [D/2] fp32
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope).to(device)  # [D/2] fp32
 
     def new_cache(self) -> KVCache:
         c = self.config
@@ -108,8 +125,14 @@ class DecoderModel:
     # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, batch: StepBatch | PagedBatch, cache: KVCache | PagedKVCache,
-             experts: ExpertsBackend | None = None, check_ids: bool = True) -> torch.Tensor:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        batch: StepBatch | PagedBatch,
+        cache: KVCache | PagedKVCache,
+        experts: ExpertsBackend | None = None,
+        check_ids: bool = True,
+    ) -> torch.Tensor:
         """Run the new tokens of several sequences through the model, appending to ``cache``.
 
         input_ids: LongTensor [T], the sequences' new tokens back to back, in ``batch`` order.
@@ -137,28 +160,28 @@ class DecoderModel:
             raise TypeError("a PagedBatch needs a PagedKVCache (model.new_paged_cache)")
         else:
             cache.begin(batch)
-        positions = batch.positions.to(self.device)                      # [T]
-        rope = rope_cos_sin(positions, self.inv_freq)                     # 2 x [T, D/2]
+        positions = batch.positions.to(self.device)  # [T]
+        rope = rope_cos_sin(positions, self.inv_freq)  # 2 x [T, D/2]
         eps = self.config.rms_norm_eps
         with span("embed"):
-            h = self.embed[input_ids.to(self.device)]                     # [T, H]
+            h = self.embed[input_ids.to(self.device)]  # [T, H]
         for layer in self.layers:
             with span("attention"):
                 h = h + layer.attn(rms_norm(h, layer.input_norm, eps), batch, positions, rope, cache)
-            u = rms_norm(h, layer.post_norm, eps)                         # [T, H]
+            u = rms_norm(h, layer.post_norm, eps)  # [T, H]
             if layer.moe_index is None:
                 with span("dense_mlp"):
                     h = h + layer.mlp(u)
                 continue
             block = self.moe_blocks[layer.moe_index]
             with span("gate"):
-                routing = block.route(u)                                  # ids, weights [T, K]
+                routing = block.route(u)  # ids, weights [T, K]
             with span("moe_dispatch"):
                 handle = experts.dispatch(layer.moe_index, u, routing)
             with span("shared_expert"):
-                shared = block.shared(u)                                  # [T, H] or None
+                shared = block.shared(u)  # [T, H] or None
             with span("moe_combine"):
-                routed = experts.combine(handle)                          # [T, H]
+                routed = experts.combine(handle)  # [T, H]
             h = h + (routed if shared is None else routed + shared)
         if not paged:
             cache.commit(batch)
@@ -169,18 +192,28 @@ class DecoderModel:
         if not isinstance(batch, PagedBatch):
             raise TypeError(f"a PagedKVCache needs a PagedBatch, found {type(batch).__name__}")
         c = self.config
-        if (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, _dev(cache.device)) != \
-                (c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, _dev(self.device)):
-            raise ValueError(f"the PagedKVCache (layers {cache.num_layers}, kv heads {cache.num_kv_heads}, head dim "
-                             f"{cache.head_dim}, {cache.dtype} on {cache.device}) does not fit this model (layers "
-                             f"{c.num_layers}, kv heads {c.num_kv_heads}, head dim {c.head_dim}, {self.dtype} on "
-                             f"{self.device})")
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, _dev(cache.device)) != (
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            _dev(self.device),
+        ):
+            raise ValueError(
+                f"the PagedKVCache (layers {cache.num_layers}, kv heads {cache.num_kv_heads}, head dim "
+                f"{cache.head_dim}, {cache.dtype} on {cache.device}) does not fit this model (layers "
+                f"{c.num_layers}, kv heads {c.num_kv_heads}, head dim {c.head_dim}, {self.dtype} on "
+                f"{self.device})"
+            )
         if batch.block_size != cache.block_size:
-            raise ValueError(f"the PagedBatch was built for block_size {batch.block_size} but the cache's is "
-                             f"{cache.block_size}")
+            raise ValueError(
+                f"the PagedBatch was built for block_size {batch.block_size} but the cache's is {cache.block_size}"
+            )
         if _dev(batch.positions.device) != _dev(cache.device):
-            raise ValueError(f"the PagedBatch is on {batch.positions.device} but the cache on {cache.device}: "
-                             f"build it with device=model.device")
+            raise ValueError(
+                f"the PagedBatch is on {batch.positions.device} but the cache on {cache.device}: "
+                f"build it with device=model.device"
+            )
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -209,9 +242,17 @@ class DecoderModel:
     __call__ = forward
 
     @torch.inference_mode()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
-                 eos_token_ids: tuple[int, ...] | list[int] | None = None) -> torch.LongTensor:
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        eos_token_ids: tuple[int, ...] | list[int] | None = None,
+    ) -> torch.LongTensor:
         """Continue each row of input_ids [B, T]: returns LongTensor [B, T + n], prompt included.
 
         As transformers' generate: greedy at temperature 0; a row stops after an EOS token
@@ -228,14 +269,20 @@ class DecoderModel:
         width = max(len(n) for n in new)
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else (eos[0] if eos else 0)
         out = torch.full((len(prompts), input_ids.shape[1] + width), pad, dtype=torch.long)
-        out[:, :input_ids.shape[1]] = input_ids
+        out[:, : input_ids.shape[1]] = input_ids
         for b, n in enumerate(new):
-            out[b, input_ids.shape[1]:input_ids.shape[1] + len(n)] = torch.tensor(n, dtype=torch.long)
+            out[b, input_ids.shape[1] : input_ids.shape[1] + len(n)] = torch.tensor(n, dtype=torch.long)
         return out
 
     @torch.inference_mode()
-    def generate_ids(self, prompts: list[list[int]], params: list[SamplingParams], max_new_tokens: int,
-                     ignore_eos: bool = False, eos_token_ids: tuple[int, ...] | None = None) -> list[list[int]]:
+    def generate_ids(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        max_new_tokens: int,
+        ignore_eos: bool = False,
+        eos_token_ids: tuple[int, ...] | None = None,
+    ) -> list[list[int]]:
         """Continue prompts of any lengths (one request each): returns the new token ids of each.
 
         All prompts are prefilled in one step, then each live sequence gets one token per step.
@@ -256,8 +303,8 @@ class DecoderModel:
         batch = StepBatch.prefill(live, [len(p) for p in prompts])
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
         while live and max_new_tokens:
-            hidden = self.step(ids, batch, cache)                                    # [T, H]
-            logits = self.logits(hidden[batch.last_token_index.to(self.device)])     # [S, V]
+            hidden = self.step(ids, batch, cache)  # [T, H]
+            logits = self.logits(hidden[batch.last_token_index.to(self.device)])  # [S, V]
             still = []
             for row, s in enumerate(live):
                 tok = samplers[s].sample(logits[row])
@@ -279,8 +326,14 @@ def _dev(d: torch.device) -> tuple[str, int]:
     return d.type, d.index or 0
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-               load_experts: bool = True, load_format: str = "auto", reader=None) -> DecoderModel:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_experts: bool = True,
+    load_format: str = "auto",
+    reader=None,
+) -> DecoderModel:
     """Load a Llama 4 or ERNIE-4.5-MoE checkpoint folder.
 
     ``load_experts=False`` builds the router-side model only: no routed-expert weight is read
@@ -291,6 +344,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     device = torch.device(device)
     if reader is None:
         from moeserve.models.dummy import open_reader
+
         reader = open_reader(path, load_format, device)
     with reader:
         cfg = reader.config
@@ -303,14 +357,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
             p = f"model.layers.{i}"
             ab = cfg.attention_bias
             attn = Attention(
-                cfg, i,
+                cfg,
+                i,
                 q=load_linear(reader, f"{p}.self_attn.q_proj", q_out, h, ab, dtype, device),
                 k=load_linear(reader, f"{p}.self_attn.k_proj", kv_out, h, ab, dtype, device),
                 v=load_linear(reader, f"{p}.self_attn.v_proj", kv_out, h, ab, dtype, device),
                 o=load_linear(reader, f"{p}.self_attn.o_proj", h, q_out, ab, dtype, device),
-                softmax_fp32=fam.ATTN_SOFTMAX_FP32)
-            norms = [reader.read(f"{p}.{n}.weight", dtype, shape=(h,)).to(device)
-                     for n in ("input_layernorm", "post_attention_layernorm")]
+                softmax_fp32=fam.ATTN_SOFTMAX_FP32,
+            )
+            norms = [
+                reader.read(f"{p}.{n}.weight", dtype, shape=(h,)).to(device)
+                for n in ("input_layernorm", "post_attention_layernorm")
+            ]
             m = cfg.moe_index(i)
             mlp = None
             if m is None:
@@ -324,7 +382,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
         experts = None
         if load_experts and cfg.num_moe_layers:
             spec = MoEInfo.from_config(cfg, dtype).expert_spec
-            weights = [{k: t.to(device) for k, t in reader.read_experts(m, range(cfg.num_experts), dtype).items()}
-                       for m in range(cfg.num_moe_layers)]
+            weights = [
+                {k: t.to(device) for k, t in reader.read_experts(m, range(cfg.num_experts), dtype).items()}
+                for m in range(cfg.num_moe_layers)
+            ]
             experts = LocalExperts(spec, weights)
     return DecoderModel(cfg, embed, layers, norm, Linear(head_w, head_b), blocks, experts, dtype, device)

@@ -21,6 +21,7 @@ I) and ``down [I, H]``, plus ``gate_up_bias [2I]`` / ``down_bias [H]`` when the 
 biases. ``flat`` packs one expert's tensors into a single 1-D buffer (in ``ExpertSpec.tensor
 names`` order), which is what a weight migration sends.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ class ExpertSpec:
             n = 1
             for d in shape:
                 n *= d
-            out[name] = flat[..., off:off + n].view(*lead, *shape)
+            out[name] = flat[..., off : off + n].view(*lead, *shape)
             off += n
         return out
 
@@ -123,18 +124,23 @@ class ExpertSpec:
 def expert_forward(spec: ExpertSpec, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """Run one routed expert: x [n, H] -> [n, H], with w the expert's canonical tensors."""
     i = spec.intermediate_size
-    gu = x @ w["gate_up"]                                   # [n, 2I]
+    gu = x @ w["gate_up"]  # [n, 2I]
     if spec.has_bias:
         gu = gu + w["gate_up_bias"]
-    h = F.silu(gu[:, :i]) * gu[:, i:]                       # [n, I]
-    y = h @ w["down"]                                       # [n, H]
+    h = F.silu(gu[:, :i]) * gu[:, i:]  # [n, I]
+    y = h @ w["down"]  # [n, H]
     if spec.has_bias:
         y = y + w["down_bias"]
     return y
 
 
-def grouped_expert_forward(spec: ExpertSpec, x: torch.Tensor, slot_of_row: torch.Tensor,
-                           weights: dict[str, torch.Tensor], counts: list[int] | None = None) -> torch.Tensor:
+def grouped_expert_forward(
+    spec: ExpertSpec,
+    x: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    counts: list[int] | None = None,
+) -> torch.Tensor:
     """Run many experts over rows grouped by slot: a loop over slots, never over tokens.
 
     x:           [N, H] rows, sorted so that rows of the same slot are contiguous.
@@ -151,7 +157,7 @@ def grouped_expert_forward(spec: ExpertSpec, x: torch.Tensor, slot_of_row: torch
     start = 0
     for s, c in enumerate(counts):
         if c:
-            out[start:start + c] = expert_forward(spec, x[start:start + c], {k: v[s] for k, v in weights.items()})
+            out[start : start + c] = expert_forward(spec, x[start : start + c], {k: v[s] for k, v in weights.items()})
         start += c
     return out
 
@@ -182,19 +188,18 @@ class ExpertsBackend(Protocol):
     def combine(self, handle) -> torch.Tensor: ...
 
 
-def apply_routed(spec: ExpertSpec, hidden: torch.Tensor, routing: RoutingResult,
-                 run_rows) -> torch.Tensor:
+def apply_routed(spec: ExpertSpec, hidden: torch.Tensor, routing: RoutingResult, run_rows) -> torch.Tensor:
     """Reference semantics of one MoE layer's routed part, for any way of running the rows.
 
     hidden [T, H]; ``run_rows(rows [N, H], expert_ids [N]) -> [N, H]`` runs each row through
     its logical expert. Returns sum_k (w_k * E_k(x)) or sum_k E_k(w_k * x): [T, H].
     """
     t, k = routing.ids.shape
-    rows = hidden.repeat_interleave(k, dim=0)               # [T*K, H], (token, k) flat order
-    w = routing.weights.reshape(-1, 1).to(hidden.dtype)     # [T*K, 1]
+    rows = hidden.repeat_interleave(k, dim=0)  # [T*K, H], (token, k) flat order
+    w = routing.weights.reshape(-1, 1).to(hidden.dtype)  # [T*K, 1]
     if routing.weights_on_input:
         rows = rows * w
-    out = run_rows(rows, routing.ids.reshape(-1))           # [T*K, H]
+    out = run_rows(rows, routing.ids.reshape(-1))  # [T*K, H]
     return combine_pairs(out, routing)
 
 
@@ -208,20 +213,22 @@ def combine_pairs(out: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
     combines through this function, so they round the same way in every dtype.
     """
     t, k = routing.ids.shape
-    h = out.shape[-1]                                       # explicit H: -1 is ambiguous when T = 0
+    h = out.shape[-1]  # explicit H: -1 is ambiguous when T = 0
     if routing.weights_on_input:
         return out if k == 1 else out.view(t, k, h).sum(dim=1)
     w = routing.weights.to(out.dtype)
     if k == 1:
         return out * w
     if out.is_cuda and _triton():
-        from moeserve import kernels                       # fp32 accumulation in k order, one kernel
+        from moeserve import kernels  # fp32 accumulation in k order, one kernel
+
         return kernels.weighted_sum(out.contiguous(), w)
     return torch.bmm(w.view(t, 1, k), out.view(t, k, h)).view(t, h)
 
 
 def _triton() -> bool:
     from moeserve import kernels
+
     return kernels.available()
 
 
@@ -237,7 +244,7 @@ class LocalExperts:
         self.weights = weights
 
     def run_rows(self, moe_layer: int, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        order = torch.argsort(expert_ids, stable=True)       # [N] rows grouped by expert
+        order = torch.argsort(expert_ids, stable=True)  # [N] rows grouped by expert
         out_sorted = grouped_expert_forward(self.spec, rows[order], expert_ids[order], self.weights[moe_layer])
         out = torch.empty_like(out_sorted)
         out[order] = out_sorted

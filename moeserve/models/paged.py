@@ -14,6 +14,7 @@ A step's metadata is built on the host once (``PagedBatch.build``), copied to th
 transfer, and shared by every layer: each layer writes its new k/v at ``slot_mapping`` and reads
 keys only through ``block_tables`` (``moeserve.models.attention``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,26 +31,38 @@ class PagedKVCache:
     vectorised torch path, and 0 * NaN from uninitialised memory would leak into the output.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                          ("num_blocks", num_blocks), ("block_size", block_size)):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        for name, val in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+        ):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"PagedKVCache: {name} must be an integer >= 1, found {val!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype, self.device = dtype, torch.device(device)
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)     # [Lyr, N, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)     # [Lyr, N, Hkv, D]
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [Lyr, N, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [Lyr, N, Hkv, D]
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
     @staticmethod
-    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block costs over all layers, keys and values: what a memory budget divides by."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
@@ -62,7 +75,7 @@ class PagedKVCache:
         self.v[layer].index_copy_(0, slot_mapping, v)
 
 
-@dataclass(frozen=True, eq=False)     # eq=False: tensors have no truth value; a batch compares by identity
+@dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value; a batch compares by identity
 class PagedBatch:
     """One step's attention metadata, built on the host once per step, moved to the device in
     one copy, shared by all layers. S sequences, T new tokens (the step's input_ids [T] hold
@@ -72,61 +85,73 @@ class PagedBatch:
     every MoE layer's exchange.
     """
 
-    num_tokens: int                    # T (host)
-    num_seqs: int                      # S (host)
-    max_query_len: int                 # max new tokens of a sequence (host; 0 when S = 0)
-    max_seq_len: int                   # max seq_lens (host; 0 when S = 0)
-    block_size: int                    # B, which the cache must share (host)
-    positions: torch.Tensor            # LongTensor [T]: absolute position of every new token
-    slot_mapping: torch.Tensor         # LongTensor [T]: flat slot where each new token's k/v is written
-    block_tables: torch.Tensor         # IntTensor [S, MB]: physical block ids of each sequence (padding: 0)
-    seq_lens: torch.Tensor             # IntTensor [S]: tokens in the cache after this step (start + new)
-    query_start: torch.Tensor          # IntTensor [S + 1]: cumulative new tokens (cu_seqlens)
-    last_token_index: torch.Tensor     # LongTensor [S]: flat index of each sequence's last new token
+    num_tokens: int  # T (host)
+    num_seqs: int  # S (host)
+    max_query_len: int  # max new tokens of a sequence (host; 0 when S = 0)
+    max_seq_len: int  # max seq_lens (host; 0 when S = 0)
+    block_size: int  # B, which the cache must share (host)
+    positions: torch.Tensor  # LongTensor [T]: absolute position of every new token
+    slot_mapping: torch.Tensor  # LongTensor [T]: flat slot where each new token's k/v is written
+    block_tables: torch.Tensor  # IntTensor [S, MB]: physical block ids of each sequence (padding: 0)
+    seq_lens: torch.Tensor  # IntTensor [S]: tokens in the cache after this step (start + new)
+    query_start: torch.Tensor  # IntTensor [S + 1]: cumulative new tokens (cu_seqlens)
+    last_token_index: torch.Tensor  # LongTensor [S]: flat index of each sequence's last new token
 
     @classmethod
-    def build(cls, lens: list[int], starts: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu", *, num_blocks: int | None = None) -> PagedBatch:
+    def build(
+        cls,
+        lens: list[int],
+        starts: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        num_blocks: int | None = None,
+    ) -> PagedBatch:
         """Sequence s gets ``lens[s]`` (>= 1) new tokens at positions ``starts[s] ..`` (its tokens
         ``0 .. starts[s]-1`` are already in the cache); ``block_tables[s]`` must cover
         ``starts[s] + lens[s]`` tokens (extra entries are allowed). With ``num_blocks`` every
         block id is also checked against the pool (an id out of range would be an illegal
         memory access in the Triton kernel).
         """
-        lens_a = np.asarray(list(lens), dtype=np.int64).reshape(-1)           # [S]
-        starts_a = np.asarray(list(starts), dtype=np.int64).reshape(-1)       # [S]
+        lens_a = np.asarray(list(lens), dtype=np.int64).reshape(-1)  # [S]
+        starts_a = np.asarray(list(starts), dtype=np.int64).reshape(-1)  # [S]
         tables = [list(map(int, t)) for t in block_tables]
         s = len(lens_a)
         if not len(starts_a) == len(tables) == s:
-            raise ValueError(f"PagedBatch: lens, starts and block_tables need one entry per sequence, "
-                             f"found {s}, {len(starts_a)}, {len(tables)}")
+            raise ValueError(
+                f"PagedBatch: lens, starts and block_tables need one entry per sequence, "
+                f"found {s}, {len(starts_a)}, {len(tables)}"
+            )
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"PagedBatch: block_size must be an integer >= 1, found {block_size!r}")
         if s and lens_a.min() < 1:
             raise ValueError(f"PagedBatch: every sequence needs >= 1 new token, found lens {lens_a.tolist()}")
         if s and starts_a.min() < 0:
             raise ValueError(f"PagedBatch: starts must be >= 0, found {starts_a.tolist()}")
-        seq_lens = starts_a + lens_a                                          # [S]
+        seq_lens = starts_a + lens_a  # [S]
         for i, t in enumerate(tables):
             need = -(-int(seq_lens[i]) // block_size)
             if len(t) < need:
-                raise ValueError(f"PagedBatch: sequence {i} holds {int(seq_lens[i])} tokens after the step, "
-                                 f"which needs {need} blocks of {block_size}, but its block table has {len(t)}")
+                raise ValueError(
+                    f"PagedBatch: sequence {i} holds {int(seq_lens[i])} tokens after the step, "
+                    f"which needs {need} blocks of {block_size}, but its block table has {len(t)}"
+                )
             if t and (min(t) < 0 or (num_blocks is not None and max(t) >= num_blocks)):
                 bound = f"0..{num_blocks - 1}" if num_blocks is not None else ">= 0"
                 raise ValueError(f"PagedBatch: sequence {i} has block ids outside {bound}: {t}")
         mb = max((len(t) for t in tables), default=0)
-        table = np.zeros((s, mb), dtype=np.int64)                             # [S, MB], padding 0
+        table = np.zeros((s, mb), dtype=np.int64)  # [S, MB], padding 0
         for i, t in enumerate(tables):
-            table[i, :len(t)] = t
+            table[i, : len(t)] = t
 
         t_total = int(lens_a.sum())
-        query_start = np.zeros(s + 1, dtype=np.int64)                         # [S + 1]
+        query_start = np.zeros(s + 1, dtype=np.int64)  # [S + 1]
         np.cumsum(lens_a, out=query_start[1:])
-        seq_of_token = np.repeat(np.arange(s), lens_a)                        # [T]
-        positions = (np.arange(t_total) - query_start[:-1][seq_of_token] + starts_a[seq_of_token])  # [T]
+        seq_of_token = np.repeat(np.arange(s), lens_a)  # [T]
+        positions = np.arange(t_total) - query_start[:-1][seq_of_token] + starts_a[seq_of_token]  # [T]
         slot_mapping = table[seq_of_token, positions // block_size] * block_size + positions % block_size
-        last = query_start[1:] - 1                                            # [S]
+        last = query_start[1:] - 1  # [S]
 
         # One host buffer, one transfer: the int64 fields first, then the int32 ones (converted
         # on the device by one cast, then viewed); every field is a view of those two tensors.
@@ -137,12 +162,18 @@ class PagedBatch:
             buf = buf.pin_memory().to(device, non_blocking=True)
         else:
             buf = buf.to(device)
-        longs, ints = buf[:2 * t_total + s], buf[2 * t_total + s:].to(torch.int32)
+        longs, ints = buf[: 2 * t_total + s], buf[2 * t_total + s :].to(torch.int32)
         o = np.cumsum([0, s * mb, s, s + 1])
         return cls(
-            num_tokens=t_total, num_seqs=s,
-            max_query_len=int(lens_a.max()) if s else 0, max_seq_len=int(seq_lens.max()) if s else 0,
+            num_tokens=t_total,
+            num_seqs=s,
+            max_query_len=int(lens_a.max()) if s else 0,
+            max_seq_len=int(seq_lens.max()) if s else 0,
             block_size=block_size,
-            positions=longs[:t_total], slot_mapping=longs[t_total:2 * t_total], last_token_index=longs[2 * t_total:],
-            block_tables=ints[o[0]:o[1]].view(s, mb), seq_lens=ints[o[1]:o[2]], query_start=ints[o[2]:o[3]],
+            positions=longs[:t_total],
+            slot_mapping=longs[t_total : 2 * t_total],
+            last_token_index=longs[2 * t_total :],
+            block_tables=ints[o[0] : o[1]].view(s, mb),
+            seq_lens=ints[o[1] : o[2]],
+            query_start=ints[o[2] : o[3]],
         )

@@ -13,6 +13,7 @@ over 0.1 s was logged while serving with the heap frozen (benchmarks/results/
 serving-scout8-1gpu-gcfreeze.json); the multi-second host stalls seen there at burst starts
 were not the collector (most likely Triton recompiles: tests/test_triton_specialization.py).
 """
+
 from __future__ import annotations
 
 import gc
@@ -36,9 +37,14 @@ def _callback(phase: str, info: dict) -> None:
         return
     took = time.perf_counter() - t0
     if took > SLOW_GC_S:
-        log.warning("slow garbage collection: generation %d took %.2f s (%d collected, %d uncollectable, "
-                    "%d objects tracked)", gen, took, info.get("collected", 0), info.get("uncollectable", 0),
-                    len(gc.get_objects(gen)) if gen >= 0 else -1)
+        log.warning(
+            "slow garbage collection: generation %d took %.2f s (%d collected, %d uncollectable, %d objects tracked)",
+            gen,
+            took,
+            info.get("collected", 0),
+            info.get("uncollectable", 0),
+            len(gc.get_objects(gen)) if gen >= 0 else -1,
+        )
 
 
 def watch() -> None:

@@ -15,6 +15,7 @@ files moeserve reads: configs, safetensors, tokenizer files, chat templates):
 Every failure is a :class:`ModelNotFound` whose message says what was looked for, where, and
 what to do. A folder that exists is returned as it is.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,18 @@ import re
 from pathlib import Path
 
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt"]
-TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "*.jinja",
-                   "config.json", "generation_config.json", "merges.txt", "vocab.*", "*.tiktoken"]
+TOKENIZER_FILES = [
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "*.jinja",
+    "config.json",
+    "generation_config.json",
+    "merges.txt",
+    "vocab.*",
+    "*.tiktoken",
+]
 _REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -52,9 +63,16 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and ".." not in name and not name.endswith((".", "-"))
 
 
-def resolve(name: str, revision: str | None = None, download_dir: str | os.PathLike | None = None, *,
-            what: str = "model", files: list[str] | None = None, offline_only: bool | None = None,
-            need: str | None = "config.json") -> Path:
+def resolve(
+    name: str,
+    revision: str | None = None,
+    download_dir: str | os.PathLike | None = None,
+    *,
+    what: str = "model",
+    files: list[str] | None = None,
+    offline_only: bool | None = None,
+    need: str | None = "config.json",
+) -> Path:
     """The folder of ``name`` (a folder, or a Hugging Face id looked up in the cache or
     downloaded); ``need``: a file the folder must hold (None: any). Raises ModelNotFound."""
     path = Path(name).expanduser()
@@ -63,34 +81,47 @@ def resolve(name: str, revision: str | None = None, download_dir: str | os.PathL
     if path.exists():
         raise ModelNotFound(f"{what} {name}: not a folder")
     if name.startswith(("/", "./", "../", "~")) or not is_repo_id(name):
-        raise ModelNotFound(f"{what} {name}: no such folder (and not a Hugging Face model id such as "
-                            f"'org/name')")
+        raise ModelNotFound(f"{what} {name}: no such folder (and not a Hugging Face model id such as 'org/name')")
     local = offline() if offline_only is None else offline_only
     cache = cache_dir(download_dir)
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                            RepositoryNotFoundError, RevisionNotFoundError)
-    except ImportError:                                  # pragma: no cover (a dependency)
-        raise ModelNotFound(f"{what} {name}: no such folder, and huggingface_hub is not installed to look it "
-                            "up in the Hugging Face cache (pip install huggingface_hub)") from None
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError:  # pragma: no cover (a dependency)
+        raise ModelNotFound(
+            f"{what} {name}: no such folder, and huggingface_hub is not installed to look it "
+            "up in the Hugging Face cache (pip install huggingface_hub)"
+        ) from None
     rev = revision or "main"
     try:
-        folder = snapshot_download(name, revision=revision, cache_dir=str(cache), local_files_only=local,
-                                   allow_patterns=files or MODEL_FILES)
+        folder = snapshot_download(
+            name, revision=revision, cache_dir=str(cache), local_files_only=local, allow_patterns=files or MODEL_FILES
+        )
     except LocalEntryNotFoundError:
-        why = ("$HF_HUB_OFFLINE is set, so nothing is downloaded" if local
-               else "the Hugging Face Hub could not be reached")
+        why = (
+            "$HF_HUB_OFFLINE is set, so nothing is downloaded" if local else "the Hugging Face Hub could not be reached"
+        )
         raise ModelNotFound(
             f"{what} {name} (revision {rev}) is not in the Hugging Face cache {cache} and {why}: download it "
             f"where the Hub can be reached (hf download {name} --cache-dir ...), point HF_HOME or --download-dir "
-            f"at the cache holding it, or pass a folder") from None
+            f"at the cache holding it, or pass a folder"
+        ) from None
     except GatedRepoError:
-        raise ModelNotFound(f"{what} {name} is gated on the Hugging Face Hub: accept its license there and log "
-                            f"in (hf auth login or $HF_TOKEN)") from None
+        raise ModelNotFound(
+            f"{what} {name} is gated on the Hugging Face Hub: accept its license there and log "
+            f"in (hf auth login or $HF_TOKEN)"
+        ) from None
     except RepositoryNotFoundError:
-        raise ModelNotFound(f"{what} {name}: no such repository on the Hugging Face Hub (or it is private: "
-                            f"log in with hf auth login or $HF_TOKEN)") from None
+        raise ModelNotFound(
+            f"{what} {name}: no such repository on the Hugging Face Hub (or it is private: "
+            f"log in with hf auth login or $HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError:
         raise ModelNotFound(f"{what} {name}: the repository has no revision {rev}") from None
     except (HfHubHTTPError, OSError, ValueError) as e:

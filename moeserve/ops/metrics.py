@@ -10,6 +10,7 @@ docs/metrics.md is the one list of the metrics, their types, labels and meaning.
 
 Dimension letters: L MoE layers, E logical experts, W workers.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,13 +57,17 @@ class ProcessMetrics:
         from prometheus_client.platform_collector import PlatformCollector
         from prometheus_client.process_collector import ProcessCollector
 
-        disable_created_metrics()      # no ``*_created`` series: they double the count and no panel reads them
+        disable_created_metrics()  # no ``*_created`` series: they double the count and no panel reads them
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        info = Gauge("moeserve_process_info", "Always 1: what this process is (role) and its rank (-1: not a rank).",
-                     ("role", "rank"), registry=self.registry)
+        info = Gauge(
+            "moeserve_process_info",
+            "Always 1: what this process is (role) and its rank (-1: not a rank).",
+            ("role", "rank"),
+            registry=self.registry,
+        )
         info.labels(role, str(rank)).set(1)
         self.role, self.rank = role, rank
         self.port: int | None = None
@@ -85,6 +90,7 @@ class ProcessMetrics:
 
 # -- the leader -------------------------------------------------------------------------------
 
+
 class LeaderMetrics:
     """The leader's metrics. ``engine``: the leader's ``Engine`` (read at scrape time);
     ``per_expert``: auto, on or off. ``Engine.on_results`` calls :meth:`on_step` once per step."""
@@ -92,11 +98,19 @@ class LeaderMetrics:
     def __init__(self, registry: CollectorRegistry, engine, per_expert: str = "auto"):
         shape = engine.shape
         self.per_expert = per_expert_enabled(per_expert, shape.num_moe_layers, shape.num_logical_experts)
-        self.steps = Counter("moeserve_steps", "Steps run by the cluster, by kind: forward (tokens), migration "
-                             "(weight moves only), heartbeat (idle).", ("kind",), registry=registry)
-        self.step_seconds = Histogram("moeserve_step_duration_seconds", "Wall time of one step on the leader, "
-                                      "from the header broadcast to the end-of-step gather.", ("kind",),
-                                      buckets=STEP_BUCKETS, registry=registry)
+        self.steps = Counter(
+            "moeserve_steps",
+            "Steps run by the cluster, by kind: forward (tokens), migration (weight moves only), heartbeat (idle).",
+            ("kind",),
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "moeserve_step_duration_seconds",
+            "Wall time of one step on the leader, from the header broadcast to the end-of-step gather.",
+            ("kind",),
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
         # Label children looked up once: on_step is on the step driver.
         self._steps = {k: self.steps.labels(k) for k in STEP_KINDS}
         self._step_seconds = {k: self.step_seconds.labels(k) for k in STEP_KINDS}
@@ -125,59 +139,93 @@ class _LeaderCollector(Collector):
         layers = [str(i) for i in range(placement.num_layers)]
         experts = [str(i) for i in range(placement.num_logical)]
         workers = [str(i) for i in range(placement.num_workers)]
-        total_logical, total_worker = e.total_load(), e.total_worker_load()          # [L, E], [L, W]
+        total_logical, total_worker = e.total_load(), e.total_worker_load()  # [L, E], [L, W]
         rep = e.expert_load()
 
         if self.per_expert:
-            c = CounterMetricFamily("moeserve_expert_tokens", "Pairs (token, k) routed to each logical expert "
-                                    "since start (the load), per MoE layer.", labels=("layer", "expert"))
+            c = CounterMetricFamily(
+                "moeserve_expert_tokens",
+                "Pairs (token, k) routed to each logical expert since start (the load), per MoE layer.",
+                labels=("layer", "expert"),
+            )
             _add_matrix(c, total_logical, layers, experts)
             yield c
-            g = GaugeMetricFamily("moeserve_expert_replicas", "Replicas (physical slots) of each logical expert "
-                                  "in the placement in force.", labels=("layer", "expert"))
+            g = GaugeMetricFamily(
+                "moeserve_expert_replicas",
+                "Replicas (physical slots) of each logical expert in the placement in force.",
+                labels=("layer", "expert"),
+            )
             _add_matrix(g, placement.logcnt(), layers, experts)
             yield g
-        c = CounterMetricFamily("moeserve_worker_tokens", "Pairs (token, k) sent to each expert worker since start, "
-                                "per MoE layer.", labels=("layer", "worker"))
+        c = CounterMetricFamily(
+            "moeserve_worker_tokens",
+            "Pairs (token, k) sent to each expert worker since start, per MoE layer.",
+            labels=("layer", "worker"),
+        )
         _add_matrix(c, total_worker, layers, workers)
         yield c
-        g = GaugeMetricFamily("moeserve_layer_balancedness", "Measured balancedness of each MoE layer over the "
-                              "load window: mean worker load / max worker load (1 = perfect).", labels=("layer",))
+        g = GaugeMetricFamily(
+            "moeserve_layer_balancedness",
+            "Measured balancedness of each MoE layer over the "
+            "load window: mean worker load / max worker load (1 = perfect).",
+            labels=("layer",),
+        )
         for layer, v in zip(layers, rep.balancedness_measured):
             g.add_metric((layer,), float(v))
         yield g
-        g = GaugeMetricFamily("moeserve_layer_balancedness_predicted", "Balancedness the placement in force "
-                              "predicts for the window's load, split evenly over replicas.", labels=("layer",))
+        g = GaugeMetricFamily(
+            "moeserve_layer_balancedness_predicted",
+            "Balancedness the placement in force predicts for the window's load, split evenly over replicas.",
+            labels=("layer",),
+        )
         for layer, v in zip(layers, rep.balancedness_predicted):
             g.add_metric((layer,), float(v))
         yield g
-        yield GaugeMetricFamily("moeserve_placement_version", "Version of the placement in force.",
-                                value=float(placement.version))
+        yield GaugeMetricFamily(
+            "moeserve_placement_version", "Version of the placement in force.", value=float(placement.version)
+        )
         status = e.status()
         mig = status.migration
-        yield GaugeMetricFamily("moeserve_migration_in_progress", "1 while a migration runs, else 0.",
-                                value=1.0 if mig is not None else 0.0)
+        yield GaugeMetricFamily(
+            "moeserve_migration_in_progress", "1 while a migration runs, else 0.", value=1.0 if mig is not None else 0.0
+        )
         ratio = mig.moves_done / mig.moves_total if mig is not None and mig.moves_total else 0.0
-        yield GaugeMetricFamily("moeserve_migration_progress_ratio", "Moves scheduled / moves of the running "
-                                "migration (0 when none runs).", value=float(ratio))
+        yield GaugeMetricFamily(
+            "moeserve_migration_progress_ratio",
+            "Moves scheduled / moves of the running migration (0 when none runs).",
+            value=float(ratio),
+        )
         c = CounterMetricFamily("moeserve_migrations", "Migrations that ended, by result.", labels=("result",))
         for result in MIGRATION_RESULTS:
             c.add_metric((result,), float(status.migrations_ended.get(result, 0)))
         yield c
-        yield CounterMetricFamily("moeserve_slots_moved", "Expert weights sent to another slot by migrations.",
-                                  value=float(status.moved_slots))
-        yield CounterMetricFamily("moeserve_bytes_moved", "Bytes of expert weights sent by migrations.",
-                                  value=float(status.moved_bytes))
-        yield GaugeMetricFamily("moeserve_requests_waiting", "Requests in the admission queue.",
-                                value=float(status.waiting))
-        yield GaugeMetricFamily("moeserve_requests_running", "Sequences running on the routers.",
-                                value=float(status.running))
-        yield GaugeMetricFamily("moeserve_kv_cache_usage_ratio", "KV blocks in use / KV blocks of all routers.",
-                                value=status.kv_blocks_used / status.kv_blocks_total if status.kv_blocks_total else 0.0)
-        yield GaugeMetricFamily("moeserve_kv_cache_blocks", "KV blocks of all routers' paged caches.",
-                                value=float(status.kv_blocks_total))
-        yield CounterMetricFamily("moeserve_preemptions", "Sequences preempted (freed, to be recomputed) because "
-                                  "KV blocks ran out.", value=float(status.preemptions))
+        yield CounterMetricFamily(
+            "moeserve_slots_moved",
+            "Expert weights sent to another slot by migrations.",
+            value=float(status.moved_slots),
+        )
+        yield CounterMetricFamily(
+            "moeserve_bytes_moved", "Bytes of expert weights sent by migrations.", value=float(status.moved_bytes)
+        )
+        yield GaugeMetricFamily(
+            "moeserve_requests_waiting", "Requests in the admission queue.", value=float(status.waiting)
+        )
+        yield GaugeMetricFamily(
+            "moeserve_requests_running", "Sequences running on the routers.", value=float(status.running)
+        )
+        yield GaugeMetricFamily(
+            "moeserve_kv_cache_usage_ratio",
+            "KV blocks in use / KV blocks of all routers.",
+            value=status.kv_blocks_used / status.kv_blocks_total if status.kv_blocks_total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "moeserve_kv_cache_blocks", "KV blocks of all routers' paged caches.", value=float(status.kv_blocks_total)
+        )
+        yield CounterMetricFamily(
+            "moeserve_preemptions",
+            "Sequences preempted (freed, to be recomputed) because KV blocks ran out.",
+            value=float(status.preemptions),
+        )
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:
@@ -188,17 +236,26 @@ def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) ->
 
 # -- router ranks -----------------------------------------------------------------------------
 
+
 class RouterMetrics:
     """Dispatch and combine durations of a router rank; :meth:`instrument` hooks them into the
     rank's experts backend."""
 
     def __init__(self, registry: CollectorRegistry):
         self.dispatch_seconds = Histogram(
-            "moeserve_dispatch_duration_seconds", "Host-side time of a router's dispatch of one MoE layer "
-            "(slot choice, counts, row gather, start of the exchange).", buckets=EXCHANGE_BUCKETS, registry=registry)
+            "moeserve_dispatch_duration_seconds",
+            "Host-side time of a router's dispatch of one MoE layer "
+            "(slot choice, counts, row gather, start of the exchange).",
+            buckets=EXCHANGE_BUCKETS,
+            registry=registry,
+        )
         self.combine_seconds = Histogram(
-            "moeserve_combine_duration_seconds", "Host-side time of a router's combine of one MoE layer (end of "
-            "the exchange, waiting for the workers, weighted sum).", buckets=EXCHANGE_BUCKETS, registry=registry)
+            "moeserve_combine_duration_seconds",
+            "Host-side time of a router's combine of one MoE layer (end of "
+            "the exchange, waiting for the workers, weighted sum).",
+            buckets=EXCHANGE_BUCKETS,
+            registry=registry,
+        )
 
     def instrument(self, experts) -> None:
         """Time ``experts.dispatch`` and ``experts.combine`` (instance attributes shadow the
@@ -222,21 +279,34 @@ def _timed(fn, observe):
 
 # -- the front end ----------------------------------------------------------------------------
 
+
 class FrontendMetrics:
     """Request metrics of the serving front end; :meth:`request` starts one request's record."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.ttft = Histogram("moeserve_time_to_first_token_seconds", "From a request's arrival to its first "
-                              "generated token.", buckets=TTFT_BUCKETS, registry=registry)
-        self.tpot = Histogram("moeserve_time_per_output_token_seconds", "Mean time between a request's generated "
-                              "tokens after the first.", buckets=TPOT_BUCKETS, registry=registry)
-        self.e2e = Histogram("moeserve_e2e_request_latency_seconds", "From a request's arrival to its last token.",
-                             buckets=E2E_BUCKETS, registry=registry)
-        self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens of admitted requests.",
-                                     registry=registry)
+        self.ttft = Histogram(
+            "moeserve_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "moeserve_time_per_output_token_seconds",
+            "Mean time between a request's generated tokens after the first.",
+            buckets=TPOT_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "moeserve_e2e_request_latency_seconds",
+            "From a request's arrival to its last token.",
+            buckets=E2E_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=registry)
         self.generation_tokens = Counter("moeserve_generation_tokens", "Generated tokens.", registry=registry)
-        self.requests = Counter("moeserve_requests", "Requests that ended, by finish reason.", ("finish_reason",),
-                                registry=registry)
+        self.requests = Counter(
+            "moeserve_requests", "Requests that ended, by finish reason.", ("finish_reason",), registry=registry
+        )
         for r in FINISH_REASONS:
             self.requests.labels(r)
         self.in_flight = Gauge("moeserve_requests_in_flight", "Requests the front end is serving.", registry=registry)
@@ -282,38 +352,65 @@ class RequestRecord:
 
 # -- the balancer -----------------------------------------------------------------------------
 
+
 class BalancerMetrics:
     """Rebalances by result and their duration. ``paused``, ``admin_reachable`` and (each
     optional, no series without it) ``balancedness``, ``predicted_step_s``, ``step_efficiency``:
     callables read at scrape time."""
 
-    def __init__(self, registry: CollectorRegistry, paused=lambda: False, admin_reachable=lambda: True,
-                 balancedness=None, predicted_step_s=None, step_efficiency=None):
-        self.rebalances = Counter("moeserve_rebalances", "Rebalances by result: done (applied, migration "
-                                  "finished), skipped (the plan did not pay), failed, dry_run.", ("result",),
-                                  registry=registry)
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        paused=lambda: False,
+        admin_reachable=lambda: True,
+        balancedness=None,
+        predicted_step_s=None,
+        step_efficiency=None,
+    ):
+        self.rebalances = Counter(
+            "moeserve_rebalances",
+            "Rebalances by result: done (applied, migration "
+            "finished), skipped (the plan did not pay), failed, dry_run.",
+            ("result",),
+            registry=registry,
+        )
         for r in REBALANCE_RESULTS:
             self.rebalances.labels(r)
-        self.duration = Histogram("moeserve_rebalance_duration_seconds", "From the start of planning to the end "
-                                  "of the migration (or to the decision not to apply).", buckets=REBALANCE_BUCKETS,
-                                  registry=registry)
+        self.duration = Histogram(
+            "moeserve_rebalance_duration_seconds",
+            "From the start of planning to the end of the migration (or to the decision not to apply).",
+            buckets=REBALANCE_BUCKETS,
+            registry=registry,
+        )
         g = Gauge("moeserve_balancer_paused", "1 while the balancer's loop is paused.", registry=registry)
         g.set_function(lambda: float(bool(paused())))
         g = Gauge("moeserve_balancer_admin_reachable", "1 when the last admin call answered.", registry=registry)
         g.set_function(lambda: float(bool(admin_reachable())))
         if balancedness is not None:
-            g = Gauge("moeserve_balancer_balancedness", "Predicted balancedness (mean over MoE layers) of the "
-                      "placement in force on the load window, as the balancer last saw it.", registry=registry)
+            g = Gauge(
+                "moeserve_balancer_balancedness",
+                "Predicted balancedness (mean over MoE layers) of the "
+                "placement in force on the load window, as the balancer last saw it.",
+                registry=registry,
+            )
             g.set_function(lambda: float(balancedness()))
         if predicted_step_s is not None:
-            g = Gauge("moeserve_balancer_predicted_step_seconds", "With a step model (--eplb-step-model): the "
-                      "predicted MoE seconds of a step (sum over MoE layers of the slowest worker's) of the "
-                      "placement in force on the load window, as the balancer last saw it.", registry=registry)
+            g = Gauge(
+                "moeserve_balancer_predicted_step_seconds",
+                "With a step model (--eplb-step-model): the "
+                "predicted MoE seconds of a step (sum over MoE layers of the slowest worker's) of the "
+                "placement in force on the load window, as the balancer last saw it.",
+                registry=registry,
+            )
             g.set_function(lambda: float(predicted_step_s()))
         if step_efficiency is not None:
-            g = Gauge("moeserve_balancer_step_efficiency", "With a step model: the mean worker's predicted MoE "
-                      "time over the slowest worker's, summed over layers, in (0, 1] (the step-time analogue of "
-                      "balancedness; the threshold trigger compares it).", registry=registry)
+            g = Gauge(
+                "moeserve_balancer_step_efficiency",
+                "With a step model: the mean worker's predicted MoE "
+                "time over the slowest worker's, summed over layers, in (0, 1] (the step-time analogue of "
+                "balancedness; the threshold trigger compares it).",
+                registry=registry,
+            )
             g.set_function(lambda: float(step_efficiency()))
 
     def record(self, result: str, seconds: float) -> None:
@@ -326,7 +423,7 @@ class BalancerMetrics:
 
 # -- readiness (the front end, the admin service in the leader, the balancer) -----------------
 
-READY_REASONS = ("step_stalled", "leader_unreachable", "cluster_failed")   # as moeserve.services.readiness
+READY_REASONS = ("step_stalled", "leader_unreachable", "cluster_failed")  # as moeserve.services.readiness
 
 
 class ReadinessMetrics:
@@ -334,11 +431,19 @@ class ReadinessMetrics:
     not, why: one of :data:`READY_REASONS`. Not ready until the first look."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.ready = Gauge("moeserve_ready", "1 while this process's health says SERVING (the cluster can take a "
-                           "request), else 0; moeserve_not_ready_reason says why.", registry=registry)
-        self.reason = Gauge("moeserve_not_ready_reason", "1 for the reason this process is not ready: step_stalled "
-                            "(no step for the stall deadline), leader_unreachable, cluster_failed; 0 for the others.",
-                            ("reason",), registry=registry)
+        self.ready = Gauge(
+            "moeserve_ready",
+            "1 while this process's health says SERVING (the cluster can take a "
+            "request), else 0; moeserve_not_ready_reason says why.",
+            registry=registry,
+        )
+        self.reason = Gauge(
+            "moeserve_not_ready_reason",
+            "1 for the reason this process is not ready: step_stalled "
+            "(no step for the stall deadline), leader_unreachable, cluster_failed; 0 for the others.",
+            ("reason",),
+            registry=registry,
+        )
         self._reasons = {r: self.reason.labels(r) for r in READY_REASONS}
 
     def set(self, reason: str | None) -> None:
@@ -353,5 +458,5 @@ class ReadinessMetrics:
 def scrape_text(registry: CollectorRegistry) -> str:
     """The registry in the text exposition format (what ``/metrics`` serves)."""
     from prometheus_client import generate_latest
-    return generate_latest(registry).decode()
 
+    return generate_latest(registry).decode()

@@ -16,6 +16,7 @@ One column per load dump (two dumps: before and after a rebalance, side by side)
 A dump is the JSON ``moeserve load --dump`` writes (``format`` ``moeserve.load/1``): it
 plots ``window_load`` (or ``total_load`` when the window is empty) and ``placement.phy2log``.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ import numpy as np
 from moeserve.placement import balancedness, logical_counts
 
 INSTALL_HINT = "pip install 'moeserve[plot]'  (or: pip install matplotlib)"
-ANNOTATE_MAX_CELLS = 400          # label cells only while the picture stays readable
+ANNOTATE_MAX_CELLS = 400  # label cells only while the picture stays readable
 
 
 class PlotUnavailable(RuntimeError):
@@ -53,8 +54,9 @@ class LoadPicture:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: not a load dump ({e})") from None
         if not isinstance(d, dict) or d.get("format") != "moeserve.load/1":
-            raise ValueError(f"{path}: not a load dump (expected \"format\": \"moeserve.load/1\", "
-                             "as written by moeserve load --dump)")
+            raise ValueError(
+                f'{path}: not a load dump (expected "format": "moeserve.load/1", as written by moeserve load --dump)'
+            )
         steps = int(d.get("window_steps") or 0)
         load = np.asarray(d["window_load"] if steps else d["total_load"], dtype=np.float64)
         if load.ndim != 2:
@@ -63,8 +65,13 @@ class LoadPicture:
         phy2log = np.asarray(p["phy2log"], dtype=np.int64) if p else None
         if phy2log is not None and (phy2log.ndim != 2 or phy2log.shape[0] != load.shape[0]):
             raise ValueError(f"{path}: placement shape {phy2log.shape} does not match the load's {load.shape}")
-        return cls(title or d.get("title") or Path(path).stem, load, phy2log,
-                   int(p["num_workers"]) if p else 0, steps or int(d.get("total_steps") or 0))
+        return cls(
+            title or d.get("title") or Path(path).stem,
+            load,
+            phy2log,
+            int(p["num_workers"]) if p else 0,
+            steps or int(d.get("total_steps") or 0),
+        )
 
 
 def idle_slots(load: np.ndarray, phy2log: np.ndarray) -> np.ndarray:
@@ -84,6 +91,7 @@ def _pyplot():
         raise PlotUnavailable(f"plotting needs matplotlib, which is not installed: {INSTALL_HINT}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -99,17 +107,23 @@ def plot_load(pictures: list[LoadPicture], path: str | Path, suptitle: str = "")
     width = max(5.0, 0.42 * max(experts, slots) + 2.2)
     row_h = 0.55 * layers + 1.7
     rows = 2 if with_slots else 1
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, row_h * rows + (0.6 if suptitle else 0.2)),
-                             squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(
+        rows,
+        cols,
+        figsize=(width * cols, row_h * rows + (0.6 if suptitle else 0.2)),
+        squeeze=False,
+        constrained_layout=True,
+    )
     vmax = max(float(_share(p.load).max()) for p in pictures) or 1.0
     for c, pic in enumerate(pictures):
         if pic.load.shape != (layers, experts):
             raise ValueError(f"all dumps must have the same shape: {pic.load.shape} vs {(layers, experts)}")
-        share = _share(pic.load)                                                  # [L, E]
+        share = _share(pic.load)  # [L, E]
         ax = axes[0, c]
         im = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
-        ax.set_title(f"{pic.title}\nload per logical expert" + (f" ({pic.steps} steps)" if pic.steps else ""),
-                     fontsize=10)
+        ax.set_title(
+            f"{pic.title}\nload per logical expert" + (f" ({pic.steps} steps)" if pic.steps else ""), fontsize=10
+        )
         ax.set_xlabel("logical expert")
         ax.set_ylabel("MoE layer")
         _ticks(ax, experts, layers)
@@ -139,12 +153,12 @@ def _slot_panel(ax, pic: LoadPicture, vmax: float) -> None:
     layers, slots = pic.phy2log.shape
     w = pic.num_workers
     share = _share(pic.load)
-    cnt = logical_counts(pic.phy2log, pic.load.shape[1])                             # [L, E]
+    cnt = logical_counts(pic.phy2log, pic.load.shape[1])  # [L, E]
     rows = np.arange(layers)[:, None]
-    per_slot = share[rows, pic.phy2log] / cnt[rows, pic.phy2log]                     # [L, P] even split
-    bal = balancedness(pic.load, pic.phy2log, w)                                     # [L]
+    per_slot = share[rows, pic.phy2log] / cnt[rows, pic.phy2log]  # [L, P] even split
+    bal = balancedness(pic.load, pic.phy2log, w)  # [L]
     ax.imshow(per_slot, aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
-    idle = idle_slots(pic.load, pic.phy2log)                                          # [L, P]
+    idle = idle_slots(pic.load, pic.phy2log)  # [L, P]
     for i, j in zip(*np.nonzero(idle)):
         ax.add_patch(_patch(j, i))
     s = slots // w
@@ -154,10 +168,12 @@ def _slot_panel(ax, pic: LoadPicture, vmax: float) -> None:
     ax.set_yticks(range(layers), [f"{i}  ({b:.2f})" for i, b in enumerate(bal)])
     ax.set_ylabel("MoE layer  (balancedness)")
     n_idle = int(idle.sum())
-    ax.set_title(f"load per physical slot (an expert's load split evenly over its replicas)\n"
-                 f"mean balancedness {bal.mean():.3f}"
-                 + (f"; {n_idle} replica{'s' if n_idle != 1 else ''} idle (hatched: no pair in the window)"
-                    if n_idle else ""), fontsize=10)
+    ax.set_title(
+        f"load per physical slot (an expert's load split evenly over its replicas)\n"
+        f"mean balancedness {bal.mean():.3f}"
+        + (f"; {n_idle} replica{'s' if n_idle != 1 else ''} idle (hatched: no pair in the window)" if n_idle else ""),
+        fontsize=10,
+    )
     if layers * slots <= ANNOTATE_MAX_CELLS:
         for i in range(layers):
             for j in range(slots):
@@ -167,6 +183,7 @@ def _slot_panel(ax, pic: LoadPicture, vmax: float) -> None:
 def _patch(x: int, y: int):
     """A hatched box over the cell (x, y): an idle replica."""
     from matplotlib.patches import Rectangle
+
     return Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="xx", edgecolor="red", linewidth=0.8)
 
 

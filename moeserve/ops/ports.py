@@ -13,12 +13,13 @@ kernel never picks on its own; only another explicit choice can collide, and
 ``check_bindable`` is what ``moeserve up`` runs before loading anything: a port given on the
 command line that is already in use is reported at once, not after minutes of loading.
 """
+
 from __future__ import annotations
 
 import random
 import socket
 
-LOWEST = 20000                   # below: ports that services commonly own (8000, 9090, 3000, ...)
+LOWEST = 20000  # below: ports that services commonly own (8000, 9090, 3000, ...)
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -53,7 +54,7 @@ def free_port(host: str = "127.0.0.1", exclude: tuple[int, ...] | list[int] | se
         port = rng.randint(lo, hi)
         if port not in exclude and _bindable(host, port):
             return port
-    with socket.socket() as s:             # no room outside the ephemeral range: let the kernel pick
+    with socket.socket() as s:  # no room outside the ephemeral range: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -78,5 +79,8 @@ def check_bindable(host: str, ports: dict[str, int]) -> None:
             try:
                 s.bind((host, port))
             except OSError as e:
-                raise OSError(e.errno, f"port {port} on {host or '0.0.0.0'} ({name}) is already in use: stop what "
-                                       f"listens there or choose another port") from None
+                raise OSError(
+                    e.errno,
+                    f"port {port} on {host or '0.0.0.0'} ({name}) is already in use: stop what "
+                    f"listens there or choose another port",
+                ) from None

@@ -8,6 +8,7 @@ the child would import that folder, which has no ``__init__.py``, as a namespace
 place of the installed moeserve. So children run with ``-P`` (no working directory on the path)
 and find moeserve through ``PYTHONPATH``, led by the folder the parent imported it from.
 """
+
 from __future__ import annotations
 
 import os

@@ -18,6 +18,7 @@ nest (``moe_combine`` holds ``expert_matmul`` on a co-located rank), so their ti
 up; ``benchmarks/serving.py`` derives the breakdown (attention, expert matmuls, exchange,
 rest) from them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,9 +30,23 @@ from pathlib import Path
 import torch
 
 ENV = "MOESERVE_PROFILE"
-SPANS = ("schedule", "header_broadcast", "result_gather", "batch_build", "embed", "attention", "dense_mlp",
-         "gate", "shared_expert", "moe_dispatch", "moe_combine", "expert_matmul", "lm_head", "sampling",
-         "load_read")
+SPANS = (
+    "schedule",
+    "header_broadcast",
+    "result_gather",
+    "batch_build",
+    "embed",
+    "attention",
+    "dense_mlp",
+    "gate",
+    "shared_expert",
+    "moe_dispatch",
+    "moe_combine",
+    "expert_matmul",
+    "lm_head",
+    "sampling",
+    "load_read",
+)
 _NULL = contextlib.nullcontext()
 _active = False
 
@@ -60,7 +75,7 @@ class StepProfiler:
 
     def __init__(self, rank: int, out_dir: str, start: int, count: int):
         self.rank, self.dir, self.start, self.count = rank, Path(out_dir), start, count
-        self.seen = 0                  # forward steps begun
+        self.seen = 0  # forward steps begun
         self.prof = None
         self.t0 = 0.0
         self.done = False
@@ -124,17 +139,27 @@ class StepProfiler:
                 if on_device:
                     row["span_s"] = a.device_time_total * us / steps
                 else:
-                    row.update(calls_per_step=a.count / steps, host_s=a.cpu_time_total * us / steps,
-                               device_s=getattr(a, "device_time_total", 0.0) * us / steps)
+                    row.update(
+                        calls_per_step=a.count / steps,
+                        host_s=a.cpu_time_total * us / steps,
+                        device_s=getattr(a, "device_time_total", 0.0) * us / steps,
+                    )
                 continue
             if on_device and self_dev:
                 busy += self_dev
                 kernels.append((self_dev * us / steps, a.count / steps, a.key))
         kernels.sort(reverse=True)
-        report = {"rank": self.rank, "steps": steps, "wall_per_step_s": wall / steps,
-                  "device_busy_per_step_s": busy * us / steps, "spans": spans,
-                  "kernels": [{"name": k[:160], "device_s": t, "calls_per_step": c} for t, c, k in kernels[:200]]}
+        report = {
+            "rank": self.rank,
+            "steps": steps,
+            "wall_per_step_s": wall / steps,
+            "device_busy_per_step_s": busy * us / steps,
+            "spans": spans,
+            "kernels": [{"name": k[:160], "device_s": t, "calls_per_step": c} for t, c, k in kernels[:200]],
+        }
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / f"rank{self.rank}.json").write_text(json.dumps(report, indent=1))
         sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        (self.dir / f"rank{self.rank}.txt").write_text(avgs.table(sort_by=sort_by, row_limit=60, max_name_column_width=80))
+        (self.dir / f"rank{self.rank}.txt").write_text(
+            avgs.table(sort_by=sort_by, row_limit=60, max_name_column_width=80)
+        )

@@ -7,6 +7,7 @@ Needs grpcio-tools (the ``test`` extra), pinned there so that the output is repr
 protoc names modules after their proto path (``moeserve.v1.admin_pb2``); they live in
 ``moeserve.rpc`` instead, so the imports between them are rewritten.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,17 @@ def generate(out: Path) -> list[Path]:
     with tempfile.TemporaryDirectory() as tmp:
         files = [f"moeserve/v1/{name}.proto" for name in PROTOS]
         include = Path(protoc.__file__).parent / "_proto"
-        rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}",
-                          f"--pyi_out={tmp}", f"--grpc_python_out={tmp}", *files])
+        rc = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{PROTO_DIR}",
+                f"-I{include}",
+                f"--python_out={tmp}",
+                f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}",
+                *files,
+            ]
+        )
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit code {rc}")
         for src in sorted((Path(tmp) / "moeserve" / "v1").iterdir()):

@@ -26,6 +26,7 @@ INVALID_ARGUMENT, a stale expected version or a cluster without EPLB ->
 FAILED_PRECONDITION, an unknown migration -> NOT_FOUND, a cluster that failed or is stopping ->
 UNAVAILABLE; every message says what was wrong.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,15 @@ from moeserve.router.engine.api import EngineAPI, InvalidRequest
 from moeserve.rpc import admin_pb2, admin_pb2_grpc
 from moeserve.services.errors import abort_for
 from moeserve.services.server import ADMIN, ServerOptions, ServiceServer, ThreadedServer
-from moeserve.wire import (breakeven_from_msg, from_int64_matrix, int64_matrix, migration_msg, placement_balancedness,
-                           placement_msg, worker_balancedness_msg)
+from moeserve.wire import (
+    breakeven_from_msg,
+    from_int64_matrix,
+    int64_matrix,
+    migration_msg,
+    placement_balancedness,
+    placement_msg,
+    worker_balancedness_msg,
+)
 
 log = logging.getLogger("moeserve.admin")
 
@@ -78,7 +86,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if self.state_dir:
             try:
                 saved = state.read_balancer_settings(self.state_dir, self.cfg.eplb.window_size)
-            except state.StateError as e:       # the CLI checked it at start; never fail the leader for it
+            except state.StateError as e:  # the CLI checked it at start; never fail the leader for it
                 log.error("the balancer's saved settings are ignored: %s", e)
         self._balancer_settings = settings_msg(saved)
 
@@ -100,23 +108,26 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 return phy2log
             cur = self.engine.placement()
             if phy2log.shape != cur.phy2log.shape:
-                raise InvalidRequest(f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = "
-                                     f"{cur.phy2log.shape}")
-            return self._with_breakeven(Placement(phy2log, cur.num_logical, cur.num_workers, cur.workers_per_node,
-                                                  cur.version), b)
+                raise InvalidRequest(
+                    f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = {cur.phy2log.shape}"
+                )
+            return self._with_breakeven(
+                Placement(phy2log, cur.num_logical, cur.num_workers, cur.workers_per_node, cur.version), b
+            )
         if which != "file":
             raise InvalidRequest("give the placement: phy2log [L, P] or a placement file")
         f = request.file
         if f.format not in FILE_SUFFIX and f.format != admin_pb2.PlacementFile.MOESERVE_JSON:
-            raise InvalidRequest(f"placement file format {f.format} is unknown (allowed: MOESERVE_JSON, SGLANG_JSON, "
-                                 f"SGLANG_PT)")
+            raise InvalidRequest(
+                f"placement file format {f.format} is unknown (allowed: MOESERVE_JSON, SGLANG_JSON, SGLANG_PT)"
+            )
         name = admin_pb2.PlacementFile.Format.Name(f.format)
         what = f"the placement file ({name}, {len(f.content)} bytes)"
         try:
             p, has_b = self._parse_file(f)
         except InvalidRequest as e:
             raise InvalidRequest(f"{what}: {e}") from None
-        except Exception as e:                  # whatever a parser raises on bytes that are not a placement
+        except Exception as e:  # whatever a parser raises on bytes that are not a placement
             msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequest(f"{what} is not a valid {name} placement: {msg}") from None
         return self._with_breakeven(p, b if b is not None or has_b else self.engine.placement().breakeven)
@@ -127,8 +138,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if b is None:
             return p
         try:
-            return Placement(p.phy2log, p.num_logical, p.num_workers, p.workers_per_node, p.version,
-                             p.layer_versions, breakeven=b)
+            return Placement(
+                p.phy2log, p.num_logical, p.num_workers, p.workers_per_node, p.version, p.layer_versions, breakeven=b
+            )
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
 
@@ -142,11 +154,16 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 raise InvalidRequest(f"not UTF-8 text ({e.reason} at byte {e.start})") from None
             p = Placement.from_json(text)
             has_b = '"breakeven"' in text
-            if (p.num_logical, p.num_workers, p.workers_per_node) != (cur.num_logical, cur.num_workers,
-                                                                    cur.workers_per_node):
-                raise InvalidRequest(f"it is for {p.num_logical} logical experts on {p.num_workers} "
-                                     f"workers ({p.workers_per_node} per node); this cluster has {cur.num_logical} "
-                                     f"on {cur.num_workers} ({cur.workers_per_node} per node)")
+            if (p.num_logical, p.num_workers, p.workers_per_node) != (
+                cur.num_logical,
+                cur.num_workers,
+                cur.workers_per_node,
+            ):
+                raise InvalidRequest(
+                    f"it is for {p.num_logical} logical experts on {p.num_workers} "
+                    f"workers ({p.workers_per_node} per node); this cluster has {cur.num_logical} "
+                    f"on {cur.num_workers} ({cur.workers_per_node} per node)"
+                )
             return p.evolve(version=cur.version), has_b
         shape = self.engine.shape
         with tempfile.TemporaryDirectory(prefix="moeserve-placement-") as d:
@@ -154,9 +171,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             with open(path, "wb") as tmp:
                 tmp.write(f.content)
             try:
-                return Placement.from_sglang(path, shape.moe_layer_ids, cur.num_logical, cur.num_workers,
-                                             cur.workers_per_node, shape.num_decoder_layers or None), False
-            except Exception as e:              # the message names the temporary file: not the client's
+                return Placement.from_sglang(
+                    path,
+                    shape.moe_layer_ids,
+                    cur.num_logical,
+                    cur.num_workers,
+                    cur.workers_per_node,
+                    shape.num_decoder_layers or None,
+                ), False
+            except Exception as e:  # the message names the temporary file: not the client's
                 raise InvalidRequest(str(e).replace(path + ": ", "").replace(path, "the file")) from None
 
     async def ApplyPlacement(self, request, context):
@@ -172,14 +195,19 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         breakeven = target.breakeven if isinstance(target, Placement) else before.breakeven
         load = e.expert_load().load
         return admin_pb2.ApplyPlacementResponse(
-            migration_id="" if request.dry_run else mig.migration_id, dry_run=request.dry_run,
-            migration=None if request.dry_run else migration_msg(mig), moves=mig.moves_total, bytes=mig.bytes_total,
+            migration_id="" if request.dry_run else mig.migration_id,
+            dry_run=request.dry_run,
+            migration=None if request.dry_run else migration_msg(mig),
+            moves=mig.moves_total,
+            bytes=mig.bytes_total,
             balancedness_before=placement_balancedness(load, before.phy2log, before.num_workers),
             balancedness_after=placement_balancedness(load, phy2log, before.num_workers),
-            phy2log=int64_matrix(phy2log), breakeven=int64_matrix(breakeven))
+            phy2log=int64_matrix(phy2log),
+            breakeven=int64_matrix(breakeven),
+        )
 
     async def GetMigration(self, request, context):
-        if not request.wait_s >= 0:                       # NaN too
+        if not request.wait_s >= 0:  # NaN too
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_s must be >= 0, got {request.wait_s}")
         try:
             mig = self.engine.migration(request.migration_id)
@@ -203,52 +231,88 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def GetExpertLoad(self, request, context):
         size = self.cfg.eplb.window_size
         if not 0 <= request.window_steps <= size:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"window_steps must be in 0..{size} (the leader's window_size; 0 = all), "
-                                f"got {request.window_steps}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"window_steps must be in 0..{size} (the leader's window_size; 0 = all), got {request.window_steps}",
+            )
         r = self.engine.expert_load(request.window_steps or None)
         return admin_pb2.ExpertLoad(
-            load=int64_matrix(r.load), worker_load=int64_matrix(r.worker_load), steps=r.steps,
-            total_steps=r.total_steps, measured=worker_balancedness_msg(r.worker_load),
+            load=int64_matrix(r.load),
+            worker_load=int64_matrix(r.worker_load),
+            steps=r.steps,
+            total_steps=r.total_steps,
+            measured=worker_balancedness_msg(r.worker_load),
             predicted=placement_balancedness(r.load, self.engine.placement().phy2log, self.cfg.workers),
-            placement_version=r.placement_version, steps_since_placement_change=r.steps_since_placement_change,
+            placement_version=r.placement_version,
+            steps_since_placement_change=r.steps_since_placement_change,
             window_size=size,
-            histogram=int64_matrix(r.histogram.reshape(r.histogram.shape[0], -1) if r.histogram is not None
-                                   else np.zeros((0, 0), dtype=np.int64)),
+            histogram=int64_matrix(
+                r.histogram.reshape(r.histogram.shape[0], -1)
+                if r.histogram is not None
+                else np.zeros((0, 0), dtype=np.int64)
+            ),
             histogram_bins=r.histogram.shape[2] if r.histogram is not None else 0,
-            slot_busy_steps=int64_matrix(r.slot_busy_steps if r.slot_busy_steps is not None
-                                         else np.zeros((0, 0), dtype=np.int64)))
+            slot_busy_steps=int64_matrix(
+                r.slot_busy_steps if r.slot_busy_steps is not None else np.zeros((0, 0), dtype=np.int64)
+            ),
+        )
 
     async def DumpLoad(self, request, context):
         r = self.engine.expert_load()
         shape = self.engine.shape
-        return admin_pb2.LoadDump(total_load=int64_matrix(self.engine.total_load()), window_load=int64_matrix(r.load),
-                                  total_steps=r.total_steps, window_steps=r.steps,
-                                  moe_layer_ids=list(shape.moe_layer_ids), num_decoder_layers=shape.num_decoder_layers)
+        return admin_pb2.LoadDump(
+            total_load=int64_matrix(self.engine.total_load()),
+            window_load=int64_matrix(r.load),
+            total_steps=r.total_steps,
+            window_steps=r.steps,
+            moe_layer_ids=list(shape.moe_layer_ids),
+            num_decoder_layers=shape.num_decoder_layers,
+        )
 
     # -- status ---------------------------------------------------------------------------
 
     def _ranks(self) -> list[admin_pb2.RankInfo]:
         roles = [self.cfg.role(rank) for rank in range(self.cfg.world_size)]
-        return [admin_pb2.RankInfo(rank=r.rank, role=r.name, router_index=r.router_index, worker_index=r.worker_index)
-                for r in roles]
+        return [
+            admin_pb2.RankInfo(rank=r.rank, role=r.name, router_index=r.router_index, worker_index=r.worker_index)
+            for r in roles
+        ]
 
     async def GetStatus(self, request, context):
         e, c = self.engine, self.cfg
         s = e.status()
         p = e.placement()
         msg = admin_pb2.ClusterStatus(
-            step=s.step, forward_steps=s.forward_steps, uptime_s=s.uptime_s,
-            placement_version=s.placement_version, layer_versions=list(s.layer_versions),
-            waiting=s.waiting, running=s.running, ranks=self._ranks(), error=s.error or "",
-            kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, preemptions=s.preemptions,
-            model=admin_pb2.ModelInfo(num_moe_layers=e.shape.num_moe_layers, num_logical_experts=e.shape.num_logical_experts,
-                                      num_slots=p.num_slots, num_workers=p.num_workers,
-                                      workers_per_node=p.workers_per_node, top_k=e.shape.top_k,
-                                      vocab_size=e.shape.vocab_size, expert_bytes=e.shape.expert_bytes),
-            eplb=admin_pb2.EplbInfo(enable_eplb=c.eplb.enable_eplb, num_redundant_experts=c.eplb.num_redundant_experts,
-                                    window_size=c.eplb.window_size, step_interval=c.eplb.step_interval,
-                                    log_balancedness=c.eplb.log_balancedness))
+            step=s.step,
+            forward_steps=s.forward_steps,
+            uptime_s=s.uptime_s,
+            placement_version=s.placement_version,
+            layer_versions=list(s.layer_versions),
+            waiting=s.waiting,
+            running=s.running,
+            ranks=self._ranks(),
+            error=s.error or "",
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_used=s.kv_blocks_used,
+            preemptions=s.preemptions,
+            model=admin_pb2.ModelInfo(
+                num_moe_layers=e.shape.num_moe_layers,
+                num_logical_experts=e.shape.num_logical_experts,
+                num_slots=p.num_slots,
+                num_workers=p.num_workers,
+                workers_per_node=p.workers_per_node,
+                top_k=e.shape.top_k,
+                vocab_size=e.shape.vocab_size,
+                expert_bytes=e.shape.expert_bytes,
+            ),
+            eplb=admin_pb2.EplbInfo(
+                enable_eplb=c.eplb.enable_eplb,
+                num_redundant_experts=c.eplb.num_redundant_experts,
+                window_size=c.eplb.window_size,
+                step_interval=c.eplb.step_interval,
+                log_balancedness=c.eplb.log_balancedness,
+            ),
+        )
         if s.migration is not None:
             msg.migration.CopyFrom(migration_msg(s.migration))
         msg.metrics_ports.update(s.metrics_ports)
@@ -263,13 +327,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             state.check_balancer_settings(new, self.cfg.eplb.window_size)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"balancer settings: {e}")
-        if self.state_dir:                      # saved before it answers: an answered change survives a restart
+        if self.state_dir:  # saved before it answers: an answered change survives a restart
             try:
                 await asyncio.to_thread(state.write_balancer_settings, self.state_dir, new)
             except OSError as e:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"cannot save the balancer's settings in the state folder {self.state_dir}: "
-                                    f"{e.strerror or e}; nothing changed")
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"cannot save the balancer's settings in the state folder {self.state_dir}: "
+                    f"{e.strerror or e}; nothing changed",
+                )
         self._balancer_settings = settings_msg(new)
         return self._balancer_settings
 
@@ -290,11 +356,13 @@ def start_admin(engine: EngineAPI, options: ServerOptions, process_metrics=None)
     """Start the admin API for ``engine`` on its own thread and event loop; its health follows
     the cluster's readiness (recorded in ``process_metrics`` when given)."""
     from moeserve.services.readiness import Readiness, engine_probe
+
     service = AdminService(engine)
     srv = ServiceServer(ADMIN, lambda s: admin_pb2_grpc.add_AdminServicer_to_server(service, s), options)
     metrics = None
     if process_metrics is not None:
         from moeserve.ops.metrics import ReadinessMetrics
+
         metrics = ReadinessMetrics(process_metrics.registry)
     srv.readiness = Readiness(engine_probe(engine, getattr(engine.cfg, "heartbeat_s", None)), metrics)
     server = ThreadedServer(srv)
@@ -309,10 +377,18 @@ def serve_admin(engine: EngineAPI, config_json: str, process_metrics=None) -> Ad
     interceptors = ()
     if process_metrics is not None:
         from moeserve.services.metrics import grpc_interceptor
+
         interceptors = (grpc_interceptor(process_metrics, ADMIN),)
-    opts = ServerOptions(host=c["host"], port=c["port"], max_message_bytes=c["max_message_bytes"],
-                         tls_cert=c["tls_cert"], tls_key=c["tls_key"], grace_s=c["grace_s"],
-                         token=os.environ.get("MOESERVE_ADMIN_TOKEN") or None, interceptors=interceptors)
+    opts = ServerOptions(
+        host=c["host"],
+        port=c["port"],
+        max_message_bytes=c["max_message_bytes"],
+        tls_cert=c["tls_cert"],
+        tls_key=c["tls_key"],
+        grace_s=c["grace_s"],
+        token=os.environ.get("MOESERVE_ADMIN_TOKEN") or None,
+        interceptors=interceptors,
+    )
     server = start_admin(engine, opts, process_metrics)
     return AdminHandle("admin", (c["host"], server.server.port), server)
 

@@ -19,18 +19,19 @@ One :class:`Admission` per front end process turns what a client sent into
 
 Text (the tokenizer, chat templates, detokenization, stop strings): ``moeserve.services.tokenizer``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import math
 from dataclasses import dataclass
 
-from moeserve.router.engine.api import (Failed, Finished, GenerateRequest, InvalidRequest, Token, Unavailable)
+from moeserve.router.engine.api import Failed, Finished, GenerateRequest, InvalidRequest, Token, Unavailable
 from moeserve.sampling import SamplingParams
 from moeserve.services.tokenizer import Detokenizer, ModelTokenizer, StopStrings, compile_chat_template
 
 DEFAULT_MAX_MODEL_LEN = 4096
-MAX_CHARS_PER_TOKEN = 64           # a text prompt may have at most max_model_len * this many characters
+MAX_CHARS_PER_TOKEN = 64  # a text prompt may have at most max_model_len * this many characters
 MAX_STOP_IDS = 256
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
@@ -69,6 +70,7 @@ class AdmissionLimits:
 
 # -- admission --------------------------------------------------------------------------------
 
+
 class RequestStream:
     """One admitted request's events (``Token`` then ``Finished``) as an async iterator.
     Raises the engine's exceptions (InvalidRequest, QueueFull, Unavailable, ...) and
@@ -91,7 +93,7 @@ class RequestStream:
         try:
             _, ev = await self._gen.__anext__()
         except StopAsyncIteration:
-            self._finish("error")              # the leader ended the stream without a finish event
+            self._finish("error")  # the leader ended the stream without a finish event
             raise
         except BaseException:
             self._finish(self.close_reason if _cancelled() else "error")
@@ -118,7 +120,7 @@ class RequestStream:
     async def _close_gen(self) -> None:
         try:
             await self._gen.aclose()
-        except RuntimeError:                   # closed while another task iterates it: it closes itself
+        except RuntimeError:  # closed while another task iterates it: it closes itself
             pass
 
     async def aclose(self, reason: str | None = None) -> None:
@@ -154,13 +156,17 @@ class Admission:
     def check_text(self, text: str, what: str = "the prompt") -> None:
         limit = self.limits.max_prompt_chars
         if len(text) > limit:
-            raise InvalidRequest(f"{what} has {len(text)} characters, more than this server tokenizes "
-                                 f"({limit} = max_model_len {self.limits.max_model_len} x {self.limits.max_chars_per_token})")
+            raise InvalidRequest(
+                f"{what} has {len(text)} characters, more than this server tokenizes "
+                f"({limit} = max_model_len {self.limits.max_model_len} x {self.limits.max_chars_per_token})"
+            )
 
     def _check_length(self, n: int, what: str = "the prompt") -> None:
         if n >= self.limits.max_model_len:
-            raise InvalidRequest(f"{what} has {n} tokens; max_model_len is {self.limits.max_model_len} "
-                                 f"(prompt + generated tokens), so it must have fewer")
+            raise InvalidRequest(
+                f"{what} has {n} tokens; max_model_len is {self.limits.max_model_len} "
+                f"(prompt + generated tokens), so it must have fewer"
+            )
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         """Prompt text -> ids, off the event loop, after the size check."""
@@ -186,8 +192,9 @@ class Admission:
             out.append(int(t))
         return tuple(out)
 
-    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                       template_kwargs: dict | None = None) -> tuple[int, ...]:
+    async def chat_ids(
+        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> tuple[int, ...]:
         """Messages -> the chat template's text -> ids (no special tokens added: the template
         writes them), off the event loop."""
         tok = self._need_tokenizer("chat needs the model's tokenizer and chat template")
@@ -204,9 +211,19 @@ class Admission:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def request(self, prompt_ids: tuple[int, ...], max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                top_k: int = 0, seed: int | None = None, stop_token_ids=(), ignore_eos: bool = False,
-                return_logits: str = "") -> GenerateRequest:
+    def request(
+        self,
+        prompt_ids: tuple[int, ...],
+        max_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids=(),
+        ignore_eos: bool = False,
+        return_logits: str = "",
+    ) -> GenerateRequest:
         """The engine request; InvalidRequest for what only this side checks. ``stop_token_ids``
         may be any sized sequence (a protobuf repeated field): its length is checked before it
         is converted."""

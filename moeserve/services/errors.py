@@ -1,12 +1,20 @@
 """The one mapping from the engine's exceptions (``moeserve.router.engine.api``) to gRPC status
 codes, for every service. Most specific first: the first class an exception is an instance of
 wins."""
+
 from __future__ import annotations
 
 import grpc
 
-from moeserve.router.engine.api import (EngineError, EplbDisabled, InvalidRequest, NotFound, QueueFull, StaleVersion,
-                                        Unavailable)
+from moeserve.router.engine.api import (
+    EngineError,
+    EplbDisabled,
+    InvalidRequest,
+    NotFound,
+    QueueFull,
+    StaleVersion,
+    Unavailable,
+)
 
 STATUS_OF = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),

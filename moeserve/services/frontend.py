@@ -26,6 +26,7 @@ UNAVAILABLE. A call that is cancelled or passes its deadline closes its connecti
 cancels its request on the leader. With an API key (``--api-key``) every call but health and
 reflection needs ``authorization: Bearer <key>``, compared in constant time.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -64,11 +65,13 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
             return await continuation(details)
         auth = dict(details.invocation_metadata or ()).get("authorization")
         if auth is None:
-            msg = (f"this server needs an API key: send metadata 'authorization: Bearer <key>' "
-                   f"(the key of --api-key or ${API_KEY_ENV})")
+            msg = (
+                f"this server needs an API key: send metadata 'authorization: Bearer <key>' "
+                f"(the key of --api-key or ${API_KEY_ENV})"
+            )
         elif not auth.startswith("Bearer "):
             msg = "the authorization metadata must read 'Bearer <key>'"
-        elif not hmac.compare_digest(auth[len("Bearer "):].encode(), self._key):
+        elif not hmac.compare_digest(auth[len("Bearer ") :].encode(), self._key):
             msg = "wrong API key"
         else:
             return await continuation(details)
@@ -81,8 +84,9 @@ class ServingService(serving_pb2_grpc.ServingServicer):
     latencies and tokens) or None; ``admission``: the shared admission path (built from the
     other three when not given)."""
 
-    def __init__(self, engine: AsyncEngineClient | None = None, tokenizer=None, metrics=None,
-                 admission: Admission | None = None):
+    def __init__(
+        self, engine: AsyncEngineClient | None = None, tokenizer=None, metrics=None, admission: Admission | None = None
+    ):
         self.admission = admission if admission is not None else Admission(engine, tokenizer, metrics)
         self.engine = self.admission.engine
         self.tokenizer = self.admission.tokenizer
@@ -96,16 +100,24 @@ class ServingService(serving_pb2_grpc.ServingServicer):
             raise InvalidRequest("give either prompt (text) or prompt_token_ids, not both")
         if r.prompt:
             if a.tokenizer is None:
-                raise InvalidRequest("this server has no tokenizer (no tokenizer.json in the model folder): "
-                                     "send prompt_token_ids instead of prompt text")
+                raise InvalidRequest(
+                    "this server has no tokenizer (no tokenizer.json in the model folder): "
+                    "send prompt_token_ids instead of prompt text"
+                )
             ids = await a.encode(r.prompt)
         else:
             ids = a.token_ids(r.prompt_token_ids)
         max_tokens = r.max_tokens if r.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        return a.request(ids, int(max_tokens), temperature=float(r.temperature),
-                         top_p=r.top_p if r.HasField("top_p") else 1.0, top_k=int(r.top_k),
-                         seed=int(r.seed) if r.HasField("seed") else None,
-                         stop_token_ids=r.stop_token_ids, ignore_eos=bool(r.ignore_eos))
+        return a.request(
+            ids,
+            int(max_tokens),
+            temperature=float(r.temperature),
+            top_p=r.top_p if r.HasField("top_p") else 1.0,
+            top_k=int(r.top_k),
+            seed=int(r.seed) if r.HasField("seed") else None,
+            stop_token_ids=r.stop_token_ids,
+            ignore_eos=bool(r.ignore_eos),
+        )
 
     def _text(self, ids) -> str:
         return self.admission.decode(ids)
@@ -122,7 +134,7 @@ class ServingService(serving_pb2_grpc.ServingServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except Exception as e:
                 await abort_for(context, e)
-        finally:                                      # closing the stream closes its connection: cancels
+        finally:  # closing the stream closes its connection: cancels
             await stream.aclose()
 
     async def _admit(self, request, context) -> GenerateRequest:
@@ -140,12 +152,15 @@ class ServingService(serving_pb2_grpc.ServingServicer):
             elif isinstance(ev, Finished):
                 reason = str(ev.reason)
         return serving_pb2.GenerateResponse(
-            token_ids=tokens, text=self._text(tokens), finish_reason=FINISH_REASONS.get(reason, 0),
-            usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens)))
+            token_ids=tokens,
+            text=self._text(tokens),
+            finish_reason=FINISH_REASONS.get(reason, 0),
+            usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens)),
+        )
 
     async def GenerateStream(self, request, context):
         req = await self._admit(request, context)
-        detok = Detokenizer(self.tokenizer)                # incremental: no re-decoding of the whole output
+        detok = Detokenizer(self.tokenizer)  # incremental: no re-decoding of the whole output
         pending: list[int] = []
         async for ev in self._events(req, context):
             if isinstance(ev, Token):
@@ -154,16 +169,26 @@ class ServingService(serving_pb2_grpc.ServingServicer):
                 pending = []
             elif isinstance(ev, Finished):
                 yield serving_pb2.GenerateStreamResponse(
-                    text=detok.flush(), finish_reason=FINISH_REASONS.get(str(ev.reason), 0),
-                    usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(detok.ids)))
+                    text=detok.flush(),
+                    finish_reason=FINISH_REASONS.get(str(ev.reason), 0),
+                    usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(detok.ids)),
+                )
 
 
-def make_server(engine: AsyncEngineClient | None, tokenizer, options: ServerOptions, metrics=None,
-                admission: Admission | None = None, api_key: str | None = None, readiness=None) -> ServiceServer:
+def make_server(
+    engine: AsyncEngineClient | None,
+    tokenizer,
+    options: ServerOptions,
+    metrics=None,
+    admission: Admission | None = None,
+    api_key: str | None = None,
+    readiness=None,
+) -> ServiceServer:
     """The gRPC serving front end; with ``api_key`` every serving call needs it; with
     ``readiness`` (moeserve.services.readiness.Readiness) its health follows the cluster's. It
     receives no message larger than the largest valid request (nor than ``max_message_bytes``)."""
     import dataclasses
+
     service = ServingService(engine, tokenizer, metrics, admission=admission)
     limit = min(options.max_message_bytes, service.admission.limits.max_request_bytes)
     options = dataclasses.replace(options, max_message_bytes=max(limit, 1024))

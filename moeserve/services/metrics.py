@@ -7,6 +7,7 @@ every metric). They live in the registry of the process's :class:`moeserve.ops.m
 this module is apart from ``moeserve.ops.metrics`` so that a rank's metrics never import gRPC or
 protobuf (the data plane's machines may have neither).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,11 +50,19 @@ class GrpcMetrics:
     """Calls handled by the gRPC servers of a process, by service, method and status code."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.handled = Counter("moeserve_grpc_server_handled", "gRPC calls completed by the server.",
-                               ("grpc_service", "grpc_method", "grpc_code"), registry=registry)
-        self.seconds = Histogram("moeserve_grpc_server_handling_seconds", "Time the server took to handle a gRPC "
-                                 "call (to the last message of a stream).", ("grpc_service", "grpc_method"),
-                                 buckets=GRPC_BUCKETS, registry=registry)
+        self.handled = Counter(
+            "moeserve_grpc_server_handled",
+            "gRPC calls completed by the server.",
+            ("grpc_service", "grpc_method", "grpc_code"),
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "moeserve_grpc_server_handling_seconds",
+            "Time the server took to handle a gRPC call (to the last message of a stream).",
+            ("grpc_service", "grpc_method"),
+            buckets=GRPC_BUCKETS,
+            registry=registry,
+        )
         self._known: set[str] = set()
         self._lock = threading.Lock()
 
@@ -150,6 +159,7 @@ def _wrap_unary(behavior, record):
 
 def _wrap_stream(behavior, record):
     if inspect.isasyncgenfunction(behavior):
+
         async def gen(request, context):
             t0 = time.perf_counter()
             try:
@@ -161,4 +171,4 @@ def _wrap_stream(behavior, record):
             record(context, t0, None)
 
         return gen
-    return _wrap_unary(behavior, record)      # a coroutine writing with context.write()
+    return _wrap_unary(behavior, record)  # a coroutine writing with context.write()

@@ -16,6 +16,7 @@ balancer calls the admin API's GetStatus and watches its step count. ``moeserve_
 ``moeserve_not_ready_reason{reason}`` (docs/metrics.md) say what each process decided and why.
 A server that drains at shutdown says NOT_SERVING whatever this says.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,10 +28,10 @@ from grpc_health.v1 import health_pb2
 
 log = logging.getLogger("moeserve.services")
 
-STALL_S = 5.0          # the least time without a step that counts as a stall
+STALL_S = 5.0  # the least time without a step that counts as a stall
 POLL_S = 1.0
 PROBE_TIMEOUT_S = 3.0
-REASONS = ("step_stalled", "leader_unreachable", "cluster_failed")   # as moeserve.ops.metrics.READY_REASONS
+REASONS = ("step_stalled", "leader_unreachable", "cluster_failed")  # as moeserve.ops.metrics.READY_REASONS
 
 
 def stall_deadline(heartbeat_s: float | None = None) -> float:
@@ -46,8 +47,10 @@ def engine_verdict(status, heartbeat_s: float | None = None):
     age = float(getattr(status, "last_step_age_s", 0.0) or 0.0)
     deadline = stall_deadline(heartbeat_s)
     if age > deadline:
-        return "step_stalled", (f"the leader's step loop has completed no step for {age:.1f} s "
-                                f"(more than {deadline:.1f} s): a rank stopped or a collective hangs")
+        return "step_stalled", (
+            f"the leader's step loop has completed no step for {age:.1f} s "
+            f"(more than {deadline:.1f} s): a rank stopped or a collective hangs"
+        )
     return None
 
 
@@ -68,8 +71,10 @@ class StepWatch:
             return None
         age = now - self._since
         if age > self.deadline_s:
-            return "step_stalled", (f"the leader's step count stayed at {step} for {age:.1f} s (more than "
-                                    f"{self.deadline_s:.1f} s): a rank stopped or a collective hangs")
+            return "step_stalled", (
+                f"the leader's step count stayed at {step} for {age:.1f} s (more than "
+                f"{self.deadline_s:.1f} s): a rank stopped or a collective hangs"
+            )
         return None
 
 
@@ -80,8 +85,9 @@ class Readiness:
     moeserve.ops.metrics.ReadinessMetrics or None. ``ready``, ``reason`` and ``detail`` say what
     the last look found (not ready until the first look)."""
 
-    def __init__(self, probe: Callable[[], Awaitable], metrics=None, poll_s: float = POLL_S,
-                 timeout_s: float = PROBE_TIMEOUT_S):
+    def __init__(
+        self, probe: Callable[[], Awaitable], metrics=None, poll_s: float = POLL_S, timeout_s: float = PROBE_TIMEOUT_S
+    ):
         self.probe = probe
         self.metrics = metrics
         self.poll_s = poll_s
@@ -136,7 +142,7 @@ class Readiness:
                 await self.check()
             except asyncio.CancelledError:
                 raise
-            except Exception:                    # never let one look end the watch
+            except Exception:  # never let one look end the watch
                 log.exception("readiness check failed")
 
     def stop(self) -> None:
@@ -147,17 +153,30 @@ class Readiness:
 
 def engine_probe(engine, heartbeat_s: float | None = None):
     """A probe for the leader's own process: ``engine.status()`` read directly."""
+
     async def probe():
         return engine_verdict(engine.status(), heartbeat_s)
+
     return probe
 
 
 def channel_probe(client):
     """A probe for the front end: the leader's status over the local channel (AsyncEngineClient)."""
+
     async def probe():
         return engine_verdict(await client.call("status"))
+
     return probe
 
 
-__all__ = ["Readiness", "StepWatch", "REASONS", "STALL_S", "POLL_S", "stall_deadline", "engine_verdict",
-           "engine_probe", "channel_probe"]
+__all__ = [
+    "Readiness",
+    "StepWatch",
+    "REASONS",
+    "STALL_S",
+    "POLL_S",
+    "stall_deadline",
+    "engine_verdict",
+    "engine_probe",
+    "channel_probe",
+]

@@ -27,6 +27,7 @@ Where a service shares a process with other work (the admin API in the leader), 
 own thread on its own uvloop event loop (:class:`ThreadedServer`); a process of its own uses
 :func:`serve_forever`, which stops gracefully on SIGTERM and SIGINT.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -96,6 +97,7 @@ class ServerOptions:
 
 def _abort_handler(method: str, code: grpc.StatusCode, message: str):
     """An RPC handler of ``method``'s kind that answers ``code`` with ``message``."""
+
     async def abort(request, context):
         await context.abort(code, message)
 
@@ -126,8 +128,11 @@ class ServiceCheck(grpc.aio.ServerInterceptor):
         if other in SERVICE_HOMES and other != self.service:
             what, flag = SERVICE_HOMES[other]
             here, here_flag = SERVICE_HOMES[self.service]
-            return _abort_handler(method, grpc.StatusCode.UNIMPLEMENTED,
-                                  f"{method} is a method of {what} ({flag}); this address serves {here} ({here_flag})")
+            return _abort_handler(
+                method,
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"{method} is a method of {what} ({flag}); this address serves {here} ({here_flag})",
+            )
         return await continuation(details)
 
 
@@ -146,10 +151,13 @@ class ServerMark(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None:                          # an unknown method: grpc answers UNIMPLEMENTED
+        if handler is None:  # an unknown method: grpc answers UNIMPLEMENTED
             return None
-        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-                    if getattr(handler, k) is not None)
+        kind = next(
+            k
+            for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+            if getattr(handler, k) is not None
+        )
         changes = {kind: self._marking(getattr(handler, kind), details.method)}
         if not handler.request_streaming and handler.request_deserializer is not None:
             changes["request_deserializer"] = _tolerant(handler.request_deserializer)
@@ -157,7 +165,8 @@ class ServerMark(grpc.aio.ServerInterceptor):
 
     def _marking(self, behavior, method: str):
         mark = self._mark
-        if inspect.isasyncgenfunction(behavior):     # a streaming handler that yields its answers
+        if inspect.isasyncgenfunction(behavior):  # a streaming handler that yields its answers
+
             async def stream(request, context):
                 context.set_trailing_metadata(mark)
                 if isinstance(request, Malformed):
@@ -170,7 +179,7 @@ class ServerMark(grpc.aio.ServerInterceptor):
 
             return stream
 
-        async def call(request, context):            # a unary handler, or one writing with context.write()
+        async def call(request, context):  # a unary handler, or one writing with context.write()
             context.set_trailing_metadata(mark)
             if isinstance(request, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -201,8 +210,10 @@ def _tolerant(deserialize):
         try:
             return deserialize(data)
         except Exception:
-            return Malformed(f"the request ({len(data)} bytes) does not parse as a {name} message: the protobuf "
-                             f"wire format is corrupt")
+            return Malformed(
+                f"the request ({len(data)} bytes) does not parse as a {name} message: the protobuf "
+                f"wire format is corrupt"
+            )
 
     return parse
 
@@ -228,11 +239,13 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             return await continuation(details)
         auth = dict(details.invocation_metadata or ()).get("authorization")
         if auth is None:
-            msg = (f"{SERVICE_HOMES[self.service][0]} needs a bearer token: send metadata "
-                   f"'authorization: Bearer <token>' (the token of --admin-token or {TOKEN_ENV})")
+            msg = (
+                f"{SERVICE_HOMES[self.service][0]} needs a bearer token: send metadata "
+                f"'authorization: Bearer <token>' (the token of --admin-token or {TOKEN_ENV})"
+            )
         elif not auth.startswith("Bearer "):
             msg = "the authorization metadata must read 'Bearer <token>'"
-        elif not hmac.compare_digest(auth[len("Bearer "):].encode(), self._token):
+        elif not hmac.compare_digest(auth[len("Bearer ") :].encode(), self._token):
             msg = "wrong bearer token"
         else:
             return await continuation(details)
@@ -258,7 +271,7 @@ class ServiceServer:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
-        self.readiness = None        # a moeserve.services.readiness.Readiness: health follows the cluster's
+        self.readiness = None  # a moeserve.services.readiness.Readiness: health follows the cluster's
 
     async def start(self) -> int:
         o = self.options
@@ -269,24 +282,32 @@ class ServiceServer:
         if o.token:
             interceptors.append(BearerAuth(o.token, self.service))
         limit = int(o.max_message_bytes)
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
         self._add(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (self.service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
+            self.server,
+        )
         addr = f"{o.host}:{o.port}"
         if o.tls_cert:
-            creds = grpc.ssl_server_credentials([(read_file(o.tls_key, "TLS key"), read_file(o.tls_cert, "TLS certificate"))])
+            creds = grpc.ssl_server_credentials(
+                [(read_file(o.tls_key, "TLS key"), read_file(o.tls_cert, "TLS certificate"))]
+            )
             self.port = self.server.add_secure_port(addr, creds)
         else:
             self.port = self.server.add_insecure_port(addr)
         if not self.port:
             raise OSError(f"cannot listen on {addr}")
         await self.server.start()
-        if self.readiness is not None:               # SERVING only while the cluster can take a request
+        if self.readiness is not None:  # SERVING only while the cluster can take a request
             self.readiness.attach(self)
             await self.readiness.start()
         else:
@@ -308,9 +329,12 @@ class ServiceServer:
         await self.server.wait_for_termination()
 
 
-async def serve_forever(server: ServiceServer, on_started: Callable[[int], None] | None = None,
-                        before_stop: Callable[[], Awaitable[None]] | None = None,
-                        after_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+async def serve_forever(
+    server: ServiceServer,
+    on_started: Callable[[int], None] | None = None,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
+    after_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """Run ``server`` until SIGTERM or SIGINT, then shut it down gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -348,7 +372,7 @@ class ThreadedServer:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self.server.start())
-        except BaseException as e:                   # reported to start()
+        except BaseException as e:  # reported to start()
             self._error = e
             self._started.set()
             return

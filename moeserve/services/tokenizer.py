@@ -8,6 +8,7 @@ special tokens. :class:`Detokenizer` turns ids into text incrementally (the text
 ``decode(all ids)``) and :class:`StopStrings` finds stop strings in that text across token
 boundaries.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 from moeserve.router.engine.api import InvalidRequest
 
 # -- the tokenizer, its special tokens and its chat template ----------------------------------
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (what byte-level BPE vocabularies spell)."""
@@ -56,8 +58,9 @@ class ModelTokenizer:
         self._compiled = None
         try:
             from tokenizers import decoders
+
             self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
-        except Exception:                                 # a stand-in tokenizer in tests
+        except Exception:  # a stand-in tokenizer in tests
             self.byte_level = False
 
     @classmethod
@@ -70,6 +73,7 @@ class ModelTokenizer:
         if not path.is_file():
             return None
         from tokenizers import Tokenizer
+
         tok = Tokenizer.from_file(str(path))
         config = _read_json(folder / "tokenizer_config.json")
         specials = {}
@@ -84,7 +88,7 @@ class ModelTokenizer:
             template = jinja.read_text()
         else:
             raw = config.get("chat_template")
-            if isinstance(raw, list):                     # named templates: take "default"
+            if isinstance(raw, list):  # named templates: take "default"
                 named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
                 raw = named.get("default")
             if isinstance(raw, str):
@@ -111,27 +115,32 @@ class ModelTokenizer:
             return b""
         if self.byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
             return bytes(_UNICODE_TO_BYTE[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):     # byte fallback
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
             try:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
         return piece.replace("\u2581", " ").encode("utf-8")
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    template_kwargs: dict | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+    ) -> str:
         """The chat template rendered as transformers' ``apply_chat_template(..., tokenize=False)``
         renders it: the special tokens and ``template_kwargs`` are template variables."""
         if self.chat_template is None:
-            raise InvalidRequest("this model has no chat template (no chat_template in tokenizer_config.json and "
-                                 "no chat_template.jinja): use /v1/completions with a prompt")
+            raise InvalidRequest(
+                "this model has no chat template (no chat_template in tokenizer_config.json and "
+                "no chat_template.jinja): use /v1/completions with a prompt"
+            )
         if self._compiled is None:
             self._compiled = compile_chat_template(self.chat_template)
         import jinja2
+
         variables = {**self.special_tokens, **(template_kwargs or {})}
         try:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            return self._compiled.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            )
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"the chat template refused the messages: {e}") from None
 
@@ -157,6 +166,7 @@ def compile_chat_template(source: str):
 
     class Generation(Extension):
         """transformers' ``{% generation %}...{% endgeneration %}`` (marks assistant text): rendered as is."""
+
         tags = {"generation"}
 
         def parse(self, parser):
@@ -173,8 +183,9 @@ def compile_chat_template(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -182,6 +193,7 @@ def compile_chat_template(source: str):
 
 
 # -- text out ---------------------------------------------------------------------------------
+
 
 class Detokenizer:
     """Generated ids -> text, incrementally: :meth:`add` returns the text one more token adds
@@ -202,10 +214,10 @@ class Detokenizer:
         if self.tok is None:
             return ""
         ids = self.ids
-        before = self.tok.decode(ids[self._prefix:self._read], self.skip) if self._read > self._prefix else ""
-        after = self.tok.decode(ids[self._prefix:], self.skip)
+        before = self.tok.decode(ids[self._prefix : self._read], self.skip) if self._read > self._prefix else ""
+        after = self.tok.decode(ids[self._prefix :], self.skip)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            delta = after[len(before):]
+            delta = after[len(before) :]
             self._prefix, self._read = self._read, len(ids)
             self.text += delta
             return delta
@@ -216,9 +228,9 @@ class Detokenizer:
         if self.tok is None or self._read == len(self.ids):
             return ""
         ids = self.ids
-        before = self.tok.decode(ids[self._prefix:self._read], self.skip) if self._read > self._prefix else ""
-        after = self.tok.decode(ids[self._prefix:], self.skip)
-        delta = after[len(before):]
+        before = self.tok.decode(ids[self._prefix : self._read], self.skip) if self._read > self._prefix else ""
+        after = self.tok.decode(ids[self._prefix :], self.skip)
+        delta = after[len(before) :]
         self._prefix = self._read = len(ids)
         self.text += delta
         return delta
@@ -232,7 +244,7 @@ class StopStrings:
     def __init__(self, stops: tuple[str, ...] = ()):
         self.stops = tuple(stops)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.sent = 0                          # characters of the text already released
+        self.sent = 0  # characters of the text already released
         self.matched: str | None = None
 
     def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
@@ -246,13 +258,13 @@ class StopStrings:
                 if i >= 0 and (best < 0 or i < best):
                     best, self.matched = i, s
             if best >= 0:
-                out = text[self.sent:best]
+                out = text[self.sent : best]
                 self.sent = best
                 return out, True
         end = len(text)
         if not final and self.hold:
             end = max(self.sent, len(text) - self._partial(text))
-        out = text[self.sent:end]
+        out = text[self.sent : end]
         self.sent = end
         return out, False
 

@@ -12,6 +12,7 @@ every boundary validates once (a request in :meth:`EngineAPI.submit`, a placemen
 
 Nothing here imports torch, torch.distributed or gRPC.
 """
+
 from __future__ import annotations
 
 import enum
@@ -23,13 +24,33 @@ import numpy as np
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.sampling import SamplingParams
 
-__all__ = ["EngineError", "InvalidRequest", "QueueFull", "StaleVersion", "EplbDisabled", "NotFound",
-           "Unavailable", "FinishReason", "GenerateRequest", "Token", "Finished", "Failed", "Event",
-           "ModelShape", "LoadReport", "EngineStatus", "EngineAPI", "MigrationProgress", "MigrationState",
-           "validate_request", "REMOTE_METHODS"]
+__all__ = [
+    "EngineError",
+    "InvalidRequest",
+    "QueueFull",
+    "StaleVersion",
+    "EplbDisabled",
+    "NotFound",
+    "Unavailable",
+    "FinishReason",
+    "GenerateRequest",
+    "Token",
+    "Finished",
+    "Failed",
+    "Event",
+    "ModelShape",
+    "LoadReport",
+    "EngineStatus",
+    "EngineAPI",
+    "MigrationProgress",
+    "MigrationState",
+    "validate_request",
+    "REMOTE_METHODS",
+]
 
 
 # -- exceptions: what went wrong, for the caller to map ---------------------------------------
+
 
 class EngineError(Exception):
     """Base of everything the engine raises on purpose; the message says what and what is allowed."""
@@ -61,10 +82,11 @@ class Unavailable(EngineError, RuntimeError):
 
 # -- requests and their events ----------------------------------------------------------------
 
+
 class FinishReason(enum.StrEnum):
-    STOP = "stop"              # EOS or a stop token id
-    LENGTH = "length"          # max_tokens or max_model_len
-    CANCELLED = "cancelled"    # the client went away or cancelled
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or max_model_len
+    CANCELLED = "cancelled"  # the client went away or cancelled
 
 
 RETURN_LOGITS = ("", "last", "all")
@@ -124,17 +146,22 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
         raise InvalidRequest(f"max_tokens must be >= 1, got {req.max_tokens}")
     total = len(req.prompt_ids) + req.max_tokens
     if total > max_model_len:
-        raise InvalidRequest(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
-                             f"exceeds max_model_len {max_model_len}")
+        raise InvalidRequest(
+            f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
+            f"exceeds max_model_len {max_model_len}"
+        )
     if total > max_kv_tokens:
-        raise InvalidRequest(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
-                             f"can never fit in a router's KV cache ({max_kv_tokens} tokens): lower max_tokens "
-                             f"or give the cache more memory")
+        raise InvalidRequest(
+            f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.max_tokens}) = {total} "
+            f"can never fit in a router's KV cache ({max_kv_tokens} tokens): lower max_tokens "
+            f"or give the cache more memory"
+        )
     if req.return_logits not in RETURN_LOGITS:
         raise InvalidRequest(f"return_logits must be '', 'last' or 'all', got {req.return_logits!r}")
 
 
 # -- results ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -146,7 +173,7 @@ class ModelShape:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     expert_bytes: int
-    moe_layer_ids: tuple[int, ...] = ()       # decoder-layer index of each MoE layer
+    moe_layer_ids: tuple[int, ...] = ()  # decoder-layer index of each MoE layer
     num_decoder_layers: int = 0
 
 
@@ -196,16 +223,17 @@ class EngineStatus:
     waiting: int
     running: int
     metrics_ports: dict[str, int] = field(default_factory=dict)
-    kv_blocks_total: int = 0                 # KV blocks of every router, and those in use
+    kv_blocks_total: int = 0  # KV blocks of every router, and those in use
     kv_blocks_used: int = 0
-    preemptions: int = 0                     # sequences preempted (recomputed later) since start
-    moved_slots: int = 0                     # slots and bytes moved by migrations since start
+    preemptions: int = 0  # sequences preempted (recomputed later) since start
+    moved_slots: int = 0  # slots and bytes moved by migrations since start
     moved_bytes: int = 0
-    migrations_ended: dict[str, int] = field(default_factory=dict)   # state name -> count
-    last_step_age_s: float = 0.0             # seconds since the last step completed (a stall: health)
+    migrations_ended: dict[str, int] = field(default_factory=dict)  # state name -> count
+    last_step_age_s: float = 0.0  # seconds since the last step completed (a stall: health)
 
 
 # -- the interface ----------------------------------------------------------------------------
+
 
 class EngineAPI(Protocol):
     """What the leader's engine offers to every front door (a Protocol: the engine implements
@@ -220,11 +248,9 @@ class EngineAPI(Protocol):
         Returns a handle for :meth:`cancel`. Raises InvalidRequest, QueueFull, Unavailable."""
         ...
 
-    def cancel(self, handle: object) -> None:
-        ...
+    def cancel(self, handle: object) -> None: ...
 
-    def placement(self) -> Placement:
-        ...
+    def placement(self) -> Placement: ...
 
     def plan_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
         """Validate ``phy2log [L, P]`` and diff it against the placement in force (dry run)."""
@@ -234,18 +260,15 @@ class EngineAPI(Protocol):
         """Start migrating to ``phy2log [L, P]``; returns at once."""
         ...
 
-    def migration(self, migration_id: str) -> MigrationProgress:
-        ...
+    def migration(self, migration_id: str) -> MigrationProgress: ...
 
     def wait_migration(self, migration_id: str, timeout_s: float) -> MigrationProgress:
         """The migration once it ended, or after ``timeout_s``, whichever comes first."""
         ...
 
-    def abort_migration(self) -> bool:
-        ...
+    def abort_migration(self) -> bool: ...
 
-    def expert_load(self, window_steps: int | None = None) -> LoadReport:
-        ...
+    def expert_load(self, window_steps: int | None = None) -> LoadReport: ...
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since start."""
@@ -255,8 +278,7 @@ class EngineAPI(Protocol):
         """int64 [L, W]: pairs sent to each worker since start."""
         ...
 
-    def status(self) -> EngineStatus:
-        ...
+    def status(self) -> EngineStatus: ...
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
         """Per worker, float64 [L, S, 2] (sum, sum of squares) of what each slot holds."""
@@ -266,10 +288,23 @@ class EngineAPI(Protocol):
         """Per router, the maps it routes with: (phy2log int64 [L, P], breakeven int64 [L, E])."""
         ...
 
-    def request_stop(self) -> None:
-        ...
+    def request_stop(self) -> None: ...
 
 
-REMOTE_METHODS = frozenset({"placement", "plan_placement", "apply_placement", "migration", "wait_migration",
-                            "abort_migration", "expert_load", "total_load", "total_worker_load", "status", "slot_digests",
-                            "router_maps", "request_stop"})
+REMOTE_METHODS = frozenset(
+    {
+        "placement",
+        "plan_placement",
+        "apply_placement",
+        "migration",
+        "wait_migration",
+        "abort_migration",
+        "expert_load",
+        "total_load",
+        "total_worker_load",
+        "status",
+        "slot_digests",
+        "router_maps",
+        "request_stop",
+    }
+)

@@ -10,6 +10,7 @@ header only names the blocks a sequence gains in a step. A block is identified b
 and holds no per-sequence state, so sharing full blocks between sequences by the hash of their
 tokens (prefix caching) can be added later without changing the pool.
 """
+
 from __future__ import annotations
 
 
@@ -26,7 +27,7 @@ class BlockAllocator:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))        # pop() hands out the lowest id first
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
 
     @property
     def num_free(self) -> int:

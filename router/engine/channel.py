@@ -33,6 +33,7 @@ loop (``call_soon_threadsafe``). Engine calls that may block (``wait_migration``
 ``slot_digests``) run on a small thread pool. A client that closes its connection while
 generating cancels its requests, also while they wait for a slot.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,12 +50,21 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from moeserve.router.engine.api import (REMOTE_METHODS, EngineAPI, EngineError, Event, Failed, Finished,
-                                        GenerateRequest, InvalidRequest, Unavailable)
+from moeserve.router.engine.api import (
+    REMOTE_METHODS,
+    EngineAPI,
+    EngineError,
+    Event,
+    Failed,
+    Finished,
+    GenerateRequest,
+    InvalidRequest,
+    Unavailable,
+)
 
 log = logging.getLogger("moeserve.channel")
 
-HANDSHAKE_TIMEOUT_S = 30.0          # generous: a loaded leader may take a while; a silent peer holds only its task
+HANDSHAKE_TIMEOUT_S = 30.0  # generous: a loaded leader may take a while; a silent peer holds only its task
 MAGIC = b"MSCH"
 NONCE = 32
 _LEN = struct.Struct(">Q")
@@ -82,6 +92,7 @@ def _error_msg(e: BaseException) -> tuple:
 
 
 # -- server (the leader) ----------------------------------------------------------------------
+
 
 class ChannelServer:
     """Serves ``engine`` on (host, port) to peers that hold ``authkey``; ``address`` is the
@@ -147,10 +158,16 @@ class ChannelServer:
             else:
                 writer.write(_frame(_error_msg(InvalidRequest(f"unknown channel message {msg[0]!r}"))))
                 await writer.drain()
-        except (ConnectionError, OSError, EOFError, asyncio.IncompleteReadError, pickle.UnpicklingError,
-                asyncio.CancelledError):
-            pass                                       # the peer went away, spoke garbage, or the server stops
-        except Exception:                              # never let one connection take the loop down
+        except (
+            ConnectionError,
+            OSError,
+            EOFError,
+            asyncio.IncompleteReadError,
+            pickle.UnpicklingError,
+            asyncio.CancelledError,
+        ):
+            pass  # the peer went away, spoke garbage, or the server stops
+        except Exception:  # never let one connection take the loop down
             log.exception("channel connection failed")
         finally:
             writer.close()
@@ -184,15 +201,16 @@ class ChannelServer:
         events: asyncio.Queue = asyncio.Queue()
 
         def sink_of(i: int):
-            def sink(ev: Event) -> None:                # on the step driver's thread
+            def sink(ev: Event) -> None:  # on the step driver's thread
                 try:
                     loop.call_soon_threadsafe(events.put_nowait, (i, ev))
-                except RuntimeError:                    # the loop is closed (shutdown): nobody listens
+                except RuntimeError:  # the loop is closed (shutdown): nobody listens
                     pass
+
             return sink
 
         seqs = []
-        try:                                           # all or nothing
+        try:  # all or nothing
             for i, r in enumerate(reqs):
                 seqs.append(self.engine.submit(r, sink_of(i)))
         except Exception as e:
@@ -201,7 +219,7 @@ class ChannelServer:
             writer.write(_frame(_error_msg(e)))
             await writer.drain()
             return
-        gone = asyncio.ensure_future(reader.read(1))   # b"" at EOF: the client closed, so it is gone
+        gone = asyncio.ensure_future(reader.read(1))  # b"" at EOF: the client closed, so it is gone
         open_ = len(seqs)
         try:
             while open_:
@@ -218,7 +236,7 @@ class ChannelServer:
             writer.write(_frame(("end",)))
             await writer.drain()
         except (ConnectionError, OSError, asyncio.CancelledError):
-            for s in seqs:                             # the client went away (or the server stops): cancel
+            for s in seqs:  # the client went away (or the server stops): cancel
                 self.engine.cancel(s)
         finally:
             gone.cancel()
@@ -233,20 +251,21 @@ class _Session:
         self.engine, self.reader, self.writer = engine, reader, writer
         self.loop = asyncio.get_running_loop()
         self.lock = threading.Lock()
-        self.pending: list = []                  # (sid, i, Event), appended by the step driver
+        self.pending: list = []  # (sid, i, Event), appended by the step driver
         self.wake = asyncio.Event()
-        self.streams: dict = {}                  # sid -> [open request count, [Sequence, ...]]
+        self.streams: dict = {}  # sid -> [open request count, [Sequence, ...]]
 
     def _sink(self, sid: int, i: int):
-        def sink(ev: Event) -> None:             # on the step driver's thread
+        def sink(ev: Event) -> None:  # on the step driver's thread
             with self.lock:
                 first = not self.pending
                 self.pending.append((sid, i, ev))
-            if first:                            # one wake-up per batch of events, not per event
+            if first:  # one wake-up per batch of events, not per event
                 try:
                     self.loop.call_soon_threadsafe(self.wake.set)
-                except RuntimeError:             # the loop is closed (shutdown): nobody listens
+                except RuntimeError:  # the loop is closed (shutdown): nobody listens
                     pass
+
         return sink
 
     async def run(self) -> None:
@@ -262,13 +281,13 @@ class _Session:
                     raise ConnectionError(f"unknown session message {msg[0]!r}")
         finally:
             writer_task.cancel()
-            for sid in list(self.streams):       # the client went away (or the server stops): cancel
+            for sid in list(self.streams):  # the client went away (or the server stops): cancel
                 self._cancel(sid)
 
     async def _submit(self, sid: int, reqs: list) -> None:
         seqs = []
         self.streams[sid] = [len(reqs), seqs]
-        try:                                     # all or nothing
+        try:  # all or nothing
             for i, r in enumerate(reqs):
                 seqs.append(self.engine.submit(r, self._sink(sid, i)))
         except Exception as e:
@@ -288,7 +307,7 @@ class _Session:
         try:
             await self._write_loop()
         except (ConnectionError, OSError):
-            self.writer.close()                  # the reader then sees EOF and cancels every stream
+            self.writer.close()  # the reader then sees EOF and cancels every stream
 
     async def _write_loop(self) -> None:
         while True:
@@ -316,6 +335,7 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 
 # -- clients -----------------------------------------------------------------------------------
 
+
 def _raise(reply: tuple, on_failure):
     if reply[0] == "ok":
         return reply[1]
@@ -331,8 +351,9 @@ class EngineClient(EngineAPI):
     """The engine's API in another process, over blocking sockets. ``on_failure()`` returns the
     cluster's error (or None) when a connection breaks, so callers see why."""
 
-    def __init__(self, address: tuple[str, int], authkey: bytes, on_failure=lambda: None,
-                 connect_timeout_s: float = 10.0):
+    def __init__(
+        self, address: tuple[str, int], authkey: bytes, on_failure=lambda: None, connect_timeout_s: float = 10.0
+    ):
         self.address = tuple(address)
         self.authkey = authkey
         self.on_failure = on_failure
@@ -348,10 +369,10 @@ class EngineClient(EngineAPI):
             raise self._broken(e, "cannot reach the leader") from e
         try:
             hello = _recv_exactly(sock, len(MAGIC) + NONCE)
-            if hello[:len(MAGIC)] != MAGIC:
+            if hello[: len(MAGIC)] != MAGIC:
                 raise ConnectionError("not a moeserve channel")
             mine = secrets.token_bytes(NONCE)
-            sock.sendall(_mac(self.authkey, hello[len(MAGIC):]) + mine)
+            sock.sendall(_mac(self.authkey, hello[len(MAGIC) :]) + mine)
             if not hmac.compare_digest(_recv_exactly(sock, NONCE), _mac(self.authkey, mine)):
                 raise ConnectionError("the leader did not prove the channel key")
             sock.settimeout(None)
@@ -461,7 +482,7 @@ class GenerateStream:
             if self.cancelled or self._closed:
                 return
             self.cancelled = True
-            try:                           # shutdown wakes a reader blocked in recv(); close alone would not
+            try:  # shutdown wakes a reader blocked in recv(); close alone would not
                 self._sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
@@ -571,10 +592,10 @@ class AsyncEngineClient:
             raise ClusterError(f"cannot reach the leader at {self.address[0]}:{self.address[1]}: {e}") from e
         try:
             hello = await asyncio.wait_for(reader.readexactly(len(MAGIC) + NONCE), HANDSHAKE_TIMEOUT_S)
-            if hello[:len(MAGIC)] != MAGIC:
+            if hello[: len(MAGIC)] != MAGIC:
                 raise ConnectionError("not a moeserve channel")
             mine = secrets.token_bytes(NONCE)
-            writer.write(_mac(self.authkey, hello[len(MAGIC):]) + mine)
+            writer.write(_mac(self.authkey, hello[len(MAGIC) :]) + mine)
             await writer.drain()
             proof = await asyncio.wait_for(reader.readexactly(NONCE), HANDSHAKE_TIMEOUT_S)
             if not hmac.compare_digest(proof, _mac(self.authkey, mine)):
@@ -614,7 +635,7 @@ class AsyncEngineClient:
                 raise ClusterError(f"the leader closed the connection: {e}") from e
             while open_:
                 i, ev = await queue.get()
-                if i is None:                           # the submit was refused, or the session broke
+                if i is None:  # the submit was refused, or the session broke
                     ended = True
                     raise ev
                 if isinstance(ev, (Finished, Failed)):
@@ -625,7 +646,7 @@ class AsyncEngineClient:
             session.queues.pop(sid, None)
             if not ended and session.broken is None:
                 try:
-                    session.send(("cancel", sid))       # no drain: this may run while the generator closes
+                    session.send(("cancel", sid))  # no drain: this may run while the generator closes
                 except (ClusterError, OSError, RuntimeError):
                     pass
 

@@ -9,6 +9,7 @@ methods of :class:`~moeserve.router.engine.api.EngineAPI`, which only validate, 
 enqueue work for the next header: they never wait for a step except where they say so
 (``wait_migration``, ``slot_digests``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,17 @@ import numpy as np
 from moeserve.config import ClusterConfig
 from moeserve.dataplane.protocol import RankResult, StepHeader
 from moeserve.placement import MigrationProgress, Placement, balancedness, worker_balancedness
-from moeserve.router.engine.api import (EngineAPI, EngineStatus, EplbDisabled, GenerateRequest, LoadReport,
-                                        ModelShape, NotFound, Unavailable, validate_request)
+from moeserve.router.engine.api import (
+    EngineAPI,
+    EngineStatus,
+    EplbDisabled,
+    GenerateRequest,
+    LoadReport,
+    ModelShape,
+    NotFound,
+    Unavailable,
+    validate_request,
+)
 from moeserve.router.engine.migration import Migrator
 from moeserve.router.engine.scheduler import Scheduler, Sequence
 from moeserve.sampling import request_seed
@@ -38,7 +48,7 @@ class Engine(EngineAPI):
         self.cfg = cfg
         self.shape = shape
         self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids, cfg.cache.block_size)
-        placement, self._saver = _saved_state(cfg, placement)      # --state-dir: versions back, saves on
+        placement, self._saver = _saved_state(cfg, placement)  # --state-dir: versions back, saves on
         self._saved_key = _placement_key(placement)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
         self._load_lock = threading.Lock()
@@ -65,22 +75,22 @@ class Engine(EngineAPI):
         self._report: list[np.ndarray] | None = None
         self._router_maps: list[tuple[np.ndarray, np.ndarray]] = []
         self._seen_version = int(placement.version)
-        self._placement_step = 0                 # forward_steps when the placement last changed
-        self.metrics = None              # moeserve.ops.metrics.LeaderMetrics when this rank exports metrics
-        self.metrics_ports: dict[str, int] = {}   # name ("rank0", "balancer", ...) -> metrics port
+        self._placement_step = 0  # forward_steps when the placement last changed
+        self.metrics = None  # moeserve.ops.metrics.LeaderMetrics when this rank exports metrics
+        self.metrics_ports: dict[str, int] = {}  # name ("rank0", "balancer", ...) -> metrics port
         self._header_t = time.perf_counter()
-        self._last_step_t = time.monotonic()          # when the last step completed (health: a stall)
-        self._in_flight: StepHeader | None = None     # the header whose results have not come back
-        self._replay: StepHeader | None = None        # to issue again after a lost peer was replaced
+        self._last_step_t = time.monotonic()  # when the last step completed (health: a stall)
+        self._in_flight: StepHeader | None = None  # the header whose results have not come back
+        self._replay: StepHeader | None = None  # to issue again after a lost peer was replaced
         self.peers_replaced = 0
         # forward steps whose sampled tokens have not come back (asynchronous steps): step -> work
         self._awaiting: dict[int, tuple] = {}
-        self._unread_steps = 0                        # forward steps issued since the last load read
+        self._unread_steps = 0  # forward steps issued since the last load read
         self._load_cond = threading.Condition(self._load_lock)
-        self._load_asked = 0                          # tickets: fresh load reads asked / issued / served
+        self._load_asked = 0  # tickets: fresh load reads asked / issued / served
         self._load_issued = 0
         self._load_served = 0
-        self._driver: int | None = None               # the step driver's thread id
+        self._driver: int | None = None  # the step driver's thread id
         self._warmup: deque[tuple[int, int]] = deque()  # decode graph warm-up steps still to issue
 
     # -- requests (any thread) ----------------------------------------------------------------
@@ -91,7 +101,7 @@ class Engine(EngineAPI):
             raise Unavailable(self.error or "the cluster is shutting down")
         lim = self.cfg.limits
         validate_request(req, self.shape.vocab_size, lim.max_model_len, self.scheduler.max_kv_tokens)
-        if req.sampling.seed is None:            # fixed now: a recomputed (preempted) request samples the same
+        if req.sampling.seed is None:  # fixed now: a recomputed (preempted) request samples the same
             req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=request_seed(req.sampling)))
         return self.scheduler.submit(req, sink)
 
@@ -159,11 +169,18 @@ class Engine(EngineAPI):
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
             since = self.forward_steps - self._placement_step
-        return LoadReport(load=load, worker_load=wload, steps=n, total_steps=self.forward_steps,
-                          balancedness_measured=worker_balancedness(wload)["per_layer"],
-                          balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
-                          placement_version=int(placement.version), steps_since_placement_change=since,
-                          histogram=hist, slot_busy_steps=busy)
+        return LoadReport(
+            load=load,
+            worker_load=wload,
+            steps=n,
+            total_steps=self.forward_steps,
+            balancedness_measured=worker_balancedness(wload)["per_layer"],
+            balancedness_predicted=balancedness(load, placement.phy2log, placement.num_workers),
+            placement_version=int(placement.version),
+            steps_since_placement_change=since,
+            histogram=hist,
+            slot_busy_steps=busy,
+        )
 
     def total_load(self) -> np.ndarray:
         """int64 [L, E]: pairs routed to each logical expert since start."""
@@ -183,12 +200,17 @@ class Engine(EngineAPI):
         issued is counted in ``_unread_steps`` until a read header is issued, and a read is in
         flight until its results are in), and when the step loop is not running (stopped,
         failed, or stalled for a second)."""
-        if (threading.get_ident() == self._driver or self._driver is None or self._stop.is_set() or self.error
-                or time.monotonic() - self._last_step_t > 1.0):
+        if (
+            threading.get_ident() == self._driver
+            or self._driver is None
+            or self._stop.is_set()
+            or self.error
+            or time.monotonic() - self._last_step_t > 1.0
+        ):
             return
         with self._load_lock:
             if not self._unread_steps and self._load_issued == self._load_served:
-                return            # every forward step issued so far has been read (a scrape's second call)
+                return  # every forward step issued so far has been read (a scrape's second call)
             self._load_asked += 1
             ticket = self._load_asked
         self._wake.set()
@@ -199,14 +221,25 @@ class Engine(EngineAPI):
         p = self.placement()
         counts = self.scheduler.counts()
         slots, nbytes, ended = self.migrator.moved_totals()
-        return EngineStatus(step=self.step, forward_steps=self.forward_steps, uptime_s=time.time() - self.started,
-                            placement_version=int(p.version), layer_versions=tuple(int(v) for v in p.layer_versions),
-                            migration=self.migrator.active_progress(), error=self.error,
-                            waiting=counts["waiting"], running=counts["running"],
-                            kv_blocks_total=counts["kv_blocks_total"], kv_blocks_used=counts["kv_blocks_used"],
-                            preemptions=counts["preemptions"],
-                            metrics_ports=dict(self.metrics_ports), moved_slots=slots, moved_bytes=nbytes,
-                            migrations_ended=ended, last_step_age_s=time.monotonic() - self._last_step_t)
+        return EngineStatus(
+            step=self.step,
+            forward_steps=self.forward_steps,
+            uptime_s=time.time() - self.started,
+            placement_version=int(p.version),
+            layer_versions=tuple(int(v) for v in p.layer_versions),
+            migration=self.migrator.active_progress(),
+            error=self.error,
+            waiting=counts["waiting"],
+            running=counts["running"],
+            kv_blocks_total=counts["kv_blocks_total"],
+            kv_blocks_used=counts["kv_blocks_used"],
+            preemptions=counts["preemptions"],
+            metrics_ports=dict(self.metrics_ports),
+            moved_slots=slots,
+            moved_bytes=nbytes,
+            migrations_ended=ended,
+            last_step_age_s=time.monotonic() - self._last_step_t,
+        )
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
         """Per worker, float64 [L, S, 2] digests (sum, sum of squares) of what each slot
@@ -239,7 +272,9 @@ class Engine(EngineAPI):
 
     def _check_eplb(self) -> None:
         if not self.cfg.eplb.enable_eplb:
-            raise EplbDisabled("EPLB is disabled on this cluster (start it with enable_eplb): the placement cannot change")
+            raise EplbDisabled(
+                "EPLB is disabled on this cluster (start it with enable_eplb): the placement cannot change"
+            )
 
     # -- step driver ------------------------------------------------------------------------
 
@@ -252,7 +287,7 @@ class Engine(EngineAPI):
             self._in_flight, self._replay = self._replay, None
             self._header_t = time.perf_counter()
             return self._in_flight
-        if self.step == 0:                       # the loop starts: its age counts from here
+        if self.step == 0:  # the loop starts: its age counts from here
             self._last_step_t = time.monotonic()
         if self._warmup and not self._stop.is_set():
             self._header_t = time.perf_counter()
@@ -266,8 +301,7 @@ class Engine(EngineAPI):
             ops = self.migrator.header_ops()
             report = self._report_wanted
             # tokens still on their way back, or load asked for: a step now, with or without work
-            if (work is not None or ops is not None or report or self._awaiting
-                    or self._load_asked > self._load_issued):
+            if work is not None or ops is not None or report or self._awaiting or self._load_asked > self._load_issued:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -279,15 +313,21 @@ class Engine(EngineAPI):
             asked = self._load_asked
         # the routers' load of the steps before this one: every load_read_steps forward steps,
         # when asked, before a commit (which changes the maps they read it with), and when idle
-        read = asked > self._load_issued or bool(self._unread_steps) and (
-            self._unread_steps >= self.cfg.load_read_steps or (ops is not None and bool(ops.commits)) or not forward)
+        read = (
+            asked > self._load_issued
+            or bool(self._unread_steps)
+            and (
+                self._unread_steps >= self.cfg.load_read_steps or (ops is not None and bool(ops.commits)) or not forward
+            )
+        )
         if read:
             self._unread_steps = 0
             self._load_issued = asked
         self._unread_steps += forward
         self._header_t = time.perf_counter()
-        self._in_flight = StepHeader(self.step, forward=forward, work=work or (), migration=ops, report=report,
-                                     read_load=read)
+        self._in_flight = StepHeader(
+            self.step, forward=forward, work=work or (), migration=ops, report=report, read_load=read
+        )
         return self._in_flight
 
     def on_peer_lost(self) -> Placement:
@@ -324,17 +364,23 @@ class Engine(EngineAPI):
         if version != self._seen_version:
             with self._load_lock:
                 self._seen_version, self._placement_step = version, self.forward_steps
-        if self._saver is not None:              # --state-dir: every commit, finish or abort is saved
+        if self._saver is not None:  # --state-dir: every commit, finish or abort is saved
             key = _placement_key(placement)
             if key != self._saved_key:
                 self._saved_key = key
                 self._saver.save(placement)
         loads = [r for r in results if r.logical_load is not None]
         if loads and max(r.load_steps for r in loads):
-            stats = [sum(getattr(r, f) for r in loads) if all(getattr(r, f) is not None for r in loads) else 0
-                     for f in ("histogram", "slot_busy")]
-            self._add_load(sum(r.logical_load for r in loads), sum(r.worker_load for r in loads),
-                           max(r.load_steps for r in loads), *stats)
+            stats = [
+                sum(getattr(r, f) for r in loads) if all(getattr(r, f) is not None for r in loads) else 0
+                for f in ("histogram", "slot_busy")
+            ]
+            self._add_load(
+                sum(r.logical_load for r in loads),
+                sum(r.worker_load for r in loads),
+                max(r.load_steps for r in loads),
+                *stats,
+            )
         if header.read_load:
             with self._load_cond:
                 self._load_served = max(self._load_served, self._load_issued)
@@ -345,9 +391,13 @@ class Engine(EngineAPI):
             eplb = self.cfg.eplb
             if eplb.log_balancedness and self.forward_steps % eplb.step_interval == 0:
                 rep = self.expert_load()
-                log.info("step %d: balancedness measured %.4f predicted %.4f (mean over %d MoE layers)",
-                         self.forward_steps, float(rep.balancedness_measured.mean()),
-                         float(rep.balancedness_predicted.mean()), len(rep.balancedness_measured))
+                log.info(
+                    "step %d: balancedness measured %.4f predicted %.4f (mean over %d MoE layers)",
+                    self.forward_steps,
+                    float(rep.balancedness_measured.mean()),
+                    float(rep.balancedness_predicted.mean()),
+                    len(rep.balancedness_measured),
+                )
         # the tokens each router sampled in an earlier step (asynchronous steps) or in this one
         delivered: dict[int, tuple[dict, dict]] = {}
         for r in results:
@@ -395,13 +445,17 @@ def _saved_state(cfg: ClusterConfig, placement: Placement):
     if not getattr(cfg, "state_dir", ""):
         return placement, None
     from moeserve import state
+
     try:
         saved = state.read_placement(cfg.state_dir)
     except state.StateError as e:
         log.warning("%s", e)
         saved = None
-    if saved is not None and saved.phy2log.shape == placement.phy2log.shape \
-            and np.array_equal(saved.phy2log, placement.phy2log):
+    if (
+        saved is not None
+        and saved.phy2log.shape == placement.phy2log.shape
+        and np.array_equal(saved.phy2log, placement.phy2log)
+    ):
         lv = np.asarray(saved.layer_versions, dtype=np.int64)
         version = int(saved.version) if not len(lv) or lv.max() <= saved.version else int(lv.max()) + 1
         placement = placement.evolve(version=version, layer_versions=lv)

@@ -15,6 +15,7 @@ the state in force a fresh version. Only the step driver calls ``header_ops`` an
 ``on_step_done``; other threads call ``start``, ``abort`` and the read-only queries, all
 under one lock.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,10 +37,10 @@ class Migration:
     failed (with ``error``)."""
 
     id: str
-    target: np.ndarray                         # [L, P] the phy2log asked for
-    target_breakeven: np.ndarray               # [L, E] its break-even counts b
+    target: np.ndarray  # [L, P] the phy2log asked for
+    target_breakeven: np.ndarray  # [L, E] its break-even counts b
     target_version: int
-    moves: dict[int, list[MoveOp]]             # per MoE layer to commit, in layer order (empty: only b changes)
+    moves: dict[int, list[MoveOp]]  # per MoE layer to commit, in layer order (empty: only b changes)
     total_moves: int
     total_bytes: int
     staging_slots: int
@@ -51,9 +52,18 @@ class Migration:
     done: threading.Event = field(default_factory=threading.Event)
 
     def progress(self) -> MigrationProgress:
-        return MigrationProgress(self.id, self.state, self.error, self.target_version, self.total_moves,
-                                 self.moves_done, self.total_bytes, self.bytes_done, len(self.moves),
-                                 len(self.layers_committed))
+        return MigrationProgress(
+            self.id,
+            self.state,
+            self.error,
+            self.target_version,
+            self.total_moves,
+            self.moves_done,
+            self.total_bytes,
+            self.bytes_done,
+            len(self.moves),
+            len(self.layers_committed),
+        )
 
 
 class Migrator:
@@ -73,10 +83,10 @@ class Migrator:
         self._versions = itertools.count(int(placement.version) + 1)
         self.active: Migration | None = None
         self.history: dict[str, Migration] = {}
-        self._abort_pending: Migration | None = None   # aborted: its rollback goes in the next header
-        self._layer_idx = 0                           # index into active.moves' layers
-        self._move_idx = 0                            # next move of that layer
-        self._awaiting_commit: int | None = None      # layer whose moves all went out last step
+        self._abort_pending: Migration | None = None  # aborted: its rollback goes in the next header
+        self._layer_idx = 0  # index into active.moves' layers
+        self._move_idx = 0  # next move of that layer
+        self._awaiting_commit: int | None = None  # layer whose moves all went out last step
 
     # -- any thread --------------------------------------------------------------------------
 
@@ -94,21 +104,30 @@ class Migrator:
         with self._lock:
             cur = self.current
             if expected_version is not None and int(expected_version) != int(cur.version):
-                raise StaleVersion(f"expected placement version {expected_version}, but version {cur.version} is in force")
+                raise StaleVersion(
+                    f"expected placement version {expected_version}, but version {cur.version} is in force"
+                )
             try:
                 if isinstance(target, Placement):
                     new = target
                 else:
                     phy2log = np.asarray(target)
                     if phy2log.shape != cur.phy2log.shape:
-                        raise ValueError(f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = "
-                                         f"{cur.phy2log.shape}")
-                    new = Placement(phy2log=phy2log, num_logical=cur.num_logical, num_workers=cur.num_workers,
-                                    workers_per_node=cur.workers_per_node, version=cur.version,
-                                    breakeven=cur.breakeven)
+                        raise ValueError(
+                            f"phy2log has shape {phy2log.shape}, expected (MoE layers, slots) = {cur.phy2log.shape}"
+                        )
+                    new = Placement(
+                        phy2log=phy2log,
+                        num_logical=cur.num_logical,
+                        num_workers=cur.num_workers,
+                        workers_per_node=cur.workers_per_node,
+                        version=cur.version,
+                        breakeven=cur.breakeven,
+                    )
                 if new.breakeven.shape != cur.breakeven.shape:
-                    raise ValueError(f"breakeven must have shape (L, E) = {cur.breakeven.shape}, got "
-                                     f"{new.breakeven.shape}")
+                    raise ValueError(
+                        f"breakeven must have shape (L, E) = {cur.breakeven.shape}, got {new.breakeven.shape}"
+                    )
                 diff = cur.diff(new, self.expert_bytes)
             except ValueError as e:
                 raise InvalidRequest(str(e)) from None
@@ -123,30 +142,39 @@ class Migrator:
                 stage = int(inflow[m.moe_layer, m.dst_worker])
                 inflow[m.moe_layer, m.dst_worker] += 1
                 moves.setdefault(m.moe_layer, []).append(
-                    MoveOp(m.moe_layer, m.slot, m.logical, m.src_worker, src_slot, m.dst_worker, stage))
+                    MoveOp(m.moe_layer, m.slot, m.logical, m.src_worker, src_slot, m.dst_worker, stage)
+                )
             for layer in np.flatnonzero((new.breakeven != cur.breakeven).any(1)).tolist():
-                moves.setdefault(int(layer), [])      # b changes: committed, with no moves of its own
+                moves.setdefault(int(layer), [])  # b changes: committed, with no moves of its own
             moves = dict(sorted(moves.items()))
-            return Migration(id=uuid.uuid4().hex[:12], target=new.phy2log.copy(),
-                             target_breakeven=np.array(new.breakeven, dtype=np.int64), target_version=-1, moves=moves,
-                             total_moves=len(diff), total_bytes=len(diff) * self.expert_bytes,
-                             staging_slots=int(inflow.max()) if diff else 0)
+            return Migration(
+                id=uuid.uuid4().hex[:12],
+                target=new.phy2log.copy(),
+                target_breakeven=np.array(new.breakeven, dtype=np.int64),
+                target_version=-1,
+                moves=moves,
+                total_moves=len(diff),
+                total_bytes=len(diff) * self.expert_bytes,
+                staging_slots=int(inflow.max()) if diff else 0,
+            )
 
     def start(self, mig: Migration, expected_version: int | None = None) -> Migration:
         """Make ``mig`` (from ``plan``) the running migration, aborting one that runs."""
         with self._lock:
             if expected_version is not None and int(expected_version) != int(self.current.version):
-                raise StaleVersion(f"expected placement version {expected_version}, but version {self.current.version} is in force")
+                raise StaleVersion(
+                    f"expected placement version {expected_version}, but version {self.current.version} is in force"
+                )
             if self.active is not None:
                 self._abort_locked("superseded by migration " + mig.id)
             mig.target_version = next(self._versions)
             self.history[mig.id] = mig
-            if not mig.moves:                        # nothing changes: done at once, same state
+            if not mig.moves:  # nothing changes: done at once, same state
                 mig.state = MigrationState.DONE
                 mig.target_version = int(self.current.version)
                 mig.done.set()
                 return mig
-            if mig.total_moves == 0:                 # only b changes: no staging, commits only
+            if mig.total_moves == 0:  # only b changes: no staging, commits only
                 mig.state = MigrationState.MOVING
             self.active = mig
             self._layer_idx = self._move_idx = 0
@@ -195,7 +223,7 @@ class Migrator:
                 mig.state = MigrationState.STAGING
                 return MigrationOps(mig.id, begin_staging_slots=mig.staging_slots)
             if mig.state == MigrationState.STAGING:
-                return None                           # waiting for the staging report
+                return None  # waiting for the staging report
             commits: list[LayerCommit] = []
             layers = list(mig.moves)
             if self._awaiting_commit is not None:
@@ -206,7 +234,7 @@ class Migrator:
                 self._layer_idx += 1
                 self._move_idx = 0
             while self._layer_idx < len(layers) and not mig.moves[layers[self._layer_idx]]:
-                layer = layers[self._layer_idx]           # only b changes: nothing to wait for
+                layer = layers[self._layer_idx]  # only b changes: nothing to wait for
                 commits.append(self._commit_op(mig, layer))
                 self._commit_locked(layer)
                 self._layer_idx += 1
@@ -246,9 +274,13 @@ class Migrator:
 
     @staticmethod
     def _commit_op(mig: Migration, layer: int) -> LayerCommit:
-        return LayerCommit(layer, tuple(int(x) for x in mig.target[layer]), mig.target_version,
-                           tuple((m.slot, m.stage) for m in mig.moves[layer]),
-                           tuple(int(x) for x in mig.target_breakeven[layer]))
+        return LayerCommit(
+            layer,
+            tuple(int(x) for x in mig.target[layer]),
+            mig.target_version,
+            tuple((m.slot, m.stage) for m in mig.moves[layer]),
+            tuple(int(x) for x in mig.target_breakeven[layer]),
+        )
 
     def _commit_locked(self, layer: int) -> None:
         mig = self.active
@@ -258,7 +290,7 @@ class Migrator:
         lv[layer] = mig.target_version
         b = np.array(self.current.breakeven, dtype=np.int64)
         b[layer] = mig.target_breakeven[layer]
-        self.current = self.current.evolve(phy2log=p2l, layer_versions=lv, breakeven=b)   # rows of a validated target
+        self.current = self.current.evolve(phy2log=p2l, layer_versions=lv, breakeven=b)  # rows of a validated target
         mig.layers_committed.append(layer)
 
     def _finish_locked(self) -> None:
@@ -283,7 +315,7 @@ class Migrator:
 def _slot_of(row: np.ndarray, logical: int, worker: int, slots_per_worker: int) -> int:
     """A global slot of ``worker`` holding ``logical`` in the phy2log row [P]."""
     lo = worker * slots_per_worker
-    hits = np.nonzero(row[lo:lo + slots_per_worker] == logical)[0]
+    hits = np.nonzero(row[lo : lo + slots_per_worker] == logical)[0]
     if hits.size == 0:
         raise AssertionError(f"worker {worker} does not hold logical expert {logical}")
     return int(lo + hits[0])

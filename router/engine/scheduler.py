@@ -26,6 +26,7 @@ Requests are validated before they get here (``EngineAPI.submit`` calls
 ``api.validate_request`` once), so nothing a client sends can make a rank fail in the middle of
 a step.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -46,7 +47,7 @@ from moeserve.router.engine.blocks import BlockAllocator, blocks_for
 
 log = logging.getLogger(__name__)
 
-LONG_WAIT_S = 1.0       # a request at the head of the queue this long is logged once, with why
+LONG_WAIT_S = 1.0  # a request at the head of the queue this long is logged once, with why
 
 
 @dataclass
@@ -64,15 +65,15 @@ class Sequence:
     router: int = -1
     known: list = field(default_factory=list)
     cached: int = 0
-    blocks: list = field(default_factory=list)     # the block table on its router
-    new_blocks: list = field(default_factory=list) # blocks it gained in the step being scheduled
-    admitted: int = 0                              # admission order: the newest is preempted first
-    partial_logits: list = field(default_factory=list)   # "all" logits of earlier prefill chunks
-    pending: int = 0                               # tokens sampled in steps whose results are still out
-    decoding: bool = False                         # its router holds its last sampled token: decodes by id
+    blocks: list = field(default_factory=list)  # the block table on its router
+    new_blocks: list = field(default_factory=list)  # blocks it gained in the step being scheduled
+    admitted: int = 0  # admission order: the newest is preempted first
+    partial_logits: list = field(default_factory=list)  # "all" logits of earlier prefill chunks
+    pending: int = 0  # tokens sampled in steps whose results are still out
+    decoding: bool = False  # its router holds its last sampled token: decodes by id
     cancelled: bool = False
     finished: FinishReason | None = None
-    queued_at: float = field(default_factory=time.monotonic)   # when it entered the waiting queue
+    queued_at: float = field(default_factory=time.monotonic)  # when it entered the waiting queue
     wait_logged: bool = False
 
     def emit(self, event: Event) -> None:
@@ -85,7 +86,7 @@ class Sequence:
     @property
     def output(self) -> list[int]:
         """The tokens generated so far (the tail of ``known``)."""
-        return self.known[len(self.req.prompt_ids):]
+        return self.known[len(self.req.prompt_ids) :]
 
 
 class Scheduler:
@@ -93,8 +94,9 @@ class Scheduler:
     the leader's step driver only. ``num_blocks``: KV blocks of each router (``set_capacity``
     once the routers reported theirs)."""
 
-    def __init__(self, num_routers: int, limits: Limits, eos_ids, block_size: int = 16,
-                 num_blocks: int | list[int] = 1 << 20):
+    def __init__(
+        self, num_routers: int, limits: Limits, eos_ids, block_size: int = 16, num_blocks: int | list[int] = 1 << 20
+    ):
         self.num_routers = num_routers
         self.limits = limits
         self.eos_ids = frozenset(eos_ids)
@@ -129,7 +131,9 @@ class Scheduler:
         """Queue a validated request; QueueFull when ``max_waiting`` requests wait already."""
         with self._lock:
             if len(self._waiting) >= self.limits.max_waiting:
-                raise QueueFull(f"the admission queue is full ({self.limits.max_waiting} waiting requests); retry later")
+                raise QueueFull(
+                    f"the admission queue is full ({self.limits.max_waiting} waiting requests); retry later"
+                )
             seq = Sequence(next(self._ids), req, frozenset() if req.ignore_eos else self.eos_ids, sink)
             seq.known = list(req.prompt_ids)
             self._waiting.append(seq)
@@ -143,9 +147,13 @@ class Scheduler:
 
     def counts(self) -> dict:
         with self._lock:
-            return dict(waiting=len(self._waiting), running=sum(len(r) for r in self._running),
-                        kv_blocks_total=sum(a.num_blocks for a in self._blocks),
-                        kv_blocks_used=sum(a.num_used for a in self._blocks), preemptions=self.preemptions)
+            return dict(
+                waiting=len(self._waiting),
+                running=sum(len(r) for r in self._running),
+                kv_blocks_total=sum(a.num_blocks for a in self._blocks),
+                kv_blocks_used=sum(a.num_used for a in self._blocks),
+                preemptions=self.preemptions,
+            )
 
     # -- step driver -----------------------------------------------------------------------
 
@@ -157,16 +165,16 @@ class Scheduler:
             seqs: list[list[SeqWork]] = [[] for _ in range(self.num_routers)]
             decodes: list[list[int]] = [[] for _ in range(self.num_routers)]
             blocks: list[list[tuple[int, int]]] = [[] for _ in range(self.num_routers)]
-            entries: list[tuple[Sequence, int, bool]] = []          # (sequence, its admission, samples)
+            entries: list[tuple[Sequence, int, bool]] = []  # (sequence, its admission, samples)
             for r in range(self.num_routers):
                 for seq in sorted(self._running[r].values(), key=lambda s: s.admitted):
-                    if seq.seq_id not in self._running[r]:           # preempted earlier in this loop
+                    if seq.seq_id not in self._running[r]:  # preempted earlier in this loop
                         continue
-                    if seq.num_output + seq.pending >= seq.req.max_tokens:   # its last token is in flight
+                    if seq.num_output + seq.pending >= seq.req.max_tokens:  # its last token is in flight
                         continue
                     take = min(len(seq.known) + seq.pending - seq.cached, budget[r])
                     if take > 0 and self._reserve(r, seq, take):
-                        if seq.decoding:         # its one uncached token is the one it sampled last
+                        if seq.decoding:  # its one uncached token is the one it sampled last
                             decodes[r].append(seq.seq_id)
                             blocks[r].extend((seq.seq_id, b) for b in seq.new_blocks)
                             seq.cached += 1
@@ -179,14 +187,18 @@ class Scheduler:
                         budget[r] -= take
             while self._waiting:
                 seq = self._waiting[0]
-                if seq.pending:                  # preempted with a token in flight: recomputed once it is known
+                if seq.pending:  # preempted with a token in flight: recomputed once it is known
                     break
                 # the router with the fewest sequences among those that can take a new one this
                 # step (room, token budget, a free block): one router out of budget or room no
                 # longer stops admission to the others
-                open_ = [r for r in range(self.num_routers)
-                         if len(self._running[r]) < self.limits.max_num_seqs and budget[r] > 0
-                         and blocks_for(min(len(seq.known), budget[r]), self.block_size) <= self._blocks[r].num_free]
+                open_ = [
+                    r
+                    for r in range(self.num_routers)
+                    if len(self._running[r]) < self.limits.max_num_seqs
+                    and budget[r] > 0
+                    and blocks_for(min(len(seq.known), budget[r]), self.block_size) <= self._blocks[r].num_free
+                ]
                 if not open_:
                     self._log_long_wait(seq, budget)
                     break
@@ -204,10 +216,15 @@ class Scheduler:
             self._release = [[] for _ in range(self.num_routers)]
             if not entries and not any(release):
                 return None
-            work = tuple(RouterWork(tuple(seqs[r]), release[r],
-                                    np.array(decodes[r], dtype=np.int64) if decodes[r] else RouterWork().decodes,
-                                    np.array(blocks[r], dtype=np.int64) if blocks[r] else RouterWork().blocks)
-                         for r in range(self.num_routers))
+            work = tuple(
+                RouterWork(
+                    tuple(seqs[r]),
+                    release[r],
+                    np.array(decodes[r], dtype=np.int64) if decodes[r] else RouterWork().decodes,
+                    np.array(blocks[r], dtype=np.int64) if blocks[r] else RouterWork().blocks,
+                )
+                for r in range(self.num_routers)
+            )
             if entries:
                 self._issued.append((work, entries))
             return work
@@ -220,16 +237,23 @@ class Scheduler:
             return
         seq.wait_logged = True
         need = blocks_for(len(seq.known), self.block_size)
-        log.warning("request %d has waited %.2f s for admission (%d waiting): per router running/max_num_seqs "
-                    "%s, token budget left %s, free blocks %s (it needs %d for its %d known tokens)",
-                    seq.seq_id, waited, len(self._waiting),
-                    [f"{len(self._running[r])}/{self.limits.max_num_seqs}" for r in range(self.num_routers)],
-                    budget, [a.num_free for a in self._blocks], need, len(seq.known))
+        log.warning(
+            "request %d has waited %.2f s for admission (%d waiting): per router running/max_num_seqs "
+            "%s, token budget left %s, free blocks %s (it needs %d for its %d known tokens)",
+            seq.seq_id,
+            waited,
+            len(self._waiting),
+            [f"{len(self._running[r])}/{self.limits.max_num_seqs}" for r in range(self.num_routers)],
+            budget,
+            [a.num_free for a in self._blocks],
+            need,
+            len(seq.known),
+        )
 
     def _reserve(self, r: int, seq: Sequence, take: int) -> bool:
         """Give ``seq`` the blocks for ``take`` more tokens, preempting the newest running
         sequences of router r while none are free; False when ``seq`` itself was preempted."""
-        if seq.cached + take <= len(seq.blocks) * self.block_size:      # most decode steps: room left
+        if seq.cached + take <= len(seq.blocks) * self.block_size:  # most decode steps: room left
             seq.new_blocks = []
             return True
         alloc = self._blocks[r]
@@ -251,10 +275,16 @@ class Scheduler:
         known = seq.known
         last = start + take == len(known)
         logits = seq.req.return_logits
-        work = SeqWork(seq.seq_id, tuple(known[start:start + take]), start,
-                       seq.req.sampling if start == 0 else None,
-                       logits if start == 0 or logits == "all" else logits and "last",
-                       tuple(seq.new_blocks), last, len(known) - len(seq.req.prompt_ids))
+        work = SeqWork(
+            seq.seq_id,
+            tuple(known[start : start + take]),
+            start,
+            seq.req.sampling if start == 0 else None,
+            logits if start == 0 or logits == "all" else logits and "last",
+            tuple(seq.new_blocks),
+            last,
+            len(known) - len(seq.req.prompt_ids),
+        )
         seq.cached = start + take
         if last:
             seq.pending += 1
@@ -286,12 +316,12 @@ class Scheduler:
                 return
             for seq, admitted, samples in entry:
                 lg = logits.get(seq.seq_id)
-                if not samples:                                     # a prefill chunk: nothing sampled yet
+                if not samples:  # a prefill chunk: nothing sampled yet
                     if lg is not None and seq.admitted == admitted and seq.finished is None:
                         seq.partial_logits.append(lg)
                     continue
                 seq.pending -= 1
-                if seq.finished is not None:                        # finished or cancelled meanwhile
+                if seq.finished is not None:  # finished or cancelled meanwhile
                     continue
                 if seq.partial_logits and lg is not None:
                     lg = np.concatenate([*seq.partial_logits, lg])
@@ -302,12 +332,12 @@ class Scheduler:
                 reason = None
                 if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
                     reason = FinishReason.STOP
-                elif seq.num_output >= seq.req.max_tokens:          # admission keeps prompt + max_tokens <= max_model_len
+                elif seq.num_output >= seq.req.max_tokens:  # admission keeps prompt + max_tokens <= max_model_len
                     reason = FinishReason.LENGTH
                 if reason:
                     if seq.seq_id in self._running[seq.router]:
                         self._finish(seq.router, seq, reason)
-                    else:                                           # preempted, waiting to be recomputed
+                    else:  # preempted, waiting to be recomputed
                         self._waiting.remove(seq)
                         seq.finished = reason
                         seq.emit(Finished(reason))

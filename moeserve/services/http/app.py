@@ -42,6 +42,7 @@ The parts: this module (the Starlette app: routes, auth, body, generation), ``pa
 state, the request streams of a request, cancellation), ``encode`` (JSON, errors,
 server-sent events, logprobs and usage), ``server`` (uvicorn, TLS).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,19 +55,49 @@ from moeserve import __version__
 from moeserve.services.admission import Admission
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 from moeserve.services.http.choices import FINISH, Choice, Run, drive, log_softmax_row
-from moeserve.services.http.encode import (ERROR_TYPES, SSE_DONE, SSE_HEADERS, ApiError, EventStream, api_error, bad,
-                                           disconnected, json_response, logprobs_part, sse, usage)
-from moeserve.services.http.params import (CHAT_KEYS, CHAT_ROLES, COMMON, COMPLETION_KEYS, DEFAULT_COMPLETION_TOKENS,
-                                           IGNORED, MAX_BODY_BYTES, MAX_CHOICES, MAX_LOGPROBS, MAX_N,
-                                           PARSE_OFF_LOOP_BYTES, UNSUPPORTED, Sampling, body_limit, check_keys,
-                                           parse_chat_options, parse_messages, parse_model, parse_prompts,
-                                           parse_sampling)
+from moeserve.services.http.encode import (
+    ERROR_TYPES,
+    SSE_DONE,
+    SSE_HEADERS,
+    ApiError,
+    EventStream,
+    api_error,
+    bad,
+    disconnected,
+    json_response,
+    logprobs_part,
+    sse,
+    usage,
+)
+from moeserve.services.http.params import (
+    CHAT_KEYS,
+    CHAT_ROLES,
+    COMMON,
+    COMPLETION_KEYS,
+    DEFAULT_COMPLETION_TOKENS,
+    IGNORED,
+    MAX_BODY_BYTES,
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_N,
+    PARSE_OFF_LOOP_BYTES,
+    UNSUPPORTED,
+    Sampling,
+    body_limit,
+    check_keys,
+    parse_chat_options,
+    parse_messages,
+    parse_model,
+    parse_prompts,
+    parse_sampling,
+)
 from moeserve.services.http.server import HttpServer
 
 
 async def _until_disconnect(receive, coro):
     """Run ``coro``; when the client goes away first, cancel it (its requests are cancelled)."""
     from starlette.responses import Response
+
     work = asyncio.ensure_future(coro)
     gone = asyncio.ensure_future(disconnected(receive))
     try:
@@ -95,8 +126,15 @@ class HttpApi:
     :func:`body_limit` of the admission limits).
     """
 
-    def __init__(self, admission: Admission, served_models: list[str], model_root: str = "",
-                 api_key: str | None = None, registry=None, max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(
+        self,
+        admission: Admission,
+        served_models: list[str],
+        model_root: str = "",
+        api_key: str | None = None,
+        registry=None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
         from starlette.routing import Route
@@ -110,20 +148,23 @@ class HttpApi:
         self.registry = registry
         self.max_body_bytes = min(max_body_bytes, body_limit(admission.limits))
         self.draining = False
-        self.readiness = None          # moeserve.services.readiness.Readiness of the front end (None: ask the leader)
+        self.readiness = None  # moeserve.services.readiness.Readiness of the front end (None: ask the leader)
         self.created = int(time.time())
-        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                  Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"]),
-                  Route("/version", self.version, methods=["GET"]),
-                  Route("/metrics", self.metrics, methods=["GET"])]
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
 
         async def http_error(request, exc: HTTPException):
             status = exc.status_code if exc.status_code in ERROR_TYPES else 400
             what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-            return ApiError(status, what.get(exc.status_code, str(exc.detail)),
-                            code="not_found" if exc.status_code == 404 else None).response()
+            return ApiError(
+                status, what.get(exc.status_code, str(exc.detail)), code="not_found" if exc.status_code == 404 else None
+            ).response()
 
         async def server_error(request, exc: Exception):
             return api_error(exc).response()
@@ -137,8 +178,11 @@ class HttpApi:
             return
         auth = request.headers.get("authorization")
         if auth is None:
-            raise ApiError(401, "this server needs an API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise ApiError(
+                401,
+                "this server needs an API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
         scheme, _, key = auth.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise ApiError(401, "the Authorization header must read 'Bearer <key>'", code="invalid_api_key")
@@ -156,7 +200,7 @@ class HttpApi:
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
             chunks.append(chunk)
         raw = b"".join(chunks)
-        try:                                   # a large body is parsed off the event loop
+        try:  # a large body is parsed off the event loop
             body = json.loads(raw) if len(raw) < PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}") from None
@@ -192,9 +236,18 @@ class HttpApi:
             self._auth(request)
         except ApiError as e:
             return e.response()
-        data = [{"id": m, "object": "model", "created": self.created, "owned_by": "moeserve",
-                 "root": self.model_root or m, "parent": None, "max_model_len": self.admission.limits.max_model_len}
-                for m in self.served_models]
+        data = [
+            {
+                "id": m,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "moeserve",
+                "root": self.model_root or m,
+                "parent": None,
+                "max_model_len": self.admission.limits.max_model_len,
+            }
+            for m in self.served_models
+        ]
         return json_response({"object": "list", "data": data})
 
     async def health(self, request):
@@ -203,8 +256,9 @@ class HttpApi:
         r = self.readiness
         if r is not None:
             if not r.ready:
-                return ApiError(503, f"the cluster cannot take a request ({r.reason}): {r.detail}",
-                                code="unavailable").response()
+                return ApiError(
+                    503, f"the cluster cannot take a request ({r.reason}): {r.detail}", code="unavailable"
+                ).response()
             return json_response({"status": "ok"})
         call = getattr(self.admission.engine, "call", None)
         if call is not None:
@@ -219,9 +273,11 @@ class HttpApi:
 
     async def metrics(self, request):
         from starlette.responses import Response
+
         if self.registry is None:
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- generation ---------------------------------------------------------------------------
@@ -229,18 +285,38 @@ class HttpApi:
     def _requests(self, prompts, s: Sampling):
         a = self.admission
         if len(prompts) * s.n > MAX_CHOICES:
-            raise bad(f"{len(prompts)} prompts x n = {s.n} make {len(prompts) * s.n} choices; at most {MAX_CHOICES}", "n")
+            raise bad(
+                f"{len(prompts)} prompts x n = {s.n} make {len(prompts) * s.n} choices; at most {MAX_CHOICES}", "n"
+            )
         reqs, choices = [], []
         for ids in prompts:
             max_tokens = s.max_tokens if s.max_tokens is not None else max(1, a.limits.max_model_len - len(ids))
             for j in range(s.n):
                 seed = s.seed + j if s.seed is not None else None
-                reqs.append(a.request(ids, max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                      seed=seed, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
-                                      return_logits="last" if s.logprobs is not None else ""))
-                choices.append(Choice(len(choices), Detokenizer(a.tokenizer, s.skip_special_tokens),
-                                      StopStrings(s.stops), frozenset(s.stop_token_ids), s.logprobs,
-                                      s.include_stop_str, ids))
+                reqs.append(
+                    a.request(
+                        ids,
+                        max_tokens,
+                        temperature=s.temperature,
+                        top_p=s.top_p,
+                        top_k=s.top_k,
+                        seed=seed,
+                        stop_token_ids=s.stop_token_ids,
+                        ignore_eos=s.ignore_eos,
+                        return_logits="last" if s.logprobs is not None else "",
+                    )
+                )
+                choices.append(
+                    Choice(
+                        len(choices),
+                        Detokenizer(a.tokenizer, s.skip_special_tokens),
+                        StopStrings(s.stops),
+                        frozenset(s.stop_token_ids),
+                        s.logprobs,
+                        s.include_stop_str,
+                        ids,
+                    )
+                )
         if s.stops and a.tokenizer is None:
             raise bad("stop strings need the model's tokenizer (this server has none): use stop_token_ids", "stop")
         return reqs, choices
@@ -270,8 +346,9 @@ class HttpApi:
         try:
             if s.stream:
                 await run.prime()
-                return EventStream(self._chunks(run, choices, rid, created, model, prompt_tokens, s, chat),
-                                   {"x-request-id": rid})
+                return EventStream(
+                    self._chunks(run, choices, rid, created, model, prompt_tokens, s, chat), {"x-request-id": rid}
+                )
             async for _ in drive(run, choices):
                 pass
         except BaseException:
@@ -286,15 +363,24 @@ class HttpApi:
                 part["message"] = {"role": "assistant", "content": c.text}
             else:
                 part["text"] = c.text
-            part.update(logprobs=logprobs_part(tok, c.logprobs, chat) if s.logprobs is not None else None,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            part.update(
+                logprobs=logprobs_part(tok, c.logprobs, chat) if s.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
             if s.return_token_ids:
                 if not chat:
                     part["prompt_token_ids"] = list(c.prompt_ids)
                 part["token_ids"] = list(c.token_ids)
             out.append(part)
-        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model, "choices": out, "usage": usage(prompt_tokens, choices)}
+        body = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": out,
+            "usage": usage(prompt_tokens, choices),
+        }
         if chat and s.return_token_ids:
             body["prompt_token_ids"] = list(prompts[0])
         return json_response(body, headers={"x-request-id": rid})
@@ -310,16 +396,21 @@ class HttpApi:
 
         def chunk(parts):
             nonlocal prompt_ids
-            out = sse({"id": rid, "object": kind, "created": created, "model": model, "choices": parts,
-                       **extra, **prompt_ids})
-            prompt_ids = {}                       # chat: the prompt's ids in the first chunk only
+            out = sse(
+                {"id": rid, "object": kind, "created": created, "model": model, "choices": parts, **extra, **prompt_ids}
+            )
+            prompt_ids = {}  # chat: the prompt's ids in the first chunk only
             return out
 
         try:
             if chat:
                 for c in choices:
-                    part = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}
+                    part = {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
                     if s.return_token_ids:
                         part["token_ids"] = []
                     yield chunk([part])
@@ -341,8 +432,16 @@ class HttpApi:
                     part["token_ids"] = c.new_ids()
                 yield chunk([part])
             if s.include_usage:
-                yield sse({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-                           "usage": usage(prompt_tokens, choices)})
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": kind,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": usage(prompt_tokens, choices),
+                    }
+                )
         except Exception as e:
             yield sse(api_error(e).body())
         finally:
@@ -352,8 +451,35 @@ class HttpApi:
 
 # What callers import from here (the app, the server, the errors) and, for imports written
 # before the split, the public names of the modules it was split into.
-__all__ = ["HttpApi", "HttpServer", "ApiError", "api_error", "bad", "log_softmax_row", "body_limit",
-           "Choice", "Run", "drive", "FINISH", "EventStream", "ERROR_TYPES", "SSE_HEADERS", "Sampling",
-           "parse_sampling", "parse_messages", "check_keys", "UNSUPPORTED", "IGNORED", "COMMON", "COMPLETION_KEYS",
-           "CHAT_KEYS", "CHAT_ROLES", "MAX_N", "MAX_CHOICES", "MAX_LOGPROBS", "MAX_BODY_BYTES",
-           "PARSE_OFF_LOOP_BYTES", "DEFAULT_COMPLETION_TOKENS"]
+__all__ = [
+    "HttpApi",
+    "HttpServer",
+    "ApiError",
+    "api_error",
+    "bad",
+    "log_softmax_row",
+    "body_limit",
+    "Choice",
+    "Run",
+    "drive",
+    "FINISH",
+    "EventStream",
+    "ERROR_TYPES",
+    "SSE_HEADERS",
+    "Sampling",
+    "parse_sampling",
+    "parse_messages",
+    "check_keys",
+    "UNSUPPORTED",
+    "IGNORED",
+    "COMMON",
+    "COMPLETION_KEYS",
+    "CHAT_KEYS",
+    "CHAT_ROLES",
+    "MAX_N",
+    "MAX_CHOICES",
+    "MAX_LOGPROBS",
+    "MAX_BODY_BYTES",
+    "PARSE_OFF_LOOP_BYTES",
+    "DEFAULT_COMPLETION_TOKENS",
+]

@@ -5,6 +5,7 @@ logits the engine returns with each token), the :class:`Run` of the request stre
 choices (cancelled on the leader when it closes) and :func:`drive`, which feeds events to
 choices until every one is done.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,9 +46,9 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: object = None
     last_token: int | None = None
-    logprobs: list = field(default_factory=list)      # (token id, logprob, [(id, logprob)], text offset)
-    ids_sent: int = 0                                 # token ids already sent in chunks
-    prompt_sent: bool = False                         # a chunk already carried prompt_token_ids
+    logprobs: list = field(default_factory=list)  # (token id, logprob, [(id, logprob)], text offset)
+    ids_sent: int = 0  # token ids already sent in chunks
+    prompt_sent: bool = False  # a chunk already carried prompt_token_ids
 
     @property
     def token_ids(self) -> list[int]:
@@ -55,7 +56,7 @@ class Choice:
 
     def new_ids(self) -> list[int]:
         """The ids generated since the last call (for the next chunk)."""
-        ids = self.detok.ids[self.ids_sent:]
+        ids = self.detok.ids[self.ids_sent :]
         self.ids_sent = len(self.detok.ids)
         return ids
 

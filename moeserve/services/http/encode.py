@@ -6,6 +6,7 @@ Errors: ``{"error": {"message", "type", "param", "code"}}``; :func:`api_error` m
 engine's exceptions to a status (400 bad request, 404 not found, 429 queue full, 503
 unavailable, 500 anything else).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +19,16 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 # -- errors -----------------------------------------------------------------------------------
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "service_unavailable"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 class ApiError(Exception):
@@ -31,8 +39,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self):
         return json_response(self.body(), self.status)
@@ -59,12 +73,14 @@ def api_error(e: BaseException) -> ApiError:
 
 # -- JSON and server-sent events --------------------------------------------------------------
 
+
 def dumps(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def json_response(obj, status: int = 200, headers: dict | None = None):
     from starlette.responses import Response
+
     return Response(dumps(obj), status_code=status, media_type="application/json", headers=headers)
 
 
@@ -90,8 +106,9 @@ class EventStream:
 
     def __init__(self, chunks, headers: dict | None = None):
         self.chunks = chunks
-        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + \
-            [(k.encode(), v.encode()) for k, v in {**SSE_HEADERS, **(headers or {})}.items()]
+        self.headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
+            (k.encode(), v.encode()) for k, v in {**SSE_HEADERS, **(headers or {})}.items()
+        ]
 
     async def __call__(self, scope, receive, send) -> None:
         async def pump():
@@ -109,12 +126,17 @@ class EventStream:
             gone.cancel()
             await asyncio.wait({work, gone})
             await self.chunks.aclose()
-        if work.done() and not work.cancelled() and work.exception() is not None \
-                and not isinstance(work.exception(), OSError):
+        if (
+            work.done()
+            and not work.cancelled()
+            and work.exception() is not None
+            and not isinstance(work.exception(), OSError)
+        ):
             raise work.exception()
 
 
 # -- the parts of a response ------------------------------------------------------------------
+
 
 def finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
@@ -128,27 +150,47 @@ def usage(prompt_tokens: int, choices) -> dict:
 def completion_logprobs(tokenizer, entries) -> dict:
     """/v1/completions' logprobs of (token id, logprob, [(id, logprob)], text offset) entries."""
     text = tokenizer.token_text if tokenizer is not None else str
-    return {"tokens": [text(t) for t, _, _, _ in entries],
-            "token_logprobs": [finite(lp) for _, lp, _, _ in entries],
-            "top_logprobs": [{**{text(i): finite(v) for i, v in top}, text(t): finite(lp)}
-                             for t, lp, top, _ in entries],
-            "text_offset": [off for _, _, _, off in entries]}
+    return {
+        "tokens": [text(t) for t, _, _, _ in entries],
+        "token_logprobs": [finite(lp) for _, lp, _, _ in entries],
+        "top_logprobs": [{**{text(i): finite(v) for i, v in top}, text(t): finite(lp)} for t, lp, top, _ in entries],
+        "text_offset": [off for _, _, _, off in entries],
+    }
 
 
 def chat_logprobs(tokenizer, entries) -> dict:
     """/v1/chat/completions' logprobs: tokens named by their text and bytes."""
+
     def one(t, lp):
         if tokenizer is None:
             return {"token": str(t), "logprob": finite(lp), "bytes": None}
         return {"token": tokenizer.token_text(t), "logprob": finite(lp), "bytes": list(tokenizer.token_bytes(t))}
 
-    return {"content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top, _ in entries],
-            "refusal": None}
+    return {
+        "content": [{**one(t, lp), "top_logprobs": [one(i, v) for i, v in top]} for t, lp, top, _ in entries],
+        "refusal": None,
+    }
 
 
 def logprobs_part(tokenizer, entries, chat: bool) -> dict:
     return chat_logprobs(tokenizer, entries) if chat else completion_logprobs(tokenizer, entries)
 
 
-__all__ = ["ApiError", "api_error", "bad", "dumps", "json_response", "sse", "SSE_DONE", "EventStream", "disconnected",
-           "usage", "completion_logprobs", "chat_logprobs", "logprobs_part", "finite", "ERROR_TYPES", "SSE_HEADERS"]
+__all__ = [
+    "ApiError",
+    "api_error",
+    "bad",
+    "dumps",
+    "json_response",
+    "sse",
+    "SSE_DONE",
+    "EventStream",
+    "disconnected",
+    "usage",
+    "completion_logprobs",
+    "chat_logprobs",
+    "logprobs_part",
+    "finite",
+    "ERROR_TYPES",
+    "SSE_HEADERS",
+]

@@ -8,6 +8,7 @@ Parameters of OpenAI's or vLLM's API that moeserve does not support answer 400 n
 unless they hold their "not used" value; unknown ones are refused too (a typo is not silently
 ignored).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from moeserve.sampling import MAX_SEED
 from moeserve.services.http.encode import ApiError, bad
 
 MAX_N = 64
-MAX_CHOICES = 256                  # prompts x n of one request
+MAX_CHOICES = 256  # prompts x n of one request
 MAX_LOGPROBS = 20
 MAX_BODY_BYTES = 64 << 20
 PARSE_OFF_LOOP_BYTES = 256 << 10
@@ -30,10 +31,13 @@ def body_limit(limits) -> int:
     escapes), a batch of MAX_N prompts of ``max_model_len`` ids or text (12 bytes a token), and
     the other fields; a 50 MB list of ids is refused before a byte of it is parsed."""
     return 8 * limits.max_prompt_chars + 12 * MAX_N * limits.max_model_len + (1 << 20)
+
+
 DEFAULT_COMPLETION_TOKENS = 16
 
 
 # -- parameters -------------------------------------------------------------------------------
+
 
 def _show(v) -> str:
     text = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else str(v)
@@ -81,28 +85,68 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 # Parameters of OpenAI's or vLLM's API that moeserve does not support, each with the values
 # that mean "not used" (accepted); None always means not used.
 UNSUPPORTED = {
-    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1, "length_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {}, "min_p": lambda v: v == 0, "min_tokens": lambda v: v == 0,
-    "echo": lambda v: v is False, "suffix": lambda v: v == "", "best_of": lambda v: v == 1,
-    "tools": lambda v: v == [], "tool_choice": lambda v: v in ("none", "auto"), "functions": lambda v: v == [],
-    "function_call": lambda v: v in ("none", "auto"), "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "length_penalty": lambda v: v == 1,
+    "logit_bias": lambda v: v == {},
+    "min_p": lambda v: v == 0,
+    "min_tokens": lambda v: v == 0,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1,
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v in ("none", "auto"),
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
     "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "use_beam_search": lambda v: v is False, "continue_final_message": lambda v: v is False,
-    "modalities": lambda v: v == ["text"], "priority": lambda v: v == 0, "prompt_logprobs": lambda v: False,
-    "guided_json": lambda v: False, "guided_regex": lambda v: False, "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False, "structured_outputs": lambda v: False, "prediction": lambda v: False,
-    "audio": lambda v: False, "reasoning_effort": lambda v: False, "web_search_options": lambda v: False,
-    "logits_processors": lambda v: False, "bad_words": lambda v: v == [], "allowed_token_ids": lambda v: False,
+    "use_beam_search": lambda v: v is False,
+    "continue_final_message": lambda v: v is False,
+    "modalities": lambda v: v == ["text"],
+    "priority": lambda v: v == 0,
+    "prompt_logprobs": lambda v: False,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "structured_outputs": lambda v: False,
+    "prediction": lambda v: False,
+    "audio": lambda v: False,
+    "reasoning_effort": lambda v: False,
+    "web_search_options": lambda v: False,
+    "logits_processors": lambda v: False,
+    "bad_words": lambda v: v == [],
+    "allowed_token_ids": lambda v: False,
     "truncate_prompt_tokens": lambda v: False,
 }
 IGNORED = {"user", "metadata", "store", "service_tier", "request_id"}
-COMMON = {"model", "n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-          "stream", "stream_options", "logprobs", "skip_special_tokens", "include_stop_str_in_output",
-          "return_token_ids"}
+COMMON = {
+    "model",
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "return_token_ids",
+}
 COMPLETION_KEYS = COMMON | {"prompt"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                      "chat_template_kwargs"}
+CHAT_KEYS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+}
 
 
 def check_keys(body: dict, known: set[str]) -> None:
@@ -111,8 +155,11 @@ def check_keys(body: dict, known: set[str]) -> None:
         raise bad(f"unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}", unknown[0])
     refused = sorted(k for k in body if k in UNSUPPORTED and body[k] is not None and not _neutral(k, body[k]))
     if refused:
-        raise bad(f"moeserve does not support {', '.join(refused)} (leave {'them' if len(refused) > 1 else 'it'} "
-                  f"out or at the default)", refused[0])
+        raise bad(
+            f"moeserve does not support {', '.join(refused)} (leave {'them' if len(refused) > 1 else 'it'} "
+            f"out or at the default)",
+            refused[0],
+        )
 
 
 def _neutral(name: str, value) -> bool:
@@ -137,10 +184,10 @@ class Sampling:
     ignore_eos: bool
     stream: bool
     include_usage: bool
-    logprobs: int | None               # top tokens per position (0: the chosen token only); None: no logprobs
+    logprobs: int | None  # top tokens per position (0: the chosen token only); None: no logprobs
     skip_special_tokens: bool
     include_stop_str: bool
-    return_token_ids: bool = False     # vLLM's extension: each choice (and chunk) carries its token ids
+    return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
 
 
 def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
@@ -149,8 +196,10 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
     if chat:
         mct = _int(body, "max_completion_tokens", None, 1)
         if mct is not None and max_tokens is not None and mct != max_tokens:
-            raise bad(f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree: give one",
-                      "max_completion_tokens")
+            raise bad(
+                f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree: give one",
+                "max_completion_tokens",
+            )
         max_tokens = mct if mct is not None else max_tokens
     elif max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_TOKENS
@@ -168,7 +217,7 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
     stops: tuple[str, ...] = ()
     if stop is not None:
         items = [stop] if isinstance(stop, str) else stop
-        if isinstance(items, list) and len(items) > 64:          # the length first: nothing else is read
+        if isinstance(items, list) and len(items) > 64:  # the length first: nothing else is read
             raise bad(f"stop has {len(items)} strings; at most 64", "stop")
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise bad(f"stop must be a string or a list of strings, got {_show(stop)}", "stop")
@@ -207,12 +256,23 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
     best_of = body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
         raise bad("moeserve does not support best_of (other than n)", "best_of")
-    return Sampling(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    top_k=0 if top_k == -1 else top_k, seed=seed, stops=stops, stop_token_ids=stop_ids,
-                    ignore_eos=_bool(body, "ignore_eos", False), stream=stream, include_usage=include_usage,
-                    logprobs=logprobs, skip_special_tokens=_bool(body, "skip_special_tokens", True),
-                    include_stop_str=_bool(body, "include_stop_str_in_output", False),
-                    return_token_ids=_bool(body, "return_token_ids", False))
+    return Sampling(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0 if top_k == -1 else top_k,
+        seed=seed,
+        stops=stops,
+        stop_token_ids=stop_ids,
+        ignore_eos=_bool(body, "ignore_eos", False),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop_str=_bool(body, "include_stop_str_in_output", False),
+        return_token_ids=_bool(body, "return_token_ids", False),
+    )
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -243,8 +303,11 @@ def parse_messages(body: dict) -> list[dict]:
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise bad(f"{where}.content has a part of type {_show(kind)}: moeserve serves text only "
-                              f"(parts of type 'text')", "messages")
+                    raise bad(
+                        f"{where}.content has a part of type {_show(kind)}: moeserve serves text only "
+                        f"(parts of type 'text')",
+                        "messages",
+                    )
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif not isinstance(content, str):
@@ -266,7 +329,7 @@ async def parse_prompts(body: dict, admission) -> list[tuple[int, ...]]:
         return [await a.encode(prompt)]
     if not isinstance(prompt, list) or not prompt:
         raise bad(f"prompt must be a non-empty string or list, got {_show(prompt)}", "prompt")
-    if _is_int(prompt[0]):                 # ids: the length is checked before any element is read
+    if _is_int(prompt[0]):  # ids: the length is checked before any element is read
         return [a.token_ids(prompt)]
     if len(prompt) > MAX_N:
         raise bad(f"prompt is a batch of {len(prompt)}; at most {MAX_N}", "prompt")
@@ -277,8 +340,11 @@ async def parse_prompts(body: dict, admission) -> list[tuple[int, ...]]:
         elif isinstance(p, list) and p and _is_int(p[0]):
             out.append(a.token_ids(p))
         else:
-            raise bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
-                      f"token ids; found an element {_show(p)}", "prompt")
+            raise bad(
+                "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                f"token ids; found an element {_show(p)}",
+                "prompt",
+            )
     return out
 
 
@@ -302,6 +368,10 @@ def parse_model(body: dict, served_models: list[str]) -> str:
     if not isinstance(model, str):
         raise bad(f"model must be a string, got {_show(model)}", "model")
     if model not in served_models:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{', '.join(repr(m) for m in served_models)}", "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {', '.join(repr(m) for m in served_models)}",
+            "model",
+            "model_not_found",
+        )
     return model

@@ -2,6 +2,7 @@
 on the running event loop, with TLS when given a certificate and its key (vLLM's
 ``--ssl-certfile`` / ``--ssl-keyfile``: uvicorn's ``ssl_certfile`` / ``ssl_keyfile``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,15 @@ class HttpServer:
     answer 503, in-flight ones get ``grace_s``. With ``ssl_certfile`` and ``ssl_keyfile`` (PEM
     files) it serves HTTPS only: a plain-HTTP client gets no answer."""
 
-    def __init__(self, api, host: str = "127.0.0.1", port: int = 0, grace_s: float = 30.0,
-                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None):
+    def __init__(
+        self,
+        api,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        grace_s: float = 30.0,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+    ):
         if bool(ssl_certfile) != bool(ssl_keyfile):
             raise ValueError("HTTPS needs both a certificate (ssl_certfile) and its key (ssl_keyfile)")
         self.api, self.host, self.port, self.grace_s = api, host, port, grace_s
@@ -42,18 +50,27 @@ class HttpServer:
         import uvicorn
 
         class Server(uvicorn.Server):
-            def capture_signals(self):                  # the front end owns SIGTERM and SIGINT
+            def capture_signals(self):  # the front end owns SIGTERM and SIGINT
                 return contextlib.nullcontext()
 
-            def install_signal_handlers(self):          # uvicorn < 0.29
+            def install_signal_handlers(self):  # uvicorn < 0.29
                 pass
 
         if self.ssl_certfile:
             self._check_files()
-        config = uvicorn.Config(self.api.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=max(1, int(math.ceil(self.grace_s))), server_header=False,
-                                timeout_keep_alive=30, ssl_certfile=self.ssl_certfile, ssl_keyfile=self.ssl_keyfile)
-        try:                                            # the TLS context, before the port is bound
+        config = uvicorn.Config(
+            self.api.app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, int(math.ceil(self.grace_s))),
+            server_header=False,
+            timeout_keep_alive=30,
+            ssl_certfile=self.ssl_certfile,
+            ssl_keyfile=self.ssl_keyfile,
+        )
+        try:  # the TLS context, before the port is bound
             config.load()
         except (ssl.SSLError, ValueError) as e:
             raise OSError(f"cannot serve HTTPS with {self.ssl_certfile} and {self.ssl_keyfile}: {e}") from None
