@@ -454,8 +454,8 @@ async def serve_balancer(
 ) -> None:
     """Run the balancer until SIGTERM (call inside an event loop). ``process_metrics``: the
     process's moeserve.ops.metrics.ProcessMetrics, which gets the balancer's and gRPC metrics."""
-    from moeserve.services.server import serve_forever
     from moeserve.services.readiness import Readiness, StepWatch
+    from moeserve.services.server import serve_forever
 
     admin = AsyncClient(admin_address, token, timeout=call_timeout_s, ca_file=ca_file)
     service = BalancerService(admin, config, poll_s)

@@ -209,8 +209,8 @@ def bench_layer(rank, world, device, dtype, model, tokens, zipf, eplb, layers, i
     """ms per MoE layer. routers=0: co-located (every rank routes T tokens and holds slots);
     routers=R: disaggregated, ranks 0 .. R-1 route T tokens each, the others hold the slots."""
     from moeserve.balancer.policy import place
-    from moeserve.placement import balancedness
     from moeserve.dataplane.exchange import idle_walk
+    from moeserve.placement import balancedness
 
     e = model["experts"]
     r = model["redundant"] if eplb else 0
@@ -290,8 +290,8 @@ def bench_live_migration(
     after a live migration scheduled by the leader's own Migrator under the per-step byte
     budget, with the commits, staging and moves the cluster's ranks perform."""
     from moeserve.balancer.policy import make_policy
-    from moeserve.dataplane.step import run_step
     from moeserve.dataplane.protocol import StepHeader
+    from moeserve.dataplane.step import run_step
     from moeserve.placement import Placement
     from moeserve.router.engine.migration import Migrator
 

@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
 import dispatch as D  # noqa: E402
+
 from moeserve.balancer.policy import cost as C  # noqa: E402
 from moeserve.balancer.policy import make_policy  # noqa: E402
 from moeserve.balancer.policy.rule import plan_breakeven  # noqa: E402

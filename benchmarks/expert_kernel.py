@@ -169,7 +169,7 @@ def main():
                     lst.sort(key=lambda x: -x[1])
                     print(f"  tune {name} {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]))
                 out["tune"][name] = {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()}
-        del gu, dn
+        gu = dn = []  # free the device memory before the next shape
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:

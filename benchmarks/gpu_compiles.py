@@ -62,12 +62,12 @@ def main() -> int:
         return 2
     dev = torch.device("cpu" if a.cpu_check else "cuda")
     small = a.cpu_check
-    from moeserve.expert_worker.store import expert_block_m_for, grouped_forward
     from moeserve import kernels as K
     from moeserve import sampling as S
+    from moeserve.expert_worker.store import expert_block_m_for, grouped_forward
+    from moeserve.kernels import compilelog
     from moeserve.models.attention import attention_config, paged_attention_torch, paged_attention_triton
     from moeserve.models.moe import ExpertSpec
-    from moeserve.kernels import compilelog
 
     logging.getLogger(compilelog.__name__).setLevel(logging.ERROR)  # counted here, not logged
     compilelog.watch()

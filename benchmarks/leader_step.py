@@ -21,6 +21,7 @@ import pickle
 import time
 
 import numpy as np
+
 from moeserve.config import ClusterConfig, EplbConfig, Limits
 from moeserve.dataplane import header_wire
 from moeserve.dataplane.protocol import RankResult
@@ -41,7 +42,7 @@ shape = ModelShape(L, E, 1, 200000, (2,), 16, tuple(range(L)), L)
 eng = Engine(cfg, shape, Placement(np.tile(np.arange(E), (L, 1)), E, W, version=1))
 eng.scheduler.set_capacity([40000, 40000])
 events = []
-for i in range(512):
+for _i in range(512):
     eng.submit(GenerateRequest(tuple(range(5, 133)), 256, ignore_eos=True), events.append)
 t_sched = t_res = t_pick = t_wire = 0.0
 n = 0

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                     "reference": run_synthetic(place_reference, s, wins, eb, with_share=True),
                 }
     if a.traces is not None:
-        for name, f, slots, workers, shift, params in REAL:
+        for name, f, slots, workers, shift, _params in REAL:
             key = f"{name}/slots{slots}/workers{workers}"
             if a.only not in key:
                 continue

@@ -644,7 +644,7 @@ async def _client(address, plan, t0_value, go, results, warm, deadline_s) -> Non
 
         try:
             await asyncio.wait_for(stream(), timeout=max(0.1, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             rec["finish"] = "timeout"
         except Exception as e:  # noqa: BLE001 - recorded per request
             rec["error"] = f"{type(e).__name__}: {e}"
@@ -807,7 +807,7 @@ async def _client_http(base, plan, t0_value, go, results, warm, deadline_s) -> N
             if k:
                 rec["tokens"].extend([rec["tokens"][-1] if rec["tokens"] else time.monotonic() - t0] * k)
                 rec["from_usage"] = k
-        except asyncio.TimeoutError:
+        except TimeoutError:
             rec["finish"] = "timeout"
         except Exception as e:  # noqa: BLE001 - recorded per request
             rec["error"] = f"{type(e).__name__}: {e}"

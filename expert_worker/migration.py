@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moeserve.dataplane.protocol import MoveOp
 from moeserve.dataplane.exchange import Topology
-
+from moeserve.dataplane.protocol import MoveOp
 
 # Experts smaller than this travel packed, one message per pair of workers and step (small
 # messages do not reach the link's rate); larger ones travel one message each (packing them

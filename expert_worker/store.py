@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from moeserve.dataplane.exchange import RecvCounts, slot_major_index
-from moeserve.ops.profiling import span
 from moeserve.models.moe import ExpertSpec, grouped_expert_forward
+from moeserve.ops.profiling import span
 
 
 class ExpertStore:
@@ -62,7 +62,7 @@ class ExpertStore:
         num_workers: int,
         device: torch.device | str = "cpu",
         max_staging_bytes: int = 0,
-    ) -> "ExpertStore":
+    ) -> ExpertStore:
         """Load this worker's slots straight from the checkpoint, by logical id.
 
         phy2log: int array [L, P]; this worker holds slots w*S .. (w+1)*S-1 of each layer.

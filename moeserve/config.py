@@ -265,7 +265,7 @@ class ClusterConfig:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, text: str) -> "ClusterConfig":
+    def from_json(cls, text: str) -> ClusterConfig:
         d = json.loads(text)
         d["eplb"] = EplbConfig(**d["eplb"])
         d["limits"] = Limits(**d["limits"])

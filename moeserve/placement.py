@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -365,7 +366,7 @@ class Placement:
         version: int | None = None,
         layer_versions: np.ndarray | None = None,
         breakeven: np.ndarray | None = None,
-    ) -> "Placement":
+    ) -> Placement:
         """This placement with some fields replaced, *without* validating again: for the engine,
         whose new maps come row by row from a placement it validated already (a migration's
         target), so a per-layer commit costs no second validation."""
@@ -383,14 +384,14 @@ class Placement:
         object.__setattr__(new, "version", self.version if version is None else int(version))
         return new
 
-    def replace(self, phy2log: np.ndarray, version: int | None = None, breakeven=None) -> "Placement":
+    def replace(self, phy2log: np.ndarray, version: int | None = None, breakeven=None) -> Placement:
         """A placement with the same shape and topology, new maps and (by default) version + 1;
         ``breakeven`` None keeps this placement's break-even counts."""
         v = self.version + 1 if version is None else version
         b = self.breakeven if breakeven is None else breakeven
         return Placement(phy2log, self.num_logical, self.num_workers, self.workers_per_node, v, breakeven=b)
 
-    def diff(self, new: "Placement", expert_bytes: int) -> list[Move]:
+    def diff(self, new: Placement, expert_bytes: int) -> list[Move]:
         """The moves that turn this placement into ``new``: one per slot whose logical expert changes.
 
         The source of a move is a worker that holds the logical expert in *this* (the old)
@@ -458,7 +459,7 @@ class Placement:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "Placement":
+    def from_json(cls, text: str) -> Placement:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -482,7 +483,7 @@ class Placement:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Placement":
+    def load(cls, path: str | Path) -> Placement:
         return cls.from_json(Path(path).read_text())
 
     @classmethod
@@ -495,7 +496,7 @@ class Placement:
         workers_per_node: int | None = None,
         num_decoder_layers: int | None = None,
         version: int = 0,
-    ) -> "Placement":
+    ) -> Placement:
         """Read an SGLang expert-location file holding ``physical_to_logical_map``.
 
         SGLang (``--init-expert-location``) indexes its map by *decoder* layer, dense layers

@@ -148,7 +148,7 @@ class SamplingTensors:
     @classmethod
     def build(
         cls, params: list[SamplingParams], seeds: list[int], positions: list[int], device: torch.device | str
-    ) -> "SamplingTensors":
+    ) -> SamplingTensors:
         """One row per request: its params, its seed (``request_seed``) and the position of the
         token it samples now. Two host-to-device copies (pinned when the device is CUDA)."""
         b = len(params)
@@ -285,7 +285,7 @@ def _race_torch(logits: torch.Tensor, st: SamplingTensors, thr: torch.Tensor | N
     return key.argmax(-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel():
     import importlib
 

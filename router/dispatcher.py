@@ -19,13 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeserve.dataplane.exchange import choose_slots
-from moeserve.placement import log2phy
-from moeserve.models.moe import RoutingResult, combine_pairs
-
-
 # The environment knob lives in moeserve.config (the default b of a start placement that carries none).
 from moeserve.config import BREAKEVEN_ENV, default_breakeven  # noqa: E402,F401  (re-exported)
+from moeserve.dataplane.exchange import choose_slots
+from moeserve.models.moe import RoutingResult, combine_pairs
+from moeserve.placement import log2phy
 
 
 class RouterMaps:

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from moeserve.dataplane.exchange import idle_walk
-from moeserve.ops.profiling import span
 from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.models.paged import PagedBatch, PagedKVCache
+from moeserve.ops.profiling import span
 from moeserve.router.dispatcher import DistributedExperts
 from moeserve.sampling import SamplingParams, SamplingTensors, sample
 

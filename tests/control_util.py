@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from moeserve.ops import ports
 from moeserve.client import Client
+from moeserve.ops import ports
 
 TOKEN = "test-token"
 

@@ -5,8 +5,8 @@ import asyncio
 import time
 
 import pytest
-
 from control_util import free_ports
+
 from moeserve.balancer.controller import LoopConfig
 from moeserve.balancer.service import BalancerService
 from moeserve.client import AsyncClient, Client

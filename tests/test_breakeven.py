@@ -11,14 +11,13 @@ import time
 import numpy as np
 import pytest
 import torch
+from triton_util import needs_triton  # noqa: E402
 
 from moeserve.balancer.controller import LoopConfig, StepGain, pays, planned_step_s, step_efficiency, step_gain, trigger
-from moeserve.balancer.policy.cost import StepModel, breakeven, step_time
-from moeserve.dataplane.exchange import choose_slots, replicas_used
+from moeserve.balancer.policy.cost import StepModel, breakeven
 from moeserve.config import BREAKEVEN_ENV
+from moeserve.dataplane.exchange import choose_slots, replicas_used
 from moeserve.router.dispatcher import RouterMaps
-
-from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
 
 
 def maps_for(phy2log, num_logical, max_replicas, breakeven=None):
@@ -315,6 +314,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def breakeven_cluster(tmp_path_factory):
     from cluster_util import moe_info, prompts_for, reference_generate, reference_model, tiny_checkpoint
+
     from moeserve.cluster import LocalCluster
 
     path = tiny_checkpoint(tmp_path_factory.mktemp("llama4-b"), "llama4", num_hidden_layers=4)

@@ -233,6 +233,7 @@ def test_a_bad_step_model_file_is_exit_code_2_before_anything_starts(tmp_path, c
 
 def test_the_balancer_s_metrics_show_predicted_step_time_beside_balancedness():
     from prometheus_client import CollectorRegistry, generate_latest
+
     from moeserve.ops.metrics import BalancerMetrics
 
     reg = CollectorRegistry()
@@ -254,6 +255,7 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def admin_cluster(tmp_path_factory):
     from cluster_util import moe_info, prompts_for, reference_generate, reference_model, tiny_checkpoint
+
     from moeserve.client import Client
     from moeserve.cluster import LocalCluster
 

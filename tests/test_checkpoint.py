@@ -3,11 +3,11 @@
 import json
 import shutil
 
+import hf_oracle as hf
 import pytest
 import torch
 from safetensors import safe_open
 
-import hf_oracle as hf
 from moeserve.models import CheckpointError, CheckpointReader, checkpoint, init_model, load_model
 
 

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 import test_hub as H
 from cluster_util import reference_generate, reference_model, tiny_checkpoint
 from control_util import TOKEN, alive, children_of, free_ports
+
 from moeserve.cli import main
 
 pytestmark = pytest.mark.timeout(300)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from moeserve.cli import main
 from moeserve.cli import flags as F
+from moeserve.cli import main
 
 
 @pytest.fixture(scope="module")

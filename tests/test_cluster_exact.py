@@ -3,7 +3,6 @@ placement with redundant slots, gives the single-process logits (fp32, 1e-4) and
 
 import numpy as np
 import pytest
-
 from cluster_util import (
     moe_info,
     prompts_for,
@@ -15,6 +14,7 @@ from cluster_util import (
     reference_model,
     tiny_checkpoint,
 )
+
 from moeserve.cluster import LocalCluster
 
 LAYOUTS = [  # routers, workers, co-located

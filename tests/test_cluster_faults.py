@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 import pytest
-
 from cluster_util import (
     assert_workers_hold,
     expert_digests,
@@ -18,6 +17,7 @@ from cluster_util import (
     reference_model,
     tiny_checkpoint,
 )
+
 from moeserve.cluster import ClusterError, LocalCluster
 
 # Idle for longer than every timeout a quiet cluster could trip: the process groups' (10 s here)

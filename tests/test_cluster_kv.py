@@ -4,8 +4,8 @@ run without preemption has synchronous steps, the tight one asynchronous steps (
 a preempted sequence with a token in flight is recomputed with it, and the tokens agree."""
 
 import pytest
-
 from cluster_util import prompts_for, reference_generate, reference_model, tiny_checkpoint
+
 from moeserve.cluster import LocalCluster
 
 MAX_TOKENS = 24

@@ -7,8 +7,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
-
 from cluster_util import (
     assert_workers_hold,
     expert_digests,
@@ -19,6 +17,7 @@ from cluster_util import (
     reference_model,
     tiny_checkpoint,
 )
+
 from moeserve.cluster import ClusterError, LocalCluster
 from moeserve.router.engine.migration import StaleVersion
 

@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-
 from cluster_util import (
     assert_workers_hold,
     expert_digests,
@@ -22,6 +21,7 @@ from cluster_util import (
     reference_model,
     tiny_checkpoint,
 )
+
 from moeserve.cluster import LocalCluster
 from moeserve.placement import MigrationState
 

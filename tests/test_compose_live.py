@@ -35,7 +35,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from ops_util import DASHBOARDS, DEPLOY, REPO
 
 pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -4,10 +4,9 @@ transformers generates greedily on the same checkpoint, for both families."""
 import subprocess
 import sys
 
+import hf_oracle
 import pytest
 import torch
-
-import hf_oracle
 from control_util import Up
 
 FAMILIES = {"llama4": hf_oracle.build_llama4, "ernie45": hf_oracle.build_ernie}

@@ -11,9 +11,9 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from cluster_util import moe_info, prompts_for, reference_generate, reference_model, tiny_checkpoint
 from control_util import TOKEN, Up, alive, stream_all
+
 from moeserve.client import Client, MoeserveError
 
 STREAMS = 32
@@ -333,7 +333,7 @@ def test_bad_input_answers_the_right_status_and_changes_nothing(setup, name, mon
 @pytest.mark.timeout(300)
 def test_a_rebalance_while_one_runs_is_aborted(setup):
     s = setup
-    for attempt in range(3):  # needs the two to overlap: retry if the first was quick
+    for _attempt in range(3):  # needs the two to overlap: retry if the first was quick
         back_to_the_skewed_start(s)
         first = {}
         t = threading.Thread(target=lambda: first.update(res=s["balancer"].rebalance(wait=True)))
@@ -376,6 +376,7 @@ def cli(*args, ok=True):
 @pytest.mark.timeout(300)
 def test_the_cli_shows_dumps_and_applies_placements_and_reads_load_and_status(setup, tmp_path):
     import json
+
     from cluster_util import random_placement
 
     s, up = setup, setup["up"]

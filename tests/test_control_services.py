@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
-
 from cluster_util import prompts_for, reference_generate, reference_model, tiny_checkpoint
 from control_util import TOKEN, free_ports
+
 from moeserve.cli.up import wait_serving
 from moeserve.client import Client
 

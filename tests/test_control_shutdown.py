@@ -6,9 +6,9 @@ import time
 
 import grpc
 import pytest
-
 from cluster_util import prompts_for, reference_generate, reference_model, tiny_checkpoint
 from control_util import Up, alive, children_of, stream_all
+
 from moeserve.client import Client, MoeserveError
 
 MAX_TOKENS = 48

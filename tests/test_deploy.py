@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from ops_util import DASHBOARDS, DEPLOY, REPO, compose_binary, promtool
 
 pytestmark = pytest.mark.timeout(120)

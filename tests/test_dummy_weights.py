@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from cluster_util import assert_workers_hold, moe_info, prompts_for, random_placement, reference_generate
+
 from moeserve.cluster import LocalCluster
 from moeserve.config import ClusterConfig
 from moeserve.models import CheckpointError, DummyReader, init_model, load_model

@@ -214,6 +214,7 @@ def _count_connections(monkeypatch) -> list:
 
 def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame(engine, channel, monkeypatch):
     import asyncio
+
     from moeserve.router.engine import channel as channel_module
 
     server, key = channel

@@ -46,7 +46,7 @@ def test_cpu_sweep_writes_every_policy_and_row(smoke):
         for p in ("off", "token", "cost")
     }
     assert set(rows) == want and len(doc["rows"]) == len(want)
-    for key, r in rows.items():
+    for _key, r in rows.items():
         assert len(r["times_ms"]) == 2 and r["median_ms"] > 0 and r["spread"] >= 0  # 2 repeats (smoke)
         assert r["pred_table_ms"] > 0 and r["pred_fit_ms"] > 0 and r["x_ideal"] > 0
         assert len(r["phy2log"]) == 2  # 2 layers (smoke)

@@ -4,7 +4,6 @@ on CPU) against the slot loop they replace, and how a worker picks them per step
 import numpy as np
 import pytest
 import torch
-
 from triton_util import needs_triton
 
 from moeserve import kernels

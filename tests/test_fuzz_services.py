@@ -20,12 +20,12 @@ import time
 import grpc
 import numpy as np
 import pytest
+from cluster_util import prompts_for, random_placement, reference_generate, reference_model, tiny_checkpoint
+from control_util import TOKEN, Up
 from google.protobuf import message_factory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster_util import prompts_for, random_placement, reference_generate, reference_model, tiny_checkpoint
-from control_util import TOKEN, Up
 from moeserve.rpc import admin_pb2, balancer_pb2, common_pb2, serving_pb2
 
 WORKERS, REDUNDANT, MAX_MODEL_LEN = 2, 2, 64

@@ -4,7 +4,6 @@ it on real gloo groups every step)."""
 
 import numpy as np
 import pytest
-import torch
 
 from moeserve.dataplane import header_wire as hw
 from moeserve.dataplane.protocol import LayerCommit, MigrationOps, MoveOp, RouterWork, SeqWork, StepHeader
@@ -15,9 +14,9 @@ pytestmark = pytest.mark.timeout(60)
 
 def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
     work = []
-    for r in range(routers):
+    for _r in range(routers):
         seqs = []
-        for q in range(prompts):
+        for _q in range(prompts):
             sampling = None
             if rng.random() < 0.7:
                 sampling = SamplingParams(

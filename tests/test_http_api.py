@@ -18,12 +18,12 @@ import socket
 import threading
 import time
 
+import hf_oracle as hf
 import numpy as np
 import pytest
 import torch
-
-import hf_oracle as hf
 from cluster_util import reference_decode, reference_model, tiny_checkpoint
+
 from moeserve.router.engine.api import Finished, FinishReason, QueueFull, Token
 from moeserve.router.engine.channel import ClusterError
 
@@ -82,10 +82,11 @@ class Served:
     """A family's checkpoint, cluster, front end and oracles."""
 
     def __init__(self, family, tmp):
+        from transformers import AutoTokenizer
+
         from moeserve.cluster.launcher import LocalCluster
         from moeserve.router.engine.channel import AsyncEngineClient
         from moeserve.services.tokenizer import ModelTokenizer
-        from transformers import AutoTokenizer
 
         self.family = family
         self.path = tiny_checkpoint(tmp / family, family)

@@ -4,7 +4,6 @@ estimate per expert, and the steps each slot got a pair, read in one snapshot; w
 
 import numpy as np
 import pytest
-import torch
 
 from moeserve.dataplane.collective import CollectiveExchange
 from moeserve.dataplane.exchange import Topology

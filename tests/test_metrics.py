@@ -12,17 +12,16 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ops_util import check_metrics, samples, scrape
 
+from moeserve.cluster.rank import initial_placement
+from moeserve.config import ClusterConfig, EplbConfig
+from moeserve.dataplane.protocol import RankResult, StepHeader
 from moeserve.ops import metrics as M
 from moeserve.placement import MigrationProgress, MigrationState
 from moeserve.router.engine.api import EngineStatus, LoadReport
-from moeserve.services import metrics as GM
-from moeserve.config import ClusterConfig, EplbConfig
-from moeserve.dataplane.protocol import RankResult, StepHeader
-from moeserve.cluster.rank import initial_placement
 from moeserve.router.engine.leader import Engine, ModelShape
-
-from ops_util import check_metrics, samples, scrape
+from moeserve.services import metrics as GM
 
 LAYERS, EXPERTS, WORKERS, REDUNDANT = 2, 8, 2, 2
 EXPERT_BYTES = 1000

@@ -4,10 +4,10 @@ Every variant has a non-zero e_score_correction_bias and init std 0.3 (with 0.02
 is one repeated token, a useless oracle).
 """
 
+import hf_oracle as hf
 import pytest
 import torch
 
-import hf_oracle as hf
 from moeserve.models import CheckpointReader, StepBatch, load_model
 
 VARIANTS = {

@@ -3,10 +3,10 @@
 import hashlib
 from collections import Counter
 
+import hf_oracle as hf
 import pytest
 import torch
 
-import hf_oracle as hf
 from moeserve.models import StepBatch, init_model, load_config, load_model
 
 

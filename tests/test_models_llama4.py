@@ -7,10 +7,10 @@ attention temperature tuning both act within the test lengths (tests below show 
 import json
 import shutil
 
+import hf_oracle as hf
 import pytest
 import torch
 
-import hf_oracle as hf
 from moeserve.models import CheckpointReader, load_model
 
 VARIANTS = {

@@ -1,9 +1,9 @@
 """The family-neutral decoder: varlen steps, the KV cache, the expert seam, generate's semantics."""
 
+import hf_oracle as hf
 import pytest
 import torch
 
-import hf_oracle as hf
 from moeserve.models import CheckpointError, KVCache, StepBatch, init_model, load_model
 from moeserve.models.moe import LocalExperts
 

@@ -6,7 +6,6 @@ on 2 H200s)."""
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -129,7 +128,7 @@ def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, col
                     expect.append((src * cap + pair, v))
         assert total == len(expect)
         assert meta[rank][:total].tolist() == [m for m, _ in expect]  # slot-major, stable
-        for j, (m, v) in enumerate(expect):
+        for j, (_m, v) in enumerate(expect):
             assert torch.equal(rows[rank][j], v)
         assert meta[rank][total:].eq(-1).all()  # nothing past the total
     # 4. workers return rows (identity experts) to their pairs' rows on the routers
@@ -182,8 +181,8 @@ def test_capacity_and_layout_errors_are_explained():
 
 
 def test_auto_takes_the_collective_exchange_without_cuda():
-    from moeserve.config import ClusterConfig
     from moeserve.cluster.rank import make_exchange
+    from moeserve.config import ClusterConfig
 
     topo = Topology.build(1, 2, False, 4)
     for choice in ("auto", "collective"):

@@ -17,7 +17,6 @@ import urllib.request
 import numpy as np
 import pytest
 import yaml
-
 from control_util import Up, free_ports
 from ops_util import DASHBOARDS, check_metrics, prometheus, samples, scrape
 

@@ -15,12 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
 
 from moeserve.models import PagedBatch, PagedKVCache, StepBatch, init_model, load_model
 from moeserve.models import attention as attn
 from moeserve.models.layers import Attention
-
-from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
 
 if HAVE_TRITON and not torch.cuda.is_available():
     # conftest.py sets it before Triton is imported; without a GPU the interpreter is the only way.

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moeserve.placement import Move, Placement, balancedness, load_from_sglang, model_balancedness, worker_load
 

@@ -5,10 +5,18 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from moeserve.balancer.policy import packing
-from moeserve.balancer.policy import PolicyConfig, cross_node_share, evaluate, make_policy, place, rebalance_experts
+from moeserve.balancer.policy import (
+    PolicyConfig,
+    cross_node_share,
+    evaluate,
+    make_policy,
+    packing,
+    place,
+    rebalance_experts,
+)
 from moeserve.placement import Placement, balancedness
 
 

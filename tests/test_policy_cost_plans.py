@@ -68,7 +68,7 @@ def test_the_rule_model_matches_the_rule_applied_by_hand_on_fixed_counts():
 
 def test_the_rule_model_with_window_sums_matches_sampled_poisson_counts():
     rng = np.random.default_rng(1)
-    e, p, w, steps = 8, 12, 2, 4
+    w, steps = 2, 4
     phy2log = np.array([0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 2, 0])
     load = np.array([900.0, 500, 300, 60, 40, 20, 8, 2]) * steps
     b = np.array([200, 100, 40, 161, 161, 161, 161, 161])

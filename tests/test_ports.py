@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from moeserve.ops import ports
 from moeserve.cli import main
+from moeserve.ops import ports
 
 
 @pytest.mark.timeout(30)

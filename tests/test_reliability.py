@@ -25,12 +25,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from cluster_util import prompts_for, reference_generate, reference_model, tiny_checkpoint
 from control_util import TOKEN, Up, children_of, cmdline
-from moeserve.client import BalancerSettings, Client, MoeserveError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ops_util import samples, scrape
+
+from moeserve.client import BalancerSettings, Client, MoeserveError
 
 WORKERS, REDUNDANT = 2, 2
 QUIET = "1000000000"  # a step interval the balancer's loop never reaches
@@ -214,9 +214,9 @@ def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(clu
     from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.rpc import serving_pb2_grpc
     from moeserve.services.admission import Admission
-    from moeserve.services.tokenizer import ModelTokenizer
     from moeserve.services.frontend import ServingService
     from moeserve.services.server import SERVING, ServerOptions, ServiceServer, ThreadedServer
+    from moeserve.services.tokenizer import ModelTokenizer
 
     c = cluster
     key = bytes.fromhex(_environ(c["up"].child("frontend"))["MOESERVE_CONTROL_KEY"])

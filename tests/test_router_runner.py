@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.models import init_model, load_model

@@ -274,6 +274,7 @@ def test_a_request_held_at_the_head_of_the_queue_says_why_once(caplog):
     """A request that cannot be admitted for longer than LONG_WAIT_S is logged once with the
     routers' room, token budget and free blocks (what held it), not on every step."""
     import logging
+
     from moeserve.router.engine import scheduler as sched_mod
 
     s = sched(routers=1, max_num_seqs=1)

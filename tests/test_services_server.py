@@ -8,10 +8,10 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from control_util import free_ports
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_util import self_signed
+
 from moeserve.client import AsyncClient, Client, MoeserveError, _base
 from moeserve.rpc import balancer_pb2, balancer_pb2_grpc
 from moeserve.services.server import BALANCER, ServerOptions, ServiceServer, ThreadedServer

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cluster_util import prompts_for, random_placement, reference_generate, reference_model, tiny_checkpoint
 from control_util import Up
 

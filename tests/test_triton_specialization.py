@@ -26,7 +26,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from triton_util import needs_triton
 
 pytestmark = [needs_triton, pytest.mark.timeout(300)]
@@ -95,7 +94,7 @@ def assert_one_key_per_config(seen, kernel: str, configs: range):
         f"{configs.start}..{configs.stop - 1}: {sorted(by_config)}"
     )
     compiles, classes = 0, defaultdict(set)
-    for config, specs in by_config.items():
+    for specs in by_config.values():
         compiles += len(specs)
         for a, b in itertools.combinations(specs, 2):
             for (n, x), (_, y) in zip(a, b):
@@ -190,8 +189,8 @@ def _keys(seen, kernel):
 def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots):
     """A worker compiles the expert kernels at start (``ExpertStore.warm_up_kernels``) on layer
     0's views of its slot buffer; whatever a step's pairs, its launches find their key there."""
-    from moeserve.expert_worker.store import expert_block_m_for
     from moeserve import kernels as K
+    from moeserve.expert_worker.store import expert_block_m_for
     from moeserve.models.moe import ExpertSpec
 
     spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16)

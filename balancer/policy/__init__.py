@@ -15,9 +15,9 @@
 - :mod:`.reference`: the DeepSeek EPLB drop-in (``rebalance_experts``, ``place_reference``).
 """
 
+from moeserve.balancer.policy.cost import StepModel, StepModelError, load_table
 from moeserve.balancer.policy.policy import NOISE_K, PolicyConfig, cross_node_share, make_policy, place
 from moeserve.balancer.policy.reference import place_reference, rebalance_experts
-from moeserve.balancer.policy.cost import StepModel, StepModelError, load_table
 from moeserve.balancer.policy.report import PlanReport, evaluate
 
 __all__ = [

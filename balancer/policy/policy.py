@@ -266,7 +266,7 @@ class _Cost:
     histogram: np.ndarray | None
     expert_ids: np.ndarray | None = None
 
-    def rows(self, local2global: np.ndarray, rows: int) -> "_Cost":
+    def rows(self, local2global: np.ndarray, rows: int) -> _Cost:
         """The same for node rows (``local2global [L, N, E/N]``)."""
         layers = local2global.shape[0]
         ids = local2global.reshape(rows, -1)
@@ -285,7 +285,7 @@ class _Cost:
         b = plan_breakeven(self.model, load, phy2log, w, self.steps, hist, ids, candidates=candidates)
         return rule_times(self.model, load, phy2log, w, b, self.steps, hist, ids)
 
-    def subset(self, rows: np.ndarray) -> "_Cost":
+    def subset(self, rows: np.ndarray) -> _Cost:
         """The same for the rows ``rows`` only."""
         return _Cost(
             self.model,
@@ -383,7 +383,7 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip
         return _replay(paths, select_prefix(value, cost_, budget))
     options = [current] + [_replay(paths, select_prefix(value, cost_, f * budget)) for f in (0.25, 0.5, 1.0)]
     end = 0
-    for i, path in enumerate(paths):
+    for path in paths:
         end += path.peak.shape[0]
         options.append(_replay(paths, np.full(rows, end - 1)))
     if budget > 0:
@@ -391,7 +391,7 @@ def _budgeted(load, current, w, budget, cfg, layer_of_row, layer_mean=None, skip
     return _cheapest(load, current, options, w, budget, cost)
 
 
-def _read_paths(load, current, w: int, budget: int, cost: "_Cost") -> list[np.ndarray]:
+def _read_paths(load, current, w: int, budget: int, cost: _Cost) -> list[np.ndarray]:
     """Plans for the data plane's replica rule (:func:`~moeserve.balancer.policy.reads.read_search`),
     every step of two searches from the placement in force: one pricing each expert with the
     break-even count planned for that placement, one with a b no count passes (every expert
@@ -409,7 +409,7 @@ def _read_paths(load, current, w: int, budget: int, cost: "_Cost") -> list[np.nd
     return out
 
 
-def _cheapest(load, current, options: list[np.ndarray], w: int, budget: int, cost: "_Cost") -> np.ndarray:
+def _cheapest(load, current, options: list[np.ndarray], w: int, budget: int, cost: _Cost) -> np.ndarray:
     """Per row, the option (``options[0]`` the placement in force) saving the most predicted layer
     time per slot moved, within ``budget`` slots over all rows. Each option is priced under the
     data plane's replica rule with the break-even counts planned for it (:meth:`_Cost.times`)."""

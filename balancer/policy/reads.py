@@ -132,7 +132,6 @@ def read_search(
     for _ in range(max_steps if p > e else 0):
         n = live.size
         now_p2l = cur[live]
-        lo = load[live]
         logcnt = logical_counts(now_p2l, e)  # [n, e]
         x = int(logcnt.max()) + 1  # list width after a gain
         phases = _phases(int(logcnt.max()))

@@ -160,8 +160,8 @@ def start_placement_with_breakeven(
     if not state_dir and not init:
         return None, ""
     from moeserve import state
-    from moeserve.placement import Placement
     from moeserve.models import load_config
+    from moeserve.placement import Placement
 
     try:
         mcfg = load_config(model_dir)

@@ -132,8 +132,9 @@ def _parent_watch() -> None:
     """Exit when the process that started us (``moeserve up``) is gone: no orphans."""
     parent = os.environ.get("MOESERVE_PARENT_PID")
     if parent:
-        from moeserve.cluster.rank import _watch_parent
         import threading
+
+        from moeserve.cluster.rank import _watch_parent
 
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()
 

@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         }
         ca = args.tls_cert if args.tls_cert else None
         alive = lambda: cluster.alive and all(c.poll() is None for c in children)  # noqa: E731
-        for name, addr in addrs.items():
+        for addr in addrs.values():
             wait_serving(addr, args.startup_timeout, ca, alive=alive)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         scheme = "https" if args.tls_cert else "http"  # the HTTP API serves the same certificate

@@ -53,7 +53,7 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

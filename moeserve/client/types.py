@@ -62,7 +62,7 @@ class GenerateResult:
     usage: Usage
 
     @classmethod
-    def from_msg(cls, m: serving_pb2.GenerateResponse) -> "GenerateResult":
+    def from_msg(cls, m: serving_pb2.GenerateResponse) -> GenerateResult:
         return cls(
             list(m.token_ids),
             m.text,
@@ -81,7 +81,7 @@ class GenerateChunk:
     usage: Usage | None
 
     @classmethod
-    def from_msg(cls, m: serving_pb2.GenerateStreamResponse) -> "GenerateChunk":
+    def from_msg(cls, m: serving_pb2.GenerateStreamResponse) -> GenerateChunk:
         last = m.finish_reason != serving_pb2.FINISH_REASON_UNSPECIFIED
         return cls(
             list(m.token_ids),
@@ -109,7 +109,7 @@ class ApplyResult:
     breakeven: np.ndarray | None = None
 
     @classmethod
-    def from_msg(cls, m: admin_pb2.ApplyPlacementResponse) -> "ApplyResult":
+    def from_msg(cls, m: admin_pb2.ApplyPlacementResponse) -> ApplyResult:
         return cls(
             m.migration_id,
             m.dry_run,
@@ -145,7 +145,7 @@ class ExpertLoad:
     slot_busy_steps: np.ndarray | None = None
 
     @classmethod
-    def from_msg(cls, m: admin_pb2.ExpertLoad) -> "ExpertLoad":
+    def from_msg(cls, m: admin_pb2.ExpertLoad) -> ExpertLoad:
         hist = busy = None
         if m.histogram.rows and m.histogram_bins > 0:
             flat = from_int64_matrix(m.histogram, "histogram")
@@ -183,7 +183,7 @@ class LoadDump:
     num_decoder_layers: int
 
     @classmethod
-    def from_msg(cls, m: admin_pb2.LoadDump) -> "LoadDump":
+    def from_msg(cls, m: admin_pb2.LoadDump) -> LoadDump:
         return cls(
             from_int64_matrix(m.total_load, "total_load"),
             from_int64_matrix(m.window_load, "window_load"),
@@ -254,7 +254,7 @@ class ClusterStatus:
     preemptions: int = 0
 
     @classmethod
-    def from_msg(cls, m: admin_pb2.ClusterStatus) -> "ClusterStatus":
+    def from_msg(cls, m: admin_pb2.ClusterStatus) -> ClusterStatus:
         return cls(
             m.step,
             m.forward_steps,
@@ -286,7 +286,7 @@ class BalancerSettings:
     paused: bool | None = None
 
     @classmethod
-    def from_msg(cls, m: admin_pb2.BalancerSettings) -> "BalancerSettings":
+    def from_msg(cls, m: admin_pb2.BalancerSettings) -> BalancerSettings:
         return cls(**{f.name: getattr(m, f.name) if m.HasField(f.name) else None for f in dataclasses.fields(cls)})
 
     def to_msg(self) -> admin_pb2.BalancerSettings:
@@ -316,7 +316,7 @@ class RebalanceResult:
     predicted_step_s_after: float = 0.0
 
     @classmethod
-    def from_msg(cls, m: balancer_pb2.RebalanceResponse) -> "RebalanceResult":
+    def from_msg(cls, m: balancer_pb2.RebalanceResponse) -> RebalanceResult:
         return cls(
             from_int64_matrix(m.phy2log, "phy2log"),
             balancedness_from_msg(m.balancedness_before),
@@ -360,5 +360,5 @@ class BalancerStatus:
     step_efficiency: float = 0.0
 
     @classmethod
-    def from_msg(cls, m: balancer_pb2.BalancerStatus) -> "BalancerStatus":
+    def from_msg(cls, m: balancer_pb2.BalancerStatus) -> BalancerStatus:
         return _flat(cls, m)

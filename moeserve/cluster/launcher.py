@@ -19,7 +19,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,14 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
 from moeserve.ops import ports
 from moeserve.ops.procs import child_env, module_command
-from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
 from moeserve.router.engine.channel import ClusterError, EngineClient
 from moeserve.sampling import SamplingParams
-
 
 RESTART_WINDOW_S = 60.0  # more replacements of one rank than max_worker_restarts within this: a crash loop
 
@@ -251,14 +249,14 @@ class LocalCluster:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         cfg = self.config
         self.run_dir = tempfile.mkdtemp(prefix="moeserve-cluster-")
         logs = self.log_dir or self.run_dir

@@ -16,8 +16,8 @@ both; the router backend (``moeserve.router.dispatcher``) and the worker loop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -178,7 +178,7 @@ class RowsHandle:
 
 
 def _dispatch_rows(
-    ex: "CollectiveExchange", moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor
+    ex: CollectiveExchange, moe_layer: int, hidden: torch.Tensor, routing, slots: torch.Tensor
 ) -> RowsHandle:
     t, k = routing.ids.shape
     counts = ex.new_counts()  # [2, R, S]

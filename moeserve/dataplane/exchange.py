@@ -37,7 +37,7 @@ class Topology:
     slots_per_worker: int
 
     @classmethod
-    def build(cls, routers: int, workers: int, colocated: bool, num_slots: int) -> "Topology":
+    def build(cls, routers: int, workers: int, colocated: bool, num_slots: int) -> Topology:
         check_topology(routers, workers, colocated, num_slots)
         router_ranks, worker_ranks = rank_layout(routers, workers, colocated)
         return cls(len(set(router_ranks + worker_ranks)), router_ranks, worker_ranks, num_slots // workers)

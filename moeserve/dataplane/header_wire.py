@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 
 from moeserve.dataplane.protocol import (
+    _NO_BLOCKS,
+    _NO_IDS,
     LayerCommit,
     MigrationOps,
     MoveOp,
     RouterWork,
     SeqWork,
     StepHeader,
-    _NO_BLOCKS,
-    _NO_IDS,
 )
 from moeserve.sampling import SamplingParams
 

@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from moeserve import kernels
+from moeserve.dataplane.exchange import Topology
 from moeserve.kernels import cudagraph
-from moeserve.dataplane.exchange import Topology, count
 from moeserve.models.moe import RoutingResult
 
 

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from moeserve.ops import profiling
-
 from moeserve.dataplane.exchange import Exchange, Topology, idle_walk
 from moeserve.dataplane.header_wire import HeaderWire
 from moeserve.dataplane.protocol import RankResult, StepHeader
+from moeserve.ops import profiling
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ import os
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def available() -> bool:
     """True when Triton can be imported."""
     try:
@@ -64,7 +64,7 @@ def fresh_module(name: str):
     return importlib.import_module(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     k = fresh_module("moeserve.kernels.triton_exchange")
     return dict(
@@ -79,7 +79,7 @@ def _kernels():
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _expert_kernels():
     return fresh_module("moeserve.kernels.triton_experts")
 

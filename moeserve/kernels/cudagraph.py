@@ -20,10 +20,10 @@ from contextlib import contextmanager
 
 import torch
 
-_streams: dict[int, "torch.cuda.Stream"] = {}
+_streams: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_stream() -> "torch.cuda.Stream":
+def _side_stream() -> torch.cuda.Stream:
     dev = torch.cuda.current_device()
     if dev not in _streams:
         _streams[dev] = torch.cuda.Stream()
@@ -31,7 +31,7 @@ def _side_stream() -> "torch.cuda.Stream":
 
 
 @contextmanager
-def capture(graph: "torch.cuda.CUDAGraph", pool=None, capture_error_mode: str = "thread_local"):
+def capture(graph: torch.cuda.CUDAGraph, pool=None, capture_error_mode: str = "thread_local"):
     """Record the CUDA work of the block into ``graph`` (on a side stream, into memory ``pool``
     when given: a ``torch.cuda.graph_pool_handle()``), as ``torch.cuda.graph`` does but without
     emptying the device and pinned-host allocator caches first."""

@@ -126,7 +126,7 @@ def paged_attention_torch(
 # -- Triton --------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernels():
     return fresh_module("moeserve.kernels.triton_attention")
 
@@ -139,7 +139,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

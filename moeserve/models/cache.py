@@ -10,9 +10,9 @@ position of sequence s's first new token, which must equal the tokens already ca
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cached_property
-from collections.abc import Hashable
 
 import torch
 
@@ -143,7 +143,7 @@ class KVCache:
 
         Returns views of all keys and values of the sequence in that layer: [start + n, Hkv, D].
         """
-        n, end = k.shape[0], start + k.shape[0]
+        end = start + k.shape[0]
         buf_k, buf_v = self._k[seq_id][layer], self._v[seq_id][layer]
         if buf_k is None or buf_k.shape[0] < end:
             cap = max(16, end, 2 * (0 if buf_k is None else buf_k.shape[0]))

@@ -61,7 +61,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-
 import torch
 
 from moeserve.models.checkpoint import EXPERTS_PREFIX, CheckpointReader

@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 
 from moeserve.models import ernie45, llama4
-from moeserve.ops.profiling import span
 from moeserve.models.cache import KVCache, StepBatch
-from moeserve.models.checkpoint import CheckpointReader
 from moeserve.models.config import ModelConfig
 from moeserve.models.layers import Attention, Linear, SwiGLU, load_linear, rms_norm, rope_cos_sin, rope_inv_freq
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
 from moeserve.models.paged import PagedBatch, PagedKVCache
+from moeserve.ops.profiling import span
 from moeserve.sampling import Sampler, SamplingParams
 
 FAMILY_MODULES = {"llama4": llama4, "ernie45": ernie45}

@@ -311,7 +311,7 @@ class FrontendMetrics:
             self.requests.labels(r)
         self.in_flight = Gauge("moeserve_requests_in_flight", "Requests the front end is serving.", registry=registry)
 
-    def request(self, prompt_tokens: int) -> "RequestRecord":
+    def request(self, prompt_tokens: int) -> RequestRecord:
         return RequestRecord(self, prompt_tokens)
 
 

@@ -47,7 +47,7 @@ class LoadPicture:
     steps: int = 0
 
     @classmethod
-    def from_dump(cls, path: str | Path, title: str | None = None) -> "LoadPicture":
+    def from_dump(cls, path: str | Path, title: str | None = None) -> LoadPicture:
         """Read a ``moeserve load --dump`` file (ValueError saying what is wrong)."""
         try:
             d = json.loads(Path(path).read_text())

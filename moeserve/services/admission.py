@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from moeserve.router.engine.api import Failed, Finished, GenerateRequest, InvalidRequest, Token, Unavailable
 from moeserve.sampling import SamplingParams
-from moeserve.services.tokenizer import Detokenizer, ModelTokenizer, StopStrings, compile_chat_template
+from moeserve.services.tokenizer import ModelTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096
 MAX_CHARS_PER_TOKEN = 64  # a text prompt may have at most max_model_len * this many characters
@@ -77,7 +77,7 @@ class RequestStream:
     :class:`RequestFailed`. :meth:`aclose` ends it early, which cancels the request on the
     leader; ``close_reason`` names why for the metrics (default "cancelled")."""
 
-    def __init__(self, admission: "Admission", req: GenerateRequest):
+    def __init__(self, admission: Admission, req: GenerateRequest):
         self.req = req
         self._gen = admission.engine.generate([req])
         self._record = admission.metrics.request(len(req.prompt_ids)) if admission.metrics is not None else None

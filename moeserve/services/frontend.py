@@ -37,9 +37,9 @@ from moeserve.router.engine.api import Finished, GenerateRequest, InvalidRequest
 from moeserve.router.engine.channel import AsyncEngineClient
 from moeserve.rpc import serving_pb2, serving_pb2_grpc
 from moeserve.services.admission import Admission, RequestFailed
-from moeserve.services.tokenizer import Detokenizer, ModelTokenizer
 from moeserve.services.errors import abort_for
 from moeserve.services.server import SERVING, UNGUARDED, ServerOptions, ServiceServer, _abort_handler
+from moeserve.services.tokenizer import Detokenizer, ModelTokenizer
 from moeserve.wire import FINISH_REASONS
 
 DEFAULT_MAX_TOKENS = 16

@@ -30,7 +30,7 @@ GRPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 # One GrpcMetrics per registry: a process's servers share its two families (registering them
 # twice would raise).
-_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, GrpcMetrics]" = weakref.WeakKeyDictionary()
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, GrpcMetrics] = weakref.WeakKeyDictionary()
 _by_registry_lock = threading.Lock()
 
 

@@ -36,8 +36,8 @@ import inspect
 import logging
 import signal
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import grpc
 import uvloop
@@ -387,7 +387,7 @@ class ThreadedServer:
             raise self._error
         return self.server.port
 
-    def submit(self, coro) -> "asyncio.Future":
+    def submit(self, coro) -> asyncio.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self, grace_s: float | None = None) -> None:

@@ -64,7 +64,7 @@ class ModelTokenizer:
             self.byte_level = False
 
     @classmethod
-    def load(cls, folder: str | Path | None) -> "ModelTokenizer | None":
+    def load(cls, folder: str | Path | None) -> ModelTokenizer | None:
         """The folder's tokenizer, or None when it has no ``tokenizer.json``."""
         if not folder:
             return None

@@ -16,8 +16,9 @@ Nothing here imports torch, torch.distributed or gRPC.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Union
+from typing import Protocol
 
 import numpy as np
 
@@ -125,7 +126,7 @@ class Failed:
     message: str
 
 
-Event = Union[Token, Finished, Failed]
+Event = Token | Finished | Failed
 """A request's events: Token* then one Finished or Failed."""
 
 

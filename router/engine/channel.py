@@ -178,7 +178,7 @@ class ChannelServer:
             writer.write(MAGIC + nonce)
             await writer.drain()
             reply = await asyncio.wait_for(reader.readexactly(2 * NONCE), HANDSHAKE_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
             return False
         if not hmac.compare_digest(reply[:NONCE], _mac(self.authkey, nonce)):
             log.warning("channel connection refused: wrong key")
@@ -440,7 +440,7 @@ class EngineClient(EngineAPI):
         finally:
             stream.close()
 
-    def open_stream(self, reqs) -> "GenerateStream":
+    def open_stream(self, reqs) -> GenerateStream:
         """Submit ``reqs`` and return their event stream (see :class:`GenerateStream`)."""
         sock = self._connect()
         try:
@@ -588,7 +588,7 @@ class AsyncEngineClient:
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*self.address), self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             raise ClusterError(f"cannot reach the leader at {self.address[0]}:{self.address[1]}: {e}") from e
         try:
             hello = await asyncio.wait_for(reader.readexactly(len(MAGIC) + NONCE), HANDSHAKE_TIMEOUT_S)
@@ -600,7 +600,7 @@ class AsyncEngineClient:
             proof = await asyncio.wait_for(reader.readexactly(NONCE), HANDSHAKE_TIMEOUT_S)
             if not hmac.compare_digest(proof, _mac(self.authkey, mine)):
                 raise ConnectionError("the leader did not prove the channel key")
-        except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError, EOFError, asyncio.IncompleteReadError) as e:
             writer.close()
             raise ClusterError(f"the leader refused the channel handshake: {e}") from e
         return reader, writer

@@ -35,8 +35,8 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class Sequence:
     req: GenerateRequest
     eos_ids: frozenset
     sink: Callable[[Event], None] | None = None
-    events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     router: int = -1
     known: list = field(default_factory=list)
     cached: int = 0

@@ -53,7 +53,6 @@ import time
 
 from moeserve import __version__
 from moeserve.services.admission import Admission
-from moeserve.services.tokenizer import Detokenizer, StopStrings
 from moeserve.services.http.choices import FINISH, Choice, Run, drive, log_softmax_row
 from moeserve.services.http.encode import (
     ERROR_TYPES,
@@ -92,6 +91,7 @@ from moeserve.services.http.params import (
     parse_sampling,
 )
 from moeserve.services.http.server import HttpServer
+from moeserve.services.tokenizer import Detokenizer, StopStrings
 
 
 async def _until_disconnect(receive, coro):

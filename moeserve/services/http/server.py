@@ -101,7 +101,7 @@ class HttpServer:
         self.server.should_exit = True
         try:
             await asyncio.wait_for(asyncio.shield(self._task), self.grace_s + 10)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.server.force_exit = True
             self._task.cancel()
 
