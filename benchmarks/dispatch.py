@@ -407,7 +407,15 @@ def bench_migration(rank, world, device, dtype, model, iters, budget_bytes):
 
     # Every slot of worker w goes to worker (w + 1) % W: all of a layer's experts move at once.
     moves = tuple(
-        MoveOp(0, ((w + 1) % world) * s + i, int(phy2log[0, w * s + i]), w, w * s + i, (w + 1) % world, i)
+        MoveOp(
+            moe_layer=0,
+            slot=((w + 1) % world) * s + i,
+            logical=int(phy2log[0, w * s + i]),
+            src_worker=w,
+            src_slot=w * s + i,
+            dst_worker=(w + 1) % world,
+            stage=i,
+        )
         for w in range(world)
         for i in range(s)
     )

@@ -18,6 +18,7 @@ import torch
 
 from moeserve.dataplane.exchange import idle_walk
 from moeserve.dataplane.protocol import RouterWork, SeqWork
+from moeserve.dataplane.roles import LoadSnapshot
 from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.ops.profiling import span
 from moeserve.router.dispatcher import DistributedExperts
@@ -38,6 +39,28 @@ class _Outputs:
         if self.event is not None:
             self.event.synchronize()
         return dict(zip(self.ids, self.host.tolist())) if self.ids else {}
+
+
+class RouterSeq:
+    """One sequence on its router: its KV block ids (``table``), sampling parameters and the
+    seed the leader gave them, the tokens in its KV cache after the last step (``length``), the
+    output index of the next token it samples (``out``), the request's ``return_logits``
+    (``mode``), and its entry in the runner's ``tok_buf`` (``tok``: slots 2 tok and 2 tok + 1;
+    ``cur``: the one holding its latest sampled token)."""
+
+    __slots__ = ("table", "sampling", "seed", "length", "out", "mode", "tok", "cur")
+
+    def __init__(self, table: list[int], sampling: SamplingParams, mode: str):
+        if sampling.seed is None:
+            raise ValueError("a sequence's sampling parameters reach its router with their seed set (by the leader)")
+        self.table = table
+        self.sampling = sampling
+        self.seed: int = sampling.seed
+        self.mode = mode
+        self.length = 0
+        self.out = 0
+        self.tok: int | None = None
+        self.cur = 0
 
 
 class RouterRunner:
@@ -70,46 +93,33 @@ class RouterRunner:
             from moeserve.router.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, self.cache, experts, block_size, *graphs)
-        self.tables: dict[int, list[int]] = {}  # seq id -> block ids
-        self.params: dict[int, SamplingParams] = {}
-        self.lens: dict[int, int] = {}  # seq id -> tokens in its KV cache after the last step
-        self.outs: dict[int, int] = {}  # seq id -> output index of the next token it samples
-        self.modes: dict[int, str] = {}  # seq id -> the request's return_logits
+        self.seqs: dict[int, RouterSeq] = {}  # the live sequences of this router, by id
         # (step, its rows, tok_buf slot each decode reads, slot each sampling row writes): a step
         # run again after a lost peer reuses them
         self._rows: tuple[int, list, dict, dict] | None = None
         # each live sequence's last sampled token, on the device: entry e of a sequence owns slots
-        # 2e and 2e + 1, and a step writes the one its input is not read from (tok_cur: the slot
-        # with the latest token), so a step run again still reads the token of the step before
+        # 2e and 2e + 1, and a step writes the one its input is not read from (RouterSeq.cur: the
+        # slot with the latest token), so a step run again still reads the token of the step before
         self.tok_buf = torch.zeros(128, dtype=torch.long, device=self.device)
-        self.tok_index: dict[int, int] = {}
-        self.tok_cur: dict[int, int] = {}
         self._free_tok = list(range(63, -1, -1))
         self._outputs: list[_Outputs] = []  # sampled, not delivered yet (oldest first)
         self._delivered: tuple[int, tuple] | None = None  # (step, what deliver(step) returned): a replay
-        self._load = None  # a load snapshot on its way to the host
+        self._load: tuple | None = None  # a load snapshot on its way to the host
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
-            self.tables.pop(sid, None)
-            self.params.pop(sid, None)
-            self.lens.pop(sid, None)
-            self.outs.pop(sid, None)
-            self.modes.pop(sid, None)
-            self.tok_cur.pop(sid, None)
-            i = self.tok_index.pop(sid, None)
-            if i is not None:
-                self._free_tok.append(i)
+            seq = self.seqs.pop(sid, None)
+            if seq is not None and seq.tok is not None:
+                self._free_tok.append(seq.tok)
 
-    def _tok_entry(self, sid: int) -> int:
-        i = self.tok_index.get(sid)
-        if i is None:
+    def _tok_entry(self, seq: RouterSeq) -> int:
+        if seq.tok is None:
             if not self._free_tok:  # grow (stream-ordered: pending scatters land first)
                 n = self.tok_buf.numel() // 2
                 self.tok_buf = torch.cat([self.tok_buf, torch.zeros_like(self.tok_buf)])
                 self._free_tok = list(range(2 * n - 1, n - 1, -1))
-            i = self.tok_index[sid] = self._free_tok.pop()
-        return i
+            seq.tok = self._free_tok.pop()
+        return seq.tok
 
     def _device_ids(self, host_ids: list[int], src: list[int]) -> torch.Tensor:
         """Token ids [T] on the device: ``host_ids[t]``, or where ``src[t] >= 0`` the token held
@@ -159,12 +169,12 @@ class RouterRunner:
         if (
             self.graphs is not None
             and all(sw.num_new == 1 and sw.sample and sw.return_logits != "all" for sw in seqs)
-            and self.graphs.fits(len(seqs), [self.tables[sw.seq_id] for sw in seqs])
+            and self.graphs.fits(len(seqs), [self.seqs[sw.seq_id].table for sw in seqs])
         ):
             logits = self.graphs.run(
                 ids,
                 [sw.start for sw in seqs],
-                [self.tables[sw.seq_id] for sw in seqs],
+                [self.seqs[sw.seq_id].table for sw in seqs],
                 step,
                 src=src if any(j >= 0 for j in src) else None,
                 runner=self,
@@ -177,7 +187,7 @@ class RouterRunner:
             batch = PagedBatch.build(
                 [sw.num_new for sw in seqs],
                 [sw.start for sw in seqs],
-                [self.tables[sw.seq_id] for sw in seqs],
+                [self.seqs[sw.seq_id].table for sw in seqs],
                 self.block_size,
                 self.device,
             )
@@ -227,31 +237,43 @@ class RouterRunner:
         slot each sampling row writes."""
         rows = list(work.seqs)
         src_of, dst_of = {}, {}
+        live = self.seqs
         for sw in work.seqs:
             sid = sw.seq_id
-            if sw.start == 0:  # new, or recomputed after a preemption
-                self.tables[sid] = list(sw.new_blocks)
-                self.params[sid] = sw.sampling
-                self.modes[sid] = sw.return_logits
+            if sw.start == 0:  # new, or recomputed after a preemption: a fresh record
+                assert sw.sampling is not None  # the leader sends it with every start
+                old = live.get(sid)
+                seq = live[sid] = RouterSeq(list(sw.new_blocks), sw.sampling, sw.return_logits)
+                if old is not None:  # keeps its tok_buf entry (a token of a step run again may sit there)
+                    seq.tok, seq.cur = old.tok, old.cur
             else:
-                self.tables[sid].extend(sw.new_blocks)
-            self.lens[sid] = sw.start + len(sw.token_ids)
+                seq = live[sid]
+                seq.table.extend(sw.new_blocks)
+            seq.length = sw.start + len(sw.token_ids)
             if sw.sample:
-                self.outs[sid] = sw.out_pos + 1
-                e, cur = self._tok_entry(sid), self.tok_cur.get(sid, 0)
+                seq.out = sw.out_pos + 1
+                e, cur = self._tok_entry(seq), seq.cur
                 dst_of[sid] = 2 * e + 1 - cur
-                self.tok_cur[sid] = 1 - cur
+                seq.cur = 1 - cur
         for sid, block in work.blocks.tolist():
-            self.tables[sid].append(block)
-        lens, outs, modes, index, curs = self.lens, self.outs, self.modes, self.tok_index, self.tok_cur
+            live[sid].table.append(block)
         for sid in work.decodes.tolist():
-            start, out, mode = lens[sid], outs[sid], modes[sid]
-            lens[sid], outs[sid] = start + 1, out + 1
-            e, cur = index[sid], curs[sid]
-            src_of[sid], dst_of[sid] = 2 * e + cur, 2 * e + 1 - cur
-            curs[sid] = 1 - cur
+            seq = live[sid]
+            start, out, mode = seq.length, seq.out, seq.mode
+            seq.length, seq.out = start + 1, out + 1
+            entry, cur = seq.tok, seq.cur
+            assert entry is not None  # a decoding sequence sampled its first token in an earlier step
+            src_of[sid], dst_of[sid] = 2 * entry + cur, 2 * entry + 1 - cur
+            seq.cur = 1 - cur
             rows.append(
-                SeqWork(sid, (), start, None, "all" if mode == "all" else "last" if mode else "", (), True, out, True)
+                SeqWork(
+                    seq_id=sid,
+                    token_ids=(),
+                    start=start,
+                    return_logits="all" if mode == "all" else "last" if mode else "",
+                    out_pos=out,
+                    pending=True,
+                )
             )
         return rows, src_of, dst_of
 
@@ -263,9 +285,10 @@ class RouterRunner:
         to the host; also the logits asked for with "last"."""
         out_logits = {} if out_logits is None else out_logits
         with span("sampling"):
+            rows = [self.seqs[sw.seq_id] for sw in sampled]
             st = SamplingTensors.build(
-                [self.params[sw.seq_id] for sw in sampled],
-                [self.params[sw.seq_id].seed for sw in sampled],
+                [seq.sampling for seq in rows],
+                [seq.seed for seq in rows],
                 [sw.out_pos for sw in sampled],
                 self.device,
             )
@@ -293,7 +316,7 @@ class RouterRunner:
         again for the same step (the step was run again after a lost peer), the same answer."""
         if self._delivered is not None and self._delivered[0] == step:
             return self._delivered[1]
-        out = (-1, {}, {})
+        out: tuple[int, dict[int, int], dict[int, np.ndarray]] = (-1, {}, {})
         if self._outputs and (
             self._outputs[0].step < step or (not self.async_outputs and self._outputs[0].step <= step)
         ):
@@ -312,7 +335,7 @@ class RouterRunner:
         snapshot), with the maps they were routed with; ``take_load_snapshot`` returns it."""
         self._load = self.experts.snapshot_load()
 
-    def take_load_snapshot(self):
+    def take_load_snapshot(self) -> LoadSnapshot | None:
         """(logical [L, E], worker [L, W], steps, histogram [L, E, K], busy [L, P]) of the last
         ``snapshot_load`` (``DistributedExperts.finish_load``), or None."""
         snap, self._load = self._load, None

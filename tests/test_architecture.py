@@ -231,3 +231,18 @@ def test_the_checker_sees_a_forbidden_arrow():
     """The static check is not vacuous: the admin service does reach gRPC and the engine."""
     assert "grpc" in _hits(_reachable("moeserve.services.admin"), GRPC)
     assert _reachable("moeserve.cluster.launcher") >= {"moeserve.router.engine.channel", "moeserve.config"}
+
+
+STEP_MESSAGES = ("SeqWork", "RouterWork", "StepHeader", "MigrationOps", "LayerCommit", "MoveOp", "RankResult")
+
+
+def test_step_messages_with_more_than_one_field_are_built_with_keywords():
+    """A step message's fields are named where it is built (a positional SeqWork(...) of nine
+    values, three of them bare booleans, is unreadable), in the source tree and in the tests."""
+    positional = []
+    for path in [*MODULES.values(), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in STEP_MESSAGES:
+                if len(node.args) > 1:
+                    positional.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.func.id}")
+    assert positional == []

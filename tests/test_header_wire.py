@@ -28,40 +28,47 @@ def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
             n = long_prompt or int(rng.integers(1, 40))
             seqs.append(
                 SeqWork(
-                    int(rng.integers(1, 10**9)),
-                    tuple(int(x) for x in rng.integers(0, 202048, n)),
-                    int(rng.integers(0, 5000)),
-                    sampling,
-                    str(rng.choice(["", "last", "all"])),
-                    tuple(int(x) for x in rng.integers(0, 10**6, int(rng.integers(0, 4)))),
-                    bool(rng.random() < 0.5),
-                    int(rng.integers(0, 1000)),
+                    seq_id=int(rng.integers(1, 10**9)),
+                    token_ids=tuple(int(x) for x in rng.integers(0, 202048, n)),
+                    start=int(rng.integers(0, 5000)),
+                    sampling=sampling,
+                    return_logits=str(rng.choice(["", "last", "all"])),
+                    new_blocks=tuple(int(x) for x in rng.integers(0, 10**6, int(rng.integers(0, 4)))),
+                    sample=bool(rng.random() < 0.5),
+                    out_pos=int(rng.integers(0, 1000)),
                 )
             )
         d = int(rng.integers(0, 300))
         k = int(rng.integers(0, 20))
         work.append(
             RouterWork(
-                tuple(seqs),
-                tuple(int(x) for x in rng.integers(1, 10**6, int(rng.integers(0, 5)))),
-                rng.integers(1, 10**9, d).astype(np.int64),
-                rng.integers(0, 10**6, (k, 2)).astype(np.int64),
+                seqs=tuple(seqs),
+                release=tuple(int(x) for x in rng.integers(1, 10**6, int(rng.integers(0, 5)))),
+                decodes=rng.integers(1, 10**9, d).astype(np.int64),
+                blocks=rng.integers(0, 10**6, (k, 2)).astype(np.int64),
             )
         )
     mig = None
     if migration:
         commits = tuple(
             LayerCommit(
-                int(rng.integers(0, 48)),
-                tuple(int(x) for x in rng.integers(0, 256, 18)),
-                int(rng.integers(1, 100)),
-                ((3, 0), (17, 1)),
-                tuple(int(x) for x in rng.integers(0, 64, 16)) if rng.random() < 0.5 else (),
+                moe_layer=int(rng.integers(0, 48)),
+                phy2log=tuple(int(x) for x in rng.integers(0, 256, 18)),
+                version=int(rng.integers(1, 100)),
+                staged=((3, 0), (17, 1)),
+                breakeven=tuple(int(x) for x in rng.integers(0, 64, 16)) if rng.random() < 0.5 else (),
             )
             for _ in range(2)
         )
         moves = tuple(MoveOp(*(int(x) for x in rng.integers(0, 300, 7))) for _ in range(5))
-        mig = MigrationOps("mig-ünïcode-7", 4, commits, bool(rng.random() < 0.5), moves, bool(rng.random() < 0.5))
+        mig = MigrationOps(
+            migration_id="mig-ünïcode-7",
+            begin_staging_slots=4,
+            commits=commits,
+            rollback=bool(rng.random() < 0.5),
+            moves=moves,
+            end=bool(rng.random() < 0.5),
+        )
     return StepHeader(
         int(rng.integers(0, 2**40)),
         forward=True,

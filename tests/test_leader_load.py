@@ -20,7 +20,7 @@ def engine(window=3):
 
 def step(eng, k: int):
     """One forward step whose load is k everywhere (logical [L, E], worker [L, W])."""
-    header = StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(1, (5,), 0),)),))
+    header = StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(seq_id=1, token_ids=(5,), start=0),)),))
     res = RankResult(
         0, tokens={}, logical_load=np.full((L, E), k, dtype=np.int64), worker_load=np.full((L, W), k, dtype=np.int64)
     )
@@ -103,7 +103,7 @@ def test_a_commit_reads_the_load_first_and_the_window_keeps_whole_reads():
     for _ in range(3):  # three reads of 16 steps
         for _ in range(16):
             r.step(
-                StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(1, (5,), 0),)),), read_load=r.unread >= 16)
+                StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(seq_id=1, token_ids=(5,), start=0),)),), read_load=r.unread >= 16)
             )
     r.step(StepHeader(eng.step, read_load=True))
     rep = eng.expert_load()
@@ -140,7 +140,7 @@ def test_an_admin_load_call_asks_the_step_loop_for_a_read_and_waits_for_it():
             r.step(eng.next_header())
 
     for _ in range(5):  # 5 forward steps, not read yet
-        r.step(StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(1, (5,), 0),)),)))
+        r.step(StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(seq_id=1, token_ids=(5,), start=0),)),)))
     eng._unread_steps = 5
     eng._last_step_t = time.monotonic()
     t = threading.Thread(target=driver, daemon=True)

@@ -54,7 +54,10 @@ NEW_BLOCKS = {(2, 1): 3, (1, 4): 4}  # (sequence, step) -> the block it gains
 def first_step():
     """Both prompts, each sampling its first token (blocks 0-1 and 2)."""
     return RouterWork(
-        (SeqWork(1, PROMPTS[1], 0, GREEDY, "", (0, 1), True, 0), SeqWork(2, PROMPTS[2], 0, GREEDY, "", (2,), True, 0))
+        (
+            SeqWork(seq_id=1, token_ids=PROMPTS[1], start=0, sampling=GREEDY, new_blocks=(0, 1)),
+            SeqWork(seq_id=2, token_ids=PROMPTS[2], start=0, sampling=GREEDY, new_blocks=(2,)),
+        )
     )
 
 
@@ -98,14 +101,11 @@ def test_decodes_sent_by_id_give_the_tokens_of_decodes_sent_with_their_ids(model
     for step in range(1, 5):
         seqs = tuple(
             SeqWork(
-                sid,
-                (want[sid][-1],),
-                len(PROMPTS[sid]) + step - 1,
-                None,
-                "",
-                (NEW_BLOCKS[sid, step],) if (sid, step) in NEW_BLOCKS else (),
-                True,
-                step,
+                seq_id=sid,
+                token_ids=(want[sid][-1],),
+                start=len(PROMPTS[sid]) + step - 1,
+                new_blocks=(NEW_BLOCKS[sid, step],) if (sid, step) in NEW_BLOCKS else (),
+                out_pos=step,
             )
             for sid in (1, 2)
         )

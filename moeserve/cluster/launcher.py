@@ -22,7 +22,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -69,8 +70,118 @@ class Generation:
     logits: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How ``LocalCluster`` starts, serves and watches its ranks, beside the ``ClusterConfig``
+    they all share.
+
+    startup_timeout_s: how long the ranks may take to become ready. env: extra environment of
+    every rank. log_dir: the ranks' logs (default: the run folder, removed at stop).
+    admin_port: the leader serves the gRPC admin API there (-1: none, 0: a free port; see
+    ``LocalCluster.admin_address``), on admin_host, guarded by admin_token (handed to the leader
+    in its environment), over TLS with admin_tls_cert and admin_tls_key; max_message_bytes and
+    grace_s are that server's. metrics_ports: one Prometheus port per rank (0: a free one), or
+    None for no metrics. max_worker_restarts: lost expert workers replaced per minute before
+    the cluster gives up (0: never replaced).
+    """
+
+    startup_timeout_s: float = 300.0
+    env: tuple[tuple[str, str], ...] = ()
+    log_dir: str | None = None
+    admin_port: int = -1
+    admin_host: str = "127.0.0.1"
+    admin_token: str | None = None
+    admin_tls_cert: str = ""
+    admin_tls_key: str = ""
+    max_message_bytes: int = 64 << 20
+    grace_s: float = 30.0
+    metrics_ports: tuple[int, ...] | None = None
+    max_worker_restarts: int = 3
+
+    def __post_init__(self):
+        if not -1 <= self.admin_port <= 65535:
+            raise ValueError(
+                f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {self.admin_port}"
+            )
+        if self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+
+    def leader_hook(self) -> dict:
+        """The ClusterConfig fields that make the leader serve the admin API ({} without one)."""
+        if self.admin_port < 0:
+            return {}
+        return admin_hook(
+            self.admin_port,
+            self.admin_host,
+            self.admin_tls_cert,
+            self.admin_tls_key,
+            self.max_message_bytes,
+            self.grace_s,
+        )
+
+
+_SECTIONS = {"eplb": EplbConfig, "limits": Limits, "cache": CacheConfig}
+_SECTION_OF = {f.name: section for section, cls in _SECTIONS.items() for f in fields(cls)}
+_LAUNCH_KEYS = {f.name for f in fields(LaunchOptions)}
+# ClusterConfig fields that LocalCluster derives (from the model folder, a placement, LaunchOptions)
+_DERIVED = {"model_dir", "phy2log", "breakeven", "leader_hook", "leader_hook_config", *_SECTIONS}
+_CLUSTER_KEYS = {f.name for f in fields(ClusterConfig)} - _DERIVED
+
+
+def configure(model_dir, placement=None, breakeven=None, **keywords) -> tuple[ClusterConfig, LaunchOptions]:
+    """``LocalCluster``'s keywords as the ``ClusterConfig`` every rank shares and this launcher's
+    ``LaunchOptions``: each keyword goes to the config section that has a field of its name
+    (``ClusterConfig``, ``EplbConfig``, ``Limits``, ``CacheConfig``, ``LaunchOptions``; vLLM's
+    names), so none is listed twice. ``placement`` (phy2log [L, P] or a Placement) and
+    ``breakeven`` ([L, E]) are the start placement; LocalCluster checks both against the model."""
+    top: dict[str, Any] = {}
+    launch: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    unknown = []
+    for key, value in keywords.items():
+        if key in _SECTION_OF:
+            sections[_SECTION_OF[key]][key] = value
+        elif key in _LAUNCH_KEYS:
+            launch[key] = value
+        elif key in _CLUSTER_KEYS:
+            top[key] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        allowed = sorted(_CLUSTER_KEYS | _LAUNCH_KEYS | set(_SECTION_OF) | {"placement", "breakeven"})
+        raise TypeError(f"LocalCluster got unknown keywords {sorted(unknown)}; it takes {', '.join(allowed)}")
+    if "env" in launch:
+        launch["env"] = tuple(sorted((str(k), str(v)) for k, v in dict(launch["env"] or {}).items()))
+    if launch.get("metrics_ports") is not None:
+        launch["metrics_ports"] = tuple(int(p) for p in launch["metrics_ports"])
+    opts = LaunchOptions(**launch)
+    top.setdefault("host", opts.admin_host)
+    if top.get("state_dir"):
+        top["state_dir"] = os.path.abspath(top["state_dir"])
+    if "metrics_peers" in top:
+        top["metrics_peers"] = tuple(sorted((str(k), int(v)) for k, v in dict(top["metrics_peers"] or {}).items()))
+    if breakeven is None and isinstance(placement, Placement):
+        breakeven = placement.breakeven
+    config = ClusterConfig(
+        model_dir=os.path.abspath(os.fspath(model_dir)),
+        eplb=EplbConfig(**sections["eplb"]),
+        limits=Limits(**sections["limits"]),
+        cache=CacheConfig(**sections["cache"]),
+        phy2log=None
+        if placement is None
+        else tuple(tuple(int(x) for x in row) for row in np.asarray(getattr(placement, "phy2log", placement))),
+        breakeven=None if breakeven is None else tuple(tuple(int(x) for x in row) for row in np.asarray(breakeven)),
+        **top,
+    )
+    return config, opts
+
+
 class LocalCluster:
-    """A cluster of router and expert-worker processes on this machine.
+    """A cluster of router and expert-worker processes on this machine, from a ``ClusterConfig``
+    (what every rank shares) and ``LaunchOptions`` (how this launcher starts and watches them):
+    ``LocalCluster(config=cfg, launch=opts)``. As a convenience, keywords build both
+    (``configure``): ``LocalCluster(model_dir, routers=1, workers=2, num_redundant_experts=2,
+    enable_eplb=True, max_model_len=256, admin_port=0)``.
 
     routers, workers: R and W; colocated=True makes N = R = W ranks that are each both.
     num_redundant_experts: redundant slots per MoE layer ((E + R) % W must be 0).
@@ -78,169 +189,84 @@ class LocalCluster:
     (its maps and break-even counts).
     breakeven: the initial placement's break-even counts b, [L, E] (default: a Placement's own,
     else ``MOESERVE_EPLB_BREAKEVEN`` in ``env`` or 0: every replica always used).
-    backend: "gloo" (CPU) or "nccl" (one GPU per rank). Other keywords: see ClusterConfig,
-    EplbConfig, Limits and CacheConfig (vLLM's names: block_size, gpu_memory_utilization,
-    num_gpu_blocks_override).
-    admin_port: the leader serves the gRPC admin API there (-1: none, 0: a free port; see
-    ``admin_address``), guarded by ``admin_token`` (passed to the leader in its environment).
-    metrics_ports: one Prometheus port per rank (0: a free one), or None for no metrics;
-    per_expert_metrics and metrics_peers: see ClusterConfig.
+    backend: "gloo" (CPU) or "nccl" (one GPU per rank).
     load_format: "auto" (the checkpoint's files) or "dummy" (seeded random weights made on each
     rank's device from config.json alone; moeserve.models.dummy).
     """
 
     def __init__(
         self,
-        model_dir,
+        model_dir=None,
         routers: int = 1,
         workers: int = 1,
         colocated: bool = False,
         num_redundant_experts: int = 0,
         backend: str = "gloo",
         *,
-        enable_eplb: bool = True,
-        placement=None,
-        dtype: str = "float32",
-        window_size: int = 1000,
-        step_interval: int = 3000,
-        log_balancedness: bool = False,
-        max_model_len: int = 4096,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 4096,
-        max_waiting: int = 1024,
-        workers_per_node: int = 0,
-        migration_bytes_per_step: int = 512 << 20,
-        max_staging_bytes: int = 0,
-        heartbeat_s: float = 0.1,
-        pg_timeout_s: float = 30.0,
-        startup_timeout_s: float = 300.0,
-        env: dict | None = None,
-        log_dir: str | None = None,
-        admin_port: int = -1,
-        admin_host: str = "127.0.0.1",
-        admin_token: str | None = None,
-        admin_tls_cert: str = "",
-        admin_tls_key: str = "",
-        max_message_bytes: int = 64 << 20,
-        grace_s: float = 30.0,
-        metrics_ports=None,
-        per_expert_metrics: str = "auto",
-        metrics_peers: dict | None = None,
-        exchange: str = "auto",
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int = 0,
-        cpu_kv_cache_gib: float = 1.0,
-        max_worker_restarts: int = 3,
-        load_format: str = "auto",
-        state_dir: str = "",
-        enforce_eager: bool = False,
-        breakeven=None,
-        async_scheduling: bool = True,
-        capture_graphs_at_start: bool = False,
+        config: ClusterConfig | None = None,
+        launch: LaunchOptions | None = None,
+        **keywords,
     ):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
 
-        model_dir = os.fspath(model_dir)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        mcfg = load_config(model_dir)  # fails early on a bad checkpoint
-        info = MoEInfo.from_config(mcfg, DTYPES[dtype])
-        num_slots = info.num_logical_experts + num_redundant_experts
-        check_topology(routers, workers, colocated, num_slots)
-        if not -1 <= admin_port <= 65535:
-            raise ValueError(f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {admin_port}")
-        hook = (
-            {}
-            if admin_port < 0
-            else admin_hook(admin_port, admin_host, admin_tls_cert, admin_tls_key, max_message_bytes, grace_s)
-        )
-        phy2log = b_start = None
-        if breakeven is None and isinstance(placement, Placement):
-            breakeven = placement.breakeven
-        if breakeven is not None:
+        if config is None:
+            if model_dir is None:
+                raise TypeError("LocalCluster needs a model folder (or config=ClusterConfig(...))")
+            config, built = configure(
+                model_dir,
+                routers=routers,
+                workers=workers,
+                colocated=colocated,
+                num_redundant_experts=num_redundant_experts,
+                enable_eplb=keywords.pop("enable_eplb", True),
+                backend=backend,
+                **keywords,
+            )
+            launch = launch or built
+        elif model_dir is not None or keywords:
+            raise TypeError("give LocalCluster a config or keywords, not both")
+        launch = launch or LaunchOptions()
+        mcfg = load_config(config.model_dir)  # fails early on a bad checkpoint
+        info = MoEInfo.from_config(mcfg, DTYPES[config.dtype])
+        num_slots = info.num_logical_experts + config.eplb.num_redundant_experts
+        check_topology(config.routers, config.workers, config.colocated, num_slots)
+        if config.breakeven is not None:
             from moeserve.placement import check_breakeven
 
-            b_start = tuple(
-                tuple(int(x) for x in row)
-                for row in check_breakeven(breakeven, info.num_moe_layers, info.num_logical_experts)
-            )
-        if placement is not None:
+            check_breakeven(np.asarray(config.breakeven), info.num_moe_layers, info.num_logical_experts)
+        if config.phy2log is not None:
             p = Placement(
-                phy2log=np.asarray(getattr(placement, "phy2log", placement)),
+                phy2log=np.asarray(config.phy2log),
                 num_logical=info.num_logical_experts,
-                num_workers=workers,
-                workers_per_node=workers_per_node or workers,
+                num_workers=config.workers,
+                workers_per_node=config.workers_per_node or config.workers,
                 version=1,
             )
             if p.phy2log.shape != (info.num_moe_layers, num_slots):
                 raise ValueError(
                     f"placement has shape {p.phy2log.shape}, expected (L, P) = ({info.num_moe_layers}, {num_slots})"
                 )
-            phy2log = tuple(tuple(int(x) for x in row) for row in p.phy2log)
-        self.config = ClusterConfig(
-            model_dir=os.path.abspath(model_dir),
-            routers=routers,
-            workers=workers,
-            colocated=colocated,
-            backend=backend,
-            dtype=dtype,
-            eplb=EplbConfig(
-                enable_eplb=enable_eplb,
-                num_redundant_experts=num_redundant_experts,
-                window_size=window_size,
-                step_interval=step_interval,
-                log_balancedness=log_balancedness,
-            ),
-            limits=Limits(
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_waiting=max_waiting,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                cpu_kv_cache_gib=cpu_kv_cache_gib,
-            ),
-            workers_per_node=workers_per_node,
-            phy2log=phy2log,
-            breakeven=b_start,
-            migration_bytes_per_step=migration_bytes_per_step,
-            max_staging_bytes=max_staging_bytes,
-            heartbeat_s=heartbeat_s,
-            pg_timeout_s=pg_timeout_s,
-            host=admin_host,
-            **hook,
-            per_expert_metrics=per_expert_metrics,
-            exchange=exchange,
-            load_format=load_format,
-            state_dir=os.path.abspath(state_dir) if state_dir else "",
-            enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
-            capture_graphs_at_start=capture_graphs_at_start,
-            metrics_peers=tuple(sorted((str(k), int(v)) for k, v in (metrics_peers or {}).items())),
-        )
-        if metrics_ports is not None and len(metrics_ports) != self.config.world_size:
+        if launch.metrics_ports is not None and len(launch.metrics_ports) != config.world_size:
             raise ValueError(
-                f"metrics_ports needs one port per rank ({self.config.world_size}), got {len(metrics_ports)}"
+                f"metrics_ports needs one port per rank ({config.world_size}), got {len(launch.metrics_ports)}"
             )
-        self.metrics_ports = None if metrics_ports is None else [int(p) for p in metrics_ports]
+        self.config = replace(config, **launch.leader_hook())
+        self.launch = launch
+        self.metrics_ports = None if launch.metrics_ports is None else list(launch.metrics_ports)
         self.moe_info = info
         self.vocab_size = mcfg.vocab_size
-        self.startup_timeout_s = startup_timeout_s
-        self.env = dict(env or {})
-        if admin_token:
-            self.env["MOESERVE_ADMIN_TOKEN"] = admin_token
+        self.startup_timeout_s = launch.startup_timeout_s
+        self.env = dict(launch.env)
+        if launch.admin_token:
+            self.env["MOESERVE_ADMIN_TOKEN"] = launch.admin_token
         self.admin_address: tuple[str, int] | None = None
         self.authkey: bytes | None = None
-        self.log_dir = log_dir
+        self.log_dir = launch.log_dir
         self.procs: list[subprocess.Popen] = []
         self.run_dir: str | None = None
         self.error: str | None = None
-        self.max_worker_restarts = max_worker_restarts
+        self.max_worker_restarts = launch.max_worker_restarts
         self.replaced: list[tuple[int, int, float]] = []  # (rank, exit code, time) of each replacement
         self._stopping = False
         self._client: EngineClient | None = None
@@ -364,10 +390,10 @@ class LocalCluster:
             time.sleep(0.2)
             if self._stopping:
                 return
-            exited = [(rank, p.poll()) for rank, p in enumerate(self.procs) if p.poll() is not None]
+            exited = self._exited()
             if exited:
                 time.sleep(0.3)  # let peers that saw the failure exit too
-                exited = [(rank, p.poll()) for rank, p in enumerate(self.procs) if p.poll() is not None]
+                exited = self._exited()
                 if self._replace(exited):
                     continue
                 # A rank killed by a signal is the likely cause; the others died of losing it.
@@ -421,6 +447,10 @@ class LocalCluster:
         except OSError:
             return ""
 
+    def _exited(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of every rank process that has exited."""
+        return [(rank, code) for rank, p in enumerate(self.procs) if (code := p.poll()) is not None]
+
     @property
     def control_address(self) -> tuple[str, int]:
         """(host, port) of the leader's local channel (its key is ``authkey``)."""
@@ -463,17 +493,17 @@ class LocalCluster:
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         reqs = [
             GenerateRequest(
-                tuple(int(t) for t in p),
-                max_tokens,
-                sp,
-                tuple(stop_token_ids),
-                ignore_eos,
-                "last" if return_logits else "",
+                prompt_ids=tuple(int(t) for t in p),
+                max_tokens=max_tokens,
+                sampling=sp,
+                stop_token_ids=tuple(stop_token_ids),
+                ignore_eos=ignore_eos,
+                return_logits="last" if return_logits else "",
             )
             for p in prompts
         ]
-        toks = [[] for _ in reqs]
-        logits = [[] for _ in reqs]
+        toks: list[list[int]] = [[] for _ in reqs]
+        logits: list[list[np.ndarray]] = [[] for _ in reqs]
         reasons = [""] * len(reqs)
         for i, ev in self._c().generate_stream(reqs):
             if isinstance(ev, Token):
@@ -490,9 +520,11 @@ class LocalCluster:
 
     def prompt_logits(self, prompt) -> np.ndarray:
         """float32 [T, V]: the logits at every position of ``prompt`` (one prefill)."""
-        req = GenerateRequest(tuple(int(t) for t in prompt), 1, SamplingParams(), (), True, "all")
+        req = GenerateRequest(
+            prompt_ids=tuple(int(t) for t in prompt), max_tokens=1, ignore_eos=True, return_logits="all"
+        )
         for _, ev in self._c().generate_stream([req]):
-            if isinstance(ev, Token):
+            if isinstance(ev, Token) and ev.logits is not None:
                 return ev.logits
             if isinstance(ev, Failed):
                 raise ClusterError(self._failure() or ev.message)  # the monitor names the rank that died first
@@ -510,11 +542,12 @@ class LocalCluster:
         wait=False). ``breakeven`` [L, E]: the break-even counts b that come with it (None:
         those in force stay). Raises ValueError (InvalidRequest), changing nothing, when it is
         not a valid placement."""
-        target = np.asarray(phy2log)
+        maps = np.asarray(phy2log)
+        target: np.ndarray | Placement = maps
         if breakeven is not None:
             cur = self.placement()
             target = Placement(
-                target, cur.num_logical, cur.num_workers, cur.workers_per_node, cur.version, breakeven=breakeven
+                maps, cur.num_logical, cur.num_workers, cur.workers_per_node, cur.version, breakeven=breakeven
             )
         mig = self._c().apply_placement(target, expected_version)
         if wait:

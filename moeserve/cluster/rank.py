@@ -22,7 +22,9 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,7 +36,26 @@ from moeserve.dataplane.exchange import Topology
 from moeserve.dataplane.step import RankState, step_loop
 from moeserve.placement import Placement
 
+if TYPE_CHECKING:  # the roles' modules are imported where a rank takes the role (build)
+    from moeserve.expert_worker.store import ExpertStore
+    from moeserve.router.dispatcher import RouterMaps
+    from moeserve.router.engine.leader import Engine
+    from moeserve.router.runner import RouterRunner
+
 log = logging.getLogger("moeserve.rank")
+
+
+@dataclass
+class ComposedRank(RankState):
+    """A rank as this module composes it: its roles' own classes (the step loop sees them
+    through ``moeserve.dataplane.roles``; recovery, metrics and the leader's services here use
+    more of them)."""
+
+    runner: RouterRunner | None = None
+    maps: RouterMaps | None = None
+    store: ExpertStore | None = None
+    leader: Engine | None = None
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,7 +129,7 @@ def join(cfg: ClusterConfig, rank: int, device: torch.device, store, generation:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankState:
+def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> ComposedRank:
     """Load this rank's share of the model and join the process groups. A worker that replaces
     a lost one (``generation`` > 0) loads the experts of the placement the leader sends it."""
     from moeserve.models import load_config, load_model, open_reader
@@ -141,7 +162,16 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
     if generation:  # a replacement: the placement in force
         placement = _placement_from_leader(control, placement)
     exchange = make_exchange(cfg, topo, rank, device, control, mcfg.hidden_size, dtype, info.top_k)
-    st = RankState(rank, topo, exchange, control, info.num_moe_layers, mcfg.hidden_size, dtype, top_k=info.top_k)
+    st = ComposedRank(
+        rank=rank,
+        topo=topo,
+        exchange=exchange,
+        control_group=control,
+        num_layers=info.num_moe_layers,
+        hidden_size=mcfg.hidden_size,
+        dtype=dtype,
+        top_k=info.top_k,
+    )
 
     if role.worker_index >= 0:
         from moeserve.expert_worker.migration import run_moves
@@ -206,7 +236,7 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> RankStat
     return st
 
 
-def _warm_up_kernels(st: RankState, vocab_size: int, device: torch.device) -> None:
+def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) -> None:
     """Compile, before the rank is ready, the Triton kernels whose launch configurations a
     step picks from its shape and that no warm-up step reaches: the expert kernels' rows per
     pass (a worker) and the race sampler with and without a threshold (a router). Each is
@@ -233,7 +263,7 @@ def _warm_up_kernels(st: RankState, vocab_size: int, device: torch.device) -> No
 def _placement_from_leader(control, placement: Placement) -> Placement:
     """The leader's placement in force (maps and break-even counts), broadcast on the control
     group after a re-join."""
-    box = [(placement.phy2log, placement.breakeven) if dist.get_rank() == 0 else None]
+    box: list[Any] = [(placement.phy2log, placement.breakeven) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=control)
     return placement.evolve(phy2log=box[0][0], breakeven=box[0][1])
 
@@ -253,7 +283,7 @@ def _next_generation(store, current: int, timeout_s: float) -> int | None:
 
 
 def _recover(
-    st: RankState, cfg: ClusterConfig, store, device: torch.device, generation: list[int], error: BaseException
+    st: ComposedRank, cfg: ClusterConfig, store, device: torch.device, generation: list[int], error: BaseException
 ) -> bool:
     """A step's collective failed. When a replacement for a lost expert worker announces a new
     generation (within pg_timeout_s + 30 s), re-form the groups with it, install the leader's
@@ -272,7 +302,7 @@ def _recover(
         pass
     st.control_group = join(cfg, st.rank, device, store, gen)
     placement = st.leader.on_peer_lost() if st.leader is not None else None
-    box = [(placement.phy2log, placement.breakeven) if placement is not None else None]
+    box: list[Any] = [(placement.phy2log, placement.breakeven) if placement is not None else None]
     dist.broadcast_object_list(box, src=0, group=st.control_group)
     phy2log, breakeven = box[0]
     if st.maps is not None:
@@ -442,13 +472,14 @@ def serve(
         generation = _rejoining(cfg, rank, store)
         st = build(cfg, rank, store, generation)
         if generation == 0:  # a replacement joins a running cluster: no start gather
-            ports = [None] * cfg.world_size if rank == 0 else None
+            ports: list[Any] | None = [None] * cfg.world_size if rank == 0 else None
             blocks = st.runner.num_blocks if st.runner is not None else 0
             dist.gather_object((metrics.port if metrics else -1, blocks), ports, dst=0, group=st.control_group)
         if metrics is not None:
             _record_metrics(metrics, st, cfg)
         if st.leader is not None:
             engine = st.leader
+            assert ports is not None  # rank 0 (the leader) starts with the cluster: it took the start gather
             engine.metrics_ports = {
                 **{f"rank{r}": int(p) for r, (p, _) in enumerate(ports) if p >= 0},
                 **dict(cfg.metrics_peers),
@@ -477,7 +508,8 @@ def serve(
                 cfg.world_size,
                 *server.address,
             )
-        from moeserve.kernels import compilelog, gcpause
+        from moeserve.kernels import compilelog
+        from moeserve.ops import gcpause
 
         gcpause.freeze_startup_heap()  # full collections skip the start-up heap
         if cfg.backend == "nccl":
@@ -522,7 +554,7 @@ def _load_hook(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _record_metrics(metrics, st: RankState, cfg: ClusterConfig) -> None:
+def _record_metrics(metrics, st: ComposedRank, cfg: ClusterConfig) -> None:
     """Hand this rank's roles what they record: the leader's step hook and state, the router's
     dispatch/combine timings."""
     from moeserve.ops.metrics import LeaderMetrics, RouterMetrics

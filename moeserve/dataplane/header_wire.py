@@ -161,17 +161,17 @@ def decode(words: np.ndarray) -> StepHeader:
             new_blocks = tuple(take(b).tolist())
             seqs.append(
                 SeqWork(
-                    seq_id,
-                    token_ids,
-                    start,
-                    sampling,
-                    _LOGITS_NAME[(f >> 3) & 3],
-                    new_blocks,
-                    bool(f & _SAMPLE),
-                    out_pos,
+                    seq_id=seq_id,
+                    token_ids=token_ids,
+                    start=start,
+                    sampling=sampling,
+                    return_logits=_LOGITS_NAME[(f >> 3) & 3],
+                    new_blocks=new_blocks,
+                    sample=bool(f & _SAMPLE),
+                    out_pos=out_pos,
                 )
             )
-        work.append(RouterWork(tuple(seqs), release, decodes, blocks))
+        work.append(RouterWork(seqs=tuple(seqs), release=release, decodes=decodes, blocks=blocks))
     migration = None
     if flags & _MIGRATION:
         nbytes = int(take(1)[0])
@@ -182,9 +182,20 @@ def decode(words: np.ndarray) -> StepHeader:
             layer, version, p, s, e = (int(x) for x in take(5))
             phy2log = tuple(take(p).tolist())
             staged = tuple(tuple(pair) for pair in take(2 * s).reshape(s, 2).tolist())
-            commits.append(LayerCommit(layer, phy2log, version, staged, tuple(take(e).tolist())))
+            commits.append(
+                LayerCommit(
+                    moe_layer=layer, phy2log=phy2log, version=version, staged=staged, breakeven=tuple(take(e).tolist())
+                )
+            )
         moves = tuple(MoveOp(*(int(x) for x in take(7))) for _ in range(nm))
-        migration = MigrationOps(raw.decode(), staging, tuple(commits), bool(rollback), moves, bool(end))
+        migration = MigrationOps(
+            migration_id=raw.decode(),
+            begin_staging_slots=staging,
+            commits=tuple(commits),
+            rollback=bool(rollback),
+            moves=moves,
+            end=bool(end),
+        )
     if i != n:
         raise HeaderError(f"step header announced {n} words but its fields end at word {i}")
     return StepHeader(

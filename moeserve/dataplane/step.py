@@ -5,9 +5,10 @@ one fixed order: the leader's header broadcast on the gloo control group -> this
 migration work (staging, commits, weight moves) -> the forward pass (every MoE layer's
 exchange) -> the end-of-step gather of results to the leader.
 
-This module only drives: it knows a rank's roles by what they can do (a router runner, a
-worker store, the leader's engine), never which classes implement them, so the data plane
-imports neither the router, the worker, the engine nor any gRPC code.
+This module only drives: it knows a rank's roles by the interfaces of
+``moeserve.dataplane.roles`` (a router runner and its maps, a worker store, the leader's
+engine), never which classes implement them, so the data plane imports neither the router, the
+worker, the engine nor any gRPC code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from moeserve.dataplane.exchange import Exchange, Topology, idle_walk
 from moeserve.dataplane.header_wire import HeaderWire
 from moeserve.dataplane.protocol import RankResult, StepHeader
+from moeserve.dataplane.roles import LeaderRole, RouterMapsRole, RouterRole, RunMoves, WorkerRole
 from moeserve.ops import profiling
 
 log = logging.getLogger(__name__)
@@ -32,17 +35,14 @@ SLOW_STEP_S = 0.5  # a rank's part of one step that takes longer is logged (with
 
 @dataclass
 class RankState:
-    """What one rank holds: its roles' objects (None for a role it does not have).
+    """What one rank holds: its roles' objects (None for a role it does not have; the
+    interfaces are ``moeserve.dataplane.roles``).
 
-    runner:    router role: ``run(RouterWork, step)`` (enqueues the step), ``deliver(step) ->
-               (tokens_step, tokens, logits)``, ``release(seq_ids)``, ``snapshot_load()`` and
-               ``take_load_snapshot() -> (logical [L, E], worker [L, W], steps, histogram
-               [L, E, K], busy [L, P]) | None``.
-    maps:      router role: the placement in force, ``set_layer(moe_layer, phy2log_row, breakeven_row)``.
-    store:     worker role: the expert slots (``begin_staging``, ``commit``, ``end_staging``,
-               ``digest``, and the compute the exchange calls).
+    runner:    router role (``RouterRole``): runs its sequences' share of each step.
+    maps:      router role (``RouterMapsRole``): the placement in force.
+    store:     worker role (``WorkerRole``): the expert slots and the compute the exchange calls.
     run_moves: worker role: runs one step's weight moves (``moeserve.expert_worker.migration``).
-    leader:    rank 0: ``next_header() -> StepHeader`` and ``on_results(header, [RankResult])``.
+    leader:    rank 0 (``LeaderRole``): the header of every step, the results of every rank.
     recover:   called with the exception when a step's torch.distributed call fails; True when
                the groups were re-formed (a lost expert worker was replaced) and the loop goes
                on, False when the failure is fatal. None: every failure is fatal.
@@ -51,20 +51,20 @@ class RankState:
     rank: int
     topo: Topology
     exchange: Exchange
-    control_group: object
+    control_group: dist.ProcessGroup
     num_layers: int
     hidden_size: int
     dtype: torch.dtype
-    runner: object = None
-    maps: object = None
-    store: object = None
-    run_moves: Callable | None = None
-    leader: object = None
+    runner: RouterRole | None = None
+    maps: RouterMapsRole | None = None
+    store: WorkerRole | None = None
+    run_moves: RunMoves | None = None
+    leader: LeaderRole | None = None
     recover: Callable[[BaseException], bool] | None = None
     top_k: int = 1
     last_enqueue_s: float = 0.0  # the last step's runner.run (host enqueue) and deliver (wait for tokens)
     last_deliver_s: float = 0.0
-    header_wire: object = None  # HeaderWire on control_group (made by the step loop)
+    header_wire: HeaderWire | None = None  # on control_group (made by the step loop)
 
 
 def step_pairs(header: StepHeader, top_k: int) -> int:
@@ -95,6 +95,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
             if mig.rollback:
                 st.store.end_staging()
             if mig.moves:
+                assert st.run_moves is not None  # a worker has both
                 st.run_moves(mig.moves)
             if mig.end:
                 st.store.end_staging()
@@ -102,8 +103,8 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
         res.slot_digest = st.store.digest()
     if header.report and st.maps is not None:
         res.router_maps = (st.maps.phy2log.copy(), st.maps.breakeven.cpu().numpy().copy())
-    router = st.topo.router_index(st.rank)
-    if st.store is not None and hasattr(st.store, "set_step_pairs"):
+    router = st.topo.router_index(st.rank)  # None on a worker-only rank (it has no runner)
+    if st.store is not None:
         # the expert kernels by rows per slot (every rank sees every router's work)
         st.store.set_step_pairs(
             header.warmup[0] * st.top_k * st.topo.num_routers
@@ -118,13 +119,13 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
         else:
             idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
     elif header.forward:
-        if st.runner is not None:
+        if st.runner is not None and router is not None:
             t0 = time.perf_counter()
             st.runner.run(header.work[router], header.step)
             st.last_enqueue_s = time.perf_counter() - t0
         else:
             idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
-    elif header.work and st.runner is not None:
+    elif header.work and st.runner is not None and router is not None:
         st.runner.release(header.work[router].release)
     if st.runner is not None:
         t0 = time.perf_counter()
@@ -174,7 +175,7 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
     if prof is not None:
         prof.step(header.forward)
     t0 = time.perf_counter()
-    graphs = getattr(st.runner, "graphs", None)
+    graphs = st.runner.graphs if st.runner is not None else None
     before = (graphs.captures, len(graphs.seen)) if graphs is not None else (0, 0)
     res = run_step(st, header)
     took = time.perf_counter() - t0
@@ -197,9 +198,9 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
             header.read_load,
         )
     st.last_enqueue_s = st.last_deliver_s = 0.0
-    out = [None] * st.topo.world_size if leader is not None else None
+    out: list[Any] | None = [None] * st.topo.world_size if leader is not None else None  # the gather fills it
     with profiling.span("result_gather"):
         dist.gather_object(res, out, dst=0, group=st.control_group)
-        if leader is not None:
+        if leader is not None and out is not None:
             leader.on_results(header, out)
     return header

@@ -142,7 +142,15 @@ class Migrator:
                 stage = int(inflow[m.moe_layer, m.dst_worker])
                 inflow[m.moe_layer, m.dst_worker] += 1
                 moves.setdefault(m.moe_layer, []).append(
-                    MoveOp(m.moe_layer, m.slot, m.logical, m.src_worker, src_slot, m.dst_worker, stage)
+                    MoveOp(
+                        moe_layer=m.moe_layer,
+                        slot=m.slot,
+                        logical=m.logical,
+                        src_worker=m.src_worker,
+                        src_slot=src_slot,
+                        dst_worker=m.dst_worker,
+                        stage=stage,
+                    )
                 )
             for layer in np.flatnonzero((new.breakeven != cur.breakeven).any(1)).tolist():
                 moves.setdefault(int(layer), [])  # b changes: committed, with no moves of its own
@@ -275,11 +283,11 @@ class Migrator:
     @staticmethod
     def _commit_op(mig: Migration, layer: int) -> LayerCommit:
         return LayerCommit(
-            layer,
-            tuple(int(x) for x in mig.target[layer]),
-            mig.target_version,
-            tuple((m.slot, m.stage) for m in mig.moves[layer]),
-            tuple(int(x) for x in mig.target_breakeven[layer]),
+            moe_layer=layer,
+            phy2log=tuple(int(x) for x in mig.target[layer]),
+            version=mig.target_version,
+            staged=tuple((m.slot, m.stage) for m in mig.moves[layer]),
+            breakeven=tuple(int(x) for x in mig.target_breakeven[layer]),
         )
 
     def _commit_locked(self, layer: int) -> None:

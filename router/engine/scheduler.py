@@ -218,10 +218,10 @@ class Scheduler:
                 return None
             work = tuple(
                 RouterWork(
-                    tuple(seqs[r]),
-                    release[r],
-                    np.array(decodes[r], dtype=np.int64) if decodes[r] else RouterWork().decodes,
-                    np.array(blocks[r], dtype=np.int64) if blocks[r] else RouterWork().blocks,
+                    seqs=tuple(seqs[r]),
+                    release=release[r],
+                    decodes=np.array(decodes[r], dtype=np.int64) if decodes[r] else RouterWork().decodes,
+                    blocks=np.array(blocks[r], dtype=np.int64) if blocks[r] else RouterWork().blocks,
                 )
                 for r in range(self.num_routers)
             )
@@ -276,14 +276,14 @@ class Scheduler:
         last = start + take == len(known)
         logits = seq.req.return_logits
         work = SeqWork(
-            seq.seq_id,
-            tuple(known[start : start + take]),
-            start,
-            seq.req.sampling if start == 0 else None,
-            logits if start == 0 or logits == "all" else logits and "last",
-            tuple(seq.new_blocks),
-            last,
-            len(known) - len(seq.req.prompt_ids),
+            seq_id=seq.seq_id,
+            token_ids=tuple(known[start : start + take]),
+            start=start,
+            sampling=seq.req.sampling if start == 0 else None,
+            return_logits=logits if start == 0 or logits == "all" else logits and "last",
+            new_blocks=tuple(seq.new_blocks),
+            sample=last,
+            out_pos=len(known) - len(seq.req.prompt_ids),
         )
         seq.cached = start + take
         if last:
