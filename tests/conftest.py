@@ -31,3 +31,69 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("live compose cluster")
         for line in lines:
             terminalreporter.line(line)
+
+
+# -- the fast loop: every test that starts a process is marked slow --------------------------
+#
+# `pytest -m "not slow"` is the fast loop. A test that starts a process (a cluster, `moeserve
+# up`, a fresh interpreter), or uses a fixture that did, fails here unless it is marked slow,
+# so the mark cannot drift out of date.
+
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+
+_SPAWNS: list[str] = []  # what started processes since the last look
+_PROCESS_FIXTURES: set[str] = set()  # fixtures whose setup started a process
+_FIXTURE_STACK: list[str] = []
+_orig_execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+_orig_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _recording_execute_child(self, args, *rest, **kw):
+    _SPAWNS.append(str(args)[:120])
+    return _orig_execute_child(self, args, *rest, **kw)
+
+
+def _recording_process_start(self):
+    _SPAWNS.append(f"multiprocessing {self.name}")
+    return _orig_process_start(self)
+
+
+subprocess.Popen._execute_child = _recording_execute_child  # type: ignore[attr-defined]
+multiprocessing.process.BaseProcess.start = _recording_process_start  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    _FIXTURE_STACK.append(fixturedef.argname)
+    before = len(_SPAWNS)
+    try:
+        yield
+    finally:
+        _FIXTURE_STACK.pop()
+        if len(_SPAWNS) > before:
+            _PROCESS_FIXTURES.add(fixturedef.argname)
+            _PROCESS_FIXTURES.update(_FIXTURE_STACK)  # the fixtures that asked for it start processes too
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item._spawns_before = len(_SPAWNS)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "teardown" or item.get_closest_marker("slow") is not None or report.failed:
+        return
+    spawned = len(_SPAWNS) > item._spawns_before
+    fixtures = sorted(_PROCESS_FIXTURES.intersection(item.fixturenames))
+    if spawned or fixtures:
+        why = f"fixtures {fixtures} start processes" if fixtures else f"it started {_SPAWNS[item._spawns_before]}"
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} starts processes ({why}): mark it @pytest.mark.slow, so that the fast loop "
+            f'(pytest -m "not slow") leaves it out'
+        )
