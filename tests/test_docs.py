@@ -155,7 +155,7 @@ def test_the_citation_check_sees_what_it_looks_for():
         "must" + " show 1",
     ]:
         assert CITES_OUTSIDE.search(line) or TRACKER.search(line), line
-    for line in ["docs/models.md", "the issue's header", "tissue 5"]:
+    for line in ["docs/models.md", "an issue with the header", "tiss" + "ue 5"]:
         assert not (CITES_OUTSIDE.search(line) or TRACKER.search(line)), line
 
 
