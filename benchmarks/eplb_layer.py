@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 15, must show 1: the MoE layer with EPLB off, token-balanced and cost-aware, against the ideal.
+"""The MoE layer with EPLB off, token-balanced and cost-aware, against the ideal.
 
 The command for 2 x H200 (about 2-4 minutes; it stops starting new cases after --deadline-s,
 500 s by default, and writes its JSON after every case, so it stays under 10 minutes):

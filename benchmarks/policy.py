@@ -3,9 +3,9 @@
 
     python benchmarks/policy.py [--traces DIR] [--json OUT] [--seed N] [--only SUBSTR] [--follow-check]
 
-Scenarios (the yardstick's, ../shared/eval/policy_yardstick.py, with its generator written
-anew here so the project runs on its own): Zipf(s) expert popularity permuted per layer,
-multinomial sampling of each window's tokens, log-normal drift (sigma 0.1) between windows;
+Scenarios (a policy yardstick's, its generator written here so the project runs on its own):
+Zipf(s) expert popularity permuted per layer, multinomial sampling of each window's tokens,
+log-normal drift (sigma 0.1) between windows;
 a policy plans on window t (given its previous plan) and is scored on window t ("in") and t+1
 ("next"). ``--traces DIR`` adds real SGLang expert counts (one snapshot each; "shift" scores
 the plan on another workload of the same model) and fails if DIR is missing.
@@ -15,11 +15,11 @@ after the first), slots moved across workers (the new expert was not on the slot
 its weights cross the wire), bytes moved per call (across-worker slots x expert bytes), ms per
 call (median and max of 5, the first with no placement in force; one thread), and the speedup
 over the reference drop-in measured side by side and over the published reference's time
-(ANCHORS.md). Also: the trade-off curve (next, moved at move budgets 5, 10, 20, 100 % and
+(``PUBLISHED_MS``). Also: the trade-off curve (next, moved at move budgets 5, 10, 20, 100 % and
 unlimited), and the hierarchical scenario with groups pinned to nodes vs hot experts'
 redundant replicas allowed off their node, with the share of tokens that then cross nodes.
 
-``--follow-check`` adds issue 15's check of replica counts following the traffic: every
+``--follow-check`` adds the check of replica counts following the traffic: every
 synthetic scenario at seeds 1-3 with Zipf (1.0, 1.5) and drift 0.2, and at the defaults (seed
 --seed, Zipf (0.8, 1.2), drift 0.1): next-window balancedness of the policy (counts follow the
 traffic), of the policy before (``follow_counts=False``) and of the reference, slots moved per
@@ -79,7 +79,7 @@ REAL = [  # name, counts file, slots, workers, file to score the plan on (shift)
     ("qwen2-57b", "qwen2_57b_a14b_counts_multi.json", 96, 32, "qwen2_57b_a14b_counts_sharegpt.json", 3584 * 2560 * 3),
     ("qwen2-57b", "qwen2_57b_a14b_counts_multi.json", 72, 8, "qwen2_57b_a14b_counts_sharegpt.json", 3584 * 2560 * 3),
 ]
-# The published reference policy's time per call (ms) in ANCHORS.md, for the speedup column.
+# The published reference policy's time per call (ms) on these scenarios, for the speedup column.
 PUBLISHED_MS = {
     "deepseek-v3-32gpu-hier/zipf0.8": 370,
     "deepseek-v3-32gpu-hier/zipf1.2": 358,
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--follow-check",
         action="store_true",
-        help="add issue 15's check: seeds 1-3 at Zipf (1.0, 1.5) with drift 0.2, and the defaults",
+        help="add the check of replica counts following the traffic: seeds 1-3 at Zipf (1.0, 1.5) "
+        "with drift 0.2, and the defaults",
     )
     a = ap.parse_args(argv)
     if a.traces is not None and not Path(a.traces).is_dir():
@@ -248,7 +249,7 @@ FOLLOW_RUNS = [(1, (1.0, 1.5), 0.2), (2, (1.0, 1.5), 0.2), (3, (1.0, 1.5), 0.2)]
 
 
 def follow_check(default_seed: int, only: str) -> dict:
-    """Issue 15's scenarios: the policy, the policy before replica counts followed the traffic,
+    """The follow check's scenarios: the policy, the policy before replica counts followed the traffic,
     and the reference, on every synthetic scenario (see the module's docstring)."""
     before = make_policy(follow_counts=False)
     out = {}
@@ -317,7 +318,7 @@ def print_tables(res: dict) -> None:
         print(f"{key:34s} " + " ".join(f"{c[n]['next']:.3f} / {c[n]['moved']:.3f}".rjust(15) for n in names))
     if res.get("follow_check"):
         print(
-            "\nreplica counts follow the traffic (issue 15): next balancedness, slots moved per call, ms per call "
+            "\nreplica counts follow the traffic: next balancedness, slots moved per call, ms per call "
             "(median / max of 5)"
         )
         print(f"{'scenario':52s} {'before':>15s} {'policy':>22s} {'reference':>15s} {'diff':>7s} ok")

@@ -42,7 +42,7 @@ Workloads (``--workloads burst,online``):
   stream's consecutive tokens are the step times; taken in the window where all sequences
   are running (after the last first token, before the first last token: no prefill in the
   step), the first and last ``--trim`` (10) gaps of each stream left out; step time = a
-  stream's window / its steps, the median stream (the issue's "wall time / steps"; the gaps'
+  stream's window / its steps, the median stream ("wall time / steps"; the gaps'
   median, ``steady_gap_p50_s``, reads low when asynchronous steps hand a stream two tokens at
   once).
 - online: Poisson arrivals at ``--load`` (70 %) of the maximum rate of the online mix (first,
@@ -69,7 +69,7 @@ Workloads (``--workloads burst,online``):
   ones (target <= 1.1x) and failed requests (target 0). Written under the configuration's
   ``eplb`` key and printed as a table of its own. ``--eplb-step-model FILE`` (e.g.
   benchmarks/results/step_model_h200.json, with ``--eplb-step-model-shape NAME``) makes the
-  balancer plan by predicted step time and send break-even counts (issue 15's cost-aware EPLB).
+  balancer plan by predicted step time and send break-even counts (the cost-aware EPLB of docs/eplb.md).
 
 APIs (``--apis grpc,http``, default ``grpc``): each moeserve configuration's workloads run
 through each API in turn, back to back against the same running cluster (``moeserve up`` then
@@ -143,7 +143,7 @@ sys.path.insert(0, ROOT)
 DATASHEET_HBM_BPS = 4.8e12  # H200 SXM: 4.8 TB/s
 TOKEN = "serving-bench"
 
-SCOUT8 = {  # Llama-4-Scout-17B-16E's text_config (docs: MODELS.md), 8 decoder layers
+SCOUT8 = {  # Llama-4-Scout-17B-16E's text_config (docs/models.md), 8 decoder layers
     "architectures": ["Llama4ForCausalLM"],
     "model_type": "llama4_text",
     "vocab_size": 202048,

@@ -3,7 +3,7 @@
 Dimension letters: L MoE layers, E logical experts, P physical slots per layer, W expert workers,
 S = P / W slots per worker, N nodes, X the width of ``log2phy`` (fixed by the caller, e.g. R + 1).
 
-Glossary (DESIGN.md): slot ``p`` lives on worker ``p // S``; workers ``n * wpn .. (n+1) * wpn - 1``
+Glossary (CONTRIBUTING.md): slot ``p`` lives on worker ``p // S``; workers ``n * wpn .. (n+1) * wpn - 1``
 form node ``n`` (``wpn`` = workers per node). A placement is ``phy2log [L, P]``; every logical
 expert has at least one replica in every layer. A logical expert's load splits evenly over its
 replicas (the data plane's replica choice is a deterministic even spread), so a worker's load is

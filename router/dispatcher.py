@@ -145,7 +145,8 @@ class DistributedExperts:
     to it: never reallocated), which ``end_step`` adds to ``total`` on the device; the load is
     read to the host only when asked (``snapshot_load`` then ``finish_load``, or ``take_load``).
 
-    Per-step statistics, kept on the device beside the total (issue 15; ``end_step``):
+    Per-step statistics, kept on the device beside the total (``end_step``; docs/eplb.md,
+    "Per-step statistics"):
     ``histogram`` int64 [L, E, K]: per step and logical expert, the step's count as the replica
     rule estimates it (this router's pairs x routers), counted in power-of-two bins (bin 0: no
     pair, bin j: 2**(j-1) .. 2**j - 1, the last bin open); ``busy`` int64 [L, P]: the steps in

@@ -1,4 +1,4 @@
-"""Replicas used only when they pay (issue 15, item 3): the break-even rule of the replica
+"""Replicas used only when they pay: the break-even rule of the replica
 choice, on the torch path (choose_slots: the collective exchange and the reference) and in the
 direct exchange's route kernel (run by Triton's interpreter); the break-even count from the
 step model; the balancer's trigger and pay test on predicted step time; and a live migration on

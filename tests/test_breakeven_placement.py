@@ -1,4 +1,4 @@
-"""Break-even counts travel with the placement (issue 15): ``Placement.breakeven`` [L, E], each
+"""Break-even counts travel with the placement: ``Placement.breakeven`` [L, E], each
 layer's commit, the admin API and the SDK, the state folder, the balancer with a step model
 (``--eplb-step-model``), and its predicted step time in status and metrics."""
 

@@ -1,4 +1,4 @@
-"""moeserve init-model and moeserve generate: the README's main job, and clear usage errors."""
+"""moeserve init-model and moeserve generate (docs/models.md), and clear usage errors."""
 
 import subprocess
 import sys

@@ -1,5 +1,5 @@
 """``moeserve serve MODEL``: a Hugging Face id resolved from an offline hub cache starts the whole
-cluster with the HTTP API; a vLLM command line from the README's table starts and serves; a
+cluster with the HTTP API; a vLLM command line from docs/http-api.md starts and serves; a
 port in use, a missing model, vLLM flags moeserve cannot honour and Ctrl-C each give one clear
 message and an exit code, no traceback; init-model's files are readable by every user."""
 
@@ -198,7 +198,7 @@ def test_serve_from_a_folder_that_holds_a_checkout_named_moeserve(tiny, hf_home,
 
 
 def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
-    """The README table's vLLM line: -dp 2 with expert parallelism = 2 co-located ranks, tp 1,
+    """The vLLM line of docs/http-api.md: -dp 2 with expert parallelism = 2 co-located ranks, tp 1,
     vLLM's --eplb-config keys, --served-model-name, --dtype auto, --trust-remote-code."""
     import openai
 

@@ -116,7 +116,7 @@ def test_window_load_and_balancedness_are_reported(cluster, setup):
     assert rep.steps > 0 and rep.load.sum() > 0
     assert ((rep.balancedness_measured > 0) & (rep.balancedness_measured <= 1)).all()
     assert ((rep.balancedness_predicted > 0) & (rep.balancedness_predicted <= 1)).all()
-    # the per-step statistics (issue 15): one bin per (router, step) and expert, a pair-bin
+    # the per-step statistics (docs/eplb.md): one bin per (router, step) and expert, a pair-bin
     # exactly where the window has load; a slot busy at most once per (router, step)
     info = setup["info"]
     from moeserve.router.dispatcher import LOAD_BINS

@@ -1,4 +1,4 @@
-"""Must show 1: a cluster started by `moeserve up` generates, through the SDK, exactly what
+"""A cluster started by `moeserve up` generates, through the SDK, exactly what
 transformers generates greedily on the same checkpoint, for both families."""
 
 import subprocess

@@ -1,4 +1,4 @@
-"""Must show 2, 3, 4 and 5 on one cluster started by `moeserve up` (2 routers, 2 workers, a
+"""On one cluster started by `moeserve up` (2 routers, 2 workers, a
 skewed checkpoint): rebalances under 32 concurrent streams (through the SDK and by the
 balancer's own loop) complete, raise balancedness, change no token and lose no request; the
 balancer killed mid-run comes back and its loop resumes while serving goes on; hammering the
@@ -106,7 +106,7 @@ def test_an_sdk_rebalance_under_32_streams_completes_raises_balancedness_and_cha
     # The plan is judged on the window it was made on (above). On the leader's later window the
     # placement in force is not always the more balanced one: a plan made 3 steps into the streams
     # can be worse than the start on the window after them (seen in CI: 0.928 against 0.942),
-    # which is the balancer's to fix (issue 15), not this test's to hide; it reports, not asserts.
+    # which is the balancer's to fix, not this test's to hide; it reports, not asserts.
     from moeserve.placement import balancedness
 
     load = s["admin"].expert_load()
@@ -231,7 +231,7 @@ def test_a_stream_whose_client_goes_away_is_cancelled(setup):
         time.sleep(0.05)
 
 
-# -- Must show 3: the bad-input table ------------------------------------------------------------
+# -- The bad-input table ------------------------------------------------------------------------
 
 
 def _wrong_shape(s, p):

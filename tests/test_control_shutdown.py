@@ -1,4 +1,4 @@
-"""Must show 6: SIGTERM on `moeserve up` lets in-flight requests finish, refuses new ones, and
+"""SIGTERM on `moeserve up` lets in-flight requests finish, refuses new ones, and
 then every process of the cluster exits (no orphans)."""
 
 import signal

@@ -1,5 +1,5 @@
-"""benchmarks/eplb_layer.py (issue 15, must show 1): the sweep's plumbing on CPU (gloo, 2 ranks, small
-shapes), the model fit on uniform rows, the replayed replica choice and the deadline guard."""
+"""benchmarks/eplb_layer.py (docs/eplb.md, "The layer benchmark"): the sweep's plumbing on CPU
+(gloo, 2 ranks, small shapes), the model fit on uniform rows, the replayed replica choice and the deadline guard."""
 
 import dataclasses
 import json

@@ -1,5 +1,5 @@
 """Per-step load statistics on a router's device (moeserve.router.dispatcher.DistributedExperts,
-issue 15): the unread total, the power-of-two histogram of the replica rule's per-step count
+docs/eplb.md): the unread total, the power-of-two histogram of the replica rule's per-step count
 estimate per expert, and the steps each slot got a pair, read in one snapshot; without ranks."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""config.json parsing: both spellings, the layer rules of MODELS.md, errors that name the field."""
+"""config.json parsing: both spellings, the layer rules of docs/models.md, errors that name the field."""
 
 import json
 

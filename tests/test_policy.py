@@ -270,7 +270,7 @@ def _next_and_moved(policy, wins, slots=32, workers=8):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("zipf_s", [1.0, 1.5])
 def test_replica_counts_follow_drifting_traffic_as_well_as_the_reference_with_a_tenth_of_the_moves(seed, zipf_s):
-    # issue 15: with a 10 % budget the old policy fell > 0.01 below the reference on the
+    # with a 10 % budget and follow_counts=False the policy fell > 0.01 below the reference on the
     # Scout-shaped case (seed 2, Zipf 1.0: 0.869 vs 0.881)
     wins = _scout_windows(seed, zipf_s, 0.2)
     ours, moved = _next_and_moved(place, wins)

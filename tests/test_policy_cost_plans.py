@@ -1,4 +1,4 @@
-"""The cost-aware policy's plans for the data plane's replica rule (issue 15): the rule's step-time
+"""The cost-aware policy's plans for the data plane's replica rule: the rule's step-time
 model (balancer/policy/rule.py), break-even counts b chosen per (layer, expert), and placements
 whose one replica read per step splits evenly over the workers."""
 
@@ -193,7 +193,7 @@ def test_node_rows_and_a_histogram_give_valid_plans_within_the_budget():
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["scout", "ernie21b"])
 def test_the_layer_benchmarks_cost_rows_are_predicted_within_2_percent_of_the_better_of_off_and_token(shape):
-    # issue 15's check on the step model's predictions (benchmarks/eplb_layer.py --predict-only)
+    # the 1.02 check on the step model's predictions (benchmarks/eplb_layer.py --predict-only)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import eplb_layer as B
 

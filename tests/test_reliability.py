@@ -1,4 +1,4 @@
-"""Issue 14's findings that are about input and answers, against one live ``moeserve up``
+"""Input and answers that must not hurt the cluster, against one live ``moeserve up``
 cluster (1 router + 2 workers, gloo, EPLB with redundant slots, the HTTP API, metrics on every
 process): tiny temperatures are greedy and kill nothing; connect+close, garbage and idle
 connections on every port the cluster listens on leave generation working; health and

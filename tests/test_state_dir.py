@@ -1,4 +1,4 @@
-"""State that survives restarts (issue 14): ``--state-dir`` keeps the placement in force and the
+"""State that survives restarts: ``--state-dir`` keeps the placement in force and the
 balancer's settings (Pause included) and a restart with the same folder starts from them (the
 workers load the saved placement's experts: the tokens are the single-process reference's);
 ``--init-expert-location`` starts from an SGLang expert-location file; a folder or file that

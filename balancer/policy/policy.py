@@ -4,9 +4,9 @@ Dimension letters: L MoE layers, E logical experts, P slots per layer, W workers
 groups, N nodes, B rows of the search (a layer, or a (layer, node) pair in the hierarchical case).
 
 ``place(load, num_slots, num_workers, num_groups, num_nodes, current) -> phy2log`` is the
-yardstick's interface (``../shared/eval/policy_yardstick.py``); :func:`make_policy` builds one
-with other settings; :func:`rebalance_experts` is the DeepSeek-compatible drop-in
-(:mod:`moeserve.balancer.policy.reference`); :func:`~moeserve.balancer.policy.report.evaluate` says
+interface every policy shares (the balancer and ``benchmarks/policy.py`` call it so);
+:func:`make_policy` builds one with other settings; :func:`rebalance_experts` is the
+DeepSeek-compatible drop-in (:mod:`moeserve.balancer.policy.reference`); :func:`~moeserve.balancer.policy.report.evaluate` says
 what a proposed placement buys.
 
 How a call decides (the primitives: :mod:`~moeserve.balancer.policy.packing` for fresh plans,
@@ -72,7 +72,7 @@ class PolicyConfig:
     follow_counts: with a move budget, also let each layer walk its replica counts toward a
       fresh plan's (then search on from there) where that buys more balancedness per slot
       moved; off: replica counts change only where one replica outweighs most of a worker
-      (the policy before issue 15).
+      (the policy as it was before replica counts followed the traffic).
     step_model: a :class:`~moeserve.balancer.policy.cost.StepModel`: with it, a call given the
       window's ``steps`` (or a per-step ``histogram``) and a move budget picks, per layer, among
       the plans the token-balanced search offers and those of a search on the data plane's

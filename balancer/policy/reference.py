@@ -19,8 +19,8 @@ The greedy balanced packing takes items in descending weight and puts each on th
 pack that still has room (every pack takes exactly ``n / packs`` items). Ties go to the lower
 index everywhere: among equal weights the item with the lower index is taken first, among
 equally loaded packs the lower pack wins, among experts with equal load per replica the lower
-expert gets the next replica. Weights are float32 as in the original, so the README's example
-reproduces exactly. Bad arguments raise ``ValueError`` (the original asserts).
+expert gets the next replica. Weights are float32 as in the original, so the example of DeepSeek
+EPLB's own README reproduces exactly. Bad arguments raise ``ValueError`` (the original asserts).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The step loop every rank runs, and what a rank holds (docs/dataplane.md, "Steps").
+"""The step loop every rank runs, and what a rank holds (docs/dataplane.md, "One step, on every rank").
 
 On every rank one step-driver thread (the main thread) owns every torch.distributed call, in
 one fixed order: the leader's header broadcast on the gloo control group -> this rank's

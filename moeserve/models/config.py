@@ -11,7 +11,7 @@ Both spellings of the fields that transformers 5 renamed are read: ``rope_theta`
 ``rope_scaling`` / ``torch_dtype`` (published checkpoints) and ``rope_parameters`` / ``dtype``
 (what transformers 5 writes); ``attn_temperature_tuning`` may be a bool or an int (Scout's
 ``config.json`` says ``4``). Which decoder layers are MoE layers, use RoPE, or use chunked local
-attention follows ``MODELS.md`` to the letter (the same rules as transformers).
+attention follows docs/models.md to the letter (the same rules as transformers).
 
 The *MoE layer index* is the ordinal of a MoE layer among the model's MoE layers
 (``0 .. num_moe_layers-1``); ``moe_layer_ids[m]`` is the decoder-layer index of MoE layer ``m``.

@@ -2,7 +2,7 @@
 
 Dimension letters: T tokens, H hidden size, E logical experts, K = moe_k.
 
-MoE layer (MODELS.md §2): the gate runs in fp32 whatever the model dtype,
+MoE layer (docs/models.md, "ERNIE-4.5-MoE"): the gate runs in fp32 whatever the model dtype,
 p = softmax(x_f32 @ W_g.T); the top-k is chosen on p + e_score_correction_bias (the bias only
 selects); the weights are the *unbiased* p of the chosen experts, renormalised by
 max(sum, moe_norm_min) and cast to the model dtype, and they scale the expert's *output*:

@@ -3,8 +3,8 @@
 Dimension letters: T tokens, H hidden size, E logical experts, K = top_k (1 in every published
 model), I one expert's intermediate size.
 
-MoE layer (MODELS.md §1): logits = x @ W_r.T in the model dtype; the top-k logits pass through
-a sigmoid (fp32, cast back) and the weight scales the expert's *input*:
+MoE layer (docs/models.md, "Llama 4 (text)"): logits = x @ W_r.T in the model dtype; the top-k
+logits pass through a sigmoid (fp32, cast back) and the weight scales the expert's *input*:
 y = Shared(x) + sum_k E_k(s_k * x). There is no softmax, no renormalisation and no bias. The
 shared expert is one SwiGLU of the experts' width, unscaled.
 
