@@ -103,7 +103,12 @@ def test_a_commit_reads_the_load_first_and_the_window_keeps_whole_reads():
     for _ in range(3):  # three reads of 16 steps
         for _ in range(16):
             r.step(
-                StepHeader(eng.step, forward=True, work=(RouterWork((SeqWork(seq_id=1, token_ids=(5,), start=0),)),), read_load=r.unread >= 16)
+                StepHeader(
+                    eng.step,
+                    forward=True,
+                    work=(RouterWork((SeqWork(seq_id=1, token_ids=(5,), start=0),)),),
+                    read_load=r.unread >= 16,
+                )
             )
     r.step(StepHeader(eng.step, read_load=True))
     rep = eng.expert_load()

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_oracle import FP32_LOGITS_ATOL
 from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
 
 from moeserve.models import PagedBatch, PagedKVCache, StepBatch, init_model, load_model
@@ -136,12 +137,13 @@ def test_paged_model_step_equals_the_eager_oracle(model, block_size):
     for want, got, pb in _run_schedule(model, block_size):
         assert got.shape == want.shape
         if want.numel():
-            assert (got - want).abs().max() < 1e-5
-            # Logits relative to their size: the LM head (ERNIE's tied embedding, std 0.3) turns
-            # a hidden difference of a few fp32 ulps into ~1e-5 on logits of magnitude ~12.
+            # The fp32 contract (logits within 1e-4), on the hidden states and on the logits: a
+            # different summation order in attention is a few fp32 ulps, ~1e-5 on ERNIE's logits
+            # of magnitude ~12 (its tied embedding, std 0.3, as the LM head).
+            assert (got - want).abs().max() < FP32_LOGITS_ATOL
             lw = model.logits(want[pb.last_token_index])
             lg = model.logits(got[pb.last_token_index])
-            assert (lg - lw).abs().max() < 1e-5 * max(1.0, lw.abs().max().item())
+            assert (lg - lw).abs().max() < FP32_LOGITS_ATOL
 
 
 @needs_triton
@@ -152,7 +154,7 @@ def test_paged_model_step_with_the_triton_kernel_equals_the_eager_oracle(model, 
     )
     for want, got, _ in _run_schedule(model, 4, seed=1):
         if want.numel():
-            assert (got - want).abs().max() < 1e-5
+            assert (got - want).abs().max() < FP32_LOGITS_ATOL
 
 
 def test_paged_and_eager_caches_do_not_mix(model):
