@@ -219,10 +219,12 @@ def _fresh_import(modules: list[str]) -> list[str]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_importing_a_rank_and_its_roles_loads_no_grpc_or_protobuf():
     assert _hits(set(_fresh_import(RANK_START)), GRPC) == []
 
 
+@pytest.mark.slow
 def test_importing_the_policy_loads_no_torch_and_the_sdk_no_server_code():
     assert _hits(set(_fresh_import(["moeserve.balancer.policy"])), ("torch",)) == []
     assert (

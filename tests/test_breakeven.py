@@ -335,6 +335,7 @@ def breakeven_cluster(tmp_path_factory):
         yield dict(cluster=c, info=info, prompts=prompts, tokens=tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fp32_tokens_are_unchanged_through_a_live_migration_with_b_set(breakeven_cluster):
     from cluster_util import random_placement

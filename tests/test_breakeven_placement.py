@@ -297,6 +297,7 @@ def assert_routers_have(c, phy2log, b):
         np.testing.assert_array_equal(got, b)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_b_applied_through_the_admin_api_reaches_every_router_and_changes_no_token(admin_cluster):
     from cluster_util import random_placement
@@ -342,6 +343,7 @@ def test_b_applied_through_the_admin_api_reaches_every_router_and_changes_no_tok
     assert c.generate(admin_cluster["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True) == admin_cluster["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "bad, match",
@@ -378,6 +380,7 @@ def _placement_file(admin_cluster, p, b):
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_balancer_with_a_step_model_sends_its_break_even_counts(admin_cluster):
     from moeserve.balancer.controller import LoopConfig

@@ -3,10 +3,13 @@
 import subprocess
 import sys
 
+import pytest
+
 import moeserve
 from moeserve.cli import main
 
 
+@pytest.mark.slow
 def test_version_is_printed_by_the_console_entry_point():
     out = subprocess.run([sys.executable, "-m", "moeserve", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0

@@ -21,6 +21,7 @@ def _lines(capsys):
     return dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
 
 
+@pytest.mark.slow
 def test_the_readme_main_job_runs_from_the_console_script(tmp_path):
     exe = [sys.executable, "-m", "moeserve"]
     out = subprocess.run(

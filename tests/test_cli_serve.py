@@ -123,6 +123,7 @@ def _no_traceback(text: str) -> None:
     assert "Traceback" not in text, text
 
 
+@pytest.mark.slow
 def test_serve_a_hub_id_from_an_offline_cache(tiny, hf_home):
     """`moeserve serve <hub id>` with HF_HUB_OFFLINE=1: the snapshot in HF_HOME serves the HTTP
     API (openai client, API key), gRPC serving takes the same key; Ctrl-C drains and exits 0."""
@@ -175,6 +176,7 @@ def test_serve_a_hub_id_from_an_offline_cache(tiny, hf_home):
     assert not any(alive(p) for p in kids), "a child outlived moeserve serve"
 
 
+@pytest.mark.slow
 def test_serve_from_a_folder_that_holds_a_checkout_named_moeserve(tiny, hf_home, tmp_path):
     """A plain ``git clone`` names its folder after the project: started from the folder above
     it, every child process (ranks, front end, balancer) still imports the installed moeserve,
@@ -197,6 +199,7 @@ def test_serve_from_a_folder_that_holds_a_checkout_named_moeserve(tiny, hf_home,
         assert s.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
     """The vLLM line of docs/http-api.md: -dp 2 with expert parallelism = 2 co-located ranks, tp 1,
     vLLM's --eplb-config keys, --served-model-name, --dtype auto, --trust-remote-code."""
@@ -246,6 +249,7 @@ def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
     _no_traceback(s.output())
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_loading_stops_everything_at_once(tiny, hf_home):
     s = Serve([REPO, "--max-model-len", "256"], offline_env(hf_home), wait_ready=False)
     deadline = time.monotonic() + 60
@@ -266,6 +270,7 @@ def test_ctrl_c_while_loading_stops_everything_at_once(tiny, hf_home):
     assert not any(alive(p) for p in kids)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_missing_model_is_one_line_and_exit_1(hf_home):
     p = subprocess.run(
@@ -400,6 +405,7 @@ def test_tokenizer_none_gives_the_front_end_no_tokenizer(tiny, flag, monkeypatch
     assert not seen["folder"].exists(), "the empty folder is removed when serve ends"
 
 
+@pytest.mark.slow
 def test_serve_with_vllm_ssl_flags_serves_https(tiny, hf_home, tmp_path):
     """``moeserve serve MODEL --ssl-certfile C --ssl-keyfile K``: the HTTP API answers a client that
     trusts the certificate; plain HTTP to that port gets no answer."""

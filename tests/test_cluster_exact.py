@@ -17,6 +17,8 @@ from cluster_util import (
 
 from moeserve.cluster import LocalCluster
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 LAYOUTS = [  # routers, workers, co-located
     (1, 1, False),
     (1, 2, False),

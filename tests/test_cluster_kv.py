@@ -8,6 +8,8 @@ from cluster_util import prompts_for, reference_generate, reference_model, tiny_
 
 from moeserve.cluster import LocalCluster
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 MAX_TOKENS = 24
 
 

@@ -21,6 +21,8 @@ from cluster_util import (
 from moeserve.cluster import ClusterError, LocalCluster
 from moeserve.router.engine.migration import StaleVersion
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 WORKERS = 2
 REDUNDANT = 4
 MAX_TOKENS = 32

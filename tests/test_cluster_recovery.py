@@ -25,6 +25,8 @@ from cluster_util import (
 from moeserve.cluster import LocalCluster
 from moeserve.placement import MigrationState
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 MAX_TOKENS = 48
 STREAMS = 16
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 from control_util import Up
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 FAMILIES = {"llama4": hf_oracle.build_llama4, "ernie45": hf_oracle.build_ernie}
 MAX_TOKENS = 16
 

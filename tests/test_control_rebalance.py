@@ -16,6 +16,8 @@ from control_util import TOKEN, Up, alive, stream_all
 
 from moeserve.client import Client, MoeserveError
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 STREAMS = 32
 MAX_TOKENS = 40
 MAX_MODEL_LEN = 256

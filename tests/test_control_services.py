@@ -15,6 +15,8 @@ from control_util import TOKEN, free_ports
 from moeserve.cli.up import wait_serving
 from moeserve.client import Client
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 @pytest.mark.timeout(300)
 def test_ranks_front_end_and_balancer_started_separately_serve_together(tmp_path):

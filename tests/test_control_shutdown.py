@@ -11,6 +11,8 @@ from control_util import Up, alive, children_of, stream_all
 
 from moeserve.client import Client, MoeserveError
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 MAX_TOKENS = 48
 
 

@@ -52,10 +52,12 @@ def moeserve_services(project: dict) -> dict:
     return {n: s for n, s in project["services"].items() if str(s.get("image", "")).startswith("moeserve:")}
 
 
+@pytest.mark.slow
 def test_the_compose_file_and_its_gpu_and_offline_variants_validate_with_compose_v2(project):
     assert {"router", "worker-1", "worker-2", "frontend", "balancer", "prometheus"} <= set(project["services"])
 
 
+@pytest.mark.slow
 def test_the_offline_variant_has_the_base_files_moeserve_services_a_local_prometheus_and_no_grafana():
     base, offline = config(BASE), config(OFFLINE)
     assert "grafana" in base["services"] and "grafana" not in offline["services"]
@@ -71,6 +73,7 @@ def test_the_offline_variant_has_the_base_files_moeserve_services_a_local_promet
     assert offline["volumes"].keys() == {"state", "prometheus"}
 
 
+@pytest.mark.slow
 def test_the_compose_file_takes_secrets_from_the_environment_and_keeps_state_on_a_named_volume():
     svc = config(BASE)["services"]
     assert svc["frontend"]["environment"].get("MOESERVE_API_KEY") is None  # passed through when set
@@ -88,6 +91,7 @@ def test_the_compose_file_takes_secrets_from_the_environment_and_keeps_state_on_
     assert {(p["target"], p["published"]) for p in svc["frontend"]["ports"]} == {(8000, "8000"), (8003, "8003")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "breakage,message",
     [
@@ -105,12 +109,14 @@ def test_a_broken_compose_file_fails_validation(tmp_path, breakage, message):
     assert p.returncode != 0 and message in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", sorted(ENV))
 def test_the_compose_file_refuses_to_start_without_the_token_or_the_key(missing):
     p = compose(BASE, env={k: v for k, v in ENV.items() if k != missing})
     assert p.returncode != 0 and missing in p.stderr
 
 
+@pytest.mark.slow
 def test_ranks_talk_on_an_internal_network_only_and_services_wait_for_a_healthy_leader(project):
     assert project["networks"]["ranks"].get("internal") is True
     svc = project["services"]
@@ -139,6 +145,7 @@ def test_ranks_talk_on_an_internal_network_only_and_services_wait_for_a_healthy_
     assert all(p.get("host_ip") == "127.0.0.1" for p in svc["balancer"]["ports"])
 
 
+@pytest.mark.slow
 def test_the_gpu_variant_reserves_one_gpu_per_rank_and_uses_nccl():
     svc = config(BASE, GPU)["services"]
     gpus = []
@@ -169,6 +176,7 @@ def test_the_dockerfile_copies_what_the_package_needs_and_takes_a_cuda_base_as_a
         assert f'"{folder}"' in pyproject and f"COPY {folder} " in text
 
 
+@pytest.mark.slow
 def test_prometheus_config_is_valid_and_scrapes_every_moeserve_service():
     p = subprocess.run(
         [promtool(), "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
@@ -185,6 +193,7 @@ def test_prometheus_config_is_valid_and_scrapes_every_moeserve_service():
         assert f"{name}:{port}" in targets, f"Prometheus does not scrape {name}"
 
 
+@pytest.mark.slow
 def test_grafana_provisions_the_datasource_every_dashboard_names_and_loads_the_dashboards_folder():
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     (source,) = ds["datasources"]
@@ -250,6 +259,7 @@ def parse(argv: list[str], environment: dict, monkeypatch):
         raise AssertionError(f"moeserve's parser refused {' '.join(argv)} (exit {e.code})") from None
 
 
+@pytest.mark.slow
 def test_every_service_command_and_health_check_is_a_real_moeserve_subcommand_with_real_flags(project, monkeypatch):
     seen = set()
     for name, s in moeserve_services(project).items():

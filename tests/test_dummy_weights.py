@@ -44,6 +44,7 @@ def dummy_digests(path) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama4", "ernie45"])
 def test_two_readers_make_identical_tensors_whatever_they_read_before(tmp_path, family):
     path = config_only(tmp_path, family)
@@ -96,6 +97,7 @@ def test_load_model_dummy_needs_only_config_json_and_the_load_format_is_checked(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama4", "ernie45"])
 def test_cluster_with_dummy_weights_generates_the_single_process_tokens_through_a_migration(tmp_path, family):
@@ -154,6 +156,7 @@ def routed_ids(model, prompts: int = 8, length: int = 64, seed: int = 3) -> list
     return [seen[m] for m in sorted(seen)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama4", "ernie45"])
 def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_path, family, monkeypatch):
     from moeserve.models.dummy import HOT_CONFIG_KEY, HOT_ENV, hot_margin, parse_hot

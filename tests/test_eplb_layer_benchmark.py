@@ -35,6 +35,7 @@ def smoke(tmp_path_factory):
     return json.loads(out.read_text()), res.stdout
 
 
+@pytest.mark.slow
 def test_cpu_sweep_writes_every_policy_and_row(smoke):
     doc, stdout = smoke
     rows = {(r["model"], r["exchange"], r["tokens"], r["zipf"], r["policy"]): r for r in doc["rows"]}
@@ -69,6 +70,7 @@ def test_cpu_sweep_writes_every_policy_and_row(smoke):
     assert "cost-aware <= 1.02 x min(off, token)" in stdout and "plumbing only" in stdout
 
 
+@pytest.mark.slow
 def test_deadline_skips_cases_and_still_writes(tmp_path):
     out = tmp_path / "r.json"
     res = run("--deadline-s", "0", "--models", "scout", "--json", str(out))

@@ -49,7 +49,7 @@ FUZZ = settings(
     ],
 )
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 SERVICES = {
     "serving": serving_pb2.DESCRIPTOR.services_by_name["Serving"],

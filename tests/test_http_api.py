@@ -216,6 +216,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 # -- the official client ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_openai_client_completions_equal_transformers_greedy_text(served, family):
     s = served(family)
@@ -251,6 +252,7 @@ def test_openai_client_completions_equal_transformers_greedy_text(served, family
     assert out.choices[0].text == want and out.usage.prompt_tokens == len(ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_openai_client_chat_renders_the_template_and_equals_transformers(served, family):
     s = served(family)
@@ -280,6 +282,7 @@ def test_openai_client_chat_renders_the_template_and_equals_transformers(served,
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_async_openai_client_serves_concurrent_requests(served):
     s = served("llama4")
     prompts = ["The quick brown fox", "One, two, three", "In the beginning", PROMPT]
@@ -326,6 +329,7 @@ def _token_pieces(s, ids):
     return pieces
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stop_strings_match_across_token_boundaries_and_are_not_included(served, family):
     s = served(family)
@@ -387,6 +391,7 @@ def _generated_ids(s, body):
     return out.token_ids
 
 
+@pytest.mark.slow
 def test_n_choices_use_seed_plus_index_and_repeat(served):
     s = served("llama4")
     base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
@@ -420,6 +425,7 @@ def test_n_choices_use_seed_plus_index_and_repeat(served):
     assert st == 200 and len(chat["choices"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logprobs_are_the_log_softmax_of_the_models_logits(served, family):
     s = served(family)
@@ -483,6 +489,7 @@ def _choice_ids(events, index=0) -> list:
     return [t for e in events[:-1] for c in e["choices"] if c["index"] == index for t in c["token_ids"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_return_token_ids_are_the_sdks_greedy_tokens_and_the_tokenizers_prompt_ids(served, family):
     s = served(family)
@@ -547,6 +554,7 @@ def test_return_token_ids_are_the_sdks_greedy_tokens_and_the_tokenizers_prompt_i
     assert o.choices[0].token_ids == want and o.choices[0].prompt_token_ids == ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chat_return_token_ids_carry_the_rendered_prompt_and_the_generated_ids(served, family):
     s = served(family)
@@ -583,6 +591,7 @@ def test_chat_return_token_ids_carry_the_rendered_prompt_and_the_generated_ids(s
     assert o.prompt_token_ids == cids and o.choices[0].token_ids == want
 
 
+@pytest.mark.slow
 def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
     """A front end without a tokenizer (a model folder without tokenizer.json, --tokenizer none)
     on the same cluster: prompts of ids stream one chunk per token, without text; with
@@ -620,6 +629,7 @@ def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
 # -- routes, auth, gRPC with the key ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_models_health_version_metrics_on_the_same_port(served):
     s = served("llama4")
     p = s.front.port
@@ -633,6 +643,7 @@ def test_models_health_version_metrics_on_the_same_port(served):
     assert st == 200 and "moeserve_requests_total" in text and "moeserve_time_to_first_token_seconds" in text
 
 
+@pytest.mark.slow
 def test_the_api_key_guards_grpc_serving_too(served):
     import grpc
 
@@ -784,6 +795,7 @@ def _idle(cluster, timeout=10.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_bad_inputs_get_their_status_and_an_openai_error_and_change_nothing(served):
     s = served("llama4")
     before = _baseline(s)
@@ -858,6 +870,7 @@ def _cancelled_count(port) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_cancels_its_request(served, stream):
     s = served("llama4")

@@ -411,6 +411,7 @@ def test_docs_metrics_md_lists_every_metric_with_its_type_and_labels_and_no_othe
     assert documented == exported
 
 
+@pytest.mark.slow
 def test_importing_the_metrics_module_imports_no_grpc_or_protobuf():
     code = (
         "import sys\nimport moeserve.ops.metrics\n"
@@ -421,10 +422,12 @@ def test_importing_the_metrics_module_imports_no_grpc_or_protobuf():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_promtool_finds_nothing_to_say_about_a_registry_with_every_group():
     check_metrics(M.scrape_text(_every_group().registry))
 
 
+@pytest.mark.slow
 def test_a_rank_with_metrics_on_imports_no_grpc_code():
     """The GPU machines have no protobuf: what a rank records must not need it (only the
     leader's admin API, a gRPC server anyway, uses the gRPC interceptor)."""

@@ -91,6 +91,7 @@ def _hot_share(model, n_hot):
     return [sum(sorted(c.values(), reverse=True)[:n_hot]) / sum(c.values()) for c in counts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama4", "ernie45"])
 def test_hot_experts_receive_most_tokens(tmp_path, family):
     hot = _hot_share(load_model(init_model(tmp_path / "hot", family, seed=1, hot_experts=2)), 2)

@@ -231,6 +231,7 @@ def test_a_placement_in_force_that_splits_groups_is_repaired_into_a_pinned_one(b
     assert_valid(out, load, 48, 8, 8, 4)
 
 
+@pytest.mark.slow
 def test_the_policy_package_imports_without_torch():
     # the balancer plans in a process that need not have torch: importing the policy (and
     # planning once) must not pull it in

@@ -35,7 +35,7 @@ from moeserve.client import BalancerSettings, Client, MoeserveError
 WORKERS, REDUNDANT = 2, 2
 QUIET = "1000000000"  # a step interval the balancer's loop never reaches
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 # -- the cluster --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ def test_the_checked_in_code_equals_a_fresh_generation(tmp_path):
         assert checked_in[name] == text, f"moeserve/rpc/{name} is stale: run python -m moeserve.rpc.generate"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_data_plane_imports_no_grpc_code():
     modules = [

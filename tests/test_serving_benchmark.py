@@ -20,6 +20,7 @@ def _bench():
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_smoke_run_writes_every_figure(tmp_path):
     bench = _bench()
@@ -60,6 +61,7 @@ def test_smoke_run_writes_every_figure(tmp_path):
     assert "moeserve-1rank" in run.stdout and "transformers" in run.stdout  # the table
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_smoke_run_through_grpc_and_http_on_one_cluster(tmp_path):
     """--apis grpc,http: the same workloads through the SDK and through /v1/completions with
@@ -223,6 +225,7 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
         assert 20e9 < sizes["router_bytes"] / 2 + sizes["all_experts_bytes"] / 2 < 22.5e9  # 21B parameters
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("step_model", [False, True], ids=["token-balance", "step-model"])
 def test_smoke_eplb_workload_measures_a_rebalance_end_to_end(tmp_path, step_model):

@@ -17,6 +17,8 @@ import pytest
 from cluster_util import prompts_for, random_placement, reference_generate, reference_model, tiny_checkpoint
 from control_util import Up
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 WORKERS, REDUNDANT = 2, 2
 QUIET = "1000000000"  # a step interval the balancer's loop never reaches
 

@@ -132,6 +132,7 @@ def test_the_committed_example_table_loads_and_says_it_is_not_a_gpu():
     assert "cpu" in table.measured_on.lower() and "not" in table.note.lower()
 
 
+@pytest.mark.slow
 def test_calibrate_smoke_runs_on_cpu_and_writes_a_table_that_loads(tmp_path):
     out = tmp_path / "sm.json"
     run = subprocess.run(

@@ -81,6 +81,7 @@ def test_the_status_parts_have_the_fields_of_their_messages(cls, msg):
     assert [f.name for f in dataclasses.fields(cls)] == [f.name for f in msg.DESCRIPTOR.fields]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_sdk_imports_no_server_code_and_no_torch():
     code = (
