@@ -1,7 +1,9 @@
 """The expert slots a worker holds, their staging for migrations, and the grouped expert run.
 
 Dimension letters: L MoE layers, S slots on this worker (P / W), M staging entries, R ranks,
-m rows received in a layer, H hidden, n = ExpertSpec.numel elements of one expert.
+m rows received in a layer, H hidden, n = ExpertSpec.numel elements of one expert (of
+``ExpertSpec.storage_dtype``: the compute dtype, or bytes for FP8 experts, whose codes and
+scales share one row).
 
 Per MoE layer the weights of the S slots are one buffer [S, n] (an expert's canonical tensors
 packed by ``ExpertSpec.flat``), so that moving a slot is moving one row of it. Staging is one
@@ -76,7 +78,7 @@ class ExpertStore:
             ids = logical[layer].tolist()
             uniq = sorted(set(ids))
             stacked = reader.read_experts(layer, uniq, dtype=spec.dtype)  # name -> [u, ...]
-            buf = torch.empty(s, spec.numel, dtype=spec.dtype, device=device)
+            buf = torch.empty(s, spec.numel, dtype=spec.storage_dtype, device=device)
             for i, e in enumerate(ids):
                 j = uniq.index(e)
                 buf[i] = spec.flat({k: v[j] for k, v in stacked.items()}).to(device)
@@ -218,7 +220,9 @@ class ExpertStore:
                 f"limit of {self.max_staging_bytes} bytes (max_staging_bytes)"
             )
         try:
-            self.staging = torch.empty(entries, self.spec.numel, dtype=self.spec.dtype, device=self.buffers[0].device)
+            self.staging = torch.empty(
+                entries, self.spec.numel, dtype=self.spec.storage_dtype, device=self.buffers[0].device
+            )
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             return (
                 f"worker {self.worker}: cannot allocate staging for {entries} experts "
@@ -287,7 +291,13 @@ def grouped_mm_applies(spec: ExpertSpec, device: torch.device, dtype: torch.dtyp
     ``torch._grouped_mm`` is CUDA-only, takes no bias and, in the torch versions this runs on,
     only bf16; anything else takes the slot loop.
     """
-    return device.type == "cuda" and dtype == torch.bfloat16 and not spec.has_bias and hasattr(torch, "_grouped_mm")
+    return (
+        device.type == "cuda"
+        and dtype == torch.bfloat16
+        and not spec.has_bias
+        and spec.quant is None
+        and hasattr(torch, "_grouped_mm")
+    )
 
 
 def grouped_forward(

@@ -89,6 +89,7 @@ class CacheConfig:
 
 
 EXCHANGES = ("auto", "collective", "nvlink")
+QUANTIZATIONS = ("", "fp8")  # --quantization (moeserve.models.quant; config imports no torch)
 LOAD_FORMATS = ("auto", "dummy")  # as moeserve.models.dummy.LOAD_FORMATS (config imports no torch)
 
 
@@ -191,6 +192,8 @@ class ClusterConfig:
     load_read_steps: routers keep the expert load on the device and send it every this many
     forward steps (and when the load is asked for, before a commit, and when the cluster goes
     idle), not every step.
+    quantization: "fp8" serves a bf16 checkpoint with FP8 experts and MLPs, quantized at load
+    (vLLM's ``--quantization fp8``); "" serves the checkpoint as its quantization_config says.
     """
 
     model_dir: str
@@ -221,6 +224,7 @@ class ClusterConfig:
     async_scheduling: bool = True
     capture_graphs_at_start: bool = False
     load_read_steps: int = 16
+    quantization: str = ""  # "" (the checkpoint's own) or "fp8" (vLLM's --quantization)
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -243,6 +247,8 @@ class ClusterConfig:
             raise ValueError("exchange='nvlink' needs backend='nccl' (CUDA devices); use 'auto' or 'collective'")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} (or unset), got {self.quantization!r}")
         if self.per_expert_metrics not in ("auto", "on", "off"):
             raise ValueError(f"per_expert_metrics must be auto, on or off, got {self.per_expert_metrics!r}")
 

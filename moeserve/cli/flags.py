@@ -72,6 +72,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "made on each rank's device from config.json alone (vLLM's name; for benchmarks)",
     )
     g.add_argument(
+        "--quantization",
+        "-q",
+        choices=("fp8",),
+        default=None,
+        help="fp8: serve a bf16 checkpoint with FP8 routed experts and MLPs, quantized at load per output "
+        "channel (vLLM's name); FP8 checkpoints (compressed-tensors, block-wise fp8) need no flag: their "
+        "config.json's quantization_config is read, and any other is refused",
+    )
+    g.add_argument(
         "--migration-bytes-per-step",
         type=int,
         default=512 << 20,
@@ -547,6 +556,7 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         max_waiting=args.max_waiting,
         exchange=getattr(args, "exchange", "auto"),
         load_format=getattr(args, "load_format", "auto"),
+        quantization=getattr(args, "quantization", None) or "",
         enforce_eager=getattr(args, "enforce_eager", False),
         async_scheduling=getattr(args, "async_scheduling", True),
         capture_graphs_at_start=getattr(args, "capture_graphs_at_start", False),

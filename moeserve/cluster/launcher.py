@@ -209,6 +209,8 @@ class LocalCluster:
     ):
         from moeserve.cluster.rank import DTYPES
         from moeserve.models import MoEInfo, load_config
+        from moeserve.models.checkpoint import check_quantized_tensors
+        from moeserve.models.config import with_quantization
 
         if config is None:
             if model_dir is None:
@@ -227,7 +229,10 @@ class LocalCluster:
         elif model_dir is not None or keywords:
             raise TypeError("give LocalCluster a config or keywords, not both")
         launch = launch or LaunchOptions()
-        mcfg = load_config(config.model_dir)  # fails early on a bad checkpoint
+        # a bad checkpoint, or a quantization it does not declare, fails here (headers only)
+        mcfg = with_quantization(load_config(config.model_dir), config.quantization or None)
+        if config.load_format == "auto":
+            check_quantized_tensors(config.model_dir, mcfg)
         info = MoEInfo.from_config(mcfg, DTYPES[config.dtype])
         num_slots = info.num_logical_experts + config.eplb.num_redundant_experts
         check_topology(config.routers, config.workers, config.colocated, num_slots)

@@ -133,6 +133,7 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
     """Load this rank's share of the model and join the process groups. A worker that replaces
     a lost one (``generation`` > 0) loads the experts of the placement the leader sends it."""
     from moeserve.models import load_config, load_model, open_reader
+    from moeserve.models.config import with_quantization
 
     world = cfg.world_size
     if cfg.backend == "nccl":
@@ -144,18 +145,23 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
     control = join(cfg, rank, device, store, generation)
 
     dtype = DTYPES[cfg.dtype]
-    mcfg = load_config(cfg.model_dir)
+    mcfg = with_quantization(load_config(cfg.model_dir), cfg.quantization or None)
     info_model = None
     placement = None
     topo = None
     role = cfg.role(rank)
     if role.router_index >= 0:
         info_model = load_model(
-            cfg.model_dir, dtype=dtype, device=device, load_experts=False, load_format=cfg.load_format
+            cfg.model_dir,
+            dtype=dtype,
+            device=device,
+            load_experts=False,
+            load_format=cfg.load_format,
+            quantization=cfg.quantization or None,
         )
         info = info_model.moe_info
     else:
-        info = _moe_info(cfg.model_dir, dtype)
+        info = _moe_info(cfg.model_dir, dtype, cfg.quantization or None)
     e = info.num_logical_experts
     topo = Topology.build(cfg.routers, cfg.workers, cfg.colocated, e + cfg.eplb.num_redundant_experts)
     placement = initial_placement(cfg, info.num_moe_layers, e)
@@ -178,7 +184,7 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
         from moeserve.expert_worker.store import ExpertStore
 
         # "dummy": every worker makes an expert from (seed, its name), so replicas are identical
-        with open_reader(cfg.model_dir, cfg.load_format, device) as reader:
+        with open_reader(cfg.model_dir, cfg.load_format, device, quantization=cfg.quantization or None) as reader:
             st.store = ExpertStore.from_checkpoint(
                 reader,
                 info.expert_spec,
@@ -311,7 +317,7 @@ def _recover(
     if st.store is not None:
         from moeserve.models import open_reader
 
-        with open_reader(cfg.model_dir, cfg.load_format, device) as reader:
+        with open_reader(cfg.model_dir, cfg.load_format, device, quantization=cfg.quantization or None) as reader:
             st.store.resync(reader, phy2log)
     st.exchange = make_exchange(
         cfg,
@@ -428,11 +434,12 @@ def make_exchange(
     )
 
 
-def _moe_info(model_dir: str, dtype: torch.dtype):
+def _moe_info(model_dir: str, dtype: torch.dtype, quantization: str | None = None):
     """MoE shapes without building a model (a worker holds no attention)."""
     from moeserve.models import MoEInfo, load_config
+    from moeserve.models.config import with_quantization
 
-    return MoEInfo.from_config(load_config(model_dir), dtype)
+    return MoEInfo.from_config(with_quantization(load_config(model_dir), quantization), dtype)
 
 
 def _watch_parent(pid: int) -> None:

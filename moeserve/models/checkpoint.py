@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moeserve.models.config import CheckpointError, ModelConfig, load_config
-from moeserve.models.moe import ExpertSpec
+from moeserve.models import quant as Q
+from moeserve.models.config import CheckpointError, ModelConfig, load_config, with_quantization
+from moeserve.models.moe import ExpertQuant, ExpertSpec
 
 # safetensors dtype names -> torch dtypes, for stored_dtype (safetensors' own table is private).
 ST_DTYPES = {
@@ -56,6 +57,25 @@ SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
 SKIPPED_COMPONENT = "mtp"  # ERNIE's multi-token-prediction tensors: model.mtp_block.*, model.mtp_emb_norm.*, ...
 # Where each family keeps the routed experts of decoder layer i.
 EXPERTS_PREFIX = {"llama4": "model.layers.{}.feed_forward.experts.", "ernie45": "model.layers.{}.mlp.experts."}
+
+
+def experts_quantized(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s routed experts are FP8 (its quantization keeps none of them in the
+    checkpoint's dtype; checked against the tensors when they are read)."""
+    scheme = cfg.quantization
+    if scheme is None or not cfg.num_moe_layers:
+        return False
+    module = EXPERTS_PREFIX[cfg.family].format(cfg.moe_layer_ids[0]) + "0.gate_proj"
+    return scheme.online_quantizes(module) if scheme.format == "online" else not scheme.ignores(module)
+
+
+def expert_spec(cfg: ModelConfig, dtype: torch.dtype) -> ExpertSpec:
+    """The routed experts' spec for compute dtype ``dtype`` (FP8 weights when quantized)."""
+    quant = None
+    if experts_quantized(cfg):
+        assert cfg.quantization is not None
+        quant = ExpertQuant.from_scheme(cfg.quantization, cfg.hidden_size, cfg.moe_intermediate_size)
+    return ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype, quant)
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,16 @@ def corrupt_file_error(path: Path, err: SafetensorError) -> CheckpointError:
     return CheckpointError(f"{path}: corrupt safetensors header: {detail} (safetensors: {err})")
 
 
+def _no_fp8_cast(path: Path, name: str, stored: torch.dtype | None, dtype: torch.dtype | None) -> None:
+    """A read of FP8 codes into another dtype (a cast without the scales: what served FP8
+    checkpoints silently wrong) is refused by name."""
+    if stored in (Q.FP8, torch.float8_e5m2) and dtype is not None and dtype != stored:
+        raise CheckpointError(
+            f"{path}: tensor '{name}' is stored in {stored}; it is read as FP8 codes with its scales "
+            f"(config.json's quantization_config), never cast to {dtype}"
+        )
+
+
 def _owned(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``t`` in ``dtype`` (default: its own), always in memory of its own.
 
@@ -131,9 +161,9 @@ class CheckpointReader:
     expert slice of a fused tensor); headers are not counted.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, quantization: str | None = None):
         self.path = Path(path)
-        self.config: ModelConfig = load_config(self.path)
+        self.config: ModelConfig = with_quantization(load_config(self.path), quantization)
         self.bytes_read = 0
         self.tensors_read = 0
         self._files: dict[str, SafetensorsFile] = {}
@@ -231,10 +261,12 @@ class CheckpointReader:
         return ST_DTYPES[st]
 
     def read(self, name: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Read one whole tensor, checking its shape when ``shape`` is given; cast to ``dtype``."""
+        """Read one whole tensor, checking its shape when ``shape`` is given; cast to ``dtype``.
+        FP8 codes are never cast: they mean nothing without their scales (``quant.read_weight``)."""
         f, full, sl = self._slice(name)
         if shape is not None:
             self._check_shape(f, full, sl.get_shape(), shape)
+        _no_fp8_cast(f.path, full, ST_DTYPES.get(sl.get_dtype()), dtype)
         t = f.handle.get_tensor(full)
         self._count(t)
         return _owned(t, dtype)
@@ -247,6 +279,7 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{f.path}: tensor '{full}' of shape {shape} has no rows {start}..{start + count - 1}"
             )
+        _no_fp8_cast(f.path, full, ST_DTYPES.get(sl.get_dtype()), dtype)
         t = sl[start : start + count]
         self._count(t)
         return _owned(t, dtype)
@@ -281,53 +314,122 @@ class CheckpointReader:
         return "fused" if self.has(self._experts_prefix(moe_layer) + "gate_up_proj") else "per_expert"
 
     def expert_spec(self, dtype: torch.dtype | None = None) -> ExpertSpec:
-        """The routed experts' spec; dtype defaults to the stored dtype of MoE layer 0's experts."""
+        """The routed experts' spec; the compute dtype defaults to the stored dtype of MoE layer
+        0's experts (the checkpoint's dtype when they are FP8)."""
         cfg = self.config
         if dtype is None and cfg.num_moe_layers:
             p = self._experts_prefix(0)
             dtype = self.stored_dtype(
                 p + ("gate_up_proj" if self.expert_layout(0) == "fused" else "0.gate_proj.weight")
             )
-        return ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype or cfg.dtype)
+            if dtype in (Q.FP8, torch.float8_e5m2):
+                dtype = cfg.dtype
+        return expert_spec(cfg, dtype or cfg.dtype)
 
     def read_expert(self, moe_layer: int, expert: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """One logical expert of one MoE layer, canonical: gate_up [H, 2I], down [I, H].
-
-        Reads exactly that expert's bytes (one row of each fused tensor, or its three
-        per-expert tensors).
-        """
-        cfg = self.config
-        h, i, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-        prefix = self._experts_prefix(moe_layer)
-        if not 0 <= expert < n_exp:
-            raise ValueError(f"logical expert id {expert} out of range 0..{n_exp - 1}")
-        if self.expert_layout(moe_layer) == "fused":
-            self.check_shape(prefix + "gate_up_proj", (n_exp, h, 2 * i))
-            self.check_shape(prefix + "down_proj", (n_exp, i, h))
-            gate_up = self.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0]  # [H, 2I]
-            down = self.read_rows(prefix + "down_proj", expert, 1, dtype)[0]  # [I, H]
-            return {"gate_up": gate_up, "down": down}
-        p = f"{prefix}{expert}."
-        if not self.has(p + "gate_proj.weight"):
-            raise CheckpointError(
-                f"{self._source}: tensor '{self.prefix}{prefix}gate_up_proj' is missing, and so is "
-                f"the per-expert '{self.prefix}{p}gate_proj.weight' (routed experts of MoE layer "
-                f"{moe_layer} = decoder layer {cfg.moe_layer_ids[moe_layer]})"
-            )
-        gate = self.read(p + "gate_proj.weight", dtype, shape=(i, h))  # [I, H]
-        up = self.read(p + "up_proj.weight", dtype, shape=(i, h))  # [I, H]
-        down = self.read(p + "down_proj.weight", dtype, shape=(h, i))  # [H, I]
-        return {"gate_up": torch.cat([gate.t(), up.t()], dim=1).contiguous(), "down": down.t().contiguous()}
+        """One logical expert of one MoE layer, canonical (``read_expert``): exactly its bytes."""
+        return read_expert(self, moe_layer, expert, dtype)
 
     def read_experts(self, moe_layer: int, ids, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Several logical experts stacked in ``ids`` order: gate_up [N, H, 2I], down [N, I, H].
+        """Several logical experts stacked in ``ids`` order (``read_experts``)."""
+        return read_experts(self, moe_layer, ids, dtype)
 
-        ``ids`` may repeat (a logical expert can fill several slots); each distinct expert is
-        read from disk once.
-        """
-        ids = [int(e) for e in ids]
-        cache = {e: self.read_expert(moe_layer, e, dtype) for e in dict.fromkeys(ids)}
-        if not ids:
-            spec = self.expert_spec(dtype)
-            return {k: torch.empty((0, *s), dtype=spec.dtype) for k, s in spec.shapes.items()}
-        return {k: torch.stack([cache[e][k] for e in ids]) for k in ("gate_up", "down")}
+
+def check_quantized_tensors(path: str | Path, cfg: ModelConfig) -> None:
+    """Refuse, from the files' headers alone, a checkpoint that stores FP8 tensors without a
+    quantization_config (``cfg``: its config, with any --quantization applied): their codes
+    would be read without their scales."""
+    if cfg.quantization is not None and cfg.quantization.format != "online":
+        return
+    with CheckpointReader(path) as reader:
+        for name in reader.names():
+            stored = reader.stored_dtype(name)
+            if stored in (Q.FP8, torch.float8_e5m2):
+                raise CheckpointError(
+                    f"{reader.path}: tensor '{name}' is stored in {stored} but config.json declares no "
+                    f"quantization_config: moeserve does not guess its scales; {Q.SUPPORTED}"
+                )
+
+
+# -- routed experts, for either reader (this one, and ``dummy.DummyReader``) ----------------------
+
+
+def read_expert(reader, moe_layer: int, expert: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """One logical expert of one MoE layer, canonical: gate_up [H, 2I], down [I, H]; for FP8
+    experts the codes and their scales, gate_up_scale [Kb, 2 Nb] (gate's blocks, then up's) and
+    down_scale (``moe.ExpertSpec``), whatever ``dtype`` says.
+
+    Reads exactly that expert's bytes (one row of each fused tensor, or its three per-expert
+    tensors and their scales). FP8 tensors where the model's quantization keeps the experts
+    unquantized, or unquantized ones where it declares them FP8, are refused by name.
+    """
+    cfg = reader.config
+    h, i, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    prefix = reader._experts_prefix(moe_layer)
+    if not 0 <= expert < n_exp:
+        raise ValueError(f"logical expert id {expert} out of range 0..{n_exp - 1}")
+    quantized = experts_quantized(cfg)
+    if reader.expert_layout(moe_layer) == "fused":
+        reader.check_shape(prefix + "gate_up_proj", (n_exp, h, 2 * i))
+        reader.check_shape(prefix + "down_proj", (n_exp, i, h))
+        if reader.stored_dtype(prefix + "gate_up_proj") in (Q.FP8, torch.float8_e5m2):
+            raise CheckpointError(
+                f"{reader._source}: fused FP8 experts ('{prefix}gate_up_proj') are not a published layout: FP8 "
+                f"checkpoints store one Linear per expert (experts.{{e}}.gate_proj.weight with its weight_scale)"
+            )
+        _check_declared(reader, prefix + "gate_up_proj", quantized)
+        gate_up = reader.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0]  # [H, 2I]
+        down = reader.read_rows(prefix + "down_proj", expert, 1, dtype)[0]  # [I, H]
+        return {"gate_up": gate_up, "down": down}
+    p = f"{prefix}{expert}."
+    if not reader.has(p + "gate_proj.weight"):
+        raise CheckpointError(
+            f"{reader._source}: tensor '{reader.prefix}{prefix}gate_up_proj' is missing, and so is "
+            f"the per-expert '{reader.prefix}{p}gate_proj.weight' (routed experts of MoE layer "
+            f"{moe_layer} = decoder layer {cfg.moe_layer_ids[moe_layer]})"
+        )
+    if reader.stored_dtype(p + "gate_proj.weight") == Q.FP8:
+        if not quantized:
+            raise CheckpointError(
+                f"{reader._source}: tensor '{p}gate_proj.weight' is FP8, but the model's quantization keeps "
+                f"its routed experts unquantized"
+            )
+        g, u, d = (
+            Q.read_weight(reader, p + name, shape, torch.float32, "cpu")
+            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
+        )
+        assert isinstance(g, Q.QuantLinear) and isinstance(u, Q.QuantLinear) and isinstance(d, Q.QuantLinear)
+        return {
+            "gate_up": torch.cat([g.codes.t(), u.codes.t()], dim=1).contiguous(),  # [H, 2I]
+            "gate_up_scale": torch.cat([g.scale.t(), u.scale.t()], dim=1).contiguous(),  # [Kb, 2 Nb]
+            "down": d.codes.t().contiguous(),  # [I, H]
+            "down_scale": d.scale.t().contiguous(),
+        }
+    _check_declared(reader, p + "gate_proj.weight", quantized)
+    gate = reader.read(p + "gate_proj.weight", dtype, shape=(i, h))  # [I, H]
+    up = reader.read(p + "up_proj.weight", dtype, shape=(i, h))  # [I, H]
+    down = reader.read(p + "down_proj.weight", dtype, shape=(h, i))  # [H, I]
+    return {"gate_up": torch.cat([gate.t(), up.t()], dim=1).contiguous(), "down": down.t().contiguous()}
+
+
+def _check_declared(reader, name: str, quantized: bool) -> None:
+    """Unquantized experts where the checkpoint's own quantization_config declares FP8 ones
+    (as opposed to --quantization fp8, which quantizes them at load) are refused."""
+    scheme = reader.config.quantization
+    if quantized and scheme is not None and scheme.format != "online":
+        raise CheckpointError(
+            f"{reader._source}: tensor '{name}' is {reader.stored_dtype(name)}, but quantization_config "
+            f"({scheme.name}) declares FP8 routed experts"
+        )
+
+
+def read_experts(reader, moe_layer: int, ids, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Several logical experts stacked in ``ids`` order: gate_up [N, H, 2I], down [N, I, H] (and
+    the scales of FP8 experts). ``ids`` may repeat (a logical expert can fill several slots);
+    each distinct expert is read once."""
+    ids = [int(e) for e in ids]
+    if not ids:
+        spec = reader.expert_spec(dtype)
+        return {k: torch.empty((0, *s), dtype=spec.tensor_dtypes[k]) for k, s in spec.shapes.items()}
+    cache = {e: read_expert(reader, moe_layer, e, dtype) for e in dict.fromkeys(ids)}
+    return {k: torch.stack([cache[e][k] for e in ids]) for k in cache[ids[0]]}

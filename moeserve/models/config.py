@@ -10,7 +10,7 @@ Accepted ``model_type`` values (see ``MODEL_TYPES``):
 Both spellings of the fields that transformers 5 renamed are read: ``rope_theta`` /
 ``rope_scaling`` / ``torch_dtype`` (published checkpoints) and ``rope_parameters`` / ``dtype``
 (what transformers 5 writes); ``attn_temperature_tuning`` may be a bool or an int (Scout's
-``config.json`` says ``4``). Which decoder layers are MoE layers, use RoPE, or use chunked local
+``config.json`` says ``4``). ``quantization_config`` becomes ``ModelConfig.quantization`` (FP8 formats only; anything else is refused by name: ``moeserve.models.quant``). Which decoder layers are MoE layers, use RoPE, or use chunked local
 attention follows docs/models.md to the letter (the same rules as transformers).
 
 The *MoE layer index* is the ordinal of a MoE layer among the model's MoE layers
@@ -28,13 +28,8 @@ from typing import Any
 
 import torch
 
-
-class CheckpointError(ValueError):
-    """A checkpoint folder, its config or one of its tensors is missing or malformed.
-
-    The message names the file and the tensor or field at fault, and what was expected.
-    """
-
+from moeserve.models.errors import CheckpointError
+from moeserve.models.quant import QuantScheme, parse_quantization, resolve
 
 MODEL_TYPES = {"llama4_text": "llama4", "llama4": "llama4", "ernie4_5_moe": "ernie45"}
 FAMILIES = ("llama4", "ernie45")
@@ -102,6 +97,7 @@ class ModelConfig:
     pad_token_id: int | None
     dtype: torch.dtype  # dtype the checkpoint declares (dtype / torch_dtype)
     max_position_embeddings: int
+    quantization: QuantScheme | None = None  # quantization_config, or --quantization fp8 (moeserve.models.quant)
 
     @property
     def num_moe_layers(self) -> int:
@@ -157,7 +153,18 @@ def parse_config(
         cfg = _parse_ernie45(_Fields(raw, source), model_type)
     if eos_override is not None:
         cfg = replace(cfg, eos_token_ids=eos_override)
+    qc = raw.get("quantization_config")
+    if qc is None and isinstance(raw.get("text_config"), dict):
+        qc = raw["text_config"].get("quantization_config")
+    if qc is not None:
+        cfg = replace(cfg, quantization=parse_quantization(qc, source))
     return cfg
+
+
+def with_quantization(cfg: ModelConfig, requested: str | None) -> ModelConfig:
+    """``cfg`` served with ``--quantization`` (vLLM's name): None keeps the checkpoint's own;
+    "fp8" also quantizes a bf16 checkpoint at load. Anything else is a CheckpointError."""
+    return replace(cfg, quantization=resolve(cfg.quantization, requested))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,13 +58,22 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from moeserve.models.checkpoint import EXPERTS_PREFIX, CheckpointReader
-from moeserve.models.config import CheckpointError, ModelConfig, load_config
+from moeserve.models import quant as Q
+from moeserve.models.checkpoint import (
+    EXPERTS_PREFIX,
+    CheckpointReader,
+    expert_spec,
+    experts_quantized,
+    read_expert,
+    read_experts,
+)
+from moeserve.models.config import CheckpointError, ModelConfig, load_config, with_quantization
 from moeserve.models.moe import ExpertSpec
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -78,14 +87,19 @@ SIGMA_UNIFORM = (HIGH - LOW) / math.sqrt(12.0)  # standard deviation of a dummy 
 
 
 def open_reader(
-    path: str | Path, load_format: str = "auto", device: torch.device | str = "cpu", seed: int = 0
+    path: str | Path,
+    load_format: str = "auto",
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    quantization: str | None = None,
 ) -> CheckpointReader | DummyReader:
     """The reader for ``load_format``: "auto" reads the checkpoint files (on the CPU; callers
-    move tensors), "dummy" makes seeded random weights on ``device``."""
+    move tensors), "dummy" makes seeded random weights on ``device``. ``quantization`` ("fp8",
+    vLLM's ``--quantization``) serves a bf16 checkpoint with FP8 weights."""
     if load_format == "auto":
-        return CheckpointReader(path)
+        return CheckpointReader(path, quantization=quantization)
     if load_format == "dummy":
-        return DummyReader(path, seed=seed, device=device)
+        return DummyReader(path, seed=seed, device=device, quantization=quantization)
     raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
 
 
@@ -173,8 +187,12 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         experts = EXPERTS_PREFIX[cfg.family].format(layer)
         if llama:
             out[f"{p}.feed_forward.router.weight"] = (e, h)
-            out[experts + "gate_up_proj"] = (e, h, 2 * i)
-            out[experts + "down_proj"] = (e, i, h)
+            if experts_quantized(cfg):  # FP8 Llama 4 checkpoints store one Linear per expert
+                for x in range(e):
+                    swiglu(f"{experts}{x}", i, False)
+            else:
+                out[experts + "gate_up_proj"] = (e, h, 2 * i)
+                out[experts + "down_proj"] = (e, i, h)
             swiglu(f"{p}.feed_forward.shared_expert", i, False)
         else:
             out[f"{p}.mlp.gate.weight"] = (e, h)
@@ -189,7 +207,44 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         linear("lm_head", v, h, cfg.mlp_bias)
     elif cfg.mlp_bias:
         out["lm_head.bias"] = (v,)
+    scheme = cfg.quantization
+    if scheme is not None:  # each FP8 weight's scale beside it, as the checkpoint format stores it
+        for module in fp8_modules(cfg, out):
+            rows, cols = out[f"{module}.weight"]
+            bo, bi = scheme.block_of(rows, cols)
+            out[f"{module}.{scheme.scale_name}"] = (-(-rows // bo), -(-cols // bi))
     return out
+
+
+def linear_modules(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The linear layers (as compressed-tensors targets them) among a checkpoint's tensors."""
+    return [
+        n[: -len(".weight")]
+        for n, s in shapes.items()
+        if n.endswith(".weight") and len(s) == 2 and not n.startswith("model.embed")
+    ]
+
+
+def fp8_modules(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The linear layers a dummy checkpoint of ``cfg`` stores in FP8 (``cfg.quantization``'s)."""
+    scheme = cfg.quantization
+    if scheme is None:
+        return []
+    if scheme.format == "online":
+        return [m for m in linear_modules(shapes) if scheme.online_quantizes(m)]
+    return [m for m in linear_modules(shapes) if not scheme.ignores(m)]
+
+
+def declared_scheme(cfg: ModelConfig) -> ModelConfig:
+    """A dummy checkpoint is made directly in FP8: ``--quantization fp8`` on it reads as the
+    compressed-tensors checkpoint it would quantize to (per channel, the MLPs and experts; the
+    other linear layers named in its ignore list), never as bf16 weights quantized later."""
+    scheme = cfg.quantization
+    if scheme is None or scheme.format != "online":
+        return cfg
+    every = replace(cfg, quantization=Q.QuantScheme("compressed-tensors", "channel"))  # the FP8 layout's names
+    keep = tuple(m for m in linear_modules(checkpoint_shapes(every)) if not scheme.online_quantizes(m))
+    return replace(cfg, quantization=Q.QuantScheme("compressed-tensors", "channel", ignore=keep))
 
 
 class DummyReader:
@@ -201,14 +256,22 @@ class DummyReader:
 
     prefix = ""
 
-    def __init__(self, path: str | Path, seed: int = 0, device: torch.device | str = "cpu", hot=None):
+    def __init__(
+        self,
+        path: str | Path,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        hot=None,
+        quantization: str | None = None,
+    ):
         self.path = Path(path)
-        self.config: ModelConfig = load_config(self.path)
+        self.config: ModelConfig = declared_scheme(with_quantization(load_config(self.path), quantization))
         self.seed = int(seed)
         self.device = torch.device(device)
         self.bytes_read = 0
         self.tensors_read = 0
         self._shapes = checkpoint_shapes(self.config)
+        self._fp8 = set(fp8_modules(self.config, self._shapes))
         if hot is None:
             hot = os.environ.get(HOT_ENV) or None
         if hot is None:
@@ -274,6 +337,9 @@ class DummyReader:
 
     def stored_dtype(self, name: str) -> torch.dtype:
         self._known(name)
+        module, _, leaf = name.rpartition(".")
+        if module in self._fp8:
+            return Q.FP8 if leaf == "weight" else torch.float32  # the codes, and their scale
         return torch.float32 if name.endswith(FP32_NAMES) else self.config.dtype
 
     def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
@@ -288,6 +354,9 @@ class DummyReader:
         full = self.shape(name)
         if self._fused(name):
             return self.read_rows(name, 0, full[0], dtype)
+        module, _, leaf = name.rpartition(".")
+        if module in self._fp8:
+            return self._make_fp8(name, full, dtype) if leaf == "weight" else self._make_scale(name, full, dtype)
         if self.hot:
             skewed = self._skewed(name, full)
             if skewed is not None:
@@ -351,34 +420,13 @@ class DummyReader:
         return "fused" if self.has(self._experts_prefix(moe_layer) + "gate_up_proj") else "per_expert"
 
     def expert_spec(self, dtype: torch.dtype | None = None) -> ExpertSpec:
-        cfg = self.config
-        return ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype or cfg.dtype)
+        return expert_spec(self.config, dtype or self.config.dtype)
 
     def read_expert(self, moe_layer: int, expert: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        cfg = self.config
-        h, i, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-        prefix = self._experts_prefix(moe_layer)
-        if not 0 <= expert < n_exp:
-            raise ValueError(f"logical expert id {expert} out of range 0..{n_exp - 1}")
-        if self.expert_layout(moe_layer) == "fused":
-            return {
-                "gate_up": self.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0],  # [H, 2I]
-                "down": self.read_rows(prefix + "down_proj", expert, 1, dtype)[0],
-            }  # [I, H]
-        p = f"{prefix}{expert}."
-        gate = self.read(p + "gate_proj.weight", dtype, shape=(i, h))  # [I, H]
-        up = self.read(p + "up_proj.weight", dtype, shape=(i, h))  # [I, H]
-        down = self.read(p + "down_proj.weight", dtype, shape=(h, i))  # [H, I]
-        return {"gate_up": torch.cat([gate.t(), up.t()], dim=1).contiguous(), "down": down.t().contiguous()}
+        return read_expert(self, moe_layer, expert, dtype)
 
     def read_experts(self, moe_layer: int, ids, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Several logical experts stacked in ``ids`` order: gate_up [N, H, 2I], down [N, I, H]."""
-        ids = [int(e) for e in ids]
-        if not ids:
-            spec = self.expert_spec(dtype)
-            return {k: torch.empty((0, *s), dtype=spec.dtype, device=self.device) for k, s in spec.shapes.items()}
-        made = {e: self.read_expert(moe_layer, e, dtype) for e in dict.fromkeys(ids)}
-        return {k: torch.stack([made[e][k] for e in ids]) for k in ("gate_up", "down")}
+        return read_experts(self, moe_layer, ids, dtype)
 
     # -- making ----------------------------------------------------------------------------------
 
@@ -395,6 +443,28 @@ class DummyReader:
 
     def _fused(self, name: str) -> bool:
         return self.config.family == "llama4" and name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+
+    def _make_fp8(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """FP8 codes made as such on the device (no float copy first): seeded random bytes that
+        are never one of e4m3fn's two NaN codes (0x7f, 0xff)."""
+        if dtype not in (None, Q.FP8):
+            raise CheckpointError(
+                f"{self._source}: tensor '{name}' is FP8: it is read with its scale, never as {dtype}"
+            )
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(tensor_seed(self.seed, name))
+        raw = torch.randint(0, 254, shape, dtype=torch.uint8, device=self.device, generator=gen)
+        raw += (raw >= 0x7F).to(torch.uint8)  # 0..126, 128..254
+        self.bytes_read += raw.numel()
+        self.tensors_read += 1
+        return raw.view(Q.FP8)
+
+    def _make_scale(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """Scales that put the codes in vLLM's dummy range: |w| <= 448 * scale = 1e-3."""
+        t = torch.full(shape, HIGH / Q.FP8_MAX, dtype=torch.float32, device=self.device)
+        self.bytes_read += t.numel() * 4
+        self.tensors_read += 1
+        return t if dtype in (None, torch.float32) else t.to(dtype)
 
     def _make(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, ones: bool = False) -> torch.Tensor:
         if ones:

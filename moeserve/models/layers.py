@@ -24,6 +24,7 @@ from moeserve.models.attention import paged_attention
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.config import ModelConfig, RopeConfig
 from moeserve.models.paged import PagedBatch, PagedKVCache
+from moeserve.models.quant import QuantLinear, read_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,9 +93,9 @@ class Linear:
 class SwiGLU:
     """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts. x [T, H] -> [T, H]."""
 
-    gate: Linear
-    up: Linear
-    down: Linear
+    gate: Linear | QuantLinear
+    up: Linear | QuantLinear
+    down: Linear | QuantLinear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -109,7 +110,16 @@ class Attention:
     with absolute positions (non-overlapping chunks, not a sliding window).
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int, q: Linear, k: Linear, v: Linear, o: Linear, softmax_fp32: bool):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        q: Linear | QuantLinear,
+        k: Linear | QuantLinear,
+        v: Linear | QuantLinear,
+        o: Linear | QuantLinear,
+        softmax_fp32: bool,
+    ):
         self.layer = layer
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -192,10 +202,15 @@ class Attention:
 
 def load_linear(
     reader, name: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype, device
-) -> Linear:
-    """Read ``{name}.weight`` [out, in] (and ``{name}.bias`` [out] when ``bias``) from a checkpoint."""
-    w = reader.read(f"{name}.weight", dtype, shape=(out_features, in_features)).to(device)
+) -> Linear | QuantLinear:
+    """Read ``{name}.weight`` [out, in] (and ``{name}.bias`` [out] when ``bias``) from a checkpoint:
+    a :class:`QuantLinear` when the checkpoint holds the weight in FP8 with its scale, or when
+    ``--quantization fp8`` quantizes it at load (``moeserve.models.quant.read_weight``)."""
+    w = read_weight(reader, name, (out_features, in_features), dtype, device)
     b = reader.read(f"{name}.bias", dtype, shape=(out_features,)).to(device) if bias else None
+    if isinstance(w, QuantLinear):
+        w.bias = b
+        return w
     return Linear(w, b)
 
 

@@ -25,6 +25,7 @@ import torch
 
 from moeserve.models import ernie45, llama4
 from moeserve.models.cache import KVCache, StepBatch
+from moeserve.models.checkpoint import expert_spec
 from moeserve.models.config import ModelConfig
 from moeserve.models.layers import Attention, Linear, SwiGLU, load_linear, rms_norm, rope_cos_sin, rope_inv_freq
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
@@ -56,7 +57,7 @@ class MoEInfo:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: torch.dtype) -> MoEInfo:
-        spec = ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype)
+        spec = expert_spec(cfg, dtype)
         return cls(
             num_moe_layers=cfg.num_moe_layers,
             moe_layer_ids=cfg.moe_layer_ids,
@@ -332,6 +333,7 @@ def load_model(
     load_experts: bool = True,
     load_format: str = "auto",
     reader=None,
+    quantization: str | None = None,
 ) -> DecoderModel:
     """Load a Llama 4 or ERNIE-4.5-MoE checkpoint folder.
 
@@ -339,12 +341,14 @@ def load_model(
     and ``model.experts`` is None (an expert backend is then passed to ``step``).
     ``load_format="dummy"`` makes seeded random weights on ``device`` from config.json alone
     (``moeserve.models.dummy``); ``reader`` (a CheckpointReader or DummyReader) overrides both.
+    ``quantization="fp8"`` (vLLM's ``--quantization``) quantizes a bf16 checkpoint's experts and
+    MLPs at load; an FP8 checkpoint is served as its config.json's quantization_config says.
     """
     device = torch.device(device)
     if reader is None:
         from moeserve.models.dummy import open_reader
 
-        reader = open_reader(path, load_format, device)
+        reader = open_reader(path, load_format, device, quantization=quantization)
     with reader:
         cfg = reader.config
         fam = FAMILY_MODULES[cfg.family]
@@ -382,7 +386,10 @@ def load_model(
         if load_experts and cfg.num_moe_layers:
             spec = MoEInfo.from_config(cfg, dtype).expert_spec
             weights = [
-                {k: t.to(device) for k, t in reader.read_experts(m, range(cfg.num_experts), dtype).items()}
+                {
+                    k: t.to(device)
+                    for k, t in spec.canonical_stack(reader.read_experts(m, range(cfg.num_experts), dtype)).items()
+                }
                 for m in range(cfg.num_moe_layers)
             ]
             experts = LocalExperts(spec, weights)

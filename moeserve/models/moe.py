@@ -20,6 +20,12 @@ Expert weights are held in one canonical layout on every party, whatever the che
 I) and ``down [I, H]``, plus ``gate_up_bias [2I]`` / ``down_bias [H]`` when the family has
 biases. ``flat`` packs one expert's tensors into a single 1-D buffer (in ``ExpertSpec.tensor
 names`` order), which is what a weight migration sends.
+
+FP8 experts (``ExpertSpec.quant``, ``moeserve.models.quant``) hold ``gate_up`` and ``down`` as
+FP8 codes with their float32 scales ``gate_up_scale [ceil(H/bk), 2 ceil(I/bn)]`` (the gate's
+blocks, then the up projection's) and ``down_scale [ceil(I/bk), ceil(H/bn)]``; the flat buffer
+is then the bytes of all four (each at a 16-byte aligned offset), so a slot is its weights and
+its scales as one unit: a migration, a redundant copy or a reload moves both or neither.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from moeserve.models import quant as Q
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,30 @@ class RoutingResult:
 
 
 ACTIVATIONS = ("silu",)
+ALIGN = 16  # bytes: every tensor of a quantized expert starts at such an offset of its flat buffer
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class ExpertQuant:
+    """FP8 routed experts: codes in the canonical layout, one float32 scale per block of
+    ``bk`` inputs x ``bn`` outputs (``gate_up_block`` over gate_up's [H, I] halves apart,
+    ``down_block`` over down [I, H]). Per output channel: (K, 1); per tensor: (K, N)."""
+
+    gate_up_block: tuple[int, int]
+    down_block: tuple[int, int]
+
+    @classmethod
+    def from_scheme(cls, scheme: Q.QuantScheme, hidden: int, inter: int) -> ExpertQuant:
+        bo, bi = scheme.block_of(inter, hidden)  # gate_proj / up_proj: [I, H] as a checkpoint holds them
+        do, di = scheme.block_of(hidden, inter)  # down_proj: [H, I]
+        return cls(gate_up_block=(bi, bo), down_block=(di, do))
 
 
 @dataclass(frozen=True)
@@ -56,7 +88,9 @@ class ExpertSpec:
     """How one routed expert computes, and the shape and size of its weights.
 
     E(x) = act(x @ G) * (x @ U) @ D, with [G | U] = gate_up [H, 2I] and D = down [I, H]; with
-    biases, x @ gate_up + gate_up_bias and ... @ down + down_bias.
+    biases, x @ gate_up + gate_up_bias and ... @ down + down_bias. ``dtype`` is the compute
+    dtype (of rows, outputs and unquantized weights); with ``quant`` the weights are FP8 codes
+    and scales (``ExpertQuant``), dequantized to ``dtype`` by the torch path.
     """
 
     hidden_size: int
@@ -64,66 +98,153 @@ class ExpertSpec:
     activation: str = "silu"
     has_bias: bool = False
     dtype: torch.dtype = torch.float32
+    quant: ExpertQuant | None = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"unknown expert activation {self.activation!r}; allowed: {ACTIVATIONS}")
+        if self.quant is not None and self.has_bias:
+            raise ValueError("FP8 experts with biases are not supported")
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        return ("gate_up", "down", "gate_up_bias", "down_bias") if self.has_bias else ("gate_up", "down")
+        return tuple(self.shapes)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical shape of each tensor of one expert, in ``tensor_names`` order."""
         h, i = self.hidden_size, self.intermediate_size
+        if self.quant is not None:
+            (gk, gn), (dk, dn) = self.quant.gate_up_block, self.quant.down_block
+            return {
+                "gate_up": (h, 2 * i),
+                "gate_up_scale": (-(-h // gk), 2 * -(-i // gn)),
+                "down": (i, h),
+                "down_scale": (-(-i // dk), -(-h // dn)),
+            }
         s = {"gate_up": (h, 2 * i), "down": (i, h)}
         if self.has_bias:
             s.update(gate_up_bias=(2 * i,), down_bias=(h,))
         return s
 
     @property
+    def tensor_dtypes(self) -> dict[str, torch.dtype]:
+        """Each tensor's dtype: FP8 codes and float32 scales when quantized, else ``dtype``."""
+        if self.quant is not None:
+            return {"gate_up": Q.FP8, "gate_up_scale": torch.float32, "down": Q.FP8, "down_scale": torch.float32}
+        return dict.fromkeys(self.shapes, self.dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The element type of a slot's flat buffer: bytes when quantized, else ``dtype``."""
+        return torch.uint8 if self.quant is not None else self.dtype
+
+    def _layout(self) -> dict[str, tuple[int, int]]:
+        """(offset, length) of each tensor in the flat buffer, in elements of ``storage_dtype``."""
+        out, off = {}, 0
+        for name, shape in self.shapes.items():
+            n = _numel(shape)
+            if self.quant is not None:
+                n *= torch.empty((), dtype=self.tensor_dtypes[name]).element_size()
+                off = -(-off // ALIGN) * ALIGN
+            out[name] = (off, n)
+            off += n
+        return out
+
+    @property
     def numel(self) -> int:
-        """Elements of one expert's weights (all tensors)."""
-        total = 0
-        for shape in self.shapes.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        """Elements of ``storage_dtype`` in one expert's flat buffer (all tensors; bytes, padded
+        to 16, when quantized)."""
+        off, n = list(self._layout().values())[-1]
+        total = off + n
+        return -(-total // ALIGN) * ALIGN if self.quant is not None else total
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one expert's weights in ``dtype``: what moving one slot costs."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one expert's weights (and scales): what moving one slot costs."""
+        return self.numel * torch.empty((), dtype=self.storage_dtype).element_size()
+
+    def canonical(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One expert's tensors as this spec holds them: FP8 experts read from a checkpoint pass
+        as they are; unquantized ones are quantized per this spec's blocks (``--quantization
+        fp8``) or cast to ``dtype``."""
+        if self.quant is None:
+            return {k: tensors[k].to(self.dtype) for k in self.shapes}
+        if "gate_up_scale" in tensors:
+            return {k: tensors[k] for k in self.shapes}
+        i = self.intermediate_size
+        gate, up = tensors["gate_up"][:, :i], tensors["gate_up"][:, i:]
+        (gc, gs), (uc, us) = Q.quantize(gate, self.quant.gate_up_block), Q.quantize(up, self.quant.gate_up_block)
+        dc, ds = Q.quantize(tensors["down"], self.quant.down_block)
+        return {
+            "gate_up": torch.cat([gc, uc], 1),
+            "gate_up_scale": torch.cat([gs, us], 1),
+            "down": dc,
+            "down_scale": ds,
+        }
+
+    def canonical_stack(self, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``canonical`` of experts stacked on dim 0 ([N, ...] each)."""
+        if self.quant is None or "gate_up_scale" in stacked:
+            return self.canonical(stacked) if self.quant is None else {k: stacked[k] for k in self.shapes}
+        per = [self.canonical({k: v[n] for k, v in stacked.items()}) for n in range(stacked["gate_up"].shape[0])]
+        return {k: torch.stack([e[k] for e in per]) for k in self.shapes}
 
     def flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Pack one expert's canonical tensors into a 1-D buffer [numel] of ``dtype``."""
-        parts = []
-        for name, shape in self.shapes.items():
+        """Pack one expert's canonical tensors into a 1-D buffer [numel] of ``storage_dtype``."""
+        tensors = self.canonical(tensors)
+        if self.quant is None:
+            parts = []
+            for name, shape in self.shapes.items():
+                t = tensors[name]
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"expert tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+                parts.append(t.reshape(-1).to(self.dtype))
+            return torch.cat(parts)
+        device = tensors["gate_up"].device
+        out = torch.zeros(self.numel, dtype=torch.uint8, device=device)
+        for name, (off, n) in self._layout().items():
             t = tensors[name]
-            if tuple(t.shape) != shape:
-                raise ValueError(f"expert tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-            parts.append(t.reshape(-1).to(self.dtype))
-        return torch.cat(parts)
+            if tuple(t.shape) != self.shapes[name] or t.dtype != self.tensor_dtypes[name]:
+                raise ValueError(
+                    f"expert tensor {name!r} is {t.dtype} {tuple(t.shape)}, expected "
+                    f"{self.tensor_dtypes[name]} {self.shapes[name]}"
+                )
+            out[off : off + n] = t.contiguous().reshape(-1).view(torch.uint8)
+        return out
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views into a buffer [..., numel] (one expert, or S experts stacked) by tensor name."""
         lead = flat.shape[:-1]
-        out, off = {}, 0
-        for name, shape in self.shapes.items():
-            n = 1
-            for d in shape:
-                n *= d
-            out[name] = flat[..., off : off + n].view(*lead, *shape)
-            off += n
+        out = {}
+        for name, (off, n) in self._layout().items():
+            part = flat[..., off : off + n]
+            if self.quant is not None:
+                part = part.view(self.tensor_dtypes[name])
+            out[name] = part.view(*lead, *self.shapes[name])
         return out
+
+    def dense(self, w: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """One expert's (or a stack's) weights as dense tensors in ``dtype``: FP8 codes times
+        their scales (``quant.dequantize``), unquantized ones as they are."""
+        if self.quant is None:
+            return w
+        i = self.intermediate_size
+        gb, db = self.quant.gate_up_block, self.quant.down_block
+        if w["gate_up"].dim() == 3:  # [S, ...]: one expert at a time
+            per = [self.dense({k: v[s] for k, v in w.items()}, dtype) for s in range(w["gate_up"].shape[0])]
+            return {k: torch.stack([p[k] for p in per]) for k in ("gate_up", "down")}
+        half = w["gate_up_scale"].shape[1] // 2
+        gate = Q.dequantize(w["gate_up"][:, :i], w["gate_up_scale"][:, :half], gb, dtype)
+        up = Q.dequantize(w["gate_up"][:, i:], w["gate_up_scale"][:, half:], gb, dtype)
+        return {"gate_up": torch.cat([gate, up], 1), "down": Q.dequantize(w["down"], w["down_scale"], db, dtype)}
 
 
 def expert_forward(spec: ExpertSpec, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Run one routed expert: x [n, H] -> [n, H], with w the expert's canonical tensors."""
+    """Run one routed expert: x [n, H] -> [n, H], with w the expert's canonical tensors
+    (FP8 ones dequantized to x's dtype first: weight-only)."""
     i = spec.intermediate_size
+    w = spec.dense(w, x.dtype)
     gu = x @ w["gate_up"]  # [n, 2I]
     if spec.has_bias:
         gu = gu + w["gate_up_bias"]
