@@ -477,7 +477,8 @@ def serve(
                 cfg.world_size,
                 *server.address,
             )
-        from moeserve.kernels import compilelog, gcpause
+        from moeserve.kernels import compilelog
+        from moeserve.ops import gcpause
 
         gcpause.freeze_startup_heap()  # full collections skip the start-up heap
         if cfg.backend == "nccl":
