@@ -45,6 +45,18 @@ class Up(UpProcess):
     def logs(self) -> str:
         return self.tail()
 
+    @property
+    def port(self) -> int:
+        return int(self.serving.rsplit(":", 1)[1])
+
+    @property
+    def admin_port(self) -> int:
+        return int(self.admin.rsplit(":", 1)[1])
+
+    @property
+    def balancer_port(self) -> int:
+        return int(self.balancer.rsplit(":", 1)[1])
+
     def clients(self, timeout: float = 60.0) -> tuple[Client, Client, Client]:
         return (
             Client(self.serving, timeout=timeout),
