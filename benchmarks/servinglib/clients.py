@@ -50,6 +50,29 @@ def record(i, offset, prompt, n, t0) -> dict:
     }
 
 
+async def run_plan(plan: list, t0: float, deadline_s: float, request, fields: dict | None = None):
+    """Every request of ``plan`` at its offset from ``t0``, ``request(rec, prompt, n)`` streaming it
+    into its record (``fields``: more of them), all of them ending within ``deadline_s`` of t0 (then
+    cancelled: finish "timeout"); (the records, this process's CPU seconds meanwhile)."""
+    cpu0 = time.process_time()
+    deadline = t0 + deadline_s
+
+    async def one(i, offset, prompt, n):
+        await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
+        rec = record(i, offset, prompt, n, t0)
+        rec.update(fields or {})
+        try:
+            await asyncio.wait_for(request(rec, prompt, n), timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            rec["finish"] = "timeout"
+        except Exception as e:  # noqa: BLE001 - recorded per request
+            rec["error"] = f"{type(e).__name__}: {e}"
+        return rec
+
+    recs = await asyncio.gather(*(one(*p) for p in plan))
+    return recs, time.process_time() - cpu0
+
+
 async def client_grpc(address, plan, t0_value, go, results, warm, deadline_s) -> None:
     """The SDK's streaming call, every request of ``plan`` at its offset from the common start."""
     from moeserve.client import AsyncClient
@@ -60,30 +83,15 @@ async def client_grpc(address, plan, t0_value, go, results, warm, deadline_s) ->
             pass
     results.put(("ready", None))
     t0 = await start(go, t0_value)
-    cpu0 = time.process_time()
-    deadline = t0 + deadline_s
 
-    async def one(i, offset, prompt, n):
-        await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
-        rec = record(i, offset, prompt, n, t0)
+    async def request(rec, prompt, n):
+        async for chunk in client.generate_stream(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True):
+            now = time.monotonic() - t0
+            rec["tokens"].extend([now] * len(chunk.token_ids))
+            if chunk.finish_reason:
+                rec["finish"] = chunk.finish_reason
 
-        async def stream():
-            async for chunk in client.generate_stream(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True):
-                now = time.monotonic() - t0
-                rec["tokens"].extend([now] * len(chunk.token_ids))
-                if chunk.finish_reason:
-                    rec["finish"] = chunk.finish_reason
-
-        try:
-            await asyncio.wait_for(stream(), timeout=max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            rec["finish"] = "timeout"
-        except Exception as e:  # noqa: BLE001 - recorded per request
-            rec["error"] = f"{type(e).__name__}: {e}"
-        return rec
-
-    recs = await asyncio.gather(*(one(*p) for p in plan))
-    cpu = time.process_time() - cpu0
+    recs, cpu = await run_plan(plan, t0, deadline_s, request)
     await client.close()
     results.put(("done", {"recs": recs, "cpu_s": cpu}))
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 
-from servinglib.clients import record, start
+from servinglib.clients import run_plan, start
 
 
 def http_module():
@@ -147,31 +147,18 @@ async def client_http(base, plan, t0_value, go, results, warm, deadline_s) -> No
         await asyncio.gather(*(stream([5, 6, 7], 1, lambda *_: None) for _ in range(min(len(plan), 256))))
     results.put(("ready", None))
     t0 = await start(go, t0_value)
-    cpu0 = time.process_time()
-    deadline = t0 + deadline_s
 
-    async def one(i, offset, prompt, n):
-        await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
-        rec = record(i, offset, prompt, n, t0)
-        rec["from_usage"] = 0
-
+    async def request(rec, prompt, n):
         def on_tokens(now, k):
             rec["tokens"].extend([now - t0] * k)
 
-        try:
-            sse = await asyncio.wait_for(stream(prompt, n, on_tokens), timeout=max(0.1, deadline - time.monotonic()))
-            rec["finish"] = sse.finish
-            k = sse.missing()
-            if k:
-                rec["tokens"].extend([rec["tokens"][-1] if rec["tokens"] else time.monotonic() - t0] * k)
-                rec["from_usage"] = k
-        except TimeoutError:
-            rec["finish"] = "timeout"
-        except Exception as e:  # noqa: BLE001 - recorded per request
-            rec["error"] = f"{type(e).__name__}: {e}"
-        return rec
+        sse = await stream(prompt, n, on_tokens)
+        rec["finish"] = sse.finish
+        k = sse.missing()
+        if k:
+            rec["tokens"].extend([rec["tokens"][-1] if rec["tokens"] else time.monotonic() - t0] * k)
+            rec["from_usage"] = k
 
-    recs = await asyncio.gather(*(one(*p) for p in plan))
-    cpu = time.process_time() - cpu0
+    recs, cpu = await run_plan(plan, t0, deadline_s, request, {"from_usage": 0})
     await client.aclose()
     results.put(("done", {"recs": recs, "cpu_s": cpu, "token_ids": bool(extra)}))

@@ -4,6 +4,13 @@ API, and the EPLB measurement's phases."""
 from __future__ import annotations
 
 
+def by_round(per_round: list, failed: list) -> str:
+    """The rounds' http/grpc ratios, "*" after those where a request failed."""
+    return ", ".join(
+        (f"{x:.3f}" if x is not None else "-") + ("*" if r in failed else "") for r, x in enumerate(per_round)
+    )
+
+
 def _ms(x) -> str:
     return f"{1e3 * x:>9.3g}" if isinstance(x, (int, float)) else f"{'-':>9}"
 
@@ -69,10 +76,7 @@ def table(result: dict) -> str:
                     failed = (c.get("rounds_with_failed_requests") or {}).get(w) or []
                     lines.append(
                         f"{'':<16}{w:<9}http/grpc by round: "
-                        + ", ".join(
-                            (f"{x:.3f}" if x is not None else "-") + ("*" if r in failed else "")
-                            for r, x in enumerate(per_round)
-                        )
+                        + by_round(per_round, failed)
                         + " (median above"
                         + ("; * a request failed, left out" if 0 < len(failed) < len(per_round) else "")
                         + ")"

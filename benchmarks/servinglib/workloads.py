@@ -23,6 +23,7 @@ from servinglib.figures import (
     online_figures,
 )
 from servinglib.profiles import profile_table, read_profiles
+from servinglib.report import by_round
 from servinglib.roofline import kv_bytes_read, roofline
 from servinglib.shapes import expert_bytes_per_gpu, weights_per_gpu
 
@@ -141,9 +142,7 @@ class Measure:
             res.setdefault("rounds_with_failed_requests", {})["burst"] = failed
         self.say(
             "burst http/grpc output tok/s: "
-            + ", ".join(
-                (f"{x:.3f}" if x is not None else "-") + ("*" if r in failed else "") for r, x in enumerate(per_round)
-            )
+            + by_round(per_round, failed)
             + (
                 f" (median {res['http_over_grpc_output_tok_s']['burst'] or 0:.3f}"
                 + ("; * a request failed, left out" if failed and len(failed) < len(per_round) else "")
