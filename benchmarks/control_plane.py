@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,27 +34,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from moeserve.client import Client, MoeserveError  # noqa: E402
 from moeserve.models import init_model  # noqa: E402
+from moeserve.ops.procs import UpProcess  # noqa: E402
 
 TOKEN = "bench"
 ALL_CALLS = ("placement", "expert_load", "status", "dump_load", "balancer_status", "rebalance_dry_run")
 CALLS = list(ALL_CALLS)
 
 
-def free_port() -> int:
-    from moeserve.ops.ports import free_port as pick  # outside the ephemeral range: see moeserve/ops/ports.py
-
-    return pick()
-
-
-def start_up(model: str, log_dir: str) -> tuple[subprocess.Popen, dict]:
-    ports = {"port": free_port(), "admin": free_port(), "balancer": free_port()}
-    out_path = os.path.join(log_dir, "up.out")
-    cmd = [
-        sys.executable,
-        "-m",
-        "moeserve",
-        "up",
-        "--model",
+def start_up(model: str, log_dir: str) -> tuple[UpProcess, dict]:
+    """``moeserve up`` (2 routers, 2 workers, EPLB with 2 redundant experts; the balancer's loop
+    held back), ready; its addresses by the names this script uses."""
+    up = UpProcess(
         model,
         "--routers",
         "2",
@@ -67,25 +55,10 @@ def start_up(model: str, log_dir: str) -> tuple[subprocess.Popen, dict]:
         "2",
         "--eplb-step-interval",
         "100000000",
-        "--port",
-        str(ports["port"]),
-        "--admin-port",
-        str(ports["admin"]),
-        "--balancer-port",
-        str(ports["balancer"]),
-        "--admin-token",
-        TOKEN,
-        "--log-dir",
-        log_dir,
-    ]
-    with open(out_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while "ready" not in open(out_path).read().split():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"moeserve up did not start; see {log_dir}")
-        time.sleep(0.1)
-    return proc, {k: f"127.0.0.1:{v}" for k, v in ports.items()}
+        log_dir=log_dir,
+        token=TOKEN,
+    ).wait_ready(300)
+    return up, {"port": up.serving, "admin": up.admin, "balancer": up.balancer}
 
 
 def one_call(name: str, admin: Client, balancer: Client) -> None:
@@ -184,7 +157,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 512, 3 + i % 9).tolist() for i in range(args.streams)]
-    proc, addrs = start_up(model, work)
+    up, addrs = start_up(model, work)
     modes = ("quiet", "hammer100", "sustained")
     runs = {m: [] for m in modes}
     try:
@@ -194,8 +167,7 @@ def main(argv=None) -> int:
                 runs[m].append(generate(addrs, prompts, args.max_tokens, m))
                 print(f"round {r + 1} {m:10s} step {runs[m][-1]['step_ms']:.1f} ms", file=sys.stderr, flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+        up.stop(120)
     ref = runs["quiet"][0]["tokens"]
     summary = {}
     for m in modes:

@@ -21,7 +21,6 @@ import os
 import random
 import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,8 +34,10 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from moeserve.client import Client, MoeserveError  # noqa: E402
-from moeserve.cluster.launcher import free_port  # noqa: E402
 from moeserve.models import init_model, load_model  # noqa: E402
+from moeserve.ops.procs import UpProcess  # noqa: E402
+
+STARTUP_TIMEOUT_S = 600.0
 
 
 def rss_mb(pid: int) -> float:
@@ -110,15 +111,8 @@ def main() -> int:
         ]
     del model
 
-    token = secrets.token_hex(8)
-    ports = {k: free_port() for k in ("port", "admin", "balancer")}
     routers, workers = 1, 2
-    cmd = [
-        sys.executable,
-        "-m",
-        "moeserve",
-        "up",
-        "--model",
+    up = UpProcess(
         path,
         "--routers",
         str(routers),
@@ -127,31 +121,21 @@ def main() -> int:
         "--enable-eplb",
         "--num-redundant-experts",
         "2",
-        "--port",
-        str(ports["port"]),
-        "--admin-port",
-        str(ports["admin"]),
-        "--balancer-port",
-        str(ports["balancer"]),
-        "--admin-token",
-        token,
         "--eplb-step-interval",
         "1000000",
         "--max-model-len",
         "512",
-        "--log-dir",
-        os.path.join(work, "logs"),
-    ]
-    up = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in up.stdout:
-        if line.strip() == "ready":
-            break
-    else:
-        print("moeserve up did not start", file=sys.stderr)
+        log_dir=os.path.join(work, "logs"),
+        token=secrets.token_hex(8),
+        cwd=REPO,
+    )
+    try:
+        up.wait_ready(STARTUP_TIMEOUT_S)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
         return 1
-    threading.Thread(target=lambda: [None for _ in up.stdout], daemon=True).start()
-    serving = f"127.0.0.1:{ports['port']}"
-    balancer = Client(f"127.0.0.1:{ports['balancer']}", token)
+    serving = up.serving
+    balancer = Client(up.balancer, up.token)
     mem_start = memory(up.pid)
 
     stop = threading.Event()
@@ -226,18 +210,14 @@ def main() -> int:
     for t in threads:
         t.start()
     t_end = time.monotonic() + args.minutes * 60
-    while time.monotonic() < t_end and up.poll() is None:
+    while time.monotonic() < t_end and up.alive():
         time.sleep(1)
     stop.set()
     for t in threads:
         t.join(180)
     mem_end = memory(up.pid)
-    alive = up.poll() is None
-    up.send_signal(signal.SIGTERM)
-    try:
-        up.wait(90)
-    except subprocess.TimeoutExpired:
-        up.kill()
+    alive = up.alive()
+    up.stop(90)
 
     in_huge = [g for t, g in gaps if any(a <= t <= b for a, b in huge_windows)]
     steady = [g for t, g in gaps if not any(a - 1 <= t <= b + 1 for a, b in huge_windows)]

@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -35,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeserve.ops.procs import child_env, module_command
+from moeserve.ops.procs import UpProcess
 
 FAMILY = "llama4"
 HOT_EXPERTS = 2
@@ -212,93 +208,31 @@ def eplb_off_tokens(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
 # -- the cluster --------------------------------------------------------------------------------
 
 
-class UpProcess:
-    """``moeserve up`` as a child process: started, read until "ready", stopped with SIGTERM."""
-
-    def __init__(self, model_dir: Path, opts: DemoOptions, log_dir: Path):
-        self.token = secrets.token_urlsafe(18)
-        self.log_dir = log_dir
-        self.cmd = [
-            *module_command("moeserve", "up"),
-            "--model",
-            str(model_dir),
-            "--routers",
-            str(opts.routers),
-            "--workers",
-            str(opts.workers),
-            "--enable-eplb",
-            "--num-redundant-experts",
-            str(opts.num_redundant_experts),
-            # The whole demo fits in the window; the balancer's loop waits for the demo's call.
-            "--eplb-window-size",
-            "100000",
-            "--eplb-step-interval",
-            "100000000",
-            "--eplb-move-budget",
-            str(opts.move_budget),
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-            "--balancer-port",
-            "0",
-            f"--admin-token={self.token}",  # "=": a token may start with "-"
-            "--metrics-port",
-            str(opts.metrics_port),
-            "--log-dir",
-            str(log_dir),
-        ]
-        env = child_env(None, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        from moeserve.cluster.launcher import _die_with_parent
-
-        # Its own session (Ctrl-C reaches the demo, which stops it in order), and killed with us.
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, name="demo-up-output", daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if line.strip() == "ready":
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout_s: float) -> None:
-        if not self._ready.wait(timeout_s) or self.proc.poll() is not None:
-            self.stop()
-            raise RuntimeError(
-                "moeserve up did not become ready:\n" + "\n".join(self.lines[-30:]) + f"\n(logs in {self.log_dir})"
-            )
-
-    def address(self, name: str) -> str:
-        """The address ``up`` printed for ``name`` (serving, admin, balancer)."""
-        for line in self.lines:
-            parts = line.split()
-            if len(parts) == 2 and parts[0] == name:
-                return parts[1]
-        raise RuntimeError(f"moeserve up printed no {name} address:\n" + "\n".join(self.lines))
-
-    def metrics_lines(self) -> list[str]:
-        return [line.strip().removeprefix("metrics").strip() for line in self.lines if "/metrics" in line]
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+def start_cluster(model_dir: Path, opts: DemoOptions, log_dir: Path) -> UpProcess:
+    """``moeserve up`` for the demo, started (not yet ready: :meth:`UpProcess.wait_ready`), in a
+    session of its own (Ctrl-C reaches the demo, which stops it in order) and killed with us."""
+    return UpProcess(
+        model_dir,
+        "--routers",
+        str(opts.routers),
+        "--workers",
+        str(opts.workers),
+        "--enable-eplb",
+        "--num-redundant-experts",
+        str(opts.num_redundant_experts),
+        # The whole demo fits in the window; the balancer's loop waits for the demo's call.
+        "--eplb-window-size",
+        "100000",
+        "--eplb-step-interval",
+        "100000000",
+        "--eplb-move-budget",
+        str(opts.move_budget),
+        "--metrics-port",
+        str(opts.metrics_port),
+        log_dir=log_dir,
+        env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
+        new_session=True,
+    )
 
 
 class Progress:
@@ -337,7 +271,7 @@ class Progress:
 
 def run_phase(serving, prompts: list[list[int]], opts: DemoOptions, label: str, out) -> tuple[list[list[int]], float]:
     """Send every prompt through the SDK, ``concurrency`` at a time; (tokens per prompt, seconds)."""
-    outputs: list[list[int] | None] = [None] * len(prompts)
+    outputs: list[list[int]] = [[] for _ in prompts]
     bar = Progress(label, len(prompts), out, opts.progress)
     t0 = time.monotonic()
     with ThreadPoolExecutor(opts.concurrency) as pool:
@@ -353,8 +287,8 @@ def run_phase(serving, prompts: list[list[int]], opts: DemoOptions, label: str, 
             for i, p in enumerate(prompts)
         }
         for f in as_completed(futures):
-            outputs[futures[f]] = f.result().token_ids
-            bar.update(1, len(outputs[futures[f]]))
+            ids = outputs[futures[f]] = f.result().token_ids
+            bar.update(1, len(ids))
     bar.close()
     return outputs, time.monotonic() - t0
 
@@ -401,7 +335,7 @@ def run_demo(opts: DemoOptions, out=sys.stdout) -> DemoResult:
         file=out,
     )
     log_dir = Path(tempfile.mkdtemp(prefix="moeserve-demo-"))
-    up = UpProcess(model_dir, opts, log_dir)
+    up = start_cluster(model_dir, opts, log_dir)
     try:
         prompts = prompts_for(opts, cfg.vocab_size)
         reference = eplb_off_tokens(model_dir, prompts, opts.max_tokens)  # while the cluster starts

@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serving.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the command's library, servinglib
+
+from servinglib.figures import BURST_KEYS, ONLINE_KEYS, steady_steps  # noqa: E402
+from servinglib.httpclient import SseTokens  # noqa: E402
+from servinglib.roofline import ROOFLINE_KEYS, kv_bytes_read, roofline  # noqa: E402
+from servinglib.shapes import SHAPES, model_sizes, write_model  # noqa: E402
 
 
 def _bench():
@@ -23,7 +29,6 @@ def _bench():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_smoke_run_writes_every_figure(tmp_path):
-    bench = _bench()
     out = tmp_path / "serving.json"
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--json", str(out)], capture_output=True, text=True, timeout=230
@@ -38,8 +43,8 @@ def test_smoke_run_writes_every_figure(tmp_path):
     ms = res["configs"]["moeserve-1rank"]
     assert ms["error"] is None, ms["error"]
     burst, online, roof = ms["burst"], ms["online"], ms["roofline"]
-    assert set(bench.BURST_KEYS) <= set(burst) and set(bench.ONLINE_KEYS) <= set(online)
-    assert set(bench.ROOFLINE_KEYS) <= set(roof)
+    assert set(BURST_KEYS) <= set(burst) and set(ONLINE_KEYS) <= set(online)
+    assert set(ROOFLINE_KEYS) <= set(roof)
     n, new = burst["requests"], burst["output_tokens_per_request"]
     assert burst["completed"] == n and burst["output_tokens"] == n * new and not burst["errors"]
     assert burst["steady_all_running"] and burst["steady_gaps"] > 0
@@ -67,7 +72,6 @@ def test_smoke_run_through_grpc_and_http_on_one_cluster(tmp_path):
     """--apis grpc,http: the same workloads through the SDK and through /v1/completions with
     stream: true, back to back on one cluster; every token of every SSE stream is counted from
     its own chunk (none only from the usage), and the ratio is reported."""
-    bench = _bench()
     out = tmp_path / "serving.json"
     run = subprocess.run(
         [
@@ -99,7 +103,7 @@ def test_smoke_run_through_grpc_and_http_on_one_cluster(tmp_path):
     assert ms["burst"] == ms["by_api"]["grpc"]["burst"] and ms["online"] == ms["by_api"]["grpc"]["online"]
     for api in ("grpc", "http"):
         burst, online = ms["by_api"][api]["burst"], ms["by_api"][api]["online"]
-        assert set(bench.BURST_KEYS) <= set(burst) and set(bench.ONLINE_KEYS) <= set(online)
+        assert set(BURST_KEYS) <= set(burst) and set(ONLINE_KEYS) <= set(online)
         assert burst["api"] == api and burst["completed"] == 4 and burst["output_tokens"] == 4 * 12
         assert not burst["errors"] and burst["output_tok_s"] > 0 and burst["ttft_p50_s"] > 0
         assert online["completed"] == online["requests"] >= 1 and not online["errors"]
@@ -107,7 +111,7 @@ def test_smoke_run_through_grpc_and_http_on_one_cluster(tmp_path):
         assert burst["frontend_cpu_s"] >= 0 and burst["frontend_cpu_us_per_token"] >= 0
         assert burst["client_cpu_s"] >= 0
         assert ms["by_api"][api]["engine"]["burst_forward_steps"] >= 12
-        assert set(bench.ROOFLINE_KEYS) <= set(ms["by_api"][api]["roofline"])
+        assert set(ROOFLINE_KEYS) <= set(ms["by_api"][api]["roofline"])
     http = ms["by_api"]["http"]
     assert http["burst"]["tokens_from_usage"] == 0 and http["online"]["tokens_from_usage"] == 0
     ratios = ms["http_over_grpc_output_tok_s"]
@@ -118,7 +122,6 @@ def test_smoke_run_through_grpc_and_http_on_one_cluster(tmp_path):
 
 
 def test_sse_tokens_are_counted_per_chunk_and_checked_against_the_usage():
-    bench = _bench()
 
     def event(obj):
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
@@ -132,7 +135,7 @@ def test_sse_tokens_are_counted_per_chunk_and_checked_against_the_usage():
             }
         )
 
-    s = bench.SseTokens()
+    s = SseTokens()
     stream = (
         chunk(text="t5")
         + chunk(text=" t7")
@@ -146,7 +149,7 @@ def test_sse_tokens_are_counted_per_chunk_and_checked_against_the_usage():
     assert sum(got) == 3 and s.counted == 3 and s.finish == "length" and s.done and s.error is None
     assert s.usage_tokens == 4 and s.missing() == 1  # the token the empty chunk held back
 
-    s = bench.SseTokens()
+    s = SseTokens()
     assert s.feed(chunk(text="ab", token_ids=[3, 4])) == 2 and s.token_ids  # a chunk with several tokens
     assert s.feed(chunk(text="", token_ids=[5], finish_reason="stop")) == 1 and s.finish == "stop"
     assert s.feed(chunk(text="x", logprobs={"tokens": ["x"]})) == 1
@@ -166,25 +169,23 @@ def test_apis_flag():
 
 
 def test_the_steady_window_is_where_every_stream_decodes():
-    bench = _bench()
     # Two streams in lockstep at 10 ms steps; the second's prompt is prefilled one step later.
     a = [0.10 + 0.01 * k for k in range(30)]
     b = [0.11 + 0.01 * k for k in range(30)]
     recs = [{"tokens": a, "prompt_len": 4}, {"tokens": b, "prompt_len": 4}]
-    s = bench.steady_steps(recs, trim=2)
+    s = steady_steps(recs, trim=2)
     assert s["steady_all_running"] and s["steady_window_s"] == [0.11, a[-1]]
     assert s["steady_step_s"] == pytest.approx(0.01) and s["steady_step_mean_s"] == pytest.approx(0.01)
     # tokens handed out in twos (asynchronous steps): the gaps are 0 and 20 ms, the step is 10 ms
     pair = [0.10 + 0.02 * (k // 2) for k in range(60)]
-    s = bench.steady_steps([{"tokens": pair, "prompt_len": 4}], trim=2)
+    s = steady_steps([{"tokens": pair, "prompt_len": 4}], trim=2)
     assert s["steady_step_s"] == pytest.approx(0.01, rel=0.05)
 
 
 def test_roofline_counts_chunked_layers_up_to_their_chunk():
-    bench = _bench()
     sizes = {"chunked": [True, False], "chunk": 8, "kv_layer_token": 10}
-    assert bench.kv_bytes_read(sizes, [20]) == (4 + 20) * 10  # position 20 is 4 tokens into its chunk
-    r = bench.roofline(1000, 200, 0.002, {"x": 1e6}, 1, 1, 20)
+    assert kv_bytes_read(sizes, [20]) == (4 + 20) * 10  # position 20 is 4 tokens into its chunk
+    r = roofline(1000, 200, 0.002, {"x": 1e6}, 1, 1, 20)
     assert r["x"]["step_s"] == pytest.approx(1.2e-3) and r["x"]["step_over_roofline"] == pytest.approx(0.002 / 1.2e-3)
 
 
@@ -195,9 +196,8 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
     from moeserve.models.config import load_config
     from moeserve.models.dummy import FP32_NAMES, checkpoint_shapes
 
-    bench = _bench()
-    folder = bench.write_model(str(tmp_path / shape), bench.SHAPES[shape]["config"])
-    sizes = bench.model_sizes(folder, 2)
+    folder = write_model(str(tmp_path / shape), SHAPES[shape]["config"])
+    sizes = model_sizes(folder, 2)
     cfg = load_config(folder)
     router = experts = 0
     for name, shape_ in checkpoint_shapes(cfg).items():

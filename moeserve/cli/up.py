@@ -104,8 +104,9 @@ def metrics_layout(base: int | None, world_size: int, taken=()) -> dict[str, int
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.cluster.launcher import LocalCluster, _die_with_parent, describe_exit
+    from moeserve.cluster.launcher import LocalCluster
     from moeserve.ops.ports import check_bindable, free_port
+    from moeserve.ops.procs import describe_exit, set_death_signal
     from moeserve.router.engine.channel import ClusterError
 
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
@@ -270,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=set_death_signal,
                 )
 
         children.extend([spawn("frontend", front), spawn("balancer", bal)])

@@ -12,12 +12,10 @@ Ranks also exit when the launcher's process goes away (no orphans).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -29,7 +27,7 @@ import numpy as np
 
 from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
 from moeserve.ops import ports
-from moeserve.ops.procs import child_env, module_command
+from moeserve.ops.procs import child_env, describe_exit, module_command, set_death_signal
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
 from moeserve.router.engine.channel import ClusterError, EngineClient
@@ -41,23 +39,6 @@ RESTART_WINDOW_S = 60.0  # more replacements of one rank than max_worker_restart
 def free_port() -> int:
     """A free port outside the kernel's ephemeral range (``moeserve.ops.ports.free_port``)."""
     return ports.free_port()
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
-
-
-def _die_with_parent() -> None:
-    """Run in the child before exec: SIGKILL it when the launcher's thread dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass(frozen=True)
@@ -326,7 +307,7 @@ class LocalCluster:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=set_death_signal,
                 )
             )
             out.close()
@@ -434,7 +415,7 @@ class LocalCluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=set_death_signal,
             )
         return True
 

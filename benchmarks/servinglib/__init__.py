@@ -1,0 +1,19 @@
+"""The serving benchmark's library (``benchmarks/serving.py`` is the command over it).
+
+- ``common``: the repository's root, percentiles, ratios, the git commit, a function in a
+  process of its own;
+- ``shapes``: the model shapes (scout8, ernie28, tiny), the model folder and its sizes;
+- ``cluster``: ``moeserve up`` for one configuration, through ``moeserve.ops.procs.UpProcess``;
+- ``clients``: the client processes and the SDK's streaming client;
+- ``httpclient``: the HTTP API's streamed completions and their server-sent events;
+- ``figures``: the workloads' request plans and the figures of their records;
+- ``workloads``: a moeserve configuration's burst and online workloads through each API;
+- ``eplb``: the EPLB measurement end to end (``--workloads eplb``);
+- ``baseline``: transformers' ``generate``;
+- ``roofline``: the HBM copy rate and the roofline step time;
+- ``profiles``: the ranks' step profiles;
+- ``report``: the printed tables.
+
+Imported as ``servinglib`` with ``benchmarks/`` on ``sys.path`` (serving.py puts it there, and
+the repository's root for moeserve), so it runs from a bare copy of the repository too.
+"""

@@ -1,0 +1,160 @@
+"""One configuration's cluster: ``moeserve up`` with dummy weights and co-located ranks, through
+the repository's one launcher (``moeserve.ops.procs.UpProcess``), and what the benchmark reads
+off it: the engine's status, the front end's CPU time, the warnings in its logs."""
+
+from __future__ import annotations
+
+import os
+
+from moeserve.ops.procs import UpProcess
+from servinglib.common import ROOT
+
+TOKEN = "serving-bench"
+
+# Lines of the cluster's logs that say a step ran eagerly or a graph failed, a step or a schedule
+# was slow (> 0.5 s), a request waited over 1 s for admission, or a kernel compiled while serving.
+WARNING_WORDS = (
+    "CUDA graph",
+    "run eagerly",
+    "Traceback",
+    "slow step",
+    "slow schedule",
+    "for admission",
+    "slow garbage collection",
+)
+
+
+def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], str | None]:
+    """The ``moeserve up`` flags a configuration adds to the common ones, and its expert kernel
+    (``MOESERVE_EXPERT_KERNEL``, None: the default): ``-sync`` runs without asynchronous steps,
+    ``-grouped-mm`` with torch._grouped_mm; the EPLB workload lets one rebalance move every layer."""
+    extra = []
+    if eplb:
+        extra += ["--eplb-move-budget", "1.0"]  # one rebalance may move every layer
+        if getattr(a, "eplb_step_model", None):
+            extra += ["--eplb-step-model", os.path.abspath(a.eplb_step_model)]
+        if getattr(a, "eplb_step_model_shape", None):
+            extra += ["--eplb-step-model-shape", a.eplb_step_model_shape]
+    if name.endswith("-sync"):
+        extra.append("--no-async-scheduling")
+    if a.capture_graphs_at_start:
+        extra.append("--capture-graphs-at-start")
+    return extra, "grouped_mm" if name.endswith("-grouped-mm") else None
+
+
+class Cluster(UpProcess):
+    """``moeserve up`` of ``ranks`` co-located ranks on ``model_dir`` (dummy weights), ready when
+    constructed; ``redundant`` slots per MoE layer with EPLB on (the balancer never rebalances on
+    its own here), the HTTP API too when ``http``."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        ranks: int,
+        redundant: int,
+        a,
+        log_dir: str,
+        http: bool = False,
+        extra: list | None = None,
+        expert_kernel: str | None = None,
+    ):
+        flags = [
+            "--load-format",
+            "dummy",
+            "--routers",
+            str(ranks),
+            "--workers",
+            str(ranks),
+            "--colocated",
+            "--backend",
+            a.backend,
+            "--dtype",
+            a.dtype,
+            "--exchange",
+            a.exchange,
+            "--max-model-len",
+            str(a.max_model_len),
+            "--max-num-seqs",
+            str(a.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(a.max_num_batched_tokens),
+            "--max-waiting",
+            "100000",
+            "--grace-period",
+            "5",
+            "--startup-timeout",
+            str(a.startup_timeout),
+            "--eplb-step-interval",
+            "1000000000",  # the balancer never rebalances here
+        ]
+        if redundant:
+            flags += ["--enable-eplb", "--num-redundant-experts", str(redundant)]
+        env = {}
+        self.profile_dir = None
+        if getattr(a, "profile", None):  # ranks profile forward steps START .. START+COUNT-1
+            self.profile_dir = os.path.join(log_dir, "profile")
+            env["MOESERVE_PROFILE"] = f"{self.profile_dir}:{a.profile}"
+        if expert_kernel:
+            env["MOESERVE_EXPERT_KERNEL"] = expert_kernel
+        super().__init__(
+            model_dir,
+            *flags,
+            *(extra or ()),
+            log_dir=log_dir,
+            token=TOKEN,
+            http_port=0 if http else None,
+            env=env,
+            cwd=ROOT,
+        )
+        self.wait_ready(a.startup_timeout + 30, poll_s=0.2)
+        self.has_http = http
+        self._frontend_pid: int | None = None
+
+    def api_address(self, api: str) -> str:
+        return self.http if api == "http" else self.serving
+
+    def frontend_cpu_s(self) -> float | None:
+        """CPU seconds (user + system, every thread) the front end process has used so far, from
+        /proc (None where there is none); the front end is ``moeserve up``'s child."""
+        try:
+            if self._frontend_pid is None:
+                self._frontend_pid = self.child("frontend")
+            if self._frontend_pid is None:
+                return None
+            with open(f"/proc/{self._frontend_pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def status(self) -> dict:
+        from moeserve.client import Client
+
+        with Client(self.admin, TOKEN, timeout=10) as c:
+            s = c.status()
+        return dict(
+            forward_steps=s.forward_steps,
+            step=s.step,
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_total=getattr(s, "kv_blocks_total", 0),
+            kv_blocks_used=getattr(s, "kv_blocks_used", 0),
+            preemptions=getattr(s, "preemptions", 0),
+        )
+
+    def warnings(self) -> list[str]:
+        """Lines of the cluster's logs that say something went slow or wrong (``WARNING_WORDS``,
+        and a kernel "compiled" "while serving")."""
+        found = []
+        for root, _, files in os.walk(self.log_dir):
+            for f in files:
+                try:
+                    with open(os.path.join(root, f), errors="replace") as fh:
+                        found += [
+                            f"{f}: {ln.strip()}"[:300]
+                            for ln in fh
+                            if any(w in ln for w in WARNING_WORDS) or "compiled" in ln and "while serving" in ln
+                        ]
+                except OSError:
+                    continue
+        return found

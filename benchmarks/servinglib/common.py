@@ -1,0 +1,68 @@
+"""Small helpers of the serving benchmark: the repository's root, percentiles, ratios, the git
+commit, and a function run in a process of its own."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import time
+import traceback
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pct(values, q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
+
+
+def ratio(a, b):
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def git_commit() -> dict:
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode:
+            raise OSError(head.stderr)
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())
+        return {"commit": head.stdout.strip(), "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": os.environ.get("MOESERVE_GIT_COMMIT", "unknown"), "dirty": None}
+
+
+def run_in_process(fn, args: tuple, timeout_s: float):
+    """``fn(*args)`` in a fresh (spawned) process, its memory and devices freed when it ends:
+    (result, None) or (None, error text)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_entry, args=(q, fn, args), daemon=True)
+    p.start()
+    deadline = time.monotonic() + timeout_s
+    out = None
+    while out is None:
+        try:
+            out = q.get(timeout=1.0)
+        except Exception:  # queue.Empty
+            if not p.is_alive():
+                out = ("err", f"the process exited with code {p.exitcode} before answering")
+            elif time.monotonic() > deadline:
+                p.kill()
+                out = ("err", f"timed out after {timeout_s:.0f} s")
+    p.join(30)
+    if p.is_alive():
+        p.kill()
+        p.join()
+    return (out[1], None) if out[0] == "ok" else (None, out[1])
+
+
+def _child_entry(q, fn, args) -> None:
+    try:
+        q.put(("ok", fn(*args)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        q.put(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))

@@ -1,0 +1,209 @@
+"""The model shapes the serving benchmark serves (config.json of each, bf16 on the GPU), the
+model folder written from one, and the bytes its tensors take (for the roofline)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+SCOUT8 = {  # Llama-4-Scout-17B-16E's text_config (docs/models.md), 8 decoder layers
+    "architectures": ["Llama4ForCausalLM"],
+    "model_type": "llama4_text",
+    "vocab_size": 202048,
+    "hidden_size": 5120,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+    "no_rope_layers": [1, 1, 1, 0] * 2,
+    "attention_chunk_size": 8192,
+    "use_qk_norm": True,
+    "attn_temperature_tuning": True,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 10485760,
+    "initializer_range": 0.02,
+    "bos_token_id": 200000,
+    "eos_token_id": [200001, 200007, 200008],
+    "pad_token_id": 200018,
+    "torch_dtype": "bfloat16",
+}
+ERNIE28 = {  # baidu/ERNIE-4.5-21B-A3B-PT config.json, as published
+    "architectures": ["Ernie4_5_MoeForCausalLM"],
+    "model_type": "ernie4_5_moe",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 28,
+    "rms_norm_eps": 1e-05,
+    "use_cache": False,
+    "vocab_size": 103424,
+    "rope_theta": 500000,
+    "use_rmsnorm": True,
+    "tie_word_embeddings": True,
+    "use_bias": False,
+    "moe_num_experts": 64,
+    "moe_num_shared_experts": 2,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": 27,
+    "moe_intermediate_size": 1536,
+    "moe_capacity": [64, 64, 64],
+    "moe_gate": "topk",
+    "moe_k": 6,
+    "moe_layer_interval": 1,
+    "moe_use_aux_free": True,
+    "weight_share_add_bias": True,
+    "num_nextn_predict_layers": 1,
+    "multi_token_pred_lambda": 0.3,
+    "torch_dtype": "bfloat16",
+}
+TINY = {  # the smoke shape: moeserve init-model's small Llama 4
+    "architectures": ["Llama4ForCausalLM"],
+    "model_type": "llama4_text",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "intermediate_size_mlp": 96,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "no_rope_layers": [1, 1, 1, 0],
+    "attention_chunk_size": 8,
+    "use_qk_norm": True,
+    "attn_temperature_tuning": True,
+    "floor_scale": 4,
+    "attn_scale": 0.1,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.05,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
+}
+SHAPES = {
+    "scout8": dict(config=SCOUT8, redundant=2),
+    "ernie28": dict(config=ERNIE28, redundant=2),
+    "tiny": dict(config=TINY, redundant=2),
+}
+
+
+def write_model(folder: str, config: dict) -> str:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    eos = config["eos_token_id"]
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(
+            {
+                "bos_token_id": config.get("bos_token_id"),
+                "eos_token_id": eos,
+                "pad_token_id": config.get("pad_token_id"),
+            },
+            f,
+            indent=2,
+        )
+    return folder
+
+
+def write_tokenizer(folder: str, vocab_size: int) -> str:
+    """A word-level ``tokenizer.json`` for the model folder: id i is the word ``t<i>``, no special
+    tokens, so every generated id adds text (``t5 t7``) and a streamed HTTP completion sends one
+    chunk per token. Written with the ``tokenizers`` library (a moeserve dependency)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = os.path.join(folder, "tokenizer.json")
+    tok.save(path)
+    return path
+
+
+def model_sizes(model_dir: str, dtype_bytes: int) -> dict:
+    """Bytes of the router side (everything but the routed experts) and of one routed expert,
+    from config.json alone (the tensors a checkpoint of it holds; ERNIE's gate and correction
+    bias in float32, as the model keeps them)."""
+    from moeserve.models.config import load_config
+
+    cfg = load_config(model_dir)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    router = v * h * (1 if cfg.tie_word_embeddings else 2) + h  # embed (+ lm_head), final norm
+    router_fp32 = 0
+    for layer in range(cfg.num_layers):
+        router += 2 * q * h + 2 * kv * h + 2 * h  # q, k, v, o, two norms
+        if cfg.moe_index(layer) is None:
+            router += 3 * h * cfg.intermediate_size
+            continue
+        router += 3 * h * cfg.shared_intermediate_size if cfg.num_shared_experts else 0
+        if cfg.family == "ernie45":
+            router_fp32 += cfg.num_experts * h + cfg.num_experts
+        else:
+            router += cfg.num_experts * h
+    expert = 3 * h * cfg.moe_intermediate_size * dtype_bytes
+    kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    return dict(
+        family=cfg.family,
+        num_layers=cfg.num_layers,
+        num_moe_layers=cfg.num_moe_layers,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        hidden_size=h,
+        vocab_size=v,
+        router_bytes=router * dtype_bytes + router_fp32 * 4,
+        expert_bytes=expert,
+        all_experts_bytes=expert * cfg.num_experts * cfg.num_moe_layers,
+        kv_bytes_per_token=kv_layer_token * cfg.num_layers,
+        chunked=[bool(c) for c in cfg.chunked_attention],
+        chunk=cfg.attention_chunk_size,
+        kv_layer_token=kv_layer_token,
+        eos=list(cfg.eos_token_ids),
+    )
+
+
+def expert_bytes_per_gpu(sizes: dict, redundant: int, ranks: int) -> int:
+    """Bytes of the routed experts one rank holds: its (E + R) / ranks slots of every MoE layer."""
+    return (sizes["num_experts"] + redundant) // max(1, ranks) * sizes["num_moe_layers"] * sizes["expert_bytes"]
+
+
+def weights_per_gpu(sizes: dict, redundant: int, ranks: int) -> int:
+    """Bytes of every weight one rank holds: the router side and its expert slots."""
+    return sizes["router_bytes"] + expert_bytes_per_gpu(sizes, redundant, ranks)
