@@ -30,6 +30,10 @@ Configurations, side by side in one run, each in its own processes, freed before
 - ``moeserve-ep2-grouped-mm``, ``moeserve-1rank-grouped-mm`` (only when named): the same with
   ``torch._grouped_mm`` for the experts of every step (``MOESERVE_EXPERT_KERNEL=grouped_mm``),
   against the default's Triton decode kernels (``moeserve.kernels.expert_mlp``);
+- ``moeserve-ep2-fp8``, ``moeserve-1rank-fp8`` (only when named): the same with
+  ``--quantization fp8``: FP8 experts, shared experts and dense MLPs (dummy codes made as FP8,
+  per-channel scales), the roofline counted on the quantized bytes; ``--shape scout48`` (Scout's
+  whole text model) and ``maverick12`` fit one H200 only so;
 - ``transformers``: ``AutoModelForCausalLM.from_config`` (random init, bf16) and ``generate``
   (greedy, ``min_new_tokens`` = ``max_new_tokens``) on 1 GPU at the burst's batch; reported,
   not a target.
@@ -150,6 +154,9 @@ SYNC_CONFIGS = ("moeserve-ep2-sync", "moeserve-1rank-sync")
 # named with --configs only: the same with torch._grouped_mm for every step's experts
 # (MOESERVE_EXPERT_KERNEL=grouped_mm), against the Triton decode kernels of the default
 GROUPED_MM_CONFIGS = ("moeserve-ep2-grouped-mm", "moeserve-1rank-grouped-mm")
+# named with --configs only: the same with FP8 experts and MLPs (--quantization fp8: dummy weights
+# made as FP8 codes with per-channel scales), side by side with the bf16 ones
+FP8_CONFIGS = ("moeserve-ep2-fp8", "moeserve-1rank-fp8")
 APIS = ("grpc", "http")
 
 
@@ -157,7 +164,9 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="scout8 or ernie28 (smoke: tiny)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="scout8, scout48, maverick12 or ernie28 (smoke: tiny)"
+    )
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shape, gloo, 1 rank, a few requests")
     p.add_argument(
         "--configs",
@@ -295,9 +304,9 @@ def parse(argv=None) -> argparse.Namespace:
     a.configs = (
         a.configs or ("moeserve-ep2" if eplb else "moeserve-1rank,transformers" if smoke else ",".join(CONFIGS))
     ).split(",")
-    bad = [c for c in a.configs if c not in CONFIGS + SYNC_CONFIGS + GROUPED_MM_CONFIGS]
+    bad = [c for c in a.configs if c not in CONFIGS + SYNC_CONFIGS + GROUPED_MM_CONFIGS + FP8_CONFIGS]
     if bad:
-        p.error(f"unknown configs {bad}; choose from {CONFIGS + SYNC_CONFIGS + GROUPED_MM_CONFIGS}")
+        p.error(f"unknown configs {bad}; choose from {CONFIGS + SYNC_CONFIGS + GROUPED_MM_CONFIGS + FP8_CONFIGS}")
     a.workloads = a.workloads.split(",")
     a.apis = [x.strip() for x in a.apis.split(",") if x.strip()]
     if not a.apis or not set(a.apis) <= set(APIS) or len(set(a.apis)) < len(a.apis):
@@ -366,6 +375,7 @@ def main(argv=None) -> int:
         write_tokenizer(model_dir, SHAPES[a.shape]["config"]["vocab_size"])
     dtype_bytes = 4 if a.dtype == "float32" else 2
     sizes = model_sizes(model_dir, dtype_bytes)
+    sizes_fp8 = model_sizes(model_dir, dtype_bytes, "fp8") if any(c.endswith("-fp8") for c in a.configs) else None
 
     facts = gpu_facts(2 if any(c.startswith("moeserve-ep2") for c in a.configs) else 1, a.smoke)
     measured = float(min(f["rate_Bps"] for f in facts))
@@ -446,7 +456,8 @@ def main(argv=None) -> int:
         else:
             ranks = 2 if name.startswith("moeserve-ep2") else 1
             redundant = a.redundant_experts if ranks > 1 else 0
-            weights = weights_per_gpu(sizes, redundant, ranks)
+            held = sizes_fp8 if name.endswith("-fp8") and sizes_fp8 is not None else sizes
+            weights = weights_per_gpu(held, redundant, ranks)
             if gpu_mem and weights > 0.85 * gpu_mem:
                 result["configs"][name] = dict(
                     kind="moeserve",
@@ -457,7 +468,7 @@ def main(argv=None) -> int:
             if (sizes["num_experts"] + redundant) % ranks:
                 raise SystemExit(f"(E + R) = {sizes['num_experts'] + redundant} is not a multiple of {ranks}")
             result["configs"][name] = run_moeserve(
-                name, ranks, redundant, model_dir, sizes, a, rates, {k: v for k, v in plans.items()}, log_root
+                name, ranks, redundant, model_dir, held, a, rates, {k: v for k, v in plans.items()}, log_root
             )
         result["configs"][name]["elapsed_s"] = time.monotonic() - t
     ratios = {

@@ -185,27 +185,50 @@ def _keys(seen, kernel):
     return {spec for _, spec in seen[kernel]}
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("slots", [4, 16])
-def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots):
+def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots, fp8):
     """A worker compiles the expert kernels at start (``ExpertStore.warm_up_kernels``) on layer
-    0's views of its slot buffer; whatever a step's pairs, its launches find their key there."""
+    0's views of its slot buffer; whatever a step's pairs, its launches find their key there.
+    FP8 experts (codes and scales in one byte row per slot) take the kernels at every size."""
     from moeserve import kernels as K
     from moeserve.expert_worker.store import expert_block_m_for
-    from moeserve.models.moe import ExpertSpec
+    from moeserve.models.moe import ExpertQuant, ExpertSpec
 
-    spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16)
-    layers = [spec.views(torch.empty(slots, spec.numel, dtype=spec.dtype)) for _ in range(3)]
-    assert K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"]) == [16, 32, 64]
+    quant = ExpertQuant((16, 16), (16, 16)) if fp8 else None
+    spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16, quant=quant)
+    layers = [spec.views(torch.empty(slots, spec.numel, dtype=spec.storage_dtype)) for _ in range(3)]
+
+    def scales(w):
+        return K.ExpertScales(w["gate_up_scale"], (16, 16), w["down_scale"], (16, 16)) if fp8 else None
+
+    blocks = K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"], scales(layers[0]), spec.dtype)
+    assert blocks == [16, 32, 64]
     warm = _keys(launches, "expert_matmul_kernel")
     launches.clear()
     recv = torch.empty(8192, spec.hidden_size, dtype=spec.dtype)  # the receive buffer
     offs = torch.empty(slots, dtype=torch.int32)
-    for pairs in [1, 7, 16, 100, slots * 16, slots * 33, slots * 64]:
-        bm = expert_block_m_for(pairs, slots, "auto")
+    for pairs in [1, 7, 16, 100, slots * 16, slots * 33, slots * 64, slots * 500]:
+        bm = expert_block_m_for(pairs, slots, "triton" if fp8 else "auto") or (K.EXPERT_MAX_BM if fp8 else 0)
         if bm:
             for w in layers:
-                K.expert_mlp(recv, w["gate_up"], w["down"], offs, bm)
+                K.expert_mlp(recv, w["gate_up"], w["down"], offs, bm, scales(w))
     assert {cfg for cfg, _ in launches["expert_matmul_kernel"]} and _keys(launches, "expert_matmul_kernel") <= warm
+
+
+def test_the_fp8_linear_compiles_once_per_block_m_whatever_the_rows(launches):
+    """A quantized shared expert or dense layer (``QuantLinear`` on CUDA) at any decode batch:
+    one compile per rows-per-pass class and weight shape."""
+    from moeserve import kernels as K
+
+    codes = torch.empty(96, 80, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(6, 5)
+    for m in [1, 2, 3, 15, 16, 17, 31, 40, 63, 64, 65, 200, 511]:
+        K.fp8_linear(torch.empty(m, 96, dtype=torch.bfloat16), codes, scale, (16, 16))
+    by_config = defaultdict(set)
+    for config, spec in launches["expert_matmul_kernel"]:
+        by_config[config].add(spec)
+    assert len(by_config) == 3 and all(len(v) == 1 for v in by_config.values())
 
 
 def test_the_race_warm_up_compiles_every_key_a_step_can_launch(launches):

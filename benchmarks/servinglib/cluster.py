@@ -37,6 +37,8 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], str | None
             extra += ["--eplb-step-model-shape", a.eplb_step_model_shape]
     if name.endswith("-sync"):
         extra.append("--no-async-scheduling")
+    if name.endswith("-fp8"):
+        extra += ["--quantization", "fp8"]
     if a.capture_graphs_at_start:
         extra.append("--capture-graphs-at-start")
     return extra, "grouped_mm" if name.endswith("-grouped-mm") else None

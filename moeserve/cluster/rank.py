@@ -251,17 +251,23 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
         return
     t0 = time.perf_counter()
     blocks = st.store.warm_up_kernels() if st.store is not None else []
-    races = 0
+    races = linears = 0
     if st.runner is not None:
-        from moeserve import sampling
+        from moeserve import kernels, sampling
+        from moeserve.models.quant import QuantLinear
 
         races = sampling.warm_up(vocab_size, device)
+        fp8 = [q for q in st.runner.model.linears() if isinstance(q, QuantLinear)]
+        if fp8 and kernels.available():
+            linears = kernels.warm_up_fp8_linears(fp8, st.dtype)
     torch.cuda.synchronize(device)
-    if blocks or races:
+    if blocks or races or linears:
         log.info(
-            "compiled the expert kernels for rows per pass %s and %d race sampler configurations in %.1f s",
+            "compiled the expert kernels for rows per pass %s, %d race sampler configurations and %d FP8 linear "
+            "configurations in %.1f s",
             blocks,
             races,
+            linears,
             time.perf_counter() - t0,
         )
 

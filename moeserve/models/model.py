@@ -215,6 +215,19 @@ class DecoderModel:
                 f"build it with device=model.device"
             )
 
+    def linears(self):
+        """Every linear layer of the router-side model (attention projections, dense MLPs,
+        shared experts): ``Linear`` or ``QuantLinear``."""
+        for layer in self.layers:
+            a = layer.attn
+            yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            if layer.mlp is not None:
+                yield from (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
+        for block in self.moe_blocks:
+            mlp = block.shared_mlp
+            if mlp is not None:
+                yield from (mlp.gate, mlp.up, mlp.down)
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: hidden [N, H] -> logits [N, V] in the model dtype."""

@@ -294,6 +294,11 @@ class MoEBlock(Protocol):
         """The shared experts' output [T, H], or None when the family has none."""
         ...
 
+    @property
+    def shared_mlp(self):
+        """The shared experts' SwiGLU, or None."""
+        ...
+
 
 class ExpertsBackend(Protocol):
     """Runs the routed experts of one MoE layer, in two phases.
