@@ -191,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{prog}: the cluster did not start: {e}", file=sys.stderr, flush=True)
             return 1
         env = child_env(
-            None,
             MOESERVE_PARENT_PID=str(os.getpid()),
             MOESERVE_ADMIN_TOKEN=token,
             **{F.CONTROL_KEY_ENV: cluster.authkey.hex()},

@@ -278,7 +278,7 @@ class LocalCluster:
             f.write(cfg.to_json())
         authkey = secrets.token_bytes(16)
         port = free_port()
-        base = child_env(self.env)
+        base = child_env(**self.env)
         base.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
