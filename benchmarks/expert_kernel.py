@@ -39,6 +39,7 @@ SHAPES = {
     "ernie": dict(hidden=2560, inter=1536, slots=64, top_k=6),
 }
 CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))  # (BN, BK, warps, stages)
+FP8_CANDIDATES = list(itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4)))
 
 
 def counts_for(rng, tokens, k, slots, skew):
@@ -66,6 +67,34 @@ def time_fn(fn, iters, layers):
         b.synchronize()
         ts.append(a.elapsed_time(b) / 1e3)
     return float(np.median(ts))
+
+
+def tune_fp8(case, rows, offs, bm, used, h, i, layers):
+    """Time every FP8_CANDIDATES tiling of both FP8 kernels (per-channel scales): GB/s of codes."""
+    _, blocks, layers8 = case
+    h_in = torch.randn(rows.shape[0], i, device=rows.device, dtype=rows.dtype)
+    res = {"gate_up": [], "down": []}
+    for cand in FP8_CANDIDATES:
+
+        def gu(j, cand=cand):
+            w = layers8[j]
+            return kernels._expert_matmul(rows, w["gate_up"], offs, bm, cand, True, w["gate_up_scale"], blocks[0])
+
+        def dn(j, cand=cand):
+            w = layers8[j]
+            return kernels._expert_matmul(h_in, w["down"], offs, bm, cand, False, w["down_scale"], blocks[1])
+
+        try:
+            t1, t2 = time_fn(gu, 10, layers), time_fn(dn, 10, layers)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not compile
+            print(f"  fp8 {cand}: {type(e).__name__}")
+            continue
+        res["gate_up"].append((cand, used * 2 * h * i / t1 / 1e9))
+        res["down"].append((cand, used * h * i / t2 / 1e9))
+    for kind, lst in res.items():
+        lst.sort(key=lambda x: -x[1])
+        print(f"  tune fp8 {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]), flush=True)
+    return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()}
 
 
 def main():
@@ -204,6 +233,8 @@ def main():
                     lst.sort(key=lambda x: -x[1])
                     print(f"  tune {name} {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]))
                 out["tune"][name] = {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()}
+            if a.tune and fp8 and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
+                out["tune"][f"{name}-fp8"] = tune_fp8(fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers)
         gu = dn = []  # free the device memory before the next shape
         fp8 = {}
         torch.cuda.empty_cache()

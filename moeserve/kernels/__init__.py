@@ -340,6 +340,10 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # on an H200 (results/expert-kernel.json): gate_up 4.05 TB/s at Scout's decode shape (3.16 at
 # ERNIE's), down 3.85 (3.14); 64-row passes of down with BK 128 do not fit shared memory.
 EXPERT_TUNING = {"gate_up": (128, 64, 8, 3), "down": (128, 128, 4, 4), "down_bm64": (128, 64, 4, 4)}
+# FP8 codes are half the bytes per element: the same tiles carry half the bytes in flight, so
+# FP8 takes its own (``benchmarks/expert_kernel.py --fp8 --tune``); BK is cut to a block-wise
+# scale's K block where it is smaller.
+EXPERT_TUNING_FP8 = {"gate_up": (128, 128, 8, 3), "down": (128, 256, 4, 4), "down_bm64": (128, 128, 4, 4)}
 EXPERT_MAX_BM = 64
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
@@ -347,11 +351,12 @@ EXPERT_MAX_BM = 64
 EXPERT_PASS_GROUPS = 4
 
 
-def expert_tuning(kind: str, block_m: int) -> tuple:
+def expert_tuning(kind: str, block_m: int, fp8: bool = False) -> tuple:
     """(BN, BK, warps, stages) of ``kind`` (gate_up, down) for passes of ``block_m`` rows."""
+    table = EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
     if kind == "down" and block_m >= 64:
-        return EXPERT_TUNING["down_bm64"]
-    return EXPERT_TUNING[kind]
+        return table["down_bm64"]
+    return table[kind]
 
 
 def expert_block_m(rows_per_slot: int) -> int:
@@ -404,10 +409,17 @@ def expert_mlp(
     if scales is None:
         return expert_down(expert_gate_up(rows, gate_up, offs, block_m), down, offs, block_m)
     gu = _expert_matmul(
-        rows, gate_up, offs, block_m, expert_tuning("gate_up", block_m), True, scales.gate_up, scales.gate_up_block
+        rows,
+        gate_up,
+        offs,
+        block_m,
+        expert_tuning("gate_up", block_m, True),
+        True,
+        scales.gate_up,
+        scales.gate_up_block,
     )
     return _expert_matmul(
-        gu, down, offs, block_m, expert_tuning("down", block_m), False, scales.down, scales.down_block
+        gu, down, offs, block_m, expert_tuning("down", block_m, True), False, scales.down, scales.down_block
     )
 
 
@@ -430,7 +442,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block:
     offs = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one slot holding every row
     bm = expert_block_m(m)
     return _expert_matmul(
-        x.contiguous(), codes.unsqueeze(0), offs, bm, expert_tuning("down", bm), False, scale.unsqueeze(0), block
+        x.contiguous(), codes.unsqueeze(0), offs, bm, expert_tuning("down", bm, True), False, scale.unsqueeze(0), block
     )
 
 
