@@ -39,7 +39,7 @@ SHAPES = {
     "ernie": dict(hidden=2560, inter=1536, slots=64, top_k=6),
 }
 CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))  # (BN, BK, warps, stages)
-FP8_CANDIDATES = list(itertools.product((64, 128, 256), (64, 128, 256), (4, 8), (3, 4)))
+FP8_CANDIDATES = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (False, True)))  # ..., swap
 
 
 def counts_for(rng, tokens, k, slots, skew):
@@ -94,7 +94,13 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers):
     for kind, lst in res.items():
         lst.sort(key=lambda x: -x[1])
         print(f"  tune fp8 {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]), flush=True)
-    return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()}
+    best = {
+        "gate_up": list(res["gate_up"][0][0]),
+        "down": list(res["down"][0][0]),
+        "down_bm64": list(res["down"][0][0]),
+    }
+    print("MOESERVE_FP8_TUNING=" + json.dumps(best), flush=True)
+    return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"best": best}
 
 
 def main():

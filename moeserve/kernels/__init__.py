@@ -39,6 +39,7 @@ differ from torch's in the last bit there, never on the GPU).
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import NamedTuple
 
@@ -343,7 +344,14 @@ EXPERT_TUNING = {"gate_up": (128, 64, 8, 3), "down": (128, 128, 4, 4), "down_bm6
 # FP8 codes are half the bytes per element: the same tiles carry half the bytes in flight, so
 # FP8 takes its own (``benchmarks/expert_kernel.py --fp8 --tune``); BK is cut to a block-wise
 # scale's K block where it is smaller.
-EXPERT_TUNING_FP8 = {"gate_up": (128, 128, 8, 3), "down": (128, 256, 4, 4), "down_bm64": (128, 128, 4, 4)}
+EXPERT_TUNING_FP8 = {"gate_up": (128, 64, 4, 3), "down": (128, 128, 4, 4), "down_bm64": (128, 128, 4, 4)}
+# FP8 kernels compute the product transposed (codes as the first operand, held in registers)
+# when this is set: MOESERVE_FP8_SWAP=0|1 (a measurement switch; benchmarks/expert_kernel.py)
+FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
+# MOESERVE_FP8_TUNING: a JSON object of the same keys ([BN, BK, warps, stages, swap]) that
+# replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints)
+if os.environ.get("MOESERVE_FP8_TUNING"):
+    EXPERT_TUNING_FP8.update({k: tuple(v) for k, v in json.loads(os.environ["MOESERVE_FP8_TUNING"]).items()})
 EXPERT_MAX_BM = 64
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
@@ -528,7 +536,7 @@ def _expert_matmul(
     n = n // 2 if gated else n
     out = x.new_empty(c, n)
     interp = _interpreted()
-    bn, bk, warps, stages = tuning
+    bn, bk, warps, stages = tuning[:4]
     bk = min(bk, max(16, _pow2(k)))
     quant = scale is not None
     sbk, sbn = block if quant else (k, n)
@@ -568,6 +576,7 @@ def _expert_matmul(
         SBK=sbk,
         SBN=sbn,
         NB=-(-n // sbn) if quant else 0,
+        SWAP=bool(quant and (tuning[4] if len(tuning) > 4 else FP8_SWAP)),
         **extra,
     )
     return out

@@ -87,6 +87,12 @@ def _rows(
         acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[None, :]
+    _store(acc, acc_u, out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED, PRECISE)
+
+
+@triton.jit
+def _store(acc, acc_u, out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED: tl.constexpr, PRECISE: tl.constexpr):
+    # acc [BM, BN] (and acc_u, gated) in fp32 -> out rows rm, columns rn
     if GATED:
         # as the two-kernel path rounds: gate_up to the dtype, silu in fp32 rounded, times up
         g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -100,6 +106,81 @@ def _rows(
     else:
         out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _rows_swapped(
+    x_ptr,
+    w,
+    sc,
+    out_ptr,
+    m0,
+    end,
+    rn,
+    n_ok,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    stride_x,
+    stride_wk,
+    stride_sk,
+    stride_out,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    SBK: tl.constexpr,
+    SBN: tl.constexpr,
+    NB: tl.constexpr,
+):
+    # As _rows with FP8 weights, computed transposed: out^T [BN, BM] = W^T [BN, BK] x^T [BK, BM],
+    # so that the converted codes are the product's first operand (held in registers) and the
+    # rows its second (the MMA's N side, which may be as small as the rows a decode step has)
+    rm = m0 + tl.arange(0, BM)
+    m_ok = rm < end
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    sn = rn // SBN
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            a_mask = m_ok[None, :]
+            w_mask = n_ok[:, None]
+        else:
+            k_ok = rk < K
+            a_mask = m_ok[None, :] & k_ok[:, None]
+            w_mask = k_ok[None, :] & n_ok[:, None]
+        a = tl.load(x_ptr + rm[None, :] * stride_x + rk[:, None], mask=a_mask, other=0.0)  # [BK, BM]
+        b = tl.load(w + rk[None, :] * stride_wk + rn[:, None], mask=w_mask, other=0.0)  # [BN, BK]
+        if GATED:
+            bu = tl.load(w + rk[None, :] * stride_wk + (N + rn)[:, None], mask=w_mask, other=0.0)
+        b = b.to(a.dtype)
+        if GATED:
+            bu = bu.to(a.dtype)
+        if INTERPRET:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if SBK < K:
+            kb = k0 // SBK
+            sv = tl.load(sc + kb * stride_sk + sn, mask=n_ok, other=0.0)
+            acc += tl.dot(b, a, input_precision=PRECISION) * sv[:, None]
+        else:
+            acc = tl.dot(b, a, acc, input_precision=PRECISION)
+        if GATED:
+            if INTERPRET:
+                bu = bu.to(tl.float32)
+            if SBK < K:
+                su = tl.load(sc + kb * stride_sk + NB + sn, mask=n_ok, other=0.0)
+                acc_u += tl.dot(bu, a, input_precision=PRECISION) * su[:, None]
+            else:
+                acc_u = tl.dot(bu, a, acc_u, input_precision=PRECISION)
+    if SBK >= K:
+        acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[:, None]
+        if GATED:
+            acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[:, None]
+    _store(tl.trans(acc), tl.trans(acc_u), out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED, PRECISE)
 
 
 @triton.jit
@@ -130,6 +211,7 @@ def expert_matmul_kernel(
     SBK: tl.constexpr,
     SBN: tl.constexpr,
     NB: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     # Program (g, s, j): out[r, jBN:(j+1)BN] for the rows r of slot s, in passes g, g + G, .. of BM
     # rows: x[r] @ W[s][:, jBN:(j+1)BN] (W[s] is [K, N]), or with GATED silu of that times
@@ -149,62 +231,120 @@ def expert_matmul_kernel(
     if INTERPRET:  # the interpreter cannot range() over a runtime bound
         m0 = start + g * BM
         while m0 < end:
-            _rows(
-                x_ptr,
-                w,
-                sc,
-                out_ptr,
-                m0,
-                end,
-                rn,
-                n_ok,
-                K,
-                N,
-                stride_x,
-                stride_wk,
-                stride_sk,
-                stride_out,
-                BM,
-                BN,
-                BK,
-                EVEN_K,
-                GATED,
-                PRECISION,
-                PRECISE,
-                INTERPRET,
-                QUANT,
-                SBK,
-                SBN,
-                NB,
-            )
+            if SWAP:
+                _rows_swapped(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    SBK,
+                    SBN,
+                    NB,
+                )
+            else:
+                _rows(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    QUANT,
+                    SBK,
+                    SBN,
+                    NB,
+                )
             m0 += G * BM
     else:
         for m0 in range(start + g * BM, end, G * BM):
-            _rows(
-                x_ptr,
-                w,
-                sc,
-                out_ptr,
-                m0,
-                end,
-                rn,
-                n_ok,
-                K,
-                N,
-                stride_x,
-                stride_wk,
-                stride_sk,
-                stride_out,
-                BM,
-                BN,
-                BK,
-                EVEN_K,
-                GATED,
-                PRECISION,
-                PRECISE,
-                INTERPRET,
-                QUANT,
-                SBK,
-                SBN,
-                NB,
-            )
+            if SWAP:
+                _rows_swapped(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    SBK,
+                    SBN,
+                    NB,
+                )
+            else:
+                _rows(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    QUANT,
+                    SBK,
+                    SBN,
+                    NB,
+                )
