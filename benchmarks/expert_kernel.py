@@ -94,11 +94,9 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers):
     for kind, lst in res.items():
         lst.sort(key=lambda x: -x[1])
         print(f"  tune fp8 {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]), flush=True)
-    best = {
-        "gate_up": list(res["gate_up"][0][0]),
-        "down": list(res["down"][0][0]),
-        "down_bm64": list(res["down"][0][0]),
-    }
+    down = list(res["down"][0][0])
+    # 64-row passes keep a BK of 64 (shared memory), with the best down tile's other choices
+    best = {"gate_up": list(res["gate_up"][0][0]), "down": down, "down_bm64": [down[0], 64, *down[2:]]}
     print("MOESERVE_FP8_TUNING=" + json.dumps(best), flush=True)
     return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"best": best}
 
