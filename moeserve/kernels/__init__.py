@@ -344,7 +344,11 @@ EXPERT_TUNING = {"gate_up": (128, 64, 8, 3), "down": (128, 128, 4, 4), "down_bm6
 # FP8 codes are half the bytes per element: the same tiles carry half the bytes in flight, so
 # FP8 takes its own (``benchmarks/expert_kernel.py --fp8 --tune``); BK is cut to a block-wise
 # scale's K block where it is smaller.
-EXPERT_TUNING_FP8 = {"gate_up": (128, 64, 4, 3), "down": (128, 128, 4, 4), "down_bm64": (128, 128, 4, 4)}
+EXPERT_TUNING_FP8 = {  # (BN, BK, warps, stages, transposed): results/expert-kernel-fp8-tune.json
+    "gate_up": (128, 64, 4, 3, True),
+    "down": (128, 64, 4, 3, True),
+    "down_bm64": (128, 64, 4, 3, True),
+}
 # FP8 kernels compute the product transposed (codes as the first operand, held in registers)
 # when this is set: MOESERVE_FP8_SWAP=0|1 (a measurement switch; benchmarks/expert_kernel.py)
 FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
