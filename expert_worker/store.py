@@ -263,6 +263,7 @@ class ExpertStore:
         for slot, entry in staged:
             local = slot - s0
             if 0 <= local < self.slots_per_worker:
+                assert self.staging is not None  # entries staged here are in what begin_staging allocated
                 self.buffers[layer][local].copy_(self.staging[entry])
         self.logical[layer] = np.asarray(phy2log_row, dtype=np.int64)[s0 : s0 + self.slots_per_worker]
 

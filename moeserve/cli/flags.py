@@ -184,11 +184,11 @@ def start_placement_with_breakeven(
         try:
             saved = state.read_placement(state_dir)
             if saved is not None:
-                path = os.path.join(state_dir, state.PLACEMENT_FILE)
-                state.check_topology(saved, what=f"{path} (the placement saved in --state-dir)", **fits)
-                with open(path) as f:
+                saved_path = os.path.join(state_dir, state.PLACEMENT_FILE)
+                state.check_topology(saved, what=f"{saved_path} (the placement saved in --state-dir)", **fits)
+                with open(saved_path) as f:
                     has_b = '"breakeven"' in f.read()
-                return (saved.phy2log, saved.breakeven if has_b else None), path
+                return (saved.phy2log, saved.breakeven if has_b else None), saved_path
         except state.StateError as e:
             raise UsageError(f"{e}; or start with another --state-dir") from None
     if not init:

@@ -207,8 +207,9 @@ def run_rank(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if F.token(args):
-        os.environ[F.TOKEN_ENV] = F.token(args)
+    token = F.token(args)
+    if token:
+        os.environ[F.TOKEN_ENV] = token
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
     _logging(f"rank{args.rank}")
     _parent_watch()

@@ -190,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         except ClusterError as e:
             print(f"{prog}: the cluster did not start: {e}", file=sys.stderr, flush=True)
             return 1
+        assert cluster.authkey is not None and cluster.run_dir is not None  # set by cluster.start()
         env = child_env(
             MOESERVE_PARENT_PID=str(os.getpid()),
             MOESERVE_ADMIN_TOKEN=token,
@@ -222,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
             str(args.max_model_len),
             *common,
         ]
-        names = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
+        served = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
         if http_port is not None:
-            front += ["--http-port", str(ports["http_port"]), "--served-model-name", *names]
+            front += ["--http-port", str(ports["http_port"]), "--served-model-name", *served]
         bal = [
             *module_command("moeserve", "balancer"),
             "--balancer-port",
@@ -292,8 +293,8 @@ def run(args: argparse.Namespace) -> int:
             base = f"{scheme}://{shown}:{ports['http_port']}"
             print(
                 f"http     {base}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models; "
-                f"{base}/health, /version, /metrics)\nmodel    {', '.join(names)}"
-                f"{'' if args.model in names else f' ({args.model})'}"
+                f"{base}/health, /version, /metrics)\nmodel    {', '.join(served)}"
+                f"{'' if args.model in served else f' ({args.model})'}"
                 f"{'; API key required' if api_key else ''}",
                 flush=True,
             )
@@ -421,7 +422,7 @@ def wait_http(url: str, timeout_s: float, alive=lambda: True, ca_file: str | Non
     import urllib.error
     import urllib.request
 
-    handlers = [urllib.request.ProxyHandler({})]  # a local address: no proxy
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]  # a local address: no proxy
     if ca_file:
         handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca_file)))
     opener = urllib.request.build_opener(*handlers)

@@ -62,7 +62,7 @@ def generate_request(
     return r
 
 
-def file_format(path: str, fmt: str | None) -> int:
+def file_format(path: str, fmt: str | None) -> admin_pb2.PlacementFile.Format:
     if fmt is None:
         fmt = "sglang-pt" if str(path).endswith(".pt") else None
         if fmt is None:

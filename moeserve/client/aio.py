@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import EllipsisType
 
 import grpc
 
@@ -59,7 +60,7 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _call(self, method, request, timeout: float | None = ...):
+    async def _call(self, method, request, timeout: float | None | EllipsisType = ...):  # ...: self.timeout
         timeout = self.timeout if timeout is ... else timeout
         pauses = list(_base.RETRY_DELAYS_S)
         while True:

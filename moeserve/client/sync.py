@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import EllipsisType
 
 import grpc
 
@@ -64,7 +65,7 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method, request, timeout: float | None = ...):
+    def _call(self, method, request, timeout: float | None | EllipsisType = ...):  # ...: self.timeout
         timeout = self.timeout if timeout is ... else timeout
         pauses = list(_base.RETRY_DELAYS_S)
         while True:

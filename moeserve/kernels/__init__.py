@@ -41,7 +41,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -458,16 +459,25 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block:
     )
 
 
-def warm_up_fp8_linears(layers, dtype: torch.dtype) -> int:
+class FP8Weight(Protocol):
+    """What ``warm_up_fp8_linears`` reads of a quantized linear layer (``models.quant.QuantLinear``)."""
+
+    block: tuple[int, int]
+
+    def codes_kn(self) -> torch.Tensor: ...
+
+    def scale_kn(self) -> torch.Tensor: ...
+
+
+def warm_up_fp8_linears(layers: Iterable[FP8Weight], dtype: torch.dtype) -> int:
     """Compile ``fp8_linear`` for every rows-per-pass and weight shape of ``layers`` (the
     ``QuantLinear`` s of a router's model) before serving. Returns the launches run."""
-    shapes = {}
+    shapes: dict[tuple, FP8Weight] = {}
     for q in layers:
-        kn = q.prepared()._codes_kn()
-        shapes.setdefault((tuple(kn.shape), q.block), q)
+        shapes.setdefault((tuple(q.codes_kn().shape), q.block), q)
     n = 0
     for q in shapes.values():
-        kn, skn = q._codes_kn(), q._scale_kn()
+        kn, skn = q.codes_kn(), q.scale_kn()
         for bm in expert_block_ms():
             fp8_linear(torch.zeros(bm, kn.shape[0], dtype=dtype, device=kn.device), kn, skn, (q.block[1], q.block[0]))
             n += 1

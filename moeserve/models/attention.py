@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Protocol
 
 import torch
 
@@ -156,8 +157,22 @@ MAX_SEGMENTS = 16  # split-KV segments at most (a power of two: the reduction's 
 MIN_KEYS_PER_SEGMENT = 256  # a segment shorter than this costs more in partials than it saves
 
 
+class BatchShape(Protocol):
+    """The host ints of a step that ``attention_config`` reads: a PagedBatch, or its shape alone
+    (``moeserve.router.graphs`` asks for the split of a step it has not built yet)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def max_query_len(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+
+
 def attention_config(
-    batch: PagedBatch, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int | None = None
+    batch: BatchShape, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int | None = None
 ) -> dict:
     """Launch parameters of a step (host ints only, so the choice is free and graph-capturable
     for a fixed shape): BM, BQ = BM // G query tokens per program, BN, warps, stages, the grid's

@@ -330,7 +330,7 @@ class QuantLinear:
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_MAX_ROWS and self._kernel_ok(x):
             from moeserve import kernels
 
-            y = kernels.fp8_linear(x, self._codes_kn(), self._scale_kn(), (self.block[1], self.block[0]))
+            y = kernels.fp8_linear(x, self.codes_kn(), self.scale_kn(), (self.block[1], self.block[0]))
             return y if self.bias is None else y + self.bias
         return torch.nn.functional.linear(x, self.weight(x.dtype), self.bias)
 
@@ -338,8 +338,8 @@ class QuantLinear:
         """On CUDA, the kernel's layouts made now (at load), not in a step (maybe one being
         captured in a CUDA graph)."""
         if self.codes.is_cuda:
-            self._codes_kn()
-            self._scale_kn()
+            self.codes_kn()
+            self.scale_kn()
         return self
 
     def _kernel_ok(self, x: torch.Tensor) -> bool:
@@ -351,14 +351,14 @@ class QuantLinear:
             and kernels.fp8_blocks_supported(self.codes.shape[1], (self.block[1], self.block[0]))
         )
 
-    def _codes_kn(self) -> torch.Tensor:
+    def codes_kn(self) -> torch.Tensor:
         """The codes as [in, out] (x @ W), the layout the kernel streams; made once."""
         if self._kn is None:
             self._kn = self.codes.t().contiguous()
             self.codes = self._kn.t()  # the [out, in] view of the same bytes: one copy held
         return self._kn
 
-    def _scale_kn(self) -> torch.Tensor:
+    def scale_kn(self) -> torch.Tensor:
         if self._skn is None:
             self._skn = self.scale.t().contiguous()
         return self._skn

@@ -13,12 +13,17 @@ Dimension letters: L MoE layers, E logical experts, W workers.
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 PER_EXPERT_LIMIT = 4096
 PER_EXPERT_CHOICES = ("auto", "on", "off")
@@ -71,7 +76,7 @@ class ProcessMetrics:
         info.labels(role, str(rank)).set(1)
         self.role, self.rank = role, rank
         self.port: int | None = None
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
@@ -273,7 +278,8 @@ def _timed(fn, observe):
         observe(clock() - t0)
         return out
 
-    timed.__wrapped__ = fn
+    # sets timed.__wrapped__ = fn only (no name or docstring copied)
+    functools.update_wrapper(timed, fn, assigned=(), updated=())
     return timed
 
 

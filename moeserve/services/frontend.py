@@ -154,7 +154,7 @@ class ServingService(serving_pb2_grpc.ServingServicer):
         return serving_pb2.GenerateResponse(
             token_ids=tokens,
             text=self._text(tokens),
-            finish_reason=FINISH_REASONS.get(reason, 0),
+            finish_reason=FINISH_REASONS.get(reason, serving_pb2.FINISH_REASON_UNSPECIFIED),
             usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens)),
         )
 
@@ -170,7 +170,7 @@ class ServingService(serving_pb2_grpc.ServingServicer):
             elif isinstance(ev, Finished):
                 yield serving_pb2.GenerateStreamResponse(
                     text=detok.flush(),
-                    finish_reason=FINISH_REASONS.get(str(ev.reason), 0),
+                    finish_reason=FINISH_REASONS.get(str(ev.reason), serving_pb2.FINISH_REASON_UNSPECIFIED),
                     usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(detok.ids)),
                 )
 

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moeserve.router.engine.api import InvalidRequest
+
+if TYPE_CHECKING:
+    import jinja2
 
 # -- the tokenizer, its special tokens and its chat template ----------------------------------
 
@@ -55,7 +59,7 @@ class ModelTokenizer:
         self.tokenizer = tokenizer
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
-        self._compiled = None
+        self._compiled: jinja2.Template | None = None
         try:
             from tokenizers import decoders
 
@@ -153,7 +157,7 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def compile_chat_template(source: str):
+def compile_chat_template(source: str) -> jinja2.Template:
     """A jinja2 template in the environment transformers renders chat templates in: sandboxed,
     trim_blocks and lstrip_blocks, loop controls, ``{% generation %}`` blocks, the ``tojson``
     filter without ASCII escaping, ``raise_exception`` and ``strftime_now``."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -140,9 +140,9 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:
         raise InvalidRequest(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
-    bad = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad_stop = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stop:
+        raise InvalidRequest(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
     if req.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {req.max_tokens}")
     total = len(req.prompt_ids) + req.max_tokens
@@ -236,29 +236,21 @@ class EngineStatus:
 # -- the interface ----------------------------------------------------------------------------
 
 
-class EngineAPI(Protocol):
-    """What the leader's engine offers to every front door (a Protocol: the engine implements
-    it, the channel's client serves it remotely). ``submit`` and ``cancel`` are for
-    callers in the leader's process (the channel streams requests for callers elsewhere); every
-    name in :data:`REMOTE_METHODS` can also be called through the local channel."""
-
-    shape: ModelShape
-
-    def submit(self, req: GenerateRequest, sink: Callable[[Event], None]) -> object:
-        """Validate (once) and admit ``req``; ``sink`` receives its events from the step thread.
-        Returns a handle for :meth:`cancel`. Raises InvalidRequest, QueueFull, Unavailable."""
-        ...
-
-    def cancel(self, handle: object) -> None: ...
+class RemoteEngineAPI(Protocol):
+    """The part of :class:`EngineAPI` that the local channel also serves to other processes
+    (:data:`REMOTE_METHODS`; ``moeserve.router.engine.channel.EngineClient`` calls it there)."""
 
     def placement(self) -> Placement: ...
 
-    def plan_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
-        """Validate ``phy2log [L, P]`` and diff it against the placement in force (dry run)."""
+    def plan_placement(self, phy2log: np.ndarray | Placement, expected_version: int | None = None) -> MigrationProgress:
+        """Validate ``phy2log [L, P]`` (or a Placement, break-even counts included) and diff it
+        against the placement in force (dry run)."""
         ...
 
-    def apply_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
-        """Start migrating to ``phy2log [L, P]``; returns at once."""
+    def apply_placement(
+        self, phy2log: np.ndarray | Placement, expected_version: int | None = None
+    ) -> MigrationProgress:
+        """Start migrating to ``phy2log [L, P]`` (or a Placement); returns at once."""
         ...
 
     def migration(self, migration_id: str) -> MigrationProgress: ...
@@ -290,6 +282,23 @@ class EngineAPI(Protocol):
         ...
 
     def request_stop(self) -> None: ...
+
+
+class EngineAPI(RemoteEngineAPI, Protocol):
+    """What the leader's engine offers to every front door (a Protocol: the engine implements
+    it, the channel's client serves its RemoteEngineAPI part). ``submit`` and ``cancel`` are for
+    callers in the leader's process (the channel streams requests for callers elsewhere); every
+    name in :data:`REMOTE_METHODS` can also be called through the local channel."""
+
+    shape: ModelShape
+
+    def submit(self, req: GenerateRequest, sink: Callable[[Event], None]) -> object:
+        """Validate (once) and admit ``req``; ``sink`` receives its events from the step thread.
+        Returns a handle for :meth:`cancel`. Raises InvalidRequest, QueueFull, Unavailable."""
+        ...
+
+    # Any: the handle is whatever this implementation's submit returned (the engine's Sequence)
+    def cancel(self, handle: Any) -> None: ...
 
 
 REMOTE_METHODS = frozenset(

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from moeserve.router.engine.api import (
 from moeserve.router.engine.migration import Migrator
 from moeserve.router.engine.scheduler import Scheduler, Sequence
 from moeserve.sampling import request_seed
+
+if TYPE_CHECKING:  # the metrics are made on ranks that export them (prometheus_client)
+    from moeserve.ops.metrics import LeaderMetrics
 
 log = logging.getLogger("moeserve.leader")
 
@@ -76,7 +80,7 @@ class Engine(EngineAPI):
         self._router_maps: list[tuple[np.ndarray, np.ndarray]] = []
         self._seen_version = int(placement.version)
         self._placement_step = 0  # forward_steps when the placement last changed
-        self.metrics = None  # moeserve.ops.metrics.LeaderMetrics when this rank exports metrics
+        self.metrics: LeaderMetrics | None = None  # when this rank exports metrics
         self.metrics_ports: dict[str, int] = {}  # name ("rank0", "balancer", ...) -> metrics port
         self._header_t = time.perf_counter()
         self._last_step_t = time.monotonic()  # when the last step completed (health: a stall)
@@ -168,6 +172,7 @@ class Engine(EngineAPI):
             if not n or load is None:
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
+            assert wload is not None  # read with the logical load
             since = self.forward_steps - self._placement_step
         return LoadReport(
             load=load,
@@ -219,6 +224,7 @@ class Engine(EngineAPI):
 
     def status(self) -> EngineStatus:
         p = self.placement()
+        assert p.layer_versions is not None  # Placement fills it
         counts = self.scheduler.counts()
         slots, nbytes, ended = self.migrator.moved_totals()
         return EngineStatus(
@@ -250,6 +256,7 @@ class Engine(EngineAPI):
         self._wake.set()
         if not self._report_done.wait(timeout_s):
             raise Unavailable(f"no worker report within {timeout_s} s")
+        assert self._report is not None  # set with _report_done
         return self._report
 
     def router_maps(self, timeout_s: float = 60.0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -352,7 +359,8 @@ class Engine(EngineAPI):
             self.metrics.on_step(kind, time.perf_counter() - self._header_t)
         if header.report:
             with self._report_lock:
-                self._report = [results[r].slot_digest for r in self.cfg.worker_ranks]
+                # every worker answers a report with its digest
+                self._report = cast("list[np.ndarray]", [results[r].slot_digest for r in self.cfg.worker_ranks])
                 self._router_maps = [r.router_maps for r in results if r.router_maps is not None]
                 self._report_wanted = False
                 self._report_done.set()
@@ -370,15 +378,16 @@ class Engine(EngineAPI):
                 self._saved_key = key
                 self._saver.save(placement)
         loads = [r for r in results if r.logical_load is not None]
-        if loads and max(r.load_steps for r in loads):
+        steps = max((r.load_steps for r in loads), default=0)
+        if steps:
             stats = [
                 sum(getattr(r, f) for r in loads) if all(getattr(r, f) is not None for r in loads) else 0
                 for f in ("histogram", "slot_busy")
             ]
             self._add_load(
-                sum(r.logical_load for r in loads),
-                sum(r.worker_load for r in loads),
-                max(r.load_steps for r in loads),
+                _router_sum([r.logical_load for r in loads]),
+                _router_sum([r.worker_load for r in loads]),
+                steps,
                 *stats,
             )
         if header.read_load:
@@ -433,7 +442,16 @@ class Engine(EngineAPI):
         self.migrator.abort(message)
 
 
+def _router_sum(arrays: list[np.ndarray | None]) -> np.ndarray:
+    """The sum of the routers' arrays of one load read (a new array: 0 + each); a router that
+    read its load sent its logical and its worker load."""
+    total = sum(cast("list[np.ndarray]", arrays))
+    assert isinstance(total, np.ndarray)  # not 0: at least one router read
+    return total
+
+
 def _placement_key(p: Placement) -> tuple:
+    assert p.layer_versions is not None  # Placement fills it
     return int(p.version), tuple(int(v) for v in p.layer_versions)
 
 

@@ -50,6 +50,8 @@ import hmac
 import json
 import secrets
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from moeserve import __version__
 from moeserve.services.admission import Admission
@@ -92,6 +94,10 @@ from moeserve.services.http.params import (
 )
 from moeserve.services.http.server import HttpServer
 from moeserve.services.tokenizer import Detokenizer, StopStrings
+
+if TYPE_CHECKING:
+    from moeserve.router.engine.api import GenerateRequest
+    from moeserve.services.readiness import Readiness
 
 
 async def _until_disconnect(receive, coro):
@@ -148,7 +154,7 @@ class HttpApi:
         self.registry = registry
         self.max_body_bytes = min(max_body_bytes, body_limit(admission.limits))
         self.draining = False
-        self.readiness = None  # moeserve.services.readiness.Readiness of the front end (None: ask the leader)
+        self.readiness: Readiness | None = None  # the front end's (None: ask the leader)
         self.created = int(time.time())
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -169,7 +175,9 @@ class HttpApi:
         async def server_error(request, exc: Exception):
             return api_error(exc).response()
 
-        self.app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+        # (Starlette types a handler's exception as Exception, whatever class it is registered for)
+        handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, Exception: server_error}
+        self.app = Starlette(routes=routes, exception_handlers=handlers)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -288,7 +296,8 @@ class HttpApi:
             raise bad(
                 f"{len(prompts)} prompts x n = {s.n} make {len(prompts) * s.n} choices; at most {MAX_CHOICES}", "n"
             )
-        reqs, choices = [], []
+        reqs: list[GenerateRequest] = []
+        choices: list[Choice] = []
         for ids in prompts:
             max_tokens = s.max_tokens if s.max_tokens is not None else max(1, a.limits.max_model_len - len(ids))
             for j in range(s.n):

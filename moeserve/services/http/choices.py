@@ -80,7 +80,7 @@ class Choice:
         out, stopped = self.stops.feed(self.detok.text)
         if stopped:
             self._stop(out)
-            out = out + (self.stops.matched if self.include_stop else "")
+            out = out + ((self.stops.matched or "") if self.include_stop else "")  # (matched: set when stopped)
         self.text += out
         return out, entries
 
@@ -95,7 +95,7 @@ class Choice:
         self.done = True
         if stopped:
             self._stop(out)
-            out = out + (self.stops.matched if self.include_stop else "")
+            out = out + ((self.stops.matched or "") if self.include_stop else "")  # (matched: set when stopped)
         else:
             self.finish_reason = FINISH.get(reason, str(reason))
             if reason == FinishReason.STOP and self.last_token in self.stop_ids:
@@ -128,7 +128,7 @@ class Run:
 
     async def prime(self) -> None:
         """Wait until every choice has its first event; raise the first refusal."""
-        seen = set()
+        seen: set[int] = set()  # choice indices
         while len(seen) < len(self.streams):
             i, item = await self.queue.get()
             if isinstance(item, BaseException):

@@ -126,13 +126,10 @@ class EventStream:
             gone.cancel()
             await asyncio.wait({work, gone})
             await self.chunks.aclose()
-        if (
-            work.done()
-            and not work.cancelled()
-            and work.exception() is not None
-            and not isinstance(work.exception(), OSError)
-        ):
-            raise work.exception()
+        if work.done() and not work.cancelled():
+            exc = work.exception()
+            if exc is not None and not isinstance(exc, OSError):
+                raise exc
 
 
 # -- the parts of a response ------------------------------------------------------------------

@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 class HttpServer:
@@ -30,7 +34,7 @@ class HttpServer:
             raise ValueError("HTTPS needs both a certificate (ssl_certfile) and its key (ssl_keyfile)")
         self.api, self.host, self.port, self.grace_s = api, host, port, grace_s
         self.ssl_certfile, self.ssl_keyfile = ssl_certfile or None, ssl_keyfile or None
-        self.server = None
+        self.server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
     @property
@@ -39,6 +43,7 @@ class HttpServer:
 
     def _check_files(self) -> None:
         for what, f in (("certificate", self.ssl_certfile), ("key", self.ssl_keyfile)):
+            assert f is not None  # called with a certificate, which __init__ pairs with its key
             if not Path(f).is_file():
                 raise OSError(f"cannot serve HTTPS: the {what} {f} is not a file")
 
