@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 
-from servinglib.clients import run_plan, start
+from servinglib.streams import run_plan, start
 
 
 def http_module():
