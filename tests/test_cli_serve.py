@@ -304,7 +304,7 @@ def test_a_port_in_use_is_one_line_and_exit_1(tiny, capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--tensor-parallel-size", "2"], "use --data-parallel-size N --enable-expert-parallel"),
+        (["--tensor-parallel-size", "2"], "without --enable-expert-parallel would split attention"),
         (["--pipeline-parallel-size", "2"], "moeserve does not split layers"),
         (["--data-parallel-size", "2"], "add --enable-expert-parallel"),
         (["--data-parallel-size", "2", "--enable-expert-parallel", "--routers", "3"], "disagrees with --routers 3"),
@@ -346,6 +346,24 @@ def test_vllm_flags_map_to_the_cluster(tiny):
     assert (kw["routers"], kw["workers"], kw["colocated"], kw["num_redundant_experts"]) == (2, 2, True, 2)
     assert kw["migration_bytes_per_step"] >= 1 << 40 and "one step" in notes[0]
     assert serve._dtype(args, Path(tiny)) == "float32"
+
+
+def test_tensor_parallel_with_expert_parallel_is_n_colocated_ranks_and_needs_a_gpu_each(tiny):
+    from moeserve.cli import UsageError, build_parser, serve
+
+    def parse(*flags):
+        return build_parser().parse_args(["serve", str(tiny), *flags])
+
+    args = parse("-tp", "8", "--enable-expert-parallel")
+    line = serve.parallel(args, visible_gpus=8)
+    assert (args.routers, args.workers, args.colocated) == (8, 8, True)
+    assert "8 co-located ranks on 8 GPUs" in line and "data-parallel attention" in line
+    with pytest.raises(UsageError, match=r"needs 8 GPUs \(one per rank\); 4 are visible"):
+        serve.parallel(parse("-tp", "8", "--enable-expert-parallel"), visible_gpus=4)
+    args = parse("-tp", "2", "-dp", "2", "--enable-expert-parallel")
+    assert "4 co-located ranks on 4 CPU ranks" in serve.parallel(args, visible_gpus=0)
+    assert (args.routers, args.workers) == (4, 4)
+    assert serve.parallel(parse(), visible_gpus=0) is None
 
 
 def test_init_model_files_are_readable_by_every_user(tmp_path):

@@ -43,17 +43,25 @@ class Front:
         import uvloop
 
         from moeserve.ops.metrics import FrontendMetrics, ProcessMetrics
+        from moeserve.ops.vllm_metrics import VllmMetrics
         from moeserve.services.admission import Admission, AdmissionLimits
         from moeserve.services.frontend import make_server
         from moeserve.services.http import HttpApi, HttpServer
         from moeserve.services.server import ServerOptions
 
         self.pm = ProcessMetrics("frontend")
+        vllm = VllmMetrics(self.pm.registry, names[0])
         self.admission = Admission(
-            engine, tokenizer, FrontendMetrics(self.pm.registry), AdmissionLimits(max_model_len=max_model_len)
+            engine, tokenizer, FrontendMetrics(self.pm.registry, vllm), AdmissionLimits(max_model_len=max_model_len)
         )
         self.api = HttpApi(
-            self.admission, list(names), "/models/tiny", api_key, self.pm.registry, max_body_bytes=MAX_BODY
+            self.admission,
+            list(names),
+            "/models/tiny",
+            api_key,
+            self.pm.registry,
+            max_body_bytes=MAX_BODY,
+            vllm_metrics=vllm,
         )
         self.http = HttpServer(self.api, "127.0.0.1", 0, grace_s=5, ssl_certfile=tls[0], ssl_keyfile=tls[1])
         self.grpc = make_server(None, None, ServerOptions(grace_s=1), admission=self.admission, api_key=api_key)
@@ -720,16 +728,40 @@ BAD = [
         "messages",
     ),
     ("huge n", C, {**OK, "n": 100000}, None, 400, "n must be in 1..64", "n"),
+    ("presence_penalty over 2", C, {**OK, "presence_penalty": 2.5}, None, 400, "in [-2, 2]", "presence_penalty"),
+    ("frequency_penalty a string", C, {**OK, "frequency_penalty": "x"}, None, 400, "finite", "frequency_penalty"),
+    ("repetition_penalty 0", C, {**OK, "repetition_penalty": 0}, None, 400, "in (0, 10]", "repetition_penalty"),
+    ("min_p over 1", C, {**OK, "min_p": 1.5}, None, 400, "min_p must be in [0, 1]", "min_p"),
+    ("min_tokens over max_tokens", C, {**OK, "max_tokens": 4, "min_tokens": 5}, None, 400, "0..4", "min_tokens"),
+    ("logit_bias over 100", C, {**OK, "logit_bias": {"5": 101}}, None, 400, "in [-100, 100]", "logit_bias"),
+    ("logit_bias key not an id", C, {**OK, "logit_bias": {"a": 1}}, None, 400, "token ids", "logit_bias"),
     (
-        "penalties",
+        "logit_bias of too many",
         C,
-        {**OK, "presence_penalty": 0.5, "frequency_penalty": 1.0},
+        {**OK, "logit_bias": {str(i): 1 for i in range(1025)}},
         None,
         400,
-        "does not support frequency_penalty, presence_penalty",
-        "frequency_penalty",
+        "at most 1024",
+        "logit_bias",
     ),
-    ("logit_bias", C, {**OK, "logit_bias": {"5": 10}}, None, 400, "does not support logit_bias", "logit_bias"),
+    (
+        "logit_bias outside the vocabulary",
+        C,
+        {**OK, "logit_bias": {"99999": 1}},
+        None,
+        400,
+        "outside the vocabulary",
+        None,
+    ),
+    (
+        "prompt_logprobs over the limit",
+        C,
+        {**OK, "prompt_logprobs": 21},
+        None,
+        400,
+        "prompt_logprobs must be in 0..20",
+        "prompt_logprobs",
+    ),
     (
         "tools",
         CC,
@@ -739,8 +771,7 @@ BAD = [
         "does not support tools",
         "tools",
     ),
-    ("echo", C, {**OK, "echo": True}, None, 400, "does not support echo", "echo"),
-    ("unknown parameter", C, {**OK, "temprature": 0.5}, None, 400, "unknown parameter: temprature", "temprature"),
+    ("echo in chat", CC, {**CHAT, "echo": True}, None, 400, "does not support echo", "echo"),
     ("top_logprobs without logprobs", CC, {**CHAT, "top_logprobs": 2}, None, 400, "needs logprobs", "top_logprobs"),
     ("too many logprobs", C, {**OK, "logprobs": 50}, None, 400, "logprobs must be in 0..20", "logprobs"),
     (

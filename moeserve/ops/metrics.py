@@ -281,9 +281,12 @@ def _timed(fn, observe):
 
 
 class FrontendMetrics:
-    """Request metrics of the serving front end; :meth:`request` starts one request's record."""
+    """Request metrics of the serving front end; :meth:`request` starts one request's record.
+    ``vllm``: a ``moeserve.ops.vllm_metrics.VllmMetrics`` that records the same requests under
+    vLLM's names (None: none)."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, vllm=None):
+        self.vllm = vllm
         self.ttft = Histogram(
             "moeserve_time_to_first_token_seconds",
             "From a request's arrival to its first generated token.",
@@ -325,17 +328,26 @@ class RequestRecord:
         self.last = self.start
         self.tokens = 0
         self.done = False
+        self.prompt_tokens = prompt_tokens
         m.prompt_tokens.inc(prompt_tokens)
         m.in_flight.inc()
+        if m.vllm is not None:
+            m.vllm.admitted(prompt_tokens)
 
     def token(self, n: int = 1) -> None:
         now = time.monotonic()
+        first = gap = None
         if self.first is None and n > 0:
             self.first = now
-            self.m.ttft.observe(now - self.start)
+            first = now - self.start
+            self.m.ttft.observe(first)
+        elif n > 0:
+            gap = now - self.last
         self.last = now
         self.tokens += n
         self.m.generation_tokens.inc(n)
+        if self.m.vllm is not None:
+            self.m.vllm.token(gap, first, n)
 
     def finish(self, reason: str) -> None:
         if self.done:
@@ -344,10 +356,15 @@ class RequestRecord:
         m = self.m
         m.in_flight.dec()
         m.requests.labels(reason if reason in FINISH_REASONS else "error").inc()
+        e2e = tpot = None
         if self.first is not None:
-            m.e2e.observe(self.last - self.start)
+            e2e = self.last - self.start
+            m.e2e.observe(e2e)
             if self.tokens > 1:
-                m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+                tpot = (self.last - self.first) / (self.tokens - 1)
+                m.tpot.observe(tpot)
+        if m.vllm is not None:
+            m.vllm.finished(reason, self.prompt_tokens, self.tokens, e2e, tpot)
 
 
 # -- the balancer -----------------------------------------------------------------------------

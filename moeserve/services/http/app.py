@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import time
 
@@ -65,6 +66,7 @@ from moeserve.services.http.encode import (
     disconnected,
     json_response,
     logprobs_part,
+    prompt_logprobs_part,
     sse,
     usage,
 )
@@ -93,6 +95,8 @@ from moeserve.services.http.params import (
 from moeserve.services.http.server import HttpServer
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
+log = logging.getLogger("moeserve.services.http")
+
 
 async def _until_disconnect(receive, coro):
     """Run ``coro``; when the client goes away first, cancel it (its requests are cancelled)."""
@@ -116,6 +120,15 @@ async def _until_disconnect(receive, coro):
     return work.result()
 
 
+def _flag(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"{name} must be true or false, got {v!r}", name)
+    return v
+
+
 class HttpApi:
     """The ASGI application (``app``) and its state.
 
@@ -123,7 +136,11 @@ class HttpApi:
     ``model`` may take (the first is the default); model_root: the model folder (shown by
     /v1/models); api_key: guards ``/v1/`` (None: open); registry: the Prometheus registry of
     /metrics (None: an empty answer); max_body_bytes: the largest request body (at most
-    :func:`body_limit` of the admission limits).
+    :func:`body_limit` of the admission limits); max_logprobs: the most top logprobs a request
+    may ask for (``--max-logprobs``); generation_defaults: sampling defaults for what a request
+    leaves out (the model's ``generation_config.json``: ``params.GENERATION_DEFAULTS``);
+    vllm_metrics: a ``moeserve.ops.metrics.VllmMetrics`` refreshed from the leader's status
+    on every scrape of /metrics (None: none).
     """
 
     def __init__(
@@ -134,6 +151,9 @@ class HttpApi:
         api_key: str | None = None,
         registry=None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_logprobs: int = MAX_LOGPROBS,
+        generation_defaults: dict | None = None,
+        vllm_metrics=None,
     ):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
@@ -150,11 +170,18 @@ class HttpApi:
         self.draining = False
         self.readiness = None  # moeserve.services.readiness.Readiness of the front end (None: ask the leader)
         self.created = int(time.time())
+        self.max_logprobs = max_logprobs
+        self.defaults = dict(generation_defaults or {})
+        self.vllm_metrics = vllm_metrics
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -231,24 +258,86 @@ class HttpApi:
     async def chat_completions(self, request):
         return await self._generation(request, self._chat)
 
+    def _model_card(self, m: str) -> dict:
+        return {
+            "id": m,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "moeserve",
+            "root": self.model_root or m,
+            "parent": None,
+            "max_model_len": self.admission.limits.max_model_len,
+        }
+
     async def models(self, request):
         try:
             self._auth(request)
         except ApiError as e:
             return e.response()
-        data = [
+        return json_response({"object": "list", "data": [self._model_card(m) for m in self.served_models]})
+
+    async def model(self, request):
+        """GET /v1/models/{id}: one served model, or 404 naming those served."""
+        try:
+            self._auth(request)
+            name = request.path_params["model_id"]
+            return json_response(self._model_card(parse_model({"model": name}, self.served_models)))
+        except ApiError as e:
+            return e.response()
+
+    async def tokenize(self, request):
+        """vLLM's POST /tokenize: ``prompt`` (with ``add_special_tokens``, default true) or
+        ``messages`` (the chat template; ``add_generation_prompt``) -> {count, max_model_len,
+        tokens, token_strs (with ``return_token_strs``)}."""
+        return await self._generation(request, self._tokenize)
+
+    async def _tokenize(self, body: dict):
+        a = self.admission
+        known = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+        known |= {"return_token_strs", "chat_template_kwargs", "continue_final_message"}
+        self._ignored(check_keys(body, known), "/tokenize")
+        parse_model(body, self.served_models)
+        strs = _flag(body, "return_token_strs", False)
+        if body.get("messages") is not None:
+            add_gen, kwargs = parse_chat_options(body)
+            ids = await a.chat_ids(parse_messages(body), add_gen, kwargs)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad(f"prompt must be a string (or give messages), got {type(prompt).__name__}", "prompt")
+            ids = await a.encode(prompt, _flag(body, "add_special_tokens", True), allow_empty=True)
+        tok = a.tokenizer
+        return json_response(
             {
-                "id": m,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "moeserve",
-                "root": self.model_root or m,
-                "parent": None,
-                "max_model_len": self.admission.limits.max_model_len,
+                "count": len(ids),
+                "max_model_len": a.limits.max_model_len,
+                "tokens": list(ids),
+                "token_strs": [tok.tokenizer.id_to_token(t) for t in ids] if strs and tok is not None else None,
             }
-            for m in self.served_models
-        ]
-        return json_response({"object": "list", "data": data})
+        )
+
+    async def detokenize(self, request):
+        """vLLM's POST /detokenize: ``tokens`` (ids) -> {prompt: their text}."""
+        return await self._generation(request, self._detokenize)
+
+    async def _detokenize(self, body: dict):
+        a = self.admission
+        self._ignored(check_keys(body, {"model", "tokens"}), "/detokenize")
+        parse_model(body, self.served_models)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise bad("tokens must be a list of token ids", "tokens")
+        ids = a.token_ids(tokens, "tokens")
+        if a.tokenizer is None:
+            raise bad("this server has no tokenizer: it cannot detokenize", "tokens")
+        vocab = a.tokenizer.tokenizer.get_vocab_size()
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad(f"tokens must be ids in 0..{vocab - 1}", "tokens")
+        return json_response({"prompt": a.tokenizer.decode(ids, skip_special_tokens=False)})
+
+    def _ignored(self, unknown: list[str], route: str) -> None:
+        if unknown:
+            log.warning("%s: the request has fields moeserve ignores: %s", route, ", ".join(unknown))
 
     async def health(self, request):
         if self.draining:
@@ -278,11 +367,16 @@ class HttpApi:
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        if self.vllm_metrics is not None:
+            await self.vllm_metrics.refresh(self.admission.engine)
+
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _requests(self, prompts, s: Sampling):
+    def _requests(self, prompts, s: Sampling, texts: dict | None = None):
+        """One engine request and one Choice per (prompt, j < n); ``texts``: prompt ids -> the
+        text they were tokenized from (echo shows it as given)."""
         a = self.admission
         if len(prompts) * s.n > MAX_CHOICES:
             raise bad(
@@ -304,41 +398,58 @@ class HttpApi:
                         stop_token_ids=s.stop_token_ids,
                         ignore_eos=s.ignore_eos,
                         return_logits="last" if s.logprobs is not None else "",
+                        prompt_logprobs=s.prompt_top,
+                        min_p=s.min_p,
+                        presence_penalty=s.presence_penalty,
+                        frequency_penalty=s.frequency_penalty,
+                        repetition_penalty=s.repetition_penalty,
+                        min_tokens=s.min_tokens,
+                        logit_bias=s.logit_bias,
                     )
                 )
-                choices.append(
-                    Choice(
-                        len(choices),
-                        Detokenizer(a.tokenizer, s.skip_special_tokens),
-                        StopStrings(s.stops),
-                        frozenset(s.stop_token_ids),
-                        s.logprobs,
-                        s.include_stop_str,
-                        ids,
-                    )
+                choice = Choice(
+                    len(choices),
+                    Detokenizer(a.tokenizer, s.skip_special_tokens),
+                    StopStrings(s.stops),
+                    frozenset(s.stop_token_ids),
+                    s.logprobs,
+                    s.include_stop_str,
+                    ids,
+                    min_tokens=s.min_tokens,
                 )
+                if s.echo:  # a text prompt as given, ids as they decode
+                    given = (texts or {}).get(ids)
+                    choice.echo = (
+                        given if given is not None else Detokenizer.of(a.tokenizer, ids, s.skip_special_tokens)
+                    )
+                choices.append(choice)
         if s.stops and a.tokenizer is None:
             raise bad("stop strings need the model's tokenizer (this server has none): use stop_token_ids", "stop")
         return reqs, choices
 
     async def _completions(self, body: dict):
-        check_keys(body, COMPLETION_KEYS)
+        self._ignored(check_keys(body, COMPLETION_KEYS), "/v1/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, False, self.admission.limits.max_stop_ids)
+        s = parse_sampling(body, False, self.admission.limits.max_stop_ids, self.max_logprobs, self.defaults)
         prompts = await parse_prompts(body, self.admission)
-        return await self._respond(model, prompts, s, chat=False)
+        texts = None
+        if s.echo:  # echo shows a text prompt as it was given
+            raw = body.get("prompt")
+            given: list = [raw] if isinstance(raw, str) else list(raw) if isinstance(raw, list) else []
+            texts = {ids: g for ids, g in zip(prompts, given) if isinstance(g, str)}
+        return await self._respond(model, prompts, s, chat=False, texts=texts)
 
     async def _chat(self, body: dict):
-        check_keys(body, CHAT_KEYS)
+        self._ignored(check_keys(body, CHAT_KEYS), "/v1/chat/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, True, self.admission.limits.max_stop_ids)
+        s = parse_sampling(body, True, self.admission.limits.max_stop_ids, self.max_logprobs, self.defaults)
         messages = parse_messages(body)
         add_gen, kwargs = parse_chat_options(body)
         ids = await self.admission.chat_ids(messages, add_gen, kwargs)
         return await self._respond(model, [ids], s, chat=True)
 
-    async def _respond(self, model: str, prompts, s: Sampling, chat: bool):
-        reqs, choices = self._requests(prompts, s)
+    async def _respond(self, model: str, prompts, s: Sampling, chat: bool, texts: dict | None = None):
+        reqs, choices = self._requests(prompts, s, texts)
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
@@ -358,22 +469,24 @@ class HttpApi:
         tok = self.admission.tokenizer
         out = []
         for c in choices:
-            part = {"index": c.index}
+            part: dict = {"index": c.index}
             if chat:
                 part["message"] = {"role": "assistant", "content": c.text}
             else:
-                part["text"] = c.text
+                part["text"] = (c.echo or "") + c.text
             part.update(
                 logprobs=logprobs_part(tok, c.logprobs, chat) if s.logprobs is not None else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
+            if s.prompt_logprobs is not None and not chat:
+                part["prompt_logprobs"] = self._prompt_lp(c, s)
             if s.return_token_ids:
                 if not chat:
                     part["prompt_token_ids"] = list(c.prompt_ids)
                 part["token_ids"] = list(c.token_ids)
             out.append(part)
-        body = {
+        body: dict = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
@@ -383,11 +496,20 @@ class HttpApi:
         }
         if chat and s.return_token_ids:
             body["prompt_token_ids"] = list(prompts[0])
+        if chat and s.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_lp(choices[0], s)
         return json_response(body, headers={"x-request-id": rid})
+
+    def _prompt_lp(self, c: Choice, s: Sampling) -> list | None:
+        if c.prompt_lp is None:
+            return None
+        return prompt_logprobs_part(self.admission.tokenizer, c.prompt_ids, c.prompt_lp, s.prompt_logprobs or 0)
 
     async def _chunks(self, run: Run, choices, rid, created, model, prompt_tokens, s: Sampling, chat: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
-        extra = {"usage": None} if s.include_usage else {}
+        extra: dict = {"usage": None} if s.include_usage else {}
+        if s.continuous_usage:  # every chunk carries the usage so far
+            extra["usage"] = usage(prompt_tokens, choices)
         tok = self.admission.tokenizer
         # A chunk per token, even one whose text is held back (or empty: no tokenizer), when the
         # client asked for the ids or has no text to see tokens arrive by.
@@ -415,6 +537,8 @@ class HttpApi:
                         part["token_ids"] = []
                     yield chunk([part])
             async for c, text, entries in drive(run, choices):
+                if c.echo is not None and not c.echo_sent:
+                    text, c.echo_sent = c.echo + text, True
                 if not text and not entries and not c.done and not every_token:
                     continue
                 lp = logprobs_part(tok, entries, chat) if s.logprobs is not None else None
@@ -425,6 +549,11 @@ class HttpApi:
                     part["delta"] = {"content": text} if text else {}
                 else:
                     part["text"] = text
+                    if s.prompt_logprobs is not None and c.prompt_lp is not None and not c.plp_sent:
+                        part["prompt_logprobs"] = self._prompt_lp(c, s)
+                        c.plp_sent = True
+                if s.continuous_usage:
+                    extra["usage"] = usage(prompt_tokens, choices)
                 if s.return_token_ids:
                     if not chat and not c.prompt_sent:
                         part["prompt_token_ids"] = list(c.prompt_ids)
