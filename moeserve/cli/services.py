@@ -250,12 +250,10 @@ def run_frontend(args: argparse.Namespace) -> int:
     vllm_metrics = None
     if pm is not None:
         from moeserve.ops.metrics import FrontendMetrics
+        from moeserve.ops.vllm_metrics import VllmMetrics  # vLLM's names beside moeserve's
         from moeserve.services.server import SERVING
 
-        if args.http_port is not None:  # vLLM's names on the HTTP port's /metrics
-            from moeserve.ops.vllm_metrics import VllmMetrics
-
-            vllm_metrics = VllmMetrics(pm.registry, names[0])
+        vllm_metrics = VllmMetrics(pm.registry, names[0])
         metrics = FrontendMetrics(pm.registry, vllm_metrics)
         from moeserve.services.metrics import grpc_interceptor
 
@@ -283,7 +281,8 @@ def run_frontend(args: argparse.Namespace) -> int:
         from moeserve.ops.metrics import ReadinessMetrics
 
         readiness_metrics = ReadinessMetrics(pm.registry)
-    readiness = Readiness(channel_probe(engine), readiness_metrics)  # grpc.health and /health follow it
+    # grpc.health and /health follow it; vLLM's scheduler gauges take the status it reads
+    readiness = Readiness(channel_probe(engine, vllm_metrics.update if vllm_metrics else None), readiness_metrics)
     srv = make_server(None, None, opts, admission=admission, api_key=api_key, readiness=readiness)
 
     def ready(port):

@@ -13,6 +13,8 @@ Dimension letters: L MoE layers, E logical experts, W workers.
 
 from __future__ import annotations
 
+import http.server
+import threading
 import time
 
 import numpy as np
@@ -44,6 +46,9 @@ def per_expert_enabled(choice: str, num_layers: int, num_logical: int) -> bool:
     return choice == "on"
 
 
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"  # what /metrics serves
+
+
 class ProcessMetrics:
     """The registry of one process and its HTTP endpoint.
 
@@ -71,14 +76,32 @@ class ProcessMetrics:
         info.labels(role, str(rank)).set(1)
         self.role, self.rank = role, rank
         self.port: int | None = None
-        self._server = None
+        self._server: http.server.ThreadingHTTPServer | None = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
-        from prometheus_client import start_http_server
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port.
+        Always the text format 0.0.4, whatever the scraper accepts: prometheus-client 0.23's
+        OpenMetrics writer spells the ``:`` of vLLM's names (``vllm:...``) as ``_`` in samples,
+        which would hide them from dashboards built for vLLM."""
+        registry = self.registry
 
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_port)
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = scrape_text(registry).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", TEXT_FORMAT)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # a scrape a second would flood the log
+                pass
+
+        server = http.server.ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        self._server = server
+        self.port = int(server.server_port)
         return self.port
 
     def close(self) -> None:

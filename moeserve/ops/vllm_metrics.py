@@ -6,8 +6,9 @@ Per request (recorded by ``moeserve.ops.metrics.RequestRecord`` as events arrive
 time to first token, every inter-token gap, the request's mean time per output token,
 end-to-end latency, prompt and generated token counts and histograms, finished requests by
 reason. The scheduler's state (running, waiting, KV cache usage, preemptions) is the leader's:
-:meth:`VllmMetrics.refresh` asks the leader for its status before a scrape of /metrics renders
-(``moeserve.services.http``), and the collector shows the last answer.
+the front end's readiness probe hands over the status it reads once a second
+(:meth:`VllmMetrics.update`), and a scrape of the HTTP port's /metrics asks for a fresh one first
+(:meth:`VllmMetrics.refresh`); the collector shows the last.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class VllmMetrics:
         self.success = {r: success.labels(model_name, v) for r, v in FINISHED.items()}
         self._status: Any = None
         registry.register(_SchedulerState(self))  # type: ignore[arg-type]  # a collector by duck typing
+
+    def update(self, status) -> None:
+        """The leader's status (an EngineStatus) as the readiness probe read it, once a second."""
+        self._status = status
 
     async def refresh(self, engine) -> None:
         """Ask the leader for its status (``engine.call("status")``; at most 2 s); a leader that

@@ -365,12 +365,14 @@ class HttpApi:
 
         if self.registry is None:
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import generate_latest
+
+        from moeserve.ops.metrics import TEXT_FORMAT
 
         if self.vllm_metrics is not None:
             await self.vllm_metrics.refresh(self.admission.engine)
 
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(self.registry), media_type=TEXT_FORMAT)
 
     # -- generation ---------------------------------------------------------------------------
 
