@@ -305,3 +305,34 @@ def test_prompt_logprobs_over_chunks_are_the_log_softmax_of_the_models_logits(mo
         rank = np.concatenate([p.rank for p in parts])
         want_rank = 1 + (full[:-1] > full[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])][:, None]).sum(-1)
         assert (rank == want_rank.numpy()).all()
+
+
+# -- the leader's part ---------------------------------------------------------------------------
+
+
+def _engine(seed=None):
+    from moeserve.cluster.rank import initial_placement
+    from moeserve.config import ClusterConfig, EplbConfig
+    from moeserve.router.engine.leader import Engine, ModelShape
+
+    cfg = ClusterConfig(model_dir="/nowhere", routers=1, workers=1, eplb=EplbConfig(), seed=seed)
+    return Engine(cfg, ModelShape(1, 4, 1, 64, (2,), 100), initial_placement(cfg, 1, 4))
+
+
+def test_the_leader_fills_min_tokens_stop_ids_and_draws_seeds_from_the_clusters_seed():
+    from moeserve.router.engine.api import GenerateRequest, InvalidRequest
+
+    def admitted(eng, **kw):
+        return eng.submit(GenerateRequest((5, 6), 8, **kw)).req
+
+    eng = _engine()
+    req = admitted(eng, sampling=SamplingParams(min_tokens=3), stop_token_ids=(9,))
+    assert req.sampling.stop_ids == (2, 9) and req.sampling.seed is not None  # EOS and the request's stop ids
+    assert admitted(eng, sampling=SamplingParams(min_tokens=3), ignore_eos=True).sampling.stop_ids == ()
+    seeds = [[admitted(e).sampling.seed for _ in range(3)] for e in (_engine(7), _engine(7), _engine(8))]
+    assert seeds[0] == seeds[1] != seeds[2] and len(set(seeds[0])) == 3
+    assert admitted(_engine(7), sampling=SamplingParams(seed=5)).sampling.seed == 5
+    with pytest.raises(InvalidRequest, match="min_tokens .9. must be <= max_tokens .8."):
+        admitted(eng, sampling=SamplingParams(min_tokens=9))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        admitted(eng, sampling=SamplingParams(logit_bias=((64, 1.0),)))

@@ -92,6 +92,7 @@ def register(subparsers) -> None:
     F.add_http_flags(p, http_port=False, max_model_len=False)
     F.add_hub_flags(p)
     F.add_vllm_flags(p)
+    F.add_vllm_noop_flags(p)
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
@@ -257,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         raise UsageError("give the model: moeserve serve MODEL (a checkpoint folder or a Hugging Face id)")
     layout = parallel(args)
+    accepted = F.check_vllm_noops(args)
     notes = vllm_eplb_config(args)
     if layout:
         notes.insert(0, layout)
@@ -282,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
     args.startup_progress = True
     for note in notes:
         print(f"{'ranks' if note is layout else 'eplb':<8} {note}", flush=True)
+    for note in accepted:
+        print(f"vllm     {note}", flush=True)
     if folder != Path(model):
         print(f"model    {model} -> {folder}", flush=True)
     from moeserve.cli import up
