@@ -16,9 +16,11 @@ from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.models import init_model, load_model
 from moeserve.models.cache import StepBatch
 from moeserve.router.runner import RouterRunner
-from moeserve.sampling import LogitsAdjust, SamplingParams, SamplingTensors, adjust_logits, thresholds
+from moeserve.sampling import LogitsAdjust, SamplingParams, SamplingTensors, adjust_logits, sample, thresholds
 
 pytestmark = pytest.mark.timeout(120)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 def reference_adjust(x, sp: SamplingParams, prompt, outputs):
@@ -38,7 +40,14 @@ def reference_adjust(x, sp: SamplingParams, prompt, outputs):
     return x
 
 
-def test_adjust_logits_equals_the_reference_row_by_row():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
+def test_adjust_logits_equals_the_reference_row_by_row(device):
     rng = np.random.default_rng(0)
     v = 40
     params = [
@@ -76,7 +85,8 @@ def test_adjust_logits_equals_the_reference_row_by_row():
         frequency=torch.tensor([params[i].frequency_penalty for i in pen]),
         repetition=torch.tensor([params[i].repetition_penalty for i in pen]),
     )
-    got = adjust_logits(logits, adj)
+    adj = LogitsAdjust(**{f: getattr(adj, f).to(device) for f in adj.__dataclass_fields__})
+    got = adjust_logits(logits.to(device), adj).cpu()
     for i, sp in enumerate(params):
         want = reference_adjust(logits[i], sp, prompts[i], outputs[i])
         np.testing.assert_allclose(got[i].numpy(), np.array(want, dtype=np.float32), rtol=1e-6, atol=1e-6)
@@ -103,6 +113,7 @@ def reference_kept(x, sp: SamplingParams):
     return set(np.flatnonzero(keep).tolist())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "kw",
     [
@@ -114,14 +125,16 @@ def reference_kept(x, sp: SamplingParams):
         dict(min_p=1.0),
     ],
 )
-def test_min_p_keeps_what_vllm_keeps_before_top_k_and_top_p(kw):
+def test_min_p_keeps_what_vllm_keeps_before_top_k_and_top_p(kw, device):
     rng = np.random.default_rng(1)
     x = torch.from_numpy(rng.normal(0, 2, (3, 64)).astype(np.float32))
     sp = SamplingParams(**{"temperature": 1.0, **kw})
     other = SamplingParams(temperature=1.0, top_k=4)  # a row that filters without min_p
     params = [sp, other, SamplingParams()]  # a greedy row too
-    st = SamplingTensors.build(params, [0, 0, 0], [0, 0, 0], "cpu")
-    thr = thresholds(x, st)
+    st = SamplingTensors.build(params, [0, 0, 0], [0, 0, 0], device)
+    thr = thresholds(x.to(device), st).cpu()
+    tok = sample(x.to(device), st).cpu()  # the race (Triton on CUDA) keeps to the kept set
+    assert x[0, tok[0]] >= thr[0] and x[1, tok[1]] >= thr[1] and tok[2] == x[2].argmax()
     assert {i for i in range(64) if x[0, i] >= thr[0]} == reference_kept(x[0], sp)
     assert {i for i in range(64) if x[1, i] >= thr[1]} == reference_kept(x[1], other)
     assert thr[2] == float("-inf")
@@ -149,8 +162,15 @@ BS = 4
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return load_model(init_model(tmp_path_factory.mktemp("llama4"), "llama4", seed=5))
+def checkpoint(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("llama4"), "llama4", seed=5)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def model(checkpoint, request):
+    """The model on each device (a CUDA run checks the device paths: pinned copies, index_put_,
+    the Triton race after the logits changed)."""
+    return load_model(checkpoint, device=request.param)
 
 
 @torch.inference_mode()
@@ -161,7 +181,7 @@ def reference_tokens(model, prompt, sp: SamplingParams, n):
     ids, start, out = list(prompt), 0, []
     for _ in range(n):
         batch = StepBatch(seq_ids=(0,), lens=(len(ids),), starts=(start,))
-        row = model.logits(model.step(torch.tensor(ids), batch, cache)[-1:])[0].float()
+        row = model.logits(model.step(torch.tensor(ids, device=model.device), batch, cache)[-1:])[0].float().cpu()
         x = reference_adjust(row, sp, list(prompt), out)
         out.append(int(np.argmax(np.array(x, dtype=np.float32))))
         start += len(ids)
@@ -280,7 +300,7 @@ def test_a_step_run_again_and_a_recomputed_sequence_count_each_token_once(model,
 @torch.inference_mode()
 def test_prompt_logprobs_over_chunks_are_the_log_softmax_of_the_models_logits(model):
     prompt = (5, 9, 13, 2, 7, 11, 3, 8, 1, 6)
-    full = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)  # [T, V]
+    full = torch.log_softmax(model(torch.tensor([prompt], device=model.device))[0].float(), -1).cpu()  # [T, V]
     for chunk in (len(prompt), 4, 3):
         r = RouterRunner(model, LocalExperts(model), num_blocks=64, block_size=BS, async_outputs=False)
         parts = []
