@@ -194,7 +194,9 @@ class RouterRunner:
         self._check_ids([t for t, j in zip(ids, src) if j < 0])
         if (
             self.graphs is not None
-            and all(sw.num_new == 1 and sw.sample and sw.return_logits != "all" for sw in seqs)
+            and all(
+                sw.num_new == 1 and sw.sample and sw.return_logits != "all" and sw.prompt_logprobs < 0 for sw in seqs
+            )
             and self.graphs.fits(len(seqs), [self.seqs[sw.seq_id].table for sw in seqs])
         ):
             logits = self.graphs.run(
