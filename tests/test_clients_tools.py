@@ -154,7 +154,11 @@ def test_aiperf_streams_chat_with_per_chunk_usage(served, tmp_path):
             "--synthetic-input-tokens-mean",
             "32",
             "--output-tokens-mean",
-            "8",
+            "16",
+            "--extra-inputs",
+            "ignore_eos:true",  # a random model's first token may be EOS: a reply with no text, which aiperf counts as an error
+            "--random-seed",
+            "0",
             "--artifact-dir",
             str(art),
             "--ui-type",
