@@ -892,6 +892,42 @@ def test_queue_full_is_429_and_a_cluster_gone_or_draining_is_503():
         front.stop()
 
 
+class Recording(StandIn):
+    """A stand-in engine that keeps every request it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.reqs = []
+
+    async def generate(self, reqs):
+        self.reqs.extend(reqs)
+        async for ev in super().generate(reqs):
+            yield ev
+
+
+@pytest.mark.timeout(60)
+def test_generation_config_defaults_fill_what_a_request_leaves_out_and_max_logprobs_bounds(caplog):
+    engine = Recording()
+    front = Front(engine, None, api_key=None)
+    front.api.defaults = {"temperature": 0.5, "top_k": 7, "repetition_penalty": 1.2, "max_tokens": 3}
+    front.api.max_logprobs = 2
+    try:
+        ok = {"model": MODEL, "prompt": [5, 6]}
+        with caplog.at_level("WARNING", logger="moeserve.services.http"):
+            assert post(front.port, C, {**ok, "not_a_field": 1}, key=None)[0] == 200
+        assert "fields moeserve ignores: not_a_field" in caplog.text
+        req = engine.reqs[-1]
+        assert (req.sampling.temperature, req.sampling.top_k, req.sampling.repetition_penalty) == (0.5, 7, 1.2)
+        assert req.max_tokens == 3
+        assert post(front.port, C, {**ok, "temperature": 0, "top_k": 0, "max_tokens": 2}, key=None)[0] == 200
+        req = engine.reqs[-1]
+        assert (req.sampling.temperature, req.sampling.top_k, req.max_tokens) == (0.0, 0, 2)
+        st, out, _ = post(front.port, C, {**ok, "logprobs": 3}, key=None)
+        assert st == 400 and "logprobs must be in 0..2" in out["error"]["message"]
+    finally:
+        front.stop()
+
+
 # -- cancellation -----------------------------------------------------------------------------
 
 
