@@ -368,7 +368,7 @@ def test_tensor_parallel_with_expert_parallel_is_n_colocated_ranks_and_needs_a_g
 
 
 def test_a_vllm_command_line_with_its_other_flags_maps_to_the_cluster_and_says_what_each_became(tiny, tmp_path):
-    from moeserve.cli import UsageError, build_parser, serve
+    from moeserve.cli import UsageError, build_parser, serve, vllm_flags
     from moeserve.cli import flags as F
 
     template = tmp_path / "chat.jinja"
@@ -379,7 +379,7 @@ def test_a_vllm_command_line_with_its_other_flags_maps_to_the_cluster_and_says_w
     argv += ["--enable-prefix-caching", "--swap-space", "16", "--distributed-executor-backend", "mp", "-O", "3"]
     args = build_parser().parse_args(argv)
     serve.parallel(args, visible_gpus=8)
-    notes = F.check_vllm_noops(args)
+    notes = vllm_flags.check_vllm_noops(args)
     assert any(n.startswith("--swap-space 16: accepted, a preempted sequence is recomputed") for n in notes)
     assert any(n.startswith("--enable-prefix-caching: accepted") for n in notes) and len(notes) == 6
     args.model = str(tiny)
@@ -396,7 +396,7 @@ def test_a_vllm_command_line_with_its_other_flags_maps_to_the_cluster_and_says_w
         (["--speculative-config", "{}"], "moeserve does not serve this"),
     ):
         with pytest.raises(UsageError, match=message):
-            F.check_vllm_noops(build_parser().parse_args(["serve", str(tiny), *bad]))
+            vllm_flags.check_vllm_noops(build_parser().parse_args(["serve", str(tiny), *bad]))
 
 
 def test_generation_config_defaults_and_overrides_are_read_and_bounded(tmp_path):

@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moeserve.cli import UsageError
+from moeserve.cli import UsageError, vllm_flags
 from moeserve.cli import flags as F
 
 DEFAULT_GRPC_PORT = 8003
@@ -92,7 +92,7 @@ def register(subparsers) -> None:
     F.add_http_flags(p, http_port=False, max_model_len=False)
     F.add_hub_flags(p)
     F.add_vllm_flags(p)
-    F.add_vllm_noop_flags(p)
+    vllm_flags.add_vllm_noop_flags(p)
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     if not model:
         raise UsageError("give the model: moeserve serve MODEL (a checkpoint folder or a Hugging Face id)")
     layout = parallel(args)
-    accepted = F.check_vllm_noops(args)
+    accepted = vllm_flags.check_vllm_noops(args)
     notes = vllm_eplb_config(args)
     if layout:
         notes.insert(0, layout)

@@ -40,7 +40,8 @@ engine returns with each token (``return_logits="last"``).
 The parts: this module (the Starlette app: routes, auth, body, generation), ``params``
 (request parsing and validation of the OpenAI parameters), ``choices`` (each choice's
 state, the request streams of a request, cancellation), ``encode`` (JSON, errors,
-server-sent events, logprobs and usage), ``server`` (uvicorn, TLS).
+server-sent events, logprobs and usage), ``tokens`` (/tokenize and /detokenize), ``server``
+(uvicorn, TLS).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ from moeserve.services.http.params import (
     parse_sampling,
 )
 from moeserve.services.http.server import HttpServer
+from moeserve.services.http.tokens import TokenRoutes
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
 log = logging.getLogger("moeserve.services.http")
@@ -120,16 +122,7 @@ async def _until_disconnect(receive, coro):
     return work.result()
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"{name} must be true or false, got {v!r}", name)
-    return v
-
-
-class HttpApi:
+class HttpApi(TokenRoutes):
     """The ASGI application (``app``) and its state.
 
     admission: the front end's shared admission path; served_models: the names a request's
@@ -284,56 +277,6 @@ class HttpApi:
             return json_response(self._model_card(parse_model({"model": name}, self.served_models)))
         except ApiError as e:
             return e.response()
-
-    async def tokenize(self, request):
-        """vLLM's POST /tokenize: ``prompt`` (with ``add_special_tokens``, default true) or
-        ``messages`` (the chat template; ``add_generation_prompt``) -> {count, max_model_len,
-        tokens, token_strs (with ``return_token_strs``)}."""
-        return await self._generation(request, self._tokenize)
-
-    async def _tokenize(self, body: dict):
-        a = self.admission
-        known = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
-        known |= {"return_token_strs", "chat_template_kwargs", "continue_final_message"}
-        self._ignored(check_keys(body, known), "/tokenize")
-        parse_model(body, self.served_models)
-        strs = _flag(body, "return_token_strs", False)
-        if body.get("messages") is not None:
-            add_gen, kwargs = parse_chat_options(body)
-            ids = await a.chat_ids(parse_messages(body), add_gen, kwargs)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise bad(f"prompt must be a string (or give messages), got {type(prompt).__name__}", "prompt")
-            ids = await a.encode(prompt, _flag(body, "add_special_tokens", True), allow_empty=True)
-        tok = a.tokenizer
-        return json_response(
-            {
-                "count": len(ids),
-                "max_model_len": a.limits.max_model_len,
-                "tokens": list(ids),
-                "token_strs": [tok.tokenizer.id_to_token(t) for t in ids] if strs and tok is not None else None,
-            }
-        )
-
-    async def detokenize(self, request):
-        """vLLM's POST /detokenize: ``tokens`` (ids) -> {prompt: their text}."""
-        return await self._generation(request, self._detokenize)
-
-    async def _detokenize(self, body: dict):
-        a = self.admission
-        self._ignored(check_keys(body, {"model", "tokens"}), "/detokenize")
-        parse_model(body, self.served_models)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list):
-            raise bad("tokens must be a list of token ids", "tokens")
-        ids = a.token_ids(tokens, "tokens")
-        if a.tokenizer is None:
-            raise bad("this server has no tokenizer: it cannot detokenize", "tokens")
-        vocab = a.tokenizer.tokenizer.get_vocab_size()
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad(f"tokens must be ids in 0..{vocab - 1}", "tokens")
-        return json_response({"prompt": a.tokenizer.decode(ids, skip_special_tokens=False)})
 
     def _ignored(self, unknown: list[str], route: str) -> None:
         if unknown:
