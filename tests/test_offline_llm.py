@@ -8,6 +8,7 @@ chat)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -66,7 +67,7 @@ def test_the_seeds_offline_script_runs_and_rebalances(ernie, tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"generated {MAX_TOKENS} tokens" in p.stdout, p.stdout
-    assert "EPLB rearranged the experts: placement version 2" in p.stderr, p.stderr
+    assert re.search(r"EPLB rearranged the experts: placement version [2-9]", p.stderr), p.stderr
     assert "2 co-located ranks on the CPU" in p.stderr
 
 
