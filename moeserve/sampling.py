@@ -46,6 +46,10 @@ reached by copies; estimates from bytes and instructions, not yet timed on the G
   ~1.5-2 ms when all 256 rows use top-p, in proportion to F, skipped when F = 0. The sort is
   what a sort-free threshold search (a later kernel) would remove.
 - ``logprobs`` (20 top): max, exp-sum, gather, topk: ~6 passes, ~0.3 ms, for the rows that ask.
+- penalties (``adjust_logits``), for the Q rows that have one: a gather of their [Q, V] count
+  (and prompt) rows from the router's pool, ~6 elementwise passes over [Q, V] and a scatter
+  back (about what 6 reads of those rows' logits cost; nothing when no row has a penalty);
+  min_tokens and logit_bias are one indexed write of their (row, token) pairs.
 - the torch path (CPU, or CUDA without Triton) materialises the Philox state as int64 [B, Q]
   tensors, ~120 elementwise ops of 103 MB each at this size (~37 GB, ~9 ms on an H200): for
   tests and the CPU model (~0.6 ms a token at B = 1 on one CPU core, dominated by op overhead).
