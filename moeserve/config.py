@@ -194,6 +194,9 @@ class ClusterConfig:
     idle), not every step.
     quantization: "fp8" serves a bf16 checkpoint with FP8 experts and MLPs, quantized at load
     (vLLM's ``--quantization fp8``); "" serves the checkpoint as its quantization_config says.
+    seed: the seed of the leader's stream of seeds for requests that give none (vLLM's
+    ``--seed``: the same requests in the same order sample the same tokens on every run); None:
+    each such request gets a random seed.
     """
 
     model_dir: str
@@ -225,6 +228,7 @@ class ClusterConfig:
     capture_graphs_at_start: bool = False
     load_read_steps: int = 16
     quantization: str = ""  # "" (the checkpoint's own) or "fp8" (vLLM's --quantization)
+    seed: int | None = None
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -251,6 +255,8 @@ class ClusterConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} (or unset), got {self.quantization!r}")
         if self.per_expert_metrics not in ("auto", "on", "off"):
             raise ValueError(f"per_expert_metrics must be auto, on or off, got {self.per_expert_metrics!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
 
     @property
     def world_size(self) -> int:

@@ -36,7 +36,10 @@ class SeqWork(NamedTuple):
     (the sampler's counter); return_logits: "" (none), "last" (the logits the token is sampled
     from) or "all" (every new position); pending: never on the wire: the router's own entry
     for a decode of ``RouterWork.decodes``, whose one new token is the token the sequence
-    sampled in the step before, on the device (``token_ids`` is then empty).
+    sampled in the step before, on the device (``token_ids`` is then empty); prompt_logprobs:
+    how many top tokens to return per prompt position beside each position's own logprob (echo,
+    prompt_logprobs; -1: none), computed on the router for the chunk's positions
+    (``RankResult.prompt_logprobs``).
     """
 
     seq_id: int
@@ -48,6 +51,7 @@ class SeqWork(NamedTuple):
     sample: bool = True
     out_pos: int = 0
     pending: bool = False
+    prompt_logprobs: int = -1
 
     @property
     def num_new(self) -> int:
@@ -83,6 +87,26 @@ class RouterWork(NamedTuple):
     def sampled_ids(self) -> list[int]:
         """The sequences that sample a token in this step."""
         return [sw.seq_id for sw in self.seqs if sw.sample] + self.decodes.tolist()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The logprobs of prompt tokens a router computed (``sampling.prompt_logprobs``), n
+    positions, each scoring the prompt token that follows it; K top tokens.
+
+    logprob float32 [n], rank int64 [n], top_ids int64 [n, K], top_logprobs float32 [n, K]."""
+
+    logprob: np.ndarray
+    rank: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    @staticmethod
+    def concat(parts: list[PromptLogprobs]) -> PromptLogprobs:
+        return PromptLogprobs(*(np.concatenate([getattr(p, f) for p in parts]) for f in _PLP_FIELDS))
+
+
+_PLP_FIELDS = ("logprob", "rank", "top_ids", "top_logprobs")
 
 
 @dataclass(frozen=True)
@@ -176,4 +200,6 @@ class RankResult:
     slot_busy: np.ndarray | None = None
     staging_error: str | None = None
     slot_digest: np.ndarray | None = None  # float64 [L, S, 2] (sum, sum of squares) per slot, when asked
+    # sequence id -> PromptLogprobs of the prompt positions a step's chunk scored (same step as logits)
+    prompt_logprobs: dict = field(default_factory=dict)
     router_maps: tuple | None = None  # (phy2log [L, P], breakeven [L, E]) of a router, when asked

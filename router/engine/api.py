@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from moeserve.dataplane.protocol import PromptLogprobs
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.sampling import SamplingParams
 
@@ -91,12 +92,16 @@ class FinishReason(enum.StrEnum):
 
 
 RETURN_LOGITS = ("", "last", "all")
+MAX_PROMPT_LOGPROBS = 1024  # top tokens per prompt position
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation request, in token ids. ``return_logits``: "" (none), "last" (the logits
-    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill)."""
+    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill).
+    ``prompt_logprobs``: K >= 0 asks for the logprob of every prompt token after the first,
+    with its rank and the K most likely tokens at its position, computed on the routers (the
+    first ``Token`` carries them); -1: none."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -104,14 +109,18 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logits: str = ""
+    prompt_logprobs: int = -1
 
 
 @dataclass(frozen=True)
 class Token:
-    """A generated token; ``logits`` float32 [n, V] when the request asked for them."""
+    """A generated token; ``logits`` float32 [n, V] when the request asked for them; the first
+    token of a request that asked for prompt logprobs carries them (``PromptLogprobs`` of the
+    prompt's tokens 1 .. P-1)."""
 
     token_id: int
     logits: np.ndarray | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +168,18 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
         )
     if req.return_logits not in RETURN_LOGITS:
         raise InvalidRequest(f"return_logits must be '', 'last' or 'all', got {req.return_logits!r}")
+    if not -1 <= req.prompt_logprobs <= min(vocab_size, MAX_PROMPT_LOGPROBS):
+        raise InvalidRequest(
+            f"prompt_logprobs must be in -1..{min(vocab_size, MAX_PROMPT_LOGPROBS)} (-1: none), got {req.prompt_logprobs}"
+        )
+    sp = req.sampling
+    if sp.min_tokens > req.max_tokens:
+        raise InvalidRequest(f"min_tokens ({sp.min_tokens}) must be <= max_tokens ({req.max_tokens})")
+    biased = [t for t, _ in sp.logit_bias if not 0 <= t < vocab_size] + [
+        t for t in sp.stop_ids if not 0 <= t < vocab_size
+    ]
+    if biased:
+        raise InvalidRequest(f"token id {biased[0]} of logit_bias is outside the vocabulary [0, {vocab_size})")
 
 
 # -- results ----------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeserve.config import Limits
-from moeserve.dataplane.protocol import RouterWork, SeqWork
+from moeserve.dataplane.protocol import PromptLogprobs, RouterWork, SeqWork
 from moeserve.router.engine.api import Event, Failed, Finished, FinishReason, GenerateRequest, QueueFull, Token
 from moeserve.router.engine.blocks import BlockAllocator, blocks_for
 
@@ -69,6 +69,7 @@ class Sequence:
     new_blocks: list = field(default_factory=list)  # blocks it gained in the step being scheduled
     admitted: int = 0  # admission order: the newest is preempted first
     partial_logits: list = field(default_factory=list)  # "all" logits of earlier prefill chunks
+    partial_plp: list = field(default_factory=list)  # prompt logprobs of earlier prefill chunks
     pending: int = 0  # tokens sampled in steps whose results are still out
     decoding: bool = False  # its router holds its last sampled token: decodes by id
     cancelled: bool = False
@@ -284,6 +285,8 @@ class Scheduler:
             new_blocks=tuple(seq.new_blocks),
             sample=last,
             out_pos=len(known) - len(seq.req.prompt_ids),
+            # scored in the first pass only: a sequence recomputed after its first token has them
+            prompt_logprobs=seq.req.prompt_logprobs if len(known) == len(seq.req.prompt_ids) else -1,
         )
         seq.cached = start + take
         if last:
@@ -294,17 +297,27 @@ class Scheduler:
     def _preempt(self, r: int, seq: Sequence) -> None:
         self._blocks[r].free(seq.blocks)
         seq.blocks, seq.cached, seq.partial_logits, seq.decoding = [], 0, [], False
+        seq.partial_plp = []
         del self._running[r][seq.seq_id]
         self._release[r].append(seq.seq_id)
         seq.queued_at, seq.wait_logged = time.monotonic(), False
         self._waiting.appendleft(seq)
         self.preemptions += 1
 
-    def on_results(self, work: tuple[RouterWork, ...], tokens: dict[int, int], logits: dict[int, np.ndarray]) -> None:
+    def on_results(
+        self,
+        work: tuple[RouterWork, ...],
+        tokens: dict[int, int],
+        logits: dict[int, np.ndarray],
+        plp: dict | None = None,
+    ) -> None:
         """Record the tokens sampled in the step that ran ``work`` (a value ``schedule``
         returned; its results may come after later steps were scheduled) and finish the
         sequences that are done. Tokens of sequences that finished or were cancelled meanwhile
-        are dropped; a preempted sequence keeps its token (it is recomputed with it)."""
+        are dropped; a preempted sequence keeps its token (it is recomputed with it). ``plp``:
+        the prompt logprobs (``PromptLogprobs``) each sequence's chunk scored, joined over
+        chunks and handed out with its first token."""
+        plp = plp or {}
         with self._lock:
             entry = None
             for i, (w, seqs) in enumerate(self._issued):
@@ -316,9 +329,13 @@ class Scheduler:
                 return
             for seq, admitted, samples in entry:
                 lg = logits.get(seq.seq_id)
+                pl = plp.get(seq.seq_id)
                 if not samples:  # a prefill chunk: nothing sampled yet
-                    if lg is not None and seq.admitted == admitted and seq.finished is None:
-                        seq.partial_logits.append(lg)
+                    if seq.admitted == admitted and seq.finished is None:
+                        if lg is not None:
+                            seq.partial_logits.append(lg)
+                        if pl is not None:
+                            seq.partial_plp.append(pl)
                     continue
                 seq.pending -= 1
                 if seq.finished is not None:  # finished or cancelled meanwhile
@@ -326,9 +343,12 @@ class Scheduler:
                 if seq.partial_logits and lg is not None:
                     lg = np.concatenate([*seq.partial_logits, lg])
                     seq.partial_logits = []
+                if pl is not None and seq.partial_plp:
+                    pl = PromptLogprobs.concat([*seq.partial_plp, pl])
+                seq.partial_plp = []
                 tok = tokens[seq.seq_id]
                 seq.known.append(tok)
-                seq.emit(Token(tok, lg))
+                seq.emit(Token(tok, lg, pl))
                 reason = None
                 if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
                     reason = FinishReason.STOP
