@@ -143,7 +143,7 @@ from servinglib.baseline import run_transformers  # noqa: E402
 from servinglib.common import git_commit  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
 from servinglib.report import table  # noqa: E402
-from servinglib.roofline import DATASHEET_HBM_BPS, gpu_facts  # noqa: E402
+from servinglib.roofline import DATASHEET_HBM_BPS, PEAK_GEMM, gpu_facts  # noqa: E402
 from servinglib.shapes import SHAPES, model_sizes, weights_per_gpu, write_model, write_tokenizer  # noqa: E402
 from servinglib.workloads import run_moeserve  # noqa: E402
 
@@ -380,6 +380,8 @@ def main(argv=None) -> int:
     facts = gpu_facts(2 if any(c.startswith("moeserve-ep2") for c in a.configs) else 1, a.smoke)
     measured = float(min(f["rate_Bps"] for f in facts))
     rates = {"datasheet": DATASHEET_HBM_BPS, "measured_copy": measured}
+    peaks = [f["peak_flops"] for f in facts if f.get("peak_flops")]
+    a.peak_flops = min(peaks) if peaks else None  # the FLOP-aware roofline's matmul peak (GPUs only)
     print(
         f"{facts[0].get('name', 'cpu')}: device-to-device copy {measured / 1e12:.2f} TB/s "
         f"(datasheet {DATASHEET_HBM_BPS / 1e12:.1f})",
@@ -438,6 +440,7 @@ def main(argv=None) -> int:
             max_model_len=a.max_model_len,
         ),
         hbm=dict(datasheet_Bps=DATASHEET_HBM_BPS, measured_copy_Bps=measured, per_device=facts),
+        matmul_peak=dict(flops=a.peak_flops, gemm_mkn=list(PEAK_GEMM), dtype="bfloat16", best_of=10),
         configs={},
     )
     try:

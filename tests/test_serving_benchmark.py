@@ -308,3 +308,28 @@ def test_eplb_flags():
     ):
         with pytest.raises(SystemExit):
             bench.parse(["--smoke", *bad])
+
+
+def test_the_flop_aware_roofline_takes_each_class_at_its_bound():
+    """Per class max(bytes / rate, FLOPs / peak), summed: a dense class bound by its products
+    costs its FLOPs' time, the experts their bytes', beside the bytes-only figure."""
+    from servinglib.roofline import roofline, step_classes
+
+    sizes = dict(
+        router_bytes=1e9,
+        dense_params=4e9,
+        top_k=1,
+        num_moe_layers=2,
+        expert_params=1e8,
+        chunked=[False, False],
+        chunk=None,
+        attn_flops_per_key=4 * 1024,
+    )
+    classes = step_classes(sizes, weight_bytes=9e9, kv_bytes=1e9, tokens=100, contexts=[1000] * 100)
+    assert classes["dense"] == (1e9, 2 * 100 * 4e9) and classes["experts"] == (8e9, 2 * 100 * 2 * 1e8)
+    assert classes["attention"] == (1e9, 100 * 2 * 1000 * 4 * 1024)
+    r = roofline(9e9, 1e9, 0.010, {"copy": 1e12}, 1, 100, 1000, classes, 1e14)
+    per = r["flop_aware"]["copy"]["per_class_s"]
+    assert per["dense"] == pytest.approx(8e11 / 1e14) and per["experts"] == pytest.approx(8e9 / 1e12)
+    assert r["flop_aware"]["copy"]["step_s"] == pytest.approx(sum(per.values()))
+    assert r["copy"]["step_s"] == pytest.approx(1e10 / 1e12)  # bytes only, unchanged

@@ -98,6 +98,14 @@ def table(result: dict) -> str:
                 f"{r['kv_bytes_per_step_per_gpu'] / 2**30:6.3f} GiB/step/GPU, {r['sequences_per_gpu']:.0f} "
                 f"sequences/GPU at mean context {r['mean_context'] or 0:.0f}"
             )
+            fa = r.get("flop_aware")
+            if fa:
+                m = fa["measured_copy"]
+                parts = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in m["per_class_s"].items())
+                lines.append(
+                    f"  {'':<14} FLOP-aware (matmul peak {fa['peak_flops'] / 1e12:.0f} TFLOP/s measured, copy rate): "
+                    f"{1e3 * m['step_s']:.2f} ms ({parts} ms), step x{m['step_over_roofline'] or 0:.2f}"
+                )
     return "\n".join(lines)
 
 

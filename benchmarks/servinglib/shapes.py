@@ -233,6 +233,10 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
             router += cfg.num_experts * h
     expert = 3 * h * cfg.moe_intermediate_size * dtype_bytes
     kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    # per token, for the FLOP-aware roofline: the dense products' weights (attention projections,
+    # dense MLPs, shared experts, LM head), one expert's, and attention's per key and layer
+    # (the embedding is a lookup: with tied embeddings its one table is the LM head's product)
+    dense_params = router - (0 if cfg.tie_word_embeddings else v * h) - h * (1 + 2 * cfg.num_layers)
     return dict(
         family=cfg.family,
         num_layers=cfg.num_layers,
@@ -249,6 +253,9 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
         chunk=cfg.attention_chunk_size,
         kv_layer_token=kv_layer_token,
         eos=list(cfg.eos_token_ids),
+        dense_params=dense_params,
+        expert_params=3 * h * cfg.moe_intermediate_size,
+        attn_flops_per_key=4 * q,  # QK and PV: 2 FLOPs each per query head dim and key
     )
 
 

@@ -24,7 +24,7 @@ from servinglib.figures import (
 )
 from servinglib.profiles import profile_table, read_profiles
 from servinglib.report import by_round
-from servinglib.roofline import kv_bytes_read, roofline
+from servinglib.roofline import kv_bytes_read, roofline, step_classes
 from servinglib.shapes import expert_bytes_per_gpu, weights_per_gpu
 
 
@@ -122,7 +122,11 @@ class Measure:
             per_gpu = a.burst_requests / ranks
             ctx = b["steady_mean_context"] or (a.burst_prompt + a.burst_output / 2)
             kv = kv_bytes_read(sizes, [int(round(ctx))]) * per_gpu
-            self.record(api, "roofline", roofline(weights, kv, b["steady_step_s"], rates, max(1, ranks), per_gpu, ctx))
+            classes = step_classes(sizes, weights, kv, per_gpu, [int(round(ctx))] * int(per_gpu))
+            line = roofline(
+                weights, kv, b["steady_step_s"], rates, max(1, ranks), per_gpu, ctx, classes, self.a.peak_flops
+            )
+            self.record(api, "roofline", line)
         if "http_over_grpc_output_tok_s" in self.res:
             self.burst_ratio(rounds)
 
