@@ -143,7 +143,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_after_the_decodes_and_samples_once
 
 
 def test_admission_waits_for_free_blocks_and_blocks_come_back_when_a_sequence_finishes():
-    s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=4)
+    s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=4, prefix_caching=False)  # no block shared
     a, b, c = (s.submit(req(n=7, max_tokens=1)) for _ in range(3))  # 2 blocks each
     work = s.schedule()
     assert [sw.seq_id for sw in work[0].seqs] == [a.seq_id, b.seq_id]

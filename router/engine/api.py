@@ -91,12 +91,15 @@ class FinishReason(enum.StrEnum):
 
 
 RETURN_LOGITS = ("", "last", "all")
+MAX_CACHE_SALT_BYTES = 1024
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation request, in token ids. ``return_logits``: "" (none), "last" (the logits
-    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill)."""
+    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill; such a
+    request computes its whole prompt, never reading the prefix cache). ``cache_salt``
+    (vLLM's name): requests share cached KV blocks only with requests of the same salt."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -104,14 +107,18 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logits: str = ""
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
 class Token:
-    """A generated token; ``logits`` float32 [n, V] when the request asked for them."""
+    """A generated token; ``logits`` float32 [n, V] when the request asked for them;
+    ``cached_tokens``, on a request's first token: how many of its prompt tokens were read from
+    the prefix cache instead of computed (0 on later tokens)."""
 
     token_id: int
     logits: np.ndarray | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,10 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
         )
     if req.return_logits not in RETURN_LOGITS:
         raise InvalidRequest(f"return_logits must be '', 'last' or 'all', got {req.return_logits!r}")
+    if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(
+            f"cache_salt is {len(req.cache_salt.encode())} bytes of UTF-8; at most {MAX_CACHE_SALT_BYTES} are allowed"
+        )
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -176,6 +187,7 @@ class ModelShape:
     expert_bytes: int
     moe_layer_ids: tuple[int, ...] = ()  # decoder-layer index of each MoE layer
     num_decoder_layers: int = 0
+    sliding_window: int = 0  # tokens a sliding-window layer attends to (0: none has one)
 
 
 @dataclass(frozen=True)
@@ -227,6 +239,9 @@ class EngineStatus:
     kv_blocks_total: int = 0  # KV blocks of every router, and those in use
     kv_blocks_used: int = 0
     preemptions: int = 0  # sequences preempted (recomputed later) since start
+    kv_blocks_cached: int = 0  # KV blocks holding a prefix-cache hash (in use or idle)
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests that looked the prefix cache up
+    prefix_cache_hits: int = 0  # of them, those read from the cache
     moved_slots: int = 0  # slots and bytes moved by migrations since start
     moved_bytes: int = 0
     migrations_ended: dict[str, int] = field(default_factory=dict)  # state name -> count
