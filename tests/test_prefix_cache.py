@@ -321,3 +321,50 @@ def test_a_router_sequence_started_on_cached_blocks_computes_what_the_whole_prom
     _, want_toks, want_logits = whole.deliver(0)
     assert toks == want_toks
     np.testing.assert_allclose(logits[2], want_logits[2], atol=1e-5, rtol=0)
+
+
+# -- the doors ---------------------------------------------------------------------------------
+
+
+def test_the_http_api_reports_cached_tokens_as_openai_does_and_checks_the_salt():
+    from types import SimpleNamespace
+
+    from moeserve.services.http.encode import ApiError, usage
+    from moeserve.services.http.params import parse_sampling
+
+    choices = [SimpleNamespace(tokens=3, cached_tokens=c) for c in (16, 16, 0, 0)]  # 2 prompts x n = 2
+    assert usage(40, choices, n=2) == {
+        "prompt_tokens": 40,
+        "completion_tokens": 12,
+        "total_tokens": 52,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert parse_sampling({"cache_salt": "tenant-a"}, False, 8).cache_salt == "tenant-a"
+    assert parse_sampling({}, True, 8).cache_salt == ""
+    for bad in ("", 7, "x" * 1025):
+        with pytest.raises(ApiError, match="cache_salt"):
+            parse_sampling({"cache_salt": bad}, False, 8)
+
+
+def test_the_engine_refuses_a_salt_over_its_limit():
+    from moeserve.router.engine.api import InvalidRequest, validate_request
+
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        validate_request(req(P, cache_salt="é" * 600), 100, 4096, 4096)  # 1,200 bytes of UTF-8
+    validate_request(req(P, cache_salt="é" * 512), 100, 4096, 4096)
+
+
+def test_prefix_caching_and_the_routing_policy_are_flags_and_cluster_keywords(tmp_path):
+    from moeserve.cli import build_parser
+    from moeserve.cli.flags import cluster_kwargs
+    from moeserve.cluster.launcher import configure
+
+    cfg, _ = configure(tmp_path, enable_prefix_caching=False, routing_policy="round_robin")
+    assert cfg.cache.enable_prefix_caching is False and cfg.routing_policy == "round_robin"
+    assert configure(tmp_path)[0].cache.enable_prefix_caching is True
+    for argv, want in (
+        ([], (True, "cache_aware")),
+        (["--no-enable-prefix-caching", "--routing-policy", "round_robin"], (False, "round_robin")),
+    ):
+        kw = cluster_kwargs(build_parser().parse_args(["up", "--model", str(tmp_path), *argv]))
+        assert (kw["enable_prefix_caching"], kw["routing_policy"]) == want

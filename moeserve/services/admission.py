@@ -223,6 +223,7 @@ class Admission:
         stop_token_ids=(),
         ignore_eos: bool = False,
         return_logits: str = "",
+        cache_salt: str = "",
     ) -> GenerateRequest:
         """The engine request; InvalidRequest for what only this side checks. ``stop_token_ids``
         may be any sized sequence (a protobuf repeated field): its length is checked before it
@@ -236,7 +237,9 @@ class Admission:
             sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        return GenerateRequest(tuple(prompt_ids), int(max_tokens), sp, stop, bool(ignore_eos), return_logits)
+        return GenerateRequest(
+            tuple(prompt_ids), int(max_tokens), sp, stop, bool(ignore_eos), return_logits, cache_salt=cache_salt
+        )
 
     def open(self, req: GenerateRequest) -> RequestStream:
         """Start streaming ``req`` from the leader (it connects on the first iteration)."""

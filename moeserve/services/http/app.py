@@ -313,6 +313,7 @@ class HttpApi:
                         stop_token_ids=s.stop_token_ids,
                         ignore_eos=s.ignore_eos,
                         return_logits="last" if s.logprobs is not None else "",
+                        cache_salt=s.cache_salt,
                     )
                 )
                 choices.append(
@@ -388,7 +389,7 @@ class HttpApi:
             "created": created,
             "model": model,
             "choices": out,
-            "usage": usage(prompt_tokens, choices),
+            "usage": usage(prompt_tokens, choices, s.n),
         }
         if chat and s.return_token_ids:
             body["prompt_token_ids"] = list(prompts[0])
@@ -448,7 +449,7 @@ class HttpApi:
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": usage(prompt_tokens, choices),
+                        "usage": usage(prompt_tokens, choices, s.n),
                     }
                 )
         except Exception as e:

@@ -48,6 +48,7 @@ class Choice:
     last_token: int | None = None
     logprobs: list = field(default_factory=list)  # (token id, logprob, [(id, logprob)], text offset)
     ids_sent: int = 0  # token ids already sent in chunks
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (the first token says)
     prompt_sent: bool = False  # a chunk already carried prompt_token_ids
 
     @property
@@ -62,6 +63,7 @@ class Choice:
 
     def on_token(self, ev: Token) -> tuple[str, list]:
         self.tokens += 1
+        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
         self.last_token = ev.token_id
         entries = []
         if self.top_n is not None:

@@ -15,6 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from moeserve.router.engine.api import MAX_CACHE_SALT_BYTES
 from moeserve.sampling import MAX_SEED
 from moeserve.services.http.encode import ApiError, bad
 
@@ -138,6 +139,7 @@ COMMON = {
     "skip_special_tokens",
     "include_stop_str_in_output",
     "return_token_ids",
+    "cache_salt",
 }
 COMPLETION_KEYS = COMMON | {"prompt"}
 CHAT_KEYS = COMMON | {
@@ -188,6 +190,7 @@ class Sampling:
     skip_special_tokens: bool
     include_stop_str: bool
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
+    cache_salt: str = ""  # vLLM's extension: cached KV blocks are shared only within one salt
 
 
 def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
@@ -253,6 +256,9 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
         logprobs = (top or 0) if want else None
     else:
         logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt.encode()) > MAX_CACHE_SALT_BYTES):
+        raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes", "cache_salt")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
         raise bad("moeserve does not support best_of (other than n)", "best_of")
@@ -272,6 +278,7 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop_str=_bool(body, "include_stop_str_in_output", False),
         return_token_ids=_bool(body, "return_token_ids", False),
+        cache_salt=salt or "",
     )
 
 
