@@ -175,6 +175,8 @@ class LocalCluster:
     backend: "gloo" (CPU) or "nccl" (one GPU per rank).
     load_format: "auto" (the checkpoint's files) or "dummy" (seeded random weights made on each
     rank's device from config.json alone; moeserve.models.dummy).
+    enable_prefix_caching (default True) and routing_policy ("cache_aware" or "round_robin"):
+    prefix caching and which router a new request goes to (docs/engine.md, "Prefix caching").
     """
 
     def __init__(
