@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moeserve.config import Limits
-from moeserve.router.engine.api import GenerateRequest, Token
+from moeserve.router.engine.api import FirstToken, GenerateRequest
 from moeserve.router.engine.blocks import BlockAllocator, extend_hashes, prefix_root
 from moeserve.router.engine.scheduler import Scheduler
 
@@ -114,7 +114,7 @@ def test_a_repeated_prompt_starts_on_the_cached_blocks_and_computes_only_its_tai
     assert second.prefix_hit == 12
     feed(s, work)
     ev = second.events.get_nowait()
-    assert isinstance(ev, Token) and ev.cached_tokens == 12
+    assert isinstance(ev, FirstToken) and ev.cached_tokens == 12
     assert s.counts()["prefix_cache_queries"] == 26 and s.counts()["prefix_cache_hits"] == 12
 
 

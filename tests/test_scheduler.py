@@ -256,7 +256,7 @@ def test_a_stop_token_seen_one_step_late_costs_one_extra_step_whose_token_is_dro
     runs = [w for w in works if w[0].runs]
     assert len(runs) == 3  # index 2 ran before EOS at 1 was known
     assert a.output == [7, EOS] and a.finished == "stop"
-    assert [type(e).__name__ for e in got] == ["Token", "Token", "Finished"]
+    assert [type(e).__name__ for e in got] == ["FirstToken", "Token", "Finished"]  # the first: cached tokens
     assert not works[-1][0].runs and works[-1][0].release == (a.seq_id,)  # released once EOS is known
 
 

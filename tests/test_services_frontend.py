@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from moeserve.client import Client, MoeserveError
-from moeserve.router.engine.api import Finished, FinishReason, InvalidRequest, QueueFull, Token
+from moeserve.router.engine.api import Finished, FinishReason, FirstToken, InvalidRequest, QueueFull, Token
 from moeserve.router.engine.channel import ClusterError
 from moeserve.rpc import serving_pb2_grpc
 from moeserve.services.frontend import ServingService
@@ -24,7 +24,7 @@ class StandInLeader:
         self.seen.extend(reqs)
         if self.error:
             raise self.error
-        yield 0, Token(11, cached_tokens=8)  # the first token says how much of the prompt was cached
+        yield 0, FirstToken(11, cached_tokens=8)  # says how much of the prompt was cached
         yield 0, Token(12)
         yield 0, Finished(FinishReason.LENGTH)
 

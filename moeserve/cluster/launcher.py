@@ -29,7 +29,15 @@ from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admi
 from moeserve.ops import ports
 from moeserve.ops.procs import child_env, describe_exit, module_command, set_death_signal
 from moeserve.placement import MigrationProgress, MigrationState, Placement
-from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
+from moeserve.router.engine.api import (
+    EngineStatus,
+    Failed,
+    Finished,
+    FirstToken,
+    GenerateRequest,
+    LoadReport,
+    Token,
+)
 from moeserve.router.engine.channel import ClusterError, EngineClient
 from moeserve.sampling import SamplingParams
 
@@ -503,7 +511,8 @@ class LocalCluster:
         for i, ev in self._c().generate_stream(reqs):
             if isinstance(ev, Token):
                 toks[i].append(ev.token_id)
-                cached[i] = max(cached[i], ev.cached_tokens)
+                if isinstance(ev, FirstToken):
+                    cached[i] = ev.cached_tokens
                 if ev.logits is not None:
                     logits[i].append(ev.logits)
             elif isinstance(ev, Finished):

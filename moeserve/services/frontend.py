@@ -33,7 +33,7 @@ import hmac
 
 import grpc
 
-from moeserve.router.engine.api import Finished, GenerateRequest, InvalidRequest, Token
+from moeserve.router.engine.api import Finished, FirstToken, GenerateRequest, InvalidRequest, Token
 from moeserve.router.engine.channel import AsyncEngineClient
 from moeserve.rpc import serving_pb2, serving_pb2_grpc
 from moeserve.services.admission import Admission, RequestFailed
@@ -150,7 +150,8 @@ class ServingService(serving_pb2_grpc.ServingServicer):
         async for ev in self._events(req, context):
             if isinstance(ev, Token):
                 tokens.append(ev.token_id)
-                cached = max(cached, ev.cached_tokens)  # the first token carries it
+                if isinstance(ev, FirstToken):
+                    cached = ev.cached_tokens
             elif isinstance(ev, Finished):
                 reason = str(ev.reason)
         return serving_pb2.GenerateResponse(
@@ -170,7 +171,8 @@ class ServingService(serving_pb2_grpc.ServingServicer):
         async for ev in self._events(req, context):
             if isinstance(ev, Token):
                 pending.append(ev.token_id)
-                cached = max(cached, ev.cached_tokens)  # the first token carries it
+                if isinstance(ev, FirstToken):
+                    cached = ev.cached_tokens
                 yield serving_pb2.GenerateStreamResponse(token_ids=pending, text=detok.add(ev.token_id))
                 pending = []
             elif isinstance(ev, Finished):

@@ -36,6 +36,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "Token",
+    "FirstToken",
     "Finished",
     "Failed",
     "Event",
@@ -112,12 +113,18 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class Token:
-    """A generated token; ``logits`` float32 [n, V] when the request asked for them;
-    ``cached_tokens``, on a request's first token: how many of its prompt tokens were read from
-    the prefix cache instead of computed (0 on later tokens)."""
+    """A generated token; ``logits`` float32 [n, V] when the request asked for them."""
 
     token_id: int
     logits: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class FirstToken(Token):
+    """A request's first generated token, with ``cached_tokens``: how many of its prompt tokens
+    were read from the prefix cache instead of computed (every later token is a plain Token,
+    which keeps the event of a decode step small)."""
+
     cached_tokens: int = 0
 
 

@@ -56,7 +56,16 @@ import numpy as np
 
 from moeserve.config import ROUTING_POLICIES, Limits
 from moeserve.dataplane.protocol import RouterWork, SeqWork
-from moeserve.router.engine.api import Event, Failed, Finished, FinishReason, GenerateRequest, QueueFull, Token
+from moeserve.router.engine.api import (
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    FirstToken,
+    GenerateRequest,
+    QueueFull,
+    Token,
+)
 from moeserve.router.engine.blocks import BlockAllocator, blocks_for, extend_hashes, prefix_root
 
 log = logging.getLogger(__name__)
@@ -236,7 +245,7 @@ class Scheduler:
                             sw = self._work(seq, take)
                             seqs[r].append(sw)
                             entries.append((seq, seq.admitted, sw.sample))
-                        self._cache_full_blocks(seq)
+                            self._cache_full_blocks(seq)  # a decode's block waits for its token (on_results)
                         budget[r] -= take
             while self._waiting:
                 seq = self._waiting[0]
@@ -440,10 +449,12 @@ class Scheduler:
                     seq.partial_logits = []
                 tok = tokens[seq.seq_id]
                 seq.known.append(tok)
-                if seq.seq_id in self._running[seq.router]:
-                    self._cache_full_blocks(seq)
-                # the first token says how much of the prompt came from the prefix cache
-                seq.emit(Token(tok, lg, max(seq.prefix_hit, 0)) if seq.num_output == 1 else Token(tok, lg))
+                if len(seq.known) // self.block_size > seq.hashed and seq.seq_id in self._running[seq.router]:
+                    self._cache_full_blocks(seq)  # a block its decodes filled may now be known whole
+                if len(seq.known) == len(seq.req.prompt_ids) + 1:  # says how much of the prompt was cached
+                    seq.emit(FirstToken(tok, lg, max(seq.prefix_hit, 0)))
+                else:
+                    seq.emit(Token(tok, lg))
                 reason = None
                 if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
                     reason = FinishReason.STOP

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeserve.router.engine.api import Finished, FinishReason, Token, Unavailable
+from moeserve.router.engine.api import Finished, FinishReason, FirstToken, Token, Unavailable
 from moeserve.services.admission import Admission
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
@@ -63,7 +63,8 @@ class Choice:
 
     def on_token(self, ev: Token) -> tuple[str, list]:
         self.tokens += 1
-        self.cached_tokens = max(self.cached_tokens, ev.cached_tokens)
+        if isinstance(ev, FirstToken):
+            self.cached_tokens = ev.cached_tokens
         self.last_token = ev.token_id
         entries = []
         if self.top_n is not None:
