@@ -92,7 +92,9 @@ Workloads (``--workloads burst,online``):
   turn sent when the answer came back (through gRPC). Each reports TTFT p50/p99, output tok/s and
   the share of prompt tokens read from the cache (``usage.cached_tokens``; multiturn: of the
   turns after the first), and ``prefix_caching`` puts each configuration beside its
-  ``-no-prefix-cache`` twin: uncached / cached TTFT p50 and p99, cached / uncached output tok/s.
+  ``-no-prefix-cache`` twin: uncached / cached TTFT p50 and p99, cached / uncached output tok/s,
+  and the share of requests whose generated ids are the same in both (greedy, the same dummy
+  weights; in bf16 a hit changes the attention's shape).
   Every run of every workload sends a ``cache_salt`` of its own, so no run (the burst's rounds,
   the APIs, the warm-ups) reads what another left in the cache.
 

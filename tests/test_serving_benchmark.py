@@ -342,6 +342,8 @@ def test_smoke_prefix_workloads_measure_prefix_caching_side_by_side(tmp_path):
     assert off["prefix"]["computed_prompt_tokens"] == 12 * (64 + 8)
     sbs = res["prefix_caching"]["moeserve-1rank"]
     assert set(sbs) == {"prefix", "multiturn"} and sbs["prefix"]["ttft_p50_uncached_over_cached"] > 0
+    for key, n in (("prefix", 12), ("multiturn", 12)):  # fp32 on the CPU: the same tokens either way
+        assert sbs[key]["compared_requests"] == n and sbs[key]["identical_outputs_share"] == 1.0
     assert "prefix caching: TTFT" in run.stdout and "moeserve-1rank-no-prefix-cache" in run.stdout  # the table
 
 

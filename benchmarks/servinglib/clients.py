@@ -38,7 +38,8 @@ def client_main(
 
 async def client_grpc(address, plan, t0_value, go, results, warm, deadline_s, salt="") -> None:
     """The SDK's streaming call, every request of ``plan`` at its offset from the common start;
-    a record's ``cached``: the prompt tokens the server read from its prefix cache."""
+    a record's ``cached``: the prompt tokens the server read from its prefix cache, ``ids``: the
+    generated ids."""
     from moeserve.client import AsyncClient
 
     client = AsyncClient(address, timeout=deadline_s)
@@ -49,11 +50,13 @@ async def client_grpc(address, plan, t0_value, go, results, warm, deadline_s, sa
     t0 = await start(go, t0_value)
 
     async def request(rec, prompt, n):
+        rec["ids"] = []
         async for chunk in client.generate_stream(
             prompt_token_ids=prompt, max_tokens=n, ignore_eos=True, cache_salt=salt
         ):
             now = time.monotonic() - t0
             rec["tokens"].extend([now] * len(chunk.token_ids))
+            rec["ids"].extend(chunk.token_ids)
             if chunk.finish_reason:
                 rec["finish"] = chunk.finish_reason
             if chunk.usage is not None:

@@ -19,6 +19,7 @@ nothing a measured run could find.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 
 import numpy as np
@@ -65,7 +66,8 @@ def conversation_plan(a, vocab: int) -> list:
 async def client_turns(address, plan, t0_value, go, results, warm, deadline_s, salt="") -> None:
     """Conversations of ``conversation_plan`` through the SDK's streaming call, each starting at
     its offset from the common start; one record per turn (``conversation``, ``turn``, its
-    prompt's length, ``cached``: the prompt tokens the server read from its prefix cache)."""
+    prompt's length, ``cached``: the prompt tokens the server read from its prefix cache,
+    ``ids``: the answer)."""
     from moeserve.client import AsyncClient
 
     client = AsyncClient(address, timeout=deadline_s)
@@ -93,9 +95,9 @@ async def client_turns(address, plan, t0_value, go, results, warm, deadline_s, s
         recs, history = [], list(first)
         for k in range(len(later) + 1):
             rec = record(c * TURN_STRIDE + k, offset, history, n, t0)
-            rec.update(conversation=c, turn=k, cached=0)
-            recs.append(rec)
             answer: list[int] = []
+            rec.update(conversation=c, turn=k, cached=0, ids=answer)
+            recs.append(rec)
             try:
                 await asyncio.wait_for(turn(rec, history, n, answer), timeout=max(0.1, deadline - time.monotonic()))
             except TimeoutError:
@@ -127,6 +129,11 @@ def cache_figures(recs: list[dict]) -> dict:
     ttft = [r["tokens"][0] - r["submit"] for r in recs if r["tokens"]]
     prompt = sum(r["prompt_len"] for r in done)
     cached = sum(r.get("cached", 0) for r in done)
+    digests = (  # each request's generated ids, to compare configurations (gRPC records carry them)
+        {str(r["i"]): hashlib.sha1(repr(r["ids"]).encode()).hexdigest()[:16] for r in done}
+        if done and all(r.get("ids") is not None for r in done)
+        else None
+    )
     return dict(
         requests=len(recs),
         completed=len(done),
@@ -140,6 +147,7 @@ def cache_figures(recs: list[dict]) -> dict:
         cached_prompt_tokens=cached,
         computed_prompt_tokens=prompt - cached,
         hit_rate=ratio(cached, prompt),
+        output_digests=digests,
     )
 
 
@@ -213,7 +221,10 @@ def run_prefix_workloads(m, plans: dict) -> None:
 
 def side_by_side(configs: dict) -> dict:
     """Each configuration with prefix caching against its ``-no-prefix-cache`` twin measured in
-    the same run: uncached / cached TTFT p50 (and p99), cached / uncached output tok/s."""
+    the same run: uncached / cached TTFT p50 (and p99), cached / uncached output tok/s, and the
+    share of the requests both completed whose generated ids are the same (greedy, the same
+    dummy weights: in bf16 a cache hit changes the attention's shape, so near-ties may break
+    the other way)."""
     out = {}
     for name, c in configs.items():
         off = configs.get(f"{name}-no-prefix-cache")
@@ -223,10 +234,14 @@ def side_by_side(configs: dict) -> dict:
             on_f, off_f = c.get(key), off.get(key)
             if not on_f or not off_f:
                 continue
+            a, b = on_f.get("output_digests") or {}, off_f.get("output_digests") or {}
+            both = set(a) & set(b)
             out.setdefault(name, {})[key] = dict(
                 ttft_p50_uncached_over_cached=ratio(off_f["ttft_p50_s"], on_f["ttft_p50_s"]),
                 ttft_p99_uncached_over_cached=ratio(off_f["ttft_p99_s"], on_f["ttft_p99_s"]),
                 output_tok_s_cached_over_uncached=ratio(on_f["output_tok_s"], off_f["output_tok_s"]),
+                identical_outputs_share=ratio(sum(a[i] == b[i] for i in both), len(both)),
+                compared_requests=len(both),
             )
     return out
 
@@ -261,6 +276,7 @@ def prefix_table(result: dict) -> list[str]:
             lines.append(
                 f"  {name} vs {name}-no-prefix-cache, {key}: TTFT p50 {r['ttft_p50_uncached_over_cached'] or 0:.2f}x "
                 f"lower, p99 {r['ttft_p99_uncached_over_cached'] or 0:.2f}x; output tok/s "
-                f"{r['output_tok_s_cached_over_uncached'] or 0:.2f}x"
+                f"{r['output_tok_s_cached_over_uncached'] or 0:.2f}x; identical outputs "
+                f"{100 * (r['identical_outputs_share'] or 0):.1f} % of {r['compared_requests']}"
             )
     return lines
