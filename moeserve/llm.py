@@ -49,7 +49,6 @@ ACCEPTED = {
     "tokenizer_mode": "the model folder's tokenizer.json is the tokenizer",
     "disable_log_stats": "moeserve logs no per-interval stats",
     "swap_space": "a preempted sequence is recomputed, never swapped",
-    "enable_prefix_caching": "every prompt is prefilled (moeserve has no prefix cache)",
     "enable_chunked_prefill": "prefill is always chunked by max_num_batched_tokens",
     "disable_custom_all_reduce": "moeserve runs no all-reduce",
     "compilation_config": "moeserve compiles no graphs but CUDA graphs of decode steps",
@@ -176,6 +175,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         block_size: int | None = None,
         num_gpu_blocks_override: int | None = None,
+        enable_prefix_caching: bool | None = None,
         load_format: str = "auto",
         enable_eplb: bool = False,
         num_redundant_experts: int | None = None,
@@ -242,6 +242,7 @@ class LLM:
                 ("max_num_batched_tokens", max_num_batched_tokens),
                 ("block_size", block_size),
                 ("num_gpu_blocks_override", num_gpu_blocks_override),
+                ("enable_prefix_caching", enable_prefix_caching),
                 ("async_scheduling", async_scheduling),
             )
             if v is not None

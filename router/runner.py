@@ -272,8 +272,8 @@ class RouterRunner:
         live = self.seqs
         for sw in work.seqs:
             sid = sw.seq_id
-            if sw.start == 0:  # new, or recomputed after a preemption: a fresh record
-                assert sw.sampling is not None  # the leader sends it with every start
+            if sw.fresh:  # new, or recomputed after a preemption: a record whose table may begin with cached blocks
+                assert sw.sampling is not None
                 old = live.get(sid)
                 seq = live[sid] = RouterSeq(list(sw.new_blocks), sw.sampling, sw.return_logits)
                 if old is not None:  # keeps its tok_buf entry (a token of a step run again may sit there)

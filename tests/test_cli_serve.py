@@ -251,6 +251,43 @@ def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
 
 
 @pytest.mark.slow
+def test_the_second_of_two_requests_sharing_a_200_token_prompt_reads_192_tokens_from_the_cache(tiny, hf_home):
+    """``moeserve serve`` (prefix caching on by default): the second request of one 200-token
+    prompt reports all but its last block of 16 as cached (``usage.prompt_tokens_details``), the
+    cluster's status counts the hit, and both answers are transformers' greedy text."""
+    import hf_oracle as hf
+    import numpy as np
+    import openai
+    import torch
+    from transformers import AutoTokenizer
+
+    from moeserve.client import Client
+    from moeserve.models import load_config
+
+    ids = np.random.default_rng(2).integers(3, load_config(tiny).vocab_size, 200).tolist()
+    out = hf.hf_greedy(hf.load_oracle(tiny), torch.tensor([ids]), 16)[0, 200:].tolist()
+    want = AutoTokenizer.from_pretrained(tiny).decode(out, skip_special_tokens=True)
+    s = Serve([str(tiny), "--served-model-name", "tiny", "--max-model-len", "512"], offline_env(hf_home))
+    try:
+        c = openai.OpenAI(base_url=s.base, api_key="unused", max_retries=0, timeout=60)
+        got = [
+            c.completions.create(
+                model="tiny", prompt=ids, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            )
+            for _ in range(2)
+        ]
+        assert [g.choices[0].text for g in got] == [want, want]
+        cached = [g.usage.prompt_tokens_details.cached_tokens for g in got]
+        assert cached[0] == 0 and cached[1] >= 192, cached
+        status = Client(f"127.0.0.1:{s.admin}", TOKEN, timeout=30).status()
+        assert status.prefix_cache_hits == cached[1] and status.prefix_cache_queries == 400
+    finally:
+        code = s.stop()
+    assert code == 0, s.output()
+    _no_traceback(s.output())
+
+
+@pytest.mark.slow
 def test_ctrl_c_while_loading_stops_everything_at_once(tiny, hf_home):
     s = Serve([REPO, "--max-model-len", "256"], offline_env(hf_home), wait_ready=False)
     deadline = time.monotonic() + 60
@@ -381,10 +418,13 @@ def test_a_vllm_command_line_with_its_other_flags_maps_to_the_cluster_and_says_w
     serve.parallel(args, visible_gpus=8)
     notes = vllm_flags.check_vllm_noops(args)
     assert any(n.startswith("--swap-space 16: accepted, a preempted sequence is recomputed") for n in notes)
-    assert any(n.startswith("--enable-prefix-caching: accepted") for n in notes) and len(notes) == 6
+    assert not any(n.startswith("--enable-prefix-caching") for n in notes) and len(notes) == 5
     args.model = str(tiny)
     kw = F.cluster_kwargs(args)
-    assert (kw["routers"], kw["colocated"], kw["seed"]) == (8, True, 7)
+    assert (kw["routers"], kw["colocated"], kw["seed"], kw["enable_prefix_caching"]) == (8, True, 7, True)
+    off = build_parser().parse_args(["serve", str(tiny), "--no-enable-prefix-caching"])
+    off.model = str(tiny)
+    assert F.cluster_kwargs(off)["enable_prefix_caching"] is False
     from moeserve.cli.up import frontend_text_flags
 
     flags = frontend_text_flags(args)

@@ -191,3 +191,13 @@ def test_the_buffer_is_broadcast_whole_and_a_long_header_overflows_once(monkeypa
 def test_a_buffer_too_small_is_refused():
     with pytest.raises(ValueError, match="at least 8 words"):
         hw.HeaderWire(None, capacity=4)
+
+
+def test_a_sequence_started_on_cached_blocks_keeps_its_table_start_and_freshness():
+    """Prefix caching sends a new sequence's whole block table (the cached blocks first) and its
+    cached length as its start: both round-trip, and it stays fresh (its sampling parameters)."""
+    fresh = SeqWork(seq_id=7, token_ids=(4, 5), start=32, sampling=SamplingParams(seed=3), new_blocks=(9, 2, 11))
+    chunk = SeqWork(seq_id=8, token_ids=(6,), start=40, new_blocks=(12,))
+    back = hw.decode(hw.encode(StepHeader(5, forward=True, work=(RouterWork(seqs=(fresh, chunk)),))))
+    got = back.work[0].seqs
+    assert got == (fresh, chunk) and got[0].fresh and not got[1].fresh

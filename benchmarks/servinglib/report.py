@@ -41,6 +41,8 @@ def table(result: dict) -> str:
         if c.get("error") and not c.get("burst"):
             lines.append(f"{name:<20} failed: {c['error'][:100]}")
             continue
+        if not (c.get("burst") or c.get("online")) and (c.get("prefix") or c.get("multiturn")):
+            continue  # the prefix workloads only: their own table (servinglib.prefix)
         b, o, r = c.get("burst") or {}, c.get("online") or {}, c.get("roofline") or {}
         ds, mc = r.get("datasheet") or {}, r.get("measured_copy") or {}
         lines.append(

@@ -1,8 +1,8 @@
 """A moeserve configuration's workloads on one running cluster: the burst (``--rounds`` rounds
 through each API, every other round in the reverse order) and the online load (Poisson arrivals
 at ``--load`` of the online mix's maximum rate), through each API of ``--apis`` in turn, with
-the roofline beside every measured step; ``--workloads eplb`` hands the cluster to
-``servinglib.eplb`` instead."""
+the roofline beside every measured step, then the prefix-caching workloads
+(``servinglib.prefix``); ``--workloads eplb`` hands the cluster to ``servinglib.eplb`` instead."""
 
 from __future__ import annotations
 
@@ -245,6 +245,12 @@ def run_moeserve(
             m.burst(plans["burst"], sizes, rates)
         if "online" in plans:
             m.online(sizes)
+        if "prefix" in plans or "multiturn" in plans:
+            from servinglib.prefix import run_prefix_workloads, warm_up_plan
+
+            if "burst" not in plans:
+                warm_up(up.api_address(m.first), warm_up_plan(plans, a.client_procs), a.client_procs, api=m.first)
+            run_prefix_workloads(m, plans)
         m.finish(sizes)
     except Exception as e:  # noqa: BLE001 - one configuration's failure
         m.res["error"] = f"{type(e).__name__}: {e}"

@@ -137,6 +137,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="exactly N KV blocks per router instead of sizing from memory (default: size from memory)",
     )
+    k.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share full KV blocks between requests by the hash of their tokens and keep freed ones "
+        "cached, evicted least recently used (default on; vLLM's name)",
+    )
+    k.add_argument(
+        "--routing-policy",
+        choices=("cache_aware", "round_robin"),
+        default="cache_aware",
+        help="which router a new request goes to: cache_aware (the one holding its longest cached "
+        "prefix, balanced against the routers' running requests; default) or round_robin",
+    )
 
 
 def add_state_flags(p: argparse.ArgumentParser) -> None:
@@ -566,6 +580,7 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )
     try:
         CacheConfig(**cache)
@@ -599,6 +614,7 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         async_scheduling=getattr(args, "async_scheduling", True),
         capture_graphs_at_start=getattr(args, "capture_graphs_at_start", False),
         seed=getattr(args, "seed", None),
+        routing_policy=getattr(args, "routing_policy", "cache_aware"),
         **cache,
         **eplb,
     )

@@ -24,7 +24,6 @@ VLLM_NOOP_FLAGS: tuple[tuple[tuple[str, ...], int, tuple | None, str | None], ..
         "moeserve logs no request or interval statistics",
     ),
     (("--swap-space",), 1, None, "a preempted sequence is recomputed, never swapped to the CPU"),
-    (("--enable-prefix-caching", "--no-enable-prefix-caching"), 0, None, "every prompt is prefilled (no prefix cache)"),
     (("--enable-chunked-prefill",), 0, None, "prefill is always chunked by --max-num-batched-tokens"),
     (("--max-seq-len-to-capture",), 1, None, "decode graphs are captured per batch bucket"),
     (("--disable-custom-all-reduce",), 0, None, "moeserve runs no all-reduce"),

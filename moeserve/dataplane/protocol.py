@@ -28,10 +28,12 @@ class SeqWork(NamedTuple):
 
     token_ids: the new tokens of this step (a prompt or a chunk of it, a recomputed prompt plus
     the tokens it had produced, or the last sampled token when the leader knows it); start: tokens already in this
-    sequence's KV cache on the router (0: a new, or recomputed, sequence: the router starts a
-    fresh block table); new_blocks: KV block ids the leader appended to its block table for
-    this step; sampling: set when start == 0 (its seed is always set, by the leader);
-    sample: whether a token is sampled at the end of this step (False for a prefill chunk that
+    sequence's KV cache on the router (for a fresh sequence, those it reads from cached blocks:
+    a multiple of the block size, often 0); sampling: set on a sequence's first work on its
+    router, and only then (``fresh``: new, or recomputed after a preemption; its seed is always
+    set, by the leader): the router starts a fresh record; new_blocks: for a fresh sequence its
+    whole block table, the cached blocks it starts with first, else the KV block ids the leader
+    appended to its block table for this step; sample: whether a token is sampled at the end of this step (False for a prefill chunk that
     is not the prompt's last); out_pos: the index of that token among the request's outputs
     (the sampler's counter); return_logits: "" (none), "last" (the logits the token is sampled
     from) or "all" (every new position); pending: never on the wire: the router's own entry
@@ -57,6 +59,11 @@ class SeqWork(NamedTuple):
     def num_new(self) -> int:
         """Tokens this step writes to the sequence's KV cache."""
         return len(self.token_ids) + self.pending
+
+    @property
+    def fresh(self) -> bool:
+        """The sequence's first work on its router: ``new_blocks`` is its whole block table."""
+        return self.sampling is not None
 
 
 _NO_IDS = np.zeros(0, dtype=np.int64)

@@ -250,6 +250,16 @@ class _LeaderCollector(Collector):
             "Sequences preempted (freed, to be recomputed) because KV blocks ran out.",
             value=float(status.preemptions),
         )
+        yield CounterMetricFamily(
+            "moeserve_prefix_cache_queries",
+            "Prompt tokens of admitted requests that looked the prefix cache up.",
+            value=float(status.prefix_cache_queries),
+        )
+        yield CounterMetricFamily(
+            "moeserve_prefix_cache_hits",
+            "Prompt tokens of admitted requests read from the prefix cache instead of computed.",
+            value=float(status.prefix_cache_hits),
+        )
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:

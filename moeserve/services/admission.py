@@ -224,6 +224,7 @@ class Admission:
         ignore_eos: bool = False,
         return_logits: str = "",
         prompt_logprobs: int = -1,
+        cache_salt: str = "",
         **adjust,
     ) -> GenerateRequest:
         """The engine request; InvalidRequest for what only this side checks. ``stop_token_ids``
@@ -240,7 +241,14 @@ class Admission:
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         return GenerateRequest(
-            tuple(prompt_ids), int(max_tokens), sp, stop, bool(ignore_eos), return_logits, int(prompt_logprobs)
+            tuple(prompt_ids),
+            int(max_tokens),
+            sp,
+            stop,
+            bool(ignore_eos),
+            return_logits,
+            int(prompt_logprobs),
+            cache_salt=cache_salt,
         )
 
     def open(self, req: GenerateRequest) -> RequestStream:

@@ -37,6 +37,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "Token",
+    "FirstToken",
     "Finished",
     "Failed",
     "Event",
@@ -93,15 +94,18 @@ class FinishReason(enum.StrEnum):
 
 RETURN_LOGITS = ("", "last", "all")
 MAX_PROMPT_LOGPROBS = 1024  # top tokens per prompt position
+MAX_CACHE_SALT_BYTES = 1024
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation request, in token ids. ``return_logits``: "" (none), "last" (the logits
-    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill).
-    ``prompt_logprobs``: K >= 0 asks for the logprob of every prompt token after the first,
-    with its rank and the K most likely tokens at its position, computed on the routers (the
-    first ``Token`` carries them); -1: none."""
+    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill; such a
+    request computes its whole prompt, never reading the prefix cache). ``prompt_logprobs``: K >= 0
+    asks for the logprob of every prompt token after the first, with its rank and the K most likely
+    tokens at its position, computed on the routers (the first ``Token`` carries them); -1: none.
+    ``cache_salt`` (vLLM's name): requests share cached KV blocks only with requests of the same
+    salt."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -110,6 +114,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     return_logits: str = ""
     prompt_logprobs: int = -1
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,15 @@ class Token:
     token_id: int
     logits: np.ndarray | None = None
     prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class FirstToken(Token):
+    """A request's first generated token, with ``cached_tokens``: how many of its prompt tokens
+    were read from the prefix cache instead of computed (every later token is a plain Token,
+    which keeps the event of a decode step small)."""
+
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,10 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
     ]
     if biased:
         raise InvalidRequest(f"token id {biased[0]} of logit_bias is outside the vocabulary [0, {vocab_size})")
+    if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(
+            f"cache_salt is {len(req.cache_salt.encode())} bytes of UTF-8; at most {MAX_CACHE_SALT_BYTES} are allowed"
+        )
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -197,6 +215,7 @@ class ModelShape:
     expert_bytes: int
     moe_layer_ids: tuple[int, ...] = ()  # decoder-layer index of each MoE layer
     num_decoder_layers: int = 0
+    sliding_window: int = 0  # tokens a sliding-window layer attends to (0: none has one)
 
 
 @dataclass(frozen=True)
@@ -248,6 +267,9 @@ class EngineStatus:
     kv_blocks_total: int = 0  # KV blocks of every router, and those in use
     kv_blocks_used: int = 0
     preemptions: int = 0  # sequences preempted (recomputed later) since start
+    kv_blocks_cached: int = 0  # KV blocks holding a prefix-cache hash (in use or idle)
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests that looked the prefix cache up
+    prefix_cache_hits: int = 0  # of them, those read from the cache
     moved_slots: int = 0  # slots and bytes moved by migrations since start
     moved_bytes: int = 0
     migrations_ended: dict[str, int] = field(default_factory=dict)  # state name -> count

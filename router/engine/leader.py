@@ -52,7 +52,22 @@ class Engine(EngineAPI):
     def __init__(self, cfg: ClusterConfig, shape: ModelShape, placement: Placement):
         self.cfg = cfg
         self.shape = shape
-        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids, cfg.cache.block_size)
+        caching = cfg.cache.enable_prefix_caching
+        if caching and shape.sliding_window:
+            caching = False
+            log.warning(
+                "prefix caching is off: the model has sliding-window attention (window %d), whose "
+                "layers would need only the blocks of their window",
+                shape.sliding_window,
+            )
+        self.scheduler = Scheduler(
+            cfg.routers,
+            cfg.limits,
+            shape.eos_token_ids,
+            cfg.cache.block_size,
+            prefix_caching=caching,
+            routing=cfg.routing_policy,
+        )
         placement, self._saver = _saved_state(cfg, placement)  # --state-dir: versions back, saves on
         self._saved_key = _placement_key(placement)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
@@ -257,7 +272,10 @@ class Engine(EngineAPI):
             running=counts["running"],
             kv_blocks_total=counts["kv_blocks_total"],
             kv_blocks_used=counts["kv_blocks_used"],
+            kv_blocks_cached=counts["kv_blocks_cached"],
             preemptions=counts["preemptions"],
+            prefix_cache_queries=counts["prefix_cache_queries"],
+            prefix_cache_hits=counts["prefix_cache_hits"],
             metrics_ports=dict(self.metrics_ports),
             moved_slots=slots,
             moved_bytes=nbytes,

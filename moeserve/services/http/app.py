@@ -359,6 +359,7 @@ class HttpApi(TokenRoutes):
                         repetition_penalty=s.repetition_penalty,
                         min_tokens=s.min_tokens,
                         logit_bias=s.logit_bias,
+                        cache_salt=s.cache_salt,
                     )
                 )
                 choice = Choice(
@@ -446,7 +447,7 @@ class HttpApi(TokenRoutes):
             "created": created,
             "model": model,
             "choices": out,
-            "usage": usage(prompt_tokens, choices),
+            "usage": usage(prompt_tokens, choices, s.n),
         }
         if chat and s.return_token_ids:
             body["prompt_token_ids"] = list(prompts[0])
@@ -522,7 +523,7 @@ class HttpApi(TokenRoutes):
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": usage(prompt_tokens, choices),
+                        "usage": usage(prompt_tokens, choices, s.n),
                     }
                 )
         except Exception as e:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeserve.router.engine.api import Finished, FinishReason, Token, Unavailable
+from moeserve.router.engine.api import Finished, FinishReason, FirstToken, Token, Unavailable
 from moeserve.services.admission import Admission
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
@@ -48,6 +48,7 @@ class Choice:
     last_token: int | None = None
     logprobs: list = field(default_factory=list)  # (token id, logprob, [(id, logprob)], text offset)
     ids_sent: int = 0  # token ids already sent in chunks
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (the first token says)
     prompt_sent: bool = False  # a chunk already carried prompt_token_ids
     min_tokens: int = 0  # stop strings count from this many tokens on (vLLM's min_tokens)
     echo: str | None = None  # echo: the prompt's text, before the generated text
@@ -67,6 +68,8 @@ class Choice:
 
     def on_token(self, ev: Token) -> tuple[str, list]:
         self.tokens += 1
+        if isinstance(ev, FirstToken):
+            self.cached_tokens = ev.cached_tokens
         self.last_token = ev.token_id
         entries = []
         if ev.prompt_logprobs is not None:

@@ -140,9 +140,17 @@ def finite(x: float | None) -> float | None:
     return None if x is None else x if math.isfinite(x) else -9999.0
 
 
-def usage(prompt_tokens: int, choices) -> dict:
+def usage(prompt_tokens: int, choices, n: int = 1) -> dict:
+    """OpenAI's usage of a request's choices, ``n`` per prompt (each prompt counted once, the
+    cached tokens of its first choice with it)."""
     done = sum(c.tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    cached = sum(c.cached_tokens for c in choices[::n])
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": done,
+        "total_tokens": prompt_tokens + done,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def completion_logprobs(tokenizer, entries) -> dict:

@@ -16,6 +16,7 @@ import json
 import math
 from dataclasses import dataclass
 
+from moeserve.router.engine.api import MAX_CACHE_SALT_BYTES
 from moeserve.sampling import MAX_BIAS, MAX_LOGIT_BIAS, MAX_MIN_TOKENS, MAX_REPETITION_PENALTY, MAX_SEED
 from moeserve.services.http.encode import ApiError, bad
 
@@ -148,6 +149,7 @@ COMMON = {
     "skip_special_tokens",
     "include_stop_str_in_output",
     "return_token_ids",
+    "cache_salt",
 }
 COMPLETION_KEYS = COMMON | {"prompt", "echo"}
 CHAT_KEYS = COMMON | {
@@ -209,6 +211,8 @@ class Sampling:
     echo: bool = False  # completions: the prompt's text (and with logprobs its tokens' logprobs) first
     prompt_logprobs: int | None = None  # vLLM's extension: top tokens per prompt position
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+
+    cache_salt: str = ""  # vLLM's extension: cached KV blocks are shared only within one salt
 
     @property
     def prompt_top(self) -> int:
@@ -303,6 +307,9 @@ def parse_sampling(
         logprobs = _int(body, "logprobs", None, 0, max_logprobs)
     prompt_logprobs = _int(body, "prompt_logprobs", None, 0, max_logprobs)
     echo = False if chat else _bool(body, "echo", False)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt.encode()) > MAX_CACHE_SALT_BYTES):
+        raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes", "cache_salt")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
         raise bad("moeserve does not support best_of (other than n)", "best_of")
@@ -331,6 +338,7 @@ def parse_sampling(
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         continuous_usage=include_usage and continuous,
+        cache_salt=salt or "",
     )
 
 
