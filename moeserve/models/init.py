@@ -335,7 +335,7 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
     batch = StepBatch.prefill(range(prompts), [64] * prompts)
 
     def share(m: int, w: float) -> float:
-        model.moe_blocks[m].router_weight[hot_rows[m], HOT_CHANNEL] = w
+        model.moe_blocks[m].gate_weight[hot_rows[m], HOT_CHANNEL] = w
         seen = {}
 
         class Spy:
