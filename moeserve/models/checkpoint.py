@@ -412,6 +412,9 @@ def read_expert(reader, moe_layer: int, expert: int, dtype: torch.dtype | None =
             f"{moe_layer} = decoder layer {cfg.moe_layer_ids[moe_layer]})"
         )
     if reader.stored_dtype(f"{p}{g_name}.weight") == Q.FP8:
+        scheme = cfg.quantization
+        if scheme is None or scheme.format == "online":  # the refusal a linear layer's read gives
+            Q.read_weight(reader, f"{p}{g_name}", (i, h), torch.float32, "cpu")
         if not quantized:
             raise CheckpointError(
                 f"{reader._source}: tensor '{p}{g_name}.weight' is FP8, but the model's quantization keeps "
