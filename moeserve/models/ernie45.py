@@ -19,6 +19,8 @@ embeddings are tied. ``mtp*`` tensors are ignored.
 
 from __future__ import annotations
 
+from typing import Any
+
 from moeserve.models.config import (
     Fields,
     ModelConfig,
@@ -97,3 +99,36 @@ def parse(f: Fields, model_type: str) -> ModelConfig:
         routing=routing,
         attention_softmax_fp32=True,  # transformers' ERNIE eager attention: softmax in fp32
     )
+
+
+# init_model's small checkpoint (moeserve/models/init.py): hidden 64, 4 layers (layer 0 dense), 16
+# experts top-4, 2 shared; init std 0.3 (with 0.02 greedy decoding repeats one token).
+TINY: dict[str, Any] = {
+    "architectures": ["Ernie4_5_MoeForCausalLM"],
+    "model_type": "ernie4_5_moe",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "moe_num_experts": 16,
+    "moe_k": 4,
+    "moe_num_shared_experts": 2,
+    "moe_layer_start_index": 1,
+    "moe_layer_end_index": -1,
+    "moe_layer_interval": 1,
+    "moe_norm_min": 1e-12,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "use_bias": False,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.3,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
+}

@@ -27,6 +27,8 @@ are refused by name.
 
 from __future__ import annotations
 
+from typing import Any
+
 from moeserve.models.config import (
     Fields,
     ModelConfig,
@@ -121,3 +123,42 @@ def parse(f: Fields, model_type: str) -> ModelConfig:
         attention_softmax_fp32=False,  # transformers' GPT-OSS eager attention: softmax in the model dtype
         norm_weight_fp32=True,
     )
+
+
+# init_model's small checkpoint (moeserve/models/init.py): hidden 64, 4 layers alternating a sliding
+# window of 8 and full attention, YaRN (factor 8 over 64 positions), sinks, 8 experts top-2 with
+# biases and the clamp at 2 (it acts on many rows of a model this small); init std 0.2.
+TINY: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "sliding_window": 8,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
+    "max_position_embeddings": 512,
+    "swiglu_limit": 2.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
+}

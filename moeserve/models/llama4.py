@@ -18,6 +18,8 @@ dense layers ``model.layers.{i}.feed_forward.{gate,up,down}_proj.weight``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from moeserve.models.config import (
     Fields,
     ModelConfig,
@@ -108,3 +110,46 @@ def parse(f: Fields, model_type: str) -> ModelConfig:
         routing=ROUTING,
         attention_softmax_fp32=False,  # transformers' Llama 4 eager attention: softmax in the model dtype
     )
+
+
+# init_model's small checkpoint (moeserve/models/init.py): hidden 64, 4 layers, MoE layers 1 and 3,
+# layer 3 NoPE, chunked attention of 8, temperature tuning from position 3, llama3 RoPE scaling.
+TINY: dict[str, Any] = {
+    "architectures": ["Llama4ForCausalLM"],
+    "model_type": "llama4_text",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "intermediate_size_mlp": 96,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "no_rope_layer_interval": 4,
+    "attention_chunk_size": 8,
+    "use_qk_norm": True,
+    "attn_temperature_tuning": True,
+    "floor_scale": 4,
+    "attn_scale": 0.1,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.05,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
+}

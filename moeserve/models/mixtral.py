@@ -18,6 +18,8 @@ Checkpoint names (as published and as transformers writes them):
 
 from __future__ import annotations
 
+from typing import Any
+
 from moeserve.models.config import (
     Fields,
     ModelConfig,
@@ -81,3 +83,31 @@ def parse(f: Fields, model_type: str) -> ModelConfig:
         sliding_layers=(window is not None,) * layers,
         attention_softmax_fp32=True,
     )
+
+
+# init_model's small checkpoint (moeserve/models/init.py): hidden 64, 4 layers, 8 experts top-2;
+# init std 0.2 (informative greedy output).
+TINY: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "sliding_window": None,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
+}

@@ -21,6 +21,8 @@ count ``num_experts``; transformers 5 writes ``num_local_experts``: both are rea
 
 from __future__ import annotations
 
+from typing import Any
+
 from moeserve.models.config import (
     Fields,
     ModelConfig,
@@ -96,3 +98,37 @@ def parse(f: Fields, model_type: str) -> ModelConfig:
         sliding_layers=(window is not None,) * layers,
         attention_softmax_fp32=True,
     )
+
+
+# init_model's small checkpoint (moeserve/models/init.py): hidden 64, 4 layers with layer 0 dense,
+# 16 experts top-4 with norm_topk_prob, qk-norm; init std 0.2 (informative greedy output).
+TINY: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "dtype": "float32",
+}
