@@ -4,7 +4,8 @@
     python benchmarks/gpu_correctness.py [--ranks 2] [--tokens 64]
     python benchmarks/gpu_correctness.py --ranks 1 --compare eplb-off --quantization fp8 --cases llama4:bfloat16,ernie45:bfloat16
 
-Writes small random checkpoints of both families (moeserve init-model), then for fp32 and
+Writes small random checkpoints of every family (moeserve init-model: Llama 4, ERNIE-4.5,
+Qwen3-MoE, Mixtral, GPT-OSS; ``--cases`` picks), then for fp32 and
 bf16 runs greedy generation on a co-located NCCL cluster (one rank per GPU, redundant slots,
 a random placement, and a live migration in the middle of the run) and on the single-process
 model on GPU 0. fp32: the generated tokens must be identical and the logits within 1e-4 (as
@@ -72,7 +73,48 @@ SHAPES = {
         # and no comparison can hold 1e-4. 0.05 is the Llama 4 shape's std.
         initializer_range=0.05,
     ),
+    "qwen3_moe": dict(
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=1536,
+        moe_intermediate_size=256,
+        num_experts=64,
+        num_experts_per_tok=8,
+        vocab_size=4096,
+        initializer_range=0.05,
+    ),
+    "mixtral": dict(
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=512,
+        num_local_experts=16,
+        num_experts_per_tok=2,
+        sliding_window=32,  # acts within the prompts (up to 39) and 64 tokens
+        vocab_size=4096,
+        initializer_range=0.04,  # the floor: 1.4e-5 (0.05: 4.9e-5)
+    ),
+    "gpt_oss": dict(
+        hidden_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=512,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=32,
+        swiglu_limit=7.0,
+        vocab_size=4096,
+        initializer_range=0.04,  # the floor: 1.9e-5 (0.05: 7.4e-5)
+    ),
 }
+FAMILIES = tuple(SHAPES)
 
 
 def random_placement(layers, experts, slots, seed):
@@ -295,8 +337,8 @@ def main():
     )
     ap.add_argument(
         "--cases",
-        default="llama4:float32,llama4:bfloat16,ernie45:float32,ernie45:bfloat16",
-        help="family:dtype pairs, comma separated",
+        default=",".join(f"{f}:{d}" for f in FAMILIES for d in ("float32", "bfloat16")),
+        help=f"family:dtype pairs, comma separated (families: {', '.join(FAMILIES)}; default: all, both dtypes)",
     )
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--no-migration", action="store_true", help="no live migration during the run")

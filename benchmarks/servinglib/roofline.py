@@ -23,11 +23,14 @@ ROOFLINE_KEYS = (
 
 def kv_bytes_read(sizes: dict, contexts) -> float:
     """KV bytes one decode step reads for sequences at these context lengths (a chunked-attention
-    layer reads only the current chunk)."""
+    layer reads only the current chunk, a sliding-window layer only its window)."""
     total = 0.0
+    windows = sizes.get("windows") or [None] * len(sizes["chunked"])
     for ctx in contexts:
-        for chunked in sizes["chunked"]:
+        for chunked, window in zip(sizes["chunked"], windows):
             n = (ctx - 1) % sizes["chunk"] + 1 if chunked and sizes["chunk"] else ctx
+            if window:
+                n = min(n, window)
             total += n * sizes["kv_layer_token"]
     return total
 
