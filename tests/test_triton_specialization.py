@@ -256,3 +256,77 @@ def test_the_race_warm_up_compiles_every_key_a_step_can_launch(launches):
             sm.sample(torch.randn(b, v), st, backend="triton")
     assert len({cfg for cfg, _ in launches["race_kernel"]}) == 2
     assert _keys(launches, "race_kernel") <= warm
+
+
+SINKS = torch.zeros(40, dtype=torch.bfloat16)  # [Hq], a GPT-OSS layer's
+ATTENTION_KINDS = {
+    "global": [(None, None, None)],
+    "global+chunked": [(None, None, None), (8192, None, None)],
+    "sliding+full, sinks": [(None, 128, SINKS), (None, None, SINKS)],
+}
+
+
+@pytest.mark.parametrize("kinds", ATTENTION_KINDS.values(), ids=ATTENTION_KINDS.keys())
+def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, kinds):
+    """A router compiles the paged attention at start (``models.attention.warm_up_attention`` on
+    one layer's pool views, with each kind of layer's chunk, window and sinks): decode, prefill
+    and mixed steps of any shape, at every split, then find their key among the warm-up's."""
+    from moeserve.models.attention import attention_config, paged_attention_triton, warm_up_attention
+
+    hq, hkv, d, block_size = 40, 8, 128, 16
+    pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)  # [layers, slots, Hkv, D]
+    k_pool, v_pool = pools[0], pools[1]
+    assert warm_up_attention(k_pool, v_pool, hq, block_size, kinds * 2, d**-0.5) == 6 * len(kinds)
+    warm = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
+    launches.clear()
+    rng = random.Random(1)
+    for s in [1, 2, 3, 7, 16, 17, 64, 65, 200, 256]:
+        for lens, starts in (
+            ([1] * s, [rng.randrange(0, 9000) for _ in range(s)]),
+            ([rng.randrange(1, 300) for _ in range(s)], [rng.choice([0, rng.randrange(0, 3000)]) for _ in range(s)]),
+            ([1] * (s - 1) + [rng.randrange(2, 900)], [rng.randrange(0, 5000) for _ in range(s)]),
+        ):
+            batch, _ = _batch(lens, starts, block_size)
+            q = torch.empty(batch.num_tokens, hq, d, dtype=torch.bfloat16)
+            for chunk, window, sinks in kinds:
+                ns = attention_config(batch, hq, hkv, d, 132)["NS"]
+                paged_attention_triton(
+                    q, k_pool, v_pool, batch, scale=d**-0.5, chunk=chunk, window=window, sinks=sinks, num_segments=ns
+                )
+    seen = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
+    assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
+
+
+# Every kernel of the serving path and what compiles it before the server is ready. A kernel
+# added to moeserve/kernels/ joins this table (and gets a test above that its warm-up covers every
+# key a step can launch), or the next test fails. None: not compiled before ready yet, and why.
+WARMED = {
+    "paged_attention_kernel": "router: models.attention.warm_up_attention",
+    "paged_attention_reduce_kernel": "router: models.attention.warm_up_attention",
+    "race_kernel": "router: sampling.warm_up",
+    "expert_matmul_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",
+    "silu_mul_kernel": None,  # torch._grouped_mm's activation (prefill steps of bf16 experts): the first prefill
+    "weighted_sum_kernel": None,  # the combine of weights on the output (ERNIE): the first step
+    "expert_count_kernel": None,  # the direct exchange's kernels: the first forward step
+    "route_kernel": None,
+    "publish_kernel": None,
+    "prep_kernel": None,
+    "scatter_pairs_kernel": None,
+    "return_rows_kernel": None,
+}
+
+
+def test_every_serving_kernel_is_in_the_warm_up_table():
+    import importlib
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    kinds = (JITFunction, InterpretedFunction)  # compiled, or run by the interpreter (these tests)
+    found = set()
+    for name in MODULES:
+        module = importlib.import_module(name)
+        found |= {n for n, f in vars(module).items() if isinstance(f, kinds) and n.endswith("_kernel")}
+    assert found == set(WARMED), (
+        f"kernels without a warm-up entry: {sorted(found - set(WARMED))}; stale: {sorted(set(WARMED) - found)}"
+    )

@@ -11,6 +11,8 @@
 - ``figures``: the workloads' request plans and the figures of their records;
 - ``workloads``: a moeserve configuration's burst and online workloads through each API;
 - ``eplb``: the EPLB measurement end to end (``--workloads eplb``);
+- ``prefix``: the prefix-caching workloads (``--workloads prefix,multiturn``), the conversations'
+  client, their figures and table;
 - ``baseline``: transformers' ``generate``;
 - ``roofline``: the HBM copy rate and the roofline step time;
 - ``profiles``: the ranks' step profiles;

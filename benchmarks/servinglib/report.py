@@ -41,6 +41,8 @@ def table(result: dict) -> str:
         if c.get("error") and not c.get("burst"):
             lines.append(f"{name:<20} failed: {c['error'][:100]}")
             continue
+        if not (c.get("burst") or c.get("online")) and (c.get("prefix") or c.get("multiturn")):
+            continue  # the prefix workloads only: their own table (servinglib.prefix)
         b, o, r = c.get("burst") or {}, c.get("online") or {}, c.get("roofline") or {}
         ds, mc = r.get("datasheet") or {}, r.get("measured_copy") or {}
         lines.append(
@@ -98,6 +100,14 @@ def table(result: dict) -> str:
                 f"{r['kv_bytes_per_step_per_gpu'] / 2**30:6.3f} GiB/step/GPU, {r['sequences_per_gpu']:.0f} "
                 f"sequences/GPU at mean context {r['mean_context'] or 0:.0f}"
             )
+            fa = r.get("flop_aware")
+            if fa:
+                m = fa["measured_copy"]
+                parts = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in m["per_class_s"].items())
+                lines.append(
+                    f"  {'':<14} FLOP-aware (matmul peak {fa['peak_flops'] / 1e12:.0f} TFLOP/s measured, copy rate): "
+                    f"{1e3 * m['step_s']:.2f} ms ({parts} ms), step x{m['step_over_roofline'] or 0:.2f}"
+                )
     return "\n".join(lines)
 
 

@@ -306,12 +306,19 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
     from moeserve.models.families import checkpoint_shapes
 
     router = 0
+    # per token, for the FLOP-aware roofline: the dense products' weights (attention projections,
+    # dense MLPs, shared experts, gates, LM head: every matrix beside the experts'), one
+    # expert's, and attention's per key and layer (the embedding is a lookup: with tied
+    # embeddings its one table is the LM head's product)
+    dense_params = 0
     for name, shape in checkpoint_shapes(cfg).items():
         if ".experts." in name:
             continue
         n = 1
         for d in shape:
             n *= d
+        if len(shape) == 2 and min(shape) > 1 and (name != "model.embed_tokens.weight" or cfg.tie_word_embeddings):
+            dense_params += n
         fp32 = name.endswith("e_score_correction_bias") or (
             cfg.routing.gate_fp32 and ".experts" not in name and name.endswith((".gate.weight", ".router.weight"))
         )
@@ -335,6 +342,9 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
         windows=[cfg.window(i) for i in range(cfg.num_layers)],
         kv_layer_token=kv_layer_token,
         eos=list(cfg.eos_token_ids),
+        dense_params=dense_params,
+        expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
+        attn_flops_per_key=4 * cfg.num_heads * cfg.head_dim,  # QK and PV: 2 FLOPs each per query head dim and key
     )
 
 

@@ -226,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         served = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
         if http_port is not None:
             front += ["--http-port", str(ports["http_port"]), "--served-model-name", *served]
+            front += frontend_text_flags(args)
         bal = [
             *module_command("moeserve", "balancer"),
             "--balancer-port",
@@ -344,6 +345,24 @@ def run(args: argparse.Namespace) -> int:
     finally:
         starting[0] = False
         _shutdown(children, cluster, opts.grace_s)
+
+
+def frontend_text_flags(args) -> list[str]:
+    """The HTTP API's flags for the front end: --max-logprobs, the generation config (auto: the
+    model folder's, which may not be the tokenizer folder the front end is given), its
+    overrides and the chat template (a file by its absolute path)."""
+    out = ["--max-logprobs", str(args.max_logprobs)]
+    which = args.generation_config
+    out += [
+        "--generation-config",
+        args.model if which == "auto" else which if which == "vllm" else os.path.abspath(which),
+    ]
+    if args.override_generation_config:
+        out += ["--override-generation-config", args.override_generation_config]
+    if args.chat_template:
+        t = args.chat_template
+        out += ["--chat-template", os.path.abspath(t) if os.path.isfile(t) else t]
+    return out
 
 
 def _start_cluster(cluster, world: int, on_signal, progress: bool, model: str) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -321,3 +322,49 @@ def paged_attention_triton(
             **({} if _interpreted() else dict(num_warps=1)),
         )
     return out
+
+
+def warm_up_attention(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    variants: Iterable[tuple[int | None, int | None, torch.Tensor | None]],
+    scale: float,
+) -> int:
+    """Compile ``paged_attention_triton`` for every launch configuration a step can pick, before
+    serving: for each kind of layer the model has, ``(chunk, window, sinks)`` as its layers call
+    the kernel (None: global, no window, no sinks; one layer's sinks [Hq] stand for all, as they
+    share a dtype), the decode tile at every split (1 .. MAX_SEGMENTS segments, with the
+    reduction) and the prefill tile. ``k_pool`` and ``v_pool``: one layer's views of the router's
+    pool (every layer's have the same strides, so the same keys). Reads block 0 of the pool,
+    writes nothing of it. Returns the launches."""
+    hkv, d = k_pool.shape[1], k_pool.shape[2]
+    device, dtype = k_pool.device, k_pool.dtype
+    g = num_heads // hkv
+    prefill = max(TUNING["prefill"]["BM"], 2 * TUNING["decode"]["BM"]) // g + 1  # a query no decode tile holds
+    keys = 2 * MAX_SEGMENTS * MIN_KEYS_PER_SEGMENT  # long enough for every split
+    kinds: dict[tuple[int, int, bool], torch.Tensor | None] = {}
+    for chunk, window, sinks in variants:
+        kinds.setdefault((chunk or 0, window or 0, sinks is not None), sinks)
+    n = 0
+    for (chunk, window, _), sinks in sorted(kinds.items(), key=lambda kv: kv[0]):
+        for lens, starts in [([1], [keys - 1]), ([prefill], [0])]:
+            blocks = -(-(starts[0] + lens[0]) // block_size)
+            batch = PagedBatch.build(lens, starts, [[0] * blocks], block_size, device)
+            q = torch.zeros(lens[0], num_heads, d, dtype=dtype, device=device)
+            splits = [1] if lens[0] > 1 else [1 << i for i in range(MAX_SEGMENTS.bit_length())]
+            for ns in splits:
+                paged_attention_triton(
+                    q,
+                    k_pool,
+                    v_pool,
+                    batch,
+                    scale=scale,
+                    chunk=chunk or None,
+                    window=window or None,
+                    sinks=sinks,
+                    num_segments=ns,
+                )
+                n += 1
+    return n

@@ -198,6 +198,12 @@ class ModelConfig:
         except ValueError:
             return None
 
+    @property
+    def attention_window(self) -> int:
+        """The sliding window of the model's sliding-window layers, 0 when none has one (the
+        prefix cache is off then: such a layer needs only its window's blocks)."""
+        return max((self.window(i) or 0 for i in range(self.num_layers)), default=0)
+
     def window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer``, None when it attends to every key."""
         if self.sliding_window is None or not self.sliding_layers or not self.sliding_layers[layer]:

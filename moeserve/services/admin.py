@@ -305,6 +305,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_used=s.kv_blocks_used,
             preemptions=s.preemptions,
+            kv_blocks_cached=s.kv_blocks_cached,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
             model=admin_pb2.ModelInfo(
                 num_moe_layers=e.shape.num_moe_layers,
                 num_logical_experts=e.shape.num_logical_experts,

@@ -168,12 +168,12 @@ class Admission:
                 f"(prompt + generated tokens), so it must have fewer"
             )
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+    async def encode(self, text: str, add_special_tokens: bool = True, allow_empty: bool = False) -> tuple[int, ...]:
         """Prompt text -> ids, off the event loop, after the size check."""
         tok = self._need_tokenizer("send token ids instead of text")
         self.check_text(text)
         ids = await asyncio.to_thread(tok.encode, text, add_special_tokens)
-        if not ids:
+        if not ids and not allow_empty:
             raise InvalidRequest("the prompt text encodes to no tokens: give a non-empty prompt")
         self._check_length(len(ids))
         return tuple(ids)
@@ -223,20 +223,33 @@ class Admission:
         stop_token_ids=(),
         ignore_eos: bool = False,
         return_logits: str = "",
+        prompt_logprobs: int = -1,
+        cache_salt: str = "",
+        **adjust,
     ) -> GenerateRequest:
         """The engine request; InvalidRequest for what only this side checks. ``stop_token_ids``
         may be any sized sequence (a protobuf repeated field): its length is checked before it
-        is converted."""
+        is converted. ``adjust``: the other ``SamplingParams`` fields (min_p, penalties,
+        min_tokens, logit_bias)."""
         if len(stop_token_ids) > self.limits.max_stop_ids:
             raise InvalidRequest(f"{len(stop_token_ids)} stop token ids; at most {self.limits.max_stop_ids}")
         stop = self._ints(stop_token_ids, "stop token ids") if stop_token_ids else ()
         if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and math.isnan(temperature):
             raise InvalidRequest("temperature must be a finite number >= 0 (0 = greedy), found nan")
         try:
-            sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+            sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **adjust)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        return GenerateRequest(tuple(prompt_ids), int(max_tokens), sp, stop, bool(ignore_eos), return_logits)
+        return GenerateRequest(
+            tuple(prompt_ids),
+            int(max_tokens),
+            sp,
+            stop,
+            bool(ignore_eos),
+            return_logits,
+            int(prompt_logprobs),
+            cache_salt=cache_salt,
+        )
 
     def open(self, req: GenerateRequest) -> RequestStream:
         """Start streaming ``req`` from the leader (it connects on the first iteration)."""

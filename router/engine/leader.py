@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -37,7 +38,7 @@ from moeserve.router.engine.api import (
 )
 from moeserve.router.engine.migration import Migrator
 from moeserve.router.engine.scheduler import Scheduler, Sequence
-from moeserve.sampling import request_seed
+from moeserve.sampling import MAX_SEED, request_seed
 
 if TYPE_CHECKING:  # the metrics are made on ranks that export them (prometheus_client)
     from moeserve.ops.metrics import LeaderMetrics
@@ -51,7 +52,22 @@ class Engine(EngineAPI):
     def __init__(self, cfg: ClusterConfig, shape: ModelShape, placement: Placement):
         self.cfg = cfg
         self.shape = shape
-        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids, cfg.cache.block_size)
+        caching = cfg.cache.enable_prefix_caching
+        if caching and shape.sliding_window:
+            caching = False
+            log.warning(
+                "prefix caching is off: the model has sliding-window attention (window %d), whose "
+                "layers would need only the blocks of their window",
+                shape.sliding_window,
+            )
+        self.scheduler = Scheduler(
+            cfg.routers,
+            cfg.limits,
+            shape.eos_token_ids,
+            cfg.cache.block_size,
+            prefix_caching=caching,
+            routing=cfg.routing_policy,
+        )
         placement, self._saver = _saved_state(cfg, placement)  # --state-dir: versions back, saves on
         self._saved_key = _placement_key(placement)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
@@ -96,6 +112,8 @@ class Engine(EngineAPI):
         self._load_served = 0
         self._driver: int | None = None  # the step driver's thread id
         self._warmup: deque[tuple[int, int]] = deque()  # decode graph warm-up steps still to issue
+        self._seed_lock = threading.Lock()
+        self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None
 
     # -- requests (any thread) ----------------------------------------------------------------
 
@@ -105,9 +123,24 @@ class Engine(EngineAPI):
             raise Unavailable(self.error or "the cluster is shutting down")
         lim = self.cfg.limits
         validate_request(req, self.shape.vocab_size, lim.max_model_len, self.scheduler.max_kv_tokens)
-        if req.sampling.seed is None:  # fixed now: a recomputed (preempted) request samples the same
-            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=request_seed(req.sampling)))
+        sp = req.sampling
+        if sp.seed is None:  # fixed now: a recomputed (preempted) request samples the same
+            sp = dataclasses.replace(sp, seed=self._seed(sp))
+        if sp.min_tokens > 0:  # the ids min_tokens keeps the routers from sampling
+            stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.shape.eos_token_ids))
+            sp = dataclasses.replace(sp, stop_ids=tuple(sorted(stops)))
+        if sp is not req.sampling:
+            req = dataclasses.replace(req, sampling=sp)
         return self.scheduler.submit(req, sink)
+
+    def _seed(self, sp) -> int:
+        """A seed for a request that gave none: random, or with ``--seed`` the next of the
+        cluster's seeded stream (vLLM's global seed: the same requests in the same order get the
+        same tokens on every run)."""
+        if self._seeds is None:
+            return request_seed(sp)
+        with self._seed_lock:
+            return self._seeds.randrange(MAX_SEED + 1)
 
     def set_kv_capacity(self, blocks_per_router: list[int]) -> None:
         """The KV blocks each router allocated (reported once at start, before any request)."""
@@ -239,7 +272,10 @@ class Engine(EngineAPI):
             running=counts["running"],
             kv_blocks_total=counts["kv_blocks_total"],
             kv_blocks_used=counts["kv_blocks_used"],
+            kv_blocks_cached=counts["kv_blocks_cached"],
             preemptions=counts["preemptions"],
+            prefix_cache_queries=counts["prefix_cache_queries"],
+            prefix_cache_hits=counts["prefix_cache_hits"],
             metrics_ports=dict(self.metrics_ports),
             moved_slots=slots,
             moved_bytes=nbytes,
@@ -408,12 +444,13 @@ class Engine(EngineAPI):
                     len(rep.balancedness_measured),
                 )
         # the tokens each router sampled in an earlier step (asynchronous steps) or in this one
-        delivered: dict[int, tuple[dict, dict]] = {}
+        delivered: dict[int, tuple[dict, dict, dict]] = {}
         for r in results:
             if r.tokens_step >= 0:
-                tokens, logits = delivered.setdefault(r.tokens_step, ({}, {}))
+                tokens, logits, plp = delivered.setdefault(r.tokens_step, ({}, {}, {}))
                 tokens.update(r.tokens)
                 logits.update(r.logits)
+                plp.update(r.prompt_logprobs)
         for step in sorted(delivered):
             work = self._awaiting.pop(step, None)
             if work is not None:

@@ -40,7 +40,8 @@ engine returns with each token (``return_logits="last"``).
 The parts: this module (the Starlette app: routes, auth, body, generation), ``params``
 (request parsing and validation of the OpenAI parameters), ``choices`` (each choice's
 state, the request streams of a request, cancellation), ``encode`` (JSON, errors,
-server-sent events, logprobs and usage), ``server`` (uvicorn, TLS).
+server-sent events, logprobs and usage), ``tokens`` (/tokenize and /detokenize), ``server``
+(uvicorn, TLS).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -67,6 +69,7 @@ from moeserve.services.http.encode import (
     disconnected,
     json_response,
     logprobs_part,
+    prompt_logprobs_part,
     sse,
     usage,
 )
@@ -93,11 +96,14 @@ from moeserve.services.http.params import (
     parse_sampling,
 )
 from moeserve.services.http.server import HttpServer
+from moeserve.services.http.tokens import TokenRoutes
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
 if TYPE_CHECKING:
     from moeserve.router.engine.api import GenerateRequest
     from moeserve.services.readiness import Readiness
+
+log = logging.getLogger("moeserve.services.http")
 
 
 async def _until_disconnect(receive, coro):
@@ -122,14 +128,18 @@ async def _until_disconnect(receive, coro):
     return work.result()
 
 
-class HttpApi:
+class HttpApi(TokenRoutes):
     """The ASGI application (``app``) and its state.
 
     admission: the front end's shared admission path; served_models: the names a request's
     ``model`` may take (the first is the default); model_root: the model folder (shown by
     /v1/models); api_key: guards ``/v1/`` (None: open); registry: the Prometheus registry of
     /metrics (None: an empty answer); max_body_bytes: the largest request body (at most
-    :func:`body_limit` of the admission limits).
+    :func:`body_limit` of the admission limits); max_logprobs: the most top logprobs a request
+    may ask for (``--max-logprobs``); generation_defaults: sampling defaults for what a request
+    leaves out (the model's ``generation_config.json``: ``params.GENERATION_DEFAULTS``);
+    vllm_metrics: a ``moeserve.ops.metrics.VllmMetrics`` refreshed from the leader's status
+    on every scrape of /metrics (None: none).
     """
 
     def __init__(
@@ -140,6 +150,9 @@ class HttpApi:
         api_key: str | None = None,
         registry=None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_logprobs: int = MAX_LOGPROBS,
+        generation_defaults: dict | None = None,
+        vllm_metrics=None,
     ):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
@@ -156,11 +169,18 @@ class HttpApi:
         self.draining = False
         self.readiness: Readiness | None = None  # the front end's (None: ask the leader)
         self.created = int(time.time())
+        self.max_logprobs = max_logprobs
+        self.defaults = dict(generation_defaults or {})
+        self.vllm_metrics = vllm_metrics
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -239,24 +259,36 @@ class HttpApi:
     async def chat_completions(self, request):
         return await self._generation(request, self._chat)
 
+    def _model_card(self, m: str) -> dict:
+        return {
+            "id": m,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "moeserve",
+            "root": self.model_root or m,
+            "parent": None,
+            "max_model_len": self.admission.limits.max_model_len,
+        }
+
     async def models(self, request):
         try:
             self._auth(request)
         except ApiError as e:
             return e.response()
-        data = [
-            {
-                "id": m,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "moeserve",
-                "root": self.model_root or m,
-                "parent": None,
-                "max_model_len": self.admission.limits.max_model_len,
-            }
-            for m in self.served_models
-        ]
-        return json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": [self._model_card(m) for m in self.served_models]})
+
+    async def model(self, request):
+        """GET /v1/models/{id}: one served model, or 404 naming those served."""
+        try:
+            self._auth(request)
+            name = request.path_params["model_id"]
+            return json_response(self._model_card(parse_model({"model": name}, self.served_models)))
+        except ApiError as e:
+            return e.response()
+
+    def _ignored(self, unknown: list[str], route: str) -> None:
+        if unknown:
+            log.warning("%s: the request has fields moeserve ignores: %s", route, ", ".join(unknown))
 
     async def health(self, request):
         if self.draining:
@@ -284,13 +316,20 @@ class HttpApi:
 
         if self.registry is None:
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import generate_latest
 
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        from moeserve.ops.metrics import TEXT_FORMAT
+
+        if self.vllm_metrics is not None:
+            await self.vllm_metrics.refresh(self.admission.engine)
+
+        return Response(generate_latest(self.registry), media_type=TEXT_FORMAT)
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _requests(self, prompts, s: Sampling):
+    def _requests(self, prompts, s: Sampling, texts: dict | None = None):
+        """One engine request and one Choice per (prompt, j < n); ``texts``: prompt ids -> the
+        text they were tokenized from (echo shows it as given)."""
         a = self.admission
         if len(prompts) * s.n > MAX_CHOICES:
             raise bad(
@@ -313,41 +352,59 @@ class HttpApi:
                         stop_token_ids=s.stop_token_ids,
                         ignore_eos=s.ignore_eos,
                         return_logits="last" if s.logprobs is not None else "",
+                        prompt_logprobs=s.prompt_top,
+                        min_p=s.min_p,
+                        presence_penalty=s.presence_penalty,
+                        frequency_penalty=s.frequency_penalty,
+                        repetition_penalty=s.repetition_penalty,
+                        min_tokens=s.min_tokens,
+                        logit_bias=s.logit_bias,
+                        cache_salt=s.cache_salt,
                     )
                 )
-                choices.append(
-                    Choice(
-                        len(choices),
-                        Detokenizer(a.tokenizer, s.skip_special_tokens),
-                        StopStrings(s.stops),
-                        frozenset(s.stop_token_ids),
-                        s.logprobs,
-                        s.include_stop_str,
-                        ids,
-                    )
+                choice = Choice(
+                    len(choices),
+                    Detokenizer(a.tokenizer, s.skip_special_tokens),
+                    StopStrings(s.stops),
+                    frozenset(s.stop_token_ids),
+                    s.logprobs,
+                    s.include_stop_str,
+                    ids,
+                    min_tokens=s.min_tokens,
                 )
+                if s.echo:  # a text prompt as given, ids as they decode
+                    given = (texts or {}).get(ids)
+                    choice.echo = (
+                        given if given is not None else Detokenizer.of(a.tokenizer, ids, s.skip_special_tokens)
+                    )
+                choices.append(choice)
         if s.stops and a.tokenizer is None:
             raise bad("stop strings need the model's tokenizer (this server has none): use stop_token_ids", "stop")
         return reqs, choices
 
     async def _completions(self, body: dict):
-        check_keys(body, COMPLETION_KEYS)
+        self._ignored(check_keys(body, COMPLETION_KEYS), "/v1/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, False, self.admission.limits.max_stop_ids)
+        s = parse_sampling(body, False, self.admission.limits.max_stop_ids, self.max_logprobs, self.defaults)
         prompts = await parse_prompts(body, self.admission)
-        return await self._respond(model, prompts, s, chat=False)
+        texts = None
+        if s.echo:  # echo shows a text prompt as it was given
+            raw = body.get("prompt")
+            given: list = [raw] if isinstance(raw, str) else list(raw) if isinstance(raw, list) else []
+            texts = {ids: g for ids, g in zip(prompts, given) if isinstance(g, str)}
+        return await self._respond(model, prompts, s, chat=False, texts=texts)
 
     async def _chat(self, body: dict):
-        check_keys(body, CHAT_KEYS)
+        self._ignored(check_keys(body, CHAT_KEYS), "/v1/chat/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, True, self.admission.limits.max_stop_ids)
+        s = parse_sampling(body, True, self.admission.limits.max_stop_ids, self.max_logprobs, self.defaults)
         messages = parse_messages(body)
         add_gen, kwargs = parse_chat_options(body)
         ids = await self.admission.chat_ids(messages, add_gen, kwargs)
         return await self._respond(model, [ids], s, chat=True)
 
-    async def _respond(self, model: str, prompts, s: Sampling, chat: bool):
-        reqs, choices = self._requests(prompts, s)
+    async def _respond(self, model: str, prompts, s: Sampling, chat: bool, texts: dict | None = None):
+        reqs, choices = self._requests(prompts, s, texts)
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
@@ -367,36 +424,47 @@ class HttpApi:
         tok = self.admission.tokenizer
         out = []
         for c in choices:
-            part = {"index": c.index}
+            part: dict = {"index": c.index}
             if chat:
                 part["message"] = {"role": "assistant", "content": c.text}
             else:
-                part["text"] = c.text
+                part["text"] = (c.echo or "") + c.text
             part.update(
                 logprobs=logprobs_part(tok, c.logprobs, chat) if s.logprobs is not None else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
+            if s.prompt_logprobs is not None and not chat:
+                part["prompt_logprobs"] = self._prompt_lp(c, s)
             if s.return_token_ids:
                 if not chat:
                     part["prompt_token_ids"] = list(c.prompt_ids)
                 part["token_ids"] = list(c.token_ids)
             out.append(part)
-        body = {
+        body: dict = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": model,
             "choices": out,
-            "usage": usage(prompt_tokens, choices),
+            "usage": usage(prompt_tokens, choices, s.n),
         }
         if chat and s.return_token_ids:
             body["prompt_token_ids"] = list(prompts[0])
+        if chat and s.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_lp(choices[0], s)
         return json_response(body, headers={"x-request-id": rid})
+
+    def _prompt_lp(self, c: Choice, s: Sampling) -> list | None:
+        if c.prompt_lp is None:
+            return None
+        return prompt_logprobs_part(self.admission.tokenizer, c.prompt_ids, c.prompt_lp, s.prompt_logprobs or 0)
 
     async def _chunks(self, run: Run, choices, rid, created, model, prompt_tokens, s: Sampling, chat: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
-        extra = {"usage": None} if s.include_usage else {}
+        extra: dict = {"usage": None} if s.include_usage else {}
+        if s.continuous_usage:  # every chunk carries the usage so far
+            extra["usage"] = usage(prompt_tokens, choices)
         tok = self.admission.tokenizer
         # A chunk per token, even one whose text is held back (or empty: no tokenizer), when the
         # client asked for the ids or has no text to see tokens arrive by.
@@ -424,6 +492,8 @@ class HttpApi:
                         part["token_ids"] = []
                     yield chunk([part])
             async for c, text, entries in drive(run, choices):
+                if c.echo is not None and not c.echo_sent:
+                    text, c.echo_sent = c.echo + text, True
                 if not text and not entries and not c.done and not every_token:
                     continue
                 lp = logprobs_part(tok, entries, chat) if s.logprobs is not None else None
@@ -434,6 +504,11 @@ class HttpApi:
                     part["delta"] = {"content": text} if text else {}
                 else:
                     part["text"] = text
+                    if s.prompt_logprobs is not None and c.prompt_lp is not None and not c.plp_sent:
+                        part["prompt_logprobs"] = self._prompt_lp(c, s)
+                        c.plp_sent = True
+                if s.continuous_usage:
+                    extra["usage"] = usage(prompt_tokens, choices)
                 if s.return_token_ids:
                     if not chat and not c.prompt_sent:
                         part["prompt_token_ids"] = list(c.prompt_ids)
@@ -448,7 +523,7 @@ class HttpApi:
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": usage(prompt_tokens, choices),
+                        "usage": usage(prompt_tokens, choices, s.n),
                     }
                 )
         except Exception as e:
