@@ -2,7 +2,8 @@
 built and saved, two routers and two workers (co-located or not), redundant slots, a random
 placement and a live migration while generating. Tokens and their logits equal the
 single-process model's (which equals transformers: tests/test_models_families.py), and the
-workers end up holding exactly the new placement's experts."""
+workers end up holding exactly the new placement's experts. A model with sliding-window layers
+(GPT-OSS, this Mixtral) runs with the prefix cache off; Qwen3-MoE reads its cache."""
 
 import threading
 import time
@@ -46,6 +47,7 @@ def setup(request, tmp_path_factory):
     r = redundant_for(info.num_logical_experts, 2, at_least=2)
     slots = info.num_logical_experts + r
     return dict(
+        family=request.param,
         path=path,
         model=model,
         prompts=prompts,
@@ -103,3 +105,20 @@ def test_prompt_logits_at_every_position_equal_the_single_process_model(cluster,
     np.testing.assert_allclose(
         cluster.prompt_logits(prompt), reference_logits(setup["model"], prompt), atol=FP32_LOGITS_ATOL, rtol=0
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_model_with_sliding_window_layers_runs_with_the_prefix_cache_off(cluster, setup):
+    prompt = list(range(3, 40))  # two full blocks of 16 and more
+    want = reference_decode(setup["model"], prompt, 8)[0]
+    out = cluster.generate([prompt, prompt], max_tokens=8, ignore_eos=True, details=True)
+    out += cluster.generate([prompt], max_tokens=8, ignore_eos=True, details=True)
+    assert [g.token_ids for g in out] == [want] * 3
+    windowed = setup["model"].config.attention_window > 0
+    assert windowed == (setup["family"] != "qwen3_moe")
+    status = cluster.status()
+    if windowed:
+        assert not any(g.cached_tokens for g in out)
+        assert status.prefix_cache_hits == 0 == status.kv_blocks_cached
+    else:
+        assert out[-1].cached_tokens == 32 and status.prefix_cache_hits >= 32

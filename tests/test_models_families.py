@@ -187,13 +187,27 @@ def test_qwen3_qk_norm_weights_change_the_tiny_model(tmp_path):
     assert (ones - base).abs().max() > 1e-2
 
 
-def test_an_mxfp4_gpt_oss_checkpoint_is_refused_by_name(tmp_path):
+def test_an_mxfp4_gpt_oss_checkpoint_is_refused_by_name(tmp_path, capsys):
+    """By the loader, and by every command that takes a model as a usage error (exit 2) with the
+    same message, before any process starts."""
+    from moeserve.cli import main
+
     path = hf.save(hf.build_gpt_oss(seed=2), tmp_path / "src")
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="quant_method 'mxfp4': GPT-OSS's MXFP4 experts are not served yet"):
+    message = "quant_method 'mxfp4': GPT-OSS's MXFP4 experts are not served yet"
+    with pytest.raises(CheckpointError, match=message):
         load_model(path)
+    capsys.readouterr()
+    for argv in (
+        ["serve", str(path)],
+        ["up", "--model", str(path)],
+        ["generate", "--model", str(path), "--prompt-ids", "1"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"moeserve {argv[0]}: error: " in err and message in err and "serve a bf16 checkpoint" in err
 
 
 def test_fp8_experts_with_biases_are_refused(tmp_path):
