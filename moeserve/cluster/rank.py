@@ -368,10 +368,12 @@ def kv_blocks(cfg: ClusterConfig, mcfg, dtype: torch.dtype, device: torch.device
     after the weights and the exchange's buffers allows (GPU: gpu_memory_utilization of the
     device, less room for one step's activations; CPU: cpu_kv_cache_gib), at most what
     max_num_seqs sequences of max_model_len tokens need."""
-    from moeserve.models.paged import PagedKVCache
+    from moeserve.models.mla import cache_class
 
     c, lim = cfg.cache, cfg.limits
-    per_block = PagedKVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, c.block_size, dtype)
+    per_block = cache_class(mcfg).bytes_per_block(
+        mcfg.num_layers, mcfg.cache_heads, mcfg.cache_dim, c.block_size, dtype
+    )
     enough = lim.max_num_seqs * -(-lim.max_model_len // c.block_size) + 1
     if c.num_gpu_blocks_override:
         return c.num_gpu_blocks_override
