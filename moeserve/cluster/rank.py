@@ -229,6 +229,7 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
             info.expert_bytes,
             tuple(int(x) for x in info.moe_layer_ids),
             mcfg.num_layers,
+            num_expert_groups=info.num_expert_groups,
         )
         st.leader = Engine(cfg, shape, placement)
         if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:

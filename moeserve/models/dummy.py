@@ -255,7 +255,9 @@ class DummyReader:
                 sigma_e = SIGMA_UNIFORM * HOT_EMBED_SCALE
                 self._hot_value = d * math.sqrt(cfg.hidden_size - 1) * sigma_e * sigma_w
             else:
-                self._hot_value = d * math.sqrt(cfg.hidden_size) * sigma_w / cfg.num_experts
+                # the scores' spread: a softmax's ~ sigma_l / E, a sigmoid's ~ sigma_l / 4 (its slope at 0)
+                spread = 0.25 if cfg.routing.scoring == "sigmoid" else 1 / cfg.num_experts
+                self._hot_value = d * math.sqrt(cfg.hidden_size) * sigma_w * spread
 
     def hot_experts(self, moe_layer: int) -> list[int]:
         """The hot experts of MoE layer ``moe_layer`` (the ordinal), [] without hot experts."""
@@ -346,7 +348,7 @@ class DummyReader:
             t[hot, HOT_CHANNEL] = self._hot_value
         else:
             t = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            t[0, hot] = self._hot_value
+            t.view(-1)[hot] = self._hot_value  # [1, E] or [E] (DeepSeek-V3)
             self.bytes_read += t.numel() * t.element_size()
             self.tensors_read += 1
         return t

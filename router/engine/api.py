@@ -176,6 +176,7 @@ class ModelShape:
     expert_bytes: int
     moe_layer_ids: tuple[int, ...] = ()  # decoder-layer index of each MoE layer
     num_decoder_layers: int = 0
+    num_expert_groups: int = 1  # group-limited routing's groups (MoEInfo.num_expert_groups)
 
 
 @dataclass(frozen=True)
