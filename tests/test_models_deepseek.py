@@ -224,3 +224,51 @@ def test_init_model_writes_a_checkpoint_transformers_loads_and_agrees_with(tmp_p
     cache = model.new_cache()
     model.step(ids[0, :5], StepBatch.prefill([0], [5]), cache)
     assert cache.length(0) == 5
+
+
+# -- block-wise FP8, the published format --------------------------------------------------------
+
+
+def test_the_published_fp8_layout_quantizes_mla_and_the_mlps_and_keeps_the_router(tmp_path):
+    """DeepSeek-V3's config.json (quant_method fp8, 128 x 128 blocks, no module named
+    unconverted) read as dummy weights: every MLA projection, dense MLP, shared and routed
+    expert in FP8 with one weight_scale_inv per block; the gate, its bias and the LM head not."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from servinglib.shapes import DSV3_13_FP8, write_model
+
+    from moeserve.models.dummy import DummyReader
+
+    r = DummyReader(write_model(str(tmp_path / "v3"), DSV3_13_FP8))
+    fp8 = torch.float8_e4m3fn
+    for name, scale in (
+        ("model.layers.0.self_attn.q_a_proj", (12, 56)),
+        ("model.layers.0.self_attn.q_b_proj", (192, 12)),
+        ("model.layers.0.self_attn.kv_a_proj_with_mqa", (5, 56)),
+        ("model.layers.0.self_attn.kv_b_proj", (256, 4)),
+        ("model.layers.0.self_attn.o_proj", (56, 128)),
+        ("model.layers.0.mlp.gate_proj", (144, 56)),
+        ("model.layers.3.mlp.shared_experts.down_proj", (56, 16)),
+        ("model.layers.12.mlp.experts.255.up_proj", (16, 56)),
+    ):
+        assert r.stored_dtype(f"{name}.weight") == fp8 and r.shape(f"{name}.weight_scale_inv") == scale, name
+    assert r.stored_dtype("model.layers.3.mlp.gate.weight") == torch.float32  # the fp32 gate
+    assert r.stored_dtype("lm_head.weight") == torch.bfloat16
+    assert r.expert_spec(torch.bfloat16).quant is not None
+
+
+def test_a_tiny_block_fp8_model_decodes_on_the_latent_cache_as_its_eager_forward(case, tmp_path):
+    """Block-wise FP8 weights (16 x 16 blocks, MLA included): kv_b is absorbed from its
+    dequantized weight in decode; the paged steps equal the eager forward."""
+    import fp8_util
+
+    _, _, path = case
+    fp8, deq = fp8_util.quantize(path, tmp_path, "fp8-block", "block", (16, 16), "all")
+    model = load_model(fp8)
+    assert type(model.layers[1].attn.kv_b).__name__ == "QuantLinear"
+    seqs = [hf.prompts(1, 14, seed=6)[0], hf.prompts(1, 9, seed=7)[0]]
+    got = _paged_logits(model, seqs, [4, 1, 1, 1, 1, 1, 4, 4])
+    for s, q in enumerate(seqs):
+        assert (got[s] - model(q[None])[0]).abs().max().item() < FP32_LOGITS_ATOL
+    with torch.no_grad():
+        want = hf.load_oracle(deq)(seqs[0][None]).logits[0]
+    assert (got[0] - want).abs().max().item() < FP32_LOGITS_ATOL

@@ -185,7 +185,11 @@ def fp8_modules(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[st
         return []
     if scheme.format == "online":
         return [m for m in linear_modules(shapes) if scheme.online_quantizes(m)]
-    return [m for m in linear_modules(shapes) if not scheme.ignores(m)]
+    # The routers and the LM head are read in the model dtype (never FP8 codes): a config that
+    # does not list them as unconverted (DeepSeek-V3's names no module) keeps them so.
+    n = families.names(cfg)
+    kept = {"lm_head"} | {f"{n.layer(i)}.{n.router}" for i in cfg.moe_layer_ids}
+    return [m for m in linear_modules(shapes) if not scheme.ignores(m) and m not in kept]
 
 
 def declared_scheme(cfg: ModelConfig) -> ModelConfig:

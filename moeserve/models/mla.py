@@ -90,7 +90,7 @@ class MLAttention:
     """Multi-head latent attention of one decoder layer (the module docstring), called as
     ``layers.Attention``: over the eager ``KVCache`` (expanded, sequence by sequence: the
     oracle) or the ``LatentKVCache`` (absorbed when every sequence of the step brings one token,
-    else expanded)."""
+    else expanded; on CUDA absorbed always, on the Triton kernel)."""
 
     def __init__(
         self,
@@ -145,7 +145,9 @@ class MLAttention:
         if isinstance(cache, PagedKVCache):
             assert isinstance(batch, PagedBatch)  # DecoderModel.step pairs the batch with its cache
             cache.write(self.layer, batch.slot_mapping, latent, latent)  # (one pool: v is k)
-            if batch.max_query_len <= 1:
+            # On CUDA every step runs the absorbed kernel: the torch expansion's padded scores
+            # [S, Hq, Q, L] would not fit a long prompt's chunks (64 x 8,000 tokens).
+            if batch.max_query_len <= 1 or (x.is_cuda and triton_available()):
                 out = self.absorbed(q_nope, q_pe, cache.k[self.layer], batch)
             else:
                 out = self._expanded_paged(q_nope, q_pe, cache.k[self.layer], batch)
