@@ -272,3 +272,39 @@ def test_a_tiny_block_fp8_model_decodes_on_the_latent_cache_as_its_eager_forward
     with torch.no_grad():
         want = hf.load_oracle(deq)(seqs[0][None]).logits[0]
     assert (got[0] - want).abs().max().item() < FP32_LOGITS_ATOL
+
+
+def test_a_router_sizes_its_pool_by_the_latent(case, tmp_path):
+    """kv_blocks on a CPU rank: the cpu_kv_cache_gib budget divided by one block's latent bytes
+    (layers x block_size x (R + Dr) x 4 in fp32), not by per-head keys and values."""
+    from moeserve.cluster.rank import kv_blocks
+    from moeserve.config import CacheConfig, ClusterConfig, Limits
+
+    _, model, path = case
+    per_block = 3 * 16 * 40 * 4  # 7,680 bytes
+    cfg = ClusterConfig(
+        str(path),
+        cache=CacheConfig(block_size=16, cpu_kv_cache_gib=100 * per_block / 2**30),
+        limits=Limits(max_model_len=4096, max_num_seqs=64),
+    )
+    assert kv_blocks(cfg, model.config, torch.float32, torch.device("cpu")) == 100
+
+
+@needs_triton
+def test_the_triton_kernel_at_deepseek_v3s_latent_width_equals_the_torch_path():
+    """R = 512, Dr = 64 (the published widths), 20 heads (a partial tile of 16), blocks of 16:
+    the kernel's o_c equals the paged torch attention over the latent as key and value."""
+    from moeserve.models.attention import paged_attention_torch
+    from moeserve.models.mla import mla_decode_triton
+
+    g = torch.Generator().manual_seed(3)
+    r, dr, hq, bs = 512, 64, 20, 16
+    pool = torch.randn(6 * bs, 1, r + dr, generator=g) * 0.1  # [N, 1, C]
+    batch = PagedBatch.build([1, 3], [40, 20], [[4, 1, 5], [0, 2]], bs)
+    q_c, q_pe = torch.randn(4, hq, r, generator=g) * 0.1, torch.randn(4, hq, dr, generator=g) * 0.1
+    scale = 192**-0.5
+    got = mla_decode_triton(q_c, q_pe, pool, batch, scale=scale, kv_lora_rank=r)
+    ref = paged_attention_torch(
+        torch.cat([q_c, q_pe], -1), pool, pool, batch, scale=scale, chunk=None, softmax_fp32=True
+    )
+    assert (got - ref[..., :r]).abs().max().item() < 1e-5
