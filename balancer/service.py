@@ -256,11 +256,14 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         load = rep.load.astype(np.float64)
         cur = placement.phy2log
         workers, wpn = placement.num_workers, placement.workers_per_node
+        # the model's expert groups: with several nodes the policy keeps each group's replicas
+        # on one node (group-limited routing's premise); 0 from a leader that does not say
+        groups = max(1, status.model.num_expert_groups)
         policy = make_policy(self.config.move_budget, step_model=self.config.step_model)
         steps = int(rep.steps) if self.config.step_model is not None and rep.steps > 0 else None
         hist = _histogram(rep, load) if steps is not None else None  # the routers' per-step counts
         plan = await asyncio.to_thread(
-            policy, load, cur.shape[1], workers, 1, workers // wpn, cur, steps=steps, histogram=hist
+            policy, load, cur.shape[1], workers, groups, workers // wpn, cur, steps=steps, histogram=hist
         )
         plan = np.asarray(plan, dtype=np.int64)
         report = evaluate(load, cur, plan, workers, status.model.expert_bytes)

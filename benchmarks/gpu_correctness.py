@@ -113,6 +113,25 @@ SHAPES = {
         vocab_size=4096,
         initializer_range=0.04,  # the floor: 1.9e-5 (0.05: 7.4e-5)
     ),
+    "deepseek_v3": dict(  # MLA on the latent cache, 64 experts in 8 groups of which 4 picked
+        hidden_size=1024,
+        num_hidden_layers=6,  # layer 0 dense
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        intermediate_size=1536,
+        moe_intermediate_size=256,
+        n_routed_experts=64,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        vocab_size=4096,
+        initializer_range=0.05,
+    ),
 }
 FAMILIES = tuple(SHAPES)
 

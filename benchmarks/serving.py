@@ -26,7 +26,11 @@ folder is a ``config.json`` written here, nothing is downloaded. Shapes (bf16):
 - ``gptoss20b``: GPT-OSS-20B's published config.json (24 layers alternating a window of 128 and
   full attention with sinks, hidden 2880, 64 / 8 heads of 64 with biases, YaRN, 32 experts top-4
   of width 2880 with biases and the clamped SwiGLU, vocab 201,088), its experts in bf16 (the
-  published checkpoint's MXFP4 is not served; 42 GB in bf16).
+  published checkpoint's MXFP4 is not served; 42 GB in bf16);
+- ``dsv3_7``: DeepSeek-V3's published config.json (MLA with a latent cache of 576 values per
+  token and layer, 256 experts top-8 in 8 groups of which 4 are picked, one shared expert) cut to
+  its 3 dense and 4 MoE layers in bf16 (~22.5 GB of experts per MoE layer); ``dsv3_13_fp8``:
+  3 + 10 layers in its published block-wise FP8.
 
 Configurations, side by side in one run, each in its own processes, freed before the next:
 
@@ -204,7 +208,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--shape",
         choices=sorted(SHAPES),
         default=None,
-        help="scout8, scout48, maverick12, ernie28, qwen3_30b or gptoss20b (smoke: tiny)",
+        help="scout8, scout48, maverick12, ernie28, qwen3_30b, gptoss20b, dsv3_7 or dsv3_13_fp8 (smoke: tiny)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shape, gloo, 1 rank, a few requests")
     p.add_argument(

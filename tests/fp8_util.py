@@ -20,9 +20,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 # Which linear layers the published FP8 checkpoints quantize: routed and shared experts and dense
-# MLPs (Llama 4: attention, router and lm_head stay bf16); "all" also takes attention.
+# MLPs (Llama 4: attention, router and lm_head stay bf16); "all" also takes attention (DeepSeek-V3's
+# FP8 checkpoints quantize every MLA projection too).
 MLP = re.compile(r".*\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")  # w1, w3, w2: Mixtral's experts
-ATTENTION = re.compile(r".*self_attn\.(q|k|v|o)_proj$")
+ATTENTION = re.compile(r".*self_attn\.((q|k|v|o|q_a|q_b|kv_b)_proj|kv_a_proj_with_mqa)$")
 
 
 def _blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

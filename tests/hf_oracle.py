@@ -144,6 +144,58 @@ GPT_OSS_BASE = dict(
 )
 
 
+DEEPSEEK_V3_BASE = dict(
+    vocab_size=V,
+    hidden_size=64,
+    num_hidden_layers=3,  # layer 0 dense (first_k_dense_replace), layers 1 and 2 MoE
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,  # groups of 4 experts, the best 2 picked
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    q_lora_rank=48,
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    initializer_range=0.2,
+    max_position_embeddings=512,  # YaRN's factor 8 over 64 positions, softmax scale corrected
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+
+
+def build_deepseek_v3(seed: int = 0, bias_std: float = 0.1, **overrides):
+    """A random transformers DeepseekV3ForCausalLM (fp32, eval) with a non-zero
+    e_score_correction_bias (transformers initialises it to 0)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**DEEPSEEK_V3_BASE, **overrides})).eval()
+    _perturb(model, seed)
+    g = torch.Generator().manual_seed(seed + 3000)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(bias_std * torch.randn(b.shape, generator=g))
+    return model
+
+
 def build_qwen3_moe(seed: int = 0, **overrides):
     """A random transformers Qwen3MoeForCausalLM (fp32, eval), norms (q_norm, k_norm too) random."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

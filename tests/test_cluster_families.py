@@ -1,4 +1,4 @@
-"""Qwen3-MoE, Mixtral and GPT-OSS through a cluster (fp32, CPU ranks): checkpoints transformers
+"""Qwen3-MoE, Mixtral, GPT-OSS and DeepSeek-V3 through a cluster (fp32, CPU ranks): checkpoints transformers
 built and saved, two routers and two workers (co-located or not), redundant slots, a random
 placement and a live migration while generating. Tokens and their logits equal the
 single-process model's (which equals transformers: tests/test_models_families.py), and the
@@ -33,6 +33,8 @@ CASES = {  # family: (builder, overrides, co-located)
     "qwen3_moe": (hf.build_qwen3_moe, dict(num_experts=8), False),
     "mixtral": (hf.build_mixtral, dict(sliding_window=8), True),
     "gpt_oss": (hf.build_gpt_oss, dict(), False),
+    # MLA on the latent paged cache, 4 groups with 2 picked, a dense first layer
+    "deepseek_v3": (hf.build_deepseek_v3, dict(), False),
 }
 
 

@@ -35,6 +35,7 @@ FAMILIES = {
     "ernie45": hf.build_ernie,
     "qwen3_moe": hf.build_qwen3_moe,
     "mixtral": hf.build_mixtral,
+    "deepseek_v3": hf.build_deepseek_v3,  # block-wise FP8 is its published format
 }
 
 

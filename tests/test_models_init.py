@@ -78,8 +78,8 @@ def test_overrides_change_the_config_and_unknown_fields_are_refused(tmp_path):
     assert model.config.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"unknown config field\(s\) \['num_expert'\] for llama4; allowed: "):
         init_model(tmp_path / "x", "llama4", num_expert=4)
-    with pytest.raises(ValueError, match="unknown family 'deepseek_v3'; allowed: llama4, ernie45, qwen3_moe, mixtral"):
-        init_model(tmp_path / "x", "deepseek_v3")
+    with pytest.raises(ValueError, match="unknown family 'glm4_moe'; allowed: llama4, ernie45, qwen3_moe, mixtral"):
+        init_model(tmp_path / "x", "glm4_moe")
 
 
 def _hot_share(model, n_hot):

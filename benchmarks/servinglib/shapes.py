@@ -210,10 +210,78 @@ GPTOSS_20B = {  # openai/gpt-oss-20b config.json, as published (its MXFP4 quanti
     "vocab_size": 201088,
     "torch_dtype": "bfloat16",
 }
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, as published (its weights block-wise FP8)
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+# 1 x H200: the 3 dense layers and 4 MoE layers in bf16 (each MoE layer's experts ~22.5 GB), or
+# 3 + 10 in the published block-wise FP8
+DSV3_7 = {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"} | {"num_hidden_layers": 7}
+DSV3_13_FP8 = {**DEEPSEEK_V3, "num_hidden_layers": 13}
 SHAPES = {
     "scout8": dict(config=SCOUT8, redundant=2),
     "qwen3_30b": dict(config=QWEN3_30B, redundant=16),
     "gptoss20b": dict(config=GPTOSS_20B, redundant=4),
+    "dsv3_7": dict(config=DSV3_7, redundant=0),
+    "dsv3_13_fp8": dict(config=DSV3_13_FP8, redundant=0),
     "scout48": dict(config=SCOUT48, redundant=2),
     "maverick12": dict(config=MAVERICK12, redundant=2),
     "ernie28": dict(config=ERNIE28, redundant=2),
@@ -324,7 +392,8 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
         )
         router += n * (4 if fp32 else dtype_bytes)
     expert = expert_spec(cfg, torch.bfloat16 if dtype_bytes == 2 else torch.float32).nbytes
-    kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    # MLA caches one latent per token and layer (moeserve.models.mla); other families K and V
+    kv_layer_token = (1 if cfg.mla is not None else 2) * cfg.cache_heads * cfg.cache_dim * dtype_bytes
     return dict(
         family=cfg.family,
         num_layers=cfg.num_layers,

@@ -1,4 +1,4 @@
-"""``moeserve init-model DIR --family llama4|ernie45|qwen3_moe|mixtral|gpt_oss``: write a small
+"""``moeserve init-model DIR --family llama4|ernie45|qwen3_moe|mixtral|gpt_oss|deepseek_v3``: write a small
 random checkpoint.
 
 Nothing is downloaded: the folder gets config.json, model.safetensors and a small tokenizer
@@ -21,6 +21,7 @@ FAMILY_FIELDS = {  # CLI option -> config.json field, per family
         "qwen3_moe": "num_experts",
         "mixtral": "num_local_experts",
         "gpt_oss": "num_local_experts",
+        "deepseek_v3": "n_routed_experts",
     },
 }
 
@@ -30,7 +31,7 @@ def register(subparsers) -> None:
         "init-model",
         help="write a small random checkpoint (Hugging Face layout, no download)",
         description="Write a small random checkpoint of one family (Llama 4, ERNIE-4.5-MoE, Qwen3-MoE, Mixtral, "
-        "GPT-OSS) with a tokenizer into DIR.",
+        "GPT-OSS, DeepSeek-V3) with a tokenizer into DIR.",
     )
     p.add_argument("dir", metavar="DIR", help="folder to write (created; an earlier init-model folder is overwritten)")
     p.add_argument("--family", choices=FAMILIES, default="llama4", help="model family (default llama4)")
@@ -46,7 +47,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--num-experts",
         type=int,
-        help="routed experts per MoE layer (default 8 llama4, mixtral, gpt_oss; 16 ernie45, qwen3_moe)",
+        help="routed experts per MoE layer (default 8 llama4, mixtral, gpt_oss; 16 ernie45, qwen3_moe, deepseek_v3)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="stored dtype (default float32)")
     p.set_defaults(func=run)

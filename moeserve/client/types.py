@@ -211,7 +211,8 @@ class RankInfo:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The model's shape as the cluster serves it; expert_bytes: the weights of one expert."""
+    """The model's shape as the cluster serves it; expert_bytes: the weights of one expert;
+    num_expert_groups: group-limited routing's groups (1 without)."""
 
     num_moe_layers: int
     num_logical_experts: int
@@ -221,6 +222,7 @@ class ModelInfo:
     top_k: int
     vocab_size: int
     expert_bytes: int
+    num_expert_groups: int = 1
 
 
 @dataclass(frozen=True)

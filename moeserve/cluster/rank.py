@@ -60,13 +60,21 @@ class ComposedRank(RankState):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def initial_placement(cfg: ClusterConfig, num_layers: int, num_logical: int) -> Placement:
-    """The placement a cluster starts with: cfg.phy2log, or slot p holding expert p mod E; its
-    break-even counts cfg.breakeven, or ``config.default_breakeven()`` (0 unless
-    MOESERVE_EPLB_BREAKEVEN is set) for every layer and expert."""
+def initial_placement(cfg: ClusterConfig, num_layers: int, num_logical: int, num_groups: int = 1) -> Placement:
+    """The placement a cluster starts with: cfg.phy2log, or slot p holding expert p mod E, or,
+    with expert groups that divide over several nodes (``num_groups``, workers_per_node), each
+    node holding its G / N consecutive groups, slot j of node k expert k E/N + j mod E/N (every
+    group's replicas on one node, as the hierarchical policy keeps them); its break-even counts
+    cfg.breakeven, or ``config.default_breakeven()`` (0 unless MOESERVE_EPLB_BREAKEVEN is set)
+    for every layer and expert."""
     p = num_logical + cfg.eplb.num_redundant_experts
+    nodes = cfg.workers // (cfg.workers_per_node or cfg.workers)
     if cfg.phy2log is not None:
         phy2log = np.asarray(cfg.phy2log, dtype=np.int64)
+    elif nodes > 1 and num_groups > 1 and num_groups % nodes == 0 and num_logical % num_groups == 0:
+        local, per_node = num_logical // nodes, p // nodes
+        row = (np.arange(p) // per_node) * local + np.arange(p) % per_node % local  # [P]
+        phy2log = np.tile(row.astype(np.int64), (num_layers, 1))
     else:
         phy2log = np.tile(np.arange(p, dtype=np.int64) % num_logical, (num_layers, 1))
     if cfg.breakeven is not None:
@@ -164,7 +172,7 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
         info = _moe_info(cfg.model_dir, dtype, cfg.quantization or None)
     e = info.num_logical_experts
     topo = Topology.build(cfg.routers, cfg.workers, cfg.colocated, e + cfg.eplb.num_redundant_experts)
-    placement = initial_placement(cfg, info.num_moe_layers, e)
+    placement = initial_placement(cfg, info.num_moe_layers, e, info.num_expert_groups)
     if generation:  # a replacement: the placement in force
         placement = _placement_from_leader(control, placement)
     exchange = make_exchange(cfg, topo, rank, device, control, mcfg.hidden_size, dtype, info.top_k)
@@ -230,6 +238,7 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
             tuple(int(x) for x in info.moe_layer_ids),
             mcfg.num_layers,
             mcfg.attention_window,
+            num_expert_groups=info.num_expert_groups,
         )
         st.leader = Engine(cfg, shape, placement)
         if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:
@@ -383,10 +392,12 @@ def kv_blocks(cfg: ClusterConfig, mcfg, dtype: torch.dtype, device: torch.device
     after the weights and the exchange's buffers allows (GPU: gpu_memory_utilization of the
     device, less room for one step's activations; CPU: cpu_kv_cache_gib), at most what
     max_num_seqs sequences of max_model_len tokens need."""
-    from moeserve.models.paged import PagedKVCache
+    from moeserve.models.mla import cache_class
 
     c, lim = cfg.cache, cfg.limits
-    per_block = PagedKVCache.bytes_per_block(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, c.block_size, dtype)
+    per_block = cache_class(mcfg).bytes_per_block(
+        mcfg.num_layers, mcfg.cache_heads, mcfg.cache_dim, c.block_size, dtype
+    )
     enough = lim.max_num_seqs * -(-lim.max_model_len // c.block_size) + 1
     if c.num_gpu_blocks_override:
         return c.num_gpu_blocks_override

@@ -1,9 +1,9 @@
-"""Models: Llama 4 (text), ERNIE-4.5-MoE, Qwen3-MoE, Mixtral and GPT-OSS, split at the
-router/expert seam of moe.py.
+"""Models: Llama 4 (text), ERNIE-4.5-MoE, Qwen3-MoE, Mixtral, GPT-OSS and DeepSeek-V3, split at
+the router/expert seam of moe.py.
 
 - config.py: ``load_config`` / ``ModelConfig`` (both published and transformers-5 spellings),
   whose MoE layer is data (``RoutingSpec``, shared experts, the expert MLP);
-- families.py and llama4.py, ernie45.py, qwen3_moe.py, mixtral.py, gpt_oss.py: each family's
+- families.py and llama4.py, ernie45.py, qwen3_moe.py, mixtral.py, gpt_oss.py, deepseek_v3.py: each family's
   config mapping and where its checkpoints keep each tensor;
 - routing.py: the routing function of every family and ``MoEBlock``, a MoE layer's router side;
 - checkpoint.py: ``CheckpointReader``, a lazy safetensors reader (one expert = its own bytes);
@@ -12,6 +12,7 @@ router/expert seam of moe.py.
 - layers.py, cache.py: norms, RoPE, attention over the ``KVCache``, the varlen ``StepBatch``;
 - paged.py, attention.py: the paged KV cache (``PagedKVCache``), a step's ``PagedBatch``, and
   batched attention over them (torch, or Triton on CUDA: ``moeserve.kernels.triton_attention``);
+- mla.py: multi-head latent attention and its latent paged cache (``LatentKVCache``);
 - model.py: ``load_model`` -> ``DecoderModel`` (step / forward / generate) and ``MoEInfo``;
 - init.py: ``init_model`` writes a small random checkpoint without transformers.
 

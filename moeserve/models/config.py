@@ -8,7 +8,9 @@ parses it):
   ``text_config`` and its weights under ``language_model.`` (vision weights are ignored);
 - ``ernie4_5_moe``: ERNIE-4.5-MoE (``mtp*`` weights are ignored);
 - ``qwen3_moe``: Qwen3-MoE; ``mixtral``: Mixtral; ``gpt_oss``: GPT-OSS (bf16 experts; its
-  published MXFP4 checkpoints are refused by name).
+  published MXFP4 checkpoints are refused by name);
+- ``deepseek_v3`` and ``kimi_k2`` (Kimi K2's spelling of the same architecture): DeepSeek-V3,
+  multi-head latent attention (``ModelConfig.mla``) and grouped sigmoid routing.
 
 Both spellings of the fields that transformers 5 renamed are read: ``rope_theta`` /
 ``rope_scaling`` / ``torch_dtype`` (published checkpoints) and ``rope_parameters`` / ``dtype``
@@ -47,8 +49,10 @@ MODEL_TYPES = {
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
     "gpt_oss": "gpt_oss",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
 }
-FAMILIES = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
+FAMILIES = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCORINGS = ("softmax", "sigmoid")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
@@ -123,6 +127,31 @@ class RoutingSpec:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2; ``moeserve.models.mla``).
+
+    q = q_b(norm(q_a(x))) (or q_proj(x) when ``q_lora_rank`` is None): per head a no-RoPE part
+    [Dn] and a RoPE part [Dr]. The keys and values of every head come from one latent per token:
+    kv_a(x) = [c | k_pe], c [R] normalised (``kv_a_layernorm``), k_pe [Dr] the RoPE key shared by
+    all heads; kv_b(c) = per head [k_nope (Dn) | v (Dv)]. The cache holds [c | k_pe], R + Dr per
+    token and layer. ``softmax_scale``: (Dn + Dr)^-0.5 times YaRN's mscale(factor,
+    mscale_all_dim)^2 when RoPE is YaRN-scaled.
+    """
+
+    q_lora_rank: int | None  # None: a plain q_proj
+    kv_lora_rank: int  # R
+    qk_nope_head_dim: int  # Dn
+    qk_rope_head_dim: int  # Dr
+    v_head_dim: int  # Dv
+    softmax_scale: float
+
+    @property
+    def latent_dim(self) -> int:
+        """R + Dr: what the cache holds per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the decoder needs, family-neutral, with family specifics as plain fields.
 
@@ -177,6 +206,7 @@ class ModelConfig:
     attention_sinks: bool = False  # GPT-OSS: a learned logit per query head in every softmax (sinks [Hq])
     attention_softmax_fp32: bool = False  # the eager attention's softmax in fp32 (else the model dtype)
     norm_weight_fp32: bool = False  # GPT-OSS: RMSNorm weights held in fp32 and applied before the cast
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V3); head_dim is then its RoPE dim
 
     def __post_init__(self):
         if self.expert_activation not in EXPERT_ACTIVATIONS:
@@ -185,6 +215,16 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
+
+    @property
+    def cache_heads(self) -> int:
+        """Heads of a cached token: the KV heads, or 1 (the latent) with MLA."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def cache_dim(self) -> int:
+        """Width of one cached head: head_dim, or kv_lora_rank + RoPE dim (the latent) with MLA."""
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
 
     @property
     def moe_norm_min(self) -> float:

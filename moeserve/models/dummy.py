@@ -185,7 +185,11 @@ def fp8_modules(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[st
         return []
     if scheme.format == "online":
         return [m for m in linear_modules(shapes) if scheme.online_quantizes(m)]
-    return [m for m in linear_modules(shapes) if not scheme.ignores(m)]
+    # The routers and the LM head are read in the model dtype (never FP8 codes): a config that
+    # does not list them as unconverted (DeepSeek-V3's names no module) keeps them so.
+    n = families.names(cfg)
+    kept = {"lm_head"} | {f"{n.layer(i)}.{n.router}" for i in cfg.moe_layer_ids}
+    return [m for m in linear_modules(shapes) if not scheme.ignores(m) and m not in kept]
 
 
 def declared_scheme(cfg: ModelConfig) -> ModelConfig:
@@ -255,7 +259,9 @@ class DummyReader:
                 sigma_e = SIGMA_UNIFORM * HOT_EMBED_SCALE
                 self._hot_value = d * math.sqrt(cfg.hidden_size - 1) * sigma_e * sigma_w
             else:
-                self._hot_value = d * math.sqrt(cfg.hidden_size) * sigma_w / cfg.num_experts
+                # the scores' spread: a softmax's ~ sigma_l / E, a sigmoid's ~ sigma_l / 4 (its slope at 0)
+                spread = 0.25 if cfg.routing.scoring == "sigmoid" else 1 / cfg.num_experts
+                self._hot_value = d * math.sqrt(cfg.hidden_size) * sigma_w * spread
 
     def hot_experts(self, moe_layer: int) -> list[int]:
         """The hot experts of MoE layer ``moe_layer`` (the ordinal), [] without hot experts."""
@@ -346,7 +352,7 @@ class DummyReader:
             t[hot, HOT_CHANNEL] = self._hot_value
         else:
             t = torch.zeros(shape, dtype=torch.float32, device=self.device)
-            t[0, hot] = self._hot_value
+            t.view(-1)[hot] = self._hot_value  # [1, E] or [E] (DeepSeek-V3)
             self.bytes_read += t.numel() * t.element_size()
             self.tensors_read += 1
         return t

@@ -3,13 +3,14 @@
 Dimension letters: E logical experts, H hidden size, I one expert's intermediate size, V
 vocabulary, D head dim, Hq query heads.
 
-A family is a module (``llama4``, ``ernie45``, ``qwen3_moe``, ``mixtral``, ``gpt_oss``) holding
+A family is a module (``llama4``, ``ernie45``, ``qwen3_moe``, ``mixtral``, ``gpt_oss``,
+``deepseek_v3``) holding
 what its ``config.json`` means (``parse``: a :class:`~moeserve.models.config.ModelConfig`, whose
 MoE layer is data) and where its checkpoints keep each tensor (``NAMES``, a :class:`Names`).
 Nothing else is per family: the decoder, the router side of a MoE layer
 (``moeserve.models.routing.MoEBlock``), the expert readers and the dummy weights read these two.
 
-Every decoder layer ``i`` of every family holds ``model.layers.{i}.self_attn.{q,k,v,o}_proj``
+Every decoder layer ``i`` holds ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` (MLA: ``mla_shapes``)
 (biases with ``attention_bias``; ``q_norm`` / ``k_norm`` [D] with ``qk_rms_norm``; ``sinks``
 [Hq] with ``attention_sinks``), ``input_layernorm`` and ``post_attention_layernorm``, and under
 ``model.layers.{i}.{NAMES.ffn}`` either a dense SwiGLU (``{gate,up,down}_proj``) or a MoE
@@ -43,6 +44,7 @@ class Names:
     expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per expert: gate, up, down
     fused: bool = False  # published with fused expert tensors (what dummy weights are made as)
     interleaved: bool = False  # fused gate_up_proj's columns alternate gate, up (GPT-OSS)
+    correction_bias_vector: bool = False  # the correction bias is stored [E] (DeepSeek-V3), not [1, E]
 
     def layer(self, layer: int) -> str:
         """The FFN prefix of decoder layer ``layer``."""
@@ -87,8 +89,11 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}"
-        for name, o, k in (("q", q, h), ("k", kv, h), ("v", kv, h), ("o", h, q)):
-            linear(f"{p}.self_attn.{name}_proj", o, k, cfg.attention_bias)
+        if cfg.mla is not None:
+            out.update(mla_shapes(cfg, f"{p}.self_attn"))
+        else:
+            for name, o, k in (("q", q, h), ("k", kv, h), ("v", kv, h), ("o", h, q)):
+                linear(f"{p}.self_attn.{name}_proj", o, k, cfg.attention_bias)
         if cfg.qk_rms_norm:
             out[f"{p}.self_attn.q_norm.weight"] = (d,)
             out[f"{p}.self_attn.k_norm.weight"] = (d,)
@@ -102,7 +107,7 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             continue
         linear(f"{ffn}.{n.router}", e, h, cfg.routing.gate_bias)
         if cfg.routing.correction_bias:
-            out[f"{ffn}.{n.correction_bias[0]}"] = (1, e)
+            out[f"{ffn}.{n.correction_bias[0]}"] = (e,) if n.correction_bias_vector else (1, e)
         experts = n.experts(layer)
         if n.fused and not fused_fp8(cfg):
             out[experts + "gate_up_proj"] = (e, h, 2 * i)
@@ -124,6 +129,35 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         linear("lm_head", v, h, cfg.mlp_bias)
     elif cfg.mlp_bias:
         out["lm_head.bias"] = (v,)
+    return out
+
+
+def mla_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Multi-head latent attention's tensors under ``prefix`` (``config.MLAConfig``): q_a_proj
+    [Lq, H], q_a_layernorm [Lq], q_b_proj [Hq (Dn + Dr), Lq] (or q_proj [Hq (Dn + Dr), H]),
+    kv_a_proj_with_mqa [R + Dr, H], kv_a_layernorm [R], kv_b_proj [Hq (Dn + Dv), R], o_proj
+    [H, Hq Dv]; q_a, kv_a and o have biases with ``attention_bias``."""
+    m = cfg.mla
+    assert m is not None
+    h, hq, bias = cfg.hidden_size, cfg.num_heads, cfg.attention_bias
+    qk = hq * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    out: dict[str, tuple[int, ...]] = {}
+
+    def linear(name: str, o: int, k: int, b: bool) -> None:
+        out[f"{prefix}.{name}.weight"] = (o, k)
+        if b:
+            out[f"{prefix}.{name}.bias"] = (o,)
+
+    if m.q_lora_rank is None:
+        linear("q_proj", qk, h, False)
+    else:
+        linear("q_a_proj", m.q_lora_rank, h, bias)
+        out[f"{prefix}.q_a_layernorm.weight"] = (m.q_lora_rank,)
+        linear("q_b_proj", qk, m.q_lora_rank, False)
+    linear("kv_a_proj_with_mqa", m.latent_dim, h, bias)
+    out[f"{prefix}.kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+    linear("kv_b_proj", hq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False)
+    linear("o_proj", h, hq * m.v_head_dim, bias)
     return out
 
 

@@ -18,7 +18,10 @@ exercise every feature:
   norm_topk_prob, qk-norm weights;
 - mixtral: hidden 64, 4 layers, 8 experts top-2;
 - gpt_oss: hidden 64, 4 layers alternating a sliding window of 8 and full attention, YaRN
-  (factor 8 over 64 positions), sinks, 8 experts top-2 with biases and the clamp at 2.
+  (factor 8 over 64 positions), sinks, 8 experts top-2 with biases and the clamp at 2;
+- deepseek_v3: hidden 64, 3 layers with layer 0 dense, MLA (q and kv LoRA, RoPE dim 8), YaRN
+  with the softmax-scale correction, 16 experts in 4 groups with 2 picked, top-4, scaling 2.5,
+  one shared expert.
 
 Weights are normal with std ``initializer_range`` (norms 1 + 0.1 N(0, 1), so that they are
 tested), in the family's published layout (``moeserve.models.families.checkpoint_shapes``).
@@ -73,6 +76,7 @@ EXTRA_KEYS = {
     "qwen3_moe": set(),
     "mixtral": set(),
     "gpt_oss": {"swiglu_alpha", "layer_types"},
+    "deepseek_v3": {"scoring_func", "topk_method"},
 }
 
 
@@ -295,7 +299,11 @@ def _weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: int) -> di
             t[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
             t[name] = _normal(gen, shape, std)
-    if hot:
+    if hot and cfg.routing.correction_bias:  # as ERNIE: +1 on the hot experts' selection bias
+        n = families.names(cfg)
+        for layer in cfg.moe_layer_ids:
+            t[f"{n.layer(layer)}.{n.correction_bias[0]}"].view(-1)[_hot_ids(gen, cfg.num_experts, hot)] += 1.0
+    elif hot:
         n = families.names(cfg)
         for layer in cfg.moe_layer_ids:
             router = t[f"{n.layer(layer)}.{n.router}.weight"]

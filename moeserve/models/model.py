@@ -37,6 +37,7 @@ from moeserve.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from moeserve.models.mla import LatentKVCache, MLAttention, load_mla
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
 from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.models.routing import MoEBlock
@@ -82,7 +83,7 @@ class DecoderLayer:
     """One decoder layer's router-side weights; ``mlp`` for dense layers, ``moe_index`` for MoE layers."""
 
     input_norm: torch.Tensor  # [H]
-    attn: Attention
+    attn: Attention | MLAttention
     post_norm: torch.Tensor  # [H]
     mlp: SwiGLU | None
     moe_index: int | None
@@ -123,12 +124,15 @@ class DecoderModel:
 
     def new_cache(self) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, c.cache_heads, c.cache_dim, self.dtype, self.device)
 
     def new_paged_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """A paged KV cache of ``num_blocks`` blocks of ``block_size`` tokens for this model's
-        layers, dtype and device (pools [num_layers, num_blocks * block_size, Hkv, D])."""
+        layers, dtype and device (pools [num_layers, num_blocks * block_size, Hkv, D]; with MLA
+        the latent pool of ``LatentKVCache``)."""
         c = self.config
+        if c.mla is not None:
+            return LatentKVCache(c.num_layers, c.cache_dim, num_blocks, block_size, self.dtype, self.device)
         return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype, self.device)
 
     # -- one step ------------------------------------------------------------------------------
@@ -204,15 +208,15 @@ class DecoderModel:
         c = self.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, _dev(cache.device)) != (
             c.num_layers,
-            c.num_kv_heads,
-            c.head_dim,
+            c.cache_heads,
+            c.cache_dim,
             self.dtype,
             _dev(self.device),
         ):
             raise ValueError(
                 f"the PagedKVCache (layers {cache.num_layers}, kv heads {cache.num_kv_heads}, head dim "
                 f"{cache.head_dim}, {cache.dtype} on {cache.device}) does not fit this model (layers "
-                f"{c.num_layers}, kv heads {c.num_kv_heads}, head dim {c.head_dim}, {self.dtype} on "
+                f"{c.num_layers}, kv heads {c.cache_heads}, head dim {c.cache_dim}, {self.dtype} on "
                 f"{self.device})"
             )
         if batch.block_size != cache.block_size:
@@ -230,7 +234,10 @@ class DecoderModel:
         shared experts): ``Linear`` or ``QuantLinear``."""
         for layer in self.layers:
             a = layer.attn
-            yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            if isinstance(a, MLAttention):
+                yield from a.linears()
+            else:
+                yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
             if layer.mlp is not None:
                 yield from (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
         for block in self.moe_blocks:
@@ -380,7 +387,9 @@ def load_model(
         embed = reader.read("model.embed_tokens.weight", dtype, shape=(v, h)).to(device)
         layers, blocks = [], []
         for i in range(cfg.num_layers):
-            attn = _load_attention(reader, cfg, i, dtype, device)
+            attn = (
+                load_mla(reader, cfg, i, dtype, device) if cfg.mla else _load_attention(reader, cfg, i, dtype, device)
+            )
             norms = [
                 reader.read(f"model.layers.{i}.{n}.weight", norm_dtype, shape=(h,)).to(device)
                 for n in ("input_layernorm", "post_attention_layernorm")

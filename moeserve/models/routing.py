@@ -14,9 +14,9 @@ rank, the exchange and the workers never know which model they serve:
 | Qwen3-MoE | softmax | on the scores | no | norm_topk_prob | output |
 | Mixtral | softmax | on the scores | no | yes | output |
 | GPT-OSS | softmax over the k logits (gate bias) | first, on the logits | no | (softmax) | output |
+| DeepSeek-V3 | sigmoid (fp32 gate) | on scores + bias, in the best groups | yes | norm_topk_prob, x scaling | output |
 
-DeepSeek-V3's routing (sigmoid scores, correction bias, groups, routed scaling factor) is the
-same data with ``n_group`` / ``topk_group`` and ``scaling_factor`` (no family ships it yet).
+DeepSeek-V3's groups (``n_group`` / ``topk_group``) and routed scaling factor are the same data.
 """
 
 from __future__ import annotations

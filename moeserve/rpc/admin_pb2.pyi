@@ -173,7 +173,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., role: _Optional[str] = ..., router_index: _Optional[int] = ..., worker_index: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("num_moe_layers", "num_logical_experts", "num_slots", "num_workers", "workers_per_node", "top_k", "vocab_size", "expert_bytes")
+    __slots__ = ("num_moe_layers", "num_logical_experts", "num_slots", "num_workers", "workers_per_node", "top_k", "vocab_size", "expert_bytes", "num_expert_groups")
     NUM_MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOGICAL_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class ModelInfo(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EXPERT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     num_moe_layers: int
     num_logical_experts: int
     num_slots: int
@@ -190,7 +191,8 @@ class ModelInfo(_message.Message):
     top_k: int
     vocab_size: int
     expert_bytes: int
-    def __init__(self, num_moe_layers: _Optional[int] = ..., num_logical_experts: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., top_k: _Optional[int] = ..., vocab_size: _Optional[int] = ..., expert_bytes: _Optional[int] = ...) -> None: ...
+    num_expert_groups: int
+    def __init__(self, num_moe_layers: _Optional[int] = ..., num_logical_experts: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_workers: _Optional[int] = ..., workers_per_node: _Optional[int] = ..., top_k: _Optional[int] = ..., vocab_size: _Optional[int] = ..., expert_bytes: _Optional[int] = ..., num_expert_groups: _Optional[int] = ...) -> None: ...
 
 class EplbInfo(_message.Message):
     __slots__ = ("enable_eplb", "num_redundant_experts", "window_size", "step_interval", "log_balancedness")

@@ -317,6 +317,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 top_k=e.shape.top_k,
                 vocab_size=e.shape.vocab_size,
                 expert_bytes=e.shape.expert_bytes,
+                num_expert_groups=e.shape.num_expert_groups,
             ),
             eplb=admin_pb2.EplbInfo(
                 enable_eplb=c.eplb.enable_eplb,
