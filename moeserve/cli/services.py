@@ -227,7 +227,7 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 def run_frontend(args: argparse.Namespace) -> int:
     from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.services import server
-    from moeserve.services.admission import Admission, AdmissionLimits
+    from moeserve.services.admission import Admission, AdmissionLimits, vocab_size_of
     from moeserve.services.frontend import load_tokenizer, make_server
 
     address = _host_port(args.control_address, "--control-address")
@@ -256,10 +256,18 @@ def run_frontend(args: argparse.Namespace) -> int:
         opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, grpc_interceptor(pm, SERVING)))
     from moeserve.services.readiness import Readiness, channel_probe
 
+    door = F.door_limits(args)
+    try:
+        limits = AdmissionLimits(
+            max_model_len=args.max_model_len,
+            vocab_size=vocab_size_of(args.model),
+            max_request_tokens=args.max_request_tokens,
+            choices_in_flight=args.max_choices_in_flight,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     engine = AsyncEngineClient(address, key)
-    admission = Admission(
-        engine, load_tokenizer(args.model), metrics, AdmissionLimits(max_model_len=args.max_model_len)
-    )
+    admission = Admission(engine, load_tokenizer(args.model), metrics, limits)
     readiness_metrics = None
     if pm is not None:
         from moeserve.ops.metrics import ReadinessMetrics
@@ -296,6 +304,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         opts.grace_s,  # HTTPS with the gRPC side's files
         ssl_certfile=opts.tls_cert,
         ssl_keyfile=opts.tls_key,
+        door=door,
     )
     try:
         server.run(_serve_both(srv, http, args.host))

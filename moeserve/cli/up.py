@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
     kw = F.cluster_kwargs(args)
     opts = F.server_options(args, 0)  # validates the server flags
+    F.door_limits(args)  # ... and the HTTP door's
     token = F.token(args) or secrets.token_urlsafe(18)
     http_port = getattr(args, "http_port", None)
     ports = {k: getattr(args, k) for k in ("port", "admin_port", "balancer_port")}
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         names = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
         if http_port is not None:
-            front += ["--http-port", str(ports["http_port"]), "--served-model-name", *names]
+            front += ["--http-port", str(ports["http_port"]), *F.door_argv(args), "--served-model-name", *names]
         bal = [
             *module_command("moeserve", "balancer"),
             "--balancer-port",

@@ -136,15 +136,20 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
     most tokens one router's KV cache holds (a request that could never fit is refused)."""
     if not req.prompt_ids:
         raise InvalidRequest("the prompt is empty: give at least one token")
-    ids = np.asarray(req.prompt_ids, dtype=np.int64)
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
-        raise InvalidRequest(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+    # Python's comparisons first: an id too large for int64 is a bad request, not an overflow.
+    lo, hi = min(req.prompt_ids), max(req.prompt_ids)
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidRequest(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
     bad = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if req.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {req.max_tokens}")
+    if not 0 <= req.sampling.top_k <= vocab_size:
+        raise InvalidRequest(
+            f"top_k must be in 0..{vocab_size} (0 = no top-k filtering, at most the vocabulary), "
+            f"got {req.sampling.top_k}"
+        )
     total = len(req.prompt_ids) + req.max_tokens
     if total > max_model_len:
         raise InvalidRequest(

@@ -50,8 +50,11 @@ import hmac
 import json
 import secrets
 import time
+import weakref
+from typing import Any
 
 from moeserve import __version__
+from moeserve.router.engine.api import Unavailable
 from moeserve.services.admission import Admission
 from moeserve.services.http.choices import FINISH, Choice, Run, drive, log_softmax_row
 from moeserve.services.http.encode import (
@@ -76,9 +79,6 @@ from moeserve.services.http.params import (
     DEFAULT_COMPLETION_TOKENS,
     IGNORED,
     MAX_BODY_BYTES,
-    MAX_CHOICES,
-    MAX_LOGPROBS,
-    MAX_N,
     PARSE_OFF_LOOP_BYTES,
     UNSUPPORTED,
     Sampling,
@@ -91,6 +91,7 @@ from moeserve.services.http.params import (
     parse_sampling,
 )
 from moeserve.services.http.server import HttpServer
+from moeserve.services.limits import MAX_CHOICES, MAX_LOGPROBS, MAX_N, request_budget, request_cost
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
 
@@ -114,6 +115,35 @@ async def _until_disconnect(receive, coro):
         return Response(status_code=499)
     await asyncio.wait({gone})
     return work.result()
+
+
+def _parse_body(raw: bytes, budget: int) -> dict:
+    """The body as a JSON object, counted against the request's budget (``limits.request_cost``)
+    before anything else reads it."""
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    request_cost(body, budget)
+    return body
+
+
+def trim_memory() -> None:
+    """Hand the heap's free memory back to the system (glibc's malloc_trim): a large body's
+    objects are freed at once, but malloc keeps their pages, and a front end that refused many
+    large requests would keep their peak as its resident size."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None  # libc's malloc_trim, or False where there is none
 
 
 class HttpApi:
@@ -148,6 +178,7 @@ class HttpApi:
         self.registry = registry
         self.max_body_bytes = min(max_body_bytes, body_limit(admission.limits))
         self.draining = False
+        self._runs: weakref.WeakSet[Run] = weakref.WeakSet()  # requests in flight (cut_streams ends them)
         self.readiness = None  # moeserve.services.readiness.Readiness of the front end (None: ask the leader)
         self.created = int(time.time())
         routes = [
@@ -189,6 +220,12 @@ class HttpApi:
         if not hmac.compare_digest(key.strip().encode(), self._key):
             raise ApiError(401, "wrong API key", code="invalid_api_key")
 
+    def cut_streams(self, message: str) -> None:
+        """End every request in flight with ``message`` (503): a stream sends it as an error
+        event, then ``data: [DONE]`` (the server stops once its grace period is over)."""
+        for run in list(self._runs):
+            run.cut(Unavailable(message))
+
     async def _body(self, request) -> dict:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -200,15 +237,20 @@ class HttpApi:
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
             chunks.append(chunk)
         raw = b"".join(chunks)
-        try:  # a large body is parsed off the event loop
-            body = json.loads(raw) if len(raw) < PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
+        del chunks
+        budget = request_budget(self.admission.limits)
+        try:  # a large body is parsed (and counted) off the event loop
+            if len(raw) < PARSE_OFF_LOOP_BYTES:
+                return _parse_body(raw, budget)
+            try:
+                return await asyncio.to_thread(_parse_body, raw, budget)
+            finally:
+                del raw
+                trim_memory()  # what the parse took goes back to the system
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise bad("the request body nests too deeply") from None
-        if not isinstance(body, dict):
-            raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
 
     async def _generation(self, request, handler):
         try:
@@ -216,8 +258,8 @@ class HttpApi:
                 raise ApiError(503, "the server is shutting down", code="unavailable")
             self._auth(request)
             body = await self._body(request)
-        except ApiError as e:
-            return e.response()
+        except Exception as e:
+            return api_error(e).response()
         try:
             return await _until_disconnect(request.receive, handler(body))
         except Exception as e:
@@ -288,6 +330,14 @@ class HttpApi:
             raise bad(
                 f"{len(prompts)} prompts x n = {s.n} make {len(prompts) * s.n} choices; at most {MAX_CHOICES}", "n"
             )
+        lens = [len(ids) + (s.max_tokens if s.max_tokens is not None else a.limits.max_model_len) for ids in prompts]
+        held = s.n * sum(min(n, a.limits.max_model_len) for n in lens)
+        if held > a.limits.request_tokens:
+            raise bad(
+                f"this request asks the cluster to hold {held} tokens (n = {s.n} x the prompts' tokens plus "
+                f"max_tokens); one request may hold at most {a.limits.request_tokens} (--max-request-tokens)",
+                "n" if s.n > 1 else "max_tokens",
+            )
         reqs, choices = [], []
         for ids in prompts:
             max_tokens = s.max_tokens if s.max_tokens is not None else max(1, a.limits.max_model_len - len(ids))
@@ -324,14 +374,14 @@ class HttpApi:
     async def _completions(self, body: dict):
         check_keys(body, COMPLETION_KEYS)
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, False, self.admission.limits.max_stop_ids)
+        s = parse_sampling(body, False, self.admission.limits)
         prompts = await parse_prompts(body, self.admission)
         return await self._respond(model, prompts, s, chat=False)
 
     async def _chat(self, body: dict):
         check_keys(body, CHAT_KEYS)
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, True, self.admission.limits.max_stop_ids)
+        s = parse_sampling(body, True, self.admission.limits)
         messages = parse_messages(body)
         add_gen, kwargs = parse_chat_options(body)
         ids = await self.admission.chat_ids(messages, add_gen, kwargs)
@@ -342,7 +392,10 @@ class HttpApi:
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
-        run = Run(self.admission, reqs)
+        lim = self.admission.limits
+        share = lim.choices_in_flight if s.logprobs is None else max(1, lim.choices_in_flight // 4)
+        run = Run(self.admission, reqs, share)
+        self._runs.add(run)
         try:
             if s.stream:
                 await run.prime()

@@ -15,12 +15,16 @@ import json
 import math
 from dataclasses import dataclass
 
-from moeserve.sampling import MAX_SEED
 from moeserve.services.http.encode import ApiError, bad
+from moeserve.services.limits import (
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    bounded,
+    token_ids,
+)
 
-MAX_N = 64
-MAX_CHOICES = 256  # prompts x n of one request
-MAX_LOGPROBS = 20
 MAX_BODY_BYTES = 64 << 20
 PARSE_OFF_LOOP_BYTES = 256 << 10
 
@@ -46,31 +50,6 @@ def _show(v) -> str:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise bad(f"{name} must be an integer, got {_show(v)}", name)
-    if lo is not None and v < lo or hi is not None and v > hi:
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise bad(f"{name} must be {rng}, got {v}", name)
-    return v
-
-
-def _num(body: dict, name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v) or not math.isfinite(v):
-        raise bad(f"{name} must be a finite number, got {_show(v)}", name)
-    return float(v)
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -190,11 +169,17 @@ class Sampling:
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
 
 
-def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
-    n = _int(body, "n", 1, 1, MAX_N)
-    max_tokens = _int(body, "max_tokens", None, 1)
+def _bounded(body: dict, name: str, limits, default=None):
+    return bounded(name, body.get(name), limits, default)
+
+
+def parse_sampling(body: dict, chat: bool, limits) -> Sampling:
+    """The request's sampling parameters, each checked against its row of
+    ``moeserve.services.limits.BOUNDS`` (``limits``: the front end's ``AdmissionLimits``)."""
+    n = _bounded(body, "n", limits, 1)
+    max_tokens = _bounded(body, "max_tokens", limits)
     if chat:
-        mct = _int(body, "max_completion_tokens", None, 1)
+        mct = _bounded(body, "max_completion_tokens", limits)
         if mct is not None and max_tokens is not None and mct != max_tokens:
             raise bad(
                 f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree: give one",
@@ -203,36 +188,31 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
         max_tokens = mct if mct is not None else max_tokens
     elif max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_TOKENS
-    temperature = _num(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
-    top_p = _num(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _int(body, "top_k", 0, -1)
-    seed = _int(body, "seed", None, 0, MAX_SEED)
+    temperature = _bounded(body, "temperature", limits, 1.0)
+    top_p = _bounded(body, "top_p", limits, 1.0)
+    top_k = _bounded(body, "top_k", limits, 0)
+    seed = _bounded(body, "seed", limits)
     if seed is not None and seed + n - 1 > MAX_SEED:
         raise bad(f"seed + n - 1 must be <= {MAX_SEED} (choice j is sampled with seed + j)", "seed")
     stop = body.get("stop")
     stops: tuple[str, ...] = ()
     if stop is not None:
         items = [stop] if isinstance(stop, str) else stop
-        if isinstance(items, list) and len(items) > 64:  # the length first: nothing else is read
-            raise bad(f"stop has {len(items)} strings; at most 64", "stop")
+        if isinstance(items, list) and len(items) > MAX_STOP_STRINGS:  # the length first: nothing else is read
+            raise bad(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}", "stop")
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise bad(f"stop must be a string or a list of strings, got {_show(stop)}", "stop")
-        if any(not s or len(s) > 1024 for s in items):
-            raise bad("every stop string must have 1..1024 characters", "stop")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in items):
+            raise bad(f"every stop string must have 1..{MAX_STOP_STRING_CHARS} characters", "stop")
         stops = tuple(items)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is None:
         stop_ids = []
     if not isinstance(stop_ids, list):
         raise bad(f"stop_token_ids must be a list of integers, got {_show(stop_ids)}", "stop_token_ids")
-    if len(stop_ids) > max_stop_ids:
-        raise bad(f"stop_token_ids has {len(stop_ids)} ids; at most {max_stop_ids}", "stop_token_ids")
-    if not all(_is_int(t) for t in stop_ids):
-        raise bad("stop_token_ids must be a list of integers", "stop_token_ids")
+    if len(stop_ids) > limits.max_stop_ids:
+        raise bad(f"stop_token_ids has {len(stop_ids)} ids; at most {limits.max_stop_ids}", "stop_token_ids")
+    stop_ids = list(token_ids(stop_ids, limits, "stop_token_ids", "stop_token_ids"))
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -247,12 +227,12 @@ def parse_sampling(body: dict, chat: bool, max_stop_ids: int) -> Sampling:
         include_usage = _bool(opts, "include_usage", False)
     if chat:
         want = _bool(body, "logprobs", False)
-        top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        top = _bounded(body, "top_logprobs", limits)
         if top is not None and top > 0 and not want:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (top or 0) if want else None
     else:
-        logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+        logprobs = _bounded(body, "logprobs", limits)
     best_of = body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
         raise bad("moeserve does not support best_of (other than n)", "best_of")
