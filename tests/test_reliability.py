@@ -208,6 +208,115 @@ def test_limits_hold_at_the_front_end_before_any_conversion(cluster):
     serves(c)
 
 
+def _http(port: int, path: str, body: bytes, timeout: float = 120) -> tuple[int, dict]:
+    """(status, parsed error or answer) of a POST of raw JSON bytes."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read()
+    finally:
+        conn.close()
+    try:
+        return r.status, json.loads(raw)
+    except ValueError:
+        return r.status, {"raw": raw[:200].decode(errors="replace")}
+
+
+def test_a_request_of_death_is_refused_and_the_cluster_serves_on(cluster):
+    """top_k >= 2**63 once made the leader overflow encoding the step header: every rank died."""
+    c = cluster
+    vocab = c["model"].config.vocab_size
+    for top_k in (2**63, 2**64 + 5, vocab + 1):
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 2, "temperature": 1.0, "top_k": top_k}).encode()
+        st, out = _http(c["http"], "/v1/completions", body)
+        assert st == 400 and "top_k must be in" in out["error"]["message"], (top_k, st, out)
+        assert out["error"]["param"] == "top_k"
+    for top_k in (2**62, vocab + 1):  # gRPC carries an int64: as large as the header holds
+        with pytest.raises(MoeserveError) as e:
+            c["serving"].generate(prompt_token_ids=[5, 6], max_tokens=2, temperature=1.0, top_k=top_k)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "top_k must be in" in e.value.message
+    serves(c)
+    assert c["admin"].status().error == ""
+    assert c["up"].proc.poll() is None
+
+
+def test_client_errors_are_client_errors_not_server_errors(cluster):
+    """A prompt id of 10**30 was 503 "cluster unavailable" (clients retry it), a lone surrogate 500."""
+    c = cluster
+    cases = [
+        (b'{"prompt": [5, 1000000000000000000000000000000], "max_tokens": 2}', "must be in 0..", "prompt"),
+        (b'{"prompt": [5], "stop_token_ids": [1000000000000000000000000000000]}', "must be in 0..", "stop_token_ids"),
+        (b'{"prompt": "abc \\ud800 def", "max_tokens": 2}', "not valid Unicode", None),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', "not valid Unicode", None),
+    ]
+    for body, fragment, param in cases:
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        st, out = _http(c["http"], path, body)
+        assert st == 400 and fragment in out["error"]["message"], (body, st, out)
+        assert out["error"]["param"] == param, out
+    serves(c)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_oversized_requests_are_refused_before_rendering_and_the_front_end_gives_its_memory_back(cluster):
+    """A 5.5 MB chat_template_kwargs value was rendered and tokenized in full before refusal;
+    150k empty messages too; the front end's RSS climbed to 3.9 GB over 24 refusals and stayed."""
+    c = cluster
+    fe = c["up"].child("frontend")
+    hi = [{"role": "user", "content": "hi"}]
+    ok = json.dumps({"messages": hi, "max_tokens": 2, "temperature": 0}).encode()
+    assert _http(c["http"], "/v1/chat/completions", ok)[0] == 200
+    base = _rss_kib(fe)
+    heavy = [
+        json.dumps({"messages": hi, "max_tokens": 2, "chat_template_kwargs": {"bos_token": "x" * 5_500_000}}).encode(),
+        json.dumps({"messages": [{"role": "user", "content": ""}] * 150_000, "max_tokens": 2}).encode(),
+        json.dumps({"prompt": "lorem ipsum " * 400_000, "max_tokens": 2}).encode(),  # 4.8 MB of text
+    ]
+    for i in range(100):
+        body = heavy[i % len(heavy)]
+        path = "/v1/completions" if body.startswith(b'{"prompt"') else "/v1/chat/completions"
+        st, out = _http(c["http"], path, body)
+        assert st == 400 and "larger than this server takes" in out["error"]["message"], (i, st, out)
+    grown = (_rss_kib(fe) - base) / 1024
+    assert grown < 50, f"the front end kept {grown:.0f} MB more after 100 refused requests"
+    assert _http(c["http"], "/v1/chat/completions", ok)[0] == 200
+    serves(c)
+
+
+def test_a_64_mb_header_line_is_431_and_costs_the_front_end_nothing(cluster):
+    c = cluster
+    fe = c["up"].child("frontend")
+    base = _rss_kib(fe)
+    with socket.create_connection(("127.0.0.1", c["http"]), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ")
+        sent, answer = 0, b""
+        try:
+            while sent < 64 << 20:
+                sock.sendall(b"a" * (1 << 20))
+                sent += 1 << 20
+            sock.sendall(b"\r\n\r\n")
+        except OSError:  # the server answered and closed
+            pass
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    grown = (_rss_kib(fe) - base) / 1024
+    assert grown < 16, f"the front end grew by {grown:.0f} MB reading a header it refused"
+    assert _http_health(c["http"]) == 200
+
+
 def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(cluster):
     """A front end in this process on the live leader's channel, with a tokenizer that blocks
     until the test releases it: a stream of ids completes meanwhile (no timing assertion)."""
