@@ -137,3 +137,57 @@ def test_a_worker_killed_in_the_middle_of_a_migration_leaves_a_consistent_placem
         assert c.generate(setup["prompts"][:2], max_tokens=MAX_TOKENS, ignore_eos=True) == setup["want"][:2]
     assert not os.path.exists(c.run_dir)  # with log_dir, no run folder is left
     assert "replacement" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_a_stranger_cannot_write_the_store_and_the_next_worker_loss_is_survived(setup):
+    """One add("generation", 1) from any local process once turned a survivable loss into a
+    30 s hang and the cluster's death: the store now admits only holders of the secret."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from moeserve.cluster.store import AuthStore, StoreError
+
+    with LocalCluster(setup["path"], routers=1, workers=2, num_redundant_experts=2, enable_eplb=True) as c:
+        port = int(c._envs[0]["MASTER_PORT"])
+        with pytest.raises(dist.DistNetworkError):
+            dist.TCPStore("127.0.0.1", port, 3, False, datetime.timedelta(seconds=3)).add("generation", 1)
+        with pytest.raises(StoreError, match="refused"):
+            AuthStore("127.0.0.1", port, os.urandom(16), datetime.timedelta(seconds=3)).add("generation", 1)
+        out, _ = _generate_while(c, setup["prompts"], lambda: _kill_worker(c, 2))
+        assert out == setup["want"]
+        assert c.alive and c.status().generation == 1 and c.status().ranks_replaced == {"router": 0, "worker": 1}
+
+
+def _up_again(cluster, rank, generation, timeout_s=120.0):
+    """Wait until ``rank`` is in the world again, at a generation after ``generation``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = cluster.status()
+        if st.generation > generation and rank in st.members:
+            return st
+        assert time.monotonic() < deadline, f"rank {rank} did not rejoin: {st}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(400)
+def test_a_router_killed_in_the_middle_of_16_streams_loses_no_request_and_its_replacement_rejoins(setup, tmp_path):
+    with LocalCluster(
+        setup["path"], routers=2, workers=2, num_redundant_experts=2, enable_eplb=True, log_dir=str(tmp_path)
+    ) as c:
+        out, seconds = _generate_while(c, setup["prompts"], lambda: os.kill(c.procs[1].pid, signal.SIGKILL))
+        assert out == setup["want"]  # every stream completes with the single-process tokens
+        st = c.status()
+        assert st.readmitted > 0 and st.ranks_lost["router"] == 1
+        print(f"\nkilled router rank 1 under {STREAMS} streams: generation finished {seconds:.2f} s after the kill")
+        st = _up_again(c, 1, 1)  # the launcher's replacement joins a later generation
+        assert st.ranks_replaced["router"] == 1 and st.members == (0, 1, 2, 3)
+        assert c.generate(setup["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True) == setup["want"]
+        assert c.status().running == 0
+        assert_workers_hold(c, c.placement().phy2log, setup["digests"])
+        # a second loss of the same router, now that its replacement runs sequences again
+        out, _ = _generate_while(c, setup["prompts"], lambda: os.kill(c.procs[1].pid, signal.SIGKILL))
+        assert out == setup["want"]
+    log0 = (tmp_path / "rank0.log").read_text()
+    assert "without [1]" in log0  # the world re-formed without the lost router first

@@ -152,6 +152,14 @@ def test_every_variant_keeps_the_state_dir_of_every_rank_on_the_named_volume(pro
 
 
 @pytest.mark.slow
+def test_every_rank_of_every_variant_holds_the_clusters_secret(project):
+    """The ranks' store admits only holders of the secret: a worker without it could not join."""
+    for name in ("router", "worker-1", "worker-2", "frontend"):
+        env = project["services"][name]["environment"]
+        assert env.get("MOESERVE_CONTROL_KEY") == ENV["MOESERVE_CONTROL_KEY"], name
+
+
+@pytest.mark.slow
 def test_the_gpu_variant_reserves_one_gpu_per_rank_and_uses_nccl():
     svc = config(BASE, GPU)["services"]
     gpus = []

@@ -143,8 +143,9 @@ def control_key() -> bytes:
     key = os.environ.get(F.CONTROL_KEY_ENV)
     if not key:
         raise UsageError(
-            f"set ${F.CONTROL_KEY_ENV} to the local channel's key (hex, the same for the leader "
-            "and the front end), e.g. $(python -c 'import secrets; print(secrets.token_hex(16))')"
+            f"set ${F.CONTROL_KEY_ENV} to the cluster's secret (hex, the same for every rank and the "
+            "front end: the ranks' store and the leader's channel), e.g. "
+            "$(python -c 'import secrets; print(secrets.token_hex(16))')"
         )
     try:
         return bytes.fromhex(key)
@@ -175,7 +176,7 @@ def run_rank(args: argparse.Namespace) -> int:
         )
     if args.rank == 0 and args.admin_port is not None and not F.token(args):
         raise UsageError(f"the admin API needs a token: --admin-token or ${F.TOKEN_ENV}")
-    key = control_key() if args.rank == 0 else b""
+    key = control_key()  # every rank proves it to the store (the leader's channel uses it too)
     eplb = EplbConfig(**{k: kw.pop(k) for k in list(kw) if k in EplbConfig.__dataclass_fields__})
     limits = Limits(**{k: kw.pop(k) for k in list(kw) if k in Limits.__dataclass_fields__})
     cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__})

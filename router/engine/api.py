@@ -236,6 +236,12 @@ class EngineStatus:
     moved_bytes: int = 0
     migrations_ended: dict[str, int] = field(default_factory=dict)  # state name -> count
     last_step_age_s: float = 0.0  # seconds since the last step completed (a stall: health)
+    readmitted: int = 0  # sequences of a lost router recomputed on another since start
+    generation: int = 0  # how many times the world re-formed (a lost or joining rank)
+    members: tuple[int, ...] = ()  # the ranks in the world now
+    ranks_in_world: dict[str, int] = field(default_factory=dict)  # role -> ranks in the world now
+    ranks_lost: dict[str, int] = field(default_factory=dict)  # role -> ranks lost since start
+    ranks_replaced: dict[str, int] = field(default_factory=dict)  # role -> replacements that joined
 
 
 # -- the interface ----------------------------------------------------------------------------
