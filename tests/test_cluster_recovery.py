@@ -181,6 +181,10 @@ def test_a_router_killed_in_the_middle_of_16_streams_loses_no_request_and_its_re
         st = c.status()
         assert st.readmitted > 0 and st.ranks_lost["router"] == 1
         print(f"\nkilled router rank 1 under {STREAMS} streams: generation finished {seconds:.2f} s after the kill")
+        info = setup["info"]  # weight moves in the world without the router (its workers' ranks moved down)
+        target = random_placement(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + 2, 5)
+        c.apply_placement(target, wait=True, timeout_s=120)
+        assert_workers_hold(c, target, setup["digests"])
         st = _up_again(c, 1, 1)  # the launcher's replacement joins a later generation
         assert st.ranks_replaced["router"] == 1 and st.members == (0, 1, 2, 3)
         assert c.generate(setup["prompts"], max_tokens=MAX_TOKENS, ignore_eos=True) == setup["want"]

@@ -78,6 +78,8 @@ def cluster(tmp_path_factory):
         QUIET,
         "--balancer-poll-interval",
         "0.2",
+        "--grace-period",
+        "2",
     )
     out = up.output()
     http = int(re.search(r"^http\s+http://[\d.]+:(\d+)/v1", out, re.M).group(1))
@@ -650,3 +652,80 @@ def test_bad_balancer_settings_are_refused_and_stop_nothing(cluster, settings, w
     _wait_for("the balancer's loop iterates", lambda: c["balancer"].balancer_status().loop_iterations > n + 2)
     assert c["balancer"].balancer_status().last_error == ""
     assert c["balancer"].set_config(step_interval=int(QUIET)).step_interval == int(QUIET)
+
+
+# -- 3. recovery that says what it did ----------------------------------------------------------
+
+
+def _sse_until_closed(port: int, body: dict, on_first) -> list[bytes]:
+    """The data events of a streamed completion, read until the server closes the connection;
+    ``on_first`` runs once the first event arrived."""
+    raw = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw
+    )
+    got, fired = b"", False
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += chunk
+        if not fired and b"data: " in got:
+            fired = True
+            on_first()
+    sock.close()
+    return [ln[len(b"data: ") :].strip() for ln in got.split(b"\n") if ln.startswith(b"data: ")]
+
+
+def test_a_front_end_stopped_mid_stream_ends_the_stream_with_an_error_event_and_done(cluster):
+    """The streams of a front end that stops (SIGTERM: its grace period, 2 s here, then it is
+    restarted by up) once ended without [DONE] or an error event."""
+    c = cluster
+    fe = c["up"].child("frontend")
+    events = _sse_until_closed(
+        c["http"],
+        {"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True},
+        lambda: os.kill(fe, signal.SIGTERM),
+    )
+    assert events[-1] == b"[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert "shutting down" in error["message"] and error["code"] == "unavailable", error
+    _wait_for("a new front end", lambda: (c["up"].child("frontend") or fe) != fe and _http_health(c["http"]) == 200)
+    serves(c)
+
+
+def test_a_replaced_worker_says_so_on_the_console_and_in_the_leaders_metrics(cluster):
+    """A replaced worker once left no line on the console and no metric."""
+    c = cluster
+    up = c["up"]
+    worker = _ranks(up)[WORKERS]
+    box: dict = {}
+    streams = threading.Thread(
+        target=lambda: box.update(
+            out=c["serving"].generate(prompt_token_ids=c["prompt"], max_tokens=8, ignore_eos=True, timeout=120)
+        )
+    )
+    streams.start()
+    os.kill(worker, signal.SIGKILL)
+    streams.join(180)
+    assert box["out"].token_ids == c["want"]
+    _wait_for(
+        "the replacement on the console",
+        lambda: re.search(
+            rf"rank {WORKERS} \(worker\) exited with signal SIGKILL: starting its replacement \(restart 1 of 3",
+            up.output(),
+        ),
+        timeout_s=60,
+    )
+    _wait_for("the rejoin on the console", lambda: "rejoined: the cluster runs as generation" in up.output(), 90)
+    text = scrape(c["metrics"]["rank 0 (router, leader)"])
+    assert samples(text, "moeserve_rank_replacements_total")[(("role", "worker"),)] == 1.0
+    assert samples(text, "moeserve_ranks_lost_total")[(("role", "worker"),)] == 1.0
+    assert samples(text, "moeserve_cluster_generation")[()] >= 1.0
+    assert samples(text, "moeserve_ranks")[(("role", "worker"),)] == float(WORKERS)
+    serves(c)

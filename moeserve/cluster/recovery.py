@@ -282,6 +282,12 @@ def reform(st, cfg: ClusterConfig, device, m: Membership, gen: Generation, survi
     st.exchange = make_exchange(cfg, st.topo, m.dist_rank, device, st.control_group, st.hidden_size, st.dtype, st.top_k)
     if st.runner is not None:
         st.runner.experts.set_exchange(st.exchange)
+    if st.store is not None:  # weight moves address workers by their rank in this world
+        from functools import partial
+
+        from moeserve.expert_worker.migration import run_moves
+
+        st.run_moves = partial(run_moves, store=st.store, topo=st.topo)
     warm_up_pairs(m.dist_rank, m.world_size, device)
     report_members(st, m, joined_after=survivors if st.leader is not None else None)
     log.warning(

@@ -145,7 +145,7 @@ def token_ids(ids, limits, what: str = "prompt token ids", param: str | None = "
     out = []
     for t in ids:
         if not _is_int(t):
-            raise BoundError(f"{what} must be integers, found {_show(t)}", param)
+            raise BoundError(f"{what} must be a list of integers, found {_show(t)}", param)
         if not 0 <= t < hi:
             raise BoundError(f"{what} must be in 0..{hi - 1} (ids of the vocabulary), found {t}", param)
         out.append(int(t))
