@@ -337,3 +337,29 @@ def test_a_stream_still_running_when_the_grace_period_ends_gets_an_error_event_a
         assert error["type"] == "service_unavailable"
     finally:
         f.stop()
+
+
+def test_text_that_takes_too_long_to_tokenize_is_refused_and_others_are_served(monkeypatch, tmp_path):
+    from cluster_util import tiny_checkpoint
+
+    import moeserve.services.admission as admission
+    from moeserve.services.tokenizer import ModelTokenizer
+
+    monkeypatch.setattr(admission, "TEXT_WORK_S", 0.3)
+    base = ModelTokenizer.load(tiny_checkpoint(tmp_path / "m", "llama4"))
+
+    class Slow(ModelTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            if "slow" in text:
+                time.sleep(2)
+            return super().encode(text, add_special_tokens)
+
+    f = Front(
+        StandIn(), Slow(base.tokenizer, base.special_tokens, base.chat_template), api_key=None, max_model_len=2048
+    )
+    try:
+        st, out, _ = post(f.port, C, {**OK, "prompt": "slow " * 400}, key=None)
+        assert st == 400 and "took more than 0.3 s to render or tokenize" in out["error"]["message"], out
+        assert post(f.port, C, {**OK, "prompt": "fast " * 210}, key=None)[0] == 200  # off the loop too
+    finally:
+        f.stop()

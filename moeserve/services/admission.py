@@ -39,6 +39,7 @@ MAX_STOP_STRING_CHARS = L.MAX_STOP_STRING_CHARS
 DEFAULT_CHOICES_IN_FLIGHT = 16  # choices of one HTTP request on the leader at a time
 TOKENIZER_THREADS = 2  # texts tokenized at once; more wait their turn
 INLINE_TEXT_CHARS = 1024  # shorter texts are tokenized on the event loop (cheaper than a hand-off)
+TEXT_WORK_S = 10.0  # rendering a chat template or tokenizing a text that takes longer is refused
 
 
 class RequestFailed(Unavailable):
@@ -193,8 +194,16 @@ class Admission:
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     async def _off_loop(self, fn, *args):
-        """``fn(*args)`` on the tokenizer threads (at most TOKENIZER_THREADS texts at once)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """``fn(*args)`` on the tokenizer threads (at most TOKENIZER_THREADS texts at once), in
+        at most TEXT_WORK_S: the budget bounds the work, this bounds what a request waits."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._pool, fn, *args), TEXT_WORK_S
+            )
+        except TimeoutError:
+            raise InvalidRequest(
+                f"this request's text took more than {TEXT_WORK_S:g} s to render or tokenize; send less of it"
+            ) from None
 
     # -- prompts ------------------------------------------------------------------------------
 
