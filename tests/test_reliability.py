@@ -249,8 +249,16 @@ def test_client_errors_are_client_errors_not_server_errors(cluster):
     """A prompt id of 10**30 was 503 "cluster unavailable" (clients retry it), a lone surrogate 500."""
     c = cluster
     cases = [
-        (b'{"prompt": [5, 1000000000000000000000000000000], "max_tokens": 2}', "must be in 0..", "prompt"),
-        (b'{"prompt": [5], "stop_token_ids": [1000000000000000000000000000000]}', "must be in 0..", "stop_token_ids"),
+        (
+            b'{"prompt": [5, 1000000000000000000000000000000], "max_tokens": 2}',
+            "is outside the vocabulary [0, ",
+            "prompt",
+        ),
+        (
+            b'{"prompt": [5], "stop_token_ids": [1000000000000000000000000000000]}',
+            "is outside the vocabulary [0, ",
+            "stop_token_ids",
+        ),
         (b'{"prompt": "abc \\ud800 def", "max_tokens": 2}', "not valid Unicode", None),
         (b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', "not valid Unicode", None),
     ]

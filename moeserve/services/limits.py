@@ -147,7 +147,8 @@ def token_ids(ids, limits, what: str = "prompt token ids", param: str | None = "
         if not _is_int(t):
             raise BoundError(f"{what} must be a list of integers, found {_show(t)}", param)
         if not 0 <= t < hi:
-            raise BoundError(f"{what} must be in 0..{hi - 1} (ids of the vocabulary), found {t}", param)
+            where = "the vocabulary" if getattr(limits, "vocab_size", None) else "the ids an int32 holds"
+            raise BoundError(f"{what}: {t} is outside {where} [0, {hi})", param)
         out.append(int(t))
     return tuple(out)
 
