@@ -147,12 +147,12 @@ def test_a_stranger_cannot_write_the_store_and_the_next_worker_loss_is_survived(
 
     import torch.distributed as dist
 
-    from moeserve.cluster.store import AuthStore, StoreError
-
     with LocalCluster(setup["path"], routers=1, workers=2, num_redundant_experts=2, enable_eplb=True) as c:
         port = int(c._envs[0]["MASTER_PORT"])
         with pytest.raises(dist.DistNetworkError):
             dist.TCPStore("127.0.0.1", port, 3, False, datetime.timedelta(seconds=3)).add("generation", 1)
+        from moeserve.cluster.store import AuthStore, StoreError
+
         with pytest.raises(StoreError, match="refused"):
             AuthStore("127.0.0.1", port, os.urandom(16), datetime.timedelta(seconds=3)).add("generation", 1)
         out, _ = _generate_while(c, setup["prompts"], lambda: _kill_worker(c, 2))
