@@ -90,7 +90,7 @@ def test_a_stranger_reads_and_writes_nothing(server):
                 s.shutdown(socket.SHUT_WR)
                 while s.recv(4096):  # the server closes it
                     pass
-            except (BrokenPipeError, ConnectionResetError):  # closed with the junk unread
+            except OSError:  # closed (reset) with the junk unread
                 pass
     assert owner.get("gen") == b"mine" and not owner.check(["generation"])
     assert owner.num_keys() == 1
