@@ -27,8 +27,12 @@ step-time figures (``step_efficiency`` / ``step_gain`` None) gets the balancedne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from moeserve.balancer.policy.cost import StepModel
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class LoopConfig:
     min_gain: float = 0.01
     move_cost: float = 0.5
     move_budget: float | None = 0.10
-    step_model: object | None = None  # a policy.cost.StepModel: plan for predicted step time
+    step_model: StepModel | None = None  # plan for predicted step time
 
     def __post_init__(self):
         if self.window_steps < 0:
@@ -107,7 +111,7 @@ def pays(
     if slots_moved == 0:
         return False, "the plan equals the placement in force: nothing to move"
     timed = cfg.step_model is not None and step_gain is not None
-    value = step_gain if timed else gain
+    value = step_gain if timed and step_gain is not None else gain  # (timed: step_gain is set)
     if requested:
         if value < 0:
             if timed:

@@ -165,6 +165,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
                 efficiency = await asyncio.to_thread(
                     step_efficiency, self.config, load, placement.phy2log, placement.num_workers, rep.steps, hist
                 )
+                assert efficiency is not None  # with a step model and steps
                 self.step_efficiency = float(efficiency)
                 times = await asyncio.to_thread(
                     rule_times,
@@ -296,6 +297,7 @@ class BalancerService(balancer_pb2_grpc.BalancerServicer):
         target = plan
         if not ok:
             if b is not None:  # the counts the placement in force would take
+                assert model is not None  # b comes with the step model
                 b = await asyncio.to_thread(plan_breakeven, model, load, cur, workers, int(rep.steps) or None, hist)
                 resp.breakeven.CopyFrom(int64_matrix(b))
             if b is None or np.array_equal(b, placement.breakeven):

@@ -5,6 +5,7 @@ expert weights read.
 
     python3 benchmarks/expert_kernel.py                 # 1 GPU, bf16, Scout and ERNIE decode shapes
     python3 benchmarks/expert_kernel.py --tune          # also time each kernel's candidate tilings
+    python3 benchmarks/expert_kernel.py --fp8           # also FP8 weights (per channel, 128x128 blocks)
 
 Per case: S slots of one MoE layer on one GPU (Scout: 16 experts of H 5120 x I 8192; ERNIE-4.5-
 21B: 64 experts of H 2560 x I 1536), T decode tokens routed top-K uniformly at random (and, for
@@ -38,6 +39,7 @@ SHAPES = {
     "ernie": dict(hidden=2560, inter=1536, slots=64, top_k=6),
 }
 CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))  # (BN, BK, warps, stages)
+FP8_CANDIDATES = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (False, True)))  # ..., swap
 
 
 def counts_for(rng, tokens, k, slots, skew):
@@ -67,6 +69,38 @@ def time_fn(fn, iters, layers):
     return float(np.median(ts))
 
 
+def tune_fp8(case, rows, offs, bm, used, h, i, layers):
+    """Time every FP8_CANDIDATES tiling of both FP8 kernels (per-channel scales): GB/s of codes."""
+    _, blocks, layers8 = case
+    h_in = torch.randn(rows.shape[0], i, device=rows.device, dtype=rows.dtype)
+    res = {"gate_up": [], "down": []}
+    for cand in FP8_CANDIDATES:
+
+        def gu(j, cand=cand):
+            w = layers8[j]
+            return kernels._expert_matmul(rows, w["gate_up"], offs, bm, cand, True, w["gate_up_scale"], blocks[0])
+
+        def dn(j, cand=cand):
+            w = layers8[j]
+            return kernels._expert_matmul(h_in, w["down"], offs, bm, cand, False, w["down_scale"], blocks[1])
+
+        try:
+            t1, t2 = time_fn(gu, 10, layers), time_fn(dn, 10, layers)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not compile
+            print(f"  fp8 {cand}: {type(e).__name__}")
+            continue
+        res["gate_up"].append((cand, used * 2 * h * i / t1 / 1e9))
+        res["down"].append((cand, used * h * i / t2 / 1e9))
+    for kind, lst in res.items():
+        lst.sort(key=lambda x: -x[1])
+        print(f"  tune fp8 {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]), flush=True)
+    down = list(res["down"][0][0])
+    # 64-row passes keep a BK of 64 (shared memory), with the best down tile's other choices
+    best = {"gate_up": list(res["gate_up"][0][0]), "down": down, "down_bm64": [down[0], 64, *down[2:]]}
+    print("MOESERVE_FP8_TUNING=" + json.dumps(best), flush=True)
+    return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"best": best}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="scout,ernie")
@@ -74,6 +108,12 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--layers", type=int, default=4, help="layers of weights cycled (L2 never holds one)")
     p.add_argument("--tune", action="store_true", help="time every candidate tiling of each kernel (256 tokens)")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also the kernels on FP8 codes of the same weights with per-channel and 128 x 128 block scales "
+        "(bytes: codes and scales)",
+    )
     p.add_argument(
         "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "expert-kernel.json")
     )
@@ -109,6 +149,17 @@ def main():
         gu = [torch.randn(s, h, 2 * i, device=dev, dtype=torch.bfloat16) * h**-0.5 for _ in range(a.layers)]
         dn = [torch.randn(s, i, h, device=dev, dtype=torch.bfloat16) * i**-0.5 for _ in range(a.layers)]
         per_expert = (3 * h * i) * 2
+        fp8 = {}
+        if a.fp8:
+            from moeserve.models.moe import ExpertQuant, ExpertSpec
+
+            for label, blocks in (("fp8-channel", ((h, 1), (i, 1))), ("fp8-block128", ((128, 128), (128, 128)))):
+                spec = ExpertSpec(h, i, dtype=torch.bfloat16, quant=ExpertQuant(*blocks))
+                layers = []
+                for j in range(a.layers):  # quantized from the bf16 layer, on the device, slot by slot
+                    buf = torch.stack([spec.flat({"gate_up": gu[j][x], "down": dn[j][x]}) for x in range(s)])
+                    layers.append(spec.views(buf))
+                fp8[label] = (spec, blocks, layers)
         for tokens, skew in itertools.product(
             [int(t) for t in a.tokens.split(",")], ("uniform", "skew", "concentrated")
         ):
@@ -130,6 +181,18 @@ def main():
 
             err = float((ref(0).float() - tri(0).float()).abs().max())
             t_ref, t_tri = time_fn(ref, a.iters, a.layers), time_fn(tri, a.iters, a.layers)
+            fp8_rows = {}
+            for label, (spec8, blocks, layers8) in fp8.items():
+
+                def q8(j, layers8=layers8, blocks=blocks):
+                    w = layers8[j]
+                    sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1])
+                    return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm, sc)
+
+                t8 = time_fn(q8, a.iters, a.layers)
+                b8 = used * spec8.nbytes
+                rel = float((q8(0).float() - ref(0).float()).norm() / ref(0).float().norm())
+                fp8_rows[label] = dict(s=t8, bytes=b8, GBps=b8 / t8 / 1e9, over_bf16_triton=t8 / t_tri, rel_err=rel)
             row = dict(
                 shape=name,
                 tokens=tokens,
@@ -146,12 +209,17 @@ def main():
                 triton_GBps=nbytes / t_tri / 1e9,
                 speedup=t_ref / t_tri,
                 max_abs_diff=err,
+                fp8=fp8_rows,
             )
             out["cases"].append(row)
             print(
                 f"{name:<7}{tokens:>7}{skew:>13}{used:>6}{nbytes / 1e9:>7.2f}{1e3 * t_ref:>15.3f}"
                 f"{row['grouped_mm_GBps']:>7.0f}{1e3 * t_tri:>11.3f}{row['triton_GBps']:>7.0f}"
                 f"{row['speedup']:>9.2f}{err:>9.3g}"
+                + "".join(
+                    f"  {lb} {1e3 * f['s']:.3f} ms {f['GBps']:.0f} GB/s x{f['over_bf16_triton']:.2f} err {f['rel_err']:.1e}"
+                    for lb, f in fp8_rows.items()
+                )
             )
             if a.tune and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
                 h_in = kernels.expert_gate_up(rows, gu[0], offs, bm)
@@ -169,7 +237,10 @@ def main():
                     lst.sort(key=lambda x: -x[1])
                     print(f"  tune {name} {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]))
                 out["tune"][name] = {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()}
+            if a.tune and fp8 and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
+                out["tune"][f"{name}-fp8"] = tune_fp8(fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers)
         gu = dn = []  # free the device memory before the next shape
+        fp8 = {}
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:

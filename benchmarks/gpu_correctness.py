@@ -2,14 +2,20 @@
 """The correctness contract on GPUs: a NCCL cluster against the single-process model.
 
     python benchmarks/gpu_correctness.py [--ranks 2] [--tokens 64]
+    python benchmarks/gpu_correctness.py --ranks 1 --compare eplb-off --quantization fp8 --cases llama4:bfloat16,ernie45:bfloat16
 
 Writes small random checkpoints of both families (moeserve init-model), then for fp32 and
 bf16 runs greedy generation on a co-located NCCL cluster (one rank per GPU, redundant slots,
 a random placement, and a live migration in the middle of the run) and on the single-process
 model on GPU 0. fp32: the generated tokens must be identical and the logits within 1e-4 (as
 on CPU). bf16: bitwise identity needs batch-invariant kernels (a later goal), so the script
-reports the token match rate and the first divergence per prompt. Prints a table and writes
-JSON (``--json``, default benchmarks/results/gpu-correctness.json).
+reports the token match rate and the first divergence per prompt.
+
+``--compare eplb-off``: the reference is the same cluster with EPLB off (no redundant slot, the
+start placement, no migration) on the same batch, instead of the single-process model: EPLB on
+(redundant slots, a random placement, a live migration) must give identical tokens in bf16 too.
+``--quantization fp8``: the checkpoints' experts and MLPs in FP8 (quantized at load). Prints a
+table and writes JSON (``--json``, default benchmarks/results/gpu-correctness.json).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from moeserve.cluster import LocalCluster  # noqa: E402
 from moeserve.models import MoEInfo, StepBatch, init_model, load_config, load_model  # noqa: E402
+from moeserve.models.config import with_quantization  # noqa: E402
 
 SHAPES = {
     "llama4": dict(
@@ -94,18 +101,37 @@ def run(family, dtype, args, root):
         shape = SHAPES[family] if args.backend == "nccl" else {}
         init_model(path, family=family, seed=5, dtype=dtype, **shape)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    info = MoEInfo.from_config(load_config(path), tdtype)
+    info = MoEInfo.from_config(with_quantization(load_config(path), args.quantization), tdtype)
     rng = np.random.default_rng(1)
     vocab = load_config(path).vocab_size
     prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(4, 40, args.prompts)]
     dev = "cuda:0" if args.backend == "nccl" else "cpu"
-    model = load_model(path, dtype=tdtype, device=dev)
-    ref = [
-        model.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, ignore_eos=True)[0, len(p) :].tolist()
-        for p in prompts
-    ]
-    ref_logits = [decode_logits(model, p, args.tokens, dev) for p in prompts]
-    del model
+    quant = args.quantization
+    common = dict(
+        routers=args.ranks,
+        workers=args.ranks,
+        colocated=True,
+        backend=args.backend,
+        dtype=dtype,
+        exchange=args.exchange,
+        enforce_eager=args.enforce_eager,
+        quantization=quant or "",
+    )
+    if args.compare == "eplb-off":  # the same cluster, EPLB off: no redundant slot, no migration
+        with LocalCluster(path, enable_eplb=False, **common) as c:
+            gens = c.generate(prompts, max_tokens=args.tokens, ignore_eos=True, return_logits=True, details=True)
+        ref = [g.token_ids for g in gens]
+        ref_logits = [g.logits for g in gens]
+    else:
+        model = load_model(path, dtype=tdtype, device=dev, quantization=quant)
+        ref = [
+            model.generate(torch.tensor([p], device=dev), max_new_tokens=args.tokens, ignore_eos=True)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+        ref_logits = [decode_logits(model, p, args.tokens, dev) for p in prompts]
+        del model
     if dev != "cpu":
         torch.cuda.empty_cache()
     r = args.redundant
@@ -116,17 +142,11 @@ def run(family, dtype, args, root):
     log_dir = os.path.join(root, f"logs-{family}-{dtype}")
     with LocalCluster(
         path,
-        routers=args.ranks,
-        workers=args.ranks,
-        colocated=True,
         num_redundant_experts=r,
-        backend=args.backend,
-        dtype=dtype,
         placement=random_placement(info.num_moe_layers, info.num_logical_experts, p, 2),
         migration_bytes_per_step=4 * info.expert_bytes,
-        exchange=args.exchange,
-        enforce_eager=args.enforce_eager,
         log_dir=log_dir,
+        **common,
     ) as c:
         box = {}
         th = threading.Thread(
@@ -162,6 +182,8 @@ def run(family, dtype, args, root):
     out = dict(
         family=family,
         dtype=dtype,
+        quantization=args.quantization or "",
+        reference=args.compare,
         ranks=args.ranks,
         exchange=args.exchange,
         slots=p,
@@ -177,7 +199,7 @@ def run(family, dtype, args, root):
         graphs=not args.enforce_eager,
     )
     print(
-        f"{family:8s} {dtype:9s} {args.exchange:10s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
+        f"{family:8s} {dtype:9s} {args.quantization or 'bf16/fp32':9s} vs {args.compare:14s} {args.exchange:10s} match {match:.4f} identical {out['identical']} max|dlogit| {maxdiff:.2e} "
         f"first divergence {[d for d in div if d is not None][:5]} migration {out['migration_state']} "
         f"({out['migration_moves']} moves){'' if out['graphs'] else ' enforce_eager'}",
         flush=True,
@@ -210,6 +232,13 @@ def main():
     )
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--no-migration", action="store_true", help="no live migration during the run")
+    ap.add_argument(
+        "--compare",
+        choices=("single-process", "eplb-off"),
+        default="single-process",
+        help="the reference: the single-process model, or the same cluster with EPLB off",
+    )
+    ap.add_argument("--quantization", choices=("fp8",), default=None, help="FP8 experts and MLPs (quantized at load)")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.exchange = args.exchange or ("nvlink" if args.backend == "nccl" else "collective")

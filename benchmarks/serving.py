@@ -7,6 +7,9 @@
     python benchmarks/serving.py --shape scout8 --apis grpc,http     # also through the HTTP API
     python3 benchmarks/serving.py --shape scout8 --configs moeserve-ep2 --workloads eplb   # EPLB end to end, 2 GPUs
     python benchmarks/serving.py --smoke --workloads eplb                 # the same on the CPU (gloo, 2 ranks)
+    python3 benchmarks/serving.py --shape scout8 --configs moeserve-1rank,moeserve-1rank-no-prefix-cache \
+        --workloads prefix,multiturn                                     # prefix caching, 1 GPU
+    python benchmarks/serving.py --smoke --workloads prefix,multiturn    # the same on the CPU
 
 Weights are seeded random numbers made on the device (``--load-format dummy``): the model
 folder is a ``config.json`` written here, nothing is downloaded. Shapes (bf16):
@@ -30,6 +33,12 @@ Configurations, side by side in one run, each in its own processes, freed before
 - ``moeserve-ep2-grouped-mm``, ``moeserve-1rank-grouped-mm`` (only when named): the same with
   ``torch._grouped_mm`` for the experts of every step (``MOESERVE_EXPERT_KERNEL=grouped_mm``),
   against the default's Triton decode kernels (``moeserve.kernels.expert_mlp``);
+- ``moeserve-ep2-fp8``, ``moeserve-1rank-fp8`` (only when named): the same with
+  ``--quantization fp8``: FP8 experts, shared experts and dense MLPs (dummy codes made as FP8,
+  per-channel scales), the roofline counted on the quantized bytes; ``--shape scout48`` (Scout's
+  whole text model) and ``maverick12`` fit one H200 only so;
+- ``moeserve-ep2-no-prefix-cache``, ``moeserve-1rank-no-prefix-cache`` (only when named): the same
+  with ``--no-enable-prefix-caching``, side by side with the default's prefix caching;
 - ``transformers``: ``AutoModelForCausalLM.from_config`` (random init, bf16) and ``generate``
   (greedy, ``min_new_tokens`` = ``max_new_tokens``) on 1 GPU at the burst's batch; reported,
   not a target.
@@ -70,6 +79,24 @@ Workloads (``--workloads burst,online``):
   ``eplb`` key and printed as a table of its own. ``--eplb-step-model FILE`` (e.g.
   benchmarks/results/step_model_h200.json, with ``--eplb-step-model-shape NAME``) makes the
   balancer plan by predicted step time and send break-even counts (the cost-aware EPLB of docs/eplb.md).
+
+- prefix and multiturn (``--workloads prefix,multiturn``, alone or after burst,online; the
+  moeserve configurations only): prefix caching (``servinglib.prefix``). prefix:
+  ``--prefix-requests`` (256) requests sharing a system prompt of ``--prefix-system`` (2,048)
+  ids, each with ``--prefix-unique`` (64) of its own and ``--prefix-output`` (128) tokens out,
+  Poisson arrivals at ``--prefix-rate`` (32) requests/s (an uncached server then needs 68k
+  prompt tokens/s of prefill, about one H200's Scout-8L prefill rate); multiturn:
+  ``--multiturn-conversations`` (64) conversations of ``--multiturn-turns`` (8) turns starting at
+  ``--multiturn-rate`` (4) per second, each turn resending the conversation so far with
+  ``--multiturn-new`` (64) new ids, answered with ``--multiturn-output`` (128) tokens, the next
+  turn sent when the answer came back (through gRPC). Each reports TTFT p50/p99, output tok/s and
+  the share of prompt tokens read from the cache (``usage.cached_tokens``; multiturn: of the
+  turns after the first), and ``prefix_caching`` puts each configuration beside its
+  ``-no-prefix-cache`` twin: uncached / cached TTFT p50 and p99, cached / uncached output tok/s,
+  and the share of requests whose generated ids are the same in both (greedy, the same dummy
+  weights; in bf16 a hit changes the attention's shape).
+  Every run of every workload sends a ``cache_salt`` of its own, so no run (the burst's rounds,
+  the APIs, the warm-ups) reads what another left in the cache.
 
 APIs (``--apis grpc,http``, default ``grpc``): each moeserve configuration's workloads run
 through each API in turn, back to back against the same running cluster (``moeserve up`` then
@@ -138,8 +165,9 @@ sys.path.insert(0, HERE)  # servinglib
 from servinglib.baseline import run_transformers  # noqa: E402
 from servinglib.common import git_commit  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
+from servinglib.prefix import conversation_plan, prefix_plan, prefix_table, side_by_side  # noqa: E402
 from servinglib.report import table  # noqa: E402
-from servinglib.roofline import DATASHEET_HBM_BPS, gpu_facts  # noqa: E402
+from servinglib.roofline import DATASHEET_HBM_BPS, PEAK_GEMM, gpu_facts  # noqa: E402
 from servinglib.shapes import SHAPES, model_sizes, weights_per_gpu, write_model, write_tokenizer  # noqa: E402
 from servinglib.workloads import run_moeserve  # noqa: E402
 
@@ -150,6 +178,13 @@ SYNC_CONFIGS = ("moeserve-ep2-sync", "moeserve-1rank-sync")
 # named with --configs only: the same with torch._grouped_mm for every step's experts
 # (MOESERVE_EXPERT_KERNEL=grouped_mm), against the Triton decode kernels of the default
 GROUPED_MM_CONFIGS = ("moeserve-ep2-grouped-mm", "moeserve-1rank-grouped-mm")
+# named with --configs only: the same with FP8 experts and MLPs (--quantization fp8: dummy weights
+# made as FP8 codes with per-channel scales), side by side with the bf16 ones
+FP8_CONFIGS = ("moeserve-ep2-fp8", "moeserve-1rank-fp8")
+# named with --configs only: the same without prefix caching (--no-enable-prefix-caching)
+NO_PREFIX_CACHE_CONFIGS = ("moeserve-ep2-no-prefix-cache", "moeserve-1rank-no-prefix-cache")
+EXTRA_CONFIGS = SYNC_CONFIGS + GROUPED_MM_CONFIGS + FP8_CONFIGS + NO_PREFIX_CACHE_CONFIGS
+PREFIX_WORKLOADS = ("prefix", "multiturn")
 APIS = ("grpc", "http")
 
 
@@ -157,17 +192,21 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="scout8 or ernie28 (smoke: tiny)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="scout8, scout48, maverick12 or ernie28 (smoke: tiny)"
+    )
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shape, gloo, 1 rank, a few requests")
     p.add_argument(
         "--configs",
         default=None,
-        help=f"comma list of {','.join(CONFIGS)} (default: all; smoke: moeserve-1rank,transformers)",
+        help=f"comma list of {','.join(CONFIGS)} (default: all; smoke: moeserve-1rank,transformers; "
+        "prefix,multiturn alone: moeserve-1rank,moeserve-1rank-no-prefix-cache)",
     )
     p.add_argument(
         "--workloads",
         default="burst,online",
-        help="burst,online (online needs burst), or eplb alone (moeserve-ep2: the EPLB measurement)",
+        help="burst,online (online needs burst), prefix,multiturn (prefix caching; alone or after "
+        "burst,online), or eplb alone (moeserve-ep2: the EPLB measurement)",
     )
     p.add_argument(
         "--apis",
@@ -239,6 +278,18 @@ def parse(argv=None) -> argparse.Namespace:
         metavar="S",
         help="eplb: seconds into the online load when the live rebalance starts (0.4 x the arrival span)",
     )
+    p.add_argument("--prefix-requests", type=int, default=None, help="prefix: requests (256; smoke 12)")
+    p.add_argument("--prefix-system", type=int, default=None, help="prefix: shared system prompt ids (2048; smoke 64)")
+    p.add_argument("--prefix-unique", type=int, default=None, help="prefix: ids of each request's own (64; smoke 8)")
+    p.add_argument("--prefix-output", type=int, default=None, help="prefix: output tokens (128; smoke 8)")
+    p.add_argument("--prefix-rate", type=float, default=None, help="prefix: Poisson arrivals per second (32; smoke 6)")
+    p.add_argument("--multiturn-conversations", type=int, default=None, help="multiturn: conversations (64; smoke 4)")
+    p.add_argument("--multiturn-turns", type=int, default=None, help="multiturn: turns per conversation (8; smoke 3)")
+    p.add_argument("--multiturn-new", type=int, default=None, help="multiturn: new ids per turn (64; smoke 32)")
+    p.add_argument("--multiturn-output", type=int, default=None, help="multiturn: tokens per answer (128; smoke 32)")
+    p.add_argument(
+        "--multiturn-rate", type=float, default=None, help="multiturn: conversations started per second (4; smoke 4)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -286,18 +337,40 @@ def parse(argv=None) -> argparse.Namespace:
     )
     given_max_model_len = a.max_model_len is not None
     defaults.update(eplb_requests=(8, 256), eplb_prompt=(64, 2048), eplb_output=(8, 32))
+    defaults.update(
+        prefix_requests=(12, 256),
+        prefix_system=(64, 2048),
+        prefix_unique=(8, 64),
+        prefix_output=(8, 128),
+        prefix_rate=(6.0, 32.0),
+        multiturn_conversations=(4, 64),
+        multiturn_turns=(3, 8),
+        multiturn_new=(32, 64),
+        multiturn_output=(32, 128),
+        multiturn_rate=(4.0, 4.0),
+    )
     for k, (small, big) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, small if smoke else big)
     if a.redundant_experts is None:
         a.redundant_experts = SHAPES[a.shape]["redundant"]
     eplb = "eplb" in a.workloads.split(",")
+    prefix_only = not {"burst", "eplb"} & set(a.workloads.split(","))
     a.configs = (
-        a.configs or ("moeserve-ep2" if eplb else "moeserve-1rank,transformers" if smoke else ",".join(CONFIGS))
+        a.configs
+        or (
+            "moeserve-ep2"
+            if eplb
+            else "moeserve-1rank,moeserve-1rank-no-prefix-cache"
+            if prefix_only
+            else "moeserve-1rank,transformers"
+            if smoke
+            else ",".join(CONFIGS)
+        )
     ).split(",")
-    bad = [c for c in a.configs if c not in CONFIGS + SYNC_CONFIGS + GROUPED_MM_CONFIGS]
+    bad = [c for c in a.configs if c not in CONFIGS + EXTRA_CONFIGS]
     if bad:
-        p.error(f"unknown configs {bad}; choose from {CONFIGS + SYNC_CONFIGS + GROUPED_MM_CONFIGS}")
+        p.error(f"unknown configs {bad}; choose from {CONFIGS + EXTRA_CONFIGS}")
     a.workloads = a.workloads.split(",")
     a.apis = [x.strip() for x in a.apis.split(",") if x.strip()]
     if not a.apis or not set(a.apis) <= set(APIS) or len(set(a.apis)) < len(a.apis):
@@ -337,15 +410,28 @@ def parse(argv=None) -> argparse.Namespace:
             p.error(f"--eplb-step-model {a.eplb_step_model}: no such file")
         if not given_max_model_len:
             a.max_model_len = max(a.max_model_len, -(-(a.eplb_prompt + a.eplb_output) // 256) * 256)
-    elif not set(a.workloads) <= {"burst", "online"} or "burst" not in a.workloads:
-        p.error("--workloads is burst or burst,online (the online rate comes from the burst), or eplb")
+    elif not set(a.workloads) <= {"burst", "online", *PREFIX_WORKLOADS} or (
+        "online" in a.workloads and "burst" not in a.workloads
+    ):
+        p.error(
+            "--workloads is burst or burst,online (the online rate comes from the burst), with or without "
+            "prefix,multiturn, or eplb"
+        )
+    elif not set(a.workloads) & {"burst", *PREFIX_WORKLOADS}:
+        p.error("--workloads names no workload")
+    if "burst" not in a.workloads and "eplb" not in a.workloads and "transformers" in a.configs:
+        p.error("the transformers baseline runs the burst: add burst to --workloads or leave transformers out")
     a.backend = "gloo" if smoke else "nccl"
     a.dtype = "float32" if smoke else "bfloat16"
     need = max(
         a.burst_prompt + a.burst_output,
         a.online_prompt[1] + a.online_output[1],
         a.eplb_prompt + a.eplb_output if eplb else 0,
+        a.prefix_system + a.prefix_unique + a.prefix_output if "prefix" in a.workloads else 0,
+        a.multiturn_turns * (a.multiturn_new + a.multiturn_output) if "multiturn" in a.workloads else 0,
     )
+    if not given_max_model_len and a.max_model_len < need:  # room for the longest request of the workloads
+        a.max_model_len = -(-need // 256) * 256
     if a.max_model_len < need:
         p.error(f"--max-model-len {a.max_model_len} < {need} tokens the workloads need")
     return a
@@ -366,10 +452,13 @@ def main(argv=None) -> int:
         write_tokenizer(model_dir, SHAPES[a.shape]["config"]["vocab_size"])
     dtype_bytes = 4 if a.dtype == "float32" else 2
     sizes = model_sizes(model_dir, dtype_bytes)
+    sizes_fp8 = model_sizes(model_dir, dtype_bytes, "fp8") if any(c.endswith("-fp8") for c in a.configs) else None
 
     facts = gpu_facts(2 if any(c.startswith("moeserve-ep2") for c in a.configs) else 1, a.smoke)
     measured = float(min(f["rate_Bps"] for f in facts))
     rates = {"datasheet": DATASHEET_HBM_BPS, "measured_copy": measured}
+    peaks = [f["peak_flops"] for f in facts if f.get("peak_flops")]
+    a.peak_flops = min(peaks) if peaks else None  # the FLOP-aware roofline's matmul peak (GPUs only)
     print(
         f"{facts[0].get('name', 'cpu')}: device-to-device copy {measured / 1e12:.2f} TB/s "
         f"(datasheet {DATASHEET_HBM_BPS / 1e12:.1f})",
@@ -377,11 +466,17 @@ def main(argv=None) -> int:
     )
 
     rng = np.random.default_rng(a.seed)
-    plans = {"burst": burst_plan(rng, a.burst_requests, a.burst_prompt, a.burst_output, sizes["vocab_size"])}
+    plans: dict = {}
+    if "burst" in a.workloads or "eplb" in a.workloads:
+        plans["burst"] = burst_plan(rng, a.burst_requests, a.burst_prompt, a.burst_output, sizes["vocab_size"])
     if "online" in a.workloads:
         plans["online"] = True
     if "eplb" in a.workloads:
         plans["eplb"] = True
+    if "prefix" in a.workloads:
+        plans["prefix"] = prefix_plan(a, sizes["vocab_size"])
+    if "multiturn" in a.workloads:
+        plans["multiturn"] = conversation_plan(a, sizes["vocab_size"])
     result = dict(
         shape=a.shape,
         smoke=a.smoke,
@@ -422,12 +517,31 @@ def main(argv=None) -> int:
             )
             if "eplb" in a.workloads
             else None,
+            prefix=dict(
+                requests=a.prefix_requests,
+                system=a.prefix_system,
+                unique=a.prefix_unique,
+                output=a.prefix_output,
+                rate_req_s=a.prefix_rate,
+            )
+            if "prefix" in a.workloads
+            else None,
+            multiturn=dict(
+                conversations=a.multiturn_conversations,
+                turns=a.multiturn_turns,
+                new=a.multiturn_new,
+                output=a.multiturn_output,
+                rate_s=a.multiturn_rate,
+            )
+            if "multiturn" in a.workloads
+            else None,
             client_procs=a.client_procs,
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             max_model_len=a.max_model_len,
         ),
         hbm=dict(datasheet_Bps=DATASHEET_HBM_BPS, measured_copy_Bps=measured, per_device=facts),
+        matmul_peak=dict(flops=a.peak_flops, gemm_mkn=list(PEAK_GEMM), dtype="bfloat16", best_of=10),
         configs={},
     )
     try:
@@ -446,7 +560,8 @@ def main(argv=None) -> int:
         else:
             ranks = 2 if name.startswith("moeserve-ep2") else 1
             redundant = a.redundant_experts if ranks > 1 else 0
-            weights = weights_per_gpu(sizes, redundant, ranks)
+            held = sizes_fp8 if name.endswith("-fp8") and sizes_fp8 is not None else sizes
+            weights = weights_per_gpu(held, redundant, ranks)
             if gpu_mem and weights > 0.85 * gpu_mem:
                 result["configs"][name] = dict(
                     kind="moeserve",
@@ -457,7 +572,7 @@ def main(argv=None) -> int:
             if (sizes["num_experts"] + redundant) % ranks:
                 raise SystemExit(f"(E + R) = {sizes['num_experts'] + redundant} is not a multiple of {ranks}")
             result["configs"][name] = run_moeserve(
-                name, ranks, redundant, model_dir, sizes, a, rates, {k: v for k, v in plans.items()}, log_root
+                name, ranks, redundant, model_dir, held, a, rates, {k: v for k, v in plans.items()}, log_root
             )
         result["configs"][name]["elapsed_s"] = time.monotonic() - t
     ratios = {
@@ -465,12 +580,17 @@ def main(argv=None) -> int:
     }
     if ratios:
         result["http_over_grpc_output_tok_s"] = ratios
+    compared = side_by_side(result["configs"])
+    if compared:
+        result["prefix_caching"] = compared
     result["elapsed_s"] = time.monotonic() - started
 
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1, default=float)
     print(table(result))
+    for line in prefix_table(result):
+        print(line)
     print(f"wrote {out_path} in {result['elapsed_s']:.0f} s", flush=True)
     failed = [n for n, c in result["configs"].items() if c.get("error") and c.get("kind") == "moeserve"]
     if failed:

@@ -136,8 +136,22 @@ class ExpertStore:
     @property
     def capturable(self) -> bool:
         """Whether ``compute_slot_major`` runs without reading anything back to the host (so it
-        can be captured in a CUDA graph): CUDA, bf16, no biases, torch._grouped_mm."""
-        return bool(self.buffers) and grouped_mm_applies(self.spec, self.buffers[0].device, self.spec.dtype)
+        can be captured in a CUDA graph): CUDA, bf16, no biases, torch._grouped_mm; or FP8
+        experts through the Triton kernels."""
+        if not self.buffers:
+            return False
+        device = self.buffers[0].device
+        return grouped_mm_applies(self.spec, device, self.spec.dtype) or fp8_kernel_applies(self.spec, device)
+
+    def scales(self, layer: int):
+        """``kernels.ExpertScales`` of a layer's FP8 slots (None for unquantized experts)."""
+        q = self.spec.quant
+        if q is None:
+            return None
+        from moeserve import kernels
+
+        w = self.weights(layer)
+        return kernels.ExpertScales(w["gate_up_scale"], q.gate_up_block, w["down_scale"], q.down_block)
 
     def compute_slot_major(
         self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
@@ -162,7 +176,16 @@ class ExpertStore:
         header): with few rows per slot (decode) the slot-major compute takes the Triton kernels
         that stream each used expert's weights once (``moeserve.kernels.expert_mlp``), with many
         (prefill) ``torch._grouped_mm``. A speed choice only: both paths compute the same rows."""
-        self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers) if self.capturable else 0
+        if not self.capturable:
+            self.block_m = 0
+        elif self.spec.quant is not None:  # FP8: the Triton kernels at every size (no FP8 grouped GEMM here)
+            from moeserve import kernels
+
+            self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers, "triton") or (
+                kernels.EXPERT_MAX_BM
+            )
+        else:
+            self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers)
 
     def warm_up_kernels(self) -> list[int]:
         """Compile the Triton expert kernels for every rows-per-pass a step can pick, before
@@ -174,7 +197,7 @@ class ExpertStore:
         from moeserve import kernels
 
         w = self.weights(0)
-        return kernels.warm_up_expert_mlp(w["gate_up"], w["down"])
+        return kernels.warm_up_expert_mlp(w["gate_up"], w["down"], self.scales(0), self.spec.dtype)
 
     @property
     def kernel_key(self) -> int:
@@ -190,7 +213,7 @@ class ExpertStore:
         if self.block_m and rows.is_cuda:
             from moeserve import kernels
 
-            return kernels.expert_mlp(rows, weights["gate_up"], weights["down"], offs, self.block_m)
+            return kernels.expert_mlp(rows, weights["gate_up"], weights["down"], offs, self.block_m, self.scales(layer))
         if grouped_mm_applies(spec, rows.device, rows.dtype):
             from moeserve import kernels
 
@@ -240,6 +263,7 @@ class ExpertStore:
         for slot, entry in staged:
             local = slot - s0
             if 0 <= local < self.slots_per_worker:
+                assert self.staging is not None  # entries staged here are in what begin_staging allocated
                 self.buffers[layer][local].copy_(self.staging[entry])
         self.logical[layer] = np.asarray(phy2log_row, dtype=np.int64)[s0 : s0 + self.slots_per_worker]
 
@@ -284,6 +308,22 @@ def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None) -> i
     return kernels.expert_block_m(2 * per_slot) if mode == "triton" or per_slot <= kernels.EXPERT_MAX_BM else 0
 
 
+def fp8_kernel_applies(spec: ExpertSpec, device: torch.device) -> bool:
+    """Whether FP8 experts of ``spec`` run through the Triton kernels (``kernels.expert_mlp``
+    with scales): CUDA, Triton, a 16-bit compute dtype and scale blocks the kernel takes."""
+    from moeserve import kernels
+
+    q = spec.quant
+    return (
+        q is not None
+        and device.type == "cuda"
+        and spec.dtype in (torch.bfloat16, torch.float16)
+        and kernels.available()
+        and kernels.fp8_blocks_supported(spec.hidden_size, q.gate_up_block)
+        and kernels.fp8_blocks_supported(spec.intermediate_size, q.down_block)
+    )
+
+
 def grouped_mm_applies(spec: ExpertSpec, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether rows of ``dtype`` on ``device`` run through ``torch._grouped_mm`` (one kernel per
     projection over all slots, with device-side offsets, so nothing is read back to the host).
@@ -313,6 +353,16 @@ def grouped_forward(
     On CUDA with bf16 and no biases this is two ``torch._grouped_mm`` calls (one kernel each
     over all slots); elsewhere a loop over slots (never over tokens).
     """
+    if fp8_kernel_applies(spec, x.device) and x.dtype == spec.dtype:
+        from moeserve import kernels
+
+        if offs is None:
+            offs = torch.tensor(np.cumsum(per_slot), dtype=torch.int32, device=x.device)
+        q = spec.quant
+        assert q is not None
+        sc = kernels.ExpertScales(weights["gate_up_scale"], q.gate_up_block, weights["down_scale"], q.down_block)
+        bm = kernels.expert_block_m(max(per_slot, default=1))
+        return kernels.expert_mlp(x, weights["gate_up"], weights["down"], offs, bm, sc)
     if grouped_mm_applies(spec, x.device, x.dtype):
         if offs is None:
             offs = torch.tensor(np.cumsum(per_slot), dtype=torch.int32, device=x.device)

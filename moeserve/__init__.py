@@ -9,6 +9,20 @@ data plane, the client SDK and the CLI). The services are installed beside it as
 import os as _os
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    """vLLM's offline API (``from moeserve import LLM, SamplingParams``; moeserve.llm), imported
+    on first use so that ``import moeserve`` stays light."""
+    if name in ("LLM", "SamplingParams"):
+        # By name, not an import statement: the package itself (which every module's import
+        # passes through) does not depend on the offline API and what it starts.
+        import importlib
+
+        return getattr(importlib.import_module("moeserve.llm"), name)
+    raise AttributeError(f"module 'moeserve' has no attribute {name!r}")
+
 
 # Run from a source checkout (a bare copy of the repository on a GPU machine, or a rank started
 # with the checkout as its working directory), this folder shadows the installed package and its

@@ -68,12 +68,16 @@ class CacheConfig:
     cpu_kv_cache_gib:        on CPU ranks (gloo), the pool's size in GiB (vLLM's
                              VLLM_CPU_KVCACHE_SPACE), at most what max_num_seqs sequences of
                              max_model_len tokens need.
+    enable_prefix_caching:   full blocks are shared between requests by the hash of their
+                             tokens, and kept cached when freed (docs/engine.md, "Prefix
+                             caching").
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int = 0
     cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -89,6 +93,7 @@ class CacheConfig:
 
 
 EXCHANGES = ("auto", "collective", "nvlink")
+ROUTING_POLICIES = ("cache_aware", "round_robin")  # which router a new sequence goes to (scheduler.py)
 QUANTIZATIONS = ("", "fp8")  # --quantization (moeserve.models.quant; config imports no torch)
 LOAD_FORMATS = ("auto", "dummy")  # as moeserve.models.dummy.LOAD_FORMATS (config imports no torch)
 
@@ -197,6 +202,12 @@ class ClusterConfig:
     idle), not every step.
     quantization: "fp8" serves a bf16 checkpoint with FP8 experts and MLPs, quantized at load
     (vLLM's ``--quantization fp8``); "" serves the checkpoint as its quantization_config says.
+    seed: the seed of the leader's stream of seeds for requests that give none (vLLM's
+    ``--seed``: the same requests in the same order sample the same tokens on every run); None:
+    each such request gets a random seed.
+    routing_policy: which router a new sequence goes to: "cache_aware" (the one holding its
+    longest cached prefix, balanced against the routers' running sequences) or "round_robin"
+    (``moeserve.router.engine.scheduler``).
     """
 
     model_dir: str
@@ -229,6 +240,8 @@ class ClusterConfig:
     capture_graphs_at_start: bool = False
     load_read_steps: int = 16
     quantization: str = ""  # "" (the checkpoint's own) or "fp8" (vLLM's --quantization)
+    seed: int | None = None
+    routing_policy: str = "cache_aware"
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):
@@ -253,8 +266,12 @@ class ClusterConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]} (or unset), got {self.quantization!r}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
         if self.per_expert_metrics not in ("auto", "on", "off"):
             raise ValueError(f"per_expert_metrics must be auto, on or off, got {self.per_expert_metrics!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
 
     @property
     def world_size(self) -> int:

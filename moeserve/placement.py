@@ -288,6 +288,9 @@ class Placement:
     def __eq__(self, other) -> bool:
         if not isinstance(other, Placement):
             return NotImplemented
+        # __post_init__ fills layer_versions and breakeven
+        assert self.layer_versions is not None and self.breakeven is not None
+        assert other.layer_versions is not None and other.breakeven is not None
         return (
             (self.num_logical, self.num_workers, self.workers_per_node, self.version)
             == (other.num_logical, other.num_workers, other.workers_per_node, other.version)
@@ -296,7 +299,8 @@ class Placement:
             and np.array_equal(self.breakeven, other.breakeven)
         )
 
-    __hash__ = None  # mutable-looking arrays inside: not hashable
+    # No __hash__: a class that defines __eq__ alone has __hash__ None (mutable-looking arrays
+    # inside: not hashable), and dataclass(eq=False) leaves it so.
 
     # ---- shape -----------------------------------------------------------------------------
     @property
@@ -313,6 +317,7 @@ class Placement:
 
     @property
     def num_nodes(self) -> int:
+        assert self.workers_per_node is not None  # __post_init__ fills it
         return self.num_workers // self.workers_per_node
 
     def worker_of_slot(self, slot):
@@ -321,6 +326,7 @@ class Placement:
 
     def node_of_worker(self, worker):
         """Node of a worker (int or int array)."""
+        assert self.workers_per_node is not None  # __post_init__ fills it
         return (
             np.asarray(worker) // self.workers_per_node
             if not isinstance(worker, int)
@@ -416,6 +422,7 @@ class Placement:
         if expert_bytes < 0:
             raise ValueError(f"expert_bytes must be >= 0, got {expert_bytes}")
         s, wpn = self.slots_per_worker, self.workers_per_node
+        assert wpn is not None  # __post_init__ fills it
         layers, p = self.phy2log.shape
         worker = np.arange(p) // s
         # held[l, w, x]: worker w holds logical expert x in layer l (old placement)
@@ -445,6 +452,7 @@ class Placement:
 
     # ---- files -----------------------------------------------------------------------------
     def to_json(self) -> str:
+        assert self.layer_versions is not None and self.breakeven is not None  # __post_init__ fills them
         return json.dumps(
             {
                 "format": FORMAT,

@@ -46,6 +46,10 @@ reached by copies; estimates from bytes and instructions, not yet timed on the G
   ~1.5-2 ms when all 256 rows use top-p, in proportion to F, skipped when F = 0. The sort is
   what a sort-free threshold search (a later kernel) would remove.
 - ``logprobs`` (20 top): max, exp-sum, gather, topk: ~6 passes, ~0.3 ms, for the rows that ask.
+- penalties (``adjust_logits``), for the Q rows that have one: a gather of their [Q, V] count
+  (and prompt) rows from the router's pool, ~6 elementwise passes over [Q, V] and a scatter
+  back (about what 6 reads of those rows' logits cost; nothing when no row has a penalty);
+  min_tokens and logit_bias are one indexed write of their (row, token) pairs.
 - the torch path (CPU, or CUDA without Triton) materialises the Philox state as int64 [B, Q]
   tensors, ~120 elementwise ops of 103 MB each at this size (~37 GB, ~9 ms on an H200): for
   tests and the CPU model (~0.6 ms a token at B = 1 on one CPU core, dominated by op overhead).
@@ -64,6 +68,18 @@ import torch
 from moeserve import kernels
 
 MAX_SEED = 2**63 - 1
+MAX_MIN_TOKENS = 1 << 20
+MAX_STOP_IDS = 1024  # ids masked while fewer than min_tokens were generated
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_BIAS = 100.0  # OpenAI's range of a logit bias
+MAX_REPETITION_PENALTY = 10.0
+# (field, lowest, highest, lowest excluded) of the float parameters beside temperature and top_p
+RANGES = (
+    ("min_p", 0.0, 1.0, False),
+    ("presence_penalty", -2.0, 2.0, False),
+    ("frequency_penalty", -2.0, 2.0, False),
+    ("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, True),
+)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_TEMPERATURE = 1e30  # larger temperatures are clamped here: T * log E stays finite in fp32
 
@@ -84,12 +100,31 @@ class SamplingParams:
                  reaches top_p, in (0, 1]; 1 keeps all.
     top_k:       keep the k most likely tokens; 0 keeps all.
     seed:        seeds the request's random stream, 0 .. 2**63-1; None draws a random seed.
+    min_p:       keep the tokens whose probability (after temperature) is at least min_p times the
+                 most likely one's, in [0, 1]; 0 keeps all. Applied before top-k and top-p.
+    presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every token the
+                 request generated so far, once (presence) or once per occurrence (frequency).
+    repetition_penalty: in (0, 10]; the logits of tokens in the prompt or generated so far are
+                 divided by it when positive, multiplied when not; 1 changes nothing.
+    min_tokens:  while fewer tokens were generated, ``stop_ids`` cannot be sampled (their logits
+                 are -inf); the leader sets ``stop_ids`` to the request's EOS and stop token ids.
+    logit_bias:  (token id, bias in [-100, 100]) pairs added to the logits.
+    These five change the logits before temperature, greedy rows included, in vLLM's order:
+    min_tokens, logit_bias, then the penalties (``adjust_logits``); logprobs stay those of the
+    raw logits.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         t = self.temperature
@@ -104,6 +139,49 @@ class SamplingParams:
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MAX_SEED):
             raise ValueError(f"seed must be None or an integer in 0..{MAX_SEED}, found {s!r}")
+        for name, lo, hi, open_lo in RANGES:
+            v = getattr(self, name)
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < lo
+                or v > hi
+                or (open_lo and v == lo)
+            ):
+                raise ValueError(f"{name} must be a number in {'(' if open_lo else '['}{lo}, {hi}], found {v!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= MAX_MIN_TOKENS:
+            raise ValueError(f"min_tokens must be an integer in 0..{MAX_MIN_TOKENS}, found {m!r}")
+        if len(self.stop_ids) > MAX_STOP_IDS or any(
+            isinstance(t, bool) or not isinstance(t, int) for t in self.stop_ids
+        ):
+            raise ValueError(f"stop_ids must be at most {MAX_STOP_IDS} integers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, found {len(self.logit_bias)}")
+        for pair in self.logit_bias:
+            if (
+                len(pair) != 2
+                or isinstance(pair[0], bool)
+                or not isinstance(pair[0], int)
+                or isinstance(pair[1], bool)
+                or not isinstance(pair[1], (int, float))
+                or not -MAX_BIAS <= pair[1] <= MAX_BIAS
+            ):
+                raise ValueError(
+                    f"logit_bias entries must be (token id, bias) with a bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                    f"found {pair!r}"
+                )
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty needs the request's token counts."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts(self) -> bool:
+        """True when logits change before sampling (penalties, min_tokens, logit_bias)."""
+        return self.penalized or self.min_tokens > 0 or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +205,7 @@ class SamplingTensors:
     seed        int64 [B].
     position    int64 [B]: index of the token being sampled among the request's outputs (0 for
                 the first).
+    min_p       float32 [B]: 0 for greedy rows and rows without min_p.
     all_greedy  host flag: skip the random path entirely.
     The remaining fields are host-side hints that ``build`` fills: ``filter_rows`` int64 [F] on
     the device, the random rows with top-k or top-p (None: unknown, every row goes through the
@@ -144,6 +223,7 @@ class SamplingTensors:
     filter_rows: torch.Tensor | None = None
     needs_sort: bool = True
     max_top_k: int = 0
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -164,10 +244,11 @@ class SamplingTensors:
         )
         top_p = np.array([1.0 if g else float(p.top_p) for p, g in zip(params, greedy)], dtype=np.float32)
         top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        min_p = np.array([0.0 if g else float(p.min_p) for p, g in zip(params, greedy)], dtype=np.float32)
         # Decided on the fp32 values the device sees (a top_p that rounds to 1 filters nothing).
-        rows = [i for i in range(b) if not greedy[i] and (top_k[i] > 0 or top_p[i] < 1)]
+        rows = [i for i in range(b) if not greedy[i] and (top_k[i] > 0 or top_p[i] < 1 or min_p[i] > 0)]
         device = torch.device(device)
-        floats = torch.from_numpy(np.stack([temp, top_p]) if b else np.zeros((2, 0), np.float32))
+        floats = torch.from_numpy(np.stack([temp, top_p, min_p]) if b else np.zeros((3, 0), np.float32))
         ints = torch.tensor(top_k + list(seeds) + list(positions) + rows, dtype=torch.long)
         if device.type == "cuda":
             floats, ints = floats.pin_memory(), ints.pin_memory()
@@ -183,6 +264,7 @@ class SamplingTensors:
             filter_rows=ints[3 * b :],
             needs_sort=any(top_p[i] < 1 for i in rows),
             max_top_k=max((top_k[i] for i in rows), default=0),
+            min_p=floats[2] if any(min_p[i] > 0 for i in rows) else None,
         )
 
 
@@ -252,10 +334,19 @@ def thresholds(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None
     if st.needs_sort or rows is None:
         vals = torch.sort(x, dim=-1, descending=True).values  # [F, V]
     else:
-        kmax = min(st.max_top_k, v)
+        kmax = max(1, min(st.max_top_k, v))
         vals = torch.topk(x, kmax, dim=-1).values  # [F, kmax] sorted
         k = k.clamp(max=kmax)
     kth = vals.gather(1, (k - 1)[:, None])  # [F, 1]
+    if not (st.needs_sort or rows is None):
+        kth = torch.where((top_k > 0)[:, None], kth, float("-inf"))  # min_p-only rows: no top-k
+    if st.min_p is not None:
+        # min_p, before top-k and top-p (vLLM's order): p_i >= min_p * p_max under softmax(x / T)
+        # is x_i >= x_max + T log(min_p), a threshold on the logits like the others.
+        mp = sel(st.min_p)
+        t_mp = torch.where(temp > 0, temp, 1.0)
+        floor = vals[:, 0] + t_mp * torch.log(mp.clamp(min=1e-30))
+        kth = torch.maximum(kth, torch.where(mp > 0, floor, float("-inf"))[:, None])
     thr = kth
     if st.needs_sort or rows is None:
         # Softmax of the top-k-kept scores, shifted by the row max so that nothing overflows.
@@ -269,6 +360,60 @@ def thresholds(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None
     if rows is None:
         return thr
     return torch.full((b,), float("-inf"), device=logits.device).index_copy_(0, rows, thr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits changed before sampling: min_tokens, logit_bias, penalties
+
+
+@dataclass(frozen=True)
+class LogitsAdjust:
+    """What changes a batch's logits before sampling (``adjust_logits``), on the device. M
+    masked (row, token) pairs, N biased pairs, Q penalized rows.
+
+    mask_rows, mask_ids int64 [M]: set to -inf (min_tokens: the stop ids of the rows that have
+                generated fewer tokens).
+    bias_rows, bias_ids int64 [N], bias float32 [N]: added (logit_bias).
+    pen_rows    int64 [Q]: the rows with a penalty; ``counts`` [Q, V] (any number dtype) how often
+                each token was generated by the row's request so far, ``seen`` bool [Q, V] the
+                tokens of its prompt or output (None: no row has a repetition penalty);
+                ``presence``, ``frequency``, ``repetition`` float32 [Q].
+    """
+
+    mask_rows: torch.Tensor | None = None
+    mask_ids: torch.Tensor | None = None
+    bias_rows: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    pen_rows: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+
+
+def adjust_logits(logits: torch.Tensor, adj: LogitsAdjust) -> torch.Tensor:
+    """fp32 logits [B, V] as vLLM's sampler changes them before temperature, in its order: the
+    min_tokens mask, the logit bias, then the penalties (repetition: positive logits of seen
+    tokens divided by it, others multiplied; frequency times the count and presence once per
+    generated token, subtracted). A new tensor: the logprobs stay those of the raw logits."""
+    x = logits.float().clone()
+    if adj.mask_rows is not None and adj.mask_ids is not None and adj.mask_rows.numel():
+        x.index_put_((adj.mask_rows, adj.mask_ids), torch.tensor(float("-inf"), device=x.device))
+    if adj.bias_rows is not None and adj.bias_ids is not None and adj.bias is not None and adj.bias_rows.numel():
+        x.index_put_((adj.bias_rows, adj.bias_ids), adj.bias, accumulate=True)
+    if adj.pen_rows is not None and adj.counts is not None and adj.pen_rows.numel():
+        assert adj.presence is not None and adj.frequency is not None and adj.repetition is not None
+        y = x.index_select(0, adj.pen_rows)  # [Q, V]
+        counts = adj.counts.to(torch.float32)
+        generated = counts > 0
+        if adj.seen is not None:
+            r = adj.repetition[:, None]
+            y = torch.where(adj.seen | generated, torch.where(y > 0, y / r, y * r), y)
+        y = y - adj.frequency[:, None] * counts - adj.presence[:, None] * generated
+        x.index_copy_(0, adj.pen_rows, y)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,6 +528,19 @@ def logprobs(
     chosen = ((x.gather(1, tokens.view(b, 1)) - m) - lse).squeeze(1)
     top_vals, top_ids = torch.topk(x, num_top, dim=-1)
     return chosen, top_ids, (top_vals - m) - lse
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logits [n, V], of log_softmax in fp32 (as :func:`logprobs`): the logprob of
+    the row's ``targets`` [n] token float32 [n], its rank int64 [n] (1 + the tokens more likely),
+    and the ``num_top`` most likely ids int64 [n, num_top] with their logprobs float32 [n,
+    num_top]. What echo and prompt_logprobs return for each prompt position, on the device."""
+    chosen, top_ids, top_lp = logprobs(logits, targets, num_top)
+    x = logits.float()
+    rank = 1 + (x > x.gather(1, targets.view(-1, 1))).sum(-1)
+    return chosen, rank, top_ids, top_lp
 
 
 class Sampler:

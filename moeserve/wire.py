@@ -15,6 +15,7 @@ SDK built on it never pulls in server code (the services, the router, torch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -31,7 +32,11 @@ FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 
 # The proto enum spells the states as MigrationState's member names: a state added on one side
 # only fails here, at import, rather than on the wire.
-_STATE_TO_MSG = {s: common_pb2.MigrationProgress.State.Value(s.name) for s in MigrationState}
+# (Value is typed as returning int; the number is a State.)
+_STATE_TO_MSG = {
+    s: cast(common_pb2.MigrationProgress.State, common_pb2.MigrationProgress.State.Value(s.name))
+    for s in MigrationState
+}
 _STATE_OF_MSG = {v: k for k, v in _STATE_TO_MSG.items()}
 
 
@@ -88,6 +93,7 @@ def balancedness_from_msg(m: common_pb2.Balancedness) -> Balancedness:
 
 
 def placement_msg(p: Placement) -> admin_pb2.Placement:
+    assert p.layer_versions is not None  # Placement.__post_init__ fills it
     return admin_pb2.Placement(
         phy2log=int64_matrix(p.phy2log),
         version=int(p.version),

@@ -98,10 +98,10 @@ class DecodeGraphs:
         self.h_ints = torch.zeros(self.ints.numel(), dtype=torch.int32)
         if self.cuda:
             self.h_longs, self.h_ints = self.h_longs.pin_memory(), self.h_ints.pin_memory()
-        self._copied = None  # event of the last host-to-device copy
+        self._copied: torch.cuda.Event | None = None  # event of the last host-to-device copy
         self.graphs: dict = {}  # (Bk, NS) -> (CUDAGraph, logits [Bk, V])
         self.seen: set = set()
-        self.pool = None
+        self.pool: torch.cuda._POOL_HANDLE | None = None
         self.disabled = ""
         self.replays = 0
         self.captures = 0
@@ -250,7 +250,8 @@ class DecodeGraphs:
             with cudagraph.capture(g, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self._forward(b, max_seq_len)
         except Exception as e:  # noqa: BLE001 - any capture failure: stay eager
-            self.exchange._in_flight = False  # a layer dispatched inside the failed capture
+            if self.exchange is not None:
+                self.exchange._in_flight = False  # a layer dispatched inside the failed capture
             self.disabled = f"{type(e).__name__}: {e}"
             log.warning(
                 "CUDA graph capture of a decode step of %d sequences failed; decode runs eagerly from now on: %s",

@@ -21,19 +21,21 @@ from moeserve.dataplane.protocol import RouterWork, SeqWork
 from moeserve.dataplane.roles import LoadSnapshot
 from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.ops.profiling import span
+from moeserve.router import penalties
 from moeserve.router.dispatcher import DistributedExperts
-from moeserve.sampling import SamplingParams, SamplingTensors, sample
+from moeserve.sampling import SamplingParams, SamplingTensors, adjust_logits, prompt_logprobs, sample
 
 
 class _Outputs:
     """What one forward step sampled, on its way to the host: ``ids`` the sampled sequences,
     ``host`` int64 [B] (pinned on CUDA) filled by a copy behind ``event``; ``logits`` the fp32
-    logits asked for (already on the host)."""
+    logits asked for (already on the host); ``plp`` the prompt logprobs of the step's chunks."""
 
-    __slots__ = ("step", "ids", "host", "event", "logits")
+    __slots__ = ("step", "ids", "host", "event", "logits", "plp")
 
-    def __init__(self, step: int, ids: list[int], host, event, logits: dict):
+    def __init__(self, step: int, ids: list[int], host, event, logits: dict, plp: dict | None = None):
         self.step, self.ids, self.host, self.event, self.logits = step, ids, host, event, logits
+        self.plp = plp or {}
 
     def tokens(self) -> dict[int, int]:
         if self.event is not None:
@@ -46,9 +48,26 @@ class RouterSeq:
     seed the leader gave them, the tokens in its KV cache after the last step (``length``), the
     output index of the next token it samples (``out``), the request's ``return_logits``
     (``mode``), and its entry in the runner's ``tok_buf`` (``tok``: slots 2 tok and 2 tok + 1;
-    ``cur``: the one holding its latest sampled token)."""
+    ``cur``: the one holding its latest sampled token). A penalized sequence (``router.penalties``)
+    also keeps the tokens the leader sent since its (re)start until its first sample (``known``),
+    its slot of the penalty pool and how many of its outputs are counted there; a sequence whose
+    prompt logprobs are asked keeps the last hidden row of its previous prefill chunk (``carry``
+    [H]: its logits score the first token of the next chunk)."""
 
-    __slots__ = ("table", "sampling", "seed", "length", "out", "mode", "tok", "cur")
+    __slots__ = (
+        "table",
+        "sampling",
+        "seed",
+        "length",
+        "out",
+        "mode",
+        "tok",
+        "cur",
+        "known",
+        "pen_slot",
+        "counted",
+        "carry",
+    )
 
     def __init__(self, table: list[int], sampling: SamplingParams, mode: str):
         if sampling.seed is None:
@@ -61,6 +80,10 @@ class RouterSeq:
         self.out = 0
         self.tok: int | None = None
         self.cur = 0
+        self.known: list[int] | None = [] if sampling.penalized else None
+        self.pen_slot: int | None = None
+        self.counted: int | None = None
+        self.carry: dict[int, torch.Tensor] | None = None
 
 
 class RouterRunner:
@@ -105,12 +128,15 @@ class RouterRunner:
         self._outputs: list[_Outputs] = []  # sampled, not delivered yet (oldest first)
         self._delivered: tuple[int, tuple] | None = None  # (step, what deliver(step) returned): a replay
         self._load: tuple | None = None  # a load snapshot on its way to the host
+        self.penalty_pool = penalties.PenaltyPool(model.config.vocab_size, self.device)
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
             seq = self.seqs.pop(sid, None)
             if seq is not None and seq.tok is not None:
                 self._free_tok.append(seq.tok)
+            if seq is not None and seq.pen_slot is not None:
+                self.penalty_pool.give(seq.pen_slot)
 
     def _tok_entry(self, seq: RouterSeq) -> int:
         if seq.tok is None:
@@ -168,7 +194,9 @@ class RouterRunner:
         self._check_ids([t for t, j in zip(ids, src) if j < 0])
         if (
             self.graphs is not None
-            and all(sw.num_new == 1 and sw.sample and sw.return_logits != "all" for sw in seqs)
+            and all(
+                sw.num_new == 1 and sw.sample and sw.return_logits != "all" and sw.prompt_logprobs < 0 for sw in seqs
+            )
             and self.graphs.fits(len(seqs), [self.seqs[sw.seq_id].table for sw in seqs])
         ):
             logits = self.graphs.run(
@@ -180,7 +208,7 @@ class RouterRunner:
                 runner=self,
             )  # [S, V]
             self.experts.end_step()
-            self._sample(seqs, logits.float(), step, dst_of)
+            self._sample(seqs, logits.float(), step, dst_of, src_of)
             return
         with span("batch_build"):
             ids_dev = self._device_ids(ids, src)  # [T]
@@ -196,9 +224,13 @@ class RouterRunner:
         rows = [i for i, sw in enumerate(seqs) if sw.sample]
         out_logits = {}
         starts = np.cumsum([0] + [sw.num_new for sw in seqs])
+        out_plp = {}
         for i, sw in enumerate(seqs):
             if sw.return_logits == "all":
                 out_logits[sw.seq_id] = self.model.logits(hidden[starts[i] : starts[i + 1]]).float().cpu().numpy()
+            if sw.prompt_logprobs >= 0:
+                with span("prompt_logprobs"):
+                    out_plp[sw.seq_id] = self._prompt_logprobs(sw, hidden[starts[i] : starts[i + 1]])
         if rows:
             with span("lm_head"):
                 last = torch.from_numpy(starts[1:][rows] - 1)  # [B]
@@ -206,9 +238,9 @@ class RouterRunner:
                     last = last.pin_memory()
                 last = last.to(self.device, non_blocking=True)
                 logits = self.model.logits(hidden.index_select(0, last)).float()  # [B, V]
-            self._sample([seqs[i] for i in rows], logits, step, dst_of, out_logits)
+            self._sample([seqs[i] for i in rows], logits, step, dst_of, src_of, out_logits, out_plp)
         else:
-            self._outputs.append(_Outputs(step, [], None, None, out_logits))
+            self._outputs.append(_Outputs(step, [], None, None, out_logits, out_plp))
 
     @torch.inference_mode()
     def warmup(self, b: int, max_seq_len: int, step: int) -> None:
@@ -240,15 +272,17 @@ class RouterRunner:
         live = self.seqs
         for sw in work.seqs:
             sid = sw.seq_id
-            if sw.start == 0:  # new, or recomputed after a preemption: a fresh record
-                assert sw.sampling is not None  # the leader sends it with every start
+            if sw.fresh:  # new, or recomputed after a preemption: a record whose table may begin with cached blocks
+                assert sw.sampling is not None
                 old = live.get(sid)
                 seq = live[sid] = RouterSeq(list(sw.new_blocks), sw.sampling, sw.return_logits)
                 if old is not None:  # keeps its tok_buf entry (a token of a step run again may sit there)
-                    seq.tok, seq.cur = old.tok, old.cur
+                    seq.tok, seq.cur, seq.pen_slot = old.tok, old.cur, old.pen_slot
             else:
                 seq = live[sid]
                 seq.table.extend(sw.new_blocks)
+            if seq.known is not None:
+                seq.known.extend(sw.token_ids)
             seq.length = sw.start + len(sw.token_ids)
             if sw.sample:
                 seq.out = sw.out_pos + 1
@@ -278,11 +312,19 @@ class RouterRunner:
         return rows, src_of, dst_of
 
     def _sample(
-        self, sampled, logits: torch.Tensor, step: int, dst_of: dict[int, int], out_logits: dict | None = None
+        self,
+        sampled,
+        logits: torch.Tensor,
+        step: int,
+        dst_of: dict[int, int],
+        src_of: dict[int, int],
+        out_logits: dict | None = None,
+        out_plp: dict | None = None,
     ) -> None:
         """Sample one token per sequence of ``sampled`` from fp32 ``logits`` [B, V] (row j is
-        sampled[j]'s), in one call on the device; keep each in ``tok_buf`` and start its copy
-        to the host; also the logits asked for with "last"."""
+        sampled[j]'s), in one call on the device, after min_tokens, logit_bias and the
+        penalties changed them (``router.penalties``); keep each in ``tok_buf`` and start its
+        copy to the host; also the raw logits asked for with "last"."""
         out_logits = {} if out_logits is None else out_logits
         with span("sampling"):
             rows = [self.seqs[sw.seq_id] for sw in sampled]
@@ -292,7 +334,12 @@ class RouterRunner:
                 [sw.out_pos for sw in sampled],
                 self.device,
             )
-            toks = sample(logits, st)  # [B] on the device
+            adj = penalties.build(
+                [(j, seq, sw.out_pos, src_of.get(sw.seq_id, -1)) for j, (seq, sw) in enumerate(zip(rows, sampled))],
+                self.tok_buf,
+                self.penalty_pool,
+            )
+            toks = sample(logits if adj is None else adjust_logits(logits, adj), st)  # [B] on the device
             entries = [dst_of[sw.seq_id] for sw in sampled]
             index = torch.tensor(entries, dtype=torch.long)
             if self.cuda:
@@ -307,22 +354,59 @@ class RouterRunner:
         for j, sw in enumerate(sampled):
             if sw.return_logits == "last":
                 out_logits[sw.seq_id] = logits[j : j + 1].cpu().numpy()
-        self._outputs.append(_Outputs(step, [sw.seq_id for sw in sampled], host, event, out_logits))
+        self._outputs.append(_Outputs(step, [sw.seq_id for sw in sampled], host, event, out_logits, out_plp or {}))
 
-    def deliver(self, step: int) -> tuple[int, dict[int, int], dict[int, np.ndarray]]:
+    PROMPT_LOGPROB_ROWS = 64  # prompt positions scored at once: [64, V] fp32 logits at a time
+
+    def _prompt_logprobs(self, sw: SeqWork, hidden: torch.Tensor):
+        """The logprobs of this chunk's prompt tokens, each scored by the position before it
+        (the first by the previous chunk's last hidden row, kept in ``carry``), computed on the
+        device in blocks of ``PROMPT_LOGPROB_ROWS`` positions: only [n] and [n, K] arrays reach
+        the host. The chunk's last row scores the next chunk's first token (kept), or is the
+        row the first output is sampled from (the prompt's last chunk)."""
+        from moeserve.dataplane.protocol import PromptLogprobs
+
+        seq = self.seqs[sw.seq_id]
+        k = sw.prompt_logprobs
+        ids = list(sw.token_ids)
+        h = hidden[:-1]  # [T - 1, H]: position t scores token t + 1
+        targets = ids[1:]
+        # keyed by the position of the token it scores; the entry of this chunk stays until a
+        # later chunk, so a step run again after a lost peer finds it
+        carry = {p: t for p, t in (seq.carry or {}).items() if p >= sw.start}
+        if sw.start in carry:
+            h = torch.cat([carry[sw.start][None], h])
+            targets = ids
+        if not sw.sample:
+            carry[sw.start + len(ids)] = hidden[-1].clone()
+        seq.carry = carry or None
+        parts = []
+        tgt = torch.tensor(targets, dtype=torch.long, device=self.device)
+        for a in range(0, len(targets), self.PROMPT_LOGPROB_ROWS):
+            b = min(len(targets), a + self.PROMPT_LOGPROB_ROWS)
+            lg = self.model.logits(h[a:b]).float()  # [n, V]
+            parts.append(prompt_logprobs(lg, tgt[a:b], min(k, lg.shape[1])))
+        if not parts:
+            z = np.zeros(0, np.float32)
+            return PromptLogprobs(z, np.zeros(0, np.int64), np.zeros((0, k), np.int64), np.zeros((0, k), np.float32))
+        cat = [torch.cat([p[i] for p in parts]).cpu().numpy() for i in range(4)]
+        return PromptLogprobs(cat[0], cat[1], cat[2], cat[3])
+
+    def deliver(self, step: int) -> tuple[int, dict[int, int], dict[int, np.ndarray], dict]:
         """The outputs of the oldest step not delivered yet that step ``step``'s result carries
         (with async outputs a step before ``step``, else up to ``step``): (its step or -1,
-        tokens per sequence, logits per sequence). Waits for that step's copies only. Asked
-        again for the same step (the step was run again after a lost peer), the same answer."""
+        tokens per sequence, logits per sequence, prompt logprobs per sequence). Waits for that
+        step's copies only. Asked again for the same step (the step was run again after a lost
+        peer), the same answer."""
         if self._delivered is not None and self._delivered[0] == step:
             return self._delivered[1]
-        out: tuple[int, dict[int, int], dict[int, np.ndarray]] = (-1, {}, {})
+        out: tuple[int, dict[int, int], dict[int, np.ndarray], dict] = (-1, {}, {}, {})
         if self._outputs and (
             self._outputs[0].step < step or (not self.async_outputs and self._outputs[0].step <= step)
         ):
             o = self._outputs.pop(0)
             with span("tokens_read"):
-                out = (o.step, o.tokens(), o.logits)
+                out = (o.step, o.tokens(), o.logits, o.plp)
         self._delivered = (step, out)
         return out
 

@@ -135,3 +135,50 @@ def quantize(
     fp8_dir = hf.rewrite(src, out / "fp8", fp8, {**cfg, "quantization_config": qc})
     deq_dir = hf.rewrite(src, out / "dequantized", _fuse_llama4_experts(deq) if llama else deq, cfg)
     return fp8_dir, deq_dir
+
+
+def compressed_tensors_checkpoint(src: Path, dst: Path, strategy: str = "channel") -> tuple[Path, Path]:
+    """As ``quantize``, but written by the compressed-tensors library itself: its scales
+    (``calculate_qparams``), its compressor (``float-quantized``), its ``QuantizationConfig``
+    serialized as it serializes it, and its own decompression for the dequantized twin. The
+    experts, shared experts and dense MLPs (per-expert Linears for Llama 4), per ``strategy``
+    (channel or tensor), with dynamic per-token input activations."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False)
+    acts = QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
+    compressor = BaseCompressor.load_from_registry("float-quantized")
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    tensors = hf.read_all(src)
+    llama = cfg.get("model_type", "").startswith("llama4")
+    if llama:
+        tensors = hf.llama4_per_expert(tensors)
+    fp8, deq, kept = {}, {}, []
+    for name, t in tensors.items():
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module is None or t.dim() != 2 or not MLP.match(module):
+            fp8[name] = deq[name] = t
+            if module is not None and t.dim() == 2 and not module.startswith("model.embed"):
+                kept.append(module)
+            continue
+        dims = dict(dim=1, keepdim=True) if strategy == "channel" else {}
+        lo, hi = (t.amin(**dims), t.amax(**dims)) if dims else (t.amin(), t.amax())
+        scale, zero = calculate_qparams(lo, hi, args)
+        packed = compressor.compress({"weight": t, "weight_scale": scale, "weight_zero_point": zero}, scheme)
+        unpacked = compressor.decompress(dict(packed), scheme)
+        fp8[name] = packed["weight"]
+        fp8[f"{module}.weight_scale"] = packed["weight_scale"]
+        deq[name] = unpacked["weight"].float()
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format="float-quantized",
+        ignore=sorted(kept),
+        quantization_status="compressed",
+    ).model_dump()
+    out = Path(dst)
+    fp8_dir = hf.rewrite(src, out / "fp8", fp8, {**cfg, "quantization_config": qc})
+    deq_dir = hf.rewrite(src, out / "dequantized", _fuse_llama4_experts(deq) if llama else deq, cfg)
+    return fp8_dir, deq_dir

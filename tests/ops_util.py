@@ -57,9 +57,15 @@ def scrape(port: int, host: str = "127.0.0.1") -> str:
 
 
 def check_metrics(text: str) -> None:
-    """``promtool check metrics`` must find nothing to say about a scrape."""
+    """``promtool check metrics`` must find nothing to say about a scrape but the colons of
+    vLLM's names (``vllm:...``, spelled as vLLM spells them so that its dashboards read them)."""
     p = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and not p.stdout.strip() and not p.stderr.strip(), p.stdout + p.stderr
+    said = [
+        line
+        for line in (p.stdout + p.stderr).splitlines()
+        if line.strip() and not (line.startswith("vllm:") and line.endswith("metric names should not contain ':'"))
+    ]
+    assert not said and (p.returncode == 0 or "vllm:" in text), p.stdout + p.stderr
 
 
 def samples(text: str, name: str) -> dict[tuple, float]:

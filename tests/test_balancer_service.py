@@ -53,6 +53,7 @@ def wait_for(pred, timeout_s=20):
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 @pytest.mark.timeout(60)
 def test_the_loop_outlives_an_admin_outage_and_resumes_with_the_settings_kept_on_the_leader():
     (admin_port,) = free_ports(1)

@@ -115,6 +115,7 @@ def test_random_bits_are_philox_words_keyed_by_seed_and_position():
 # Batch invariance and determinism
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_rows_token_is_the_same_alone_and_in_any_batch_at_any_row(backend):
     if backend == "triton" and not kernels.available():
@@ -294,6 +295,7 @@ def test_tiny_temperatures_are_greedy(t):
     assert not SamplingParams(temperature=1e-5).greedy
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 def test_extreme_logits_and_temperatures_never_make_nan():
     neg = float("-inf")
     x = torch.tensor(

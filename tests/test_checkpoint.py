@@ -127,6 +127,7 @@ def test_expert_ids_and_moe_layer_indices_are_checked(llama4_path):
         reader.read_expert(2, 0)
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_checkpoints_load_and_match_transformers(dtype, tmp_path):
     path = hf.save(hf.build_llama4(seed=6).to(getattr(torch, dtype)), tmp_path / dtype)

@@ -3,6 +3,7 @@ cluster with the HTTP API; a vLLM command line from docs/http-api.md starts and 
 port in use, a missing model, vLLM flags moeserve cannot honour and Ctrl-C each give one clear
 message and an exit code, no traceback; init-model's files are readable by every user."""
 
+import json
 import os
 import signal
 import stat
@@ -250,6 +251,43 @@ def test_a_vllm_command_line_from_the_readme_starts_and_serves(tiny, hf_home):
 
 
 @pytest.mark.slow
+def test_the_second_of_two_requests_sharing_a_200_token_prompt_reads_192_tokens_from_the_cache(tiny, hf_home):
+    """``moeserve serve`` (prefix caching on by default): the second request of one 200-token
+    prompt reports all but its last block of 16 as cached (``usage.prompt_tokens_details``), the
+    cluster's status counts the hit, and both answers are transformers' greedy text."""
+    import hf_oracle as hf
+    import numpy as np
+    import openai
+    import torch
+    from transformers import AutoTokenizer
+
+    from moeserve.client import Client
+    from moeserve.models import load_config
+
+    ids = np.random.default_rng(2).integers(3, load_config(tiny).vocab_size, 200).tolist()
+    out = hf.hf_greedy(hf.load_oracle(tiny), torch.tensor([ids]), 16)[0, 200:].tolist()
+    want = AutoTokenizer.from_pretrained(tiny).decode(out, skip_special_tokens=True)
+    s = Serve([str(tiny), "--served-model-name", "tiny", "--max-model-len", "512"], offline_env(hf_home))
+    try:
+        c = openai.OpenAI(base_url=s.base, api_key="unused", max_retries=0, timeout=60)
+        got = [
+            c.completions.create(
+                model="tiny", prompt=ids, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            )
+            for _ in range(2)
+        ]
+        assert [g.choices[0].text for g in got] == [want, want]
+        cached = [g.usage.prompt_tokens_details.cached_tokens for g in got]
+        assert cached[0] == 0 and cached[1] >= 192, cached
+        status = Client(f"127.0.0.1:{s.admin}", TOKEN, timeout=30).status()
+        assert status.prefix_cache_hits == cached[1] and status.prefix_cache_queries == 400
+    finally:
+        code = s.stop()
+    assert code == 0, s.output()
+    _no_traceback(s.output())
+
+
+@pytest.mark.slow
 def test_ctrl_c_while_loading_stops_everything_at_once(tiny, hf_home):
     s = Serve([REPO, "--max-model-len", "256"], offline_env(hf_home), wait_ready=False)
     deadline = time.monotonic() + 60
@@ -304,7 +342,7 @@ def test_a_port_in_use_is_one_line_and_exit_1(tiny, capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--tensor-parallel-size", "2"], "use --data-parallel-size N --enable-expert-parallel"),
+        (["--tensor-parallel-size", "2"], "without --enable-expert-parallel would split attention"),
         (["--pipeline-parallel-size", "2"], "moeserve does not split layers"),
         (["--data-parallel-size", "2"], "add --enable-expert-parallel"),
         (["--data-parallel-size", "2", "--enable-expert-parallel", "--routers", "3"], "disagrees with --routers 3"),
@@ -346,6 +384,77 @@ def test_vllm_flags_map_to_the_cluster(tiny):
     assert (kw["routers"], kw["workers"], kw["colocated"], kw["num_redundant_experts"]) == (2, 2, True, 2)
     assert kw["migration_bytes_per_step"] >= 1 << 40 and "one step" in notes[0]
     assert serve._dtype(args, Path(tiny)) == "float32"
+
+
+def test_tensor_parallel_with_expert_parallel_is_n_colocated_ranks_and_needs_a_gpu_each(tiny):
+    from moeserve.cli import UsageError, build_parser, serve
+
+    def parse(*flags):
+        return build_parser().parse_args(["serve", str(tiny), *flags])
+
+    args = parse("-tp", "8", "--enable-expert-parallel")
+    line = serve.parallel(args, visible_gpus=8)
+    assert (args.routers, args.workers, args.colocated) == (8, 8, True)
+    assert "8 co-located ranks on 8 GPUs" in line and "data-parallel attention" in line
+    with pytest.raises(UsageError, match=r"needs 8 GPUs \(one per rank\); 4 are visible"):
+        serve.parallel(parse("-tp", "8", "--enable-expert-parallel"), visible_gpus=4)
+    args = parse("-tp", "2", "-dp", "2", "--enable-expert-parallel")
+    assert "4 co-located ranks on 4 CPU ranks" in serve.parallel(args, visible_gpus=0)
+    assert (args.routers, args.workers) == (4, 4)
+    assert serve.parallel(parse(), visible_gpus=0) is None
+
+
+def test_a_vllm_command_line_with_its_other_flags_maps_to_the_cluster_and_says_what_each_became(tiny, tmp_path):
+    from moeserve.cli import UsageError, build_parser, serve, vllm_flags
+    from moeserve.cli import flags as F
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    argv = ["serve", str(tiny), "-tp", "8", "--enable-expert-parallel", "--enable-eplb", "--seed", "7"]
+    argv += ["--kv-cache-dtype", "auto", "--max-logprobs", "5", "--generation-config", "vllm"]
+    argv += ["--chat-template", str(template), "--trust-remote-code", "--disable-log-requests"]
+    argv += ["--enable-prefix-caching", "--swap-space", "16", "--distributed-executor-backend", "mp", "-O", "3"]
+    args = build_parser().parse_args(argv)
+    serve.parallel(args, visible_gpus=8)
+    notes = vllm_flags.check_vllm_noops(args)
+    assert any(n.startswith("--swap-space 16: accepted, a preempted sequence is recomputed") for n in notes)
+    assert not any(n.startswith("--enable-prefix-caching") for n in notes) and len(notes) == 5
+    args.model = str(tiny)
+    kw = F.cluster_kwargs(args)
+    assert (kw["routers"], kw["colocated"], kw["seed"], kw["enable_prefix_caching"]) == (8, True, 7, True)
+    off = build_parser().parse_args(["serve", str(tiny), "--no-enable-prefix-caching"])
+    off.model = str(tiny)
+    assert F.cluster_kwargs(off)["enable_prefix_caching"] is False
+    from moeserve.cli.up import frontend_text_flags
+
+    flags = frontend_text_flags(args)
+    assert flags[:4] == ["--max-logprobs", "5", "--generation-config", "vllm"]
+    assert flags[-2:] == ["--chat-template", str(template)]
+    for bad, message in (
+        (["--kv-cache-dtype", "fp8"], "the KV cache is kept in the model's dtype; moeserve takes auto"),
+        (["--enable-lora"], "moeserve does not serve this"),
+        (["--speculative-config", "{}"], "moeserve does not serve this"),
+    ):
+        with pytest.raises(UsageError, match=message):
+            vllm_flags.check_vllm_noops(build_parser().parse_args(["serve", str(tiny), *bad]))
+
+
+def test_generation_config_defaults_and_overrides_are_read_and_bounded(tmp_path):
+    from moeserve.services.tokenizer import chat_template_arg, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True, "max_new_tokens": 64})
+    )
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    assert generation_defaults(tmp_path, {"temperature": 0.1})["temperature"] == 0.1
+    assert generation_defaults(tmp_path / "none") == {}
+    with pytest.raises(ValueError, match="top_p = 2 is out of its range"):
+        generation_defaults(tmp_path, {"top_p": 2})
+    with pytest.raises(ValueError, match="unknown generation config keys"):
+        generation_defaults(tmp_path, {"typo": 1})
+    assert chat_template_arg("{{ messages }}") == "{{ messages }}"
+    with pytest.raises(ValueError, match="no such file, and not a template"):
+        chat_template_arg("missing.jinja")
 
 
 def test_init_model_files_are_readable_by_every_user(tmp_path):

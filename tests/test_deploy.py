@@ -223,11 +223,11 @@ def dashboards() -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
 
 
-def test_the_three_dashboards_exist_and_every_panel_queries_the_provisioned_datasource():
+def test_the_four_dashboards_exist_and_every_panel_queries_the_provisioned_datasource():
     boards = dashboards()
-    assert set(boards) == {"overview", "experts", "rebalancing"}
+    assert set(boards) == {"overview", "experts", "rebalancing", "vllm"}
     uids = [b["uid"] for b in boards.values()]
-    assert len(set(uids)) == 3
+    assert len(set(uids)) == 4
     for name, board in boards.items():
         panels = [p for p in board["panels"] if p["type"] != "row"]
         assert panels, name
@@ -236,7 +236,20 @@ def test_the_three_dashboards_exist_and_every_panel_queries_the_provisioned_data
             assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), (name, p["title"])
             for t in p["targets"]:
                 assert t["datasource"]["uid"] == DATASOURCE_UID
-                assert "moeserve_" in t["expr"] or "process_" in t["expr"], (name, p["title"], t["expr"])
+                names = ("vllm:",) if name == "vllm" else ("moeserve_", "process_")
+                assert any(n in t["expr"] for n in names), (name, p["title"], t["expr"])
+
+
+def test_the_vllm_dashboard_queries_vllms_names_for_the_model_picked():
+    board = dashboards()["vllm"]
+    (var,) = board["templating"]["list"]
+    assert var["name"] == "model_name" and "vllm:" in var["query"]["query"]
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    assert exprs and all('model_name=~"$model_name"' in e and "moeserve_" not in e for e in exprs)
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds"):
+        assert any(f"vllm:{name}_bucket" in e for e in exprs), name
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total"):
+        assert any(f"vllm:{name}" in e for e in exprs), name
 
 
 def test_the_experts_dashboard_has_a_layer_variable_a_heatmap_and_replica_counts():

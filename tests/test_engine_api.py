@@ -20,6 +20,7 @@ from moeserve.router.engine import leader as leader_module
 from moeserve.router.engine.api import (
     Finished,
     FinishReason,
+    FirstToken,
     GenerateRequest,
     InvalidRequest,
     ModelShape,
@@ -110,7 +111,7 @@ def test_the_channel_serves_the_typed_api_and_its_errors(engine, channel):
     c = EngineClient(server.address, key)
     assert c.placement() == engine.placement()
     events = list(c.generate_stream([GenerateRequest((1, 2, 3), 2, ignore_eos=True)]))
-    assert events == [(0, Token(TOKEN)), (0, Token(TOKEN)), (0, Finished(FinishReason.LENGTH))]
+    assert events == [(0, FirstToken(TOKEN)), (0, Token(TOKEN)), (0, Finished(FinishReason.LENGTH))]
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         list(c.generate_stream([GenerateRequest((1, VOCAB), 2)]))
     with pytest.raises(NotFound):
@@ -268,7 +269,7 @@ def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame
         return outs
 
     outs = asyncio.run(main())
-    assert outs == [[Token(TOKEN)] * 12 + [Finished(FinishReason.LENGTH)]] * 4
+    assert outs == [[FirstToken(TOKEN)] + [Token(TOKEN)] * 11 + [Finished(FinishReason.LENGTH)]] * 4
     assert len(opened) == 1  # one connection for 4 streams
     events = [n for n in frames if n]
     assert sum(events) == 4 * 13

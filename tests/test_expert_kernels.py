@@ -120,3 +120,56 @@ def test_a_worker_picks_the_kernels_by_rows_per_slot(monkeypatch):
     monkeypatch.setenv("MOESERVE_EXPERT_KERNEL", "triton")
     st.set_step_pairs(8)
     assert st.kernel_key == 0
+
+
+# -- FP8 weights -------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "blocks",
+    [((96, 1), (40, 1)), ((16, 16), (16, 16)), ((32, 40), (40, 96))],
+    ids=["per-channel", "block16", "per-tensor"],
+)
+def test_fp8_expert_kernels_equal_the_dequantizing_slot_loop(dtype, blocks):
+    """Codes converted in registers and each tile (or the whole sum) scaled: fp32 equals the
+    torch path that dequantizes first; bf16 within its rounding."""
+    from moeserve.models.moe import ExpertQuant, ExpertSpec, grouped_expert_forward
+
+    spec = ExpertSpec(96, 40, dtype=dtype, quant=ExpertQuant(*blocks))
+    g = torch.Generator().manual_seed(3)
+    buf = torch.stack(
+        [
+            spec.flat({"gate_up": torch.randn(96, 80, generator=g) / 9, "down": torch.randn(40, 96, generator=g) / 6})
+            for _ in range(4)
+        ]
+    )
+    w = spec.views(buf)
+    counts = [5, 0, 17, 3]  # an empty slot, a slot of two passes of 16
+    x = torch.randn(sum(counts), 96, generator=g).to(dtype)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    ref = grouped_expert_forward(spec, x.float(), None, w, counts=counts)
+    sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1])
+    got = kernels.expert_mlp(x, w["gate_up"], w["down"], offs, 16, sc).float()
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@needs_triton
+def test_fp8_linear_equals_its_dequantized_weight():
+    from moeserve.models import quant as Q
+
+    g = torch.Generator().manual_seed(4)
+    for block in [(1, 64), (16, 16), (48, 64)]:
+        w = torch.randn(48, 64, generator=g)
+        codes, scale = Q.quantize(w, block)
+        x = torch.randn(7, 64, generator=g)
+        want = x @ Q.dequantize(codes, scale, block, torch.float32).t()
+        got = kernels.fp8_linear(x, codes.t().contiguous(), scale.t().contiguous(), (block[1], block[0]))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_scale_blocks_the_kernel_cannot_tile_are_said():
+    assert kernels.fp8_blocks_supported(96, (96, 1)) and kernels.fp8_blocks_supported(512, (128, 128))
+    assert not kernels.fp8_blocks_supported(96, (8, 8)) and not kernels.fp8_blocks_supported(96, (24, 24))

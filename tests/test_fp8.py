@@ -72,6 +72,27 @@ def test_fp8_greedy_tokens_equal_transformers(checkpoints):
     assert [list(g) for g in got] == want.tolist()
 
 
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_a_checkpoint_written_by_the_compressed_tensors_library_equals_transformers_on_its_decompression(
+    source, tmp_path, strategy
+):
+    """A writer and a reader of one project could share one misreading: here the library writes
+    the codes, the scales and the quantization_config, and decompresses the oracle's weights."""
+    family, src = source
+    fp8, deq = fp8_util.compressed_tensors_checkpoint(src, tmp_path, strategy)
+    ids = hf.prompts(2, 24, seed=5)
+    model = load_model(fp8, dtype=torch.float32)
+    assert model.moe_info.expert_spec.quant is not None
+    with torch.no_grad():
+        want = hf.load_oracle(deq)(ids).logits
+    assert (model(ids) - want).abs().max().item() < FP32_LOGITS_ATOL
+    greedy = hf.hf_greedy(hf.load_oracle(deq), ids[:, :6], 12)[:, 6:]
+    from moeserve.sampling import SamplingParams
+
+    got = model.generate_ids([r.tolist() for r in ids[:, :6]], [SamplingParams()] * 2, 12, ignore_eos=True)
+    assert [list(g) for g in got] == greedy.tolist()
+
+
 def test_quantization_fp8_quantizes_a_bf16_checkpoint_at_load_per_output_channel(source, tmp_path):
     """--quantization fp8 equals the checkpoint quantized per channel by another writer (the
     routed experts, shared experts and dense MLPs; attention, routers and the LM head as stored)."""

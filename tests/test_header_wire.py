@@ -12,6 +12,21 @@ from moeserve.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(60)
 
 
+def adjust(rng) -> dict:
+    """The sampling parameters that change logits before sampling (any subset, any values)."""
+    return dict(
+        min_p=float(rng.choice([0.0, 0.05, 1.0])),
+        presence_penalty=float(rng.choice([0.0, -2.0, 0.3])),
+        frequency_penalty=float(rng.choice([0.0, 2.0, -0.7])),
+        repetition_penalty=float(rng.choice([1.0, 1.3, 1e-3])),
+        min_tokens=int(rng.integers(0, 40)),
+        stop_ids=tuple(int(x) for x in rng.integers(0, 202048, int(rng.integers(0, 4)))),
+        logit_bias=tuple((int(t), float(b)) for t, b in zip(rng.integers(0, 202048, 3), [-100.0, 0.25, 100.0]))[
+            : int(rng.integers(0, 4))
+        ],
+    )
+
+
 def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
     work = []
     for _r in range(routers):
@@ -24,6 +39,7 @@ def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
                     top_p=float(rng.choice([1.0, 0.9])),
                     top_k=int(rng.integers(0, 50)),
                     seed=None if rng.random() < 0.3 else int(rng.integers(0, 2**63 - 1)),
+                    **(adjust(rng) if rng.random() < 0.5 else {}),
                 )
             n = long_prompt or int(rng.integers(1, 40))
             seqs.append(
@@ -36,6 +52,7 @@ def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
                     new_blocks=tuple(int(x) for x in rng.integers(0, 10**6, int(rng.integers(0, 4)))),
                     sample=bool(rng.random() < 0.5),
                     out_pos=int(rng.integers(0, 1000)),
+                    prompt_logprobs=int(rng.choice([-1, 0, 5])),
                 )
             )
         d = int(rng.integers(0, 300))
@@ -174,3 +191,13 @@ def test_the_buffer_is_broadcast_whole_and_a_long_header_overflows_once(monkeypa
 def test_a_buffer_too_small_is_refused():
     with pytest.raises(ValueError, match="at least 8 words"):
         hw.HeaderWire(None, capacity=4)
+
+
+def test_a_sequence_started_on_cached_blocks_keeps_its_table_start_and_freshness():
+    """Prefix caching sends a new sequence's whole block table (the cached blocks first) and its
+    cached length as its start: both round-trip, and it stays fresh (its sampling parameters)."""
+    fresh = SeqWork(seq_id=7, token_ids=(4, 5), start=32, sampling=SamplingParams(seed=3), new_blocks=(9, 2, 11))
+    chunk = SeqWork(seq_id=8, token_ids=(6,), start=40, new_blocks=(12,))
+    back = hw.decode(hw.encode(StepHeader(5, forward=True, work=(RouterWork(seqs=(fresh, chunk)),))))
+    got = back.work[0].seqs
+    assert got == (fresh, chunk) and got[0].fresh and not got[1].fresh

@@ -54,6 +54,7 @@ class Front:
         import uvloop
 
         from moeserve.ops.metrics import FrontendMetrics, ProcessMetrics
+        from moeserve.ops.vllm_metrics import VllmMetrics
         from moeserve.services.admission import Admission, AdmissionLimits
         from moeserve.services.frontend import make_server
         from moeserve.services.http import HttpApi, HttpServer
@@ -61,11 +62,21 @@ class Front:
         from moeserve.services.server import ServerOptions
 
         self.pm = ProcessMetrics("frontend")
+        vllm = VllmMetrics(self.pm.registry, names[0])
         self.admission = Admission(
-            engine, tokenizer, FrontendMetrics(self.pm.registry), AdmissionLimits(max_model_len=max_model_len, **limits)
+            engine,
+            tokenizer,
+            FrontendMetrics(self.pm.registry, vllm),
+            AdmissionLimits(max_model_len=max_model_len, **limits),
         )
         self.api = HttpApi(
-            self.admission, list(names), "/models/tiny", api_key, self.pm.registry, max_body_bytes=MAX_BODY
+            self.admission,
+            list(names),
+            "/models/tiny",
+            api_key,
+            self.pm.registry,
+            max_body_bytes=MAX_BODY,
+            vllm_metrics=vllm,
         )
         self.http = HttpServer(
             self.api,
@@ -740,16 +751,40 @@ BAD = [
         "messages",
     ),
     ("huge n", C, {**OK, "n": 100000}, None, 400, "n must be in 1..64", "n"),
+    ("presence_penalty over 2", C, {**OK, "presence_penalty": 2.5}, None, 400, "in [-2, 2]", "presence_penalty"),
+    ("frequency_penalty a string", C, {**OK, "frequency_penalty": "x"}, None, 400, "finite", "frequency_penalty"),
+    ("repetition_penalty 0", C, {**OK, "repetition_penalty": 0}, None, 400, "in (0, 10]", "repetition_penalty"),
+    ("min_p over 1", C, {**OK, "min_p": 1.5}, None, 400, "min_p must be in [0, 1]", "min_p"),
+    ("min_tokens over max_tokens", C, {**OK, "max_tokens": 4, "min_tokens": 5}, None, 400, "0..4", "min_tokens"),
+    ("logit_bias over 100", C, {**OK, "logit_bias": {"5": 101}}, None, 400, "in [-100, 100]", "logit_bias"),
+    ("logit_bias key not an id", C, {**OK, "logit_bias": {"a": 1}}, None, 400, "token ids", "logit_bias"),
     (
-        "penalties",
+        "logit_bias of too many",
         C,
-        {**OK, "presence_penalty": 0.5, "frequency_penalty": 1.0},
+        {**OK, "logit_bias": {str(i): 1 for i in range(1025)}},
         None,
         400,
-        "does not support frequency_penalty, presence_penalty",
-        "frequency_penalty",
+        "at most 1024",
+        "logit_bias",
     ),
-    ("logit_bias", C, {**OK, "logit_bias": {"5": 10}}, None, 400, "does not support logit_bias", "logit_bias"),
+    (
+        "logit_bias outside the vocabulary",
+        C,
+        {**OK, "logit_bias": {"99999": 1}},
+        None,
+        400,
+        "outside the vocabulary",
+        None,
+    ),
+    (
+        "prompt_logprobs over the limit",
+        C,
+        {**OK, "prompt_logprobs": 21},
+        None,
+        400,
+        "prompt_logprobs must be in 0..20",
+        "prompt_logprobs",
+    ),
     (
         "tools",
         CC,
@@ -759,8 +794,7 @@ BAD = [
         "does not support tools",
         "tools",
     ),
-    ("echo", C, {**OK, "echo": True}, None, 400, "does not support echo", "echo"),
-    ("unknown parameter", C, {**OK, "temprature": 0.5}, None, 400, "unknown parameter: temprature", "temprature"),
+    ("echo in chat", CC, {**CHAT, "echo": True}, None, 400, "does not support echo", "echo"),
     ("top_logprobs without logprobs", CC, {**CHAT, "top_logprobs": 2}, None, 400, "needs logprobs", "top_logprobs"),
     ("too many logprobs", C, {**OK, "logprobs": 50}, None, 400, "logprobs must be in 0..20", "logprobs"),
     (
@@ -877,6 +911,42 @@ def test_queue_full_is_429_and_a_cluster_gone_or_draining_is_503():
         st, out, _ = post(front.port, C, ok, key=None)
         assert st == 503 and "shutting down" in out["error"]["message"]
         assert request(front.port, "GET", "/health", key=None)[0] == 503
+    finally:
+        front.stop()
+
+
+class Recording(StandIn):
+    """A stand-in engine that keeps every request it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.reqs = []
+
+    async def generate(self, reqs):
+        self.reqs.extend(reqs)
+        async for ev in super().generate(reqs):
+            yield ev
+
+
+@pytest.mark.timeout(60)
+def test_generation_config_defaults_fill_what_a_request_leaves_out_and_max_logprobs_bounds(caplog):
+    engine = Recording()
+    front = Front(engine, None, api_key=None)
+    front.api.defaults = {"temperature": 0.5, "top_k": 7, "repetition_penalty": 1.2, "max_tokens": 3}
+    front.api.max_logprobs = 2
+    try:
+        ok = {"model": MODEL, "prompt": [5, 6]}
+        with caplog.at_level("WARNING", logger="moeserve.services.http"):
+            assert post(front.port, C, {**ok, "not_a_field": 1}, key=None)[0] == 200
+        assert "fields moeserve ignores: not_a_field" in caplog.text
+        req = engine.reqs[-1]
+        assert (req.sampling.temperature, req.sampling.top_k, req.sampling.repetition_penalty) == (0.5, 7, 1.2)
+        assert req.max_tokens == 3
+        assert post(front.port, C, {**ok, "temperature": 0, "top_k": 0, "max_tokens": 2}, key=None)[0] == 200
+        req = engine.reqs[-1]
+        assert (req.sampling.temperature, req.sampling.top_k, req.max_tokens) == (0.0, 0, 2)
+        st, out, _ = post(front.port, C, {**ok, "logprobs": 3}, key=None)
+        assert st == 400 and "logprobs must be in 0..2" in out["error"]["message"]
     finally:
         front.stop()
 

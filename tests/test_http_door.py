@@ -169,6 +169,26 @@ OUT_OF_RANGE = [
     ("max_tokens of 10**30", C, {**OK, "max_tokens": 10**30}, "max_tokens must be in 1..256", "max_tokens"),
     ("logprobs of 10**30", C, {**OK, "logprobs": 10**30}, "logprobs must be in 0..20", "logprobs"),
     ("temperature 1e400", C, b'{"prompt": [5], "temperature": 1e400}', "temperature must be a finite number", None),
+    # the sampling parameters of the OpenAI and vLLM APIs beyond the first ones
+    ("min_p of 2**63", C, {**OK, "min_p": 2**63}, "min_p must be in [0, 1]", "min_p"),
+    ("presence_penalty NaN", C, b'{"prompt": [5], "presence_penalty": NaN}', "presence_penalty must be a finite", None),
+    ("frequency_penalty 1e308", C, {**OK, "frequency_penalty": 1e308}, "in [-2, 2]", "frequency_penalty"),
+    ("repetition_penalty 2**63", C, {**OK, "repetition_penalty": 2**63}, "in (0, 10]", "repetition_penalty"),
+    ("min_tokens of 2**63", C, {**OK, "min_tokens": 2**63}, "min_tokens must be in 0..", "min_tokens"),
+    ("min_tokens true", C, {**OK, "min_tokens": True}, "min_tokens must be an integer", "min_tokens"),
+    ("a logit_bias of 1e308", C, {**OK, "logit_bias": {"5": 1e308}}, "in [-100, 100]", "logit_bias"),
+    ("a logit_bias id of 10**30", C, {**OK, "logit_bias": {str(10**30): 1}}, "token ids", "logit_bias"),
+    ("a logit_bias id past int32", C, {**OK, "logit_bias": {str(2**33): 1}}, "the ids an int32 holds", "logit_bias"),
+    ("a logit_bias id of a digit int() refuses", C, {**OK, "logit_bias": {"\u00b2": 1}}, "token ids", "logit_bias"),
+    ("prompt_logprobs of 10**30", C, {**OK, "prompt_logprobs": 10**30}, "prompt_logprobs must be in 0..20", None),
+    (
+        "top_logprobs of 10**30",
+        CC,
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 10**30},
+        "top_logprobs must be in 0..20",
+        "top_logprobs",
+    ),
+    ("a cache_salt too long", C, {**OK, "cache_salt": "s" * 2000}, "cache_salt must be", "cache_salt"),
     ("a lone surrogate in the prompt", C, {**OK, "prompt": SURROGATE}, "not valid Unicode", None),
     ("a lone surrogate in a stop string", C, {**OK, "stop": [SURROGATE]}, "not valid Unicode", None),
     ("a lone surrogate in a key", C, {**OK, SURROGATE: 1}, "not valid Unicode", None),
@@ -230,6 +250,9 @@ def test_a_request_over_the_size_budget_is_refused_before_a_template_renders_it_
             ("empty messages", {"messages": [{"role": "user", "content": ""}] * 20000}),
             ("a message's other fields", {"messages": [{"role": "user", "content": "hi", "name": "n" * budget}]}),
             ("stop strings", {"messages": hi, "stop": ["s" * 1024] * 64, "chat_template_kwargs": {"a": "b" * 20000}}),
+            ("tools", {"messages": hi, "tools": [{"type": "function", "function": {"name": "f" * budget}}]}),
+            ("a cache_salt", {"messages": hi, "cache_salt": "c" * (budget + 10)}),
+            ("a logit_bias", {"messages": hi, "logit_bias": {str(i): 1 for i in range(budget // 4)}}),
         ]
         for name, body in heavy:
             st, out, _ = post(f.port, CC, {"model": MODEL, "max_tokens": 1, **body}, key=None)

@@ -409,7 +409,9 @@ def _every_group():
     eng = engine()
     pm = leader_registry(eng)
     M.RouterMetrics(pm.registry)
-    M.FrontendMetrics(pm.registry)
+    from moeserve.ops.vllm_metrics import VllmMetrics
+
+    M.FrontendMetrics(pm.registry, VllmMetrics(pm.registry, "tiny"))
     M.BalancerMetrics(
         pm.registry, balancedness=lambda: 0.9, predicted_step_s=lambda: 0.01, step_efficiency=lambda: 0.8
     )  # the step-time series: with --eplb-step-model
@@ -424,17 +426,17 @@ def test_docs_metrics_md_lists_every_metric_with_its_type_and_labels_and_no_othe
 
     exported = {}
     for fam in text_string_to_metric_families(M.scrape_text(_every_group().registry)):
-        if fam.name.startswith("moeserve_"):
+        if fam.name.startswith(("moeserve_", "vllm:")):
             name = fam.name + ("_total" if fam.type == "counter" else "")
             exported[name] = (fam.type, sorted({k for smp in fam.samples for k in smp.labels} - {"le"}))
     doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
-    assert set(re.findall(r"moeserve_[a-z0-9_]+", doc)) == set(exported)
+    assert set(re.findall(r"moeserve_[a-z0-9_]+|vllm:[a-z0-9_]+", doc)) == set(exported)
     documented, header = {}, []
     for line in doc.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
         if cells and cells[0] == "metric":
             header = cells
-        elif cells and cells[0].startswith("`moeserve_"):
+        elif cells and cells[0].startswith(("`moeserve_", "`vllm:")):
             row = dict(zip(header, cells))
             documented[cells[0].strip("`")] = (row["type"], sorted(re.findall(r"`(\w+)`", row.get("labels", ""))))
     for name, labels in re.findall(r"`(moeserve_[a-z0-9_]+)\{([a-z_, ]+)\}`", doc):

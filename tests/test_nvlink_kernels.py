@@ -43,6 +43,7 @@ def maps_for(p, e, g):
     return RouterMaps(phy2log.numpy()[None], e, p - e + 1)
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 @pytest.mark.parametrize("routers,workers,colocated,slots", LAYOUTS)
 @pytest.mark.parametrize("k,scaled,replicas", [(1, True, True), (3, False, True), (2, False, False)])
 def test_rows_land_slot_major_and_come_back_to_their_pairs(routers, workers, colocated, slots, k, scaled, replicas):

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REQUESTS, MAX_TOKENS = 16, 12
 # Grafana's variables, as an instant query at "now" sees them.
-VARIABLES = {"$__rate_interval": "1m", "$__interval": "5s", "$__range": "1h", "$layer": "0"}
+VARIABLES = {"$__rate_interval": "1m", "$__interval": "5s", "$__range": "1h", "$layer": "0", "$model_name": ".+"}
 
 
 def free_block(n: int) -> int:

@@ -146,6 +146,7 @@ def test_paged_model_step_equals_the_eager_oracle(model, block_size):
             assert (lg - lw).abs().max() < FP32_LOGITS_ATOL
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 @needs_triton
 def test_paged_model_step_with_the_triton_kernel_equals_the_eager_oracle(model, monkeypatch):
     """The model's Attention routed through the Triton kernel (as on CUDA), under the interpreter."""

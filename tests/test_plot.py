@@ -61,6 +61,7 @@ def test_a_file_that_is_not_a_load_dump_is_refused_with_a_reason(tmp_path, conte
         LoadPicture.from_dump(bad)
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 def test_one_dump_and_two_dumps_side_by_side_make_pngs(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot extra is not installed")
     one = plot_load([LoadPicture.from_dump(dump(tmp_path / "a.json", LOAD))], tmp_path / "one.png")

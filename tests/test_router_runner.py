@@ -67,7 +67,7 @@ def decode_steps(r, n, replay_at=None):
     got = {1: [], 2: []}
 
     def take(step):
-        s, toks, _ = r.deliver(step)
+        s, toks, _, _ = r.deliver(step)
         if s >= 0:
             for sid, t in toks.items():
                 got[sid].append(t)
@@ -95,7 +95,7 @@ def test_decodes_sent_by_id_give_the_tokens_of_decodes_sent_with_their_ids(model
     got = decode_steps(runner(model), 4)
     ref = runner(model, async_outputs=False)
     want = {1: [], 2: []}
-    s, toks, _ = (ref.run(first_step(), 0), ref.deliver(0))[1]
+    s, toks, _, _ = (ref.run(first_step(), 0), ref.deliver(0))[1]
     for sid, t in toks.items():
         want[sid].append(t)
     for step in range(1, 5):
@@ -110,7 +110,7 @@ def test_decodes_sent_by_id_give_the_tokens_of_decodes_sent_with_their_ids(model
             for sid in (1, 2)
         )
         ref.run(RouterWork(seqs), step)
-        s, toks, _ = ref.deliver(step)
+        s, toks, _, _ = ref.deliver(step)
         assert s == step  # synchronous outputs: this step's tokens
         for sid, t in toks.items():
             want[sid].append(t)
@@ -126,8 +126,8 @@ def test_a_step_run_again_reads_the_token_of_the_step_before_not_its_own(model):
 def test_outputs_come_one_step_late_and_a_step_without_forward_flushes_them(model):
     r = runner(model)
     r.run(first_step(), 0)
-    assert r.deliver(0) == (-1, {}, {})  # nothing before step 0
-    s, toks, _ = r.deliver(1)  # step 1 is a flush (no forward): step 0's tokens
+    assert r.deliver(0) == (-1, {}, {}, {})  # nothing before step 0
+    s, toks, _, _ = r.deliver(1)  # step 1 is a flush (no forward): step 0's tokens
     assert s == 0 and set(toks) == {1, 2}
-    assert r.deliver(2) == (-1, {}, {})
+    assert r.deliver(2) == (-1, {}, {}, {})
     assert r.experts.ended == 1

@@ -40,6 +40,7 @@ def _draws(params, logits, n=400):
     return [s.sample(logits) for _ in range(n)]
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     assert set(_draws(SamplingParams(temperature=1.0, top_k=2, seed=0), logits)) == {0, 1}
@@ -49,6 +50,7 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     assert set(_draws(SamplingParams(temperature=1.0, seed=0), logits)) == {0, 1, 2, 3}
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     d = torch.bincount(torch.tensor(_draws(SamplingParams(temperature=1.0, seed=1), logits, 4000)), minlength=3) / 4000

@@ -143,7 +143,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_after_the_decodes_and_samples_once
 
 
 def test_admission_waits_for_free_blocks_and_blocks_come_back_when_a_sequence_finishes():
-    s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=4)
+    s = Scheduler(1, Limits(), [EOS], block_size=4, num_blocks=4, prefix_caching=False)  # no block shared
     a, b, c = (s.submit(req(n=7, max_tokens=1)) for _ in range(3))  # 2 blocks each
     work = s.schedule()
     assert [sw.seq_id for sw in work[0].seqs] == [a.seq_id, b.seq_id]
@@ -256,7 +256,7 @@ def test_a_stop_token_seen_one_step_late_costs_one_extra_step_whose_token_is_dro
     runs = [w for w in works if w[0].runs]
     assert len(runs) == 3  # index 2 ran before EOS at 1 was known
     assert a.output == [7, EOS] and a.finished == "stop"
-    assert [type(e).__name__ for e in got] == ["Token", "Token", "Finished"]
+    assert [type(e).__name__ for e in got] == ["FirstToken", "Token", "Finished"]  # the first: cached tokens
     assert not works[-1][0].runs and works[-1][0].release == (a.seq_id,)  # released once EOS is known
 
 

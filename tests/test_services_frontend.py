@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from moeserve.client import Client, MoeserveError
-from moeserve.router.engine.api import Finished, FinishReason, InvalidRequest, QueueFull, Token
+from moeserve.router.engine.api import Finished, FinishReason, FirstToken, InvalidRequest, QueueFull, Token
 from moeserve.router.engine.channel import ClusterError
 from moeserve.rpc import serving_pb2_grpc
 from moeserve.services.frontend import ServingService
@@ -24,7 +24,7 @@ class StandInLeader:
         self.seen.extend(reqs)
         if self.error:
             raise self.error
-        yield 0, Token(11)
+        yield 0, FirstToken(11, cached_tokens=8)  # says how much of the prompt was cached
         yield 0, Token(12)
         yield 0, Finished(FinishReason.LENGTH)
 
@@ -53,10 +53,15 @@ def test_requests_reach_the_leader_as_engine_requests(front):
         seed=3,
         stop_token_ids=[9],
         ignore_eos=True,
+        cache_salt="tenant-a",
     )
     assert out.token_ids == [11, 12] and out.finish_reason == "length" and out.text == ""
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.cached_tokens) == (2, 2, 8)
     req = leader.seen[-1]
     assert (req.prompt_ids, req.max_tokens, req.stop_token_ids, req.ignore_eos) == ((5, 6), 2, (9,), True)
+    assert req.cache_salt == "tenant-a"
+    last = list(c.generate_stream(prompt_token_ids=[5, 6], max_tokens=2))[-1]
+    assert last.usage is not None and last.usage.cached_tokens == 8 and leader.seen[-1].cache_salt == ""
     assert (req.sampling.temperature, req.sampling.top_p, req.sampling.top_k, req.sampling.seed) == (0.5, 0.9, 4, 3)
 
 

@@ -135,6 +135,7 @@ def test_the_async_client_has_the_same_methods_and_works(server):
     assert asyncio.run(go()) == 7
 
 
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 @pytest.mark.timeout(60)
 def test_stop_goes_not_serving_first_and_lets_in_flight_calls_finish():
     srv = start()

@@ -308,3 +308,82 @@ def test_eplb_flags():
     ):
         with pytest.raises(SystemExit):
             bench.parse(["--smoke", *bad])
+
+
+def test_the_flop_aware_roofline_takes_each_class_at_its_bound():
+    """Per class max(bytes / rate, FLOPs / peak), summed: a dense class bound by its products
+    costs its FLOPs' time, the experts their bytes', beside the bytes-only figure."""
+    from servinglib.roofline import roofline, step_classes
+
+    sizes = dict(
+        router_bytes=1e9,
+        dense_params=4e9,
+        top_k=1,
+        num_moe_layers=2,
+        expert_params=1e8,
+        chunked=[False, False],
+        chunk=None,
+        attn_flops_per_key=4 * 1024,
+    )
+    classes = step_classes(sizes, weight_bytes=9e9, kv_bytes=1e9, tokens=100, contexts=[1000] * 100)
+    assert classes["dense"] == (1e9, 2 * 100 * 4e9) and classes["experts"] == (8e9, 2 * 100 * 2 * 1e8)
+    assert classes["attention"] == (1e9, 100 * 2 * 1000 * 4 * 1024)
+    r = roofline(9e9, 1e9, 0.010, {"copy": 1e12}, 1, 100, 1000, classes, 1e14)
+    per = r["flop_aware"]["copy"]["per_class_s"]
+    assert per["dense"] == pytest.approx(8e11 / 1e14) and per["experts"] == pytest.approx(8e9 / 1e12)
+    assert r["flop_aware"]["copy"]["step_s"] == pytest.approx(sum(per.values()))
+    assert r["copy"]["step_s"] == pytest.approx(1e10 / 1e12)  # bytes only, unchanged
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_smoke_prefix_workloads_measure_prefix_caching_side_by_side(tmp_path):
+    """``--workloads prefix,multiturn`` on the CPU: moeserve-1rank with and without prefix caching,
+    each workload's TTFT, tok/s and the prompt tokens its requests read from the cache."""
+    out = tmp_path / "serving.json"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--workloads", "prefix,multiturn", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=290,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert set(res["configs"]) == {"moeserve-1rank", "moeserve-1rank-no-prefix-cache"}
+    on, off = res["configs"]["moeserve-1rank"], res["configs"]["moeserve-1rank-no-prefix-cache"]
+    for c in (on, off):
+        assert c["error"] is None, c["error"]
+        for key in ("prefix", "multiturn"):
+            f = c[key]
+            assert f["completed"] == f["requests"] and not f["errors"] and f["ttft_p50_s"] > 0
+        assert c["multiturn"]["requests"] == 4 * 3 and c["multiturn"]["conversations_completed"] == 4
+    # 12 requests share a 64-token system prompt (4 blocks of 16): all but the first find it cached
+    # unless they arrive while it is computed; an uncached server reads nothing from the cache
+    p = on["prefix"]
+    assert p["cached_prompt_tokens"] >= 64 and p["cached_prompt_tokens"] % 16 == 0
+    assert p["engine"]["prefix_cache_hits"] == p["cached_prompt_tokens"]
+    assert on["multiturn"]["later_turns"]["hit_rate"] > 0.5 and on["multiturn"]["first_turns"]["hit_rate"] == 0
+    assert off["prefix"]["cached_prompt_tokens"] == 0 == off["multiturn"]["cached_prompt_tokens"]
+    assert off["prefix"]["computed_prompt_tokens"] == 12 * (64 + 8)
+    sbs = res["prefix_caching"]["moeserve-1rank"]
+    assert set(sbs) == {"prefix", "multiturn"} and sbs["prefix"]["ttft_p50_uncached_over_cached"] > 0
+    for key, n in (("prefix", 12), ("multiturn", 12)):  # fp32 on the CPU: the same tokens either way
+        assert sbs[key]["compared_requests"] == n and sbs[key]["identical_outputs_share"] == 1.0
+    assert "prefix caching: TTFT" in run.stdout and "moeserve-1rank-no-prefix-cache" in run.stdout  # the table
+
+
+def test_prefix_workload_flags():
+    bench = _bench()
+    a = bench.parse(["--shape", "scout8", "--workloads", "prefix,multiturn"])
+    assert a.configs == ["moeserve-1rank", "moeserve-1rank-no-prefix-cache"]
+    assert (a.prefix_requests, a.prefix_system, a.prefix_unique, a.prefix_output) == (256, 2048, 64, 128)
+    assert (a.multiturn_conversations, a.multiturn_turns, a.multiturn_new, a.multiturn_output) == (64, 8, 64, 128)
+    assert a.max_model_len >= 8 * (64 + 128)
+    assert bench.parse(["--smoke", "--workloads", "burst,prefix"]).configs == ["moeserve-1rank", "transformers"]
+    for bad in (
+        ["--workloads", "prefix", "--configs", "moeserve-1rank,transformers"],
+        ["--workloads", "online,prefix"],
+        ["--workloads", "prefix", "--max-model-len", "64"],
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse(["--smoke", *bad])

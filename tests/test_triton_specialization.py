@@ -185,27 +185,50 @@ def _keys(seen, kernel):
     return {spec for _, spec in seen[kernel]}
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("slots", [4, 16])
-def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots):
+def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots, fp8):
     """A worker compiles the expert kernels at start (``ExpertStore.warm_up_kernels``) on layer
-    0's views of its slot buffer; whatever a step's pairs, its launches find their key there."""
+    0's views of its slot buffer; whatever a step's pairs, its launches find their key there.
+    FP8 experts (codes and scales in one byte row per slot) take the kernels at every size."""
     from moeserve import kernels as K
     from moeserve.expert_worker.store import expert_block_m_for
-    from moeserve.models.moe import ExpertSpec
+    from moeserve.models.moe import ExpertQuant, ExpertSpec
 
-    spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16)
-    layers = [spec.views(torch.empty(slots, spec.numel, dtype=spec.dtype)) for _ in range(3)]
-    assert K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"]) == [16, 32, 64]
+    quant = ExpertQuant((16, 16), (16, 16)) if fp8 else None
+    spec = ExpertSpec(hidden_size=96, intermediate_size=40, dtype=torch.bfloat16, quant=quant)
+    layers = [spec.views(torch.empty(slots, spec.numel, dtype=spec.storage_dtype)) for _ in range(3)]
+
+    def scales(w):
+        return K.ExpertScales(w["gate_up_scale"], (16, 16), w["down_scale"], (16, 16)) if fp8 else None
+
+    blocks = K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"], scales(layers[0]), spec.dtype)
+    assert blocks == [16, 32, 64]
     warm = _keys(launches, "expert_matmul_kernel")
     launches.clear()
     recv = torch.empty(8192, spec.hidden_size, dtype=spec.dtype)  # the receive buffer
     offs = torch.empty(slots, dtype=torch.int32)
-    for pairs in [1, 7, 16, 100, slots * 16, slots * 33, slots * 64]:
-        bm = expert_block_m_for(pairs, slots, "auto")
+    for pairs in [1, 7, 16, 100, slots * 16, slots * 33, slots * 64, slots * 500]:
+        bm = expert_block_m_for(pairs, slots, "triton" if fp8 else "auto") or (K.EXPERT_MAX_BM if fp8 else 0)
         if bm:
             for w in layers:
-                K.expert_mlp(recv, w["gate_up"], w["down"], offs, bm)
+                K.expert_mlp(recv, w["gate_up"], w["down"], offs, bm, scales(w))
     assert {cfg for cfg, _ in launches["expert_matmul_kernel"]} and _keys(launches, "expert_matmul_kernel") <= warm
+
+
+def test_the_fp8_linear_compiles_once_per_block_m_whatever_the_rows(launches):
+    """A quantized shared expert or dense layer (``QuantLinear`` on CUDA) at any decode batch:
+    one compile per rows-per-pass class and weight shape."""
+    from moeserve import kernels as K
+
+    codes = torch.empty(96, 80, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(6, 5)
+    for m in [1, 2, 3, 15, 16, 17, 31, 40, 63, 64, 65, 200, 511]:
+        K.fp8_linear(torch.empty(m, 96, dtype=torch.bfloat16), codes, scale, (16, 16))
+    by_config = defaultdict(set)
+    for config, spec in launches["expert_matmul_kernel"]:
+        by_config[config].add(spec)
+    assert len(by_config) == 3 and all(len(v) == 1 for v in by_config.values())
 
 
 def test_the_race_warm_up_compiles_every_key_a_step_can_launch(launches):
@@ -233,3 +256,67 @@ def test_the_race_warm_up_compiles_every_key_a_step_can_launch(launches):
             sm.sample(torch.randn(b, v), st, backend="triton")
     assert len({cfg for cfg, _ in launches["race_kernel"]}) == 2
     assert _keys(launches, "race_kernel") <= warm
+
+
+@pytest.mark.parametrize("chunks", [(None,), (None, 8192)], ids=["global", "global+chunked"])
+def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, chunks):
+    """A router compiles the paged attention at start (``models.attention.warm_up_attention`` on
+    one layer's pool views): decode, prefill and mixed steps of any shape, at every split, then
+    find their key among the warm-up's."""
+    from moeserve.models.attention import attention_config, paged_attention_triton, warm_up_attention
+
+    hq, hkv, d, block_size = 40, 8, 128, 16
+    pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)  # [layers, slots, Hkv, D]
+    k_pool, v_pool = pools[0], pools[1]
+    assert warm_up_attention(k_pool, v_pool, hq, block_size, chunks, d**-0.5) == 6 * len(chunks)
+    warm = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
+    launches.clear()
+    rng = random.Random(1)
+    for s in [1, 2, 3, 7, 16, 17, 64, 65, 200, 256]:
+        for lens, starts in (
+            ([1] * s, [rng.randrange(0, 9000) for _ in range(s)]),
+            ([rng.randrange(1, 300) for _ in range(s)], [rng.choice([0, rng.randrange(0, 3000)]) for _ in range(s)]),
+            ([1] * (s - 1) + [rng.randrange(2, 900)], [rng.randrange(0, 5000) for _ in range(s)]),
+        ):
+            batch, _ = _batch(lens, starts, block_size)
+            q = torch.empty(batch.num_tokens, hq, d, dtype=torch.bfloat16)
+            for chunk in chunks:
+                ns = attention_config(batch, hq, hkv, d, 132)["NS"]
+                paged_attention_triton(q, k_pool, v_pool, batch, scale=d**-0.5, chunk=chunk, num_segments=ns)
+    seen = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
+    assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
+
+
+# Every kernel of the serving path and what compiles it before the server is ready. A kernel
+# added to moeserve/kernels/ joins this table (and gets a test above that its warm-up covers every
+# key a step can launch), or the next test fails. None: not compiled before ready yet, and why.
+WARMED = {
+    "paged_attention_kernel": "router: models.attention.warm_up_attention",
+    "paged_attention_reduce_kernel": "router: models.attention.warm_up_attention",
+    "race_kernel": "router: sampling.warm_up",
+    "expert_matmul_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",
+    "silu_mul_kernel": None,  # torch._grouped_mm's activation (prefill steps of bf16 experts): the first prefill
+    "weighted_sum_kernel": None,  # the combine of weights on the output (ERNIE): the first step
+    "expert_count_kernel": None,  # the direct exchange's kernels: the first forward step
+    "route_kernel": None,
+    "publish_kernel": None,
+    "prep_kernel": None,
+    "scatter_pairs_kernel": None,
+    "return_rows_kernel": None,
+}
+
+
+def test_every_serving_kernel_is_in_the_warm_up_table():
+    import importlib
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    kinds = (JITFunction, InterpretedFunction)  # compiled, or run by the interpreter (these tests)
+    found = set()
+    for name in MODULES:
+        module = importlib.import_module(name)
+        found |= {n for n, f in vars(module).items() if isinstance(f, kinds) and n.endswith("_kernel")}
+    assert found == set(WARMED), (
+        f"kernels without a warm-up entry: {sorted(found - set(WARMED))}; stale: {sorted(set(WARMED) - found)}"
+    )

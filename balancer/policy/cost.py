@@ -39,6 +39,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -181,18 +182,19 @@ def parse_table(doc) -> StepModelTable:
         for key in ("gpu", "shape"):
             if not isinstance(ent[key], str) or not ent[key]:
                 raise StepModelError(f"{where}: {key} must be a non-empty string, got {ent[key]!r}")
-        ints = {}
+        # Any: the keyword arguments of StepModel below, an int, float or time each
+        ints: dict[str, Any] = {}
         for key in _ENTRY_INTS:
             v = ent[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise StepModelError(f"{where}: {key} must be a positive integer, got {v!r}")
             ints[key] = v
-        rates = {k: _positive_number(where, k, ent[k], allow_zero=False) for k in _ENTRY_RATES}
-        times = {k: _positive_number(where, k, ent.get(k, 0.0), allow_zero=True) for k in _ENTRY_TIMES}
-        key = (ent["gpu"], ent["shape"])
-        if key in seen:
-            raise StepModelError(f"{where}: a second entry for gpu {key[0]!r} and shape {key[1]!r}")
-        seen.add(key)
+        rates: dict[str, Any] = {k: _positive_number(where, k, ent[k], allow_zero=False) for k in _ENTRY_RATES}
+        times: dict[str, Any] = {k: _positive_number(where, k, ent.get(k, 0.0), allow_zero=True) for k in _ENTRY_TIMES}
+        gpu_shape = (ent["gpu"], ent["shape"])
+        if gpu_shape in seen:
+            raise StepModelError(f"{where}: a second entry for gpu {gpu_shape[0]!r} and shape {gpu_shape[1]!r}")
+        seen.add(gpu_shape)
         out.append(StepModel(ent["gpu"], ent["shape"], **ints, **rates, **times))
     return StepModelTable(tuple(out), doc.get("measured_on", ""), doc.get("command", ""), doc.get("note", ""))
 

@@ -122,7 +122,7 @@ def make_policy(
     def policy(load, num_slots, num_workers, num_groups=1, num_nodes=1, current=None, *, steps=None, histogram=None):
         return _plan(load, num_slots, num_workers, num_groups, num_nodes, current, cfg, steps, histogram)
 
-    policy.config = cfg
+    policy.config = cfg  # type: ignore[attr-defined]  # a function attribute, which mypy cannot declare
     policy.__doc__ = place.__doc__
     return policy
 
@@ -200,8 +200,10 @@ def _check(load, num_slots, num_workers, num_groups, num_nodes, current):
         raise ValueError(f"load must be 2-D [layers, logical experts] with at least one expert, got shape {load.shape}")
     if not np.isfinite(load).all() or (load < 0).any():
         raise ValueError("load must be finite and non-negative")
+    layers, experts = load.shape
     shape = _Shape(
-        *load.shape,
+        layers,
+        experts,
         _positive_int("num_slots", num_slots),
         _positive_int("num_workers", num_workers),
         _positive_int("num_groups", num_groups),
@@ -625,9 +627,9 @@ def _repair_row(row: np.ndarray, row_load: np.ndarray) -> int:
         logcnt[expert] += 1
         changed += 1
     for k in free:
-        expert = int(np.argmax(row_load / np.maximum(logcnt, 1)))
-        row[k] = expert
-        logcnt[expert] += 1
+        heaviest = int(np.argmax(row_load / np.maximum(logcnt, 1)))
+        row[k] = heaviest
+        logcnt[heaviest] += 1
         changed += 1
     return changed
 

@@ -22,6 +22,7 @@ Moves:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -591,7 +592,7 @@ def follow_counts(
     slot_worker = np.arange(p) // s
     for _ in range(max_steps):
         deficit = cnt < tgt
-        live = deficit.any(1)
+        live = cast(np.ndarray, deficit.any(1))  # [n] (typed as bool or array: the stubs miss the axis)
         if not live.any():
             break
         per_replica = lo / cnt

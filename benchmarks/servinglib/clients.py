@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import secrets
 import time
 import traceback
 
+from servinglib.streams import run_plan, start
+
 
 def client_main(
-    address: str, plan: list, t0_value, go, results, warm: bool, deadline_s: float, api: str = "grpc"
+    address: str, plan: list, t0_value, go, results, warm: bool, deadline_s: float, api: str = "grpc", salt: str = ""
 ) -> None:
     """Run ``plan`` [(index, offset_s, prompt_ids, max_tokens)] through ``api`` (``grpc``: the
-    SDK at ``address`` HOST:PORT; ``http``: /v1/completions at ``address`` http://HOST:PORT);
-    every time is relative to t0 (``time.monotonic()``, one clock for every process of the
-    host), set by the parent."""
+    SDK at ``address`` HOST:PORT; ``http``: /v1/completions at ``address`` http://HOST:PORT;
+    ``turns``: conversations through the SDK, ``servinglib.prefix``); every time is relative to
+    t0 (``time.monotonic()``, one clock for every process of the host), set by the parent.
+    ``salt``: every request's ``cache_salt``, so that a run finds no block another run cached."""
     try:
         import uvloop
 
@@ -25,56 +29,17 @@ def client_main(
         pass
     if api == "http":
         from servinglib.httpclient import client_http as run
+    elif api == "turns":
+        from servinglib.prefix import client_turns as run
     else:
         run = client_grpc
-    asyncio.run(run(address, plan, t0_value, go, results, warm, deadline_s))
+    asyncio.run(run(address, plan, t0_value, go, results, warm, deadline_s, salt))
 
 
-async def start(go, t0_value) -> float:
-    """The common start (``time.monotonic()``), once the parent set ``go``."""
-    while not go.wait(0.05):
-        await asyncio.sleep(0)
-    return t0_value.value
-
-
-def record(i, offset, prompt, n, t0) -> dict:
-    """One request's record: submit time, every token's time (both from t0), its end."""
-    return {
-        "i": i,
-        "submit": time.monotonic() - t0,
-        "tokens": [],
-        "prompt_len": len(prompt),
-        "max_tokens": n,
-        "finish": None,
-        "error": None,
-    }
-
-
-async def run_plan(plan: list, t0: float, deadline_s: float, request, fields: dict | None = None):
-    """Every request of ``plan`` at its offset from ``t0``, ``request(rec, prompt, n)`` streaming it
-    into its record (``fields``: more of them), all of them ending within ``deadline_s`` of t0 (then
-    cancelled: finish "timeout"); (the records, this process's CPU seconds meanwhile)."""
-    cpu0 = time.process_time()
-    deadline = t0 + deadline_s
-
-    async def one(i, offset, prompt, n):
-        await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
-        rec = record(i, offset, prompt, n, t0)
-        rec.update(fields or {})
-        try:
-            await asyncio.wait_for(request(rec, prompt, n), timeout=max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            rec["finish"] = "timeout"
-        except Exception as e:  # noqa: BLE001 - recorded per request
-            rec["error"] = f"{type(e).__name__}: {e}"
-        return rec
-
-    recs = await asyncio.gather(*(one(*p) for p in plan))
-    return recs, time.process_time() - cpu0
-
-
-async def client_grpc(address, plan, t0_value, go, results, warm, deadline_s) -> None:
-    """The SDK's streaming call, every request of ``plan`` at its offset from the common start."""
+async def client_grpc(address, plan, t0_value, go, results, warm, deadline_s, salt="") -> None:
+    """The SDK's streaming call, every request of ``plan`` at its offset from the common start;
+    a record's ``cached``: the prompt tokens the server read from its prefix cache, ``ids``: the
+    generated ids."""
     from moeserve.client import AsyncClient
 
     client = AsyncClient(address, timeout=deadline_s)
@@ -85,24 +50,40 @@ async def client_grpc(address, plan, t0_value, go, results, warm, deadline_s) ->
     t0 = await start(go, t0_value)
 
     async def request(rec, prompt, n):
-        async for chunk in client.generate_stream(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True):
+        rec["ids"] = []
+        async for chunk in client.generate_stream(
+            prompt_token_ids=prompt, max_tokens=n, ignore_eos=True, cache_salt=salt
+        ):
             now = time.monotonic() - t0
             rec["tokens"].extend([now] * len(chunk.token_ids))
+            rec["ids"].extend(chunk.token_ids)
             if chunk.finish_reason:
                 rec["finish"] = chunk.finish_reason
+            if chunk.usage is not None:
+                rec["cached"] = chunk.usage.cached_tokens
 
-    recs, cpu = await run_plan(plan, t0, deadline_s, request)
+    recs, cpu = await run_plan(plan, t0, deadline_s, request, {"cached": 0})
     await client.close()
     results.put(("done", {"recs": recs, "cpu_s": cpu}))
 
 
 def drive(
-    address: str, plan: list, procs: int, deadline_s: float, api: str = "grpc", stats: dict | None = None, on_start=None
+    address: str,
+    plan: list,
+    procs: int,
+    deadline_s: float,
+    api: str = "grpc",
+    stats: dict | None = None,
+    on_start=None,
+    salt: str | None = None,
 ) -> list[dict]:
     """Split ``plan`` round-robin over ``procs`` client processes of ``api``, start them
     together, and return every request's record (times relative to the common start);
     ``stats`` (when given) gets the clients' CPU seconds during the run (``client_cpu_s``) and,
-    for HTTP, whether the server sent each chunk's token ids (``http_token_ids``)."""
+    for HTTP, whether the server sent each chunk's token ids (``http_token_ids``). ``salt``:
+    every request's ``cache_salt``; by default one of this run's own, so that no run reads the
+    KV blocks another run (a warm-up, an earlier round, another API) left in the prefix cache."""
+    salt = salt if salt is not None else f"run-{secrets.token_hex(8)}"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     t0 = ctx.Value("d", 0.0)
@@ -110,7 +91,7 @@ def drive(
     shares = [plan[k::procs] for k in range(procs)]
     shares = [s for s in shares if s]
     ps = [
-        ctx.Process(target=_client_entry, args=(address, s, t0, go, results, True, deadline_s, api), daemon=True)
+        ctx.Process(target=_client_entry, args=(address, s, t0, go, results, True, deadline_s, api, salt), daemon=True)
         for s in shares
     ]
     for p in ps:
@@ -175,5 +156,6 @@ def _client_entry(*args) -> None:
 
 
 def warm_up(address: str, plan: list, procs: int, api: str = "grpc") -> None:
-    """The plan's prompts through prefill and a few decode steps (at most 16 tokens each)."""
+    """The plan's prompts through prefill and a few decode steps (at most 16 tokens each), under
+    a salt of their own (``drive``): the measured runs find none of their blocks cached."""
     drive(address, [(i, 0.0, p, min(16, n)) for i, _, p, n in plan], procs, 300, api=api)

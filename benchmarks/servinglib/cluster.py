@@ -27,7 +27,8 @@ WARNING_WORDS = (
 def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], str | None]:
     """The ``moeserve up`` flags a configuration adds to the common ones, and its expert kernel
     (``MOESERVE_EXPERT_KERNEL``, None: the default): ``-sync`` runs without asynchronous steps,
-    ``-grouped-mm`` with torch._grouped_mm; the EPLB workload lets one rebalance move every layer."""
+    ``-grouped-mm`` with torch._grouped_mm, ``-no-prefix-cache`` without prefix caching; the EPLB
+    workload lets one rebalance move every layer."""
     extra = []
     if eplb:
         extra += ["--eplb-move-budget", "1.0"]  # one rebalance may move every layer
@@ -37,6 +38,10 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], str | None
             extra += ["--eplb-step-model-shape", a.eplb_step_model_shape]
     if name.endswith("-sync"):
         extra.append("--no-async-scheduling")
+    if name.endswith("-fp8"):
+        extra += ["--quantization", "fp8"]
+    if name.endswith("-no-prefix-cache"):
+        extra.append("--no-enable-prefix-caching")
     if a.capture_graphs_at_start:
         extra.append("--capture-graphs-at-start")
     return extra, "grouped_mm" if name.endswith("-grouped-mm") else None
@@ -140,6 +145,8 @@ class Cluster(UpProcess):
             kv_blocks_total=getattr(s, "kv_blocks_total", 0),
             kv_blocks_used=getattr(s, "kv_blocks_used", 0),
             preemptions=getattr(s, "preemptions", 0),
+            prefix_cache_queries=getattr(s, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(s, "prefix_cache_hits", 0),
         )
 
     def warnings(self) -> list[str]:

@@ -21,6 +21,7 @@ BURST_KEYS = (
     "max_request_rate",
     "ttft_p50_s",
     "ttft_p99_s",
+    "prefill_tok_s",
     "steady_step_s",
     "steady_step_mean_s",
     "steady_gap_p50_s",
@@ -202,6 +203,8 @@ def burst_figures(recs: list[dict], prompt: int, output: int, trim: int) -> dict
         max_request_rate=len(done) / wall if wall > 0 else None,
         ttft_p50_s=pct(ttft, 50),
         ttft_p99_s=pct(ttft, 99),
+        # every prompt of the burst through prefill: its tokens over the time to the last first token
+        prefill_tok_s=prompt * len(ttft) / max(ttft) if ttft and max(ttft) > 0 else None,
     )
     out.update(steady_steps(recs, trim))
     return out

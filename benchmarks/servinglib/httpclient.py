@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 
-from servinglib.clients import run_plan, start
+from servinglib.streams import run_plan, start
 
 
 def http_module():
@@ -50,6 +50,7 @@ class SseTokens:
         self.done = False
         self.chunks = 0
         self.token_ids = False
+        self.cached = 0  # usage.prompt_tokens_details.cached_tokens
 
     def feed(self, data: bytes) -> int:
         self.buf += data
@@ -79,6 +80,7 @@ class SseTokens:
         usage = obj.get("usage")
         if usage:
             self.usage_tokens = usage.get("completion_tokens")
+            self.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         n = 0
         for ch in obj.get("choices") or ():
             ids = ch.get("token_ids")
@@ -97,9 +99,10 @@ class SseTokens:
         return max(0, (self.usage_tokens or 0) - self.counted)
 
 
-async def client_http(base, plan, t0_value, go, results, warm, deadline_s) -> None:
+async def client_http(base, plan, t0_value, go, results, warm, deadline_s, salt="") -> None:
     """Streamed completions at ``base`` (http://HOST:PORT), every request of ``plan`` at its
-    offset from the common start; the warm-up opens a connection per stream in flight."""
+    offset from the common start, with ``salt`` as their ``cache_salt`` when set; the warm-up
+    opens a connection per stream in flight."""
     httpx = http_module()
     client = httpx.AsyncClient(
         base_url=base,
@@ -120,6 +123,7 @@ async def client_http(base, plan, t0_value, go, results, warm, deadline_s) -> No
             "stream": True,
             "stream_options": {"include_usage": True},
             **extra,
+            **({"cache_salt": salt} if salt else {}),
         }
         sse = SseTokens()
         async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -154,11 +158,12 @@ async def client_http(base, plan, t0_value, go, results, warm, deadline_s) -> No
 
         sse = await stream(prompt, n, on_tokens)
         rec["finish"] = sse.finish
+        rec["cached"] = sse.cached
         k = sse.missing()
         if k:
             rec["tokens"].extend([rec["tokens"][-1] if rec["tokens"] else time.monotonic() - t0] * k)
             rec["from_usage"] = k
 
-    recs, cpu = await run_plan(plan, t0, deadline_s, request, {"from_usage": 0})
+    recs, cpu = await run_plan(plan, t0, deadline_s, request, {"from_usage": 0, "cached": 0})
     await client.aclose()
     results.put(("done", {"recs": recs, "cpu_s": cpu, "token_ids": bool(extra)}))

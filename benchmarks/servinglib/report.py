@@ -30,20 +30,24 @@ def _f(x, fmt: str = ".3f") -> str:
 def table(result: dict) -> str:
     lines = [
         f"serving benchmark: {result['shape']} on {result['gpu']} ({result['device']})",
-        f"{'config':<16}{'burst tok/s':>12}{'step ms':>9}{'roof ms':>9}{'x roof':>8}{'roofc ms':>9}{'x roofc':>8}"
+        f"{'config':<20}{'burst tok/s':>12}{'pre tok/s':>10}{'step ms':>9}{'roof ms':>9}{'x roof':>8}{'roofc ms':>9}"
+        f"{'x roofc':>8}"
         f"{'onl tok/s':>10}{'TTFT50 ms':>10}{'TTFT99 ms':>10}{'ITL50 ms':>9}{'ITL99 ms':>9}{'99/50':>7}",
     ]
     for name, c in result["configs"].items():
         if c.get("skipped"):
-            lines.append(f"{name:<16} skipped: {c['skipped']}")
+            lines.append(f"{name:<20} skipped: {c['skipped']}")
             continue
         if c.get("error") and not c.get("burst"):
-            lines.append(f"{name:<16} failed: {c['error'][:100]}")
+            lines.append(f"{name:<20} failed: {c['error'][:100]}")
             continue
+        if not (c.get("burst") or c.get("online")) and (c.get("prefix") or c.get("multiturn")):
+            continue  # the prefix workloads only: their own table (servinglib.prefix)
         b, o, r = c.get("burst") or {}, c.get("online") or {}, c.get("roofline") or {}
         ds, mc = r.get("datasheet") or {}, r.get("measured_copy") or {}
         lines.append(
-            f"{name:<16}{_num(b.get('output_tok_s'), '12.0f')}{_ms(b.get('steady_step_s'))}"
+            f"{name:<20}{_num(b.get('output_tok_s'), '12.0f')}{_num(b.get('prefill_tok_s'), '10.0f')}"
+            f"{_ms(b.get('steady_step_s'))}"
             f"{_ms(ds.get('step_s'))}{_num(ds.get('step_over_roofline'), '8.2f')}"
             f"{_ms(mc.get('step_s'))}{_num(mc.get('step_over_roofline'), '8.2f')}"
             f"{_num(o.get('output_tok_s'), '10.0f')} {_ms(o.get('ttft_p50_s'))} {_ms(o.get('ttft_p99_s'))}"
@@ -96,6 +100,14 @@ def table(result: dict) -> str:
                 f"{r['kv_bytes_per_step_per_gpu'] / 2**30:6.3f} GiB/step/GPU, {r['sequences_per_gpu']:.0f} "
                 f"sequences/GPU at mean context {r['mean_context'] or 0:.0f}"
             )
+            fa = r.get("flop_aware")
+            if fa:
+                m = fa["measured_copy"]
+                parts = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in m["per_class_s"].items())
+                lines.append(
+                    f"  {'':<14} FLOP-aware (matmul peak {fa['peak_flops'] / 1e12:.0f} TFLOP/s measured, copy rate): "
+                    f"{1e3 * m['step_s']:.2f} ms ({parts} ms), step x{m['step_over_roofline'] or 0:.2f}"
+                )
     return "\n".join(lines)
 
 

@@ -1,5 +1,8 @@
 """The roofline: the bytes a GPU reads per decode step (its weights and the KV the step reads)
-over the HBM rate, the datasheet's and that of a large device-to-device copy measured here."""
+over the HBM rate, the datasheet's and that of a large device-to-device copy measured here; and
+beside it the FLOP-aware roofline: per kernel class (dense products, routed experts, attention)
+max(bytes / HBM rate, FLOPs / matmul peak), summed, with the peak measured in the same run (the
+best of 10 of a bf16 GEMM of 8192 x 5120 x 16384)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import time
 from servinglib.common import run_in_process
 
 DATASHEET_HBM_BPS = 4.8e12  # H200 SXM: 4.8 TB/s
+
+PEAK_GEMM = (8192, 5120, 16384)  # M, K, N of the bf16 product whose best of 10 is the matmul peak
 
 ROOFLINE_KEYS = (
     "gpus",
@@ -32,6 +37,25 @@ def kv_bytes_read(sizes: dict, contexts) -> float:
     return total
 
 
+def step_classes(sizes: dict, weight_bytes: float, kv_bytes: float, tokens: float, contexts) -> dict:
+    """{class: (bytes, FLOPs)} of one decode step on a GPU: ``tokens`` new tokens (one per
+    sequence), the sequences at ``contexts``; the routed experts' bytes are what the GPU holds
+    beside the dense ones (at these batches every slot is read)."""
+    dense_bytes = sizes["router_bytes"]
+    keys = 0.0
+    for ctx in contexts:
+        for chunked in sizes["chunked"]:
+            keys += (ctx - 1) % sizes["chunk"] + 1 if chunked and sizes["chunk"] else ctx
+    return dict(
+        dense=(dense_bytes, 2.0 * tokens * sizes["dense_params"]),
+        experts=(
+            weight_bytes - dense_bytes,
+            2.0 * tokens * sizes["top_k"] * sizes["num_moe_layers"] * sizes["expert_params"],
+        ),
+        attention=(kv_bytes, keys * sizes["attn_flops_per_key"]),
+    )
+
+
 def roofline(
     weight_bytes: float,
     kv_bytes: float,
@@ -40,7 +64,11 @@ def roofline(
     gpus: int,
     seqs_per_gpu: float,
     mean_ctx: float | None,
+    classes: dict | None = None,
+    peak_flops: float | None = None,
 ) -> dict:
+    """Bytes-only rooflines at each rate of ``rates``, and with ``classes`` (``step_classes``)
+    and the measured ``peak_flops`` the FLOP-aware one at each rate (``flop_aware``)."""
     total = weight_bytes + kv_bytes
     out = dict(
         gpus=gpus,
@@ -58,6 +86,18 @@ def roofline(
             step_over_roofline=(step_s / t) if (t and step_s) else None,
             roofline_share=(t / step_s) if (t and step_s) else None,
         )
+    if classes and peak_flops:
+        out["flop_aware"] = {"peak_flops": peak_flops, "classes": {}}
+        for name, rate in rates.items():
+            per = {c: max(b / rate, f / peak_flops) for c, (b, f) in classes.items()}
+            t = sum(per.values())
+            out["flop_aware"][name] = dict(
+                step_s=t,
+                step_over_roofline=(step_s / t) if (t and step_s) else None,
+                roofline_share=(t / step_s) if (t and step_s) else None,
+                per_class_s=per,
+            )
+        out["flop_aware"]["classes"] = {c: dict(bytes=b, flops=f) for c, (b, f) in classes.items()}
     return out
 
 
@@ -96,7 +136,30 @@ def measure_copy(device: str, nbytes: int, iters: int) -> dict:
         sec = time.perf_counter() - t0
     # a copy reads and writes every byte
     info.update(copy_bytes=nbytes, iters=iters, rate_Bps=2 * nbytes * iters / sec)
+    if dev.type == "cuda":
+        del src, dst
+        info["peak_flops"] = measure_peak(dev)
     return info
+
+
+def measure_peak(dev) -> float:
+    """FLOP/s of the best of 10 bf16 products of PEAK_GEMM on ``dev`` (after 3 warm-ups)."""
+    import torch
+
+    m, k, n = PEAK_GEMM
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2.0 * m * k * n / best
 
 
 def gpu_facts(gpus: int, smoke: bool) -> list[dict]:

@@ -119,8 +119,23 @@ TINY = {  # the smoke shape: moeserve init-model's small Llama 4
     "pad_token_id": 0,
     "dtype": "float32",
 }
+# Llama 4 Scout's whole text model: 48 decoder layers (109 B parameters; ~218 GB in bf16, so on
+# one H200 only with FP8 experts and MLPs: --configs moeserve-1rank-fp8).
+SCOUT48 = {**SCOUT8, "num_hidden_layers": 48, "no_rope_layers": [1, 1, 1, 0] * 12}
+# Llama 4 Maverick's text model (128 experts of width 8192, MoE every other layer, no qk-norm)
+# cut to 12 of its 48 decoder layers: 6 MoE layers of ~16 GB each in FP8, what one H200 holds.
+MAVERICK12 = {
+    **SCOUT8,
+    "num_hidden_layers": 12,
+    "num_local_experts": 128,
+    "interleave_moe_layer_step": 2,
+    "no_rope_layers": [1, 1, 1, 0] * 3,
+    "use_qk_norm": False,
+}
 SHAPES = {
     "scout8": dict(config=SCOUT8, redundant=2),
+    "scout48": dict(config=SCOUT48, redundant=2),
+    "maverick12": dict(config=MAVERICK12, redundant=2),
     "ernie28": dict(config=ERNIE28, redundant=2),
     "tiny": dict(config=TINY, redundant=2),
 }
@@ -157,13 +172,51 @@ def write_tokenizer(folder: str, vocab_size: int) -> str:
     return path
 
 
-def model_sizes(model_dir: str, dtype_bytes: int) -> dict:
+def model_sizes(model_dir: str, dtype_bytes: int, quantization: str | None = None) -> dict:
     """Bytes of the router side (everything but the routed experts) and of one routed expert,
     from config.json alone (the tensors a checkpoint of it holds; ERNIE's gate and correction
-    bias in float32, as the model keeps them)."""
+    bias in float32, as the model keeps them). ``quantization="fp8"``: as the dummy FP8 weights
+    are held (FP8 codes and float32 scales for the experts and MLPs)."""
     from moeserve.models.config import load_config
 
     cfg = load_config(model_dir)
+    if quantization:
+        return _quantized_sizes(model_dir, dtype_bytes, quantization, _plain_sizes(cfg, dtype_bytes))
+    return _plain_sizes(cfg, dtype_bytes)
+
+
+def _quantized_sizes(model_dir: str, dtype_bytes: int, quantization: str, plain: dict) -> dict:
+    """``model_sizes`` of a model served with ``--quantization``: every tensor's bytes as the
+    dummy reader makes it (1 byte per FP8 code, 4 per scale), the experts' from ExpertSpec."""
+    import torch
+
+    from moeserve.models.checkpoint import expert_spec
+    from moeserve.models.dummy import DummyReader
+
+    r = DummyReader(model_dir, quantization=quantization)
+    cfg = r.config
+    experts = {n for n in r.names() if ".experts." in n}
+    router = 0
+    for name in r.names():
+        if name in experts:
+            continue
+        dt = r.stored_dtype(name)
+        size = 1 if dt == torch.float8_e4m3fn else 4 if dt == torch.float32 else dtype_bytes
+        n = 1
+        for d in r.shape(name):
+            n *= d
+        router += n * size
+    expert = expert_spec(cfg, torch.bfloat16 if dtype_bytes == 2 else torch.float32).nbytes
+    return dict(
+        plain,
+        router_bytes=router,
+        expert_bytes=expert,
+        all_experts_bytes=expert * cfg.num_experts * cfg.num_moe_layers,
+        quantization=quantization,
+    )
+
+
+def _plain_sizes(cfg, dtype_bytes: int) -> dict:
     h, v = cfg.hidden_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     router = v * h * (1 if cfg.tie_word_embeddings else 2) + h  # embed (+ lm_head), final norm
@@ -180,6 +233,10 @@ def model_sizes(model_dir: str, dtype_bytes: int) -> dict:
             router += cfg.num_experts * h
     expert = 3 * h * cfg.moe_intermediate_size * dtype_bytes
     kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    # per token, for the FLOP-aware roofline: the dense products' weights (attention projections,
+    # dense MLPs, shared experts, LM head), one expert's, and attention's per key and layer
+    # (the embedding is a lookup: with tied embeddings its one table is the LM head's product)
+    dense_params = router - (0 if cfg.tie_word_embeddings else v * h) - h * (1 + 2 * cfg.num_layers)
     return dict(
         family=cfg.family,
         num_layers=cfg.num_layers,
@@ -196,6 +253,9 @@ def model_sizes(model_dir: str, dtype_bytes: int) -> dict:
         chunk=cfg.attention_chunk_size,
         kv_layer_token=kv_layer_token,
         eos=list(cfg.eos_token_ids),
+        dense_params=dense_params,
+        expert_params=3 * h * cfg.moe_intermediate_size,
+        attn_flops_per_key=4 * q,  # QK and PV: 2 FLOPs each per query head dim and key
     )
 
 

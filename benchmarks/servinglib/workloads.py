@@ -1,8 +1,8 @@
 """A moeserve configuration's workloads on one running cluster: the burst (``--rounds`` rounds
 through each API, every other round in the reverse order) and the online load (Poisson arrivals
 at ``--load`` of the online mix's maximum rate), through each API of ``--apis`` in turn, with
-the roofline beside every measured step; ``--workloads eplb`` hands the cluster to
-``servinglib.eplb`` instead."""
+the roofline beside every measured step, then the prefix-caching workloads
+(``servinglib.prefix``); ``--workloads eplb`` hands the cluster to ``servinglib.eplb`` instead."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from servinglib.figures import (
 )
 from servinglib.profiles import profile_table, read_profiles
 from servinglib.report import by_round
-from servinglib.roofline import kv_bytes_read, roofline
+from servinglib.roofline import kv_bytes_read, roofline, step_classes
 from servinglib.shapes import expert_bytes_per_gpu, weights_per_gpu
 
 
@@ -122,7 +122,11 @@ class Measure:
             per_gpu = a.burst_requests / ranks
             ctx = b["steady_mean_context"] or (a.burst_prompt + a.burst_output / 2)
             kv = kv_bytes_read(sizes, [int(round(ctx))]) * per_gpu
-            self.record(api, "roofline", roofline(weights, kv, b["steady_step_s"], rates, max(1, ranks), per_gpu, ctx))
+            classes = step_classes(sizes, weights, kv, per_gpu, [int(round(ctx))] * int(per_gpu))
+            line = roofline(
+                weights, kv, b["steady_step_s"], rates, max(1, ranks), per_gpu, ctx, classes, self.a.peak_flops
+            )
+            self.record(api, "roofline", line)
         if "http_over_grpc_output_tok_s" in self.res:
             self.burst_ratio(rounds)
 
@@ -241,6 +245,12 @@ def run_moeserve(
             m.burst(plans["burst"], sizes, rates)
         if "online" in plans:
             m.online(sizes)
+        if "prefix" in plans or "multiturn" in plans:
+            from servinglib.prefix import run_prefix_workloads, warm_up_plan
+
+            if "burst" not in plans:
+                warm_up(up.api_address(m.first), warm_up_plan(plans, a.client_procs), a.client_procs, api=m.first)
+            run_prefix_workloads(m, plans)
         m.finish(sizes)
     except Exception as e:  # noqa: BLE001 - one configuration's failure
         m.res["error"] = f"{type(e).__name__}: {e}"

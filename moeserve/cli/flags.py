@@ -81,6 +81,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "config.json's quantization_config is read, and any other is refused",
     )
     g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="requests that give no seed draw theirs from a stream seeded with S, so that the same "
+        "requests in the same order sample the same tokens on every run (vLLM's flag; default: random)",
+    )
+    g.add_argument(
         "--migration-bytes-per-step",
         type=int,
         default=512 << 20,
@@ -128,6 +136,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="exactly N KV blocks per router instead of sizing from memory (default: size from memory)",
+    )
+    k.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share full KV blocks between requests by the hash of their tokens and keep freed ones "
+        "cached, evicted least recently used (default on; vLLM's name)",
+    )
+    k.add_argument(
+        "--routing-policy",
+        choices=("cache_aware", "round_robin"),
+        default="cache_aware",
+        help="which router a new request goes to: cache_aware (the one holding its longest cached "
+        "prefix, balanced against the routers' running requests; default) or round_robin",
     )
 
 
@@ -184,11 +206,11 @@ def start_placement_with_breakeven(
         try:
             saved = state.read_placement(state_dir)
             if saved is not None:
-                path = os.path.join(state_dir, state.PLACEMENT_FILE)
-                state.check_topology(saved, what=f"{path} (the placement saved in --state-dir)", **fits)
-                with open(path) as f:
+                saved_path = os.path.join(state_dir, state.PLACEMENT_FILE)
+                state.check_topology(saved, what=f"{saved_path} (the placement saved in --state-dir)", **fits)
+                with open(saved_path) as f:
                     has_b = '"breakeven"' in f.read()
-                return (saved.phy2log, saved.breakeven if has_b else None), path
+                return (saved.phy2log, saved.breakeven if has_b else None), saved_path
         except state.StateError as e:
             raise UsageError(f"{e}; or start with another --state-dir") from None
     if not init:
@@ -288,6 +310,33 @@ def add_http_flags(p: argparse.ArgumentParser, http_port: bool = True, max_model
         action=_SameAs,
         metavar="PEM",
         help="the certificate's private key (vLLM's name; the same as --tls-key)",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        metavar="N",
+        help="the most top logprobs a request may ask for, per token and per prompt position (vLLM's name; default 20)",
+    )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for what a request leaves out (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens as max_tokens): auto reads the model folder's "
+        "generation_config.json (default), DIR that folder's, vllm none (vLLM's flag)",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        metavar="JSON",
+        help="sampling defaults that take precedence over the generation config, e.g. "
+        "'{\"temperature\": 0.5}' (vLLM's flag)",
+    )
+    g.add_argument(
+        "--chat-template",
+        metavar="FILE|TEMPLATE",
+        help="the chat template to render messages with instead of the model's: a file, or the "
+        "template itself (vLLM's flag)",
     )
     if max_model_len:
         g.add_argument(
@@ -431,8 +480,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="1 only (moeserve shards experts, not layers): use --data-parallel-size N "
-        "--enable-expert-parallel for N GPUs",
+        help="with --enable-expert-parallel: N co-located ranks (N x --data-parallel-size), each a router "
+        "with its own attention (data-parallel attention) and an expert worker; without it, 1 only "
+        "(moeserve does not split attention layers over GPUs)",
     )
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N", help="1 only")
     g.add_argument(
@@ -624,6 +674,8 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
     ):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "seed", None) is not None and not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be in 0..{2**63 - 1}, got {args.seed}")
     if getattr(args, "exchange", "auto") == "nvlink" and args.backend != "nccl":
         raise UsageError("--exchange nvlink needs --backend nccl (CUDA devices); use auto or collective")
     from moeserve.config import CacheConfig
@@ -632,6 +684,7 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )
     try:
         CacheConfig(**cache)
@@ -664,6 +717,8 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         enforce_eager=getattr(args, "enforce_eager", False),
         async_scheduling=getattr(args, "async_scheduling", True),
         capture_graphs_at_start=getattr(args, "capture_graphs_at_start", False),
+        seed=getattr(args, "seed", None),
+        routing_policy=getattr(args, "routing_policy", "cache_aware"),
         **cache,
         **eplb,
     )

@@ -293,6 +293,12 @@ def run_status(args: argparse.Namespace) -> int:
     )
     print(f"model: {_jsonable(s.model)}")
     print(f"eplb: {_jsonable(s.eplb)}")
+    hit = f"{100 * s.prefix_cache_hits / s.prefix_cache_queries:.1f} %" if s.prefix_cache_queries else "-"
+    print(
+        f"kv cache: {s.kv_blocks_used}/{s.kv_blocks_total} blocks in use, {s.kv_blocks_cached} cached, "
+        f"{s.preemptions} preemptions; prefix cache hits {s.prefix_cache_hits}/{s.prefix_cache_queries} "
+        f"prompt tokens ({hit})"
+    )
     for r in s.ranks:
         print(f"  rank {r.rank}: {r.role}")
     if s.migration:

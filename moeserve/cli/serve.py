@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moeserve.cli import UsageError
+from moeserve.cli import UsageError, vllm_flags
 from moeserve.cli import flags as F
 
 DEFAULT_GRPC_PORT = 8003
@@ -92,6 +92,7 @@ def register(subparsers) -> None:
     F.add_http_flags(p, http_port=False, max_model_len=False)
     F.add_hub_flags(p)
     F.add_vllm_flags(p)
+    vllm_flags.add_vllm_noop_flags(p)
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
@@ -106,38 +107,72 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def parallel(args) -> None:
-    """vLLM's parallelism flags -> routers, workers, co-located."""
-    for flag, value in (
-        ("--tensor-parallel-size", args.tensor_parallel_size),
-        ("--pipeline-parallel-size", args.pipeline_parallel_size),
-    ):
+def parallel(args, visible_gpus: int | None = None) -> str | None:
+    """vLLM's parallelism flags -> routers, workers, co-located; returns the line that says what
+    they became (None when none was given). ``-tp N --enable-expert-parallel`` (times ``-dp M``)
+    is N x M co-located ranks, each with its own attention and KV cache (data-parallel
+    attention, which is what vLLM's expert parallelism does with its attention data-parallel)
+    and a share of the experts; on CUDA it needs a GPU per rank (``visible_gpus``: the count,
+    None to ask torch)."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    for flag, value in (("--tensor-parallel-size", tp), ("--pipeline-parallel-size", pp)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
-        if value > 1:
-            raise UsageError(
-                f"{flag} {value}: moeserve does not split layers over GPUs; it shards the experts over "
-                f"ranks. For N GPUs use --data-parallel-size N --enable-expert-parallel (N co-located "
-                f"ranks, each a router and an expert worker), or --routers R --workers W"
-            )
+    if pp > 1:
+        raise UsageError(
+            f"--pipeline-parallel-size {pp}: moeserve does not split layers over GPUs; it shards the experts "
+            f"over ranks: use --tensor-parallel-size N --enable-expert-parallel or --data-parallel-size N "
+            f"--enable-expert-parallel (N co-located ranks), or --routers R --workers W"
+        )
+    if tp > 1 and not args.enable_expert_parallel:
+        raise UsageError(
+            f"--tensor-parallel-size {tp} without --enable-expert-parallel would split attention and every "
+            f"expert over {tp} GPUs, which moeserve does not do: add --enable-expert-parallel ({tp} co-located "
+            f"ranks with data-parallel attention and the experts sharded over them)"
+        )
     dp = args.data_parallel_size
-    if dp is None:
-        return
-    if dp < 1:
+    if dp is None and tp == 1:
+        return None
+    if dp is not None and dp < 1:
         raise UsageError(f"--data-parallel-size must be >= 1, got {dp}")
+    dp = dp or 1
     if dp > 1 and not args.enable_expert_parallel:
         raise UsageError(
             f"--data-parallel-size {dp} without --enable-expert-parallel would be {dp} independent copies "
             f"of the model; moeserve serves one expert-parallel cluster: add --enable-expert-parallel "
             f"({dp} co-located ranks)"
         )
-    if (args.routers, args.workers) not in ((1, 1), (dp, dp)):
+    n = tp * dp
+    what = " x ".join(
+        f
+        for f in (f"--tensor-parallel-size {tp}" if tp > 1 else "", f"--data-parallel-size {dp}" if dp > 1 else "")
+        if f
+    )
+    if (args.routers, args.workers) not in ((1, 1), (n, n)):
         raise UsageError(
-            f"--data-parallel-size {dp} means {dp} co-located ranks; it disagrees with --routers "
-            f"{args.routers} --workers {args.workers}"
+            f"{what} means {n} co-located ranks; it disagrees with --routers {args.routers} --workers {args.workers}"
         )
-    args.routers = args.workers = dp
+    if args.backend in ("auto", "nccl"):
+        if visible_gpus is None:
+            try:
+                import torch
+
+                visible_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            except Exception:
+                visible_gpus = 0
+        if (visible_gpus or args.backend == "nccl") and n > visible_gpus:
+            raise UsageError(
+                f"{what} needs {n} GPUs (one per rank); {visible_gpus} {'is' if visible_gpus == 1 else 'are'} "
+                f"visible (CUDA_VISIBLE_DEVICES)"
+            )
+    args.routers = args.workers = n
     args.colocated = True
+    device = f"{n} GPUs" if visible_gpus else f"{n} CPU ranks"
+    return (
+        f"{what} --enable-expert-parallel: {n} co-located ranks on {device}, each a router with its own "
+        f"attention and KV cache (data-parallel attention; no tensor-parallel attention) and an expert "
+        f"worker with 1/{n} of the experts"
+    )
 
 
 def vllm_eplb_config(args) -> list[str]:
@@ -222,8 +257,11 @@ def run(args: argparse.Namespace) -> int:
     model = args.model_tag or args.model
     if not model:
         raise UsageError("give the model: moeserve serve MODEL (a checkpoint folder or a Hugging Face id)")
-    parallel(args)
+    layout = parallel(args)
+    accepted = vllm_flags.check_vllm_noops(args)
     notes = vllm_eplb_config(args)
+    if layout:
+        notes.insert(0, layout)
     prog = "moeserve serve"
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("HTTPS needs both --ssl-certfile and --ssl-keyfile (the same as --tls-cert and --tls-key)")
@@ -245,7 +283,9 @@ def run(args: argparse.Namespace) -> int:
     args.http_port, args.port = args.port, args.grpc_port
     args.startup_progress = True
     for note in notes:
-        print(f"eplb     {note}", flush=True)
+        print(f"{'ranks' if note is layout else 'eplb':<8} {note}", flush=True)
+    for note in accepted:
+        print(f"vllm     {note}", flush=True)
     if folder != Path(model):
         print(f"model    {model} -> {folder}", flush=True)
     from moeserve.cli import up

@@ -208,8 +208,9 @@ def run_rank(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if F.token(args):
-        os.environ[F.TOKEN_ENV] = F.token(args)
+    token = F.token(args)
+    if token:
+        os.environ[F.TOKEN_ENV] = token
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
     _logging(f"rank{args.rank}")
     _parent_watch()
@@ -247,34 +248,54 @@ def run_frontend(args: argparse.Namespace) -> int:
         from moeserve.ops.metrics import ProcessMetrics
 
         pm = ProcessMetrics("frontend")
+    names = args.served_model_name or [args.model or "default"]
+    vllm_metrics = None
     if pm is not None:
         from moeserve.ops.metrics import FrontendMetrics
+        from moeserve.ops.vllm_metrics import VllmMetrics  # vLLM's names beside moeserve's
         from moeserve.services.server import SERVING
 
-        metrics = FrontendMetrics(pm.registry)
+        vllm_metrics = VllmMetrics(pm.registry, names[0])
+        metrics = FrontendMetrics(pm.registry, vllm_metrics)
         from moeserve.services.metrics import grpc_interceptor
 
         opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, grpc_interceptor(pm, SERVING)))
     from moeserve.services.readiness import Readiness, channel_probe
 
     door = F.door_limits(args)
+    defaults = _generation_defaults(args)
+    if args.max_logprobs < 0:
+        raise UsageError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
     try:
         limits = AdmissionLimits(
             max_model_len=args.max_model_len,
             vocab_size=vocab_size_of(args.model),
             max_request_tokens=args.max_request_tokens,
             choices_in_flight=args.max_choices_in_flight,
+            max_logprobs=args.max_logprobs,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+    tokenizer = load_tokenizer(args.model)
+    if args.chat_template:
+        from moeserve.services.tokenizer import chat_template_arg
+
+        try:
+            template = chat_template_arg(args.chat_template)
+        except (ValueError, OSError) as e:
+            raise UsageError(str(e)) from None
+        if tokenizer is None:
+            raise UsageError("--chat-template needs the model's tokenizer (tokenizer.json in --model)")
+        tokenizer.chat_template = template
     engine = AsyncEngineClient(address, key)
-    admission = Admission(engine, load_tokenizer(args.model), metrics, limits)
+    admission = Admission(engine, tokenizer, metrics, limits)
     readiness_metrics = None
     if pm is not None:
         from moeserve.ops.metrics import ReadinessMetrics
 
         readiness_metrics = ReadinessMetrics(pm.registry)
-    readiness = Readiness(channel_probe(engine), readiness_metrics)  # grpc.health and /health follow it
+    # grpc.health and /health follow it; vLLM's scheduler gauges take the status it reads
+    readiness = Readiness(channel_probe(engine, vllm_metrics.update if vllm_metrics else None), readiness_metrics)
     srv = make_server(None, None, opts, admission=admission, api_key=api_key, readiness=readiness)
 
     def ready(port):
@@ -288,7 +309,6 @@ def run_frontend(args: argparse.Namespace) -> int:
         return 0
     from moeserve.services.http import HttpApi, HttpServer
 
-    names = args.served_model_name or [args.model or "default"]
     api = HttpApi(
         admission,
         names,
@@ -296,6 +316,8 @@ def run_frontend(args: argparse.Namespace) -> int:
         api_key,
         pm.registry,
         max_body_bytes=opts.max_message_bytes,
+        generation_defaults=defaults,
+        vllm_metrics=vllm_metrics,
     )
     api.readiness = readiness
     http = HttpServer(
@@ -313,6 +335,37 @@ def run_frontend(args: argparse.Namespace) -> int:
         print(f"moeserve frontend: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _generation_defaults(args) -> dict:
+    """--generation-config (auto: the --model folder's generation_config.json; vllm: none; a
+    folder) and --override-generation-config, as HttpApi's sampling defaults; the defaults in
+    force are logged, as vLLM does."""
+    import json
+
+    from moeserve.services.tokenizer import generation_defaults
+
+    which = args.generation_config
+    folder = None if which == "vllm" else args.model if which == "auto" else which
+    if folder and which != "auto" and not os.path.isdir(folder):
+        raise UsageError(f"--generation-config {which}: no such folder (give auto, vllm or a folder)")
+    overrides = None
+    if args.override_generation_config:
+        try:
+            overrides = json.loads(args.override_generation_config)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--override-generation-config is not valid JSON: {e}") from None
+        if not isinstance(overrides, dict):
+            raise UsageError("--override-generation-config must be a JSON object")
+    try:
+        out = generation_defaults(folder, overrides)
+    except ValueError as e:
+        raise UsageError(f"--generation-config: {e}") from None
+    if out:
+        logging.getLogger("moeserve.services").info(
+            "sampling defaults from the model's generation config (--generation-config vllm turns them off): %s", out
+        )
+    return out
 
 
 async def _serve_both(grpc_server, http, host: str) -> None:

@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
         except ClusterError as e:
             print(f"{prog}: the cluster did not start: {e}", file=sys.stderr, flush=True)
             return 1
+        assert cluster.authkey is not None and cluster.run_dir is not None  # set by cluster.start()
         env = child_env(
-            None,
             MOESERVE_PARENT_PID=str(os.getpid()),
             MOESERVE_ADMIN_TOKEN=token,
             **{F.CONTROL_KEY_ENV: cluster.authkey.hex()},
@@ -224,9 +224,10 @@ def run(args: argparse.Namespace) -> int:
             str(args.max_model_len),
             *common,
         ]
-        names = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
+        served = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
         if http_port is not None:
-            front += ["--http-port", str(ports["http_port"]), *F.door_argv(args), "--served-model-name", *names]
+            front += ["--http-port", str(ports["http_port"]), *F.door_argv(args), "--served-model-name", *served]
+            front += frontend_text_flags(args)
         bal = [
             *module_command("moeserve", "balancer"),
             "--balancer-port",
@@ -294,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
             base = f"{scheme}://{shown}:{ports['http_port']}"
             print(
                 f"http     {base}/v1 (OpenAI API: /v1/completions, /v1/chat/completions, /v1/models; "
-                f"{base}/health, /version, /metrics)\nmodel    {', '.join(names)}"
-                f"{'' if args.model in names else f' ({args.model})'}"
+                f"{base}/health, /version, /metrics)\nmodel    {', '.join(served)}"
+                f"{'' if args.model in served else f' ({args.model})'}"
                 f"{'; API key required' if api_key else ''}",
                 flush=True,
             )
@@ -402,6 +403,24 @@ class Replacements:
                 del self.waiting[r]
 
 
+def frontend_text_flags(args) -> list[str]:
+    """The HTTP API's flags for the front end: --max-logprobs, the generation config (auto: the
+    model folder's, which may not be the tokenizer folder the front end is given), its
+    overrides and the chat template (a file by its absolute path)."""
+    out = ["--max-logprobs", str(args.max_logprobs)]
+    which = args.generation_config
+    out += [
+        "--generation-config",
+        args.model if which == "auto" else which if which == "vllm" else os.path.abspath(which),
+    ]
+    if args.override_generation_config:
+        out += ["--override-generation-config", args.override_generation_config]
+    if args.chat_template:
+        t = args.chat_template
+        out += ["--chat-template", os.path.abspath(t) if os.path.isfile(t) else t]
+    return out
+
+
 def _start_cluster(cluster, world: int, on_signal, progress: bool, model: str) -> None:
     """``cluster.start()`` from this (main) thread, which must spawn the ranks: the launcher
     asks the kernel to kill a rank when the thread that spawned it ends. SIGINT is blocked in
@@ -478,7 +497,7 @@ def wait_http(url: str, timeout_s: float, alive=lambda: True, ca_file: str | Non
     import urllib.error
     import urllib.request
 
-    handlers = [urllib.request.ProxyHandler({})]  # a local address: no proxy
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]  # a local address: no proxy
     if ca_file:
         handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca_file)))
     opener = urllib.request.build_opener(*handlers)

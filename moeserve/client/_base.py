@@ -45,7 +45,7 @@ def channel_args(address: str, token: str | None, tls: bool, ca_file: str | None
 
 
 def generate_request(
-    prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+    prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos, cache_salt=""
 ) -> serving_pb2.GenerateRequest:
     r = serving_pb2.GenerateRequest(
         prompt=prompt or "",
@@ -56,13 +56,14 @@ def generate_request(
         top_k=int(top_k),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=bool(ignore_eos),
+        cache_salt=str(cache_salt or ""),
     )
     if seed is not None:
         r.seed = int(seed)
     return r
 
 
-def file_format(path: str, fmt: str | None) -> int:
+def file_format(path: str, fmt: str | None) -> admin_pb2.PlacementFile.Format:
     if fmt is None:
         fmt = "sglang-pt" if str(path).endswith(".pt") else None
         if fmt is None:

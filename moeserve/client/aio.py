@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from types import EllipsisType
 
 import grpc
 
@@ -59,7 +60,7 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _call(self, method, request, timeout: float | None = ...):
+    async def _call(self, method, request, timeout: float | None | EllipsisType = ...):  # ...: self.timeout
         timeout = self.timeout if timeout is ... else timeout
         pauses = list(_base.RETRY_DELAYS_S)
         while True:
@@ -85,10 +86,20 @@ class AsyncClient:
         seed: int | None = None,
         stop_token_ids=(),
         ignore_eos: bool = False,
+        cache_salt: str = "",
         timeout: float | None = None,
     ) -> GenerateResult:
         req = _base.generate_request(
-            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+            prompt,
+            prompt_token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            cache_salt,
         )
         return GenerateResult.from_msg(await self._call(self._serving.Generate, req, timeout))
 
@@ -104,10 +115,20 @@ class AsyncClient:
         seed: int | None = None,
         stop_token_ids=(),
         ignore_eos: bool = False,
+        cache_salt: str = "",
         timeout: float | None = None,
     ):
         req = _base.generate_request(
-            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+            prompt,
+            prompt_token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            cache_salt,
         )
         pauses = list(_base.RETRY_DELAYS_S)
         while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import EllipsisType
 
 import grpc
 
@@ -64,7 +65,7 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, method, request, timeout: float | None = ...):
+    def _call(self, method, request, timeout: float | None | EllipsisType = ...):  # ...: self.timeout
         timeout = self.timeout if timeout is ... else timeout
         pauses = list(_base.RETRY_DELAYS_S)
         while True:
@@ -90,11 +91,23 @@ class Client:
         seed: int | None = None,
         stop_token_ids=(),
         ignore_eos: bool = False,
+        cache_salt: str = "",
         timeout: float | None = None,
     ) -> GenerateResult:
-        """Generate for prompt text or ``prompt_token_ids``; ``.token_ids`` are the generated ids."""
+        """Generate for prompt text or ``prompt_token_ids``; ``.token_ids`` are the generated ids,
+        ``.usage.cached_tokens`` the prompt tokens read from the prefix cache (``cache_salt``:
+        share cached blocks only with requests of the same salt)."""
         req = _base.generate_request(
-            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+            prompt,
+            prompt_token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            cache_salt,
         )
         return GenerateResult.from_msg(self._call(self._serving.Generate, req, timeout))
 
@@ -110,11 +123,21 @@ class Client:
         seed: int | None = None,
         stop_token_ids=(),
         ignore_eos: bool = False,
+        cache_salt: str = "",
         timeout: float | None = None,
     ):
         """Yield :class:`GenerateChunk` s as tokens are sampled; leaving the loop early cancels."""
         req = _base.generate_request(
-            prompt, prompt_token_ids, max_tokens, temperature, top_p, top_k, seed, stop_token_ids, ignore_eos
+            prompt,
+            prompt_token_ids,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            ignore_eos,
+            cache_salt,
         )
         pauses = list(_base.RETRY_DELAYS_S)
         while True:

@@ -47,8 +47,12 @@ def _migration_or_none(m, field: str = "migration") -> MigrationProgress | None:
 
 @dataclass(frozen=True)
 class Usage:
+    """Tokens of a request: its prompt, those generated, and the prompt tokens read from the
+    prefix cache instead of computed."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ class GenerateResult:
             list(m.token_ids),
             m.text,
             FINISH_NAMES.get(m.finish_reason, ""),
-            Usage(m.usage.prompt_tokens, m.usage.completion_tokens),
+            Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens),
         )
 
 
@@ -87,7 +91,7 @@ class GenerateChunk:
             list(m.token_ids),
             m.text,
             FINISH_NAMES.get(m.finish_reason) if last else None,
-            Usage(m.usage.prompt_tokens, m.usage.completion_tokens) if last else None,
+            Usage(m.usage.prompt_tokens, m.usage.completion_tokens, m.usage.cached_tokens) if last else None,
         )
 
 
@@ -234,7 +238,9 @@ class EplbInfo:
 class ClusterStatus:
     """Steps, versions (layer_versions [L]), the running migration, the queue, the ranks, the
     metrics ports (service -> port) and the model's shape; error: set when the cluster failed;
-    the routers' KV blocks (total, in use) and the preemptions since start."""
+    the routers' KV blocks (total, in use, holding a prefix-cache hash) and the preemptions
+    since start; the prompt tokens of admitted requests that looked the prefix cache up
+    (``prefix_cache_queries``) and those found in it (``prefix_cache_hits``)."""
 
     step: int
     forward_steps: int
@@ -252,6 +258,9 @@ class ClusterStatus:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     preemptions: int = 0
+    kv_blocks_cached: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @classmethod
     def from_msg(cls, m: admin_pb2.ClusterStatus) -> ClusterStatus:
@@ -272,6 +281,9 @@ class ClusterStatus:
             m.kv_blocks_total,
             m.kv_blocks_used,
             m.preemptions,
+            m.kv_blocks_cached,
+            m.prefix_cache_queries,
+            m.prefix_cache_hits,
         )
 
 

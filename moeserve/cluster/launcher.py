@@ -29,7 +29,15 @@ from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admi
 from moeserve.ops import ports
 from moeserve.ops.procs import child_env, describe_exit, module_command, set_death_signal
 from moeserve.placement import MigrationProgress, MigrationState, Placement
-from moeserve.router.engine.api import EngineStatus, Failed, Finished, GenerateRequest, LoadReport, Token
+from moeserve.router.engine.api import (
+    EngineStatus,
+    Failed,
+    Finished,
+    FirstToken,
+    GenerateRequest,
+    LoadReport,
+    Token,
+)
 from moeserve.router.engine.channel import ClusterError, EngineClient
 from moeserve.sampling import SamplingParams
 
@@ -43,12 +51,14 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class Generation:
-    """One prompt's result: generated ids (prompt excluded), finish reason, and the logits
-    each token was sampled from (float32 [n, V]) when asked for."""
+    """One prompt's result: generated ids (prompt excluded), finish reason, the logits
+    each token was sampled from (float32 [n, V]) when asked for, and the prompt tokens read from
+    the prefix cache instead of computed."""
 
     token_ids: list[int]
     finish_reason: str
     logits: np.ndarray | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,8 @@ class LocalCluster:
     backend: "gloo" (CPU) or "nccl" (one GPU per rank).
     load_format: "auto" (the checkpoint's files) or "dummy" (seeded random weights made on each
     rank's device from config.json alone; moeserve.models.dummy).
+    enable_prefix_caching (default True) and routing_policy ("cache_aware" or "round_robin"):
+    prefix caching and which router a new request goes to (docs/engine.md, "Prefix caching").
     """
 
     def __init__(
@@ -283,7 +295,7 @@ class LocalCluster:
         authkey = secrets.token_bytes(16)
         self._authkey = authkey
         port = free_port()
-        base = child_env(self.env)
+        base = child_env(**self.env)
         base.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -503,12 +515,15 @@ class LocalCluster:
         stop_token_ids=(),
         return_logits: bool = False,
         details: bool = False,
+        cache_salt: str = "",
     ):
         """Generate for each prompt (a list of token ids); all prompts run concurrently.
 
         Returns the generated ids per prompt (prompt excluded), or with ``details`` a list of
-        :class:`Generation` (finish reason, and with ``return_logits`` the logits [n, V] each
-        generated token was sampled from). Invalid input raises ValueError before anything runs.
+        :class:`Generation` (finish reason, the prompt tokens read from the prefix cache, and with
+        ``return_logits`` the logits [n, V] each generated token was sampled from). Invalid input
+        raises ValueError before anything runs. ``cache_salt``: the prompts share cached KV
+        blocks only with requests of the same salt.
         """
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         reqs = [
@@ -519,15 +534,19 @@ class LocalCluster:
                 stop_token_ids=tuple(stop_token_ids),
                 ignore_eos=ignore_eos,
                 return_logits="last" if return_logits else "",
+                cache_salt=cache_salt,
             )
             for p in prompts
         ]
         toks: list[list[int]] = [[] for _ in reqs]
         logits: list[list[np.ndarray]] = [[] for _ in reqs]
         reasons = [""] * len(reqs)
+        cached = [0] * len(reqs)
         for i, ev in self._c().generate_stream(reqs):
             if isinstance(ev, Token):
                 toks[i].append(ev.token_id)
+                if isinstance(ev, FirstToken):
+                    cached[i] = ev.cached_tokens
                 if ev.logits is not None:
                     logits[i].append(ev.logits)
             elif isinstance(ev, Finished):
@@ -536,7 +555,10 @@ class LocalCluster:
                 raise ClusterError(self._failure() or ev.message)  # the monitor names the rank that died first
         if not details:
             return toks
-        return [Generation(t, r, np.concatenate(lg) if lg else None) for t, r, lg in zip(toks, reasons, logits)]
+        return [
+            Generation(t, r, np.concatenate(lg) if lg else None, n)
+            for t, r, lg, n in zip(toks, reasons, logits, cached)
+        ]
 
     def prompt_logits(self, prompt) -> np.ndarray:
         """float32 [T, V]: the logits at every position of ``prompt`` (one prefill)."""

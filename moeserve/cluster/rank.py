@@ -241,6 +241,7 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
             info.expert_bytes,
             tuple(int(x) for x in info.moe_layer_ids),
             mcfg.num_layers,
+            int(getattr(mcfg, "sliding_window", None) or 0),  # a family with sliding-window layers sets it
         )
         st.leader = Engine(cfg, shape, placement)
         if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:
@@ -261,24 +262,44 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
 
 def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) -> None:
     """Compile, before the rank is ready, the Triton kernels whose launch configurations a
-    step picks from its shape and that no warm-up step reaches: the expert kernels' rows per
-    pass (a worker) and the race sampler with and without a threshold (a router). Each is
-    ~1 s of host time on an H200 host that a step would otherwise wait for, mid-serving."""
+    step picks from its shape: the expert kernels' rows per pass (a worker), the race sampler
+    with and without a threshold, the paged attention's decode and prefill tiles at every split
+    for each of the model's attention chunks, and the FP8 linears (a router); the table of
+    tests/test_triton_specialization.py says which kernel is compiled where. Each is ~1 s of
+    host time on an H200 host that a step would otherwise wait for, mid-serving."""
     if device.type != "cuda":
         return
     t0 = time.perf_counter()
     blocks = st.store.warm_up_kernels() if st.store is not None else []
-    races = 0
+    races = linears = attention = 0
     if st.runner is not None:
-        from moeserve import sampling
+        from moeserve import kernels, sampling
+        from moeserve.models.attention import warm_up_attention
+        from moeserve.models.quant import QuantLinear
 
         races = sampling.warm_up(vocab_size, device)
+        model, cache = st.runner.model, st.runner.cache
+        if kernels.available():
+            attention = warm_up_attention(
+                cache.k[0],
+                cache.v[0],
+                model.config.num_heads,
+                cache.block_size,
+                {layer.attn.chunk for layer in model.layers},
+                model.layers[0].attn.scale,
+            )
+        fp8 = [q for q in st.runner.model.linears() if isinstance(q, QuantLinear)]
+        if fp8 and kernels.available():
+            linears = kernels.warm_up_fp8_linears(fp8, st.dtype)
     torch.cuda.synchronize(device)
-    if blocks or races:
+    if blocks or races or linears or attention:
         log.info(
-            "compiled the expert kernels for rows per pass %s and %d race sampler configurations in %.1f s",
+            "compiled the expert kernels for rows per pass %s, %d race sampler, %d paged attention and %d FP8 "
+            "linear configurations in %.1f s",
             blocks,
             races,
+            attention,
+            linears,
             time.perf_counter() - t0,
         )
 

@@ -30,9 +30,9 @@ from moeserve.dataplane.exchange import RecvCounts, Topology, choose_slots, coun
 class Pending:
     """An exchange in flight: :meth:`CollectiveExchange.start` -> :meth:`CollectiveExchange.send` -> :meth:`CollectiveExchange.finish`."""
 
-    counts_work: object  # the counts collective's Work handle (async)
+    counts_work: dist.Work  # the counts collective's Work handle (async)
     counts: torch.Tensor  # LongTensor [2, R, S]: rows sent to / received from each rank, per slot
-    work: object = None  # the dispatch collective's Work handle (async)
+    work: dist.Work | None = None  # the dispatch collective's Work handle (async)
     recv_rows: torch.Tensor | None = None  # [sum(recv_splits), H] rows for this rank's slots
     received: RecvCounts | None = None
     send_splits: list[int] | None = None  # [R] rows this rank sent to each rank
@@ -54,8 +54,8 @@ class CollectiveExchange:
         self.group = group
         self.device = torch.device(device)
         self.slot_position = topo.slot_positions().to(self.device)  # [P] into the flattened [R, S] counts
-        self._side = None  # CUDA: stream and pinned buffer for the counts' host read
-        self._host = None
+        self._side: torch.cuda.Stream | None = None  # CUDA: stream and pinned buffer for the counts' host read
+        self._host: torch.Tensor | None = None
 
     def new_counts(self) -> torch.Tensor:
         """A zeroed LongTensor [2, R, S] for one layer: [0] what this rank sends to each slot
@@ -76,7 +76,7 @@ class CollectiveExchange:
         if self.device.type != "cuda":
             pending.counts_work.wait()
             return pending.counts.numpy().copy()
-        if self._side is None:
+        if self._side is None or self._host is None:  # (set together)
             self._side = torch.cuda.Stream(self.device)
             self._host = torch.empty(pending.counts.shape, dtype=torch.long, pin_memory=True)
         with torch.cuda.stream(self._side):
@@ -99,7 +99,7 @@ class CollectiveExchange:
         )
 
     def finish(
-        self, pending: Pending, compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+        self, pending: Pending, compute: Callable[[torch.Tensor, RecvCounts], torch.Tensor] | None
     ) -> torch.Tensor:
         """Wait for the rows, run this rank's slots on them, and combine back.
 
@@ -107,15 +107,16 @@ class CollectiveExchange:
         received layout; None on a rank that holds no slots (it must receive nothing).
         returns the outputs of the rows this rank sent, in its send order: [n, H].
         """
-        pending.work.wait()
-        rows = pending.recv_rows
+        work, rows, received, send_splits = pending.work, pending.recv_rows, pending.received, pending.send_splits
+        assert work is not None and rows is not None and received is not None and send_splits is not None  # send()'s
+        work.wait()
         if compute is not None:
-            out = compute(rows, pending.received)
+            out = compute(rows, received)
         else:
             if rows.shape[0]:
                 raise RuntimeError(f"rank {self.rank} holds no expert slots but received {rows.shape[0]} rows")
             out = rows
-        back = out.new_empty(sum(pending.send_splits), out.shape[1])
+        back = out.new_empty(sum(send_splits), out.shape[1])
         dist.all_to_all_single(back, out, pending.send_splits, pending.recv_splits, group=self.group)
         return back
 

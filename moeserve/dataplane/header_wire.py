@@ -16,8 +16,10 @@ packed 8 to a word, little-endian, after their byte count):
         D decodes, K new blocks, N releases, Q sequences, decodes [D], blocks [K, 2],
         releases [N], then per sequence:
             seq_id, start, T tokens, B new blocks, out_pos, flags (sample, sampling, seed,
-            logits "" / "last" / "all"), [temperature, top_p, top_k, seed when sampling],
-            tokens [T], new blocks [B]
+            logits "" / "last" / "all", adjust, prompt logprobs), [temperature, top_p, top_k,
+            seed when sampling], [min_p, presence, frequency, repetition, min_tokens, S stop
+            ids, N biased tokens, stop ids [S], (token, bias) [N, 2] when adjust], [top tokens
+            per prompt position when prompt logprobs], tokens [T], new blocks [B]
     then, when the migration flag is set: the id, staging slots, rollback, end, C commits,
     M moves, per commit (layer, version, P, S staged, E break-even counts, phy2log [P], staged
     [S, 2], break-even [E]), per move its 7 fields (``MoveOp`` order).
@@ -41,10 +43,11 @@ from moeserve.dataplane.protocol import (
 )
 from moeserve.sampling import SamplingParams
 
-MAGIC = 0x4D53_4844_0001  # "MSHD", layout 1
+MAGIC = 0x4D53_4844_0002  # "MSHD", layout 2
 DEFAULT_CAPACITY = 4096  # words broadcast every step (32 KiB)
 _FORWARD, _REPORT, _READ_LOAD, _STOP, _WARMUP, _MIGRATION, _REGROUP = (1 << i for i in range(7))
 _SAMPLE, _SAMPLING, _SEED = 1, 2, 4
+_ADJUST, _PROMPT_LP = 1 << 5, 1 << 6  # bits 3-4 hold the logits mode
 _LOGITS = {"": 0, "last": 1, "all": 2}
 _LOGITS_NAME = {v: k for k, v in _LOGITS.items()}
 
@@ -96,10 +99,20 @@ def encode(h: StepHeader) -> np.ndarray:
                 | _SAMPLING * (sp is not None)
                 | _SEED * (sp is not None and sp.seed is not None)
                 | _LOGITS[sw.return_logits or ""] << 3
+                | _ADJUST * (sp is not None and (sp.adjusts or sp.min_p > 0))
+                | _PROMPT_LP * (sw.prompt_logprobs >= 0)
             )
             words = [sw.seq_id, sw.start, len(sw.token_ids), len(sw.new_blocks), sw.out_pos, f]
             if sp is not None:
                 words += [_f2w(sp.temperature), _f2w(sp.top_p), sp.top_k, sp.seed if sp.seed is not None else 0]
+                if f & _ADJUST:
+                    words += [_f2w(sp.min_p), _f2w(sp.presence_penalty), _f2w(sp.frequency_penalty)]
+                    words += [_f2w(sp.repetition_penalty), sp.min_tokens, len(sp.stop_ids), len(sp.logit_bias)]
+                    words += list(sp.stop_ids)
+                    for tok, bias in sp.logit_bias:
+                        words += [tok, _f2w(bias)]
+            if f & _PROMPT_LP:
+                words.append(sw.prompt_logprobs)
             parts.append(words)
             parts.append(sw.token_ids)
             parts.append(sw.new_blocks)
@@ -128,7 +141,7 @@ def decode(words: np.ndarray) -> StepHeader:
     words = np.asarray(words, dtype=np.int64)
     if len(words) < 7 or int(words[0]) != MAGIC or int(words[1]) > len(words):
         raise HeaderError(
-            f"not a step header of layout 1: magic {int(words[0]) if len(words) else None:#x}, "
+            f"not a step header of layout 2: magic {int(words[0]) if len(words) else None:#x}, "
             f"{int(words[1]) if len(words) > 1 else 0} words announced, {len(words)} received"
         )
     n = int(words[1])
@@ -155,9 +168,28 @@ def decode(words: np.ndarray) -> StepHeader:
             sampling = None
             if f & _SAMPLING:
                 temp, top_p, top_k, seed = take(4)
+                extra: dict = {}
+                if f & _ADJUST:
+                    min_p, pres, freq, rep, min_tokens, ns, nb = take(7)
+                    stop_ids = tuple(take(int(ns)).tolist())
+                    pairs = take(2 * int(nb)).reshape(-1, 2).tolist()
+                    extra = dict(
+                        min_p=_w2f(min_p),
+                        presence_penalty=_w2f(pres),
+                        frequency_penalty=_w2f(freq),
+                        repetition_penalty=_w2f(rep),
+                        min_tokens=int(min_tokens),
+                        stop_ids=stop_ids,
+                        logit_bias=tuple((int(t), _w2f(b)) for t, b in pairs),
+                    )
                 sampling = SamplingParams(
-                    temperature=_w2f(temp), top_p=_w2f(top_p), top_k=int(top_k), seed=int(seed) if f & _SEED else None
+                    temperature=_w2f(temp),
+                    top_p=_w2f(top_p),
+                    top_k=int(top_k),
+                    seed=int(seed) if f & _SEED else None,
+                    **extra,
                 )
+            plp = int(take(1)[0]) if f & _PROMPT_LP else -1
             token_ids = tuple(take(t).tolist())
             new_blocks = tuple(take(b).tolist())
             seqs.append(
@@ -170,6 +202,7 @@ def decode(words: np.ndarray) -> StepHeader:
                     new_blocks=new_blocks,
                     sample=bool(f & _SAMPLE),
                     out_pos=out_pos,
+                    prompt_logprobs=plp,
                 )
             )
         work.append(RouterWork(seqs=tuple(seqs), release=release, decodes=decodes, blocks=blocks))

@@ -180,7 +180,7 @@ class NvlinkExchange:
         self.graphs = graphs and self.device.type == "cuda"
         self._graphs: dict = {}  # key -> (CUDAGraph, tensors kept alive)
         self._seen: dict = {}  # key -> tensors kept alive (first, eager use)
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None
         self._in_flight = False
         # Whole-step graphs (moeserve.router.graphs): per MoE layer a device row like ``args``
         # whose addresses are written inside the capture and whose N and offset are set before
@@ -241,10 +241,12 @@ class NvlinkExchange:
         """N (the valid pairs) and the replica offset of the next whole-step graph replay."""
         # from pinned memory, without a sync: the host must not wait here for the steps enqueued
         # before (asynchronous steps); the caching host allocator keeps the buffer until the copy ran
+        step_args = self.step_args
+        assert step_args is not None  # prepare_step_graphs ran before the capture
         args = torch.tensor([[pairs, offset]], dtype=torch.long)
-        if self.step_args.is_cuda:
-            args = args.pin_memory().to(self.step_args.device, non_blocking=True)
-        self.step_args[:, 3:].copy_(args.expand(self.step_args.shape[0], 2))
+        if step_args.is_cuda:
+            args = args.pin_memory().to(step_args.device, non_blocking=True)
+        step_args[:, 3:].copy_(args.expand(step_args.shape[0], 2))
 
     def _send_half(
         self, moe_layer: int, maps, single: bool, scaled: bool, sent: torch.Tensor, args: torch.Tensor | None = None
@@ -338,9 +340,10 @@ class NvlinkExchange:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # A whole-step capture: this layer's row of step_args gets the addresses (fills
             # recorded in the graph); N and the offset are set before each replay.
+            assert self.step_args is not None  # prepare_step_graphs ran before the capture
             args = self.step_args[moe_layer]
-            for i, t in enumerate((x, ids, w)):
-                args[i].fill_(0 if t is None else t.data_ptr())
+            for i, a in enumerate((x, ids, w)):
+                args[i].fill_(0 if a is None else a.data_ptr())
         else:
             valid = n if self.valid_pairs is None else min(n, self.valid_pairs)
             self._set_args(kernels.pair_args(x, ids, w, valid, offset))  # read by the kernels, graphs too

@@ -28,15 +28,20 @@ class SeqWork(NamedTuple):
 
     token_ids: the new tokens of this step (a prompt or a chunk of it, a recomputed prompt plus
     the tokens it had produced, or the last sampled token when the leader knows it); start: tokens already in this
-    sequence's KV cache on the router (0: a new, or recomputed, sequence: the router starts a
-    fresh block table); new_blocks: KV block ids the leader appended to its block table for
-    this step; sampling: set when start == 0 (its seed is always set, by the leader);
-    sample: whether a token is sampled at the end of this step (False for a prefill chunk that
+    sequence's KV cache on the router (for a fresh sequence, those it reads from cached blocks:
+    a multiple of the block size, often 0); sampling: set on a sequence's first work on its
+    router, and only then (``fresh``: new, or recomputed after a preemption; its seed is always
+    set, by the leader): the router starts a fresh record; new_blocks: for a fresh sequence its
+    whole block table, the cached blocks it starts with first, else the KV block ids the leader
+    appended to its block table for this step; sample: whether a token is sampled at the end of this step (False for a prefill chunk that
     is not the prompt's last); out_pos: the index of that token among the request's outputs
     (the sampler's counter); return_logits: "" (none), "last" (the logits the token is sampled
     from) or "all" (every new position); pending: never on the wire: the router's own entry
     for a decode of ``RouterWork.decodes``, whose one new token is the token the sequence
-    sampled in the step before, on the device (``token_ids`` is then empty).
+    sampled in the step before, on the device (``token_ids`` is then empty); prompt_logprobs:
+    how many top tokens to return per prompt position beside each position's own logprob (echo,
+    prompt_logprobs; -1: none), computed on the router for the chunk's positions
+    (``RankResult.prompt_logprobs``).
     """
 
     seq_id: int
@@ -48,11 +53,17 @@ class SeqWork(NamedTuple):
     sample: bool = True
     out_pos: int = 0
     pending: bool = False
+    prompt_logprobs: int = -1
 
     @property
     def num_new(self) -> int:
         """Tokens this step writes to the sequence's KV cache."""
         return len(self.token_ids) + self.pending
+
+    @property
+    def fresh(self) -> bool:
+        """The sequence's first work on its router: ``new_blocks`` is its whole block table."""
+        return self.sampling is not None
 
 
 _NO_IDS = np.zeros(0, dtype=np.int64)
@@ -83,6 +94,26 @@ class RouterWork(NamedTuple):
     def sampled_ids(self) -> list[int]:
         """The sequences that sample a token in this step."""
         return [sw.seq_id for sw in self.seqs if sw.sample] + self.decodes.tolist()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The logprobs of prompt tokens a router computed (``sampling.prompt_logprobs``), n
+    positions, each scoring the prompt token that follows it; K top tokens.
+
+    logprob float32 [n], rank int64 [n], top_ids int64 [n, K], top_logprobs float32 [n, K]."""
+
+    logprob: np.ndarray
+    rank: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    @staticmethod
+    def concat(parts: list[PromptLogprobs]) -> PromptLogprobs:
+        return PromptLogprobs(*(np.concatenate([getattr(p, f) for p in parts]) for f in _PLP_FIELDS))
+
+
+_PLP_FIELDS = ("logprob", "rank", "top_ids", "top_logprobs")
 
 
 @dataclass(frozen=True)
@@ -177,4 +208,6 @@ class RankResult:
     slot_busy: np.ndarray | None = None
     staging_error: str | None = None
     slot_digest: np.ndarray | None = None  # float64 [L, S, 2] (sum, sum of squares) per slot, when asked
+    # sequence id -> PromptLogprobs of the prompt positions a step's chunk scored (same step as logits)
+    prompt_logprobs: dict = field(default_factory=dict)
     router_maps: tuple | None = None  # (phy2log [L, P], breakeven [L, E]) of a router, when asked

@@ -51,8 +51,9 @@ class RouterRole(Protocol):
         """A decode graph warm-up step of bucket ``b`` at start; its load is discarded."""
         ...
 
-    def deliver(self, step: int) -> tuple[int, dict[int, int], dict[int, np.ndarray]]:
-        """(the step the tokens belong to, sequence id -> token, sequence id -> fp32 logits)."""
+    def deliver(self, step: int) -> tuple[int, dict[int, int], dict[int, np.ndarray], dict]:
+        """(the step the tokens belong to, sequence id -> token, sequence id -> fp32 logits,
+        sequence id -> the PromptLogprobs of its chunk)."""
         ...
 
     def release(self, seq_ids: Iterable[int]) -> None:

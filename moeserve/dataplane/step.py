@@ -137,7 +137,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
         st.runner.release(header.work[router].release)
     if st.runner is not None:
         t0 = time.perf_counter()
-        res.tokens_step, res.tokens, res.logits = st.runner.deliver(header.step)
+        res.tokens_step, res.tokens, res.logits, res.prompt_logprobs = st.runner.deliver(header.step)
         st.last_deliver_s = time.perf_counter() - t0
         load = st.runner.take_load_snapshot()
         if load is not None:

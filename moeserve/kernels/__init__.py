@@ -39,7 +39,10 @@ differ from torch's in the last bit there, never on the GPU).
 from __future__ import annotations
 
 import functools
+import json
 import os
+from collections.abc import Iterable
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -339,6 +342,21 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # on an H200 (results/expert-kernel.json): gate_up 4.05 TB/s at Scout's decode shape (3.16 at
 # ERNIE's), down 3.85 (3.14); 64-row passes of down with BK 128 do not fit shared memory.
 EXPERT_TUNING = {"gate_up": (128, 64, 8, 3), "down": (128, 128, 4, 4), "down_bm64": (128, 64, 4, 4)}
+# FP8 codes are half the bytes per element: the same tiles carry half the bytes in flight, so
+# FP8 takes its own (``benchmarks/expert_kernel.py --fp8 --tune``); BK is cut to a block-wise
+# scale's K block where it is smaller.
+EXPERT_TUNING_FP8 = {  # (BN, BK, warps, stages, transposed): results/expert-kernel-fp8-tune.json
+    "gate_up": (128, 64, 4, 3, True),
+    "down": (128, 64, 4, 3, True),
+    "down_bm64": (128, 64, 4, 3, True),
+}
+# FP8 kernels compute the product transposed (codes as the first operand, held in registers)
+# when this is set: MOESERVE_FP8_SWAP=0|1 (a measurement switch; benchmarks/expert_kernel.py)
+FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
+# MOESERVE_FP8_TUNING: a JSON object of the same keys ([BN, BK, warps, stages, swap]) that
+# replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints)
+if os.environ.get("MOESERVE_FP8_TUNING"):
+    EXPERT_TUNING_FP8.update({k: tuple(v) for k, v in json.loads(os.environ["MOESERVE_FP8_TUNING"]).items()})
 EXPERT_MAX_BM = 64
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
@@ -346,11 +364,12 @@ EXPERT_MAX_BM = 64
 EXPERT_PASS_GROUPS = 4
 
 
-def expert_tuning(kind: str, block_m: int) -> tuple:
+def expert_tuning(kind: str, block_m: int, fp8: bool = False) -> tuple:
     """(BN, BK, warps, stages) of ``kind`` (gate_up, down) for passes of ``block_m`` rows."""
+    table = EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
     if kind == "down" and block_m >= 64:
-        return EXPERT_TUNING["down_bm64"]
-    return EXPERT_TUNING[kind]
+        return table["down_bm64"]
+    return table[kind]
 
 
 def expert_block_m(rows_per_slot: int) -> int:
@@ -362,7 +381,12 @@ def expert_block_m(rows_per_slot: int) -> int:
 
 
 def expert_mlp(
-    rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor, block_m: int = 16
+    rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    offs: torch.Tensor,
+    block_m: int = 16,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The grouped SwiGLU expert MLP of rows already grouped by slot, in two launches with
     device-side counts (nothing read back, graph-capturable).
@@ -372,6 +396,9 @@ def expert_mlp(
              (``ExpertSpec.views`` of the slot buffer).
     offs:    int32 [S] inclusive cumulative rows per slot, on the device.
     block_m: rows per pass (``expert_block_m``).
+    scales:  for FP8 weights (``gate_up``, ``down`` of float8_e4m3fn): their float32 block
+             scales and block shapes (``ExpertScales``); the codes are converted to the rows'
+             dtype in registers (exact), each tile's product scaled (weight-only).
     returns  [C, H] in rows' dtype; rows past offs[-1] are undefined.
 
     Program (slot, column tile) streams its slot's [K, BN] weight panel once per ``block_m``
@@ -392,7 +419,77 @@ def expert_mlp(
         raise ValueError("expert_mlp: the last dim of rows and of the weights must be contiguous")
     if c == 0 or s == 0:
         return rows.new_empty(c, hdim)
-    return expert_down(expert_gate_up(rows, gate_up, offs, block_m), down, offs, block_m)
+    if scales is None:
+        return expert_down(expert_gate_up(rows, gate_up, offs, block_m), down, offs, block_m)
+    gu = _expert_matmul(
+        rows,
+        gate_up,
+        offs,
+        block_m,
+        expert_tuning("gate_up", block_m, True),
+        True,
+        scales.gate_up,
+        scales.gate_up_block,
+    )
+    return _expert_matmul(
+        gu, down, offs, block_m, expert_tuning("down", block_m, True), False, scales.down, scales.down_block
+    )
+
+
+class ExpertScales(NamedTuple):
+    """The float32 scales of FP8 expert weights: ``gate_up`` [S, Kb, 2 Nb] (the gate's blocks,
+    then the up projection's) and ``down`` [S, Kb', Nb'], each block ``(bk, bn)`` of inputs x
+    outputs (``moeserve.models.moe.ExpertQuant``)."""
+
+    gate_up: torch.Tensor
+    gate_up_block: tuple[int, int]
+    down: torch.Tensor
+    down_block: tuple[int, int]
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x [M, K] @ W for FP8 codes [K, N] (x @ W layout, last dim contiguous) with float32 scales
+    [ceil(K/bk), ceil(N/bn)] per ``block`` = (bk, bn): the expert kernel with one slot, so a
+    quantized dense layer or shared expert of a decode step streams its codes once."""
+    m = x.shape[0]
+    offs = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one slot holding every row
+    bm = expert_block_m(m)
+    return _expert_matmul(
+        x.contiguous(), codes.unsqueeze(0), offs, bm, expert_tuning("down", bm, True), False, scale.unsqueeze(0), block
+    )
+
+
+class FP8Weight(Protocol):
+    """What ``warm_up_fp8_linears`` reads of a quantized linear layer (``models.quant.QuantLinear``)."""
+
+    block: tuple[int, int]
+
+    def codes_kn(self) -> torch.Tensor: ...
+
+    def scale_kn(self) -> torch.Tensor: ...
+
+
+def warm_up_fp8_linears(layers: Iterable[FP8Weight], dtype: torch.dtype) -> int:
+    """Compile ``fp8_linear`` for every rows-per-pass and weight shape of ``layers`` (the
+    ``QuantLinear`` s of a router's model) before serving. Returns the launches run."""
+    shapes: dict[tuple, FP8Weight] = {}
+    for q in layers:
+        shapes.setdefault((tuple(q.codes_kn().shape), q.block), q)
+    n = 0
+    for q in shapes.values():
+        kn, skn = q.codes_kn(), q.scale_kn()
+        for bm in expert_block_ms():
+            fp8_linear(torch.zeros(bm, kn.shape[0], dtype=dtype, device=kn.device), kn, skn, (q.block[1], q.block[0]))
+            n += 1
+    return n
+
+
+def fp8_blocks_supported(k: int, block: tuple[int, int]) -> bool:
+    """Whether the Triton expert kernel takes FP8 weights of inner size ``k`` scaled in blocks
+    of ``block`` = (bk, bn): one scale over all of K, or K blocks of a power of two >= 16 (a
+    tile of the kernel's K loop must lie in one block)."""
+    bk = block[0]
+    return bk >= k or (bk >= 16 and bk & (bk - 1) == 0)
 
 
 def expert_block_ms() -> list[int]:
@@ -401,18 +498,21 @@ def expert_block_ms() -> list[int]:
     return sorted({expert_block_m(1 << i) for i in range(EXPERT_MAX_BM.bit_length() + 1)})
 
 
-def warm_up_expert_mlp(gate_up: torch.Tensor, down: torch.Tensor) -> list[int]:
+def warm_up_expert_mlp(
+    gate_up: torch.Tensor, down: torch.Tensor, scales: ExpertScales | None = None, dtype: torch.dtype | None = None
+) -> list[int]:
     """Compile both expert kernels for every ``expert_block_ms`` before serving (~1 s each on an
     H200 host; a step that meets one first would wait for it), on views with the strides the
     steps use: one layer's ``gate_up`` [S, H, 2I] and ``down`` [S, I, H] of the slot buffer;
     the rows are [BM, H] contiguous, as the receive buffer is. Reads the weights, writes nothing
     of the caller's. Returns the block sizes run."""
     s, h, _ = gate_up.shape
+    dtype = dtype or gate_up.dtype  # the rows' (FP8 weights: the compute dtype)
     done = []
     for bm in expert_block_ms():
-        rows = torch.zeros(bm, h, dtype=gate_up.dtype, device=gate_up.device)
+        rows = torch.zeros(bm, h, dtype=dtype, device=gate_up.device)
         offs = torch.full((s,), bm, dtype=torch.int32, device=gate_up.device)  # every row in slot 0
-        expert_mlp(rows, gate_up, down, offs, bm)
+        expert_mlp(rows, gate_up, down, offs, bm, scales)
         done.append(bm)
     return done
 
@@ -433,21 +533,40 @@ def expert_down(
 
 
 def _expert_matmul(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_m: int, tuning: tuple, gated: bool
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    block_m: int,
+    tuning: tuple,
+    gated: bool,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """One launch of ``expert_matmul_kernel``: x [C, K] slot-major through w [S, K, N] ([S, K,
-    2N] gated: silu(gate) * up) -> [C, N]."""
+    2N] gated: silu(gate) * up) -> [C, N]; with ``scale`` [S, Kb, Nb] w holds FP8 codes scaled
+    per ``block`` = (bk, bn)."""
     c, k = x.shape
     s, _, n = w.shape
     n = n // 2 if gated else n
     out = x.new_empty(c, n)
     interp = _interpreted()
-    bn, bk, warps, stages = tuning
+    bn, bk, warps, stages = tuning[:4]
     bk = min(bk, max(16, _pow2(k)))
+    quant = scale is not None
+    sbk, sbn = block if quant else (k, n)
+    if quant:
+        if not fp8_blocks_supported(k, block):
+            raise ValueError(
+                f"FP8 scale blocks {list(block)} over K={k}: the kernel needs one block or powers of two >= 16"
+            )
+        if sbk < k:
+            bk = min(bk, sbk)
+    sc = scale if scale is not None else w
     extra = {} if interp else dict(num_warps=warps, num_stages=stages)
     _expert_kernels().expert_matmul_kernel[(EXPERT_PASS_GROUPS, s, -(-n // bn))](
         x,
         w,
+        sc,
         out,
         offs,
         k,
@@ -455,6 +574,8 @@ def _expert_matmul(
         x.stride(0),
         w.stride(0),
         w.stride(1),
+        sc.stride(0) if quant else 0,
+        sc.stride(1) if quant else 0,
         out.stride(0),
         BM=block_m,
         BN=bn,
@@ -465,6 +586,11 @@ def _expert_matmul(
         PRECISE=not interp,
         INTERPRET=interp,
         G=EXPERT_PASS_GROUPS,
+        QUANT=quant,
+        SBK=sbk,
+        SBN=sbn,
+        NB=-(-n // sbn) if quant else 0,
+        SWAP=bool(quant and (tuning[4] if len(tuning) > 4 else FP8_SWAP)),
         **extra,
     )
     return out

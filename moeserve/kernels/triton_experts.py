@@ -1,7 +1,9 @@
 """Triton kernel of the grouped expert MLP for steps with few rows per slot (decode).
 
 Imported lazily through ``moeserve.kernels`` (never at data-plane import). See
-``moeserve.kernels.expert_mlp`` for shapes and rounding.
+``moeserve.kernels.expert_mlp`` for shapes and rounding, and ``expert_mlp_fp8`` for FP8 weights
+(codes converted to the rows' dtype in registers, exactly; each [BK, BN] tile's product scaled
+by its block's scale, or the whole sum once when a scale covers every K).
 """
 
 import triton
@@ -13,6 +15,7 @@ from triton.language.extra import libdevice
 def _rows(
     x_ptr,
     w,
+    sc,
     out_ptr,
     m0,
     end,
@@ -22,6 +25,7 @@ def _rows(
     N: tl.constexpr,
     stride_x,
     stride_wk,
+    stride_sk,
     stride_out,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -31,13 +35,21 @@ def _rows(
     PRECISION: tl.constexpr,
     PRECISE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr,
+    SBK: tl.constexpr,
+    SBN: tl.constexpr,
+    NB: tl.constexpr,
 ):
     # rows m0 .. m0 + BM - 1 (< end) of one slot through its weight columns rn; GATED: the gate
-    # columns rn and the up columns N + rn, out = silu(gate) * up
+    # columns rn and the up columns N + rn, out = silu(gate) * up. QUANT: w holds FP8 codes and
+    # sc the slot's float32 scales [ceil(K/SBK), 2 NB or NB], one per SBK x SBN block (the up
+    # columns' from column NB on)
     rm = m0 + tl.arange(0, BM)
     m_ok = rm < end
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if QUANT:
+        sn = rn // SBN
     for k0 in range(0, K, BK):
         rk = k0 + tl.arange(0, BK)
         if EVEN_K:
@@ -51,13 +63,36 @@ def _rows(
         b = tl.load(w + rk[:, None] * stride_wk + rn[None, :], mask=w_mask, other=0.0)
         if GATED:  # both panels' loads before the products, as the tuned kernel had them
             bu = tl.load(w + rk[:, None] * stride_wk + (N + rn)[None, :], mask=w_mask, other=0.0)
+        if QUANT:  # e4m3 codes are exact in bf16 and fp32
+            b = b.to(a.dtype)
+            if GATED:
+                bu = bu.to(a.dtype)
         if INTERPRET:  # the interpreter's dot mishandles bf16: exact products in fp32
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if QUANT and SBK < K:  # a scale per K block (BK divides SBK): each tile's product scaled
+            kb = k0 // SBK
+            sv = tl.load(sc + kb * stride_sk + sn, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b, input_precision=PRECISION) * sv[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if GATED:
             if INTERPRET:
                 bu = bu.to(tl.float32)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            if QUANT and SBK < K:
+                su = tl.load(sc + kb * stride_sk + NB + sn, mask=n_ok, other=0.0)
+                acc_u += tl.dot(a, bu, input_precision=PRECISION) * su[None, :]
+            else:
+                acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+    if QUANT and SBK >= K:  # one scale over every K: the sums scaled once
+        acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[None, :]
+    _store(acc, acc_u, out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED, PRECISE)
+
+
+@triton.jit
+def _store(acc, acc_u, out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED: tl.constexpr, PRECISE: tl.constexpr):
+    # acc [BM, BN] (and acc_u, gated) in fp32 -> out rows rm, columns rn
     if GATED:
         # as the two-kernel path rounds: gate_up to the dtype, silu in fp32 rounded, times up
         g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -74,9 +109,85 @@ def _rows(
 
 
 @triton.jit
+def _rows_swapped(
+    x_ptr,
+    w,
+    sc,
+    out_ptr,
+    m0,
+    end,
+    rn,
+    n_ok,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    stride_x,
+    stride_wk,
+    stride_sk,
+    stride_out,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    SBK: tl.constexpr,
+    SBN: tl.constexpr,
+    NB: tl.constexpr,
+):
+    # As _rows with FP8 weights, computed transposed: out^T [BN, BM] = W^T [BN, BK] x^T [BK, BM],
+    # so that the converted codes are the product's first operand (held in registers) and the
+    # rows its second (the MMA's N side, which may be as small as the rows a decode step has)
+    rm = m0 + tl.arange(0, BM)
+    m_ok = rm < end
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    sn = rn // SBN
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            a_mask = m_ok[None, :]
+            w_mask = n_ok[:, None]
+        else:
+            k_ok = rk < K
+            a_mask = m_ok[None, :] & k_ok[:, None]
+            w_mask = k_ok[None, :] & n_ok[:, None]
+        a = tl.load(x_ptr + rm[None, :] * stride_x + rk[:, None], mask=a_mask, other=0.0)  # [BK, BM]
+        b = tl.load(w + rk[None, :] * stride_wk + rn[:, None], mask=w_mask, other=0.0)  # [BN, BK]
+        if GATED:
+            bu = tl.load(w + rk[None, :] * stride_wk + (N + rn)[:, None], mask=w_mask, other=0.0)
+        b = b.to(a.dtype)
+        if GATED:
+            bu = bu.to(a.dtype)
+        if INTERPRET:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if SBK < K:
+            kb = k0 // SBK
+            sv = tl.load(sc + kb * stride_sk + sn, mask=n_ok, other=0.0)
+            acc += tl.dot(b, a, input_precision=PRECISION) * sv[:, None]
+        else:
+            acc = tl.dot(b, a, acc, input_precision=PRECISION)
+        if GATED:
+            if INTERPRET:
+                bu = bu.to(tl.float32)
+            if SBK < K:
+                su = tl.load(sc + kb * stride_sk + NB + sn, mask=n_ok, other=0.0)
+                acc_u += tl.dot(bu, a, input_precision=PRECISION) * su[:, None]
+            else:
+                acc_u = tl.dot(bu, a, acc_u, input_precision=PRECISION)
+    if SBK >= K:
+        acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[:, None]
+        if GATED:
+            acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[:, None]
+    _store(tl.trans(acc), tl.trans(acc_u), out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED, PRECISE)
+
+
+@triton.jit
 def expert_matmul_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     out_ptr,
     offs_ptr,
     K: tl.constexpr,
@@ -84,6 +195,8 @@ def expert_matmul_kernel(
     stride_x,
     stride_ws,
     stride_wk,
+    stride_ss,
+    stride_sk,
     stride_out,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -94,6 +207,11 @@ def expert_matmul_kernel(
     PRECISE: tl.constexpr,
     INTERPRET: tl.constexpr,
     G: tl.constexpr,
+    QUANT: tl.constexpr,
+    SBK: tl.constexpr,
+    SBN: tl.constexpr,
+    NB: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     # Program (g, s, j): out[r, jBN:(j+1)BN] for the rows r of slot s, in passes g, g + G, .. of BM
     # rows: x[r] @ W[s][:, jBN:(j+1)BN] (W[s] is [K, N]), or with GATED silu of that times
@@ -109,53 +227,124 @@ def expert_matmul_kernel(
     rn = j * BN + tl.arange(0, BN)
     n_ok = rn < N
     w = w_ptr + s.to(tl.int64) * stride_ws
+    sc = s_ptr + s.to(tl.int64) * stride_ss
     if INTERPRET:  # the interpreter cannot range() over a runtime bound
         m0 = start + g * BM
         while m0 < end:
-            _rows(
-                x_ptr,
-                w,
-                out_ptr,
-                m0,
-                end,
-                rn,
-                n_ok,
-                K,
-                N,
-                stride_x,
-                stride_wk,
-                stride_out,
-                BM,
-                BN,
-                BK,
-                EVEN_K,
-                GATED,
-                PRECISION,
-                PRECISE,
-                INTERPRET,
-            )
+            if SWAP:
+                _rows_swapped(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    SBK,
+                    SBN,
+                    NB,
+                )
+            else:
+                _rows(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    QUANT,
+                    SBK,
+                    SBN,
+                    NB,
+                )
             m0 += G * BM
     else:
         for m0 in range(start + g * BM, end, G * BM):
-            _rows(
-                x_ptr,
-                w,
-                out_ptr,
-                m0,
-                end,
-                rn,
-                n_ok,
-                K,
-                N,
-                stride_x,
-                stride_wk,
-                stride_out,
-                BM,
-                BN,
-                BK,
-                EVEN_K,
-                GATED,
-                PRECISION,
-                PRECISE,
-                INTERPRET,
-            )
+            if SWAP:
+                _rows_swapped(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    SBK,
+                    SBN,
+                    NB,
+                )
+            else:
+                _rows(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    QUANT,
+                    SBK,
+                    SBN,
+                    NB,
+                )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Protocol
 
 import torch
 
@@ -156,8 +157,22 @@ MAX_SEGMENTS = 16  # split-KV segments at most (a power of two: the reduction's 
 MIN_KEYS_PER_SEGMENT = 256  # a segment shorter than this costs more in partials than it saves
 
 
+class BatchShape(Protocol):
+    """The host ints of a step that ``attention_config`` reads: a PagedBatch, or its shape alone
+    (``moeserve.router.graphs`` asks for the split of a step it has not built yet)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def max_query_len(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+
+
 def attention_config(
-    batch: PagedBatch, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int | None = None
+    batch: BatchShape, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int | None = None
 ) -> dict:
     """Launch parameters of a step (host ints only, so the choice is free and graph-capturable
     for a fixed shape): BM, BQ = BM // G query tokens per program, BN, warps, stages, the grid's
@@ -274,3 +289,29 @@ def paged_attention_triton(
             **({} if _interpreted() else dict(num_warps=1)),
         )
     return out
+
+
+def warm_up_attention(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int, block_size: int, chunks, scale: float
+) -> int:
+    """Compile ``paged_attention_triton`` for every launch configuration a step can pick, before
+    serving: for each attention chunk the model's layers use (None: global), the decode tile at
+    every split (1 .. MAX_SEGMENTS segments, with the reduction) and the prefill tile. ``k_pool``
+    and ``v_pool``: one layer's views of the router's pool (every layer's have the same strides,
+    so the same keys). Reads block 0 of the pool, writes nothing of it. Returns the launches."""
+    hkv, d = k_pool.shape[1], k_pool.shape[2]
+    device, dtype = k_pool.device, k_pool.dtype
+    g = num_heads // hkv
+    prefill = max(TUNING["prefill"]["BM"], 2 * TUNING["decode"]["BM"]) // g + 1  # a query no decode tile holds
+    keys = 2 * MAX_SEGMENTS * MIN_KEYS_PER_SEGMENT  # long enough for every split
+    n = 0
+    for chunk in sorted(set(chunks), key=lambda c: c or 0):
+        for lens, starts in [([1], [keys - 1]), ([prefill], [0])]:
+            blocks = -(-(starts[0] + lens[0]) // block_size)
+            batch = PagedBatch.build(lens, starts, [[0] * blocks], block_size, device)
+            q = torch.zeros(lens[0], num_heads, d, dtype=dtype, device=device)
+            splits = [1] if lens[0] > 1 else [1 << i for i in range(MAX_SEGMENTS.bit_length())]
+            for ns in splits:
+                paged_attention_triton(q, k_pool, v_pool, batch, scale=scale, chunk=chunk, num_segments=ns)
+                n += 1
+    return n

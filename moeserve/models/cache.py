@@ -145,12 +145,12 @@ class KVCache:
         """
         end = start + k.shape[0]
         buf_k, buf_v = self._k[seq_id][layer], self._v[seq_id][layer]
-        if buf_k is None or buf_k.shape[0] < end:
+        if buf_k is None or buf_v is None or buf_k.shape[0] < end:  # (k and v are None together)
             cap = max(16, end, 2 * (0 if buf_k is None else buf_k.shape[0]))
             shape = (cap, self.num_kv_heads, self.head_dim)
             new_k = torch.empty(shape, dtype=self.dtype, device=self.device)
             new_v = torch.empty(shape, dtype=self.dtype, device=self.device)
-            if buf_k is not None:
+            if buf_k is not None and buf_v is not None:
                 new_k[:start] = buf_k[:start]
                 new_v[:start] = buf_v[:start]
             self._k[seq_id][layer], self._v[seq_id][layer] = buf_k, buf_v = new_k, new_v

@@ -29,6 +29,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -57,6 +58,17 @@ SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
 SKIPPED_COMPONENT = "mtp"  # ERNIE's multi-token-prediction tensors: model.mtp_block.*, model.mtp_emb_norm.*, ...
 # Where each family keeps the routed experts of decoder layer i.
 EXPERTS_PREFIX = {"llama4": "model.layers.{}.feed_forward.experts.", "ernie45": "model.layers.{}.mlp.experts."}
+
+
+class TensorSlice(Protocol):
+    """What the reader uses of a safetensors slice (``safe_open(...).get_slice(name)``): nothing
+    is read until it is indexed."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def get_dtype(self) -> str: ...  # a key of ST_DTYPES
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
 def experts_quantized(cfg: ModelConfig) -> bool:
@@ -211,7 +223,7 @@ class CheckpointReader:
             f = self._files.setdefault(fname, SafetensorsFile.open(p))
         return f
 
-    def _slice(self, name: str) -> tuple[SafetensorsFile, str, object]:
+    def _slice(self, name: str) -> tuple[SafetensorsFile, str, TensorSlice]:
         """The file holding ``name``, its full name there, and its safetensors slice (nothing read yet)."""
         full = self.prefix + name
         fname = self._where.get(full)

@@ -20,6 +20,7 @@ Everything that talks to expert workers (dispatch, placement, load) uses the MoE
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 from dataclasses import dataclass, replace
@@ -211,7 +212,8 @@ class _Fields:
             return v != 0
         raise self.error(name, f"must be {'a bool or an int' if allow_int else 'a bool'}, found {v!r}")
 
-    def int_list(self, name: str) -> list[int] | None:
+    # builtins.int below: in the class body "int" is the method above
+    def int_list(self, name: str) -> list[builtins.int] | None:
         v = self.raw.get(name)
         if v is None:
             return None
@@ -219,7 +221,7 @@ class _Fields:
             raise self.error(name, f"must be a list of integers, found {v!r}")
         return v
 
-    def alias_int(self, names: tuple[str, ...], default: Any = ...) -> int:
+    def alias_int(self, names: tuple[str, ...], default: Any = ...) -> builtins.int:
         """An int that may be spelled several ways; the spellings present must agree."""
         found = {n: self.int(n) for n in names if self.has(n)}
         if len(set(found.values())) > 1:

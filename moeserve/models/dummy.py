@@ -285,6 +285,7 @@ class DummyReader:
         ids = hot.get("ids") if isinstance(hot, dict) and self.hot else None
         self._fixed_hot = None
         if ids is not None:
+            assert self.hot is not None  # ids come only with a hot spec
             ids = sorted(int(e) for e in ids)
             if len(ids) != self.hot[0] or len(set(ids)) != len(ids) or not all(0 <= e < cfg.num_experts for e in ids):
                 raise ValueError(

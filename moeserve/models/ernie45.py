@@ -67,6 +67,11 @@ class Ernie45MoEBlock:
             )
         return cls(gate, bias, cfg.top_k, cfg.moe_norm_min, shared)
 
+    @property
+    def shared_mlp(self) -> SwiGLU | None:
+        """The shared experts' SwiGLU (None when the model has none)."""
+        return self.shared_experts
+
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] -> ids [T, K], weights [T, K] (renormalised softmax), applied to the output."""
         probs = torch.softmax(F.linear(hidden.float(), self.gate_weight), dim=-1)  # [T, E] fp32

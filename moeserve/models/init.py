@@ -319,6 +319,7 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
     (token, k) pairs of random calibration prompts. Updates ``tensors`` in place."""
     from moeserve.models.cache import StepBatch
     from moeserve.models.model import load_model
+    from moeserve.models.moe import LocalExperts
 
     names = [f"model.layers.{i}.feed_forward.router.weight" for i in cfg.moe_layer_ids]
     hot_rows = [torch.isnan(tensors[n][:, HOT_CHANNEL]) for n in names]  # [E] bool per MoE layer
@@ -326,6 +327,8 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
         tensors[n][:, HOT_CHANNEL] = torch.nan_to_num(tensors[n][:, HOT_CHANNEL], nan=0.0)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     model = load_model(out)
+    assert model.experts is not None  # load_model loads the experts
+    experts: LocalExperts = model.experts  # (declared: the Spy below reads it)
     gen = torch.Generator().manual_seed(seed + 1)
     prompts = 4
     ids = torch.randint(len(SPECIAL_TOKENS), cfg.vocab_size, (prompts * 64,), generator=gen)
@@ -339,10 +342,10 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
             def dispatch(self, layer, hidden, routing):
                 if layer == m:
                     seen["ids"] = routing.ids
-                return model.experts.dispatch(layer, hidden, routing)
+                return experts.dispatch(layer, hidden, routing)
 
             def combine(self, handle):
-                return model.experts.combine(handle)
+                return experts.combine(handle)
 
         model.step(ids, batch, model.new_cache(), experts=Spy())
         return float(hot_rows[m][seen["ids"]].float().mean())

@@ -157,6 +157,7 @@ class Attention:
         if self.temperature_tuning:
             q = (q * temperature_scales(positions, self.floor_scale, self.attn_scale)[:, None, None]).to(q.dtype)
         if isinstance(cache, PagedKVCache):
+            assert isinstance(batch, PagedBatch)  # DecoderModel.step pairs the batch with its cache
             cache.write(self.layer, batch.slot_mapping, k, v)
             out = paged_attention(
                 q,
@@ -168,6 +169,7 @@ class Attention:
                 softmax_fp32=self.softmax_fp32,
             )  # [T, Hq, D]
             return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+        assert isinstance(batch, StepBatch)  # DecoderModel.step pairs the batch with its cache
         out = torch.empty_like(q)  # [T, Hq, D]
         for s, (sid, start) in enumerate(zip(batch.seq_ids, batch.starts)):
             a, b = batch.offsets[s], batch.offsets[s + 1]

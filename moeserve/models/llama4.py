@@ -46,6 +46,11 @@ class Llama4MoEBlock:
         )
         return cls(router, shared, cfg.top_k)
 
+    @property
+    def shared_mlp(self) -> SwiGLU | None:
+        """The shared experts' SwiGLU (None when the model has none)."""
+        return self.shared_expert
+
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] -> ids [T, K], weights [T, K] = sigmoid(top-k logits), applied to the input."""
         logits = F.linear(hidden, self.router_weight)  # [T, E]

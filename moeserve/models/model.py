@@ -34,7 +34,10 @@ from moeserve.ops.profiling import span
 from moeserve.sampling import Sampler, SamplingParams
 
 FAMILY_MODULES = {"llama4": llama4, "ernie45": ernie45}
-MOE_BLOCKS = {"llama4": llama4.Llama4MoEBlock, "ernie45": ernie45.Ernie45MoEBlock}
+MOE_BLOCKS: dict[str, type[llama4.Llama4MoEBlock] | type[ernie45.Ernie45MoEBlock]] = {
+    "llama4": llama4.Llama4MoEBlock,
+    "ernie45": ernie45.Ernie45MoEBlock,
+}
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,7 @@ class DecoderModel:
         input_ids = self._check_ids(input_ids.reshape(-1)) if check_ids else input_ids.reshape(-1)
         if input_ids.numel() != batch.num_tokens:
             raise ValueError(f"input_ids has {input_ids.numel()} tokens but the batch's lens sum to {batch.num_tokens}")
-        paged = isinstance(cache, PagedKVCache)
-        if paged:
+        if isinstance(cache, PagedKVCache):
             self._check_paged(batch, cache)
         elif isinstance(batch, PagedBatch):
             raise TypeError("a PagedBatch needs a PagedKVCache (model.new_paged_cache)")
@@ -170,9 +172,11 @@ class DecoderModel:
                 h = h + layer.attn(rms_norm(h, layer.input_norm, eps), batch, positions, rope, cache)
             u = rms_norm(h, layer.post_norm, eps)  # [T, H]
             if layer.moe_index is None:
+                assert layer.mlp is not None  # a dense layer has its MLP
                 with span("dense_mlp"):
                     h = h + layer.mlp(u)
                 continue
+            assert experts is not None  # checked above: a model with MoE layers has a backend
             block = self.moe_blocks[layer.moe_index]
             with span("gate"):
                 routing = block.route(u)  # ids, weights [T, K]
@@ -183,11 +187,11 @@ class DecoderModel:
             with span("moe_combine"):
                 routed = experts.combine(handle)  # [T, H]
             h = h + (routed if shared is None else routed + shared)
-        if not paged:
+        if not isinstance(cache, PagedKVCache) and not isinstance(batch, PagedBatch):  # (the eager cache)
             cache.commit(batch)
         return rms_norm(h, self.norm, eps)
 
-    def _check_paged(self, batch: PagedBatch, cache: PagedKVCache) -> None:
+    def _check_paged(self, batch: StepBatch | PagedBatch, cache: PagedKVCache) -> None:
         """Host-side checks of a paged step (no device synchronisation)."""
         if not isinstance(batch, PagedBatch):
             raise TypeError(f"a PagedKVCache needs a PagedBatch, found {type(batch).__name__}")
@@ -214,6 +218,19 @@ class DecoderModel:
                 f"the PagedBatch is on {batch.positions.device} but the cache on {cache.device}: "
                 f"build it with device=model.device"
             )
+
+    def linears(self):
+        """Every linear layer of the router-side model (attention projections, dense MLPs,
+        shared experts): ``Linear`` or ``QuantLinear``."""
+        for layer in self.layers:
+            a = layer.attn
+            yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            if layer.mlp is not None:
+                yield from (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
+        for block in self.moe_blocks:
+            mlp = block.shared_mlp
+            if mlp is not None:
+                yield from (mlp.gate, mlp.up, mlp.down)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -252,7 +269,7 @@ class DecoderModel:
         seed: int | None = None,
         ignore_eos: bool = False,
         eos_token_ids: tuple[int, ...] | list[int] | None = None,
-    ) -> torch.LongTensor:
+    ) -> torch.Tensor:
         """Continue each row of input_ids [B, T]: returns LongTensor [B, T + n], prompt included.
 
         As transformers' generate: greedy at temperature 0; a row stops after an EOS token

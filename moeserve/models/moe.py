@@ -122,7 +122,7 @@ class ExpertSpec:
                 "down": (i, h),
                 "down_scale": (-(-i // dk), -(-h // dn)),
             }
-        s = {"gate_up": (h, 2 * i), "down": (i, h)}
+        s: dict[str, tuple[int, ...]] = {"gate_up": (h, 2 * i), "down": (i, h)}
         if self.has_bias:
             s.update(gate_up_bias=(2 * i,), down_bias=(h,))
         return s
@@ -258,7 +258,7 @@ def expert_forward(spec: ExpertSpec, x: torch.Tensor, w: dict[str, torch.Tensor]
 def grouped_expert_forward(
     spec: ExpertSpec,
     x: torch.Tensor,
-    slot_of_row: torch.Tensor,
+    slot_of_row: torch.Tensor | None,
     weights: dict[str, torch.Tensor],
     counts: list[int] | None = None,
 ) -> torch.Tensor:
@@ -266,13 +266,14 @@ def grouped_expert_forward(
 
     x:           [N, H] rows, sorted so that rows of the same slot are contiguous.
     slot_of_row: LongTensor [N], which slot (0 .. S-1, index into ``weights``) each row goes to,
-                 non-decreasing.
+                 non-decreasing; None when ``counts`` are given.
     weights:     canonical tensors stacked over slots, e.g. gate_up [S, H, 2I].
     counts:      rows per slot (length S) if the caller already has them on the host.
     returns      [N, H].
     """
     n_slots = weights["gate_up"].shape[0]
     if counts is None:
+        assert slot_of_row is not None, "grouped_expert_forward needs slot_of_row or counts"
         counts = torch.bincount(slot_of_row, minlength=n_slots).tolist()
     out = torch.empty_like(x)
     start = 0
@@ -292,6 +293,11 @@ class MoEBlock(Protocol):
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output [T, H], or None when the family has none."""
+        ...
+
+    @property
+    def shared_mlp(self):
+        """The shared experts' SwiGLU, or None."""
         ...
 
 

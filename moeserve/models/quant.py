@@ -38,7 +38,7 @@ dequantized weights). The GPU kernels read the codes and apply the scales in reg
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,9 @@ from moeserve.models.errors import QuantizationError
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
+# QuantLinear runs the Triton kernel up to this many rows (decode; it streams the codes once per
+# pass of rows), and dequantizes the weight for cuBLAS above (prefill is bound by the product).
+KERNEL_MAX_ROWS = 512
 FORMATS = ("compressed-tensors", "fp8-block", "online")
 STRATEGIES = ("channel", "tensor", "block")
 SUPPORTED = (
@@ -301,13 +304,17 @@ def check_scale(name: str, scale: torch.Tensor, codes_shape: tuple[int, int], bl
 @dataclass
 class QuantLinear:
     """y = x @ W.T (+ bias) with W held as FP8 codes [out, in] and float32 scales per
-    (bo, bi) block: weight-only, activations in x's dtype; the weight is dequantized in every
-    call, so it is held in one byte per weight."""
+    (bo, bi) block: weight-only, activations in x's dtype. On CUDA with up to
+    ``KERNEL_MAX_ROWS`` rows the Triton kernel reads the codes and scales them in registers
+    (``moeserve.kernels.fp8_linear``); otherwise the weight is dequantized for the call (CPU,
+    exactness checks, prefill), so it is held in one byte per weight either way."""
 
     codes: torch.Tensor  # FP8 [out, in]
     scale: torch.Tensor  # float32 [ceil(out/bo), ceil(in/bi)]
     block: tuple[int, int]
     bias: torch.Tensor | None = None
+    _kn: torch.Tensor | None = field(default=None, repr=False)  # codes as [in, out], for the kernel
+    _skn: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -320,7 +327,41 @@ class QuantLinear:
         return dequantize(self.codes, self.scale, self.block, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_MAX_ROWS and self._kernel_ok(x):
+            from moeserve import kernels
+
+            y = kernels.fp8_linear(x, self.codes_kn(), self.scale_kn(), (self.block[1], self.block[0]))
+            return y if self.bias is None else y + self.bias
         return torch.nn.functional.linear(x, self.weight(x.dtype), self.bias)
+
+    def prepared(self) -> QuantLinear:
+        """On CUDA, the kernel's layouts made now (at load), not in a step (maybe one being
+        captured in a CUDA graph)."""
+        if self.codes.is_cuda:
+            self.codes_kn()
+            self.scale_kn()
+        return self
+
+    def _kernel_ok(self, x: torch.Tensor) -> bool:
+        from moeserve import kernels
+
+        return (
+            x.dtype in (torch.bfloat16, torch.float16)
+            and kernels.available()
+            and kernels.fp8_blocks_supported(self.codes.shape[1], (self.block[1], self.block[0]))
+        )
+
+    def codes_kn(self) -> torch.Tensor:
+        """The codes as [in, out] (x @ W), the layout the kernel streams; made once."""
+        if self._kn is None:
+            self._kn = self.codes.t().contiguous()
+            self.codes = self._kn.t()  # the [out, in] view of the same bytes: one copy held
+        return self._kn
+
+    def scale_kn(self) -> torch.Tensor:
+        if self._skn is None:
+            self._skn = self.scale.t().contiguous()
+        return self._skn
 
 
 def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor | QuantLinear:
@@ -349,7 +390,7 @@ def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype,
         if not reader.has(scale_name):
             raise QuantizationError(f"tensor '{name}' is FP8 but its scale '{scale_name}' is missing")
         scale = check_scale(scale_name, reader.read(scale_name, torch.float32), shape, block)
-        return QuantLinear(codes.to(device), scale.to(device), block)
+        return QuantLinear(codes.to(device), scale.to(device), block).prepared()
     if stored in (torch.float8_e5m2,):
         raise QuantizationError(
             f"tensor '{name}' is stored in {stored}: FP8 e5m2 weights are not supported; {SUPPORTED}"
@@ -358,5 +399,5 @@ def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype,
     if scheme is not None and scheme.online_quantizes(module):
         block = scheme.block_of(*shape)
         codes, scale = quantize(w.to(device=device, dtype=torch.float32), block)
-        return QuantLinear(codes, scale, block)
+        return QuantLinear(codes, scale, block).prepared()
     return w.to(device)

@@ -13,6 +13,9 @@ Dimension letters: L MoE layers, E logical experts, W workers.
 
 from __future__ import annotations
 
+import functools
+import http.server
+import threading
 import time
 
 import numpy as np
@@ -45,6 +48,9 @@ def per_expert_enabled(choice: str, num_layers: int, num_logical: int) -> bool:
     return choice == "on"
 
 
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"  # what /metrics serves
+
+
 class ProcessMetrics:
     """The registry of one process and its HTTP endpoint.
 
@@ -72,14 +78,32 @@ class ProcessMetrics:
         info.labels(role, str(rank)).set(1)
         self.role, self.rank = role, rank
         self.port: int | None = None
-        self._server = None
+        self._server: http.server.ThreadingHTTPServer | None = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port."""
-        from prometheus_client import start_http_server
+        """Serve ``/metrics`` on ``host:port`` (0: a free port) in a daemon thread; returns the port.
+        Always the text format 0.0.4, whatever the scraper accepts: prometheus-client 0.23's
+        OpenMetrics writer spells the ``:`` of vLLM's names (``vllm:...``) as ``_`` in samples,
+        which would hide them from dashboards built for vLLM."""
+        registry = self.registry
 
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_port)
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = scrape_text(registry).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", TEXT_FORMAT)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # a scrape a second would flood the log
+                pass
+
+        server = http.server.ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        self._server = server
+        self.port = int(server.server_port)
         return self.port
 
     def close(self) -> None:
@@ -259,6 +283,16 @@ class _LeaderCollector(Collector):
             "Sequences of a lost router moved to another router, to be recomputed from the tokens known.",
             value=float(status.readmitted),
         )
+        yield CounterMetricFamily(
+            "moeserve_prefix_cache_queries",
+            "Prompt tokens of admitted requests that looked the prefix cache up.",
+            value=float(status.prefix_cache_queries),
+        )
+        yield CounterMetricFamily(
+            "moeserve_prefix_cache_hits",
+            "Prompt tokens of admitted requests read from the prefix cache instead of computed.",
+            value=float(status.prefix_cache_hits),
+        )
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:
@@ -306,7 +340,8 @@ def _timed(fn, observe):
         observe(clock() - t0)
         return out
 
-    timed.__wrapped__ = fn
+    # sets timed.__wrapped__ = fn only (no name or docstring copied)
+    functools.update_wrapper(timed, fn, assigned=(), updated=())
     return timed
 
 
@@ -314,9 +349,12 @@ def _timed(fn, observe):
 
 
 class FrontendMetrics:
-    """Request metrics of the serving front end; :meth:`request` starts one request's record."""
+    """Request metrics of the serving front end; :meth:`request` starts one request's record.
+    ``vllm``: a ``moeserve.ops.vllm_metrics.VllmMetrics`` that records the same requests under
+    vLLM's names (None: none)."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, vllm=None):
+        self.vllm = vllm
         self.ttft = Histogram(
             "moeserve_time_to_first_token_seconds",
             "From a request's arrival to its first generated token.",
@@ -358,17 +396,26 @@ class RequestRecord:
         self.last = self.start
         self.tokens = 0
         self.done = False
+        self.prompt_tokens = prompt_tokens
         m.prompt_tokens.inc(prompt_tokens)
         m.in_flight.inc()
+        if m.vllm is not None:
+            m.vllm.admitted(prompt_tokens)
 
     def token(self, n: int = 1) -> None:
         now = time.monotonic()
+        first = gap = None
         if self.first is None and n > 0:
             self.first = now
-            self.m.ttft.observe(now - self.start)
+            first = now - self.start
+            self.m.ttft.observe(first)
+        elif n > 0:
+            gap = now - self.last
         self.last = now
         self.tokens += n
         self.m.generation_tokens.inc(n)
+        if self.m.vllm is not None:
+            self.m.vllm.token(gap, first, n)
 
     def finish(self, reason: str) -> None:
         if self.done:
@@ -377,10 +424,15 @@ class RequestRecord:
         m = self.m
         m.in_flight.dec()
         m.requests.labels(reason if reason in FINISH_REASONS else "error").inc()
+        e2e = tpot = None
         if self.first is not None:
-            m.e2e.observe(self.last - self.start)
+            e2e = self.last - self.start
+            m.e2e.observe(e2e)
             if self.tokens > 1:
-                m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+                tpot = (self.last - self.first) / (self.tokens - 1)
+                m.tpot.observe(tpot)
+        if m.vllm is not None:
+            m.vllm.finished(reason, self.prompt_tokens, self.tokens, e2e, tpot)
 
 
 # -- the balancer -----------------------------------------------------------------------------

@@ -102,7 +102,8 @@ def plot_load(pictures: list[LoadPicture], path: str | Path, suptitle: str = "")
         raise ValueError("nothing to plot")
     layers, experts = pictures[0].load.shape
     with_slots = all(p.phy2log is not None for p in pictures)
-    slots = pictures[0].phy2log.shape[1] if with_slots else 0
+    first = pictures[0].phy2log
+    slots = first.shape[1] if with_slots and first is not None else 0
     cols = len(pictures)
     width = max(5.0, 0.42 * max(experts, slots) + 2.2)
     row_h = 0.55 * layers + 1.7
@@ -150,15 +151,17 @@ def _share(load: np.ndarray) -> np.ndarray:
 
 
 def _slot_panel(ax, pic: LoadPicture, vmax: float) -> None:
-    layers, slots = pic.phy2log.shape
+    phy2log = pic.phy2log
+    assert phy2log is not None  # plot_load draws slot panels only when every picture has a placement
+    layers, slots = phy2log.shape
     w = pic.num_workers
     share = _share(pic.load)
-    cnt = logical_counts(pic.phy2log, pic.load.shape[1])  # [L, E]
+    cnt = logical_counts(phy2log, pic.load.shape[1])  # [L, E]
     rows = np.arange(layers)[:, None]
-    per_slot = share[rows, pic.phy2log] / cnt[rows, pic.phy2log]  # [L, P] even split
-    bal = balancedness(pic.load, pic.phy2log, w)  # [L]
+    per_slot = share[rows, phy2log] / cnt[rows, phy2log]  # [L, P] even split
+    bal = balancedness(pic.load, phy2log, w)  # [L]
     ax.imshow(per_slot, aspect="auto", cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
-    idle = idle_slots(pic.load, pic.phy2log)  # [L, P]
+    idle = idle_slots(pic.load, phy2log)  # [L, P]
     for i, j in zip(*np.nonzero(idle)):
         ax.add_patch(_patch(j, i))
     s = slots // w
@@ -177,7 +180,7 @@ def _slot_panel(ax, pic: LoadPicture, vmax: float) -> None:
     if layers * slots <= ANNOTATE_MAX_CELLS:
         for i in range(layers):
             for j in range(slots):
-                _label(ax, j, i, f"e{pic.phy2log[i, j]}" + ("\nidle" if idle[i, j] else ""), per_slot[i, j] / vmax)
+                _label(ax, j, i, f"e{phy2log[i, j]}" + ("\nidle" if idle[i, j] else ""), per_slot[i, j] / vmax)
 
 
 def _patch(x: int, y: int):

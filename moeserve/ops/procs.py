@@ -51,11 +51,12 @@ def source_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(moeserve.__file__)))
 
 
-def child_env(env: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """``env`` (default: this process's environment) and ``extra``, with ``PYTHONPATH`` led by
-    :func:`source_root`, so that a child started with :func:`module_command` imports the same
-    moeserve (an installed one, an editable one or a bare source checkout alike)."""
-    out = dict(os.environ if env is None else env, **extra)
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment and ``extra``, with ``PYTHONPATH`` led by :func:`source_root`,
+    so that a child started with :func:`module_command` imports the same moeserve (an installed
+    one, an editable one or a bare source checkout alike) and finds what its parent finds on
+    ``PATH`` (Triton's launcher builds with the compiler and linker there)."""
+    out = dict(os.environ, **extra)
     root = source_root()
     rest = [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
     out["PYTHONPATH"] = os.pathsep.join([root, *rest])
@@ -148,7 +149,7 @@ class UpProcess:
             self.proc = subprocess.Popen(
                 self.cmd,
                 cwd=cwd,
-                env=child_env(None, **{"PYTHONUNBUFFERED": "1", **(env or {})}),
+                env=child_env(**{"PYTHONUNBUFFERED": "1", **(env or {})}),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

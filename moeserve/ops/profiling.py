@@ -76,7 +76,7 @@ class StepProfiler:
     def __init__(self, rank: int, out_dir: str, start: int, count: int):
         self.rank, self.dir, self.start, self.count = rank, Path(out_dir), start, count
         self.seen = 0  # forward steps begun
-        self.prof = None
+        self.prof: torch.profiler.profile | None = None
         self.t0 = 0.0
         self.done = False
 
@@ -116,17 +116,21 @@ class StepProfiler:
             torch.cuda.synchronize()
         wall = time.perf_counter() - self.t0
         _active = False
-        self.prof.__exit__(None, None, None)
+        prof = self.prof
+        assert prof is not None  # step() and finish() end only a window _begin started
+        prof.__exit__(None, None, None)
         self.done = True
         try:
-            self._write(self.prof, wall, steps or self.count)
+            self._write(prof, wall, steps or self.count)
         finally:
             self.prof = None
 
     def _write(self, prof, wall: float, steps: int) -> None:
         avgs = prof.key_averages()
         us = 1e-6
-        spans, kernels, busy = {}, [], 0.0
+        spans: dict[str, dict[str, float]] = {}
+        kernels: list[tuple[float, float, str]] = []  # (device s, calls, name) per step
+        busy = 0.0
         for a in avgs:
             on_device = str(getattr(a, "device_type", "")).endswith("CUDA")
             self_dev = getattr(a, "self_device_time_total", 0.0)

@@ -207,7 +207,7 @@ class EplbInfo(_message.Message):
     def __init__(self, enable_eplb: _Optional[bool] = ..., num_redundant_experts: _Optional[int] = ..., window_size: _Optional[int] = ..., step_interval: _Optional[int] = ..., log_balancedness: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("step", "forward_steps", "uptime_s", "placement_version", "layer_versions", "migration", "waiting", "running", "ranks", "metrics_ports", "model", "eplb", "error", "kv_blocks_total", "kv_blocks_used", "preemptions")
+    __slots__ = ("step", "forward_steps", "uptime_s", "placement_version", "layer_versions", "migration", "waiting", "running", "ranks", "metrics_ports", "model", "eplb", "error", "kv_blocks_total", "kv_blocks_used", "preemptions", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits")
     class MetricsPortsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,9 @@ class ClusterStatus(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     step: int
     forward_steps: int
     uptime_s: float
@@ -247,7 +250,10 @@ class ClusterStatus(_message.Message):
     kv_blocks_total: int
     kv_blocks_used: int
     preemptions: int
-    def __init__(self, step: _Optional[int] = ..., forward_steps: _Optional[int] = ..., uptime_s: _Optional[float] = ..., placement_version: _Optional[int] = ..., layer_versions: _Optional[_Iterable[int]] = ..., migration: _Optional[_Union[_common_pb2.MigrationProgress, _Mapping]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., metrics_ports: _Optional[_Mapping[str, int]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., eplb: _Optional[_Union[EplbInfo, _Mapping]] = ..., error: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, step: _Optional[int] = ..., forward_steps: _Optional[int] = ..., uptime_s: _Optional[float] = ..., placement_version: _Optional[int] = ..., layer_versions: _Optional[_Iterable[int]] = ..., migration: _Optional[_Union[_common_pb2.MigrationProgress, _Mapping]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., metrics_ports: _Optional[_Mapping[str, int]] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., eplb: _Optional[_Union[EplbInfo, _Mapping]] = ..., error: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class GetBalancerSettingsRequest(_message.Message):
     __slots__ = ()

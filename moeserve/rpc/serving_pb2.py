@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moeserve/v1/serving.proto\x12\x0bmoeserve.v1\"\xed\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x17\n\nmax_tokens\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x03\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"\x88\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.moeserve.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moeserve.v1.Usage\"\x8e\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.moeserve.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moeserve.v1.Usage*R\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x32\xa9\x01\n\x07Serving\x12G\n\x08Generate\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.moeserve.v1.GenerateRequest\x1a#.moeserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moeserve/v1/serving.proto\x12\x0bmoeserve.v1\"\x81\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x17\n\nmax_tokens\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x03\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\ncache_salt\x18\n \x01(\tB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"\x88\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.moeserve.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moeserve.v1.Usage\"\x8e\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.moeserve.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.moeserve.v1.Usage*R\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\r\n\tCANCELLED\x10\x03\x32\xa9\x01\n\x07Serving\x12G\n\x08Generate\x12\x1c.moeserve.v1.GenerateRequest\x1a\x1d.moeserve.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.moeserve.v1.GenerateRequest\x1a#.moeserve.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moeserve.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=625
-  _globals['_FINISHREASON']._serialized_end=707
+  _globals['_FINISHREASON']._serialized_start=668
+  _globals['_FINISHREASON']._serialized_end=750
   _globals['_GENERATEREQUEST']._serialized_start=43
-  _globals['_GENERATEREQUEST']._serialized_end=280
-  _globals['_USAGE']._serialized_start=282
-  _globals['_USAGE']._serialized_end=339
-  _globals['_GENERATERESPONSE']._serialized_start=342
-  _globals['_GENERATERESPONSE']._serialized_end=478
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=481
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=623
-  _globals['_SERVING']._serialized_start=710
-  _globals['_SERVING']._serialized_end=879
+  _globals['_GENERATEREQUEST']._serialized_end=300
+  _globals['_USAGE']._serialized_start=302
+  _globals['_USAGE']._serialized_end=382
+  _globals['_GENERATERESPONSE']._serialized_start=385
+  _globals['_GENERATERESPONSE']._serialized_end=521
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=524
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=666
+  _globals['_SERVING']._serialized_start=753
+  _globals['_SERVING']._serialized_end=922
 # @@protoc_insertion_point(module_scope)

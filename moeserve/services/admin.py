@@ -36,6 +36,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import numpy as np
@@ -56,6 +57,9 @@ from moeserve.wire import (
     worker_balancedness_msg,
 )
 
+if TYPE_CHECKING:
+    from moeserve.config import ClusterConfig
+
 log = logging.getLogger("moeserve.admin")
 
 FILE_SUFFIX = {admin_pb2.PlacementFile.SGLANG_JSON: ".json", admin_pb2.PlacementFile.SGLANG_PT: ".pt"}
@@ -75,10 +79,16 @@ def settings_msg(d: dict) -> admin_pb2.BalancerSettings:
     return msg
 
 
+class LeaderEngine(EngineAPI, Protocol):
+    """The engine the admin API serves: the leader's, in its process, with its ClusterConfig."""
+
+    cfg: ClusterConfig
+
+
 class AdminService(admin_pb2_grpc.AdminServicer):
     """``engine``: the leader's engine (its ``cfg`` is the ClusterConfig)."""
 
-    def __init__(self, engine: EngineAPI):
+    def __init__(self, engine: LeaderEngine):
         self.engine = engine
         self.cfg = engine.cfg
         self.state_dir = getattr(self.cfg, "state_dir", "") or ""
@@ -95,7 +105,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def GetPlacement(self, request, context):
         return placement_msg(self.engine.placement())
 
-    def _target_of(self, request) -> Placement | object:
+    def _target_of(self, request) -> np.ndarray | Placement:
         """The placement asked for: a phy2log [L, P] (the engine validates it; the break-even
         counts in force stay) or a Placement for this cluster's topology (validated as it is
         built): a phy2log with the request's ``breakeven`` [L, E], or a file parsed (with the
@@ -295,6 +305,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_used=s.kv_blocks_used,
             preemptions=s.preemptions,
+            kv_blocks_cached=s.kv_blocks_cached,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
             model=admin_pb2.ModelInfo(
                 num_moe_layers=e.shape.num_moe_layers,
                 num_logical_experts=e.shape.num_logical_experts,
@@ -352,7 +365,7 @@ class AdminHandle:
         self.server.stop()
 
 
-def start_admin(engine: EngineAPI, options: ServerOptions, process_metrics=None) -> ThreadedServer:
+def start_admin(engine: LeaderEngine, options: ServerOptions, process_metrics=None) -> ThreadedServer:
     """Start the admin API for ``engine`` on its own thread and event loop; its health follows
     the cluster's readiness (recorded in ``process_metrics`` when given)."""
     from moeserve.services.readiness import Readiness, engine_probe
@@ -370,11 +383,11 @@ def start_admin(engine: EngineAPI, options: ServerOptions, process_metrics=None)
     return server
 
 
-def serve_admin(engine: EngineAPI, config_json: str, process_metrics=None) -> AdminHandle:
+def serve_admin(engine: LeaderEngine, config_json: str, process_metrics=None) -> AdminHandle:
     """The leader hook (``moeserve.config.admin_hook``): the admin API on the configured host
     and port, guarded by the token in MOESERVE_ADMIN_TOKEN, counted in ``process_metrics``."""
     c = json.loads(config_json)
-    interceptors = ()
+    interceptors: tuple = ()
     if process_metrics is not None:
         from moeserve.services.metrics import grpc_interceptor
 
@@ -390,6 +403,7 @@ def serve_admin(engine: EngineAPI, config_json: str, process_metrics=None) -> Ad
         interceptors=interceptors,
     )
     server = start_admin(engine, opts, process_metrics)
+    assert server.server.port is not None  # started
     return AdminHandle("admin", (c["host"], server.server.port), server)
 
 

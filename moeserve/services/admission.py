@@ -57,7 +57,8 @@ class AdmissionLimits:
     max_request_tokens: the tokens one HTTP request may make the cluster hold, n x (prompt +
     max_tokens) summed over its prompts (0: 16 x max_model_len); choices_in_flight: the choices
     of one HTTP request on the leader at a time (its share of the batch; with logprobs a
-    quarter of it, at least 1), the next starting as one ends.
+    quarter of it, at least 1), the next starting as one ends; max_logprobs: the most top
+    logprobs a request may ask for, per token and per prompt position (``--max-logprobs``).
     """
 
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
@@ -66,6 +67,7 @@ class AdmissionLimits:
     vocab_size: int | None = None
     max_request_tokens: int = 0
     choices_in_flight: int = DEFAULT_CHOICES_IN_FLIGHT
+    max_logprobs: int = L.MAX_LOGPROBS
 
     def __post_init__(self):
         for name in ("max_model_len", "max_chars_per_token", "max_stop_ids", "choices_in_flight"):
@@ -75,6 +77,8 @@ class AdmissionLimits:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
         if self.max_request_tokens < 0:
             raise ValueError(f"max_request_tokens must be >= 0 (0: 16 x max_model_len), got {self.max_request_tokens}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
     @property
     def request_tokens(self) -> int:
@@ -228,7 +232,7 @@ class Admission:
                 f"(prompt + generated tokens), so it must have fewer"
             )
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+    async def encode(self, text: str, add_special_tokens: bool = True, allow_empty: bool = False) -> tuple[int, ...]:
         """Prompt text -> ids, off the event loop (a short text on it), after the size check."""
         tok = self._need_tokenizer("send token ids instead of text")
         self.check_text(text)
@@ -236,7 +240,7 @@ class Admission:
             ids = tok.encode(text, add_special_tokens)
         else:
             ids = await self._off_loop(tok.encode, text, add_special_tokens)
-        if not ids:
+        if not ids and not allow_empty:
             raise InvalidRequest("the prompt text encodes to no tokens: give a non-empty prompt")
         self._check_length(len(ids))
         return tuple(ids)
@@ -283,10 +287,14 @@ class Admission:
         stop_token_ids=(),
         ignore_eos: bool = False,
         return_logits: str = "",
+        prompt_logprobs: int = -1,
+        cache_salt: str = "",
+        **adjust,
     ) -> GenerateRequest:
         """The engine request; InvalidRequest for what only this side checks: every value
         against its row of ``limits.BOUNDS``. ``stop_token_ids`` may be any sized sequence (a
-        protobuf repeated field): its length is checked before it is converted."""
+        protobuf repeated field): its length is checked before it is converted. ``adjust``: the
+        other ``SamplingParams`` fields (min_p, penalties, min_tokens, logit_bias)."""
         lim = self.limits
         if len(stop_token_ids) > lim.max_stop_ids:
             raise L.BoundError(f"{len(stop_token_ids)} stop token ids; at most {lim.max_stop_ids}", "stop_token_ids")
@@ -296,11 +304,29 @@ class Admission:
         top_p = L.bounded("top_p", top_p, lim)
         top_k = L.bounded("top_k", top_k, lim)
         seed = L.bounded("seed", seed, lim)
+        if prompt_logprobs != -1:
+            prompt_logprobs = L.bounded("prompt_logprobs", prompt_logprobs, lim)
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+            if name in adjust:
+                adjust[name] = L.bounded(name, adjust[name], lim)
+        if adjust.get("logit_bias"):
+            bias = adjust["logit_bias"]
+            ids = L.token_ids([t for t, _ in bias], lim, "logit_bias keys", "logit_bias")
+            adjust["logit_bias"] = tuple((t, L.bounded("logit_bias", b, lim)) for t, (_, b) in zip(ids, bias))
         try:
-            sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+            sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **adjust)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        return GenerateRequest(tuple(prompt_ids), int(max_tokens), sp, stop, bool(ignore_eos), return_logits)
+        return GenerateRequest(
+            tuple(prompt_ids),
+            int(max_tokens),
+            sp,
+            stop,
+            bool(ignore_eos),
+            return_logits,
+            int(prompt_logprobs),
+            cache_salt=cache_salt,
+        )
 
     def open(self, req: GenerateRequest) -> RequestStream:
         """Start streaming ``req`` from the leader (it connects on the first iteration)."""

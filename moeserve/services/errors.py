@@ -4,6 +4,8 @@ wins."""
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
 
 from moeserve.router.engine.api import (
@@ -46,6 +48,7 @@ def message_of(e: BaseException) -> str:
     return str(e)
 
 
-async def abort_for(context, e: BaseException):
+async def abort_for(context, e: BaseException) -> NoReturn:
     """End the call with ``e``'s status and message."""
     await context.abort(status_of(e), message_of(e))
+    raise AssertionError("context.abort returned")  # never: grpc's abort raises (AbortError)

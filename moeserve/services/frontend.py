@@ -33,7 +33,7 @@ import hmac
 
 import grpc
 
-from moeserve.router.engine.api import Finished, GenerateRequest, InvalidRequest, Token
+from moeserve.router.engine.api import Finished, FirstToken, GenerateRequest, InvalidRequest, Token
 from moeserve.router.engine.channel import AsyncEngineClient
 from moeserve.rpc import serving_pb2, serving_pb2_grpc
 from moeserve.services.admission import Admission, RequestFailed
@@ -117,6 +117,7 @@ class ServingService(serving_pb2_grpc.ServingServicer):
             seed=int(r.seed) if r.HasField("seed") else None,
             stop_token_ids=r.stop_token_ids,
             ignore_eos=bool(r.ignore_eos),
+            cache_salt=r.cache_salt,
         )
 
     def _text(self, ids) -> str:
@@ -145,33 +146,42 @@ class ServingService(serving_pb2_grpc.ServingServicer):
 
     async def Generate(self, request, context):
         req = await self._admit(request, context)
-        tokens, reason = [], ""
+        tokens, reason, cached = [], "", 0
         async for ev in self._events(req, context):
             if isinstance(ev, Token):
                 tokens.append(ev.token_id)
+                if isinstance(ev, FirstToken):
+                    cached = ev.cached_tokens
             elif isinstance(ev, Finished):
                 reason = str(ev.reason)
         return serving_pb2.GenerateResponse(
             token_ids=tokens,
             text=self._text(tokens),
-            finish_reason=FINISH_REASONS.get(reason, 0),
-            usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens)),
+            finish_reason=FINISH_REASONS.get(reason, serving_pb2.FINISH_REASON_UNSPECIFIED),
+            usage=serving_pb2.Usage(
+                prompt_tokens=len(req.prompt_ids), completion_tokens=len(tokens), cached_tokens=cached
+            ),
         )
 
     async def GenerateStream(self, request, context):
         req = await self._admit(request, context)
         detok = Detokenizer(self.tokenizer)  # incremental: no re-decoding of the whole output
         pending: list[int] = []
+        cached = 0
         async for ev in self._events(req, context):
             if isinstance(ev, Token):
                 pending.append(ev.token_id)
+                if isinstance(ev, FirstToken):
+                    cached = ev.cached_tokens
                 yield serving_pb2.GenerateStreamResponse(token_ids=pending, text=detok.add(ev.token_id))
                 pending = []
             elif isinstance(ev, Finished):
                 yield serving_pb2.GenerateStreamResponse(
                     text=detok.flush(),
-                    finish_reason=FINISH_REASONS.get(str(ev.reason), 0),
-                    usage=serving_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(detok.ids)),
+                    finish_reason=FINISH_REASONS.get(str(ev.reason), serving_pb2.FINISH_REASON_UNSPECIFIED),
+                    usage=serving_pb2.Usage(
+                        prompt_tokens=len(req.prompt_ids), completion_tokens=len(detok.ids), cached_tokens=cached
+                    ),
                 )
 
 

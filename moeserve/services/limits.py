@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moeserve.router.engine.api import InvalidRequest
-from moeserve.sampling import MAX_SEED
+from moeserve.sampling import MAX_BIAS, MAX_MIN_TOKENS, MAX_REPETITION_PENALTY, MAX_SEED
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -93,6 +93,11 @@ def _vocab(limits) -> int:
     return limits.vocab_size if getattr(limits, "vocab_size", None) else INT32_MAX
 
 
+def _max_logprobs(limits) -> int:
+    """The most top logprobs a request may ask for (``--max-logprobs``)."""
+    return getattr(limits, "max_logprobs", MAX_LOGPROBS)
+
+
 FLOAT_MAX = 1.7976931348623157e308
 
 # Every numeric field of a generation request (HTTP names; the gRPC fields are the same).
@@ -103,9 +108,16 @@ BOUNDS: dict[str, Bound] = {
     "temperature": Bound(0, FLOAT_MAX, integer=False, means="0 = greedy", shown="a finite number >= 0"),
     "top_p": Bound(0, 1, integer=False, lo_open=True, means="1 = no nucleus filtering"),
     "top_k": Bound(-1, _vocab, means="0 or -1 = no top-k filtering, at most the vocabulary"),
+    "min_p": Bound(0, 1, integer=False, means="0 = no min-p filtering"),
+    "presence_penalty": Bound(-2, 2, integer=False),
+    "frequency_penalty": Bound(-2, 2, integer=False),
+    "repetition_penalty": Bound(0, MAX_REPETITION_PENALTY, integer=False, lo_open=True, means="1 = no penalty"),
+    "min_tokens": Bound(0, MAX_MIN_TOKENS),
+    "logit_bias": Bound(-MAX_BIAS, MAX_BIAS, integer=False),
     "seed": Bound(0, MAX_SEED),
-    "logprobs": Bound(0, MAX_LOGPROBS),
-    "top_logprobs": Bound(0, MAX_LOGPROBS),
+    "logprobs": Bound(0, _max_logprobs, means="--max-logprobs"),
+    "top_logprobs": Bound(0, _max_logprobs, means="--max-logprobs"),
+    "prompt_logprobs": Bound(0, _max_logprobs, means="--max-logprobs"),
     "token_id": Bound(0, _vocab, hi_open=True, means="an id of the vocabulary"),
 }
 

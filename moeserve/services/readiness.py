@@ -160,11 +160,15 @@ def engine_probe(engine, heartbeat_s: float | None = None):
     return probe
 
 
-def channel_probe(client):
-    """A probe for the front end: the leader's status over the local channel (AsyncEngineClient)."""
+def channel_probe(client, on_status=None):
+    """A probe for the front end: the leader's status over the local channel (AsyncEngineClient);
+    ``on_status`` also gets each status (vLLM's scheduler gauges, ``moeserve.ops.vllm_metrics``)."""
 
     async def probe():
-        return engine_verdict(await client.call("status"))
+        status = await client.call("status")
+        if on_status is not None:
+            on_status(status)
+        return engine_verdict(status)
 
     return probe
 

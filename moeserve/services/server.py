@@ -31,13 +31,15 @@ own thread on its own uvloop event loop (:class:`ThreadedServer`); a process of 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import inspect
 import logging
 import signal
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import uvloop
@@ -47,6 +49,9 @@ from grpc_reflection.v1alpha import reflection
 
 from moeserve.rpc import admin_pb2, balancer_pb2, serving_pb2  # noqa: F401  (fill the descriptor pool)
 from moeserve.wire import SERVER_METADATA_KEY
+
+if TYPE_CHECKING:
+    from moeserve.services.readiness import Readiness
 
 log = logging.getLogger("moeserve.services")
 
@@ -271,7 +276,7 @@ class ServiceServer:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
-        self.readiness = None  # a moeserve.services.readiness.Readiness: health follows the cluster's
+        self.readiness: Readiness | None = None  # health follows the cluster's
 
     async def start(self) -> int:
         o = self.options
@@ -298,6 +303,7 @@ class ServiceServer:
         )
         addr = f"{o.host}:{o.port}"
         if o.tls_cert:
+            assert o.tls_key is not None  # ServerOptions takes both or neither
             creds = grpc.ssl_server_credentials(
                 [(read_file(o.tls_key, "TLS key"), read_file(o.tls_cert, "TLS certificate"))]
             )
@@ -326,6 +332,7 @@ class ServiceServer:
         await self.server.stop(self.options.grace_s if grace_s is None else grace_s)
 
     async def wait(self) -> None:
+        assert self.server is not None, "start() first"
         await self.server.wait_for_termination()
 
 
@@ -340,9 +347,9 @@ async def serve_forever(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
+    port = await server.start()
     if on_started:
-        on_started(server.port)
+        on_started(port)
     await stop.wait()
     log.info("%s: shutting down (grace %.0f s)", server.service, server.options.grace_s)
     if before_stop:
@@ -352,7 +359,7 @@ async def serve_forever(
         await after_stop()
 
 
-def run(main: Awaitable) -> None:
+def run(main: Coroutine[Any, Any, Any]) -> None:
     """Run a service's main coroutine on uvloop."""
     uvloop.run(main)
 
@@ -385,9 +392,10 @@ class ThreadedServer:
             raise TimeoutError(f"{self.server.service} did not start within {timeout_s} s")
         if self._error is not None:
             raise self._error
+        assert self.server.port is not None  # the server started
         return self.server.port
 
-    def submit(self, coro) -> asyncio.Future:
+    def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self, grace_s: float | None = None) -> None:

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moeserve.router.engine.api import InvalidRequest
+
+if TYPE_CHECKING:
+    import jinja2
 
 # -- the tokenizer, its special tokens and its chat template ----------------------------------
 
@@ -55,7 +59,7 @@ class ModelTokenizer:
         self.tokenizer = tokenizer
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
-        self._compiled = None
+        self._compiled: jinja2.Template | None = None
         try:
             from tokenizers import decoders
 
@@ -151,6 +155,61 @@ class ModelTokenizer:
             raise InvalidRequest(f"the chat template refused the messages: {e}") from None
 
 
+# generation_config.json's keys vLLM reads as sampling defaults -> the request's parameter
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(folder: str | Path | None, overrides: dict | None = None) -> dict:
+    """The sampling defaults of a model folder's ``generation_config.json`` (the keys of
+    :data:`GENERATION_KEYS`, as vLLM reads them; ``do_sample`` is not read, as vLLM does not),
+    then ``overrides`` (the same keys, vLLM's ``--override-generation-config``). ValueError
+    naming the key when a value is out of its range; {} without the file."""
+    raw = _read_json(Path(folder) / "generation_config.json") if folder else {}
+    merged = {k: v for k, v in raw.items() if k in GENERATION_KEYS and v is not None}
+    unknown = sorted(set(overrides or {}) - set(GENERATION_KEYS))
+    if unknown:
+        raise ValueError(f"unknown generation config keys {unknown}; allowed: {sorted(GENERATION_KEYS)}")
+    merged.update(overrides or {})
+    out = {}
+    for key, value in merged.items():
+        name = GENERATION_KEYS[key]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in ("top_k", "max_new_tokens"):
+            ok = ok and isinstance(value, int) and value >= (1 if key == "max_new_tokens" else -1)
+        elif key == "temperature":
+            ok = ok and value >= 0
+        elif key in ("top_p",):
+            ok = ok and 0 < value <= 1
+        elif key == "min_p":
+            ok = ok and 0 <= value <= 1
+        elif key == "repetition_penalty":
+            ok = ok and 0 < value <= 10
+        if not ok:
+            raise ValueError(f"generation config {key} = {value!r} is out of its range")
+        out[name] = float(value) if name not in ("top_k", "max_tokens") else int(value)
+    if out.get("top_k") == -1:
+        out["top_k"] = 0
+    return out
+
+
+def chat_template_arg(value: str) -> str:
+    """``--chat-template``: a file's text, or the template itself (it has jinja2 tags);
+    ValueError otherwise."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file, and not a template (no {{{{ or {{% in it)")
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
@@ -159,7 +218,7 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def compile_chat_template(source: str):
+def compile_chat_template(source: str) -> jinja2.Template:
     """A jinja2 template in the environment transformers renders chat templates in: sandboxed,
     trim_blocks and lstrip_blocks, loop controls, ``{% generation %}`` blocks, the ``tojson``
     filter without ASCII escaping, ``raise_exception`` and ``strftime_now``."""
@@ -215,6 +274,15 @@ class Detokenizer:
         self._prefix = 0
         self._read = 0
 
+    @staticmethod
+    def of(tokenizer: ModelTokenizer | None, ids, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` as a Detokenizer fed them one by one writes it."""
+        d = Detokenizer(tokenizer, skip_special_tokens)
+        for t in ids:
+            d.add(t)
+        d.flush()
+        return d.text
+
     def add(self, token_id: int) -> str:
         self.ids.append(int(token_id))
         if self.tok is None:
@@ -253,9 +321,14 @@ class StopStrings:
         self.sent = 0  # characters of the text already released
         self.matched: str | None = None
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+    def feed(self, text: str, final: bool = False, match: bool = True) -> tuple[str, bool]:
+        """``match`` False (fewer tokens than min_tokens): the text is released unmatched."""
         if self.matched is not None:
             return "", True
+        if not match:
+            out = text[self.sent :]
+            self.sent = len(text)
+            return out, False
         if self.stops:
             start = max(0, self.sent - self.hold)
             best = -1

@@ -18,10 +18,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from moeserve.dataplane.protocol import PromptLogprobs
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.sampling import SamplingParams
 
@@ -36,6 +37,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "Token",
+    "FirstToken",
     "Finished",
     "Failed",
     "Event",
@@ -91,12 +93,19 @@ class FinishReason(enum.StrEnum):
 
 
 RETURN_LOGITS = ("", "last", "all")
+MAX_PROMPT_LOGPROBS = 1024  # top tokens per prompt position
+MAX_CACHE_SALT_BYTES = 1024
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation request, in token ids. ``return_logits``: "" (none), "last" (the logits
-    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill)."""
+    [1, V] each token is sampled from) or "all" (every prompt position too, at prefill; such a
+    request computes its whole prompt, never reading the prefix cache). ``prompt_logprobs``: K >= 0
+    asks for the logprob of every prompt token after the first, with its rank and the K most likely
+    tokens at its position, computed on the routers (the first ``Token`` carries them); -1: none.
+    ``cache_salt`` (vLLM's name): requests share cached KV blocks only with requests of the same
+    salt."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -104,14 +113,28 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logits: str = ""
+    prompt_logprobs: int = -1
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
 class Token:
-    """A generated token; ``logits`` float32 [n, V] when the request asked for them."""
+    """A generated token; ``logits`` float32 [n, V] when the request asked for them; the first
+    token of a request that asked for prompt logprobs carries them (``PromptLogprobs`` of the
+    prompt's tokens 1 .. P-1)."""
 
     token_id: int
     logits: np.ndarray | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class FirstToken(Token):
+    """A request's first generated token, with ``cached_tokens``: how many of its prompt tokens
+    were read from the prefix cache instead of computed (every later token is a plain Token,
+    which keeps the event of a decode step small)."""
+
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +187,22 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
         )
     if req.return_logits not in RETURN_LOGITS:
         raise InvalidRequest(f"return_logits must be '', 'last' or 'all', got {req.return_logits!r}")
+    if not -1 <= req.prompt_logprobs <= min(vocab_size, MAX_PROMPT_LOGPROBS):
+        raise InvalidRequest(
+            f"prompt_logprobs must be in -1..{min(vocab_size, MAX_PROMPT_LOGPROBS)} (-1: none), got {req.prompt_logprobs}"
+        )
+    sp = req.sampling
+    if sp.min_tokens > req.max_tokens:
+        raise InvalidRequest(f"min_tokens ({sp.min_tokens}) must be <= max_tokens ({req.max_tokens})")
+    biased = [t for t, _ in sp.logit_bias if not 0 <= t < vocab_size] + [
+        t for t in sp.stop_ids if not 0 <= t < vocab_size
+    ]
+    if biased:
+        raise InvalidRequest(f"token id {biased[0]} of logit_bias is outside the vocabulary [0, {vocab_size})")
+    if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(
+            f"cache_salt is {len(req.cache_salt.encode())} bytes of UTF-8; at most {MAX_CACHE_SALT_BYTES} are allowed"
+        )
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -181,6 +220,7 @@ class ModelShape:
     expert_bytes: int
     moe_layer_ids: tuple[int, ...] = ()  # decoder-layer index of each MoE layer
     num_decoder_layers: int = 0
+    sliding_window: int = 0  # tokens a sliding-window layer attends to (0: none has one)
 
 
 @dataclass(frozen=True)
@@ -232,6 +272,9 @@ class EngineStatus:
     kv_blocks_total: int = 0  # KV blocks of every router, and those in use
     kv_blocks_used: int = 0
     preemptions: int = 0  # sequences preempted (recomputed later) since start
+    kv_blocks_cached: int = 0  # KV blocks holding a prefix-cache hash (in use or idle)
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests that looked the prefix cache up
+    prefix_cache_hits: int = 0  # of them, those read from the cache
     moved_slots: int = 0  # slots and bytes moved by migrations since start
     moved_bytes: int = 0
     migrations_ended: dict[str, int] = field(default_factory=dict)  # state name -> count
@@ -247,29 +290,21 @@ class EngineStatus:
 # -- the interface ----------------------------------------------------------------------------
 
 
-class EngineAPI(Protocol):
-    """What the leader's engine offers to every front door (a Protocol: the engine implements
-    it, the channel's client serves it remotely). ``submit`` and ``cancel`` are for
-    callers in the leader's process (the channel streams requests for callers elsewhere); every
-    name in :data:`REMOTE_METHODS` can also be called through the local channel."""
-
-    shape: ModelShape
-
-    def submit(self, req: GenerateRequest, sink: Callable[[Event], None]) -> object:
-        """Validate (once) and admit ``req``; ``sink`` receives its events from the step thread.
-        Returns a handle for :meth:`cancel`. Raises InvalidRequest, QueueFull, Unavailable."""
-        ...
-
-    def cancel(self, handle: object) -> None: ...
+class RemoteEngineAPI(Protocol):
+    """The part of :class:`EngineAPI` that the local channel also serves to other processes
+    (:data:`REMOTE_METHODS`; ``moeserve.router.engine.channel.EngineClient`` calls it there)."""
 
     def placement(self) -> Placement: ...
 
-    def plan_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
-        """Validate ``phy2log [L, P]`` and diff it against the placement in force (dry run)."""
+    def plan_placement(self, phy2log: np.ndarray | Placement, expected_version: int | None = None) -> MigrationProgress:
+        """Validate ``phy2log [L, P]`` (or a Placement, break-even counts included) and diff it
+        against the placement in force (dry run)."""
         ...
 
-    def apply_placement(self, phy2log: np.ndarray, expected_version: int | None = None) -> MigrationProgress:
-        """Start migrating to ``phy2log [L, P]``; returns at once."""
+    def apply_placement(
+        self, phy2log: np.ndarray | Placement, expected_version: int | None = None
+    ) -> MigrationProgress:
+        """Start migrating to ``phy2log [L, P]`` (or a Placement); returns at once."""
         ...
 
     def migration(self, migration_id: str) -> MigrationProgress: ...
@@ -301,6 +336,23 @@ class EngineAPI(Protocol):
         ...
 
     def request_stop(self) -> None: ...
+
+
+class EngineAPI(RemoteEngineAPI, Protocol):
+    """What the leader's engine offers to every front door (a Protocol: the engine implements
+    it, the channel's client serves its RemoteEngineAPI part). ``submit`` and ``cancel`` are for
+    callers in the leader's process (the channel streams requests for callers elsewhere); every
+    name in :data:`REMOTE_METHODS` can also be called through the local channel."""
+
+    shape: ModelShape
+
+    def submit(self, req: GenerateRequest, sink: Callable[[Event], None]) -> object:
+        """Validate (once) and admit ``req``; ``sink`` receives its events from the step thread.
+        Returns a handle for :meth:`cancel`. Raises InvalidRequest, QueueFull, Unavailable."""
+        ...
+
+    # Any: the handle is whatever this implementation's submit returned (the engine's Sequence)
+    def cancel(self, handle: Any) -> None: ...
 
 
 REMOTE_METHODS = frozenset(

@@ -59,6 +59,7 @@ from moeserve.router.engine.api import (
     Finished,
     GenerateRequest,
     InvalidRequest,
+    RemoteEngineAPI,
     Unavailable,
 )
 
@@ -106,7 +107,7 @@ class ChannelServer:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="channel-call")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="channel", daemon=True)
-        self._server = None
+        self._server: asyncio.Server | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -285,7 +286,7 @@ class _Session:
                 self._cancel(sid)
 
     async def _submit(self, sid: int, reqs: list) -> None:
-        seqs = []
+        seqs: list[object] = []  # the engine's handles, for cancel
         self.streams[sid] = [len(reqs), seqs]
         try:  # all or nothing
             for i, r in enumerate(reqs):
@@ -347,14 +348,16 @@ def _raise(reply: tuple, on_failure):
     raise err
 
 
-class EngineClient(EngineAPI):
-    """The engine's API in another process, over blocking sockets. ``on_failure()`` returns the
+class EngineClient(RemoteEngineAPI):
+    """The engine's API in another process (what the channel serves: requests stream through
+    ``generate_stream``, not submit), over blocking sockets. ``on_failure()`` returns the
     cluster's error (or None) when a connection breaks, so callers see why."""
 
     def __init__(
         self, address: tuple[str, int], authkey: bytes, on_failure=lambda: None, connect_timeout_s: float = 10.0
     ):
-        self.address = tuple(address)
+        host, port = address
+        self.address = (host, port)
         self.authkey = authkey
         self.on_failure = on_failure
         self.connect_timeout_s = connect_timeout_s
@@ -555,7 +558,8 @@ class AsyncEngineClient:
     connection (see the module docstring)."""
 
     def __init__(self, address: tuple[str, int], authkey: bytes, connect_timeout_s: float = 10.0):
-        self.address = tuple(address)
+        host, port = address
+        self.address = (host, port)
         self.authkey = authkey
         self.connect_timeout_s = connect_timeout_s
         self._session_obj: _ClientSession | None = None

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -36,7 +38,10 @@ from moeserve.router.engine.api import (
 )
 from moeserve.router.engine.migration import Migrator
 from moeserve.router.engine.scheduler import Scheduler, Sequence
-from moeserve.sampling import request_seed
+from moeserve.sampling import MAX_SEED, request_seed
+
+if TYPE_CHECKING:  # the metrics are made on ranks that export them (prometheus_client)
+    from moeserve.ops.metrics import LeaderMetrics
 
 log = logging.getLogger("moeserve.leader")
 
@@ -47,7 +52,22 @@ class Engine(EngineAPI):
     def __init__(self, cfg: ClusterConfig, shape: ModelShape, placement: Placement):
         self.cfg = cfg
         self.shape = shape
-        self.scheduler = Scheduler(cfg.routers, cfg.limits, shape.eos_token_ids, cfg.cache.block_size)
+        caching = cfg.cache.enable_prefix_caching
+        if caching and shape.sliding_window:
+            caching = False
+            log.warning(
+                "prefix caching is off: the model has sliding-window attention (window %d), whose "
+                "layers would need only the blocks of their window",
+                shape.sliding_window,
+            )
+        self.scheduler = Scheduler(
+            cfg.routers,
+            cfg.limits,
+            shape.eos_token_ids,
+            cfg.cache.block_size,
+            prefix_caching=caching,
+            routing=cfg.routing_policy,
+        )
         placement, self._saver = _saved_state(cfg, placement)  # --state-dir: versions back, saves on
         self._saved_key = _placement_key(placement)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
@@ -76,7 +96,7 @@ class Engine(EngineAPI):
         self._router_maps: list[tuple[np.ndarray, np.ndarray]] = []
         self._seen_version = int(placement.version)
         self._placement_step = 0  # forward_steps when the placement last changed
-        self.metrics = None  # moeserve.ops.metrics.LeaderMetrics when this rank exports metrics
+        self.metrics: LeaderMetrics | None = None  # when this rank exports metrics
         self.metrics_ports: dict[str, int] = {}  # name ("rank0", "balancer", ...) -> metrics port
         self._header_t = time.perf_counter()
         self._last_step_t = time.monotonic()  # when the last step completed (health: a stall)
@@ -96,6 +116,8 @@ class Engine(EngineAPI):
         self._load_served = 0
         self._driver: int | None = None  # the step driver's thread id
         self._warmup: deque[tuple[int, int]] = deque()  # decode graph warm-up steps still to issue
+        self._seed_lock = threading.Lock()
+        self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None
 
     # -- requests (any thread) ----------------------------------------------------------------
 
@@ -105,9 +127,24 @@ class Engine(EngineAPI):
             raise Unavailable(self.error or "the cluster is shutting down")
         lim = self.cfg.limits
         validate_request(req, self.shape.vocab_size, lim.max_model_len, self.scheduler.max_kv_tokens)
-        if req.sampling.seed is None:  # fixed now: a recomputed (preempted) request samples the same
-            req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, seed=request_seed(req.sampling)))
+        sp = req.sampling
+        if sp.seed is None:  # fixed now: a recomputed (preempted) request samples the same
+            sp = dataclasses.replace(sp, seed=self._seed(sp))
+        if sp.min_tokens > 0:  # the ids min_tokens keeps the routers from sampling
+            stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.shape.eos_token_ids))
+            sp = dataclasses.replace(sp, stop_ids=tuple(sorted(stops)))
+        if sp is not req.sampling:
+            req = dataclasses.replace(req, sampling=sp)
         return self.scheduler.submit(req, sink)
+
+    def _seed(self, sp) -> int:
+        """A seed for a request that gave none: random, or with ``--seed`` the next of the
+        cluster's seeded stream (vLLM's global seed: the same requests in the same order get the
+        same tokens on every run)."""
+        if self._seeds is None:
+            return request_seed(sp)
+        with self._seed_lock:
+            return self._seeds.randrange(MAX_SEED + 1)
 
     def set_kv_capacity(self, blocks_per_router: list[int]) -> None:
         """The KV blocks each router allocated (reported once at start, before any request)."""
@@ -172,6 +209,7 @@ class Engine(EngineAPI):
             if not n or load is None:
                 load = np.zeros((self.shape.num_moe_layers, self.shape.num_logical_experts), dtype=np.int64)
                 wload = np.zeros((self.shape.num_moe_layers, placement.num_workers), dtype=np.int64)
+            assert wload is not None  # read with the logical load
             since = self.forward_steps - self._placement_step
         return LoadReport(
             load=load,
@@ -223,6 +261,7 @@ class Engine(EngineAPI):
 
     def status(self) -> EngineStatus:
         p = self.placement()
+        assert p.layer_versions is not None  # Placement fills it
         counts = self.scheduler.counts()
         slots, nbytes, ended = self.migrator.moved_totals()
         return EngineStatus(
@@ -237,6 +276,7 @@ class Engine(EngineAPI):
             running=counts["running"],
             kv_blocks_total=counts["kv_blocks_total"],
             kv_blocks_used=counts["kv_blocks_used"],
+            kv_blocks_cached=counts["kv_blocks_cached"],
             preemptions=counts["preemptions"],
             readmitted=counts["readmitted"],
             generation=self.generation,
@@ -247,6 +287,8 @@ class Engine(EngineAPI):
             },
             ranks_lost=dict(self.ranks_lost),
             ranks_replaced=dict(self.ranks_replaced),
+            prefix_cache_queries=counts["prefix_cache_queries"],
+            prefix_cache_hits=counts["prefix_cache_hits"],
             metrics_ports=dict(self.metrics_ports),
             moved_slots=slots,
             moved_bytes=nbytes,
@@ -263,6 +305,7 @@ class Engine(EngineAPI):
         self._wake.set()
         if not self._report_done.wait(timeout_s):
             raise Unavailable(f"no worker report within {timeout_s} s")
+        assert self._report is not None  # set with _report_done
         return self._report
 
     def router_maps(self, timeout_s: float = 60.0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -401,7 +444,8 @@ class Engine(EngineAPI):
         if header.report:
             by_rank = {r.rank: r for r in results}  # results come in the order of the members
             with self._report_lock:
-                self._report = [by_rank[r].slot_digest for r in self.cfg.worker_ranks]
+                # every worker answers a report with its digest
+                self._report = cast("list[np.ndarray]", [by_rank[r].slot_digest for r in self.cfg.worker_ranks])
                 self._router_maps = [r.router_maps for r in results if r.router_maps is not None]
                 self._report_wanted = False
                 self._report_done.set()
@@ -419,15 +463,16 @@ class Engine(EngineAPI):
                 self._saved_key = key
                 self._saver.save(placement)
         loads = [r for r in results if r.logical_load is not None]
-        if loads and max(r.load_steps for r in loads):
+        steps = max((r.load_steps for r in loads), default=0)
+        if steps:
             stats = [
                 sum(getattr(r, f) for r in loads) if all(getattr(r, f) is not None for r in loads) else 0
                 for f in ("histogram", "slot_busy")
             ]
             self._add_load(
-                sum(r.logical_load for r in loads),
-                sum(r.worker_load for r in loads),
-                max(r.load_steps for r in loads),
+                _router_sum([r.logical_load for r in loads]),
+                _router_sum([r.worker_load for r in loads]),
+                steps,
                 *stats,
             )
         if header.read_load:
@@ -448,12 +493,13 @@ class Engine(EngineAPI):
                     len(rep.balancedness_measured),
                 )
         # the tokens each router sampled in an earlier step (asynchronous steps) or in this one
-        delivered: dict[int, tuple[dict, dict]] = {}
+        delivered: dict[int, tuple[dict, dict, dict]] = {}
         for r in results:
             if r.tokens_step >= 0:
-                tokens, logits = delivered.setdefault(r.tokens_step, ({}, {}))
+                tokens, logits, plp = delivered.setdefault(r.tokens_step, ({}, {}, {}))
                 tokens.update(r.tokens)
                 logits.update(r.logits)
+                plp.update(r.prompt_logprobs)
         for step in sorted(delivered):
             work = self._awaiting.pop(step, None)
             if work is not None:
@@ -482,7 +528,16 @@ class Engine(EngineAPI):
         self.migrator.abort(message)
 
 
+def _router_sum(arrays: list[np.ndarray | None]) -> np.ndarray:
+    """The sum of the routers' arrays of one load read (a new array: 0 + each); a router that
+    read its load sent its logical and its worker load."""
+    total = sum(cast("list[np.ndarray]", arrays))
+    assert isinstance(total, np.ndarray)  # not 0: at least one router read
+    return total
+
+
 def _placement_key(p: Placement) -> tuple:
+    assert p.layer_versions is not None  # Placement fills it
     return int(p.version), tuple(int(v) for v in p.layer_versions)
 
 

@@ -124,6 +124,7 @@ class Migrator:
                         version=cur.version,
                         breakeven=cur.breakeven,
                     )
+                assert new.breakeven is not None and cur.breakeven is not None  # Placement fills them
                 if new.breakeven.shape != cur.breakeven.shape:
                     raise ValueError(
                         f"breakeven must have shape (L, E) = {cur.breakeven.shape}, got {new.breakeven.shape}"
@@ -222,8 +223,8 @@ class Migrator:
         """The migration work of the next step (None when there is none)."""
         with self._lock:
             if self._abort_pending is not None:
-                mig, self._abort_pending = self._abort_pending, None
-                return MigrationOps(mig.id, rollback=True, end=True)
+                aborted, self._abort_pending = self._abort_pending, None
+                return MigrationOps(aborted.id, rollback=True, end=True)
             mig = self.active
             if mig is None:
                 return None
@@ -252,7 +253,7 @@ class Migrator:
             layer = layers[self._layer_idx]
             todo = mig.moves[layer]
             sent = np.zeros(self.current.num_workers, dtype=np.int64)
-            batch = []
+            batch: list[MoveOp] = []
             while self._move_idx < len(todo):
                 m = todo[self._move_idx]
                 if batch and sent[m.dst_worker] + self.expert_bytes > self.bytes_per_step:
@@ -292,6 +293,7 @@ class Migrator:
 
     def _commit_locked(self, layer: int) -> None:
         mig = self.active
+        assert mig is not None  # called for the running migration
         p2l = self.current.phy2log.copy()
         p2l[layer] = mig.target[layer]
         lv = np.array(self.current.layer_versions, dtype=np.int64).copy()
@@ -303,6 +305,7 @@ class Migrator:
 
     def _finish_locked(self) -> None:
         mig = self.active
+        assert mig is not None  # called for the running migration
         lv = np.full_like(np.asarray(self.current.layer_versions, dtype=np.int64), mig.target_version)
         self.current = self.current.evolve(version=mig.target_version, layer_versions=lv)
         mig.state = MigrationState.DONE
@@ -311,6 +314,7 @@ class Migrator:
 
     def _abort_locked(self, reason: str, state: MigrationState = MigrationState.ABORTED) -> None:
         mig = self.active
+        assert mig is not None  # called for the running migration
         self.active = None
         mig.state = state
         mig.error = reason

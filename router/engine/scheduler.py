@@ -5,14 +5,28 @@ Every step, per router and within its limits (``max_num_seqs`` running sequences
 ``max_num_batched_tokens`` new tokens per step): running sequences go first, oldest first
 (a decode feeds one token, a prompt longer than the budget continues with its next chunk:
 chunked prefill), then waiting prompts are admitted in arrival order while free KV blocks
-allow. A new sequence goes to the router with the fewest running sequences among those that
-can take it in this step (room under max_num_seqs, token budget left, a free block for its
-first chunk), and stays there (its KV blocks live there); admission stops when none can. When a running sequence needs a block and none is free, the
+allow. A new sequence goes to one of the routers that can take it in this step (room under
+max_num_seqs, token budget left, free blocks for its first chunk) and stays there (its KV
+blocks live there); admission stops when none can. Which one is the routing policy's choice:
+``cache_aware`` (the default) takes the router that holds the longest cached prefix of it
+among those running at most ``max(1, max_num_seqs // 8)`` sequences more than the least busy
+one, then the one with the fewest running sequences; ``round_robin`` takes the next router in
+turn. When a running sequence needs a block and none is free, the
 newest running sequence of that router is preempted: its blocks are freed and it waits at the
 head of the queue, to be recomputed later from its prompt and the tokens it already produced
-(its sampling is keyed by (seed, output position), so it produces the same tokens). Finished,
+(its sampling is keyed by (seed, output position), so it produces the same tokens); this is the
+one way a sequence is recomputed. Finished,
 cancelled and preempted sequences are released on their router in the next header; their
 blocks are free at once, since the router applies releases before the step's work.
+
+Prefix caching (``blocks.py``, docs/engine.md): a new or recomputed sequence starts with the
+cached blocks of the longest prefix of its known tokens on its router, at most all but its last
+token (whose logits it samples from) in whole blocks; its first ``SeqWork`` carries its whole
+block table and starts at the cached length. A block is cached (named by its hash) in the
+header that completes it, once the leader knows all its tokens: every layer writes a step's
+keys and values before any sequence of the step attends, so even a sequence admitted later in
+the same step reads it whole. Requests that need every prompt token's logits
+(``return_logits == "all"``: echo with logprobs, prompt logprobs) compute their whole prompt.
 
 Asynchronous steps (docs/dataplane.md): the tokens a step samples may come back after the next
 step was scheduled. A sequence then counts its token in flight (``pending``): its output
@@ -40,10 +54,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeserve.config import Limits
-from moeserve.dataplane.protocol import RouterWork, SeqWork
-from moeserve.router.engine.api import Event, Failed, Finished, FinishReason, GenerateRequest, QueueFull, Token
-from moeserve.router.engine.blocks import BlockAllocator, blocks_for
+from moeserve.config import ROUTING_POLICIES, Limits
+from moeserve.dataplane.protocol import PromptLogprobs, RouterWork, SeqWork
+from moeserve.router.engine.api import (
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    FirstToken,
+    GenerateRequest,
+    QueueFull,
+    Token,
+)
+from moeserve.router.engine.blocks import BlockAllocator, blocks_for, extend_hashes, prefix_root
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +78,11 @@ class Sequence:
     """A request in flight. ``sink`` receives its events (``api.Token`` s, then one
     ``api.Finished`` or ``api.Failed``) on the step driver's thread; by default they go to
     ``events``, a queue. ``known`` is the prompt and the tokens generated so far: what the KV
-    cache must hold before the next token is sampled; ``cached`` of them are in it."""
+    cache must hold before the next token is sampled; ``cached`` of them are in it (computed,
+    or read from the prefix cache). ``hashes``: the hash of every full block of ``known``
+    computed so far (``blocks.extend_hashes`` from ``root``); ``hashed``: the leading blocks of
+    its table offered to the prefix cache; ``prefix_hit``: the prompt tokens its first admission
+    read from the cache (-1 before it)."""
 
     seq_id: int
     req: GenerateRequest
@@ -66,9 +93,15 @@ class Sequence:
     known: list = field(default_factory=list)
     cached: int = 0
     blocks: list = field(default_factory=list)  # the block table on its router
+    root: bytes = b""
+    hashes: list = field(default_factory=list)
+    hashed: int = 0
+    prefix_hit: int = -1
+    fresh: bool = False  # admitted in the step being scheduled: its SeqWork starts its record
     new_blocks: list = field(default_factory=list)  # blocks it gained in the step being scheduled
     admitted: int = 0  # admission order: the newest is preempted first
     partial_logits: list = field(default_factory=list)  # "all" logits of earlier prefill chunks
+    partial_plp: list = field(default_factory=list)  # prompt logprobs of earlier prefill chunks
     pending: int = 0  # tokens sampled in steps whose results are still out
     decoding: bool = False  # its router holds its last sampled token: decodes by id
     cancelled: bool = False
@@ -92,15 +125,31 @@ class Sequence:
 class Scheduler:
     """Thread-safe: ``submit``/``cancel`` from any thread, ``schedule``/``on_results`` from
     the leader's step driver only. ``num_blocks``: KV blocks of each router (``set_capacity``
-    once the routers reported theirs)."""
+    once the routers reported theirs). ``prefix_caching``: share full blocks by the hash of
+    their tokens; ``routing``: one of ``ROUTING_POLICIES`` (the module docstring)."""
 
     def __init__(
-        self, num_routers: int, limits: Limits, eos_ids, block_size: int = 16, num_blocks: int | list[int] = 1 << 20
+        self,
+        num_routers: int,
+        limits: Limits,
+        eos_ids,
+        block_size: int = 16,
+        num_blocks: int | list[int] = 1 << 20,
+        prefix_caching: bool = True,
+        routing: str = "cache_aware",
     ):
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {routing!r}")
         self.num_routers = num_routers
         self.limits = limits
         self.eos_ids = frozenset(eos_ids)
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.routing = routing
+        self._turn = -1  # round_robin: the router that took the last new sequence
+        # prompt tokens of first admissions that looked the prefix cache up, and those it held
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         self._lock = threading.Lock()
         self._waiting: deque[Sequence] = deque()
         self._running: list[dict[int, Sequence]] = [dict() for _ in range(num_routers)]
@@ -120,7 +169,12 @@ class Scheduler:
         """The KV blocks of each router (before any request runs)."""
         per = [num_blocks] * self.num_routers if isinstance(num_blocks, int) else list(num_blocks)
         with self._lock:
-            self._blocks = [BlockAllocator(n, self.block_size) for n in per]
+            self._blocks = [self.new_allocator(n) for n in per]
+
+    def new_allocator(self, num_blocks: int) -> BlockAllocator:
+        """The accounting of a router's ``num_blocks`` KV blocks, all empty (at start, or for a
+        router whose pool is new)."""
+        return BlockAllocator(num_blocks, self.block_size, caching=self.prefix_caching)
 
     @property
     def max_kv_tokens(self) -> int:
@@ -141,11 +195,12 @@ class Scheduler:
             moved = sorted(self._running[r].values(), key=lambda x: x.admitted)
             self._running[r] = {}
             self._release[r] = []
-            self._blocks[r] = BlockAllocator(self._blocks[r].num_blocks, self.block_size)
+            self._blocks[r] = self.new_allocator(self._blocks[r].num_blocks)  # its pool, and the cache in it, are gone
             gone = {id(x) for x in moved} | {id(x) for x in self._waiting if x.router == r}
             now = time.monotonic()
             for seq in moved:
-                seq.blocks, seq.new_blocks, seq.cached, seq.partial_logits = [], [], 0, []
+                seq.blocks, seq.new_blocks, seq.cached, seq.hashed = [], [], 0, 0
+                seq.partial_logits, seq.partial_plp, seq.fresh = [], [], False
                 seq.decoding, seq.queued_at, seq.wait_logged = False, now, False
             for seq in [*moved, *(x for x in self._waiting if x.router == r)]:
                 seq.pending, seq.router = 0, -1
@@ -168,7 +223,7 @@ class Scheduler:
     def router_joined(self, r: int, num_blocks: int) -> None:
         """Router ``r`` is in the world again (a replacement) with ``num_blocks`` free KV blocks."""
         with self._lock:
-            self._blocks[r] = BlockAllocator(num_blocks, self.block_size)
+            self._blocks[r] = self.new_allocator(num_blocks)
             self._open[r] = True
         self.work_available.set()
 
@@ -180,6 +235,10 @@ class Scheduler:
 
     def submit(self, req: GenerateRequest, sink: Callable[[Event], None] | None = None) -> Sequence:
         """Queue a validated request; QueueFull when ``max_waiting`` requests wait already."""
+        hashes: list[bytes] = []
+        root = prefix_root(req.cache_salt) if self.prefix_caching else b""
+        if self.prefix_caching:  # the prompt's block hashes, off the step driver's thread
+            extend_hashes(hashes, req.prompt_ids, self.block_size, root)
         with self._lock:
             if len(self._waiting) >= self.limits.max_waiting:
                 raise QueueFull(
@@ -187,6 +246,7 @@ class Scheduler:
                 )
             seq = Sequence(next(self._ids), req, frozenset() if req.ignore_eos else self.eos_ids, sink)
             seq.known = list(req.prompt_ids)
+            seq.root, seq.hashes = root, hashes
             self._waiting.append(seq)
         self.work_available.set()
         return seq
@@ -203,8 +263,11 @@ class Scheduler:
                 running=sum(len(r) for r in self._running),
                 kv_blocks_total=sum(a.num_blocks for a, up in zip(self._blocks, self._open) if up),
                 kv_blocks_used=sum(a.num_used for a in self._blocks),
+                kv_blocks_cached=sum(a.num_cached for a in self._blocks),
                 preemptions=self.preemptions,
                 readmitted=self.readmitted,
+                prefix_cache_queries=self.prefix_queries,
+                prefix_cache_hits=self.prefix_hits,
             )
 
     # -- step driver -----------------------------------------------------------------------
@@ -236,32 +299,30 @@ class Scheduler:
                             sw = self._work(seq, take)
                             seqs[r].append(sw)
                             entries.append((seq, seq.admitted, sw.sample))
+                            self._cache_full_blocks(seq)  # a decode's block waits for its token (on_results)
                         budget[r] -= take
             while self._waiting:
                 seq = self._waiting[0]
                 if seq.pending:  # preempted with a token in flight: recomputed once it is known
                     break
-                # the router with the fewest sequences among those that can take a new one this
-                # step (room, token budget, a free block): one router out of budget or room no
-                # longer stops admission to the others
+                # among the routers that can take a new sequence this step (room, token budget,
+                # free blocks for its first chunk after its cached prefix there), the routing
+                # policy's (a router lost takes none): one router out of budget or room does not stop
+                # admission to the others
+                hits = self._prefix_hits(seq)
                 open_ = [
-                    r
-                    for r in range(self.num_routers)
-                    if self._open[r]
-                    and len(self._running[r]) < self.limits.max_num_seqs
-                    and budget[r] > 0
-                    and blocks_for(min(len(seq.known), budget[r]), self.block_size) <= self._blocks[r].num_free
+                    r for r in range(self.num_routers) if self._open[r] and self._can_admit(r, seq, hits[r], budget[r])
                 ]
                 if not open_:
                     self._log_long_wait(seq, budget)
                     break
-                r = min(open_, key=lambda x: len(self._running[x]))
-                take = min(len(seq.known), budget[r])
+                r = self._route(open_, hits)
                 self._waiting.popleft()
-                seq.router, seq.admitted = r, next(self._admissions)
-                self._running[r][seq.seq_id] = seq
+                self._admit(r, seq, hits[r])
+                take = min(len(seq.known) - seq.cached, budget[r])
                 self._reserve(r, seq, take)
                 sw = self._work(seq, take)
+                self._cache_full_blocks(seq)
                 seqs[r].append(sw)
                 entries.append((seq, seq.admitted, sw.sample))
                 budget[r] -= take
@@ -281,6 +342,70 @@ class Scheduler:
             if entries:
                 self._issued.append((work, entries))
             return work
+
+    def _reads_prefix_cache(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may start with cached blocks: not when it needs the logits of every
+        prompt token (``return_logits == "all"``: echo with logprobs, prompt logprobs), which only
+        a computation of the whole prompt gives (as vLLM does)."""
+        return self.prefix_caching and seq.req.return_logits != "all"
+
+    def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
+        """Per router, the cached blocks ``seq`` would start with there: the longest cached
+        prefix of its known tokens in whole blocks, leaving at least its last token to compute
+        (it samples from that token's logits)."""
+        if not self._reads_prefix_cache(seq):
+            return [[] for _ in range(self.num_routers)]
+        extend_hashes(seq.hashes, seq.known, self.block_size, seq.root)
+        want = seq.hashes[: (len(seq.known) - 1) // self.block_size]
+        return [a.match(want) for a in self._blocks]
+
+    def _can_admit(self, r: int, seq: Sequence, hit: list[int], budget: int) -> bool:
+        """Router r has room for one more sequence, token budget left in this step, and free
+        blocks for ``seq``'s first chunk after the ``hit`` blocks it would start with there
+        (idle cached blocks among them count as free until it takes them)."""
+        if len(self._running[r]) >= self.limits.max_num_seqs or budget <= 0:
+            return False
+        have = len(hit) * self.block_size
+        need = blocks_for(have + min(len(seq.known) - have, budget), self.block_size) - len(hit)
+        alloc = self._blocks[r]
+        return need <= alloc.num_free - alloc.num_idle(hit)
+
+    def _route(self, open_: list[int], hits: list[list[int]]) -> int:
+        """The router of ``open_`` that a new sequence goes to (the module docstring)."""
+        if self.routing == "round_robin":
+            r = min(open_, key=lambda x: (x - self._turn - 1) % self.num_routers)
+            self._turn = r
+            return r
+        least = min(len(self._running[x]) for x in open_)
+        near = [x for x in open_ if len(self._running[x]) <= least + max(1, self.limits.max_num_seqs // 8)]
+        return max(near, key=lambda x: (len(hits[x]), -len(self._running[x]), -x))
+
+    def _admit(self, r: int, seq: Sequence, hit: list[int]) -> None:
+        """Pin ``seq`` to router r, starting with the cached blocks ``hit``."""
+        seq.router, seq.admitted = r, next(self._admissions)
+        self._running[r][seq.seq_id] = seq
+        self._blocks[r].share(hit)
+        seq.blocks, seq.hashed, seq.fresh = list(hit), len(hit), True
+        seq.cached = len(hit) * self.block_size
+        if seq.prefix_hit < 0:  # its first admission: what usage and the hit counters report
+            seq.prefix_hit = seq.cached
+            if self._reads_prefix_cache(seq):
+                self.prefix_queries += len(seq.req.prompt_ids)
+                self.prefix_hits += seq.cached
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer to the prefix cache every block of ``seq`` that the steps scheduled so far
+        fill and whose tokens the leader knows (a decode's token may still be in flight)."""
+        if not self.prefix_caching:
+            return
+        n = min(min(seq.cached, len(seq.known)) // self.block_size, len(seq.blocks))
+        if n <= seq.hashed:
+            return
+        extend_hashes(seq.hashes, seq.known, self.block_size, seq.root)
+        alloc = self._blocks[seq.router]
+        for i in range(seq.hashed, n):
+            alloc.cache(seq.blocks[i], seq.hashes[i])
+        seq.hashed = n
 
     def _log_long_wait(self, seq: Sequence, budget: list[int]) -> None:
         """Say once why the head of the queue has waited longer than ``LONG_WAIT_S``: every
@@ -327,16 +452,18 @@ class Scheduler:
         start = seq.cached
         known = seq.known
         last = start + take == len(known)
-        logits = seq.req.return_logits
+        fresh, seq.fresh = seq.fresh, False
         work = SeqWork(
             seq_id=seq.seq_id,
             token_ids=tuple(known[start : start + take]),
             start=start,
-            sampling=seq.req.sampling if start == 0 else None,
-            return_logits=logits if start == 0 or logits == "all" else logits and "last",
-            new_blocks=tuple(seq.new_blocks),
+            sampling=seq.req.sampling if fresh else None,
+            return_logits=seq.req.return_logits,
+            new_blocks=tuple(seq.blocks if fresh else seq.new_blocks),  # a fresh record: its whole table
             sample=last,
             out_pos=len(known) - len(seq.req.prompt_ids),
+            # scored in the first pass only: a sequence recomputed after its first token has them
+            prompt_logprobs=seq.req.prompt_logprobs if len(known) == len(seq.req.prompt_ids) else -1,
         )
         seq.cached = start + take
         if last:
@@ -345,19 +472,29 @@ class Scheduler:
         return work
 
     def _preempt(self, r: int, seq: Sequence) -> None:
-        self._blocks[r].free(seq.blocks)
-        seq.blocks, seq.cached, seq.partial_logits, seq.decoding = [], 0, [], False
+        self._blocks[r].free(seq.blocks)  # its cached blocks stay cached: it may find them again
+        seq.blocks, seq.cached, seq.hashed, seq.partial_logits, seq.decoding = [], 0, 0, [], False
+        seq.partial_plp = []
         del self._running[r][seq.seq_id]
         self._release[r].append(seq.seq_id)
         seq.queued_at, seq.wait_logged = time.monotonic(), False
         self._waiting.appendleft(seq)
         self.preemptions += 1
 
-    def on_results(self, work: tuple[RouterWork, ...], tokens: dict[int, int], logits: dict[int, np.ndarray]) -> None:
+    def on_results(
+        self,
+        work: tuple[RouterWork, ...],
+        tokens: dict[int, int],
+        logits: dict[int, np.ndarray],
+        plp: dict | None = None,
+    ) -> None:
         """Record the tokens sampled in the step that ran ``work`` (a value ``schedule``
         returned; its results may come after later steps were scheduled) and finish the
         sequences that are done. Tokens of sequences that finished or were cancelled meanwhile
-        are dropped; a preempted sequence keeps its token (it is recomputed with it)."""
+        are dropped; a preempted sequence keeps its token (it is recomputed with it). ``plp``:
+        the prompt logprobs (``PromptLogprobs``) each sequence's chunk scored, joined over
+        chunks and handed out with its first token."""
+        plp = plp or {}
         with self._lock:
             entry = None
             for i, (w, seqs) in enumerate(self._issued):
@@ -369,9 +506,13 @@ class Scheduler:
                 return
             for seq, admitted, samples in entry:
                 lg = logits.get(seq.seq_id)
+                pl = plp.get(seq.seq_id)
                 if not samples:  # a prefill chunk: nothing sampled yet
-                    if lg is not None and seq.admitted == admitted and seq.finished is None:
-                        seq.partial_logits.append(lg)
+                    if seq.admitted == admitted and seq.finished is None:
+                        if lg is not None:
+                            seq.partial_logits.append(lg)
+                        if pl is not None:
+                            seq.partial_plp.append(pl)
                     continue
                 seq.pending -= 1
                 if seq.finished is not None:  # finished or cancelled meanwhile
@@ -379,9 +520,17 @@ class Scheduler:
                 if seq.partial_logits and lg is not None:
                     lg = np.concatenate([*seq.partial_logits, lg])
                     seq.partial_logits = []
+                if pl is not None and seq.partial_plp:
+                    pl = PromptLogprobs.concat([*seq.partial_plp, pl])
+                seq.partial_plp = []
                 tok = tokens[seq.seq_id]
                 seq.known.append(tok)
-                seq.emit(Token(tok, lg))
+                if len(seq.known) // self.block_size > seq.hashed and seq.seq_id in self._running[seq.router]:
+                    self._cache_full_blocks(seq)  # a block its decodes filled may now be known whole
+                if len(seq.known) == len(seq.req.prompt_ids) + 1:  # says how much of the prompt was cached
+                    seq.emit(FirstToken(tok, lg, pl, max(seq.prefix_hit, 0)))
+                else:
+                    seq.emit(Token(tok, lg, pl))
                 reason = None
                 if tok in seq.eos_ids or tok in seq.req.stop_token_ids:
                     reason = FinishReason.STOP

@@ -40,18 +40,22 @@ engine returns with each token (``return_logits="last"``).
 The parts: this module (the Starlette app: routes, auth, body, generation), ``params``
 (request parsing and validation of the OpenAI parameters), ``choices`` (each choice's
 state, the request streams of a request, cancellation), ``encode`` (JSON, errors,
-server-sent events, logprobs and usage), ``server`` (uvicorn, TLS).
+server-sent events, logprobs and usage), ``tokens`` (/tokenize and /detokenize), ``server``
+(uvicorn, TLS).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import logging
 import secrets
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from moeserve import __version__
 from moeserve.router.engine.api import Unavailable
@@ -68,6 +72,7 @@ from moeserve.services.http.encode import (
     disconnected,
     json_response,
     logprobs_part,
+    prompt_logprobs_part,
     sse,
     usage,
 )
@@ -91,8 +96,15 @@ from moeserve.services.http.params import (
     parse_sampling,
 )
 from moeserve.services.http.server import HttpServer
+from moeserve.services.http.tokens import TokenRoutes
 from moeserve.services.limits import MAX_CHOICES, MAX_LOGPROBS, MAX_N, request_budget, request_cost
 from moeserve.services.tokenizer import Detokenizer, StopStrings
+
+if TYPE_CHECKING:
+    from moeserve.router.engine.api import GenerateRequest
+    from moeserve.services.readiness import Readiness
+
+log = logging.getLogger("moeserve.services.http")
 
 
 async def _until_disconnect(receive, coro):
@@ -146,14 +158,18 @@ def trim_memory() -> None:
 _TRIM: Any = None  # libc's malloc_trim, or False where there is none
 
 
-class HttpApi:
+class HttpApi(TokenRoutes):
     """The ASGI application (``app``) and its state.
 
     admission: the front end's shared admission path; served_models: the names a request's
     ``model`` may take (the first is the default); model_root: the model folder (shown by
     /v1/models); api_key: guards ``/v1/`` (None: open); registry: the Prometheus registry of
     /metrics (None: an empty answer); max_body_bytes: the largest request body (at most
-    :func:`body_limit` of the admission limits).
+    :func:`body_limit` of the admission limits); max_logprobs: the most top logprobs a request
+    may ask for (``--max-logprobs``; None: the admission limits'); generation_defaults: sampling defaults for what a request
+    leaves out (the model's ``generation_config.json``: ``params.GENERATION_DEFAULTS``);
+    vllm_metrics: a ``moeserve.ops.metrics.VllmMetrics`` refreshed from the leader's status
+    on every scrape of /metrics (None: none).
     """
 
     def __init__(
@@ -164,6 +180,9 @@ class HttpApi:
         api_key: str | None = None,
         registry=None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        max_logprobs: int | None = None,
+        generation_defaults: dict | None = None,
+        vllm_metrics=None,
     ):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
@@ -179,13 +198,21 @@ class HttpApi:
         self.max_body_bytes = min(max_body_bytes, body_limit(admission.limits))
         self.draining = False
         self._runs: weakref.WeakSet[Run] = weakref.WeakSet()  # requests in flight (cut_streams ends them)
-        self.readiness = None  # moeserve.services.readiness.Readiness of the front end (None: ask the leader)
+        self.readiness: Readiness | None = None  # the front end's (None: ask the leader)
         self.created = int(time.time())
+        if max_logprobs is not None:
+            self.max_logprobs = max_logprobs
+        self.defaults = dict(generation_defaults or {})
+        self.vllm_metrics = vllm_metrics
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -200,7 +227,9 @@ class HttpApi:
         async def server_error(request, exc: Exception):
             return api_error(exc).response()
 
-        self.app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+        # (Starlette types a handler's exception as Exception, whatever class it is registered for)
+        handlers: dict[Any, Callable[..., Any]] = {HTTPException: http_error, Exception: server_error}
+        self.app = Starlette(routes=routes, exception_handlers=handlers)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -219,6 +248,16 @@ class HttpApi:
             raise ApiError(401, "the Authorization header must read 'Bearer <key>'", code="invalid_api_key")
         if not hmac.compare_digest(key.strip().encode(), self._key):
             raise ApiError(401, "wrong API key", code="invalid_api_key")
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most top logprobs a request may ask for (``--max-logprobs``), kept in the
+        admission limits, which bound every request field (``limits.BOUNDS``)."""
+        return self.admission.limits.max_logprobs
+
+    @max_logprobs.setter
+    def max_logprobs(self, value: int) -> None:
+        self.admission.limits = dataclasses.replace(self.admission.limits, max_logprobs=value)
 
     def cut_streams(self, message: str) -> None:
         """End every request in flight with ``message`` (503): a stream sends it as an error
@@ -273,24 +312,36 @@ class HttpApi:
     async def chat_completions(self, request):
         return await self._generation(request, self._chat)
 
+    def _model_card(self, m: str) -> dict:
+        return {
+            "id": m,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "moeserve",
+            "root": self.model_root or m,
+            "parent": None,
+            "max_model_len": self.admission.limits.max_model_len,
+        }
+
     async def models(self, request):
         try:
             self._auth(request)
         except ApiError as e:
             return e.response()
-        data = [
-            {
-                "id": m,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "moeserve",
-                "root": self.model_root or m,
-                "parent": None,
-                "max_model_len": self.admission.limits.max_model_len,
-            }
-            for m in self.served_models
-        ]
-        return json_response({"object": "list", "data": data})
+        return json_response({"object": "list", "data": [self._model_card(m) for m in self.served_models]})
+
+    async def model(self, request):
+        """GET /v1/models/{id}: one served model, or 404 naming those served."""
+        try:
+            self._auth(request)
+            name = request.path_params["model_id"]
+            return json_response(self._model_card(parse_model({"model": name}, self.served_models)))
+        except ApiError as e:
+            return e.response()
+
+    def _ignored(self, unknown: list[str], route: str) -> None:
+        if unknown:
+            log.warning("%s: the request has fields moeserve ignores: %s", route, ", ".join(unknown))
 
     async def health(self, request):
         if self.draining:
@@ -318,13 +369,20 @@ class HttpApi:
 
         if self.registry is None:
             return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import generate_latest
 
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        from moeserve.ops.metrics import TEXT_FORMAT
+
+        if self.vllm_metrics is not None:
+            await self.vllm_metrics.refresh(self.admission.engine)
+
+        return Response(generate_latest(self.registry), media_type=TEXT_FORMAT)
 
     # -- generation ---------------------------------------------------------------------------
 
-    def _requests(self, prompts, s: Sampling):
+    def _requests(self, prompts, s: Sampling, texts: dict | None = None):
+        """One engine request and one Choice per (prompt, j < n); ``texts``: prompt ids -> the
+        text they were tokenized from (echo shows it as given)."""
         a = self.admission
         if len(prompts) * s.n > MAX_CHOICES:
             raise bad(
@@ -338,7 +396,8 @@ class HttpApi:
                 f"max_tokens); one request may hold at most {a.limits.request_tokens} (--max-request-tokens)",
                 "n" if s.n > 1 else "max_tokens",
             )
-        reqs, choices = [], []
+        reqs: list[GenerateRequest] = []
+        choices: list[Choice] = []
         for ids in prompts:
             max_tokens = s.max_tokens if s.max_tokens is not None else max(1, a.limits.max_model_len - len(ids))
             for j in range(s.n):
@@ -354,46 +413,65 @@ class HttpApi:
                         stop_token_ids=s.stop_token_ids,
                         ignore_eos=s.ignore_eos,
                         return_logits="last" if s.logprobs is not None else "",
+                        prompt_logprobs=s.prompt_top,
+                        min_p=s.min_p,
+                        presence_penalty=s.presence_penalty,
+                        frequency_penalty=s.frequency_penalty,
+                        repetition_penalty=s.repetition_penalty,
+                        min_tokens=s.min_tokens,
+                        logit_bias=s.logit_bias,
+                        cache_salt=s.cache_salt,
                     )
                 )
-                choices.append(
-                    Choice(
-                        len(choices),
-                        Detokenizer(a.tokenizer, s.skip_special_tokens),
-                        StopStrings(s.stops),
-                        frozenset(s.stop_token_ids),
-                        s.logprobs,
-                        s.include_stop_str,
-                        ids,
-                    )
+                choice = Choice(
+                    len(choices),
+                    Detokenizer(a.tokenizer, s.skip_special_tokens),
+                    StopStrings(s.stops),
+                    frozenset(s.stop_token_ids),
+                    s.logprobs,
+                    s.include_stop_str,
+                    ids,
+                    min_tokens=s.min_tokens,
                 )
+                if s.echo:  # a text prompt as given, ids as they decode
+                    given = (texts or {}).get(ids)
+                    choice.echo = (
+                        given if given is not None else Detokenizer.of(a.tokenizer, ids, s.skip_special_tokens)
+                    )
+                choices.append(choice)
         if s.stops and a.tokenizer is None:
             raise bad("stop strings need the model's tokenizer (this server has none): use stop_token_ids", "stop")
         return reqs, choices
 
     async def _completions(self, body: dict):
-        check_keys(body, COMPLETION_KEYS)
+        self._ignored(check_keys(body, COMPLETION_KEYS), "/v1/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, False, self.admission.limits)
+        s = parse_sampling(body, False, self.admission.limits, self.defaults)
         prompts = await parse_prompts(body, self.admission)
-        return await self._respond(model, prompts, s, chat=False)
+        texts = None
+        if s.echo:  # echo shows a text prompt as it was given
+            raw = body.get("prompt")
+            given: list = [raw] if isinstance(raw, str) else list(raw) if isinstance(raw, list) else []
+            texts = {ids: g for ids, g in zip(prompts, given) if isinstance(g, str)}
+        return await self._respond(model, prompts, s, chat=False, texts=texts)
 
     async def _chat(self, body: dict):
-        check_keys(body, CHAT_KEYS)
+        self._ignored(check_keys(body, CHAT_KEYS), "/v1/chat/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, True, self.admission.limits)
+        s = parse_sampling(body, True, self.admission.limits, self.defaults)
         messages = parse_messages(body)
         add_gen, kwargs = parse_chat_options(body)
         ids = await self.admission.chat_ids(messages, add_gen, kwargs)
         return await self._respond(model, [ids], s, chat=True)
 
-    async def _respond(self, model: str, prompts, s: Sampling, chat: bool):
-        reqs, choices = self._requests(prompts, s)
+    async def _respond(self, model: str, prompts, s: Sampling, chat: bool, texts: dict | None = None):
+        reqs, choices = self._requests(prompts, s, texts)
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         lim = self.admission.limits
-        share = lim.choices_in_flight if s.logprobs is None else max(1, lim.choices_in_flight // 4)
+        heavy = s.logprobs is not None or s.prompt_top >= 0  # logits sent back for every token or position
+        share = max(1, lim.choices_in_flight // 4) if heavy else lim.choices_in_flight
         run = Run(self.admission, reqs, share)
         self._runs.add(run)
         try:
@@ -411,36 +489,47 @@ class HttpApi:
         tok = self.admission.tokenizer
         out = []
         for c in choices:
-            part = {"index": c.index}
+            part: dict = {"index": c.index}
             if chat:
                 part["message"] = {"role": "assistant", "content": c.text}
             else:
-                part["text"] = c.text
+                part["text"] = (c.echo or "") + c.text
             part.update(
                 logprobs=logprobs_part(tok, c.logprobs, chat) if s.logprobs is not None else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
+            if s.prompt_logprobs is not None and not chat:
+                part["prompt_logprobs"] = self._prompt_lp(c, s)
             if s.return_token_ids:
                 if not chat:
                     part["prompt_token_ids"] = list(c.prompt_ids)
                 part["token_ids"] = list(c.token_ids)
             out.append(part)
-        body = {
+        body: dict = {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": model,
             "choices": out,
-            "usage": usage(prompt_tokens, choices),
+            "usage": usage(prompt_tokens, choices, s.n),
         }
         if chat and s.return_token_ids:
             body["prompt_token_ids"] = list(prompts[0])
+        if chat and s.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._prompt_lp(choices[0], s)
         return json_response(body, headers={"x-request-id": rid})
+
+    def _prompt_lp(self, c: Choice, s: Sampling) -> list | None:
+        if c.prompt_lp is None:
+            return None
+        return prompt_logprobs_part(self.admission.tokenizer, c.prompt_ids, c.prompt_lp, s.prompt_logprobs or 0)
 
     async def _chunks(self, run: Run, choices, rid, created, model, prompt_tokens, s: Sampling, chat: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
-        extra = {"usage": None} if s.include_usage else {}
+        extra: dict = {"usage": None} if s.include_usage else {}
+        if s.continuous_usage:  # every chunk carries the usage so far
+            extra["usage"] = usage(prompt_tokens, choices)
         tok = self.admission.tokenizer
         # A chunk per token, even one whose text is held back (or empty: no tokenizer), when the
         # client asked for the ids or has no text to see tokens arrive by.
@@ -468,6 +557,8 @@ class HttpApi:
                         part["token_ids"] = []
                     yield chunk([part])
             async for c, text, entries in drive(run, choices):
+                if c.echo is not None and not c.echo_sent:
+                    text, c.echo_sent = c.echo + text, True
                 if not text and not entries and not c.done and not every_token:
                     continue
                 lp = logprobs_part(tok, entries, chat) if s.logprobs is not None else None
@@ -478,6 +569,11 @@ class HttpApi:
                     part["delta"] = {"content": text} if text else {}
                 else:
                     part["text"] = text
+                    if s.prompt_logprobs is not None and c.prompt_lp is not None and not c.plp_sent:
+                        part["prompt_logprobs"] = self._prompt_lp(c, s)
+                        c.plp_sent = True
+                if s.continuous_usage:
+                    extra["usage"] = usage(prompt_tokens, choices)
                 if s.return_token_ids:
                     if not chat and not c.prompt_sent:
                         part["prompt_token_ids"] = list(c.prompt_ids)
@@ -492,7 +588,7 @@ class HttpApi:
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": usage(prompt_tokens, choices),
+                        "usage": usage(prompt_tokens, choices, s.n),
                     }
                 )
         except Exception as e:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeserve.router.engine.api import Finished, FinishReason, Token, Unavailable
+from moeserve.router.engine.api import Finished, FinishReason, FirstToken, Token, Unavailable
 from moeserve.services.admission import Admission
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
@@ -48,7 +48,13 @@ class Choice:
     last_token: int | None = None
     logprobs: list = field(default_factory=list)  # (token id, logprob, [(id, logprob)], text offset)
     ids_sent: int = 0  # token ids already sent in chunks
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (the first token says)
     prompt_sent: bool = False  # a chunk already carried prompt_token_ids
+    min_tokens: int = 0  # stop strings count from this many tokens on (vLLM's min_tokens)
+    echo: str | None = None  # echo: the prompt's text, before the generated text
+    echo_sent: bool = False  # a chunk already carried it
+    prompt_lp: object = None  # the PromptLogprobs of the prompt (with the first token)
+    plp_sent: bool = False  # a chunk already carried prompt_logprobs
 
     @property
     def token_ids(self) -> list[int]:
@@ -62,8 +68,14 @@ class Choice:
 
     def on_token(self, ev: Token) -> tuple[str, list]:
         self.tokens += 1
+        if isinstance(ev, FirstToken):
+            self.cached_tokens = ev.cached_tokens
         self.last_token = ev.token_id
         entries = []
+        if ev.prompt_logprobs is not None:
+            self.prompt_lp = ev.prompt_logprobs
+            if self.echo is not None and self.top_n is not None:
+                entries.extend(self._prompt_entries(ev.prompt_logprobs))
         if self.top_n is not None:
             lp = log_softmax_row(ev.logits[-1]) if ev.logits is not None else None
             if lp is None:
@@ -74,13 +86,14 @@ class Choice:
                 idx = np.argpartition(-lp, k - 1)[:k]
                 idx = idx[np.argsort(-lp[idx], kind="stable")]
                 top = [(int(t), float(lp[t])) for t in idx]
-            entries.append((ev.token_id, float(lp[ev.token_id]), top, len(self.detok.text)))
+            base = len(self.echo or "")
+            entries.append((ev.token_id, float(lp[ev.token_id]), top, base + len(self.detok.text)))
             self.logprobs.extend(entries)
         self.detok.add(ev.token_id)
-        out, stopped = self.stops.feed(self.detok.text)
+        out, stopped = self.stops.feed(self.detok.text, match=self.tokens >= self.min_tokens)
         if stopped:
             self._stop(out)
-            out = out + (self.stops.matched if self.include_stop else "")
+            out = out + ((self.stops.matched or "") if self.include_stop else "")  # (matched: set when stopped)
         self.text += out
         return out, entries
 
@@ -89,13 +102,29 @@ class Choice:
         self.finish_reason = "stop"
         self.stop_reason = self.stops.matched
 
+    def _prompt_entries(self, plp) -> list:
+        """echo's logprobs of the prompt: (id, logprob, [(id, logprob)], text offset) per prompt
+        token, the first without a logprob (nothing comes before it)."""
+        text = Detokenizer(self.detok.tok, self.detok.skip)  # offsets into the prompt's text as echoed
+        out: list[tuple] = []
+        k = self.top_n or 0
+        for i, t in enumerate(self.prompt_ids):
+            off = len(text.text)
+            if i == 0:
+                out.append((t, None, None, off))
+            else:
+                top = [(int(a), float(b)) for a, b in zip(plp.top_ids[i - 1][:k], plp.top_logprobs[i - 1][:k])]
+                out.append((t, float(plp.logprob[i - 1]), top, off))
+            text.add(t)
+        return out
+
     def on_finish(self, reason) -> str:
         self.detok.flush()
-        out, stopped = self.stops.feed(self.detok.text, final=True)
+        out, stopped = self.stops.feed(self.detok.text, final=True, match=self.tokens >= self.min_tokens)
         self.done = True
         if stopped:
             self._stop(out)
-            out = out + (self.stops.matched if self.include_stop else "")
+            out = out + ((self.stops.matched or "") if self.include_stop else "")  # (matched: set when stopped)
         else:
             self.finish_reason = FINISH.get(reason, str(reason))
             if reason == FinishReason.STOP and self.last_token in self.stop_ids:
@@ -148,7 +177,7 @@ class Run:
     async def prime(self) -> None:
         """Wait until every choice started so far has its first event; raise the first refusal
         (choices started later share these ones' parameters, so the leader takes them too)."""
-        seen = set()
+        seen: set[int] = set()  # choice indices
         while len(seen) < min(self.share, len(self.reqs)):
             i, item = await self.queue.get()
             if isinstance(item, BaseException):

@@ -126,36 +126,65 @@ class EventStream:
             gone.cancel()
             await asyncio.wait({work, gone})
             await self.chunks.aclose()
-        if (
-            work.done()
-            and not work.cancelled()
-            and work.exception() is not None
-            and not isinstance(work.exception(), OSError)
-        ):
-            raise work.exception()
+        if work.done() and not work.cancelled():
+            exc = work.exception()
+            if exc is not None and not isinstance(exc, OSError):
+                raise exc
 
 
 # -- the parts of a response ------------------------------------------------------------------
 
 
-def finite(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0
+def finite(x: float | None) -> float | None:
+    """A logprob as JSON can carry it (-inf: -9999, as vLLM writes it); None stays None."""
+    return None if x is None else x if math.isfinite(x) else -9999.0
 
 
-def usage(prompt_tokens: int, choices) -> dict:
+def usage(prompt_tokens: int, choices, n: int = 1) -> dict:
+    """OpenAI's usage of a request's choices, ``n`` per prompt (each prompt counted once, the
+    cached tokens of its first choice with it)."""
     done = sum(c.tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    cached = sum(c.cached_tokens for c in choices[::n])
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": done,
+        "total_tokens": prompt_tokens + done,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def completion_logprobs(tokenizer, entries) -> dict:
-    """/v1/completions' logprobs of (token id, logprob, [(id, logprob)], text offset) entries."""
+    """/v1/completions' logprobs of (token id, logprob, [(id, logprob)], text offset) entries;
+    echo's first prompt token has None for its logprob and top logprobs."""
     text = tokenizer.token_text if tokenizer is not None else str
     return {
         "tokens": [text(t) for t, _, _, _ in entries],
         "token_logprobs": [finite(lp) for _, lp, _, _ in entries],
-        "top_logprobs": [{**{text(i): finite(v) for i, v in top}, text(t): finite(lp)} for t, lp, top, _ in entries],
+        "top_logprobs": [
+            None if top is None else {**{text(i): finite(v) for i, v in top}, text(t): finite(lp)}
+            for t, lp, top, _ in entries
+        ],
         "text_offset": [off for _, _, _, off in entries],
     }
+
+
+def prompt_logprobs_part(tokenizer, prompt_ids, plp, k: int) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then an object of token
+    id -> {logprob, rank, decoded_token} holding the token itself and the ``k`` most likely."""
+    text = tokenizer.token_text if tokenizer is not None else str
+    out: list = [None]
+    for i, t in enumerate(list(prompt_ids)[1:]):
+        entry = {
+            str(int(a)): {"logprob": finite(float(b)), "rank": r + 1, "decoded_token": text(int(a))}
+            for r, (a, b) in enumerate(zip(plp.top_ids[i][:k], plp.top_logprobs[i][:k]))
+        }
+        entry[str(int(t))] = {
+            "logprob": finite(float(plp.logprob[i])),
+            "rank": int(plp.rank[i]),
+            "decoded_token": text(int(t)),
+        }
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(tokenizer, entries) -> dict:
@@ -190,6 +219,7 @@ __all__ = [
     "completion_logprobs",
     "chat_logprobs",
     "logprobs_part",
+    "prompt_logprobs_part",
     "finite",
     "ERROR_TYPES",
     "SSE_HEADERS",

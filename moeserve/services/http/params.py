@@ -5,8 +5,9 @@ messages as the template sees them). Every refusal is an :class:`~moeserve.servi
 (400) that names the parameter.
 
 Parameters of OpenAI's or vLLM's API that moeserve does not support answer 400 naming them
-unless they hold their "not used" value; unknown ones are refused too (a typo is not silently
-ignored).
+unless they hold their "not used" value; unknown ones are ignored with a logged warning, as
+vLLM does (they still count against the request's body limit). Every number is checked against
+its range where it is read: the 400 names the range.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from moeserve.router.engine.api import MAX_CACHE_SALT_BYTES
+from moeserve.sampling import MAX_LOGIT_BIAS
 from moeserve.services.http.encode import ApiError, bad
 from moeserve.services.limits import (
     MAX_N,
@@ -64,13 +67,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 # Parameters of OpenAI's or vLLM's API that moeserve does not support, each with the values
 # that mean "not used" (accepted); None always means not used.
 UNSUPPORTED = {
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
     "length_penalty": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
-    "min_p": lambda v: v == 0,
-    "min_tokens": lambda v: v == 0,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
@@ -84,7 +81,6 @@ UNSUPPORTED = {
     "continue_final_message": lambda v: v is False,
     "modalities": lambda v: v == ["text"],
     "priority": lambda v: v == 0,
-    "prompt_logprobs": lambda v: False,
     "guided_json": lambda v: False,
     "guided_regex": lambda v: False,
     "guided_choice": lambda v: False,
@@ -104,6 +100,14 @@ COMMON = {
     "model",
     "n",
     "max_tokens",
+    "max_completion_tokens",
+    "min_p",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "prompt_logprobs",
     "temperature",
     "top_p",
     "top_k",
@@ -117,28 +121,31 @@ COMMON = {
     "skip_special_tokens",
     "include_stop_str_in_output",
     "return_token_ids",
+    "cache_salt",
 }
-COMPLETION_KEYS = COMMON | {"prompt"}
+COMPLETION_KEYS = COMMON | {"prompt", "echo"}
 CHAT_KEYS = COMMON | {
     "messages",
-    "max_completion_tokens",
     "top_logprobs",
     "add_generation_prompt",
     "chat_template_kwargs",
 }
 
 
-def check_keys(body: dict, known: set[str]) -> None:
+def check_keys(body: dict, known: set[str]) -> list[str]:
+    """The fields of ``body`` this API does not know (ignored, as vLLM ignores them: the caller
+    logs them); 400 for a parameter moeserve does not support, unless at its "not used" value."""
     unknown = sorted(k for k in body if k not in known and k not in UNSUPPORTED and k not in IGNORED)
-    if unknown:
-        raise bad(f"unknown parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}", unknown[0])
-    refused = sorted(k for k in body if k in UNSUPPORTED and body[k] is not None and not _neutral(k, body[k]))
+    refused = sorted(
+        k for k in body if k in UNSUPPORTED and k not in known and body[k] is not None and not _neutral(k, body[k])
+    )
     if refused:
         raise bad(
             f"moeserve does not support {', '.join(refused)} (leave {'them' if len(refused) > 1 else 'it'} "
             f"out or at the default)",
             refused[0],
         )
+    return unknown
 
 
 def _neutral(name: str, value) -> bool:
@@ -167,30 +174,61 @@ class Sampling:
     skip_special_tokens: bool
     include_stop_str: bool
     return_token_ids: bool = False  # vLLM's extension: each choice (and chunk) carries its token ids
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    echo: bool = False  # completions: the prompt's text (and with logprobs its tokens' logprobs) first
+    prompt_logprobs: int | None = None  # vLLM's extension: top tokens per prompt position
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+
+    cache_salt: str = ""  # vLLM's extension: cached KV blocks are shared only within one salt
+
+    @property
+    def prompt_top(self) -> int:
+        """Top tokens per prompt position the engine must score (-1: none)."""
+        want = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(want) if want else -1
 
 
 def _bounded(body: dict, name: str, limits, default=None):
     return bounded(name, body.get(name), limits, default)
 
 
-def parse_sampling(body: dict, chat: bool, limits) -> Sampling:
+# The sampling defaults a model's generation_config.json may set (vLLM's names there).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+def parse_sampling(body: dict, chat: bool, limits, defaults: dict | None = None) -> Sampling:
     """The request's sampling parameters, each checked against its row of
-    ``moeserve.services.limits.BOUNDS`` (``limits``: the front end's ``AdmissionLimits``)."""
+    ``moeserve.services.limits.BOUNDS`` (``limits``: the front end's ``AdmissionLimits``; top
+    logprobs are bounded by its ``max_logprobs``, ``--max-logprobs``), with ``defaults`` (the
+    model's generation config: :data:`GENERATION_DEFAULTS`) where the request gives none."""
+    d = defaults or {}
     n = _bounded(body, "n", limits, 1)
     max_tokens = _bounded(body, "max_tokens", limits)
-    if chat:
-        mct = _bounded(body, "max_completion_tokens", limits)
-        if mct is not None and max_tokens is not None and mct != max_tokens:
-            raise bad(
-                f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree: give one",
-                "max_completion_tokens",
-            )
-        max_tokens = mct if mct is not None else max_tokens
-    elif max_tokens is None:
-        max_tokens = DEFAULT_COMPLETION_TOKENS
-    temperature = _bounded(body, "temperature", limits, 1.0)
-    top_p = _bounded(body, "top_p", limits, 1.0)
-    top_k = _bounded(body, "top_k", limits, 0)
+    mct = _bounded(body, "max_completion_tokens", limits)
+    if mct is not None and max_tokens is not None and mct != max_tokens:
+        raise bad(
+            f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree: give one",
+            "max_completion_tokens",
+        )
+    max_tokens = mct if mct is not None else max_tokens
+    if max_tokens is None:
+        max_tokens = d.get("max_tokens") or (None if chat else DEFAULT_COMPLETION_TOKENS)
+    temperature = _bounded(body, "temperature", limits, d.get("temperature", 1.0))
+    top_p = _bounded(body, "top_p", limits, d.get("top_p", 1.0))
+    top_k = _bounded(body, "top_k", limits, d.get("top_k", 0))
+    min_p = _bounded(body, "min_p", limits, d.get("min_p", 0.0))
+    presence = _bounded(body, "presence_penalty", limits, 0.0)
+    frequency = _bounded(body, "frequency_penalty", limits, 0.0)
+    repetition = _bounded(body, "repetition_penalty", limits, d.get("repetition_penalty", 1.0))
+    min_tokens = _bounded(body, "min_tokens", limits, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad(f"min_tokens must be in 0..{max_tokens} (at most max_tokens), got {min_tokens}", "min_tokens")
+    logit_bias = parse_logit_bias(body, limits)
     seed = _bounded(body, "seed", limits)
     if seed is not None and seed + n - 1 > MAX_SEED:
         raise bad(f"seed + n - 1 must be <= {MAX_SEED} (choice j is sampled with seed + j)", "seed")
@@ -215,16 +253,20 @@ def parse_sampling(body: dict, chat: bool, limits) -> Sampling:
     stop_ids = list(token_ids(stop_ids, limits, "stop_token_ids", "stop_token_ids"))
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not stream:
             raise bad("stream_options is only allowed with stream: true", "stream_options")
         if not isinstance(opts, dict):
             raise bad(f"stream_options must be an object, got {_show(opts)}", "stream_options")
-        unknown = sorted(set(opts) - {"include_usage"})
+        unknown = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
         if unknown:
-            raise bad(f"stream_options has unsupported keys {unknown}; supported: include_usage", "stream_options")
+            raise bad(
+                f"stream_options has unsupported keys {unknown}; supported: include_usage, continuous_usage_stats",
+                "stream_options",
+            )
         include_usage = _bool(opts, "include_usage", False)
+        continuous = _bool(opts, "continuous_usage_stats", False)
     if chat:
         want = _bool(body, "logprobs", False)
         top = _bounded(body, "top_logprobs", limits)
@@ -233,6 +275,11 @@ def parse_sampling(body: dict, chat: bool, limits) -> Sampling:
         logprobs = (top or 0) if want else None
     else:
         logprobs = _bounded(body, "logprobs", limits)
+    prompt_logprobs = _bounded(body, "prompt_logprobs", limits)
+    echo = False if chat else _bool(body, "echo", False)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt.encode()) > MAX_CACHE_SALT_BYTES):
+        raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_BYTES} bytes", "cache_salt")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n and best_of != 1:
         raise bad("moeserve does not support best_of (other than n)", "best_of")
@@ -252,7 +299,39 @@ def parse_sampling(body: dict, chat: bool, limits) -> Sampling:
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         include_stop_str=_bool(body, "include_stop_str_in_output", False),
         return_token_ids=_bool(body, "return_token_ids", False),
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        min_tokens=min_tokens,
+        logit_bias=logit_bias,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
+        continuous_usage=include_usage and continuous,
+        cache_salt=salt or "",
     )
+
+
+def parse_logit_bias(body: dict, limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object of token ids (as strings of ASCII digits) to a bias,
+    at most MAX_LOGIT_BIAS of them (the count is checked before anything else is read); each id
+    against the vocabulary the front end knows and each bias against its row of ``BOUNDS``."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise bad(f"logit_bias must be an object of token id -> bias, got {_show(raw)}", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise bad(f"logit_bias has {len(raw)} tokens; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out = []
+    for k, v in raw.items():
+        key = k.strip() if isinstance(k, str) else ""
+        # ASCII only: str.isdigit() takes "²", which int() refuses
+        if not key.isascii() or not key.isdigit() or len(key) > 10:
+            raise bad(f"logit_bias keys must be token ids (integers >= 0), got {_show(k)}", "logit_bias")
+        (tid,) = token_ids([int(key)], limits, "logit_bias keys", "logit_bias")
+        out.append((tid, bounded("logit_bias", v, limits, what=f"the logit_bias of token {tid}")))
+    return tuple(sorted(out))
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -271,11 +350,12 @@ def parse_messages(body: dict) -> list[dict]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {_show(role)}", "messages")
-        if m.get("tool_calls"):
-            raise bad(f"{where} has tool_calls: moeserve does not support tools", "messages")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise bad(f"{where}.tool_calls must be a list of objects, got {_show(calls)}", "messages")
         content = m.get("content")
         if content is None:
-            if role != "assistant":
+            if role not in ("assistant", "tool"):
                 raise bad(f"{where}.content is missing", "messages")
             content = ""
         elif isinstance(content, list):

@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moeserve.services.http.door import DoorLimits, protocol
+
+if TYPE_CHECKING:
+    import uvicorn
 
 CUT_S = 5.0  # after the grace period: time for cut streams to send their error event and end
 
@@ -40,7 +44,7 @@ class HttpServer:
         self.api, self.host, self.port, self.grace_s = api, host, port, grace_s
         self.ssl_certfile, self.ssl_keyfile = ssl_certfile or None, ssl_keyfile or None
         self.door = door or DoorLimits()
-        self.server = None
+        self.server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
     @property
@@ -49,6 +53,7 @@ class HttpServer:
 
     def _check_files(self) -> None:
         for what, f in (("certificate", self.ssl_certfile), ("key", self.ssl_keyfile)):
+            assert f is not None  # called with a certificate, which __init__ pairs with its key
             if not Path(f).is_file():
                 raise OSError(f"cannot serve HTTPS: the {what} {f} is not a file")
 
