@@ -9,7 +9,8 @@ default 1: only the streams), then the attack phase (`--minutes`): every `--atta
 seconds one of the requests the front door must refuse or bound (a `top_k` of 2**63, a prompt
 id of 10**30, a lone surrogate, a 5.5 MB and a 1.2 MB `chat_template_kwargs` value (over the
 body limit and under it: 413 and the budget's 400), 150k empty messages, a
-64 MB header line, 100 slowloris connections, a request of 4 prompts x n=64 with logprobs, a
+64 MB header line, 100 slowloris connections, a request of 4 prompts x n=64 with logprobs and
+one with prompt logprobs and penalties, a `logit_bias` id past int32, a `min_tokens` of 2**63, a
 stranger's write to the ranks' store), a live rebalance through the balancer every
 `--rebalance-every` seconds (20), and one router killed (SIGKILL) at `--kill-at` of the phase;
 the launcher replaces it and it rejoins.
@@ -19,7 +20,8 @@ Reports requests completed, lost and with wrong tokens (both must be 0), what ea
 the clean phase and in the attack phase outside the recovery window (from the kill until the
 replacement rejoined, plus 2 s; the p99 must be within 2x of the clean one), and the front end's
 resident memory at the start and end of the attack phase (flat: within 50 MB). Prints a table
-and writes JSON (default benchmarks/results/soak.json). Not part of CI (a short run of it is:
+and writes JSON (default benchmarks/results/soak.json) with the command, the commit and the
+machine (CPUs, load average before and after). Not part of CI (a short run of it is:
 tests/test_soak.py).
 """
 
@@ -29,6 +31,7 @@ import argparse
 import http.client
 import json
 import os
+import platform
 import random
 import secrets
 import signal
@@ -48,6 +51,9 @@ import torch  # noqa: E402
 from moeserve.client import Client, MoeserveError  # noqa: E402
 from moeserve.models import init_model, load_model  # noqa: E402
 from moeserve.ops.procs import UpProcess  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servinglib.common import git_commit  # noqa: E402
 
 STARTUP_TIMEOUT_S = 600.0
 RSS_FLAT_MB = 50.0
@@ -235,6 +241,8 @@ def attacks(http_port: int, up_pid: int) -> list[tuple[str, set[int], object]]:
     hi = [{"role": "user", "content": "hi"}]
     js = lambda obj: json.dumps(obj).encode()  # noqa: E731
     many = {"prompt": [[5, 6, 7, 8]] * 4, "n": 64, "max_tokens": 8, "logprobs": 5, "temperature": 0.7, "seed": 3}
+    many_prompt_lp = {**many, "logprobs": None, "prompt_logprobs": 5, "presence_penalty": 1.5, "min_p": 0.05}
+    short = {"prompt": [5, 6], "max_tokens": 2}
     return [
         ("top_k of 2**63", {400}, lambda: post(http_port, js({"prompt": [5, 6], "max_tokens": 2, "top_k": 2**63}))),
         ("prompt id of 10**30", {400}, lambda: post(http_port, js({"prompt": [5, 10**30], "max_tokens": 2}))),
@@ -269,6 +277,13 @@ def attacks(http_port: int, up_pid: int) -> list[tuple[str, set[int], object]]:
         ("64 MB header line", {431}, lambda: huge_header(http_port)),
         ("100 slowloris connections", {408}, lambda: slowloris(http_port)),
         ("4 prompts x n=64 with logprobs", {200}, lambda: post(http_port, js(many))),
+        ("4 prompts x n=64 with prompt logprobs", {200}, lambda: post(http_port, js(many_prompt_lp))),
+        (
+            "logit_bias of an id past int32",
+            {400},
+            lambda: post(http_port, js({**short, "logit_bias": {str(2**40): 5}})),
+        ),
+        ("min_tokens of 2**63", {400}, lambda: post(http_port, js({**short, "min_tokens": 2**63}))),
         ("a stranger's store write", {403}, lambda: stranger_write(up_pid)),
     ]
 
@@ -290,6 +305,7 @@ def main() -> int:
     ap.add_argument("--json", default=os.path.join(REPO, "benchmarks", "results", "soak.json"))
     args = ap.parse_args()
 
+    load_before = round(os.getloadavg()[0], 2)
     work = tempfile.mkdtemp(prefix="moeserve-soak-")
     path = init_model(os.path.join(work, "model"), family="llama4", seed=5, hot_experts=2)
     model = load_model(path, dtype=torch.float32)
@@ -453,6 +469,14 @@ def main() -> int:
     surprises = [o for o in outcomes if o["got"] not in o["expected"]]
     result = dict(
         command=" ".join(sys.argv),
+        git=git_commit(),
+        device=dict(
+            kind="cpu",
+            machine=platform.machine(),
+            cpus=os.cpu_count(),
+            loadavg_before=load_before,
+            loadavg_after=round(os.getloadavg()[0], 2),
+        ),
         minutes=args.minutes,
         clean_minutes=args.clean_minutes,
         routers=routers,
