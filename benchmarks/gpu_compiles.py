@@ -10,7 +10,9 @@ with their torch references. One H200, under a minute:
    prefill and mixed steps of 1-256 sequences. Its compiles are counted by kernel: the expert
    kernels and the race should add none, and attention at most one per launch configuration.
 3. Each kernel's output is compared with its torch path on one case (expert MLP: the slot
-   loop; attention: the torch path; race: the torch race, token for token).
+   loop; GPT-OSS's experts, biases and the clamped SwiGLU: torch's ops around
+   ``torch._grouped_mm``; attention, also with a sliding window and sinks: the torch path;
+   race: the torch race, token for token).
 
 ``moeserve.kernels.compilelog`` counts the compiles (Triton's JIT hooks, as ranks log them). Prints
 a table and writes JSON (``--json``, default benchmarks/results/gpu-compiles.json).
@@ -64,7 +66,7 @@ def main() -> int:
     small = a.cpu_check
     from moeserve import kernels as K
     from moeserve import sampling as S
-    from moeserve.expert_worker.store import expert_block_m_for, grouped_forward
+    from moeserve.expert_worker.store import expert_act, expert_block_m_for, grouped_forward, grouped_mm_forward
     from moeserve.kernels import compilelog
     from moeserve.models.attention import attention_config, paged_attention_torch, paged_attention_triton
     from moeserve.models.moe import ExpertSpec
@@ -144,6 +146,18 @@ def main() -> int:
     want = grouped_forward(spec, x, w, per, offs).float()
     out["expert_mlp_max_abs_err"] = float((got - want).abs().max())
     out["expert_mlp_max_abs"] = float(want.abs().max())
+    ospec = ExpertSpec(spec.hidden_size, spec.intermediate_size, "clamped_swiglu", True, spec.dtype)
+    ow = ospec.views((torch.randn(slots, ospec.numel, device=dev) * 0.05).to(spec.dtype))
+    ow["gate_up_bias"].normal_()
+    ow["down_bias"].normal_()
+    act = expert_act(ospec, ow)
+    before = dict(COMPILES)
+    K.warm_up_expert_mlp(ow["gate_up"], ow["down"], None, spec.dtype, act)
+    out["gpt_oss_expert_warm_up_compiles"] = {k: v - before.get(k, 0) for k, v in COMPILES.items()}
+    got = K.expert_mlp(x, ow["gate_up"], ow["down"], offs, 32, act=act)[: sum(per)].float()
+    ref = grouped_mm_forward(ospec, x, ow, offs) if dev.type == "cuda" else grouped_forward(ospec, x, ow, per, offs)
+    out["gpt_oss_expert_mlp_max_abs_err"] = float((got - ref[: sum(per)].float()).abs().max())
+    out["gpt_oss_expert_mlp_max_abs"] = float(ref.float().abs().max())
     batch, blocks = batch_of([1, 37, 1, 200], [500, 0, 40, 100], bs, dev)
     q = torch.randn(batch.num_tokens, hq, d, device=dev, dtype=adtype)
     kp = torch.randn(blocks * bs, hkv, d, device=dev, dtype=adtype)
@@ -151,6 +165,12 @@ def main() -> int:
     at = paged_attention_triton(q, kp, vp, batch, scale=d**-0.5, chunk=None).float()
     ar = paged_attention_torch(q, kp, vp, batch, scale=d**-0.5, chunk=None, softmax_fp32=True).float()
     out["attention_max_abs_err"] = float((at - ar).abs().max())
+    sinks = torch.randn(hq, device=dev)
+    at = paged_attention_triton(q, kp, vp, batch, scale=d**-0.5, chunk=None, window=128, sinks=sinks).float()
+    ar = paged_attention_torch(
+        q, kp, vp, batch, scale=d**-0.5, chunk=None, softmax_fp32=True, window=128, sinks=sinks
+    ).float()
+    out["attention_window_sinks_max_abs_err"] = float((at - ar).abs().max())
     nb = 8 if small else 64
     params = [mix[i % 2] for i in range(nb)]
     st = S.SamplingTensors.build(params, list(range(nb)), [7] * nb, dev)
@@ -168,6 +188,11 @@ def main() -> int:
         f"expert MLP vs slot loop: max abs err {out['expert_mlp_max_abs_err']:.3g} "
         f"(max abs {out['expert_mlp_max_abs']:.3g}); attention vs torch: max abs err "
         f"{out['attention_max_abs_err']:.3g}; race tokens equal torch's: {out['race_tokens_equal_torch']}"
+    )
+    print(
+        f"GPT-OSS experts vs grouped_mm: max abs err {out['gpt_oss_expert_mlp_max_abs_err']:.3g} (max abs "
+        f"{out['gpt_oss_expert_mlp_max_abs']:.3g}), warm-up compiles {out['gpt_oss_expert_warm_up_compiles']}; "
+        f"attention with a window and sinks vs torch: max abs err {out['attention_window_sinks_max_abs_err']:.3g}"
     )
     os.makedirs(os.path.dirname(a.json), exist_ok=True)
     with open(a.json, "w") as f:

@@ -3,6 +3,8 @@
 
     python benchmarks/serving.py --shape scout8       # 2 GPUs, about 8 minutes
     python benchmarks/serving.py --shape ernie28
+    python3 benchmarks/serving.py --shape qwen3_30b --configs moeserve-1rank --workloads burst   # 1 GPU
+    python3 benchmarks/serving.py --shape gptoss20b --configs moeserve-1rank --workloads burst   # 1 GPU
     python benchmarks/serving.py --smoke              # CPU: tiny shape, gloo, 1 rank, a few requests
     python benchmarks/serving.py --shape scout8 --apis grpc,http     # also through the HTTP API
     python3 benchmarks/serving.py --shape scout8 --configs moeserve-ep2 --workloads eplb   # EPLB end to end, 2 GPUs
@@ -18,7 +20,13 @@ folder is a ``config.json`` written here, nothing is downloaded. Shapes (bf16):
   experts of width 8192 top-1, one shared expert, every layer MoE, chunked attention 8192,
   NoPE every 4th layer, llama3 RoPE scaling, vocab 202,048) cut to 8 decoder layers;
 - ``ernie28``: ERNIE-4.5-21B-A3B's published config.json (28 layers, hidden 2560, 64 experts
-  top-6 of width 1536, 2 shared experts, layer 0 dense, vocab 103,424).
+  top-6 of width 1536, 2 shared experts, layer 0 dense, vocab 103,424);
+- ``qwen3_30b``: Qwen3-30B-A3B's published config.json (48 layers, hidden 2048, 32 / 4 heads of
+  128 with qk-norm, 128 experts top-8 of width 768 renormalised, vocab 151,936; 61 GB in bf16);
+- ``gptoss20b``: GPT-OSS-20B's published config.json (24 layers alternating a window of 128 and
+  full attention with sinks, hidden 2880, 64 / 8 heads of 64 with biases, YaRN, 32 experts top-4
+  of width 2880 with biases and the clamped SwiGLU, vocab 201,088), its experts in bf16 (the
+  published checkpoint's MXFP4 is not served; 42 GB in bf16).
 
 Configurations, side by side in one run, each in its own processes, freed before the next:
 
@@ -193,7 +201,10 @@ def parse(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--shape", choices=sorted(SHAPES), default=None, help="scout8, scout48, maverick12 or ernie28 (smoke: tiny)"
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="scout8, scout48, maverick12, ernie28, qwen3_30b or gptoss20b (smoke: tiny)",
     )
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shape, gloo, 1 rank, a few requests")
     p.add_argument(
@@ -316,7 +327,7 @@ def parse(argv=None) -> argparse.Namespace:
     if a.shape is None:
         a.shape = "tiny" if smoke else None
     if a.shape is None:
-        p.error("--shape scout8|ernie28 (or --smoke)")
+        p.error("--shape scout8|ernie28|qwen3_30b|gptoss20b|... (or --smoke)")
     defaults = dict(
         burst_requests=(8, 256),
         burst_prompt=(16, 128),
@@ -489,7 +500,7 @@ def main(argv=None) -> int:
         load_format="dummy",
         apis=a.apis,
         tokenizer=a.tokenizer,
-        model={k: v for k, v in sizes.items() if k not in ("chunked", "kv_layer_token", "eos")},
+        model={k: v for k, v in sizes.items() if k not in ("chunked", "windows", "kv_layer_token", "eos")},
         config_json=config,
         workload=dict(
             burst=dict(

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from moeserve.dataplane.exchange import RecvCounts, slot_major_index
-from moeserve.models.moe import ExpertSpec, grouped_expert_forward
+from moeserve.models.moe import ExpertSpec, activate, grouped_expert_forward
 from moeserve.ops.profiling import span
 
 
@@ -136,8 +136,8 @@ class ExpertStore:
     @property
     def capturable(self) -> bool:
         """Whether ``compute_slot_major`` runs without reading anything back to the host (so it
-        can be captured in a CUDA graph): CUDA, bf16, no biases, torch._grouped_mm; or FP8
-        experts through the Triton kernels."""
+        can be captured in a CUDA graph): CUDA, bf16, torch._grouped_mm (biases and the clamped
+        activation included); or FP8 experts through the Triton kernels."""
         if not self.buffers:
             return False
         device = self.buffers[0].device
@@ -162,7 +162,7 @@ class ExpertStore:
         offs:  int32 [S] cumulative rows per slot, on the device; total: offs[-1:] (device [1]).
         returns [C, H]; rows past ``total`` are undefined.
 
-        On CUDA with bf16 and no biases nothing is read back to the host: with few rows per slot
+        On CUDA with bf16 nothing is read back to the host: with few rows per slot
         (``set_step_pairs``) the two Triton kernels of ``moeserve.kernels.expert_mlp`` (silu
         fused into the first), else ``torch._grouped_mm`` twice with the activation kernel
         between; both take the device-side offsets. Otherwise the per-slot counts are read back
@@ -197,7 +197,9 @@ class ExpertStore:
         from moeserve import kernels
 
         w = self.weights(0)
-        return kernels.warm_up_expert_mlp(w["gate_up"], w["down"], self.scales(0), self.spec.dtype)
+        return kernels.warm_up_expert_mlp(
+            w["gate_up"], w["down"], self.scales(0), self.spec.dtype, expert_act(self.spec, w)
+        )
 
     @property
     def kernel_key(self) -> int:
@@ -213,13 +215,12 @@ class ExpertStore:
         if self.block_m and rows.is_cuda:
             from moeserve import kernels
 
-            return kernels.expert_mlp(rows, weights["gate_up"], weights["down"], offs, self.block_m, self.scales(layer))
+            act = expert_act(spec, weights)
+            return kernels.expert_mlp(
+                rows, weights["gate_up"], weights["down"], offs, self.block_m, self.scales(layer), act
+            )
         if grouped_mm_applies(spec, rows.device, rows.dtype):
-            from moeserve import kernels
-
-            gu = torch._grouped_mm(rows, weights["gate_up"], offs=offs)  # [C, 2I]
-            h = kernels.silu_mul(gu, total)  # [C, I]
-            return torch._grouped_mm(h, weights["down"], offs=offs)  # [C, H]
+            return grouped_mm_forward(spec, rows, weights, offs, total)
         ends = offs.cpu().numpy().astype(np.int64)
         per_slot = np.diff(ends, prepend=0).tolist()
         m = int(ends[-1]) if len(ends) else 0
@@ -328,16 +329,10 @@ def grouped_mm_applies(spec: ExpertSpec, device: torch.device, dtype: torch.dtyp
     """Whether rows of ``dtype`` on ``device`` run through ``torch._grouped_mm`` (one kernel per
     projection over all slots, with device-side offsets, so nothing is read back to the host).
 
-    ``torch._grouped_mm`` is CUDA-only, takes no bias and, in the torch versions this runs on,
-    only bf16; anything else takes the slot loop.
+    ``torch._grouped_mm`` is CUDA-only and, in the torch versions this runs on, only bf16 (biases
+    are added around it: ``grouped_mm_forward``); anything else takes the slot loop.
     """
-    return (
-        device.type == "cuda"
-        and dtype == torch.bfloat16
-        and not spec.has_bias
-        and spec.quant is None
-        and hasattr(torch, "_grouped_mm")
-    )
+    return device.type == "cuda" and dtype == torch.bfloat16 and spec.quant is None and hasattr(torch, "_grouped_mm")
 
 
 def grouped_forward(
@@ -350,8 +345,8 @@ def grouped_forward(
     """Rows grouped by slot through their experts: x [m, H] slot-major, per_slot [S] -> [m, H].
     offs: int32 [S] cumulative rows per slot on x's device (computed from per_slot if None).
 
-    On CUDA with bf16 and no biases this is two ``torch._grouped_mm`` calls (one kernel each
-    over all slots); elsewhere a loop over slots (never over tokens).
+    On CUDA with bf16 this is two ``torch._grouped_mm`` calls (one kernel each over all slots);
+    elsewhere a loop over slots (never over tokens).
     """
     if fp8_kernel_applies(spec, x.device) and x.dtype == spec.dtype:
         from moeserve import kernels
@@ -366,8 +361,50 @@ def grouped_forward(
     if grouped_mm_applies(spec, x.device, x.dtype):
         if offs is None:
             offs = torch.tensor(np.cumsum(per_slot), dtype=torch.int32, device=x.device)
-        i = spec.intermediate_size
-        gu = torch._grouped_mm(x, weights["gate_up"], offs=offs)  # [m, 2I]
-        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]  # [m, I]
-        return torch._grouped_mm(h, weights["down"], offs=offs)  # [m, H]
+        return grouped_mm_forward(spec, x, weights, offs)
     return grouped_expert_forward(spec, x, None, weights, counts=per_slot)
+
+
+def grouped_mm_forward(
+    spec: ExpertSpec,
+    x: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    offs: torch.Tensor,
+    total: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rows grouped by slot through two ``torch._grouped_mm`` (device-side offsets, nothing read
+    back): x [C, H] -> [C, H]. SwiGLU without biases takes the fused ``kernels.silu_mul`` (rows
+    up to ``total`` [1]); biases (added per row, by its slot) and the clamped activation take
+    the torch ops of ``moe.activate``, which round as the Triton kernels do."""
+    gu = torch._grouped_mm(x, weights["gate_up"], offs=offs)  # [C, 2I]
+    if not spec.has_bias and spec.activation == "silu":
+        if total is None:
+            i = spec.intermediate_size
+            h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]  # [C, I]
+        else:
+            from moeserve import kernels
+
+            h = kernels.silu_mul(gu, total)  # [C, I]
+        return torch._grouped_mm(h, weights["down"], offs=offs)  # [C, H]
+    slot = None
+    if spec.has_bias:  # each row's slot: the first whose inclusive cumulative count exceeds it
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+        slot = torch.searchsorted(offs, rows, right=True).clamp_(max=offs.numel() - 1)  # [C]
+        gu = gu + weights["gate_up_bias"].index_select(0, slot)
+    y = torch._grouped_mm(activate(spec, gu), weights["down"], offs=offs)  # [C, H]
+    if slot is not None:
+        y = y + weights["down_bias"].index_select(0, slot)
+    return y
+
+
+def expert_act(spec: ExpertSpec, weights: dict[str, torch.Tensor]):
+    """The ``kernels.ExpertAct`` of ``spec`` over a layer's slot views (their bias rows)."""
+    from moeserve import kernels
+
+    return kernels.ExpertAct(
+        spec.activation,
+        spec.swiglu_alpha,
+        spec.swiglu_limit,
+        weights.get("gate_up_bias") if spec.has_bias else None,
+        weights.get("down_bias") if spec.has_bias else None,
+    )

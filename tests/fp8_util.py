@@ -21,7 +21,7 @@ FP8_MAX = 448.0
 
 # Which linear layers the published FP8 checkpoints quantize: routed and shared experts and dense
 # MLPs (Llama 4: attention, router and lm_head stay bf16); "all" also takes attention.
-MLP = re.compile(r".*\.(gate_proj|up_proj|down_proj)$")
+MLP = re.compile(r".*\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")  # w1, w3, w2: Mixtral's experts
 ATTENTION = re.compile(r".*self_attn\.(q|k|v|o)_proj$")
 
 

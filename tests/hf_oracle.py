@@ -89,6 +89,97 @@ def build_ernie(seed: int = 0, bias_std: float = 0.1, **overrides):
     return model
 
 
+QWEN3_BASE = dict(
+    vocab_size=V,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=16,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    mlp_only_layers=[0],
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+)
+MIXTRAL_BASE = dict(
+    vocab_size=V,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+)
+GPT_OSS_BASE = dict(
+    vocab_size=V,
+    hidden_size=64,
+    num_hidden_layers=4,  # sliding, full, sliding, full
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    swiglu_limit=2.0,  # low enough that the clamp acts on many rows of the tiny model
+    initializer_range=0.2,
+    max_position_embeddings=512,  # YaRN's factor 8 over 64 positions
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 8.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },
+)
+
+
+def build_qwen3_moe(seed: int = 0, **overrides):
+    """A random transformers Qwen3MoeForCausalLM (fp32, eval), norms (q_norm, k_norm too) random."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**QWEN3_BASE, **overrides})).eval()
+    _perturb(model, seed)
+    return model
+
+
+def build_mixtral(seed: int = 0, **overrides):
+    """A random transformers MixtralForCausalLM (fp32, eval)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**{**MIXTRAL_BASE, **overrides})).eval()
+    _perturb(model, seed)
+    return model
+
+
+def build_gpt_oss(seed: int = 0, **overrides):
+    """A random transformers GptOssForCausalLM (fp32, eval) whose sinks, router bias and expert
+    biases are random too (transformers initialises the biases to 0)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS_BASE, **overrides})).eval()
+    _perturb(model, seed)
+    g = torch.Generator().manual_seed(seed + 2000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("_proj_bias", "sinks")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def _perturb(model, seed: int) -> None:
     """transformers initialises norms to 1 and biases to 0; make them random so they are tested."""
     g = torch.Generator().manual_seed(seed + 500)

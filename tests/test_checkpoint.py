@@ -160,10 +160,12 @@ def test_missing_folder_and_missing_config_json(tmp_path, llama4_path):
 def test_unknown_model_type_lists_the_allowed_ones(tmp_path, llama4_path):
     d = _copy(llama4_path, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "mixtral"
+    cfg["model_type"] = "deepseek_v3"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        CheckpointError, match=r"config.json: unknown model_type 'mixtral'; allowed: llama4_text, llama4, ernie4_5_moe"
+        CheckpointError,
+        match=r"config.json: unknown model_type 'deepseek_v3'; allowed: llama4_text, llama4, ernie4_5_moe, "
+        r"qwen3_moe, mixtral, gpt_oss",
     ):
         load_model(d)
 

@@ -13,8 +13,9 @@ from cluster_util import assert_workers_hold, moe_info, prompts_for, random_plac
 
 from moeserve.cluster import LocalCluster
 from moeserve.config import ClusterConfig
-from moeserve.models import CheckpointError, DummyReader, init_model, load_model
+from moeserve.models import CheckpointError, DummyReader, families, init_model, load_model
 from moeserve.models.checkpoint import CheckpointReader
+from moeserve.models.config import FAMILIES
 
 WORKERS = 2
 REDUNDANT = 4
@@ -45,7 +46,7 @@ def dummy_digests(path) -> np.ndarray:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama4", "ernie45"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_two_readers_make_identical_tensors_whatever_they_read_before(tmp_path, family):
     path = config_only(tmp_path, family)
     a, b = DummyReader(path), DummyReader(path)
@@ -99,7 +100,7 @@ def test_load_model_dummy_needs_only_config_json_and_the_load_format_is_checked(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama4", "ernie45"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cluster_with_dummy_weights_generates_the_single_process_tokens_through_a_migration(tmp_path, family):
     path = config_only(tmp_path, family)
     info = moe_info(path)
@@ -157,7 +158,7 @@ def routed_ids(model, prompts: int = 8, length: int = 64, seed: int = 3) -> list
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama4", "ernie45"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_path, family, monkeypatch):
     from moeserve.models.dummy import HOT_CONFIG_KEY, HOT_ENV, hot_margin, parse_hot
 
@@ -167,14 +168,15 @@ def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_pat
     assert plain.hot is None and plain.hot_experts(0) == []
     k = 2
     cfg = plain.config
-    share = 0.8 if family == "llama4" else 0.9 * k / cfg.top_k  # ERNIE top-4: at most k / top_k
+    share = min(0.8, 0.9 * k / cfg.top_k)  # top-4: at most k / top_k (every token picks every hot expert)
     hot = DummyReader(path, hot=(k, share))
-    # Only the embedding (Llama 4) and the routers' hot parameters differ from the plain weights.
+    # Only the embedding and the routers' hot parameters differ from the plain weights.
     differ = [n for n in plain.names() if not torch.equal(plain.read(n), hot.read(n))]
+    router = families.names(cfg).router
     allowed = (
-        ("router.weight", "embed_tokens.weight")
-        if family == "llama4"
-        else ("e_score_correction_bias", "embed_tokens.weight")
+        ("e_score_correction_bias", "embed_tokens.weight")
+        if cfg.routing.correction_bias
+        else (f"{router}.weight", "embed_tokens.weight")
     )
     assert differ and all(n.endswith(allowed) for n in differ), differ
     assert all(

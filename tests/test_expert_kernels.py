@@ -173,3 +173,56 @@ def test_fp8_linear_equals_its_dequantized_weight():
 def test_fp8_scale_blocks_the_kernel_cannot_tile_are_said():
     assert kernels.fp8_blocks_supported(96, (96, 1)) and kernels.fp8_blocks_supported(512, (128, 128))
     assert not kernels.fp8_blocks_supported(96, (8, 8)) and not kernels.fp8_blocks_supported(96, (24, 24))
+
+
+def biased(h, i, counts, dtype, activation, seed=0, limit=0.5):
+    """As ``setup``, for experts with biases and an activation (limit 0.5: the clamp acts on
+    many of the unit-scale products)."""
+    g = torch.Generator().manual_seed(seed)
+    spec = ExpertSpec(h, i, activation, True, dtype, swiglu_alpha=1.702, swiglu_limit=limit)
+    s = len(counts)
+    buf = (torch.randn(s, spec.numel, generator=g) / h**0.5).to(dtype)
+    w = spec.views(buf)
+    w["gate_up_bias"].copy_(torch.randn(s, 2 * i, generator=g))
+    w["down_bias"].copy_(torch.randn(s, h, generator=g))
+    m = sum(counts)
+    rows = torch.cat([torch.randn(m, h, generator=g).to(dtype), torch.full((3, h), float("nan"), dtype=dtype)])
+    return spec, rows, w, torch.tensor(np.cumsum(counts), dtype=torch.int32), m
+
+
+@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+@pytest.mark.parametrize("counts,block_m", [([3, 0, 20, 1, 7], 16), ([40, 2, 0, 17], 32)])
+def test_biases_and_the_clamped_activation_in_fp32_match_the_slot_loop(activation, counts, block_m):
+    from moeserve.expert_worker.store import expert_act
+
+    spec, rows, w, offs, m = biased(64, 48, counts, torch.float32, activation)
+    y = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, block_m, act=expert_act(spec, w))
+    ref = reference(spec, rows, w, counts)
+    torch.testing.assert_close(y[:m], ref, rtol=1e-5, atol=1e-5)
+    plain = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, block_m)
+    assert (plain[:m] - ref).abs().max() > 0.1, "the biases and the activation act"
+
+
+def test_the_clamped_activation_in_bf16_rounds_as_the_torch_ops():
+    """bf16, GPT-OSS's experts: the Triton kernels and the grouped_mm path (torch's ops of
+    moe.activate around torch._grouped_mm, biases added by slot) against the slot loop. The
+    interpreter truncates where the GPU rounds: within two bf16 steps of the largest output."""
+    from moeserve.expert_worker.store import expert_act, grouped_mm_forward
+
+    counts = [5, 0, 12, 3]
+    spec, rows, w, offs, m = biased(64, 48, counts, torch.bfloat16, "clamped_swiglu", seed=3)
+    ref = reference(spec, rows, w, counts).float()
+    tri = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16, act=expert_act(spec, w)).float()
+    grouped = grouped_mm_forward(spec, rows, w, offs).float()
+    for y in (tri, grouped):
+        err = (y[:m] - ref).abs()
+        assert err.max() <= 2 * 2**-7 * ref.abs().max(), float(err.max())
+    shifted = reference(spec, rows, {k: v.roll(1, 0) for k, v in w.items()}, counts).float()
+    assert (shifted - ref).abs().max() > 0.1 * ref.abs().max()
+
+
+def test_fp8_kernels_take_no_bias():
+    spec, rows, w, offs, _ = biased(64, 32, [2, 3], torch.float32, "clamped_swiglu")
+    sc = kernels.ExpertScales(torch.ones(2, 1, 2), (64, 32), torch.ones(2, 1, 1), (32, 64))
+    with pytest.raises(ValueError, match="FP8 experts are SwiGLU without biases"):
+        kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16, sc, kernels.ExpertAct("clamped_swiglu"))

@@ -30,7 +30,12 @@ FORMATS = [
     ("compressed-tensors", "block", "all"),
     ("fp8-block", "block", "all"),
 ]
-FAMILIES = {"llama4": hf.build_llama4, "ernie45": hf.build_ernie}
+FAMILIES = {
+    "llama4": hf.build_llama4,
+    "ernie45": hf.build_ernie,
+    "qwen3_moe": hf.build_qwen3_moe,
+    "mixtral": hf.build_mixtral,
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -188,9 +188,18 @@ def _case(lens, starts, block_size, hq, hkv, d, seed, extra_blocks=3):
     return q, k_pool, v_pool, batch
 
 
-def _eager(q, k_pool, v_pool, batch, chunk, hq, hkv, d):
+def _eager(q, k_pool, v_pool, batch, chunk, hq, hkv, d, window=None, sinks=None):
     """Attention._attend sequence by sequence, on keys read back through the block tables."""
-    me = SimpleNamespace(chunk=chunk, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=d**-0.5, softmax_fp32=True)
+    me = SimpleNamespace(
+        chunk=chunk,
+        window=window,
+        sinks=sinks,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        scale=d**-0.5,
+        softmax_fp32=True,
+    )
     out = torch.empty_like(q)
     qs, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
     for s in range(batch.num_seqs):
@@ -203,15 +212,16 @@ def _eager(q, k_pool, v_pool, batch, chunk, hq, hkv, d):
     return out
 
 
-def _poisoned(k_pool, v_pool, batch, chunk):
+def _poisoned(k_pool, v_pool, batch, chunk, window=None):
     """Copies of the pools with NaN in every slot no query of the step may read: slots past a
     sequence's length, blocks no sequence owns, and (chunked) keys before the chunk of a
-    sequence's first new token. A kernel that reads one of them returns NaN there."""
+    sequence's first new token, or (sliding window) before its window. A kernel that reads one
+    of them returns NaN there."""
     keep = torch.zeros(k_pool.shape[0], dtype=torch.bool)
     bs, qs = batch.block_size, batch.query_start.tolist()
     for s, n in enumerate(batch.seq_lens.tolist()):
         first = n - (qs[s + 1] - qs[s])
-        lo = (first // chunk) * chunk if chunk else 0
+        lo = (first // chunk) * chunk if chunk else max(0, first - window + 1) if window else 0
         for p in range(lo, n):
             keep[batch.block_tables[s, p // bs].item() * bs + p % bs] = True
     k, v = k_pool.clone(), v_pool.clone()
@@ -280,6 +290,71 @@ def test_triton_mask_free_key_tiles_equal_the_torch_path(monkeypatch, skip_mask,
         want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=0.25, chunk=chunk, softmax_fp32=True)
         kp, vp = _poisoned(k_pool, v_pool, batch, chunk)
         got = attn.paged_attention_triton(q, kp, vp, batch, scale=0.25, chunk=chunk)
+        assert (got - want).abs().max() < 1e-5
+
+
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 3.0, 0.25])  # [Hq], up to 8 heads
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("window, sinks", [(6, False), (None, True), (5, True)])
+def test_torch_path_with_a_sliding_window_and_sinks_equals_the_eager_attention(case, window, sinks):
+    lens, starts = CASES[case]
+    hq, hkv, d = 8, 2, 16
+    s = SINKS[:hq] if sinks else None
+    q, k_pool, v_pool, batch = _case(lens, starts, 4, hq, hkv, d, seed=11)
+    want = _eager(q, k_pool, v_pool, batch, None, hq, hkv, d, window, s)
+    kp, vp = _poisoned(k_pool, v_pool, batch, None)
+    got = attn.paged_attention_torch(
+        q, kp, vp, batch, scale=d**-0.5, chunk=None, softmax_fp32=True, window=window, sinks=s
+    )
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_a_sink_takes_its_share_of_the_weight_and_adds_nothing():
+    """One key: without a sink its value comes through whole; with sink s, times e^x / (e^x + e^s)."""
+    q, kp, vp, batch = _case([1], [0], 4, 2, 1, 16, seed=3)
+    plain = attn.paged_attention_torch(q, kp, vp, batch, scale=0.25, chunk=None, softmax_fp32=True)
+    sinks = torch.tensor([0.0, 1.0])
+    got = attn.paged_attention_torch(q, kp, vp, batch, scale=0.25, chunk=None, softmax_fp32=True, sinks=sinks)
+    x = (q[0] @ kp[batch.slot_mapping[0], 0]) * 0.25  # [Hq] the one score per head
+    share = torch.exp(x) / (torch.exp(x) + torch.exp(sinks))
+    assert torch.allclose(got[0], plain[0] * share[:, None], atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("window, sinks", [(6, False), (None, True), (9, True)])
+def test_triton_kernel_with_a_sliding_window_and_sinks_equals_the_torch_path(case, block_size, window, sinks):
+    lens, starts = CASES[case]
+    hq, hkv, d = 8, 2, 16
+    s = SINKS[:hq] if sinks else None
+    q, k_pool, v_pool, batch = _case(lens, starts, block_size, hq, hkv, d, seed=block_size)
+    want = attn.paged_attention_torch(
+        q, k_pool, v_pool, batch, scale=d**-0.5, chunk=None, softmax_fp32=True, window=window, sinks=s
+    )
+    kp, vp = _poisoned(k_pool, v_pool, batch, None, window)
+    got = attn.paged_attention_triton(q, kp, vp, batch, scale=d**-0.5, chunk=None, window=window, sinks=s)
+    assert (got - want).abs().max() < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("segments", [2, 8])
+@pytest.mark.parametrize("skip_mask", [False, True])
+def test_triton_split_keys_and_mask_free_tiles_with_a_window_and_sinks(monkeypatch, segments, skip_mask):
+    """The sink counted once over split key segments; a window of 40 over tiles of 16 keys."""
+    monkeypatch.setattr(attn, "TUNING", {k: dict(v, BN=16, SKIP_MASK=skip_mask) for k, v in attn.TUNING.items()})
+    lens, starts = [1, 1, 30, 2], [300, 5, 70, 200]
+    q, k_pool, v_pool, batch = _case(lens, starts, 16, 8, 2, 16, seed=segments)
+    for window in (None, 40):
+        want = attn.paged_attention_torch(
+            q, k_pool, v_pool, batch, scale=0.25, chunk=None, softmax_fp32=True, window=window, sinks=SINKS
+        )
+        kp, vp = _poisoned(k_pool, v_pool, batch, None, window)
+        got = attn.paged_attention_triton(
+            q, kp, vp, batch, scale=0.25, chunk=None, window=window, sinks=SINKS, num_segments=segments
+        )
         assert (got - want).abs().max() < 1e-5
 
 

@@ -159,13 +159,16 @@ def test_blocks_filled_by_decodes_are_cached_once_their_tokens_are_known():
     assert sw.start == 8
 
 
-def test_a_request_that_needs_every_prompt_logit_computes_its_whole_prompt():
+@pytest.mark.parametrize("wants", [dict(return_logits="all"), dict(prompt_logprobs=0), dict(prompt_logprobs=5)])
+def test_a_request_that_needs_every_prompt_logit_or_logprob_computes_its_whole_prompt(wants):
     s = sched()
     s.submit(req(P))
     drain(s)
-    echo = s.submit(req(P, return_logits="all"))
+    echo = s.submit(req(P, **wants))
     sw = fresh_work(s.schedule(), echo)
     assert sw.start == 0 and sw.token_ids == P and echo.prefix_hit == 0
+    plain = s.submit(req(P))  # the same prompt without them still reads the cache
+    assert fresh_work(s.schedule(), plain).start == 12
 
 
 def test_a_cache_salt_keeps_requests_apart_and_the_cache_can_be_off():

@@ -185,20 +185,27 @@ def test_the_steady_window_is_where_every_stream_decodes():
 def test_roofline_counts_chunked_layers_up_to_their_chunk():
     sizes = {"chunked": [True, False], "chunk": 8, "kv_layer_token": 10}
     assert kv_bytes_read(sizes, [20]) == (4 + 20) * 10  # position 20 is 4 tokens into its chunk
+    windowed = {"chunked": [False, False], "chunk": None, "windows": [8, None], "kv_layer_token": 10}
+    assert kv_bytes_read(windowed, [20]) == (8 + 20) * 10  # a window of 8 reads 8 keys
     r = roofline(1000, 200, 0.002, {"x": 1e6}, 1, 1, 20)
     assert r["x"]["step_s"] == pytest.approx(1.2e-3) and r["x"]["step_over_roofline"] == pytest.approx(0.002 / 1.2e-3)
 
 
-@pytest.mark.parametrize("shape", ["tiny", "scout8", "ernie28"])
+@pytest.mark.parametrize("shape", ["tiny", "scout8", "ernie28", "qwen3_30b", "gptoss20b"])
 def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
     """The roofline's weight bytes (router side, one expert) add up to the tensors a checkpoint
-    of the shape's config.json holds (moeserve.models.dummy's table; no tensor is made)."""
+    of the shape's config.json holds (moeserve.models.dummy's table, each tensor in its stored
+    dtype; no tensor is made)."""
+    import torch
+
+    from moeserve.models import DummyReader
     from moeserve.models.config import load_config
-    from moeserve.models.dummy import FP32_NAMES, checkpoint_shapes
+    from moeserve.models.dummy import checkpoint_shapes
 
     folder = write_model(str(tmp_path / shape), SHAPES[shape]["config"])
     sizes = model_sizes(folder, 2)
     cfg = load_config(folder)
+    reader = DummyReader(folder)
     router = experts = 0
     for name, shape_ in checkpoint_shapes(cfg).items():
         n = 1
@@ -207,8 +214,24 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
         if ".experts." in name:
             experts += n * 2
         else:
-            router += n * (4 if name.endswith(FP32_NAMES) else 2)
+            router += n * (4 if reader.stored_dtype(name) != cfg.dtype == torch.bfloat16 else 2)
     assert sizes["router_bytes"] == router and sizes["all_experts_bytes"] == experts
+    params = sizes["router_bytes"] / 2 + sizes["all_experts_bytes"] / 2
+    if shape == "qwen3_30b":  # Qwen3-30B-A3B: 30.5B parameters, 128 experts top-8 in 48 MoE layers
+        assert (cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (
+            48,
+            2048,
+            128,
+            8,
+            768,
+        )
+        assert cfg.routing.renormalize and cfg.qk_rms_norm and not cfg.rope.interleaved and 30e9 < params < 31e9
+        assert cfg.attention_window == 0  # the prefix cache stays on
+    if shape == "gptoss20b":  # GPT-OSS-20B: 20.9B parameters, 32 experts top-4, window 128 every other layer
+        assert (cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.head_dim) == (24, 2880, 32, 4, 64)
+        assert cfg.sliding_layers == (True, False) * 12 and cfg.window(0) == 128 and cfg.rope.type == "yarn"
+        assert sizes["windows"][:2] == [128, None] and 20.5e9 < params < 21.5e9
+        assert cfg.attention_window == 128  # the leader turns the prefix cache off
     if shape == "scout8":
         assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (8, 5120, 202048, 16, 1)
         assert cfg.use_rope == (True, True, True, False) * 2 and cfg.moe_layer_ids == tuple(range(8))
@@ -312,7 +335,8 @@ def test_eplb_flags():
 
 def test_the_flop_aware_roofline_takes_each_class_at_its_bound():
     """Per class max(bytes / rate, FLOPs / peak), summed: a dense class bound by its products
-    costs its FLOPs' time, the experts their bytes', beside the bytes-only figure."""
+    costs its FLOPs' time, the experts their bytes', beside the bytes-only figure; attention
+    counts the keys each layer reads (a window's at most)."""
     from servinglib.roofline import roofline, step_classes
 
     sizes = dict(
@@ -328,6 +352,8 @@ def test_the_flop_aware_roofline_takes_each_class_at_its_bound():
     classes = step_classes(sizes, weight_bytes=9e9, kv_bytes=1e9, tokens=100, contexts=[1000] * 100)
     assert classes["dense"] == (1e9, 2 * 100 * 4e9) and classes["experts"] == (8e9, 2 * 100 * 2 * 1e8)
     assert classes["attention"] == (1e9, 100 * 2 * 1000 * 4 * 1024)
+    windowed = step_classes({**sizes, "windows": [128, None]}, 9e9, 1e9, 100, [1000] * 100)
+    assert windowed["attention"][1] == 100 * (128 + 1000) * 4 * 1024  # a sliding layer reads its window
     r = roofline(9e9, 1e9, 0.010, {"copy": 1e12}, 1, 100, 1000, classes, 1e14)
     per = r["flop_aware"]["copy"]["per_class_s"]
     assert per["dense"] == pytest.approx(8e11 / 1e14) and per["experts"] == pytest.approx(8e9 / 1e12)

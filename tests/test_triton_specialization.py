@@ -258,17 +258,25 @@ def test_the_race_warm_up_compiles_every_key_a_step_can_launch(launches):
     assert _keys(launches, "race_kernel") <= warm
 
 
-@pytest.mark.parametrize("chunks", [(None,), (None, 8192)], ids=["global", "global+chunked"])
-def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, chunks):
+SINKS = torch.zeros(40, dtype=torch.bfloat16)  # [Hq], a GPT-OSS layer's
+ATTENTION_KINDS = {
+    "global": [(None, None, None)],
+    "global+chunked": [(None, None, None), (8192, None, None)],
+    "sliding+full, sinks": [(None, 128, SINKS), (None, None, SINKS)],
+}
+
+
+@pytest.mark.parametrize("kinds", ATTENTION_KINDS.values(), ids=ATTENTION_KINDS.keys())
+def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, kinds):
     """A router compiles the paged attention at start (``models.attention.warm_up_attention`` on
-    one layer's pool views): decode, prefill and mixed steps of any shape, at every split, then
-    find their key among the warm-up's."""
+    one layer's pool views, with each kind of layer's chunk, window and sinks): decode, prefill
+    and mixed steps of any shape, at every split, then find their key among the warm-up's."""
     from moeserve.models.attention import attention_config, paged_attention_triton, warm_up_attention
 
     hq, hkv, d, block_size = 40, 8, 128, 16
     pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)  # [layers, slots, Hkv, D]
     k_pool, v_pool = pools[0], pools[1]
-    assert warm_up_attention(k_pool, v_pool, hq, block_size, chunks, d**-0.5) == 6 * len(chunks)
+    assert warm_up_attention(k_pool, v_pool, hq, block_size, kinds * 2, d**-0.5) == 6 * len(kinds)
     warm = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
     launches.clear()
     rng = random.Random(1)
@@ -280,9 +288,11 @@ def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, ch
         ):
             batch, _ = _batch(lens, starts, block_size)
             q = torch.empty(batch.num_tokens, hq, d, dtype=torch.bfloat16)
-            for chunk in chunks:
+            for chunk, window, sinks in kinds:
                 ns = attention_config(batch, hq, hkv, d, 132)["NS"]
-                paged_attention_triton(q, k_pool, v_pool, batch, scale=d**-0.5, chunk=chunk, num_segments=ns)
+                paged_attention_triton(
+                    q, k_pool, v_pool, batch, scale=d**-0.5, chunk=chunk, window=window, sinks=sinks, num_segments=ns
+                )
     seen = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
     assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
 

@@ -26,15 +26,22 @@ ROOFLINE_KEYS = (
 )
 
 
-def kv_bytes_read(sizes: dict, contexts) -> float:
-    """KV bytes one decode step reads for sequences at these context lengths (a chunked-attention
-    layer reads only the current chunk)."""
+def keys_read(sizes: dict, contexts) -> float:
+    """(layer, key) pairs one decode step reads for sequences at these context lengths (a
+    chunked-attention layer reads only the current chunk, a sliding-window layer only its
+    window)."""
     total = 0.0
+    windows = sizes.get("windows") or [None] * len(sizes["chunked"])
     for ctx in contexts:
-        for chunked in sizes["chunked"]:
+        for chunked, window in zip(sizes["chunked"], windows):
             n = (ctx - 1) % sizes["chunk"] + 1 if chunked and sizes["chunk"] else ctx
-            total += n * sizes["kv_layer_token"]
+            total += min(n, window) if window else n
     return total
+
+
+def kv_bytes_read(sizes: dict, contexts) -> float:
+    """KV bytes one decode step reads for sequences at these context lengths (``keys_read``)."""
+    return keys_read(sizes, contexts) * sizes["kv_layer_token"]
 
 
 def step_classes(sizes: dict, weight_bytes: float, kv_bytes: float, tokens: float, contexts) -> dict:
@@ -42,10 +49,7 @@ def step_classes(sizes: dict, weight_bytes: float, kv_bytes: float, tokens: floa
     sequence), the sequences at ``contexts``; the routed experts' bytes are what the GPU holds
     beside the dense ones (at these batches every slot is read)."""
     dense_bytes = sizes["router_bytes"]
-    keys = 0.0
-    for ctx in contexts:
-        for chunked in sizes["chunked"]:
-            keys += (ctx - 1) % sizes["chunk"] + 1 if chunked and sizes["chunk"] else ctx
+    keys = keys_read(sizes, contexts)
     return dict(
         dense=(dense_bytes, 2.0 * tokens * sizes["dense_params"]),
         experts=(

@@ -132,8 +132,88 @@ MAVERICK12 = {
     "no_rope_layers": [1, 1, 1, 0] * 3,
     "use_qk_norm": False,
 }
+QWEN3_30B = {  # Qwen/Qwen3-30B-A3B config.json, as published (transformers 4.51)
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+GPTOSS_20B = {  # openai/gpt-oss-20b config.json, as published (its MXFP4 quantization_config left out:
+    # the dummy weights are bf16 experts, what moeserve serves of GPT-OSS)
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+    "torch_dtype": "bfloat16",
+}
 SHAPES = {
     "scout8": dict(config=SCOUT8, redundant=2),
+    "qwen3_30b": dict(config=QWEN3_30B, redundant=16),
+    "gptoss20b": dict(config=GPTOSS_20B, redundant=4),
     "scout48": dict(config=SCOUT48, redundant=2),
     "maverick12": dict(config=MAVERICK12, redundant=2),
     "ernie28": dict(config=ERNIE28, redundant=2),
@@ -217,45 +297,54 @@ def _quantized_sizes(model_dir: str, dtype_bytes: int, quantization: str, plain:
 
 
 def _plain_sizes(cfg, dtype_bytes: int) -> dict:
-    h, v = cfg.hidden_size, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    router = v * h * (1 if cfg.tie_word_embeddings else 2) + h  # embed (+ lm_head), final norm
-    router_fp32 = 0
-    for layer in range(cfg.num_layers):
-        router += 2 * q * h + 2 * kv * h + 2 * h  # q, k, v, o, two norms
-        if cfg.moe_index(layer) is None:
-            router += 3 * h * cfg.intermediate_size
-            continue
-        router += 3 * h * cfg.shared_intermediate_size if cfg.num_shared_experts else 0
-        if cfg.family == "ernie45":
-            router_fp32 += cfg.num_experts * h + cfg.num_experts
-        else:
-            router += cfg.num_experts * h
-    expert = 3 * h * cfg.moe_intermediate_size * dtype_bytes
-    kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    """Bytes from the tensors a checkpoint of ``cfg`` holds (``families.checkpoint_shapes``),
+    an fp32 gate and the correction bias at 4 bytes, the routed experts counted apart (their
+    ``ExpertSpec``: biases included)."""
+    import torch
+
+    from moeserve.models.checkpoint import expert_spec
+    from moeserve.models.families import checkpoint_shapes
+
+    router = 0
     # per token, for the FLOP-aware roofline: the dense products' weights (attention projections,
-    # dense MLPs, shared experts, LM head), one expert's, and attention's per key and layer
-    # (the embedding is a lookup: with tied embeddings its one table is the LM head's product)
-    dense_params = router - (0 if cfg.tie_word_embeddings else v * h) - h * (1 + 2 * cfg.num_layers)
+    # dense MLPs, shared experts, gates, LM head: every matrix beside the experts'), one
+    # expert's, and attention's per key and layer (the embedding is a lookup: with tied
+    # embeddings its one table is the LM head's product)
+    dense_params = 0
+    for name, shape in checkpoint_shapes(cfg).items():
+        if ".experts." in name:
+            continue
+        n = 1
+        for d in shape:
+            n *= d
+        if len(shape) == 2 and min(shape) > 1 and (name != "model.embed_tokens.weight" or cfg.tie_word_embeddings):
+            dense_params += n
+        fp32 = name.endswith("e_score_correction_bias") or (
+            cfg.routing.gate_fp32 and ".experts" not in name and name.endswith((".gate.weight", ".router.weight"))
+        )
+        router += n * (4 if fp32 else dtype_bytes)
+    expert = expert_spec(cfg, torch.bfloat16 if dtype_bytes == 2 else torch.float32).nbytes
+    kv_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
     return dict(
         family=cfg.family,
         num_layers=cfg.num_layers,
         num_moe_layers=cfg.num_moe_layers,
         num_experts=cfg.num_experts,
         top_k=cfg.top_k,
-        hidden_size=h,
-        vocab_size=v,
-        router_bytes=router * dtype_bytes + router_fp32 * 4,
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+        router_bytes=router,
         expert_bytes=expert,
         all_experts_bytes=expert * cfg.num_experts * cfg.num_moe_layers,
         kv_bytes_per_token=kv_layer_token * cfg.num_layers,
         chunked=[bool(c) for c in cfg.chunked_attention],
         chunk=cfg.attention_chunk_size,
+        windows=[cfg.window(i) for i in range(cfg.num_layers)],
         kv_layer_token=kv_layer_token,
         eos=list(cfg.eos_token_ids),
         dense_params=dense_params,
-        expert_params=3 * h * cfg.moe_intermediate_size,
-        attn_flops_per_key=4 * q,  # QK and PV: 2 FLOPs each per query head dim and key
+        expert_params=3 * cfg.hidden_size * cfg.moe_intermediate_size,
+        attn_flops_per_key=4 * cfg.num_heads * cfg.head_dim,  # QK and PV: 2 FLOPs each per query head dim and key
     )
 
 

@@ -1,4 +1,5 @@
-"""``moeserve init-model DIR --family llama4|ernie45``: write a small random checkpoint.
+"""``moeserve init-model DIR --family llama4|ernie45|qwen3_moe|mixtral|gpt_oss``: write a small
+random checkpoint.
 
 Nothing is downloaded: the folder gets config.json, model.safetensors and a small tokenizer
 (see moeserve/models/init.py), ready for ``moeserve generate --model DIR``.
@@ -10,10 +11,17 @@ import argparse
 from pathlib import Path
 
 from moeserve.cli import UsageError
+from moeserve.models.config import FAMILIES
 
 FAMILY_FIELDS = {  # CLI option -> config.json field, per family
-    "num_layers": {"llama4": "num_hidden_layers", "ernie45": "num_hidden_layers"},
-    "num_experts": {"llama4": "num_local_experts", "ernie45": "moe_num_experts"},
+    "num_layers": dict.fromkeys(FAMILIES, "num_hidden_layers"),
+    "num_experts": {
+        "llama4": "num_local_experts",
+        "ernie45": "moe_num_experts",
+        "qwen3_moe": "num_experts",
+        "mixtral": "num_local_experts",
+        "gpt_oss": "num_local_experts",
+    },
 }
 
 
@@ -21,10 +29,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "init-model",
         help="write a small random checkpoint (Hugging Face layout, no download)",
-        description="Write a small random Llama 4 or ERNIE-4.5-MoE checkpoint with a tokenizer into DIR.",
+        description="Write a small random checkpoint of one family (Llama 4, ERNIE-4.5-MoE, Qwen3-MoE, Mixtral, "
+        "GPT-OSS) with a tokenizer into DIR.",
     )
     p.add_argument("dir", metavar="DIR", help="folder to write (created; an earlier init-model folder is overwritten)")
-    p.add_argument("--family", choices=("llama4", "ernie45"), default="llama4", help="model family (default llama4)")
+    p.add_argument("--family", choices=FAMILIES, default="llama4", help="model family (default llama4)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights (default 0)")
     p.add_argument(
         "--hot-experts",
@@ -34,7 +43,11 @@ def register(subparsers) -> None:
         help="skew routing so that N experts per MoE layer receive most tokens (default 0)",
     )
     p.add_argument("--num-layers", type=int, help="decoder layers (default 4)")
-    p.add_argument("--num-experts", type=int, help="routed experts per MoE layer (default 8 llama4, 16 ernie45)")
+    p.add_argument(
+        "--num-experts",
+        type=int,
+        help="routed experts per MoE layer (default 8 llama4, mixtral, gpt_oss; 16 ernie45, qwen3_moe)",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="stored dtype (default float32)")
     p.set_defaults(func=run)
 

@@ -241,7 +241,7 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
             info.expert_bytes,
             tuple(int(x) for x in info.moe_layer_ids),
             mcfg.num_layers,
-            int(getattr(mcfg, "sliding_window", None) or 0),  # a family with sliding-window layers sets it
+            mcfg.attention_window,
         )
         st.leader = Engine(cfg, shape, placement)
         if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:
@@ -264,9 +264,9 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
     """Compile, before the rank is ready, the Triton kernels whose launch configurations a
     step picks from its shape: the expert kernels' rows per pass (a worker), the race sampler
     with and without a threshold, the paged attention's decode and prefill tiles at every split
-    for each of the model's attention chunks, and the FP8 linears (a router); the table of
-    tests/test_triton_specialization.py says which kernel is compiled where. Each is ~1 s of
-    host time on an H200 host that a step would otherwise wait for, mid-serving."""
+    for each kind of attention layer the model has (chunk, window, sinks), and the FP8 linears
+    (a router); the table of tests/test_triton_specialization.py says which kernel is compiled
+    where. Each is ~1 s of host time on an H200 host that a step would otherwise wait for, mid-serving."""
     if device.type != "cuda":
         return
     t0 = time.perf_counter()
@@ -285,7 +285,7 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
                 cache.v[0],
                 model.config.num_heads,
                 cache.block_size,
-                {layer.attn.chunk for layer in model.layers},
+                [(layer.attn.chunk, layer.attn.window, layer.attn.sinks) for layer in model.layers],
                 model.layers[0].attn.scale,
             )
         fp8 = [q for q in st.runner.model.linears() if isinstance(q, QuantLinear)]

@@ -387,6 +387,7 @@ def expert_mlp(
     offs: torch.Tensor,
     block_m: int = 16,
     scales: ExpertScales | None = None,
+    act: ExpertAct | None = None,
 ) -> torch.Tensor:
     """The grouped SwiGLU expert MLP of rows already grouped by slot, in two launches with
     device-side counts (nothing read back, graph-capturable).
@@ -399,6 +400,9 @@ def expert_mlp(
     scales:  for FP8 weights (``gate_up``, ``down`` of float8_e4m3fn): their float32 block
              scales and block shapes (``ExpertScales``); the codes are converted to the rows'
              dtype in registers (exact), each tile's product scaled (weight-only).
+    act:     the activation and the biases (``ExpertAct``; default SwiGLU without biases):
+             GPT-OSS's clamped SwiGLU, gate_up_bias [S, 2I] and down_bias [S, H] (the slot
+             buffer's views, last dim contiguous) each added to its rounded product.
     returns  [C, H] in rows' dtype; rows past offs[-1] are undefined.
 
     Program (slot, column tile) streams its slot's [K, BN] weight panel once per ``block_m``
@@ -420,7 +424,11 @@ def expert_mlp(
     if c == 0 or s == 0:
         return rows.new_empty(c, hdim)
     if scales is None:
-        return expert_down(expert_gate_up(rows, gate_up, offs, block_m), down, offs, block_m)
+        a = act or ExpertAct()
+        h = _expert_matmul(rows, gate_up, offs, block_m, expert_tuning("gate_up", block_m), True, act=a)
+        return _expert_matmul(h, down, offs, block_m, expert_tuning("down", block_m), False, act=a)
+    if act is not None and (act.gate_up_bias is not None or act.kind != "silu"):
+        raise ValueError("expert_mlp: FP8 experts are SwiGLU without biases")
     gu = _expert_matmul(
         rows,
         gate_up,
@@ -434,6 +442,18 @@ def expert_mlp(
     return _expert_matmul(
         gu, down, offs, block_m, expert_tuning("down", block_m, True), False, scales.down, scales.down_block
     )
+
+
+class ExpertAct(NamedTuple):
+    """The expert MLP's activation and biases: ``kind`` "silu" (SwiGLU) or "clamped_swiglu"
+    (GPT-OSS: ``alpha``, ``limit``; ``moeserve.models.moe.activate``), and the slots' biases
+    ``gate_up_bias`` [S, 2I], ``down_bias`` [S, H] (None: no biases)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 class ExpertScales(NamedTuple):
@@ -499,7 +519,11 @@ def expert_block_ms() -> list[int]:
 
 
 def warm_up_expert_mlp(
-    gate_up: torch.Tensor, down: torch.Tensor, scales: ExpertScales | None = None, dtype: torch.dtype | None = None
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    scales: ExpertScales | None = None,
+    dtype: torch.dtype | None = None,
+    act: ExpertAct | None = None,
 ) -> list[int]:
     """Compile both expert kernels for every ``expert_block_ms`` before serving (~1 s each on an
     H200 host; a step that meets one first would wait for it), on views with the strides the
@@ -512,7 +536,7 @@ def warm_up_expert_mlp(
     for bm in expert_block_ms():
         rows = torch.zeros(bm, h, dtype=dtype, device=gate_up.device)
         offs = torch.full((s,), bm, dtype=torch.int32, device=gate_up.device)  # every row in slot 0
-        expert_mlp(rows, gate_up, down, offs, bm, scales)
+        expert_mlp(rows, gate_up, down, offs, bm, scales, act)
         done.append(bm)
     return done
 
@@ -541,10 +565,12 @@ def _expert_matmul(
     gated: bool,
     scale: torch.Tensor | None = None,
     block: tuple[int, int] = (0, 0),
+    act: ExpertAct | None = None,
 ) -> torch.Tensor:
     """One launch of ``expert_matmul_kernel``: x [C, K] slot-major through w [S, K, N] ([S, K,
-    2N] gated: silu(gate) * up) -> [C, N]; with ``scale`` [S, Kb, Nb] w holds FP8 codes scaled
-    per ``block`` = (bk, bn)."""
+    2N] gated: act(gate, up)) -> [C, N]; with ``scale`` [S, Kb, Nb] w holds FP8 codes scaled
+    per ``block`` = (bk, bn); ``act``: the activation (gated) and the bias of this product
+    (``gate_up_bias`` gated, else ``down_bias``)."""
     c, k = x.shape
     s, _, n = w.shape
     n = n // 2 if gated else n
@@ -562,6 +588,14 @@ def _expert_matmul(
         if sbk < k:
             bk = min(bk, sbk)
     sc = scale if scale is not None else w
+    act = act or ExpertAct()
+    bias = act.gate_up_bias if gated else act.down_bias
+    if bias is not None and (bias.shape != (s, w.shape[2]) or bias.stride(1) != 1):
+        raise ValueError(
+            f"expert bias {tuple(bias.shape)} for weights {tuple(w.shape)}: want [S, N], last dim contiguous"
+        )
+    if act.kind not in ("silu", "clamped_swiglu"):
+        raise ValueError(f"expert activation {act.kind!r}: allowed silu, clamped_swiglu")
     extra = {} if interp else dict(num_warps=warps, num_stages=stages)
     _expert_kernels().expert_matmul_kernel[(EXPERT_PASS_GROUPS, s, -(-n // bn))](
         x,
@@ -591,6 +625,12 @@ def _expert_matmul(
         SBN=sbn,
         NB=-(-n // sbn) if quant else 0,
         SWAP=bool(quant and (tuning[4] if len(tuning) > 4 else FP8_SWAP)),
+        b_ptr=bias if bias is not None else out,  # (not read without a bias)
+        stride_bs=bias.stride(0) if bias is not None else 0,
+        alpha=float(act.alpha),
+        limit=float(act.limit),
+        HAS_BIAS=bias is not None,
+        ACT=int(act.kind == "clamped_swiglu"),
         **extra,
     )
     return out

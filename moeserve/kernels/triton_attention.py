@@ -53,6 +53,7 @@ def _key_tile(
     D: tl.constexpr,
     DP: tl.constexpr,
     CHUNK: tl.constexpr,
+    WINDOW: tl.constexpr,
     BN: tl.constexpr,
     MASK: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -86,6 +87,8 @@ def _key_tile(
         vis = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if CHUNK > 0:
             vis = vis & (k_pos[None, :] >= (q_pos[:, None] // CHUNK) * CHUNK)
+        if WINDOW > 0:
+            vis = vis & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         sc = tl.where(vis, sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, 1))
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
@@ -121,6 +124,7 @@ def _key_range(
     D: tl.constexpr,
     DP: tl.constexpr,
     CHUNK: tl.constexpr,
+    WINDOW: tl.constexpr,
     BN: tl.constexpr,
     MASK: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -153,6 +157,7 @@ def _key_range(
                 D,
                 DP,
                 CHUNK,
+                WINDOW,
                 BN,
                 MASK,
                 PRECISION,
@@ -181,6 +186,7 @@ def _key_range(
                 D,
                 DP,
                 CHUNK,
+                WINDOW,
                 BN,
                 MASK,
                 PRECISION,
@@ -207,6 +213,7 @@ def paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,  # int32 [S, MB], [S], [S + 1]
+    sinks_ptr,  # fp32 [Hq] (read only with HAS_SINKS)
     num_seqs,
     scale_log2,  # scale * log2(e): the softmax runs in base 2
     stride_qt,
@@ -222,6 +229,8 @@ def paged_attention_kernel(
     DP: tl.constexpr,
     B: tl.constexpr,
     CHUNK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BM: tl.constexpr,
     BQ: tl.constexpr,
     BN: tl.constexpr,
@@ -234,8 +243,8 @@ def paged_attention_kernel(
     # the G query heads sharing kv head h, as one [BM, D] operand, so that every key tile read
     # through the block table serves all G heads (decode: BQ * G rows out of one read of the
     # keys). Online softmax over key tiles [lo, hi): hi = the tile's last query position + 1
-    # (causal), lo = the chunk start of its first query (chunked attention) or 0; keys outside
-    # are never read (SKIP_MASK: key tiles every row sees skip the mask). With NS > 1 the key range is split into NS segments whose partial
+    # (causal), lo = the chunk start of its first query (chunked attention), the first key in
+    # its first query's window (sliding window) or 0; keys outside are never read (SKIP_MASK: key tiles every row sees skip the mask). With NS > 1 the key range is split into NS segments whose partial
     # results are combined by `paged_attention_reduce_kernel` (long decodes with few programs).
     tile = tl.program_id(0)
     h = tl.program_id(1)
@@ -267,6 +276,8 @@ def paged_attention_kernel(
     hi = last_q + 1
     if CHUNK > 0:
         lo = ((ctx + j * BQ) // CHUNK) * CHUNK
+    elif WINDOW > 0:
+        lo = tl.maximum(ctx + j * BQ - WINDOW + 1, 0)
     else:
         lo = 0
     if NS > 1:
@@ -278,6 +289,12 @@ def paged_attention_kernel(
 
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink is one more logit of weight exp(sink) and value 0: the running max and sum
+        # start from it (once: in segment 0 when the keys are split).
+        if seg == 0:
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BM], 1.0, dtype=tl.float32)
     acc = tl.zeros([BM, DP], dtype=tl.float32)
     bt_row = block_tables_ptr + s * stride_bt
     kv_head = h * stride_kh
@@ -290,6 +307,8 @@ def paged_attention_kernel(
         first_q = ctx + j * BQ
         if CHUNK > 0:
             full_lo = (last_q // CHUNK) * CHUNK
+        elif WINDOW > 0:
+            full_lo = tl.maximum(last_q - WINDOW + 1, 0)
         else:
             full_lo = first_q * 0
         mid_lo = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BN) * BN, hi)
@@ -316,6 +335,7 @@ def paged_attention_kernel(
             D,
             DP,
             CHUNK,
+            WINDOW,
             BN,
             True,
             PRECISION,
@@ -343,6 +363,7 @@ def paged_attention_kernel(
             D,
             DP,
             CHUNK,
+            WINDOW,
             BN,
             False,
             PRECISION,
@@ -370,6 +391,7 @@ def paged_attention_kernel(
             D,
             DP,
             CHUNK,
+            WINDOW,
             BN,
             True,
             PRECISION,
@@ -398,6 +420,7 @@ def paged_attention_kernel(
             D,
             DP,
             CHUNK,
+            WINDOW,
             BN,
             True,
             PRECISION,

@@ -3,7 +3,9 @@
 Imported lazily through ``moeserve.kernels`` (never at data-plane import). See
 ``moeserve.kernels.expert_mlp`` for shapes and rounding, and ``expert_mlp_fp8`` for FP8 weights
 (codes converted to the rows' dtype in registers, exactly; each [BK, BN] tile's product scaled
-by its block's scale, or the whole sum once when a scale covers every K).
+by its block's scale, or the whole sum once when a scale covers every K). With HAS_BIAS each
+slot's bias row is added to the rounded product and rounded again (as ``x @ W`` then ``+ b``);
+ACT 1 is GPT-OSS's clamped SwiGLU, op by op as ``moeserve.models.moe.activate`` rounds it.
 """
 
 import triton
@@ -39,6 +41,11 @@ def _rows(
     SBK: tl.constexpr,
     SBN: tl.constexpr,
     NB: tl.constexpr,
+    bias,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     # rows m0 .. m0 + BM - 1 (< end) of one slot through its weight columns rn; GATED: the gate
     # columns rn and the up columns N + rn, out = silu(gate) * up. QUANT: w holds FP8 codes and
@@ -87,24 +94,69 @@ def _rows(
         acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[None, :]
-    _store(acc, acc_u, out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED, PRECISE)
+    if HAS_BIAS:  # the slot's bias row: [N] (down), or the gate's [N] then the up's [N]
+        b_g = tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if GATED:
+            b_u = tl.load(bias + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        else:
+            b_u = b_g
+    else:
+        b_g = tl.zeros((BN,), dtype=tl.float32)
+        b_u = b_g
+    _store(acc, acc_u, out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED, PRECISE, b_g, b_u, alpha, limit, HAS_BIAS, ACT)
 
 
 @triton.jit
-def _store(acc, acc_u, out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED: tl.constexpr, PRECISE: tl.constexpr):
-    # acc [BM, BN] (and acc_u, gated) in fp32 -> out rows rm, columns rn
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)
+    return tl.exp(x)  # the interpreter has no libdevice
+
+
+@triton.jit
+def _store(
+    acc,
+    acc_u,
+    out_ptr,
+    rm,
+    rn,
+    m_ok,
+    n_ok,
+    stride_out,
+    GATED: tl.constexpr,
+    PRECISE: tl.constexpr,
+    b_g,
+    b_u,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    # acc [BM, BN] (and acc_u, gated) in fp32 -> out rows rm, columns rn, rounded at every step
+    # the torch path rounds (each op's fp32 result rounded to the dtype)
+    dt = out_ptr.dtype.element_ty
     if GATED:
-        # as the two-kernel path rounds: gate_up to the dtype, silu in fp32 rounded, times up
-        g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        u = acc_u.to(out_ptr.dtype.element_ty)
-        if PRECISE:
-            e = libdevice.exp(-g)
-        else:  # the interpreter has no libdevice
-            e = tl.exp(-g)
-        sl = tl.math.div_rn(g, 1.0 + e).to(u.dtype)
-        out = (sl.to(tl.float32) * u.to(tl.float32)).to(u.dtype)
+        g = acc.to(dt)
+        u = acc_u.to(dt)
+        if HAS_BIAS:
+            g = (g.to(tl.float32) + b_g[None, :]).to(dt)
+            u = (u.to(tl.float32) + b_u[None, :]).to(dt)
+        if ACT == 0:  # silu(g) * u
+            gf = g.to(tl.float32)
+            sl = tl.math.div_rn(gf, 1.0 + _exp(-gf, PRECISE)).to(dt)
+            out = (sl.to(tl.float32) * u.to(tl.float32)).to(dt)
+        else:  # (clamp(u) + 1) * min(g, limit) * sigmoid(alpha * min(g, limit))
+            gc = tl.minimum(g.to(tl.float32), limit).to(dt)
+            uc = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit).to(dt)
+            ga = (gc.to(tl.float32) * alpha).to(dt)
+            sg = tl.math.div_rn(1.0, 1.0 + _exp(-ga.to(tl.float32), PRECISE)).to(dt)
+            glu = (gc.to(tl.float32) * sg.to(tl.float32)).to(dt)
+            u1 = (uc.to(tl.float32) + 1.0).to(dt)
+            out = (u1.to(tl.float32) * glu.to(tl.float32)).to(dt)
     else:
-        out = acc.to(out_ptr.dtype.element_ty)
+        out = acc.to(dt)
+        if HAS_BIAS:
+            out = (out.to(tl.float32) + b_g[None, :]).to(dt)
     tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -180,7 +232,25 @@ def _rows_swapped(
         acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[:, None]
         if GATED:
             acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[:, None]
-    _store(tl.trans(acc), tl.trans(acc_u), out_ptr, rm, rn, m_ok, n_ok, stride_out, GATED, PRECISE)
+    zero = tl.zeros((BN,), dtype=tl.float32)  # FP8 experts have no biases
+    _store(
+        tl.trans(acc),
+        tl.trans(acc_u),
+        out_ptr,
+        rm,
+        rn,
+        m_ok,
+        n_ok,
+        stride_out,
+        GATED,
+        PRECISE,
+        zero,
+        zero,
+        0.0,
+        0.0,
+        False,
+        0,
+    )
 
 
 @triton.jit
@@ -212,6 +282,12 @@ def expert_matmul_kernel(
     SBN: tl.constexpr,
     NB: tl.constexpr,
     SWAP: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     # Program (g, s, j): out[r, jBN:(j+1)BN] for the rows r of slot s, in passes g, g + G, .. of BM
     # rows: x[r] @ W[s][:, jBN:(j+1)BN] (W[s] is [K, N]), or with GATED silu of that times
@@ -228,6 +304,7 @@ def expert_matmul_kernel(
     n_ok = rn < N
     w = w_ptr + s.to(tl.int64) * stride_ws
     sc = s_ptr + s.to(tl.int64) * stride_ss
+    bias = b_ptr + s.to(tl.int64) * stride_bs
     if INTERPRET:  # the interpreter cannot range() over a runtime bound
         m0 = start + g * BM
         while m0 < end:
@@ -287,6 +364,11 @@ def expert_matmul_kernel(
                     SBK,
                     SBN,
                     NB,
+                    bias,
+                    alpha,
+                    limit,
+                    HAS_BIAS,
+                    ACT,
                 )
             m0 += G * BM
     else:
@@ -347,4 +429,9 @@ def expert_matmul_kernel(
                     SBK,
                     SBN,
                     NB,
+                    bias,
+                    alpha,
+                    limit,
+                    HAS_BIAS,
+                    ACT,
                 )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -45,11 +46,14 @@ def paged_attention(
     scale: float,
     chunk: int | None,
     softmax_fp32: bool,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] over one layer's pools k_pool, v_pool
     [N, Hkv, D], which already hold this step's keys (written at ``batch.slot_mapping``).
-    Returns [T, Hq, D] in q's dtype.
+    Returns [T, Hq, D] in q's dtype. ``window``: a sliding window (keys k > q_pos - window);
+    ``sinks`` [Hq]: one more logit per head in every softmax (GPT-OSS).
 
     backend: "torch", "triton", or None for the device's choice (Triton on CUDA when it is
     installed, torch otherwise).
@@ -57,10 +61,32 @@ def paged_attention(
     if backend is None:
         backend = "triton" if q.is_cuda and triton_available() else "torch"
     if backend == "triton":
-        return paged_attention_triton(q, k_pool, v_pool, batch, scale=scale, chunk=chunk)
+        return paged_attention_triton(q, k_pool, v_pool, batch, scale=scale, chunk=chunk, window=window, sinks=sinks)
     if backend == "torch":
-        return paged_attention_torch(q, k_pool, v_pool, batch, scale=scale, chunk=chunk, softmax_fp32=softmax_fp32)
+        return paged_attention_torch(
+            q, k_pool, v_pool, batch, scale=scale, chunk=chunk, softmax_fp32=softmax_fp32, window=window, sinks=sinks
+        )
     raise ValueError(f"unknown attention backend {backend!r}; allowed: 'torch', 'triton'")
+
+
+def attention_probs(
+    scores: torch.Tensor, sinks: torch.Tensor | None, softmax_fp32: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """Softmax of masked scores [..., Hkv, G, Q, L] over L, in fp32 when ``softmax_fp32``, in
+    ``dtype``. With ``sinks`` [Hq] (Hq = Hkv * G), as transformers' GPT-OSS: each head's sink
+    logit joins its row, the row's max is subtracted, the softmax taken and the sink's column
+    dropped."""
+    if sinks is not None:
+        hkv, g = scores.shape[-4], scores.shape[-3]
+        sink = sinks.to(scores.dtype).view(hkv, g, 1, 1).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        if softmax_fp32:
+            return torch.softmax(combined.float(), dim=-1)[..., :-1].to(dtype)
+        return torch.softmax(combined, dim=-1)[..., :-1].to(dtype)
+    if softmax_fp32:
+        return torch.softmax(scores.float(), dim=-1).to(dtype)
+    return torch.softmax(scores, dim=-1)
 
 
 # -- torch ---------------------------------------------------------------------------------------
@@ -75,6 +101,8 @@ def paged_attention_torch(
     scale: float,
     chunk: int | None,
     softmax_fp32: bool,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The padded, vectorised formulation (see the module docstring): q [T, Hq, D] -> [T, Hq, D].
 
@@ -110,11 +138,10 @@ def paged_attention_torch(
     visible = (ki[None, None, :] <= q_pos[:, :, None]) & k_ok[:, None, :]  # [S, Q, L]
     if chunk:
         visible = visible & ((ki // chunk)[None, None, :] == (q_pos // chunk)[:, :, None])
+    if window:
+        visible = visible & (ki[None, None, :] > q_pos[:, :, None] - window)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    if softmax_fp32:
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    else:
-        probs = torch.softmax(scores, dim=-1)
+    probs = attention_probs(scores, sinks, softmax_fp32, q.dtype)
     out = torch.matmul(probs, vh)  # [S, Hkv, G, Q, D]
     out = out.permute(0, 3, 1, 2, 4).reshape(s * qmax, hq, d)  # [S * Q, Hq, D]
     # Back to the flat token order without a boolean index (no host synchronisation): token i
@@ -207,10 +234,13 @@ def paged_attention_triton(
     *,
     scale: float,
     chunk: int | None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
     num_segments: int | None = None,
 ) -> torch.Tensor:
     """The Triton varlen paged flash-attention: q [T, Hq, D] -> [T, Hq, D] (q's dtype), one
-    launch per call (two with a split key range).
+    launch per call (two with a split key range). ``window``: keys k > q_pos - window only;
+    ``sinks`` [Hq]: the running max and sum of each head start from its sink logit.
 
     The softmax runs online in fp32 (base 2, scale folded in) and P is rounded to the pools'
     dtype for the P @ V product, as FlashAttention does; with fp32 tensors both products use
@@ -251,6 +281,7 @@ def paged_attention_triton(
         batch.block_tables,
         batch.seq_lens,
         batch.query_start,
+        out if sinks is None else sinks,  # (not read without sinks; an aligned fresh tensor keeps one compile)
         batch.num_seqs,
         scale * math.log2(math.e),
         q.stride(0),
@@ -266,6 +297,8 @@ def paged_attention_triton(
         DP=dp,
         B=batch.block_size,
         CHUNK=chunk or 0,
+        WINDOW=window or 0,
+        HAS_SINKS=sinks is not None,
         BM=cfg["BM"],
         BQ=cfg["BQ"],
         BN=cfg["BN"],
@@ -292,26 +325,46 @@ def paged_attention_triton(
 
 
 def warm_up_attention(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int, block_size: int, chunks, scale: float
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    num_heads: int,
+    block_size: int,
+    variants: Iterable[tuple[int | None, int | None, torch.Tensor | None]],
+    scale: float,
 ) -> int:
     """Compile ``paged_attention_triton`` for every launch configuration a step can pick, before
-    serving: for each attention chunk the model's layers use (None: global), the decode tile at
-    every split (1 .. MAX_SEGMENTS segments, with the reduction) and the prefill tile. ``k_pool``
-    and ``v_pool``: one layer's views of the router's pool (every layer's have the same strides,
-    so the same keys). Reads block 0 of the pool, writes nothing of it. Returns the launches."""
+    serving: for each kind of layer the model has, ``(chunk, window, sinks)`` as its layers call
+    the kernel (None: global, no window, no sinks; one layer's sinks [Hq] stand for all, as they
+    share a dtype), the decode tile at every split (1 .. MAX_SEGMENTS segments, with the
+    reduction) and the prefill tile. ``k_pool`` and ``v_pool``: one layer's views of the router's
+    pool (every layer's have the same strides, so the same keys). Reads block 0 of the pool,
+    writes nothing of it. Returns the launches."""
     hkv, d = k_pool.shape[1], k_pool.shape[2]
     device, dtype = k_pool.device, k_pool.dtype
     g = num_heads // hkv
     prefill = max(TUNING["prefill"]["BM"], 2 * TUNING["decode"]["BM"]) // g + 1  # a query no decode tile holds
     keys = 2 * MAX_SEGMENTS * MIN_KEYS_PER_SEGMENT  # long enough for every split
+    kinds: dict[tuple[int, int, bool], torch.Tensor | None] = {}
+    for chunk, window, sinks in variants:
+        kinds.setdefault((chunk or 0, window or 0, sinks is not None), sinks)
     n = 0
-    for chunk in sorted(set(chunks), key=lambda c: c or 0):
+    for (chunk, window, _), sinks in sorted(kinds.items(), key=lambda kv: kv[0]):
         for lens, starts in [([1], [keys - 1]), ([prefill], [0])]:
             blocks = -(-(starts[0] + lens[0]) // block_size)
             batch = PagedBatch.build(lens, starts, [[0] * blocks], block_size, device)
             q = torch.zeros(lens[0], num_heads, d, dtype=dtype, device=device)
             splits = [1] if lens[0] > 1 else [1 << i for i in range(MAX_SEGMENTS.bit_length())]
             for ns in splits:
-                paged_attention_triton(q, k_pool, v_pool, batch, scale=scale, chunk=chunk, num_segments=ns)
+                paged_attention_triton(
+                    q,
+                    k_pool,
+                    v_pool,
+                    batch,
+                    scale=scale,
+                    chunk=chunk or None,
+                    window=window or None,
+                    sinks=sinks,
+                    num_segments=ns,
+                )
                 n += 1
     return n

@@ -16,11 +16,16 @@ by the reader. Vision (``vision_model.*``, ``multi_modal_projector.*``) and ERNI
 multi-token-prediction (``mtp*``) tensors are never read and are left out of :meth:`names`.
 
 Routed experts come back in the canonical layout of ``moe.py`` whatever the file holds:
-``gate_up [H, 2I]`` (gate first) and ``down [I, H]``. Two on-disk layouts are read:
+``gate_up [H, 2I]`` (gate first) and ``down [I, H]`` (and ``gate_up_bias [2I]``, ``down_bias
+[H]`` for families with expert biases). Two on-disk layouts are read, under the family's
+experts prefix (``moeserve.models.families.Names``):
 
-- fused (Llama 4 as published): ``experts.gate_up_proj [E, H, 2I]``, ``experts.down_proj [E, I, H]``;
-- per expert, nn.Linear style (ERNIE; quantized Llama 4): ``experts.{e}.gate_proj.weight [I, H]``,
-  ``experts.{e}.up_proj.weight [I, H]``, ``experts.{e}.down_proj.weight [H, I]``.
+- fused (Llama 4, GPT-OSS as published): ``experts.gate_up_proj [E, H, 2I]``,
+  ``experts.down_proj [E, I, H]`` (GPT-OSS: gate and up columns interleaved, and
+  ``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]``);
+- per expert, nn.Linear style (ERNIE, Qwen3-MoE, Mixtral; quantized Llama 4):
+  ``experts.{e}.{gate}.weight [I, H]``, ``experts.{e}.{up}.weight [I, H]``,
+  ``experts.{e}.{down}.weight [H, I]`` (Mixtral's w1, w3, w2).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from safetensors import SafetensorError, safe_open
 
+from moeserve.models import families
 from moeserve.models import quant as Q
 from moeserve.models.config import CheckpointError, ModelConfig, load_config, with_quantization
 from moeserve.models.moe import ExpertQuant, ExpertSpec
@@ -56,8 +62,6 @@ ST_DTYPES = {
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses longer headers; also bounds what an error message reads
 SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")
 SKIPPED_COMPONENT = "mtp"  # ERNIE's multi-token-prediction tensors: model.mtp_block.*, model.mtp_emb_norm.*, ...
-# Where each family keeps the routed experts of decoder layer i.
-EXPERTS_PREFIX = {"llama4": "model.layers.{}.feed_forward.experts.", "ernie45": "model.layers.{}.mlp.experts."}
 
 
 class TensorSlice(Protocol):
@@ -77,7 +81,8 @@ def experts_quantized(cfg: ModelConfig) -> bool:
     scheme = cfg.quantization
     if scheme is None or not cfg.num_moe_layers:
         return False
-    module = EXPERTS_PREFIX[cfg.family].format(cfg.moe_layer_ids[0]) + "0.gate_proj"
+    n = families.names(cfg)
+    module = f"{n.experts(cfg.moe_layer_ids[0])}0.{n.expert_linears[0]}"
     return scheme.online_quantizes(module) if scheme.format == "online" else not scheme.ignores(module)
 
 
@@ -86,8 +91,22 @@ def expert_spec(cfg: ModelConfig, dtype: torch.dtype) -> ExpertSpec:
     quant = None
     if experts_quantized(cfg):
         assert cfg.quantization is not None
+        if cfg.expert_bias:
+            raise CheckpointError(
+                f"{cfg.model_type}: FP8 routed experts with biases are not served (the {cfg.family} experts have "
+                f"biases); serve the checkpoint in bf16, without --quantization fp8"
+            )
         quant = ExpertQuant.from_scheme(cfg.quantization, cfg.hidden_size, cfg.moe_intermediate_size)
-    return ExpertSpec(cfg.hidden_size, cfg.moe_intermediate_size, "silu", False, dtype, quant)
+    return ExpertSpec(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.expert_activation,
+        cfg.expert_bias,
+        dtype,
+        quant,
+        cfg.swiglu_alpha,
+        cfg.swiglu_limit,
+    )
 
 
 @dataclass(frozen=True)
@@ -319,7 +338,7 @@ class CheckpointReader:
                 f"MoE layer index {moe_layer} out of range 0..{cfg.num_moe_layers - 1} "
                 f"(the ordinal among MoE layers, not the decoder-layer index)"
             )
-        return EXPERTS_PREFIX[self.config.family].format(cfg.moe_layer_ids[moe_layer])
+        return families.names(cfg).experts(cfg.moe_layer_ids[moe_layer])
 
     def expert_layout(self, moe_layer: int) -> str:
         """ "fused" (experts.gate_up_proj / down_proj) or "per_expert" (experts.{e}.*_proj.weight)."""
@@ -331,9 +350,8 @@ class CheckpointReader:
         cfg = self.config
         if dtype is None and cfg.num_moe_layers:
             p = self._experts_prefix(0)
-            dtype = self.stored_dtype(
-                p + ("gate_up_proj" if self.expert_layout(0) == "fused" else "0.gate_proj.weight")
-            )
+            gate = families.names(cfg).expert_linears[0]
+            dtype = self.stored_dtype(p + ("gate_up_proj" if self.expert_layout(0) == "fused" else f"0.{gate}.weight"))
             if dtype in (Q.FP8, torch.float8_e5m2):
                 dtype = cfg.dtype
         return expert_spec(cfg, dtype or cfg.dtype)
@@ -367,48 +385,44 @@ def check_quantized_tensors(path: str | Path, cfg: ModelConfig) -> None:
 
 
 def read_expert(reader, moe_layer: int, expert: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """One logical expert of one MoE layer, canonical: gate_up [H, 2I], down [I, H]; for FP8
-    experts the codes and their scales, gate_up_scale [Kb, 2 Nb] (gate's blocks, then up's) and
-    down_scale (``moe.ExpertSpec``), whatever ``dtype`` says.
+    """One logical expert of one MoE layer, canonical: gate_up [H, 2I], down [I, H] (and
+    gate_up_bias [2I], down_bias [H] with expert biases); for FP8 experts the codes and their
+    scales, gate_up_scale [Kb, 2 Nb] (gate's blocks, then up's) and down_scale
+    (``moe.ExpertSpec``), whatever ``dtype`` says.
 
-    Reads exactly that expert's bytes (one row of each fused tensor, or its three per-expert
-    tensors and their scales). FP8 tensors where the model's quantization keeps the experts
+    Reads exactly that expert's bytes (one row of each fused tensor, or its per-expert tensors
+    and their scales). FP8 tensors where the model's quantization keeps the experts
     unquantized, or unquantized ones where it declares them FP8, are refused by name.
     """
     cfg = reader.config
     h, i, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    names = families.names(cfg)
     prefix = reader._experts_prefix(moe_layer)
     if not 0 <= expert < n_exp:
         raise ValueError(f"logical expert id {expert} out of range 0..{n_exp - 1}")
     quantized = experts_quantized(cfg)
     if reader.expert_layout(moe_layer) == "fused":
-        reader.check_shape(prefix + "gate_up_proj", (n_exp, h, 2 * i))
-        reader.check_shape(prefix + "down_proj", (n_exp, i, h))
-        if reader.stored_dtype(prefix + "gate_up_proj") in (Q.FP8, torch.float8_e5m2):
-            raise CheckpointError(
-                f"{reader._source}: fused FP8 experts ('{prefix}gate_up_proj') are not a published layout: FP8 "
-                f"checkpoints store one Linear per expert (experts.{{e}}.gate_proj.weight with its weight_scale)"
-            )
-        _check_declared(reader, prefix + "gate_up_proj", quantized)
-        gate_up = reader.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0]  # [H, 2I]
-        down = reader.read_rows(prefix + "down_proj", expert, 1, dtype)[0]  # [I, H]
-        return {"gate_up": gate_up, "down": down}
+        return _read_fused(reader, prefix, expert, dtype, quantized)
+    g_name, u_name, d_name = names.expert_linears
     p = f"{prefix}{expert}."
-    if not reader.has(p + "gate_proj.weight"):
+    if not reader.has(f"{p}{g_name}.weight"):
         raise CheckpointError(
             f"{reader._source}: tensor '{reader.prefix}{prefix}gate_up_proj' is missing, and so is "
-            f"the per-expert '{reader.prefix}{p}gate_proj.weight' (routed experts of MoE layer "
+            f"the per-expert '{reader.prefix}{p}{g_name}.weight' (routed experts of MoE layer "
             f"{moe_layer} = decoder layer {cfg.moe_layer_ids[moe_layer]})"
         )
-    if reader.stored_dtype(p + "gate_proj.weight") == Q.FP8:
+    if reader.stored_dtype(f"{p}{g_name}.weight") == Q.FP8:
+        scheme = cfg.quantization
+        if scheme is None or scheme.format == "online":  # the refusal a linear layer's read gives
+            Q.read_weight(reader, f"{p}{g_name}", (i, h), torch.float32, "cpu")
         if not quantized:
             raise CheckpointError(
-                f"{reader._source}: tensor '{p}gate_proj.weight' is FP8, but the model's quantization keeps "
+                f"{reader._source}: tensor '{p}{g_name}.weight' is FP8, but the model's quantization keeps "
                 f"its routed experts unquantized"
             )
         g, u, d = (
             Q.read_weight(reader, p + name, shape, torch.float32, "cpu")
-            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
+            for name, shape in ((g_name, (i, h)), (u_name, (i, h)), (d_name, (h, i)))
         )
         assert isinstance(g, Q.QuantLinear) and isinstance(u, Q.QuantLinear) and isinstance(d, Q.QuantLinear)
         return {
@@ -417,11 +431,49 @@ def read_expert(reader, moe_layer: int, expert: int, dtype: torch.dtype | None =
             "down": d.codes.t().contiguous(),  # [I, H]
             "down_scale": d.scale.t().contiguous(),
         }
-    _check_declared(reader, p + "gate_proj.weight", quantized)
-    gate = reader.read(p + "gate_proj.weight", dtype, shape=(i, h))  # [I, H]
-    up = reader.read(p + "up_proj.weight", dtype, shape=(i, h))  # [I, H]
-    down = reader.read(p + "down_proj.weight", dtype, shape=(h, i))  # [H, I]
-    return {"gate_up": torch.cat([gate.t(), up.t()], dim=1).contiguous(), "down": down.t().contiguous()}
+    _check_declared(reader, f"{p}{g_name}.weight", quantized)
+    gate = reader.read(f"{p}{g_name}.weight", dtype, shape=(i, h))  # [I, H]
+    up = reader.read(f"{p}{u_name}.weight", dtype, shape=(i, h))  # [I, H]
+    down = reader.read(f"{p}{d_name}.weight", dtype, shape=(h, i))  # [H, I]
+    out = {"gate_up": torch.cat([gate.t(), up.t()], dim=1).contiguous(), "down": down.t().contiguous()}
+    if cfg.expert_bias:
+        gb, ub = (reader.read(f"{p}{n}.bias", dtype, shape=(i,)) for n in (g_name, u_name))
+        out["gate_up_bias"] = torch.cat([gb, ub])  # [2I]
+        out["down_bias"] = reader.read(f"{p}{d_name}.bias", dtype, shape=(h,))  # [H]
+    return out
+
+
+def _read_fused(
+    reader, prefix: str, expert: int, dtype: torch.dtype | None, quantized: bool
+) -> dict[str, torch.Tensor]:
+    """One expert's rows of the fused tensors [E, H, 2I] and [E, I, H] (x @ W), de-interleaved
+    when the family alternates gate and up columns (GPT-OSS), with their bias rows."""
+    cfg = reader.config
+    h, i, n_exp = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    reader.check_shape(prefix + "gate_up_proj", (n_exp, h, 2 * i))
+    reader.check_shape(prefix + "down_proj", (n_exp, i, h))
+    if reader.stored_dtype(prefix + "gate_up_proj") in (Q.FP8, torch.float8_e5m2):
+        raise CheckpointError(
+            f"{reader._source}: fused FP8 experts ('{prefix}gate_up_proj') are not a published layout: FP8 "
+            f"checkpoints store one Linear per expert (experts.{{e}}.gate_proj.weight with its weight_scale)"
+        )
+    _check_declared(reader, prefix + "gate_up_proj", quantized)
+    gate_up = reader.read_rows(prefix + "gate_up_proj", expert, 1, dtype)[0]  # [H, 2I]
+    out = {"down": reader.read_rows(prefix + "down_proj", expert, 1, dtype)[0]}  # [I, H]
+    bias = None
+    if cfg.expert_bias:
+        reader.check_shape(prefix + "gate_up_proj_bias", (n_exp, 2 * i))
+        reader.check_shape(prefix + "down_proj_bias", (n_exp, h))
+        bias = reader.read_rows(prefix + "gate_up_proj_bias", expert, 1, dtype)[0]  # [2I]
+        out["down_bias"] = reader.read_rows(prefix + "down_proj_bias", expert, 1, dtype)[0]  # [H]
+    if families.names(cfg).interleaved:  # columns g0, u0, g1, u1, ...: gate first, then up
+        gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+        if bias is not None:
+            bias = torch.cat([bias[0::2], bias[1::2]])
+    out["gate_up"] = gate_up.contiguous()
+    if bias is not None:
+        out["gate_up_bias"] = bias.contiguous()
+    return {k: out[k] for k in ("gate_up", "down", "gate_up_bias", "down_bias") if k in out}
 
 
 def _check_declared(reader, name: str, quantized: bool) -> None:

@@ -1,21 +1,29 @@
 """Model configuration: parse a Hugging Face ``config.json`` into one frozen :class:`ModelConfig`.
 
-Accepted ``model_type`` values (see ``MODEL_TYPES``):
+Accepted ``model_type`` values (``MODEL_TYPES``, each mapped to its family's module, which
+parses it):
 
 - ``llama4_text``: a text-only Llama 4 checkpoint (``Llama4ForCausalLM``);
 - ``llama4``: the published multimodal Llama 4 checkpoints; the text model's settings sit in
   ``text_config`` and its weights under ``language_model.`` (vision weights are ignored);
-- ``ernie4_5_moe``: ERNIE-4.5-MoE (``mtp*`` weights are ignored).
+- ``ernie4_5_moe``: ERNIE-4.5-MoE (``mtp*`` weights are ignored);
+- ``qwen3_moe``: Qwen3-MoE; ``mixtral``: Mixtral; ``gpt_oss``: GPT-OSS (bf16 experts; its
+  published MXFP4 checkpoints are refused by name).
 
 Both spellings of the fields that transformers 5 renamed are read: ``rope_theta`` /
 ``rope_scaling`` / ``torch_dtype`` (published checkpoints) and ``rope_parameters`` / ``dtype``
 (what transformers 5 writes); ``attn_temperature_tuning`` may be a bool or an int (Scout's
-``config.json`` says ``4``). ``quantization_config`` becomes ``ModelConfig.quantization`` (FP8 formats only; anything else is refused by name: ``moeserve.models.quant``). Which decoder layers are MoE layers, use RoPE, or use chunked local
-attention follows docs/models.md to the letter (the same rules as transformers).
+``config.json`` says ``4``). ``quantization_config`` becomes ``ModelConfig.quantization`` (FP8
+formats only; anything else is refused by name: ``moeserve.models.quant``). Which decoder
+layers are MoE layers and which attention each uses follows docs/models.md to the letter (the
+same rules as transformers).
 
-The *MoE layer index* is the ordinal of a MoE layer among the model's MoE layers
-(``0 .. num_moe_layers-1``); ``moe_layer_ids[m]`` is the decoder-layer index of MoE layer ``m``.
-Everything that talks to expert workers (dispatch, placement, load) uses the MoE layer index.
+A family is a config mapping: everything downstream (the decoder, the MoE layer, the expert
+workers, the balancer) reads ModelConfig, whose MoE layer is data: :class:`RoutingSpec` (the
+routing function), the shared experts (count, width, sigmoid gate) and the expert MLP
+(activation, biases). The *MoE layer index* is the ordinal of a MoE layer among the model's MoE
+layers (``0 .. num_moe_layers-1``); ``moe_layer_ids[m]`` is the decoder-layer index of MoE
+layer ``m``. Everything that talks to expert workers (dispatch, placement, load) uses it.
 """
 
 from __future__ import annotations
@@ -32,19 +40,31 @@ import torch
 from moeserve.models.errors import CheckpointError
 from moeserve.models.quant import QuantScheme, parse_quantization, resolve
 
-MODEL_TYPES = {"llama4_text": "llama4", "llama4": "llama4", "ernie4_5_moe": "ernie45"}
-FAMILIES = ("llama4", "ernie45")
-ROPE_TYPES = ("default", "llama3")
+MODEL_TYPES = {
+    "llama4_text": "llama4",
+    "llama4": "llama4",
+    "ernie4_5_moe": "ernie45",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
+}
+FAMILIES = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCORINGS = ("softmax", "sigmoid")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings (both families rotate adjacent pairs, x[2j] and x[2j+1]).
+    """Rotary embedding settings.
 
     type "llama3" scales the inverse frequencies by ``factor`` below the low-frequency
     wavelength ``original_max_position_embeddings / low_freq_factor`` and interpolates between
-    the two wavelength bounds (see ``layers.rope_inv_freq``); "default" leaves them as they are.
+    the two wavelength bounds; "yarn" blends interpolated and extrapolated frequencies over the
+    dimensions between the ``beta_fast`` and ``beta_slow`` rotation counts and scales cos and
+    sin by ``attention_factor`` (``layers.rope_inv_freq``); "default" leaves them as they are.
+    ``interleaved``: rotate adjacent pairs (x[2j], x[2j+1]) (Llama 4, ERNIE), else the two
+    halves (x[j], x[j + D/2]) (Qwen3, Mixtral, GPT-OSS: transformers' rotate_half).
     """
 
     theta: float
@@ -53,6 +73,53 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    interleaved: bool = True
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """A MoE layer's routing function, as data (``moeserve.models.routing.route``).
+
+    l = x @ W_g.T (+ b_g with ``gate_bias``), in fp32 with ``gate_fp32`` (the gate's weight
+    held in fp32), else in the model dtype. Then either
+
+    - ``topk_first``: the top-k of l, scored over the k chosen: softmax over the k (GPT-OSS) or
+      a sigmoid of each (Llama 4); or
+    - s = softmax(l) or sigmoid(l) over every expert (fp32); the top-k of s + the correction
+      bias (``correction_bias``: ERNIE's e_score_correction_bias, which selects and never
+      weighs), within the ``topk_group`` best of ``n_group`` groups when ``n_group`` > 1
+      (a group's score: the sum of its two best, DeepSeek-V3's); weights s of the chosen.
+
+    ``renormalize`` divides the k weights by their sum, floored at ``renorm_min`` (ERNIE's
+    moe_norm_min); ``scaling_factor`` multiplies them (routed_scaling_factor); they are cast to
+    the model dtype and scale the expert's input (``weights_on_input``, Llama 4) or its output.
+    """
+
+    scoring: str = "softmax"
+    topk_first: bool = False
+    gate_fp32: bool = False
+    gate_bias: bool = False
+    correction_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = False
+    renorm_min: float = 0.0
+    scaling_factor: float = 1.0
+    weights_on_input: bool = False
+
+    def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"routing scoring {self.scoring!r}; allowed: {', '.join(SCORINGS)}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"routing groups: need 1 <= topk_group <= n_group, found {self.topk_group}, {self.n_group}"
+            )
+        if self.topk_first and (self.correction_bias or self.n_group > 1):
+            raise ValueError("routing: a correction bias or expert groups need the top-k taken on the scores")
 
 
 @dataclass(frozen=True)
@@ -65,7 +132,7 @@ class ModelConfig:
     experts form one SwiGLU MLP of width ``moe_intermediate_size * num_shared_experts``.
     """
 
-    family: str  # "llama4" | "ernie45"
+    family: str  # one of FAMILIES
     model_type: str  # config.json's model_type
     vocab_size: int
     hidden_size: int
@@ -79,7 +146,7 @@ class ModelConfig:
     use_rope: tuple[bool, ...]  # [num_layers]; False = NoPE layer (no RoPE, no qk-norm)
     chunked_attention: tuple[bool, ...]  # [num_layers]; True = causal within chunks of attention_chunk_size
     attention_chunk_size: int | None
-    use_qk_norm: bool  # weightless L2 norm of q and k after RoPE (RoPE layers only)
+    use_qk_norm: bool  # Llama 4: weightless L2 norm of q and k after RoPE (RoPE layers only)
     attn_temperature_tuning: bool  # scale q on NoPE layers by 1 + attn_scale*log1p(floor((pos+1)/floor_scale))
     floor_scale: float
     attn_scale: float
@@ -92,17 +159,37 @@ class ModelConfig:
     moe_intermediate_size: int  # one routed expert's intermediate size I
     num_shared_experts: int
     shared_intermediate_size: int  # width of the shared-expert MLP (0 when none)
-    moe_norm_min: float  # ERNIE: floor of the top-k weight sum before renormalising
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     dtype: torch.dtype  # dtype the checkpoint declares (dtype / torch_dtype)
     max_position_embeddings: int
     quantization: QuantScheme | None = None  # quantization_config, or --quantization fp8 (moeserve.models.quant)
+    routing: RoutingSpec = RoutingSpec()  # the MoE layers' routing function
+    shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x @ w.T), w [1, H] (Qwen2-MoE)
+    expert_activation: str = "silu"  # "silu" (SwiGLU) | "clamped_swiglu" (GPT-OSS, swiglu_alpha / swiglu_limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False  # routed experts' gate_up and down have biases (GPT-OSS)
+    qk_rms_norm: bool = False  # Qwen3: RMSNorm with weights (q_norm, k_norm [D]) on q and k before RoPE
+    sliding_window: int | None = None  # keys visible to a query at p: p - W < k <= p, on sliding layers
+    sliding_layers: tuple[bool, ...] = ()  # [num_layers] (empty: none)
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per query head in every softmax (sinks [Hq])
+    attention_softmax_fp32: bool = False  # the eager attention's softmax in fp32 (else the model dtype)
+    norm_weight_fp32: bool = False  # GPT-OSS: RMSNorm weights held in fp32 and applied before the cast
+
+    def __post_init__(self):
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation {self.expert_activation!r}; allowed: {', '.join(EXPERT_ACTIVATIONS)}")
 
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
+
+    @property
+    def moe_norm_min(self) -> float:
+        """ERNIE's floor of the top-k weight sum before renormalising (``routing.renorm_min``)."""
+        return self.routing.renorm_min
 
     def moe_index(self, layer: int) -> int | None:
         """MoE layer index of decoder layer ``layer``, or None when that layer is dense."""
@@ -110,6 +197,18 @@ class ModelConfig:
             return self.moe_layer_ids.index(layer)
         except ValueError:
             return None
+
+    @property
+    def attention_window(self) -> int:
+        """The sliding window of the model's sliding-window layers, 0 when none has one (the
+        prefix cache is off then: such a layer needs only its window's blocks)."""
+        return max((self.window(i) or 0 for i in range(self.num_layers)), default=0)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer``, None when it attends to every key."""
+        if self.sliding_window is None or not self.sliding_layers or not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -129,7 +228,7 @@ def load_config(path: str | Path) -> ModelConfig:
     if gen.is_file():
         g = _read_json(gen)
         if g.get("eos_token_id") is not None:
-            eos_override = _token_ids(g["eos_token_id"], str(gen), "eos_token_id")
+            eos_override = token_ids(g["eos_token_id"], str(gen), "eos_token_id")
     return parse_config(raw, source=str(file), eos_override=eos_override)
 
 
@@ -140,18 +239,17 @@ def parse_config(
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"{source}: unknown model_type {model_type!r}; allowed: {', '.join(MODEL_TYPES)}")
+    from moeserve.models import families  # (the families' modules import this one)
+
+    f = Fields(raw, source)
     if model_type == "llama4":
         text = raw.get("text_config")
         if not isinstance(text, dict):
             raise CheckpointError(
                 f"{source}: model_type 'llama4' needs a 'text_config' object (the text model's settings)"
             )
-        f = _Fields({**{k: raw[k] for k in ("dtype", "torch_dtype") if k in raw}, **text}, source, "text_config.")
-        cfg = _parse_llama4(f, model_type)
-    elif model_type == "llama4_text":
-        cfg = _parse_llama4(_Fields(raw, source), model_type)
-    else:
-        cfg = _parse_ernie45(_Fields(raw, source), model_type)
+        f = Fields({**{k: raw[k] for k in ("dtype", "torch_dtype") if k in raw}, **text}, source, "text_config.")
+    cfg = families.module(MODEL_TYPES[model_type]).parse(f, model_type)
     if eos_override is not None:
         cfg = replace(cfg, eos_token_ids=eos_override)
     qc = raw.get("quantization_config")
@@ -172,7 +270,9 @@ def with_quantization(cfg: ModelConfig, requested: str | None) -> ModelConfig:
 # Field access with errors that name the file and the field.
 
 
-class _Fields:
+class Fields:
+    """A config dict's fields, read with errors that name the file and the field."""
+
     def __init__(self, raw: dict[str, Any], source: str, prefix: str = ""):
         self.raw, self.source, self.prefix = raw, source, prefix
 
@@ -243,7 +343,7 @@ def _read_json(file: Path) -> dict[str, Any]:
     return raw
 
 
-def _token_ids(v: Any, source: str, name: str) -> tuple[int, ...]:
+def token_ids(v: Any, source: str, name: str) -> tuple[int, ...]:
     if v is None:
         return ()
     vals = v if isinstance(v, list) else [v]
@@ -252,7 +352,7 @@ def _token_ids(v: Any, source: str, name: str) -> tuple[int, ...]:
     return tuple(vals)
 
 
-def _optional_id(f: _Fields, name: str, default: int | None) -> int | None:
+def optional_id(f: Fields, name: str, default: int | None) -> int | None:
     if name not in f.raw:
         return default
     if f.raw[name] is None:
@@ -260,15 +360,21 @@ def _optional_id(f: _Fields, name: str, default: int | None) -> int | None:
     return f.int(name, minimum=0)
 
 
-def _dtype(f: _Fields) -> torch.dtype:
+def read_dtype(f: Fields) -> torch.dtype:
     name = f.raw.get("dtype") or f.raw.get("torch_dtype") or "float32"
     if name not in DTYPES:
         raise f.error("dtype", f"is {name!r}; allowed: {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
-def _rope(f: _Fields) -> RopeConfig:
-    """RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
+def read_rope(
+    f: Fields,
+    allowed: tuple[str, ...] = ("default", "llama3"),
+    default_theta: float = 500000.0,
+    interleaved: bool = True,
+) -> RopeConfig:
+    """RoPE from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``;
+    ``allowed``: the family's rope types; ``interleaved``: its rotation (``RopeConfig``)."""
     params = f.raw.get("rope_parameters")
     field = "rope_parameters"
     if params is None:
@@ -277,15 +383,18 @@ def _rope(f: _Fields) -> RopeConfig:
         raise f.error(field, f"must be an object, found {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
         raise f.error(field, "holds per-layer-type RoPE settings, which these families do not use")
-    theta = params.get("rope_theta", f.raw.get("rope_theta", 500000.0))
+    theta = params.get("rope_theta", f.raw.get("rope_theta", default_theta))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise f.error("rope_theta", f"must be a positive number, found {theta!r}")
     rtype = params.get("rope_type", params.get("type", "default"))
-    if rtype not in ROPE_TYPES:
-        raise f.error(field, f"has rope_type {rtype!r}; allowed: {', '.join(ROPE_TYPES)}")
+    if rtype not in allowed:
+        raise f.error(field, f"has rope_type {rtype!r}; allowed: {', '.join(allowed)}")
     if rtype == "default":
-        return RopeConfig(theta=float(theta))
-    sub = _Fields(params, f.source, f"{f.prefix}{field}.")
+        return RopeConfig(theta=float(theta), interleaved=interleaved)
+    sub = Fields(params, f.source, f"{f.prefix}{field}.")
+    original = sub.int("original_max_position_embeddings", f.int("max_position_embeddings", 131072))
+    if rtype == "yarn":
+        return _yarn(f, sub, params, float(theta), original, interleaved)
     for name in ("factor", "low_freq_factor", "high_freq_factor"):
         if name not in params:
             raise sub.error(name, "is missing (llama3 RoPE scaling needs factor, low_freq_factor, high_freq_factor)")
@@ -295,16 +404,49 @@ def _rope(f: _Fields) -> RopeConfig:
         factor=sub.float("factor", 1.0),
         low_freq_factor=sub.float("low_freq_factor", 1.0),
         high_freq_factor=sub.float("high_freq_factor", 4.0),
-        original_max_position_embeddings=sub.int(
-            "original_max_position_embeddings", f.int("max_position_embeddings", 131072)
-        ),
+        original_max_position_embeddings=original,
+        interleaved=interleaved,
     )
     if rope.high_freq_factor == rope.low_freq_factor:
         raise sub.error("high_freq_factor", "must differ from low_freq_factor")
     return rope
 
 
-def _heads(f: _Fields) -> tuple[int, int, int]:
+def _yarn(f: Fields, sub: Fields, params: dict, theta: float, original: int, interleaved: bool) -> RopeConfig:
+    """YaRN as transformers computes it (``_compute_yarn_parameters``): ``factor`` defaults to
+    max_position_embeddings / original_max_position_embeddings, ``attention_factor`` to
+    0.1 ln(factor) + 1 (or the ratio of the two with ``mscale`` and ``mscale_all_dim``), the
+    betas to 32 and 1 (also when null), ``truncate`` to true."""
+    factor = sub.float("factor", f.int("max_position_embeddings", 131072) / original)
+    if factor <= 0:
+        raise sub.error("factor", f"must be positive, found {factor}")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    af = params.get("attention_factor")
+    if af is None:
+        ms, ms_all = params.get("mscale"), params.get("mscale_all_dim")
+        af = mscale(factor, ms) / mscale(factor, ms_all) if ms and ms_all else mscale(factor)
+    else:
+        af = sub.float("attention_factor", 1.0)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise sub.error("truncate", f"must be a bool, found {truncate!r}")
+    return RopeConfig(
+        theta=theta,
+        type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=truncate,
+        attention_factor=float(af),
+        interleaved=interleaved,
+    )
+
+
+def read_heads(f: Fields) -> tuple[int, int, int]:
     heads = f.int("num_attention_heads")
     kv = f.int("num_key_value_heads", heads)
     if heads % kv:
@@ -320,130 +462,3 @@ def _heads(f: _Fields) -> tuple[int, int, int]:
     if head_dim % 2:
         raise f.error("head_dim", f"must be even (RoPE rotates pairs), found {head_dim}")
     return heads, kv, head_dim
-
-
-def _parse_llama4(f: _Fields, model_type: str) -> ModelConfig:
-    layers = f.int("num_hidden_layers")
-    heads, kv, head_dim = _heads(f)
-    num_experts = f.int("num_local_experts")
-    top_k = f.int("num_experts_per_tok", 1)
-    if top_k > num_experts:
-        raise f.error("num_experts_per_tok", f"({top_k}) exceeds num_local_experts ({num_experts})")
-
-    moe_layers = f.int_list("moe_layers")
-    if moe_layers is None:
-        step = f.int("interleave_moe_layer_step", 1)
-        moe_layers = list(range(step - 1, layers, step))
-    if sorted(set(moe_layers)) != moe_layers or any(not 0 <= i < layers for i in moe_layers):
-        raise f.error("moe_layers", f"must be ascending distinct layer indices in 0..{layers - 1}, found {moe_layers}")
-
-    no_rope = f.int_list("no_rope_layers")
-    if not no_rope:  # absent or empty: a NoPE layer every no_rope_layer_interval layers
-        interval = f.int("no_rope_layer_interval", 4)
-        no_rope = [int((i + 1) % interval != 0) for i in range(layers)]
-    if len(no_rope) < layers:
-        raise f.error("no_rope_layers", f"has {len(no_rope)} entries for {layers} layers")
-    use_rope = tuple(bool(x) for x in no_rope[:layers])
-
-    chunk = f.raw.get("attention_chunk_size", 8192)
-    if chunk is not None:
-        chunk = f.int("attention_chunk_size")
-    layer_types = f.raw.get("layer_types")
-    if layer_types is None:
-        chunked = tuple(r and chunk is not None for r in use_rope)
-    else:
-        allowed = ("full_attention", "chunked_attention")
-        if not isinstance(layer_types, list) or len(layer_types) < layers or any(t not in allowed for t in layer_types):
-            raise f.error("layer_types", f"must list one of {allowed} per layer ({layers}), found {layer_types!r}")
-        chunked = tuple(t == "chunked_attention" for t in layer_types[:layers])
-        if any(chunked) and chunk is None:
-            raise f.error("layer_types", "has chunked_attention layers but attention_chunk_size is null")
-
-    expert_width = f.int("intermediate_size")
-    return ModelConfig(
-        family="llama4",
-        model_type=model_type,
-        vocab_size=f.int("vocab_size"),
-        hidden_size=f.int("hidden_size"),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        intermediate_size=f.int("intermediate_size_mlp", 16384),
-        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
-        rope=_rope(f),
-        use_rope=use_rope,
-        chunked_attention=chunked,
-        attention_chunk_size=chunk,
-        use_qk_norm=f.bool("use_qk_norm", True),
-        attn_temperature_tuning=f.bool("attn_temperature_tuning", True, allow_int=True),
-        floor_scale=f.float("floor_scale", 8192.0),
-        attn_scale=f.float("attn_scale", 0.1),
-        attention_bias=f.bool("attention_bias", False),
-        mlp_bias=False,
-        tie_word_embeddings=f.bool("tie_word_embeddings", False),
-        moe_layer_ids=tuple(moe_layers),
-        num_experts=num_experts,
-        top_k=top_k,
-        moe_intermediate_size=expert_width,
-        num_shared_experts=1,
-        shared_intermediate_size=expert_width,
-        moe_norm_min=0.0,
-        bos_token_id=_optional_id(f, "bos_token_id", 1),
-        eos_token_ids=_token_ids(f.raw.get("eos_token_id", 2), f.source, "eos_token_id"),
-        pad_token_id=_optional_id(f, "pad_token_id", None),
-        dtype=_dtype(f),
-        max_position_embeddings=f.int("max_position_embeddings", 131072),
-    )
-
-
-def _parse_ernie45(f: _Fields, model_type: str) -> ModelConfig:
-    layers = f.int("num_hidden_layers")
-    heads, kv, head_dim = _heads(f)
-    num_experts = f.alias_int(("moe_num_experts", "num_experts"))
-    top_k = f.alias_int(("moe_k", "num_experts_per_tok"))
-    if top_k > num_experts:
-        raise f.error("moe_k", f"({top_k}) exceeds moe_num_experts ({num_experts})")
-    start = f.int("moe_layer_start_index", 1, minimum=0)
-    end = f.int("moe_layer_end_index", -1, minimum=-1)
-    end = layers - 1 if end == -1 else end
-    interval = f.int("moe_layer_interval", 1)
-    moe_layers = tuple(i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end)
-    width = f.int("moe_intermediate_size")
-    shared = f.int("moe_num_shared_experts", 2, minimum=0)
-    use_bias = f.bool("use_bias", False)
-    return ModelConfig(
-        family="ernie45",
-        model_type=model_type,
-        vocab_size=f.int("vocab_size"),
-        hidden_size=f.int("hidden_size"),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        intermediate_size=f.int("intermediate_size"),
-        rms_norm_eps=f.float("rms_norm_eps", 1e-5),
-        rope=_rope(f),
-        use_rope=(True,) * layers,
-        chunked_attention=(False,) * layers,
-        attention_chunk_size=None,
-        use_qk_norm=False,
-        attn_temperature_tuning=False,
-        floor_scale=1.0,
-        attn_scale=0.0,
-        attention_bias=use_bias,
-        mlp_bias=use_bias,
-        tie_word_embeddings=f.bool("tie_word_embeddings", True),
-        moe_layer_ids=moe_layers,
-        num_experts=num_experts,
-        top_k=top_k,
-        moe_intermediate_size=width,
-        num_shared_experts=shared,
-        shared_intermediate_size=width * shared,
-        moe_norm_min=f.float("moe_norm_min", 1e-12),
-        bos_token_id=_optional_id(f, "bos_token_id", 1),
-        eos_token_ids=_token_ids(f.raw.get("eos_token_id", 2), f.source, "eos_token_id"),
-        pad_token_id=_optional_id(f, "pad_token_id", 0),
-        dtype=_dtype(f),
-        max_position_embeddings=f.int("max_position_embeddings", 131072),
-    )

@@ -22,9 +22,10 @@ the GPU model (the kernel's grid follows the SM count); ranks of one cluster on 
 GPU agree. ``bytes_read`` / ``tensors_read`` count what was made, as the checkpoint reader
 counts what it read.
 
-Names are those a checkpoint of the config would hold, in the layout the families publish:
-Llama 4 with fused experts (``experts.gate_up_proj [E, H, 2I]``, ``experts.down_proj [E, I, H]``),
-ERNIE with per-expert tensors and ``mlp.moe_statics.e_score_correction_bias [1, E]``.
+Names are those a checkpoint of the config would hold, in the layout the families publish
+(``moeserve.models.families``): Llama 4 and GPT-OSS with fused experts (``experts.gate_up_proj
+[E, H, 2I]``, ``experts.down_proj [E, I, H]``), the others with per-expert tensors; ERNIE's
+gate and ``mlp.moe_statics.e_score_correction_bias [1, E]`` in fp32.
 
 **Hot experts (skewed routing, off by default).** ``hot=(k, share)`` (the reader's argument), else
 the environment's ``MOESERVE_DUMMY_HOT_EXPERTS=k:share``, else config.json's
@@ -34,7 +35,8 @@ names them instead, the same in every layer) take about ``share`` of
 the routed (token, k) pairs, so that a load balancer has something to fix. Without it every
 tensor is as above, byte for byte. With it:
 
-- Llama 4 (top-k on the router's logits): the embedding is made 1,000 times larger (uniform in
+- every family whose routing has no correction bias (Llama 4, Qwen3-MoE, Mixtral, GPT-OSS: the
+  top-k of the gate's logits or of a softmax of them, the same experts): the embedding is made 1,000 times larger (uniform in
   [-1, 1]) so that it dominates the residual stream (every sublayer adds about 1e-3), and its
   hidden channel 0 is the constant 1: every MoE input then carries about the same positive value
   there. The hot experts' router rows get a weight ``b`` on channel 0, the others 0. Given a
@@ -64,12 +66,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moeserve.models import families
 from moeserve.models import quant as Q
 from moeserve.models.checkpoint import (
-    EXPERTS_PREFIX,
     CheckpointReader,
     expert_spec,
-    experts_quantized,
     read_expert,
     read_experts,
 )
@@ -78,7 +79,6 @@ from moeserve.models.moe import ExpertSpec
 
 LOAD_FORMATS = ("auto", "dummy")
 LOW, HIGH = -1e-3, 1e-3  # vLLM's dummy init range
-FP32_NAMES = ("mlp.gate.weight", "e_score_correction_bias")  # stored in fp32 in ERNIE checkpoints
 HOT_ENV = "MOESERVE_DUMMY_HOT_EXPERTS"  # "k:share", e.g. "2:0.8"
 HOT_CONFIG_KEY = "moeserve_dummy_hot_experts"  # config.json: {"experts": k, "share": share}
 HOT_EMBED_SCALE = 1e3  # hot experts: the embedding dominates the residual stream
@@ -157,56 +157,9 @@ def tensor_seed(seed: int, key: str) -> int:
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every text-model tensor a checkpoint of ``cfg`` holds, and its shape (published layouts)."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    e, i = cfg.num_experts, cfg.moe_intermediate_size
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-
-    def linear(name: str, o: int, n: int, bias: bool) -> None:
-        out[f"{name}.weight"] = (o, n)
-        if bias:
-            out[f"{name}.bias"] = (o,)
-
-    def swiglu(prefix: str, width: int, bias: bool) -> None:
-        linear(f"{prefix}.gate_proj", width, h, bias)
-        linear(f"{prefix}.up_proj", width, h, bias)
-        linear(f"{prefix}.down_proj", h, width, bias)
-
-    llama = cfg.family == "llama4"
-    ffn = "feed_forward" if llama else "mlp"
-    for layer in range(cfg.num_layers):
-        p = f"model.layers.{layer}"
-        for n, o, k in (("q", q, h), ("k", kv, h), ("v", kv, h), ("o", h, q)):
-            linear(f"{p}.self_attn.{n}_proj", o, k, cfg.attention_bias)
-        out[f"{p}.input_layernorm.weight"] = (h,)
-        out[f"{p}.post_attention_layernorm.weight"] = (h,)
-        if cfg.moe_index(layer) is None:
-            swiglu(f"{p}.{ffn}", cfg.intermediate_size, cfg.mlp_bias)
-            continue
-        experts = EXPERTS_PREFIX[cfg.family].format(layer)
-        if llama:
-            out[f"{p}.feed_forward.router.weight"] = (e, h)
-            if experts_quantized(cfg):  # FP8 Llama 4 checkpoints store one Linear per expert
-                for x in range(e):
-                    swiglu(f"{experts}{x}", i, False)
-            else:
-                out[experts + "gate_up_proj"] = (e, h, 2 * i)
-                out[experts + "down_proj"] = (e, i, h)
-            swiglu(f"{p}.feed_forward.shared_expert", i, False)
-        else:
-            out[f"{p}.mlp.gate.weight"] = (e, h)
-            out[f"{p}.mlp.moe_statics.e_score_correction_bias"] = (1, e)
-            for x in range(e):
-                out[f"{experts}{x}.gate_proj.weight"] = (i, h)
-                out[f"{experts}{x}.up_proj.weight"] = (i, h)
-                out[f"{experts}{x}.down_proj.weight"] = (h, i)
-            if cfg.num_shared_experts:
-                swiglu(f"{p}.mlp.shared_experts", cfg.shared_intermediate_size, cfg.mlp_bias)
-    if not cfg.tie_word_embeddings:
-        linear("lm_head", v, h, cfg.mlp_bias)
-    elif cfg.mlp_bias:
-        out["lm_head.bias"] = (v,)
+    """Every text-model tensor a checkpoint of ``cfg`` holds, and its shape (published layouts,
+    ``families.checkpoint_shapes``), with each FP8 weight's scale beside it."""
+    out = families.checkpoint_shapes(cfg)
     scheme = cfg.quantization
     if scheme is not None:  # each FP8 weight's scale beside it, as the checkpoint format stores it
         for module in fp8_modules(cfg, out):
@@ -298,7 +251,7 @@ class DummyReader:
         if self.hot:
             d = hot_margin(cfg.num_experts, cfg.top_k, self.hot[0], self.hot[1])
             sigma_w = SIGMA_UNIFORM
-            if cfg.family == "llama4":
+            if not cfg.routing.correction_bias:
                 sigma_e = SIGMA_UNIFORM * HOT_EMBED_SCALE
                 self._hot_value = d * math.sqrt(cfg.hidden_size - 1) * sigma_e * sigma_w
             else:
@@ -341,7 +294,14 @@ class DummyReader:
         module, _, leaf = name.rpartition(".")
         if module in self._fp8:
             return Q.FP8 if leaf == "weight" else torch.float32  # the codes, and their scale
-        return torch.float32 if name.endswith(FP32_NAMES) else self.config.dtype
+        return torch.float32 if self._fp32(name) else self.config.dtype
+
+    def _fp32(self, name: str) -> bool:
+        """A correction bias, and the gate of a family that keeps it in fp32 (ERNIE), are fp32."""
+        cfg = self.config
+        n = families.names(cfg)
+        gate = cfg.routing.gate_fp32 and name.endswith(f".{n.ffn}.{n.router}.weight")
+        return gate or name.endswith("e_score_correction_bias")
 
     def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
         found = self.shape(name)
@@ -368,17 +328,19 @@ class DummyReader:
     def _skewed(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """With hot experts: the tensors that differ from the plain dummy ones (float32), else None."""
         cfg = self.config
+        by_bias = cfg.routing.correction_bias  # top-k on scores + bias: the bias makes them hot
         if name == "model.embed_tokens.weight":
             t = self._make(name, shape, torch.float32) * HOT_EMBED_SCALE
-            if cfg.family == "llama4":
+            if not by_bias:
                 t[:, HOT_CHANNEL] = 1.0
             return t
-        router = ".feed_forward.router.weight" if cfg.family == "llama4" else ".mlp.moe_statics.e_score_correction_bias"
+        n = families.names(cfg)
+        router = f".{n.ffn}.{n.correction_bias[0] if by_bias else n.router + '.weight'}"
         if not name.endswith(router):
             return None
         decoder_layer = int(name.split(".")[2])
         hot = self.hot_experts(cfg.moe_layer_ids.index(decoder_layer))
-        if cfg.family == "llama4":
+        if not by_bias:
             t = self._make(name, shape, torch.float32)
             t[:, HOT_CHANNEL] = 0.0
             t[hot, HOT_CHANNEL] = self._hot_value
@@ -415,7 +377,7 @@ class DummyReader:
                 f"MoE layer index {moe_layer} out of range 0..{cfg.num_moe_layers - 1} "
                 f"(the ordinal among MoE layers, not the decoder-layer index)"
             )
-        return EXPERTS_PREFIX[cfg.family].format(cfg.moe_layer_ids[moe_layer])
+        return families.names(cfg).experts(cfg.moe_layer_ids[moe_layer])
 
     def expert_layout(self, moe_layer: int) -> str:
         return "fused" if self.has(self._experts_prefix(moe_layer) + "gate_up_proj") else "per_expert"
@@ -443,7 +405,9 @@ class DummyReader:
         return name
 
     def _fused(self, name: str) -> bool:
-        return self.config.family == "llama4" and name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+        return families.names(self.config).fused and name.endswith(
+            (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_up_proj_bias", ".experts.down_proj_bias")
+        )
 
     def _make_fp8(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
         """FP8 codes made as such on the device (no float copy first): seeded random bytes that

@@ -6,22 +6,31 @@ byte-level BPE tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with a 
 template + ``special_tokens_map.json``), so that a fresh machine has a model to serve and
 nothing is downloaded. Weights are deterministic for a seed. Every file is written 0644.
 
-The defaults are small enough for a 2-core CPU and still exercise every feature:
+The defaults (each family module's ``TINY``) are small enough for a 2-core CPU and still
+exercise every feature:
 
 - llama4: hidden 64, 4 layers, MoE layers 1 and 3 (interleave step 2), layer 3 NoPE, 8
   experts, top-1, chunked attention with chunk 8, temperature tuning from position 3
   (floor_scale 4), llama3 RoPE scaling;
 - ernie45: hidden 64, 4 layers with layer 0 dense, 16 experts, top-4, 2 shared experts, a
-  non-zero e_score_correction_bias, init std 0.3 (with 0.02 greedy decoding repeats one token).
+  non-zero e_score_correction_bias, init std 0.3 (with 0.02 greedy decoding repeats one token);
+- qwen3_moe: hidden 64, 4 layers with layer 0 dense (mlp_only_layers), 16 experts top-4 with
+  norm_topk_prob, qk-norm weights;
+- mixtral: hidden 64, 4 layers, 8 experts top-2;
+- gpt_oss: hidden 64, 4 layers alternating a sliding window of 8 and full attention, YaRN
+  (factor 8 over 64 positions), sinks, 8 experts top-2 with biases and the clamp at 2.
+
+Weights are normal with std ``initializer_range`` (norms 1 + 0.1 N(0, 1), so that they are
+tested), in the family's published layout (``moeserve.models.families.checkpoint_shapes``).
 
 ``hot_experts=N`` skews routing so that N experts per MoE layer (different ones per layer)
-receive most tokens, which gives a load balancer something to fix. Llama 4: one hidden channel
-is reserved for the routers: every embedding row holds a constant there and no other weight
-reads or writes it, so every MoE input carries a positive value on it. The hot experts' router
-rows get a positive weight on that channel, searched layer by layer on random calibration
-prompts until the hot experts receive ``HOT_SHARE`` (80%) of the routed tokens.
-ERNIE: the hot experts' correction bias is +1, so they are selected for every token (their
-weights still come from the unbiased scores).
+receive most tokens, which gives a load balancer something to fix. Families without a
+correction bias: one hidden channel is reserved for the routers: every embedding row holds a
+constant there and no other weight reads or writes it, so every MoE input carries a positive
+value on it. The hot experts' router rows get a positive weight on that channel, searched layer
+by layer on random calibration prompts until the hot experts receive ``HOT_SHARE`` (80%) of the
+routed tokens (or 90% of the most they can: N / top_k, every token picking every hot expert). ERNIE: the hot experts' correction bias is +1, so they are selected for every
+token (their weights still come from the unbiased scores).
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from moeserve.models.config import DTYPES, ModelConfig, parse_config
+from moeserve.models import families
+from moeserve.models.config import DTYPES, FAMILIES, ModelConfig, parse_config
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos
 WRITTEN_FILES = (
@@ -54,97 +64,40 @@ CHAT_TEMPLATE = (
 )
 FILE_MODE = 0o644  # readable by every user (a container's non-root user too)
 HOT_CHANNEL = 0  # the hidden channel the Llama 4 hot-expert skew rides on
-HOT_SHARE = 0.8  # Llama 4: share of routed tokens the hot experts receive
+HOT_SHARE = 0.8  # share of routed tokens the hot experts receive (families without a correction bias)
 
-LLAMA4_DEFAULTS: dict[str, Any] = {
-    "architectures": ["Llama4ForCausalLM"],
-    "model_type": "llama4_text",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 32,
-    "intermediate_size_mlp": 96,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 1,
-    "interleave_moe_layer_step": 2,
-    "no_rope_layer_interval": 4,
-    "attention_chunk_size": 8,
-    "use_qk_norm": True,
-    "attn_temperature_tuning": True,
-    "floor_scale": 4,
-    "attn_scale": 0.1,
-    "rope_parameters": {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-    },
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.05,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "dtype": "float32",
-}
-ERNIE45_DEFAULTS: dict[str, Any] = {
-    "architectures": ["Ernie4_5_MoeForCausalLM"],
-    "model_type": "ernie4_5_moe",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "moe_num_experts": 16,
-    "moe_k": 4,
-    "moe_num_shared_experts": 2,
-    "moe_layer_start_index": 1,
-    "moe_layer_end_index": -1,
-    "moe_layer_interval": 1,
-    "moe_norm_min": 1e-12,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "use_bias": False,
-    "tie_word_embeddings": True,
-    "initializer_range": 0.3,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "dtype": "float32",
-}
-DEFAULTS = {"llama4": LLAMA4_DEFAULTS, "ernie45": ERNIE45_DEFAULTS}
 # Optional fields that may be given although the defaults leave them out.
-EXTRA_KEYS = {"llama4": {"moe_layers", "no_rope_layers", "layer_types"}, "ernie45": {"head_dim"}}
+EXTRA_KEYS = {
+    "llama4": {"moe_layers", "no_rope_layers", "layer_types"},
+    "ernie45": {"head_dim"},
+    "qwen3_moe": set(),
+    "mixtral": set(),
+    "gpt_oss": {"swiglu_alpha", "layer_types"},
+}
+
+
+def defaults(family: str) -> dict[str, Any]:
+    """The config.json init_model writes for ``family`` (its module's ``TINY``)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; allowed: {', '.join(FAMILIES)}")
+    return families.module(family).TINY
 
 
 def init_model(
     path: str | Path, family: str = "llama4", seed: int = 0, hot_experts: int = 0, **config_overrides
 ) -> Path:
-    """Write a random checkpoint of ``family`` ("llama4" | "ernie45") into folder ``path``.
+    """Write a random checkpoint of ``family`` (one of ``config.FAMILIES``) into folder ``path``.
 
     ``config_overrides`` are config.json fields in the transformers-5 spelling (for example
     ``num_hidden_layers=8``, ``num_local_experts=16``, ``moe_num_experts=32``, ``dtype="bfloat16"``,
     ``initializer_range`` = the init std). Returns the folder.
     """
-    if family not in DEFAULTS:
-        raise ValueError(f"unknown family {family!r}; allowed: {', '.join(DEFAULTS)}")
-    allowed = set(DEFAULTS[family]) | EXTRA_KEYS[family]
+    tiny = defaults(family)
+    allowed = set(tiny) | EXTRA_KEYS[family]
     unknown = sorted(set(config_overrides) - allowed - {"architectures", "model_type"})
     if unknown:
         raise ValueError(f"unknown config field(s) {unknown} for {family}; allowed: {', '.join(sorted(allowed))}")
-    raw = json.loads(json.dumps({**DEFAULTS[family], **config_overrides}))
+    raw = json.loads(json.dumps({**tiny, **config_overrides}))
     cfg = parse_config(raw, source=f"init_model({family!r}) config")
     if isinstance(hot_experts, bool) or not isinstance(hot_experts, int) or not 0 <= hot_experts <= cfg.num_experts:
         raise ValueError(f"hot_experts must be an integer in 0..{cfg.num_experts}, found {hot_experts!r}")
@@ -158,19 +111,18 @@ def init_model(
     std = float(raw["initializer_range"])
     if family == "llama4":
         tensors = _llama4_weights(cfg, gen, std, hot_experts)
-    else:
+    elif family == "ernie45":
         tensors = _ernie45_weights(cfg, gen, std, hot_experts)
+    else:
+        tensors = _weights(cfg, gen, std, hot_experts)
     dtype = DTYPES[raw["dtype"]]
-    tensors = {
-        k: (v if k.endswith(("mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype)).contiguous()
-        for k, v in tensors.items()
-    }
+    tensors = {k: (v if _fp32(cfg, k) else v.to(dtype)).contiguous() for k, v in tensors.items()}
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    if family == "llama4" and 0 < hot_experts < cfg.num_experts:
+    if not cfg.routing.correction_bias and 0 < hot_experts < cfg.num_experts:
         _calibrate_hot_routers(out, cfg, tensors, seed)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -196,8 +148,10 @@ def _spell_out(raw: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         raw["moe_layers"] = list(cfg.moe_layer_ids)
         raw["no_rope_layers"] = [int(r) for r in cfg.use_rope]
         raw["layer_types"] = ["chunked_attention" if c else "full_attention" for c in cfg.chunked_attention]
-    elif raw.get("moe_layer_end_index", -1) == -1:
+    elif cfg.family == "ernie45" and raw.get("moe_layer_end_index", -1) == -1:
         raw["moe_layer_end_index"] = cfg.num_layers - 1
+    elif cfg.family == "gpt_oss":
+        raw["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.sliding_layers]
     return raw
 
 
@@ -270,21 +224,32 @@ def _llama4_weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: int
 def _reserve_channel(t: dict[str, torch.Tensor], ch: int, value: float) -> None:
     """Make hidden channel ``ch`` a constant that only the routers see: every embedding holds
     ``value`` there, and every weight that reads the normalised hidden state (q/k/v, MLPs,
-    experts, lm_head) ignores it, and every weight that writes the residual (o_proj, down
-    projections) leaves it alone."""
+    experts, lm_head) ignores it, and every weight or bias that writes the residual (o_proj,
+    down projections) leaves it alone."""
+    # (Mixtral's gate and up: w1, w3)
+    reads = (
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj.weight",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "lm_head.weight",
+        "w1.weight",
+        "w3.weight",
+    )
     for name, w in t.items():
         if name == "model.embed_tokens.weight":
             w[:, ch] = value
-        elif name.endswith(
-            ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight", "lm_head.weight")
-        ):
+        elif name.endswith(reads):
             w[:, ch] = 0.0  # [out, H]
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "w2.weight")):
             w[ch, :] = 0.0  # [H, in]
+        elif name.endswith(("o_proj.bias", "down_proj.bias")):
+            w[ch] = 0.0  # [H]
         elif name.endswith("experts.gate_up_proj"):
             w[:, ch, :] = 0.0  # [E, H, 2I]
-        elif name.endswith("experts.down_proj"):
-            w[:, :, ch] = 0.0  # [E, I, H]
+        elif name.endswith(("experts.down_proj", "experts.down_proj_bias")):
+            w[..., ch] = 0.0  # [E, I, H], [E, H]
 
 
 def _ernie45_weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: int) -> dict[str, torch.Tensor]:
@@ -313,16 +278,46 @@ def _ernie45_weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: in
     return t
 
 
+def _fp32(cfg: ModelConfig, name: str) -> bool:
+    """Stored in fp32 whatever the dtype: a correction bias, and an fp32 gate (ERNIE's)."""
+    n = families.names(cfg)
+    return name.endswith("e_score_correction_bias") or (
+        cfg.routing.gate_fp32 and name.endswith(f".{n.ffn}.{n.router}.weight")
+    )
+
+
+def _weights(cfg: ModelConfig, gen: torch.Generator, std: float, hot: int) -> dict[str, torch.Tensor]:
+    """Every tensor of ``families.checkpoint_shapes`` (the published layout): norms 1 + 0.1 N,
+    the rest N(0, std); with ``hot``, the hot routers' rows marked for calibration."""
+    t = {}
+    for name, shape in families.checkpoint_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            t[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t[name] = _normal(gen, shape, std)
+    if hot:
+        n = families.names(cfg)
+        for layer in cfg.moe_layer_ids:
+            router = t[f"{n.layer(layer)}.{n.router}.weight"]
+            router[:, HOT_CHANNEL] = 0.0
+            router[_hot_ids(gen, cfg.num_experts, hot), HOT_CHANNEL] = float("nan")  # calibrated later
+        _reserve_channel(t, HOT_CHANNEL, std)
+    return t
+
+
 def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], seed: int) -> None:
     """Set the hot experts' router weight on HOT_CHANNEL, MoE layer by MoE layer (earlier layers'
     routing shapes later layers' inputs), so that they receive about HOT_SHARE of the routed
-    (token, k) pairs of random calibration prompts. Updates ``tensors`` in place."""
+    (token, k) pairs of random calibration prompts (at most 90% of N / top_k). Updates
+    ``tensors`` in place."""
     from moeserve.models.cache import StepBatch
     from moeserve.models.model import load_model
     from moeserve.models.moe import LocalExperts
 
-    names = [f"model.layers.{i}.feed_forward.router.weight" for i in cfg.moe_layer_ids]
+    fam = families.names(cfg)
+    names = [f"{fam.layer(i)}.{fam.router}.weight" for i in cfg.moe_layer_ids]
     hot_rows = [torch.isnan(tensors[n][:, HOT_CHANNEL]) for n in names]  # [E] bool per MoE layer
+    target = min(HOT_SHARE, 0.9 * int(hot_rows[0].sum()) / cfg.top_k)  # a token picks a hot expert once
     for n in names:
         tensors[n][:, HOT_CHANNEL] = torch.nan_to_num(tensors[n][:, HOT_CHANNEL], nan=0.0)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -335,7 +330,7 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
     batch = StepBatch.prefill(range(prompts), [64] * prompts)
 
     def share(m: int, w: float) -> float:
-        model.moe_blocks[m].router_weight[hot_rows[m], HOT_CHANNEL] = w
+        model.moe_blocks[m].gate_weight[hot_rows[m], HOT_CHANNEL] = w
         seen = {}
 
         class Spy:
@@ -352,11 +347,11 @@ def _calibrate_hot_routers(out: Path, cfg: ModelConfig, tensors: dict[str, torch
 
     for m, name in enumerate(names):
         lo, hi = 0.0, 0.25
-        while share(m, hi) < HOT_SHARE and hi < 1e3:
+        while share(m, hi) < target and hi < 1e3:
             lo, hi = hi, 2 * hi
         for _ in range(12):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if share(m, mid) < HOT_SHARE else (lo, mid)
+            lo, hi = (mid, hi) if share(m, mid) < target else (lo, mid)
         share(m, hi)  # keep it for later layers
         tensors[name][hot_rows[m], HOT_CHANNEL] = hi
 

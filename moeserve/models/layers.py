@@ -20,17 +20,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.attention import paged_attention
+from moeserve.models.attention import attention_probs, paged_attention
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.config import ModelConfig, RopeConfig
 from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.models.quant import QuantLinear, read_weight
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H] -> [..., H]: normalised in fp32, cast back to x's dtype, then scaled by weight."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False) -> torch.Tensor:
+    """x [..., H] -> [..., H]: normalised in fp32, cast back to x's dtype, then scaled by weight;
+    ``weight_first``: scaled in fp32, then cast (GPT-OSS, whose norm weights stay fp32)."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_first:
+        return (weight * normed).to(x.dtype)
+    return normed.to(x.dtype) * weight
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,12 +44,15 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies theta^(-2j/D) of each rotated pair, after llama3 scaling: fp32 [D/2].
+    """Inverse frequencies theta^(-2j/D) of each rotated pair, after llama3 or YaRN scaling: fp32 [D/2].
 
     llama3: wavelengths longer than original_max/low_freq_factor are slowed by ``factor``,
     those shorter than original_max/high_freq_factor are kept, and those in between blend the
     two with weight s = (original_max/wavelength - low) / (high - low) on the unscaled one.
+    yarn: ``_yarn_inv_freq``.
     """
+    if rope.type == "yarn":
+        return _yarn_inv_freq(head_dim, rope)
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
     if rope.type == "default":
         return inv
@@ -59,17 +66,49 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Angles of every (position, pair): cos and sin, fp32 [T, D/2]."""
+def _yarn_inv_freq(d: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN (transformers' ``_compute_yarn_parameters``, op for op): the pairs that turn fewer
+    than ``beta_slow`` times over the original context are interpolated (divided by
+    ``factor``), those that turn more than ``beta_fast`` times are kept, and a linear ramp over
+    the pair index blends the two in between: fp32 [D/2]."""
+    base = rope.theta
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+
+    def dim_of(rotations: float) -> float:
+        return (d * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # [D/2] weight of the unscaled frequency
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Angles of every (position, pair): cos and sin, fp32 [T, D/2], times ``scale`` (YaRN's
+    attention factor)."""
     angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    if scale != 1.0:
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each adjacent pair (x[2j], x[2j+1]) as a complex number, in fp32: x [T, heads, D]."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """Rotate pairs as complex numbers, in fp32: x [T, heads, D]. ``interleaved``: the pairs are
+    (x[2j], x[2j+1]); else (x[j], x[j + D/2]) (transformers' rotate_half)."""
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    if not interleaved:
+        x0, x1 = x.float().chunk(2, dim=-1)  # [T, heads, D/2] each
+        return torch.cat((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1).to(x.dtype)
     xf = x.float().unflatten(-1, (-1, 2))  # [T, heads, D/2, 2]
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
     return torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(x.dtype)
 
 
@@ -104,10 +143,13 @@ class SwiGLU:
 class Attention:
     """Grouped-query self-attention of one decoder layer over the KV cache.
 
-    Per layer it may use RoPE (interleaved pairs) followed by a weightless qk L2 norm, or be a
-    NoPE layer with optional temperature tuning of the queries; its mask is causal, and with a
-    chunk size C also restricted to keys in the query's chunk: floor(q_pos/C) == floor(k_pos/C),
-    with absolute positions (non-overlapping chunks, not a sliding window).
+    Per layer: optionally Qwen3's RMSNorm of q and k (weights [D]) before RoPE; RoPE (adjacent
+    pairs or halves, ``RopeConfig.interleaved``) followed by Llama 4's weightless qk L2 norm, or
+    a NoPE layer with optional temperature tuning of the queries. The mask is causal; with a
+    chunk size C also restricted to keys in the query's chunk, floor(q_pos/C) == floor(k_pos/C)
+    (non-overlapping chunks); with a sliding window W to the keys with q_pos - W < k_pos. With
+    sinks (GPT-OSS) each query head's softmax has one more logit, ``sinks[h]``, which takes its
+    share of the weight and adds nothing to the output.
     """
 
     def __init__(
@@ -118,19 +160,25 @@ class Attention:
         k: Linear | QuantLinear,
         v: Linear | QuantLinear,
         o: Linear | QuantLinear,
-        softmax_fp32: bool,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         self.layer = layer
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        self.q_norm, self.k_norm = q_norm, k_norm  # [D] each, or None
+        self.sinks = sinks  # [Hq] or None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.use_rope = cfg.use_rope[layer]
+        self.interleaved = cfg.rope.interleaved
         self.qk_norm = cfg.use_qk_norm and self.use_rope
         self.eps = cfg.rms_norm_eps
         self.chunk = cfg.attention_chunk_size if cfg.chunked_attention[layer] else None
+        self.window = cfg.window(layer)
         self.temperature_tuning = cfg.attn_temperature_tuning and not self.use_rope
         self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
-        self.softmax_fp32 = softmax_fp32
+        self.softmax_fp32 = cfg.attention_softmax_fp32
 
     def __call__(
         self,
@@ -150,8 +198,10 @@ class Attention:
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if self.use_rope:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, *rope, self.interleaved), apply_rope(k, *rope, self.interleaved)
         if self.qk_norm:
             q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
         if self.temperature_tuning:
@@ -167,6 +217,8 @@ class Attention:
                 scale=self.scale,
                 chunk=self.chunk,
                 softmax_fp32=self.softmax_fp32,
+                window=self.window,
+                sinks=self.sinks,
             )  # [T, Hq, D]
             return self.o_proj(out.view(t, self.num_heads * self.head_dim))
         assert isinstance(batch, StepBatch)  # DecoderModel.step pairs the batch with its cache
@@ -181,23 +233,24 @@ class Attention:
         """One sequence: q [n, Hq, D] at positions start.., keys/values [start+n, Hkv, D] -> [n, Hq, D]."""
         n, end = q.shape[0], keys.shape[0]
         first = (start // self.chunk) * self.chunk if self.chunk else 0  # keys before the chunk are never visible
+        if self.window:
+            first = max(first, start - self.window + 1)  # nor those out of the first query's window
         keys, values = keys[first:], values[first:]  # [L, Hkv, D]
         g = self.num_heads // self.num_kv_heads
         qh = q.view(n, self.num_kv_heads, g, self.head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
         kh = keys.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
         vh = values.permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, L, D]
         scores = torch.matmul(qh, kh.transpose(-1, -2)) * self.scale  # [Hkv, G, n, L]
-        if n > 1 or self.chunk:
+        if n > 1 or self.chunk or self.window:
             q_pos = torch.arange(start, end, device=q.device)[:, None]  # [n, 1]
             k_pos = torch.arange(first, end, device=q.device)[None, :]  # [1, L]
             visible = k_pos <= q_pos
             if self.chunk:
                 visible = visible & (k_pos // self.chunk == q_pos // self.chunk)
+            if self.window:
+                visible = visible & (k_pos > q_pos - self.window)
             scores = scores.masked_fill(~visible, float("-inf"))
-        if self.softmax_fp32:
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        else:
-            probs = torch.softmax(scores, dim=-1)
+        probs = attention_probs(scores, self.sinks, self.softmax_fp32, q.dtype)
         out = torch.matmul(probs, vh)  # [Hkv, G, n, D]
         return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
 

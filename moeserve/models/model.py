@@ -23,21 +23,25 @@ from pathlib import Path
 
 import torch
 
-from moeserve.models import ernie45, llama4
+from moeserve.models import families
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.checkpoint import expert_spec
 from moeserve.models.config import ModelConfig
-from moeserve.models.layers import Attention, Linear, SwiGLU, load_linear, rms_norm, rope_cos_sin, rope_inv_freq
+from moeserve.models.layers import (
+    Attention,
+    Linear,
+    SwiGLU,
+    load_linear,
+    load_swiglu,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
 from moeserve.models.paged import PagedBatch, PagedKVCache
+from moeserve.models.routing import MoEBlock
 from moeserve.ops.profiling import span
 from moeserve.sampling import Sampler, SamplingParams
-
-FAMILY_MODULES = {"llama4": llama4, "ernie45": ernie45}
-MOE_BLOCKS: dict[str, type[llama4.Llama4MoEBlock] | type[ernie45.Ernie45MoEBlock]] = {
-    "llama4": llama4.Llama4MoEBlock,
-    "ernie45": ernie45.Ernie45MoEBlock,
-}
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ class MoEInfo:
             num_logical_experts=cfg.num_experts,
             num_shared_experts=cfg.num_shared_experts,
             top_k=cfg.top_k,
-            num_expert_groups=1,
+            num_expert_groups=cfg.routing.n_group,
             expert_spec=spec,
             expert_bytes=spec.nbytes,
         )
@@ -85,7 +89,7 @@ class DecoderLayer:
 
 
 class DecoderModel:
-    """A Llama 4 or ERNIE-4.5-MoE decoder (inference only), split at the router/expert seam.
+    """A decoder of any family (inference only), split at the router/expert seam.
 
     ``moe_blocks[m]`` is the router side of MoE layer m (``route``, ``shared``); ``experts`` holds
     every routed expert (a :class:`LocalExperts`), or is None when loaded with
@@ -99,7 +103,7 @@ class DecoderModel:
         layers: list[DecoderLayer],
         norm: torch.Tensor,
         lm_head: Linear,
-        moe_blocks: list,
+        moe_blocks: list[MoEBlock],
         experts: LocalExperts | None,
         dtype: torch.dtype,
         device: torch.device,
@@ -114,6 +118,8 @@ class DecoderModel:
         self.dtype, self.device = dtype, device
         self.moe_info = MoEInfo.from_config(config, dtype)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope).to(device)  # [D/2] fp32
+        self.rope_scale = config.rope.attention_factor if config.rope.type == "yarn" else 1.0
+        self.norm_first = config.norm_weight_fp32  # norm weights in fp32, applied before the cast
 
     def new_cache(self) -> KVCache:
         c = self.config
@@ -163,14 +169,14 @@ class DecoderModel:
         else:
             cache.begin(batch)
         positions = batch.positions.to(self.device)  # [T]
-        rope = rope_cos_sin(positions, self.inv_freq)  # 2 x [T, D/2]
-        eps = self.config.rms_norm_eps
+        rope = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # 2 x [T, D/2]
+        eps, first = self.config.rms_norm_eps, self.norm_first
         with span("embed"):
             h = self.embed[input_ids.to(self.device)]  # [T, H]
         for layer in self.layers:
             with span("attention"):
-                h = h + layer.attn(rms_norm(h, layer.input_norm, eps), batch, positions, rope, cache)
-            u = rms_norm(h, layer.post_norm, eps)  # [T, H]
+                h = h + layer.attn(rms_norm(h, layer.input_norm, eps, first), batch, positions, rope, cache)
+            u = rms_norm(h, layer.post_norm, eps, first)  # [T, H]
             if layer.moe_index is None:
                 assert layer.mlp is not None  # a dense layer has its MLP
                 with span("dense_mlp"):
@@ -189,7 +195,7 @@ class DecoderModel:
             h = h + (routed if shared is None else routed + shared)
         if not isinstance(cache, PagedKVCache) and not isinstance(batch, PagedBatch):  # (the eager cache)
             cache.commit(batch)
-        return rms_norm(h, self.norm, eps)
+        return rms_norm(h, self.norm, eps, first)
 
     def _check_paged(self, batch: StepBatch | PagedBatch, cache: PagedKVCache) -> None:
         """Host-side checks of a paged step (no device synchronisation)."""
@@ -352,7 +358,7 @@ def load_model(
     reader=None,
     quantization: str | None = None,
 ) -> DecoderModel:
-    """Load a Llama 4 or ERNIE-4.5-MoE checkpoint folder.
+    """Load a checkpoint folder of any family (``moeserve.models.families``).
 
     ``load_experts=False`` builds the router-side model only: no routed-expert weight is read
     and ``model.experts`` is None (an expert backend is then passed to ``step``).
@@ -368,35 +374,25 @@ def load_model(
         reader = open_reader(path, load_format, device, quantization=quantization)
     with reader:
         cfg = reader.config
-        fam = FAMILY_MODULES[cfg.family]
+        names = families.names(cfg)
         h, v = cfg.hidden_size, cfg.vocab_size
-        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        norm_dtype = torch.float32 if cfg.norm_weight_fp32 else dtype
         embed = reader.read("model.embed_tokens.weight", dtype, shape=(v, h)).to(device)
         layers, blocks = [], []
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}"
-            ab = cfg.attention_bias
-            attn = Attention(
-                cfg,
-                i,
-                q=load_linear(reader, f"{p}.self_attn.q_proj", q_out, h, ab, dtype, device),
-                k=load_linear(reader, f"{p}.self_attn.k_proj", kv_out, h, ab, dtype, device),
-                v=load_linear(reader, f"{p}.self_attn.v_proj", kv_out, h, ab, dtype, device),
-                o=load_linear(reader, f"{p}.self_attn.o_proj", h, q_out, ab, dtype, device),
-                softmax_fp32=fam.ATTN_SOFTMAX_FP32,
-            )
+            attn = _load_attention(reader, cfg, i, dtype, device)
             norms = [
-                reader.read(f"{p}.{n}.weight", dtype, shape=(h,)).to(device)
+                reader.read(f"model.layers.{i}.{n}.weight", norm_dtype, shape=(h,)).to(device)
                 for n in ("input_layernorm", "post_attention_layernorm")
             ]
             m = cfg.moe_index(i)
             mlp = None
             if m is None:
-                mlp = fam.load_dense_mlp(reader, cfg, i, dtype, device)
+                mlp = load_swiglu(reader, names.layer(i), h, cfg.intermediate_size, cfg.mlp_bias, dtype, device)
             else:
-                blocks.append(MOE_BLOCKS[cfg.family].load(reader, cfg, i, dtype, device))
+                blocks.append(MoEBlock.load(reader, cfg, i, dtype, device))
             layers.append(DecoderLayer(norms[0], attn, norms[1], mlp, m))
-        norm = reader.read("model.norm.weight", dtype, shape=(h,)).to(device)
+        norm = reader.read("model.norm.weight", norm_dtype, shape=(h,)).to(device)
         head_w = embed if cfg.tie_word_embeddings else reader.read("lm_head.weight", dtype, shape=(v, h)).to(device)
         head_b = reader.read("lm_head.bias", dtype, shape=(v,)).to(device) if cfg.mlp_bias else None
         experts = None
@@ -411,3 +407,27 @@ def load_model(
             ]
             experts = LocalExperts(spec, weights)
     return DecoderModel(cfg, embed, layers, norm, Linear(head_w, head_b), blocks, experts, dtype, device)
+
+
+def _load_attention(reader, cfg: ModelConfig, i: int, dtype: torch.dtype, device) -> Attention:
+    """Decoder layer ``i``'s attention: q, k, v, o (biases with ``attention_bias``), Qwen3's
+    q_norm / k_norm [D], GPT-OSS's sinks [Hq] (held in fp32)."""
+    p, h, d = f"model.layers.{i}.self_attn", cfg.hidden_size, cfg.head_dim
+    q_out, kv_out, ab = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.attention_bias
+    q_norm = k_norm = sinks = None
+    if cfg.qk_rms_norm:
+        q_norm = reader.read(f"{p}.q_norm.weight", dtype, shape=(d,)).to(device)
+        k_norm = reader.read(f"{p}.k_norm.weight", dtype, shape=(d,)).to(device)
+    if cfg.attention_sinks:
+        sinks = reader.read(f"{p}.sinks", torch.float32, shape=(cfg.num_heads,)).to(device)
+    return Attention(
+        cfg,
+        i,
+        q=load_linear(reader, f"{p}.q_proj", q_out, h, ab, dtype, device),
+        k=load_linear(reader, f"{p}.k_proj", kv_out, h, ab, dtype, device),
+        v=load_linear(reader, f"{p}.v_proj", kv_out, h, ab, dtype, device),
+        o=load_linear(reader, f"{p}.o_proj", h, q_out, ab, dtype, device),
+        q_norm=q_norm,
+        k_norm=k_norm,
+        sinks=sinks,
+    )

@@ -56,7 +56,7 @@ class RoutingResult:
     weights_on_input: bool
 
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "clamped_swiglu")
 ALIGN = 16  # bytes: every tensor of a quantized expert starts at such an offset of its flat buffer
 
 
@@ -87,8 +87,10 @@ class ExpertQuant:
 class ExpertSpec:
     """How one routed expert computes, and the shape and size of its weights.
 
-    E(x) = act(x @ G) * (x @ U) @ D, with [G | U] = gate_up [H, 2I] and D = down [I, H]; with
-    biases, x @ gate_up + gate_up_bias and ... @ down + down_bias. ``dtype`` is the compute
+    E(x) = act(x @ G, x @ U) @ D, with [G | U] = gate_up [H, 2I] and D = down [I, H]; with
+    biases, x @ gate_up + gate_up_bias and ... @ down + down_bias. ``activation`` (``activate``):
+    "silu", silu(g) * u (SwiGLU); "clamped_swiglu" (GPT-OSS), with g' = min(g, limit) and
+    u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha g'). ``dtype`` is the compute
     dtype (of rows, outputs and unquantized weights); with ``quant`` the weights are FP8 codes
     and scales (``ExpertQuant``), dequantized to ``dtype`` by the torch path.
     """
@@ -99,6 +101,8 @@ class ExpertSpec:
     has_bias: bool = False
     dtype: torch.dtype = torch.float32
     quant: ExpertQuant | None = None
+    swiglu_alpha: float = 1.702  # clamped_swiglu only
+    swiglu_limit: float = 7.0  # clamped_swiglu only
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -240,15 +244,27 @@ class ExpertSpec:
         return {"gate_up": torch.cat([gate, up], 1), "down": Q.dequantize(w["down"], w["down_scale"], db, dtype)}
 
 
+def activate(spec: ExpertSpec, gu: torch.Tensor) -> torch.Tensor:
+    """The expert's activation of gate_up's output [n, 2I] (gate columns, then up) -> [n, I], op
+    by op in gu's dtype (the rounding the Triton expert kernels reproduce)."""
+    i = spec.intermediate_size
+    gate, up = gu[:, :i], gu[:, i:]
+    if spec.activation == "silu":
+        return F.silu(gate) * up
+    limit = spec.swiglu_limit
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
+
+
 def expert_forward(spec: ExpertSpec, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     """Run one routed expert: x [n, H] -> [n, H], with w the expert's canonical tensors
     (FP8 ones dequantized to x's dtype first: weight-only)."""
-    i = spec.intermediate_size
     w = spec.dense(w, x.dtype)
     gu = x @ w["gate_up"]  # [n, 2I]
     if spec.has_bias:
         gu = gu + w["gate_up_bias"]
-    h = F.silu(gu[:, :i]) * gu[:, i:]  # [n, I]
+    h = activate(spec, gu)  # [n, I]
     y = h @ w["down"]  # [n, H]
     if spec.has_bias:
         y = y + w["down_bias"]
@@ -285,7 +301,7 @@ def grouped_expert_forward(
 
 
 class MoEBlock(Protocol):
-    """The router side of one MoE layer (each family provides one; see llama4.py, ernie45.py)."""
+    """The router side of one MoE layer (``moeserve.models.routing.MoEBlock``, for every family)."""
 
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] (the post-attention-norm MoE input) -> logical ids and weights [T, K]."""

@@ -51,6 +51,7 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 # pass of rows), and dequantizes the weight for cuBLAS above (prefill is bound by the product).
 KERNEL_MAX_ROWS = 512
 FORMATS = ("compressed-tensors", "fp8-block", "online")
+MLP_LEAVES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # w1, w3, w2: Mixtral's experts
 STRATEGIES = ("channel", "tensor", "block")
 SUPPORTED = (
     "moeserve serves FP8 (e4m3) weights from compressed-tensors checkpoints (format float-quantized or "
@@ -127,7 +128,7 @@ class QuantScheme:
         if self.format != "online" or self.ignores(module):
             return False
         leaf = module.rsplit(".", 1)[-1]
-        return leaf in ("gate_proj", "up_proj", "down_proj") and ".self_attn." not in module
+        return leaf in MLP_LEAVES and ".self_attn." not in module
 
 
 def online_scheme() -> QuantScheme:

@@ -103,7 +103,8 @@ class GenerateRequest:
     [1, V] each token is sampled from) or "all" (every prompt position too, at prefill; such a
     request computes its whole prompt, never reading the prefix cache). ``prompt_logprobs``: K >= 0
     asks for the logprob of every prompt token after the first, with its rank and the K most likely
-    tokens at its position, computed on the routers (the first ``Token`` carries them); -1: none.
+    tokens at its position, computed on the routers (the first ``Token`` carries them; such a
+    request computes its whole prompt too); -1: none.
     ``cache_salt`` (vLLM's name): requests share cached KV blocks only with requests of the same
     salt."""
 

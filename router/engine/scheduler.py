@@ -345,9 +345,10 @@ class Scheduler:
 
     def _reads_prefix_cache(self, seq: Sequence) -> bool:
         """Whether ``seq`` may start with cached blocks: not when it needs the logits of every
-        prompt token (``return_logits == "all"``: echo with logprobs, prompt logprobs), which only
-        a computation of the whole prompt gives (as vLLM does)."""
-        return self.prefix_caching and seq.req.return_logits != "all"
+        prompt token (``return_logits == "all"``) or the logprobs of every prompt token
+        (``prompt_logprobs`` >= 0: prompt logprobs, echo with logprobs), which only a computation
+        of the whole prompt gives (as vLLM does)."""
+        return self.prefix_caching and seq.req.return_logits != "all" and seq.req.prompt_logprobs < 0
 
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
         """Per router, the cached blocks ``seq`` would start with there: the longest cached
