@@ -170,6 +170,9 @@ class ClusterConfig:
     max_staging_bytes: a worker refuses a migration whose staging would exceed this (the
     migration fails and rolls back, serving goes on).
     heartbeat_s: the longest gap between two steps; pg_timeout_s: process-group timeout.
+    recovery_settle_s: after a failed step, how long the leader waits for a router that
+    neither reported the failure nor was marked lost by the launcher before the world
+    re-forms without it (docs/dataplane.md, "When a step fails").
     host: where ranks serve their endpoints (metrics).
     leader_hook: ``module:function`` the leader calls with its engine once it is ready, e.g.
     ``moeserve.services.admin:serve_admin`` (the gRPC admin API, which the launcher asks for
@@ -223,6 +226,7 @@ class ClusterConfig:
     max_staging_bytes: int = 0  # 0: staging limited only by the device's memory
     heartbeat_s: float = 0.1
     pg_timeout_s: float = 30.0
+    recovery_settle_s: float = 3.0
     host: str = "127.0.0.1"
     leader_hook: str = ""
     leader_hook_config: str = ""
@@ -250,8 +254,8 @@ class ClusterConfig:
         wpn = self.workers_per_node or self.workers
         if self.workers % wpn:
             raise ValueError(f"workers ({self.workers}) must be a multiple of workers_per_node ({wpn})")
-        if self.heartbeat_s <= 0 or self.pg_timeout_s <= 0:
-            raise ValueError("heartbeat_s and pg_timeout_s must be > 0")
+        if self.heartbeat_s <= 0 or self.pg_timeout_s <= 0 or self.recovery_settle_s <= 0:
+            raise ValueError("heartbeat_s, pg_timeout_s and recovery_settle_s must be > 0")
         if self.leader_hook and ":" not in self.leader_hook:
             raise ValueError(f"leader_hook must be 'module:function', got {self.leader_hook!r}")
         if self.exchange not in EXCHANGES:

@@ -173,6 +173,19 @@ class DistributedExperts:
         self.histogram = torch.zeros(num_layers, maps.num_logical, LOAD_BINS, dtype=torch.long, device=exchange.device)
         self.busy = torch.zeros(num_layers, p, dtype=torch.long, device=exchange.device)
 
+    def set_exchange(self, exchange) -> None:
+        """The exchange of a re-formed world (a rank lost or joined): this router's index among
+        the routers present and their number follow it; the unread load is dropped (its counts
+        are per world rank; docs/dataplane.md, "When a peer dies")."""
+        self.exchange = exchange
+        self.router = exchange.topo.router_index(exchange.rank) or 0
+        self.num_routers = exchange.topo.num_routers
+        width = exchange.topo.world_size * exchange.topo.slots_per_worker
+        if self.sent.shape[1] != width:
+            self.sent = torch.zeros(self.sent.shape[0], width, dtype=torch.long, device=exchange.device)
+            self.total = torch.zeros_like(self.sent)
+        self.discard_load()
+
     def dispatch(self, moe_layer: int, hidden: torch.Tensor, routing: RoutingResult) -> _Handle:
         # The exchange picks each pair's slot (the collective one with torch ops, the direct one in
         # its kernels) and adds the pairs it sends to this layer's row of ``sent``.

@@ -34,7 +34,7 @@ def path(tmp_path_factory):
 
 @pytest.mark.timeout(120)
 def test_a_killed_worker_that_is_not_replaced_turns_into_an_error_within_30_s_and_no_process_is_left(path):
-    c = LocalCluster(path, routers=1, workers=2, max_worker_restarts=0).start()
+    c = LocalCluster(path, routers=1, workers=2, max_restarts=0).start()
     try:
         assert c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
         pids = [p.pid for p in c.procs]
@@ -75,3 +75,51 @@ def test_an_idle_cluster_stays_up_and_a_placement_applied_to_it_completes(path):
         np.testing.assert_array_equal(c.placement().phy2log, target)
         assert_workers_hold(c, target, expert_digests(path))
         assert c.generate(prompts, max_tokens=16, ignore_eos=True) == want
+
+
+def _gone(c, pids, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in c.procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(p.poll() is not None for p in c.procs)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.timeout(120)
+def test_losing_the_leader_is_fatal_and_clean(path):
+    c = LocalCluster(path, routers=2, workers=2).start()
+    try:
+        assert c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
+        pids = [p.pid for p in c.procs]
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(ClusterError, match=r"rank 0 \(router\) exited with signal SIGKILL"):
+            for _ in range(300):
+                c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
+                time.sleep(0.1)
+        _gone(c, pids)
+    finally:
+        c.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_lost_past_the_restart_limit_stops_the_cluster_naming_the_limit(path):
+    c = LocalCluster(path, routers=1, workers=2, max_restarts=1).start()
+    try:
+        assert c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
+        os.kill(c.procs[2].pid, signal.SIGKILL)  # replaced: restart 1 of 1
+        deadline = time.monotonic() + 120
+        while c.status().generation < 1:
+            assert time.monotonic() < deadline, "the lost worker was not replaced"
+            time.sleep(0.1)
+        assert c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
+        pids = [p.pid for p in c.procs]
+        os.kill(pids[2], signal.SIGKILL)  # the second loss within a minute: not replaced
+        with pytest.raises(ClusterError, match=r"lost 2 times within 60 s: the restart limit \(max_restarts = 1\)"):
+            for _ in range(300):
+                c.generate([[5, 6, 7]], max_tokens=4, ignore_eos=True)
+                time.sleep(0.1)
+        _gone(c, pids)
+    finally:
+        c.stop()

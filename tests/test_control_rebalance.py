@@ -282,12 +282,12 @@ BAD = {  # name: (call, status, what the message says)
     "max_tokens 0": (
         lambda s, p: s["serving"].generate(prompt_token_ids=[5], max_tokens=0),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "max_tokens must be >= 1, got 0",
+        "max_tokens must be in 1..256, got 0",
     ),
     "max_tokens negative": (
         lambda s, p: s["serving"].generate(prompt_token_ids=[5], max_tokens=-3),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "max_tokens must be >= 1, got -3",
+        "max_tokens must be in 1..256, got -3",
     ),
     "max_tokens above the limit": (
         lambda s, p: s["serving"].generate(prompt_token_ids=[5, 6], max_tokens=MAX_MODEL_LEN),

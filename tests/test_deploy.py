@@ -79,12 +79,6 @@ def test_the_compose_file_takes_secrets_from_the_environment_and_keeps_state_on_
     assert svc["frontend"]["environment"].get("MOESERVE_API_KEY") is None  # passed through when set
     p = compose(BASE, env={**ENV, "MOESERVE_API_KEY": "k"})
     assert json.loads(p.stdout)["services"]["frontend"]["environment"]["MOESERVE_API_KEY"] == "k"
-    for name in ("router", "worker-1", "worker-2"):
-        cmd = svc[name]["command"]
-        state = cmd[cmd.index("--state-dir") + 1]
-        (vol,) = [v for v in svc[name]["volumes"] if v["target"] == state]
-        assert vol["type"] == "volume" and vol["source"] == "state"
-        assert vol.get("read_only", False) is (name != "router")  # the leader writes, workers read at start
     assert svc["worker-1"]["restart"] == svc["worker-2"]["restart"] == "on-failure"
     front = svc["frontend"]["command"]
     assert front[front.index("--http-port") + 1] == "8000" and front[front.index("--port") + 1] == "8003"
@@ -143,6 +137,26 @@ def test_ranks_talk_on_an_internal_network_only_and_services_wait_for_a_healthy_
     # the host's loopback only.
     assert set(svc["balancer"]["networks"]) == {"ranks", "edge"}
     assert all(p.get("host_ip") == "127.0.0.1" for p in svc["balancer"]["ports"])
+
+
+@pytest.mark.slow
+def test_every_variant_keeps_the_state_dir_of_every_rank_on_the_named_volume(project):
+    svc = project["services"]
+    for name in ("router", "worker-1", "worker-2"):
+        cmd = svc[name]["command"]
+        assert "--state-dir" in cmd, f"{name} forgets its placement on restart: {cmd}"
+        state = cmd[cmd.index("--state-dir") + 1]
+        (vol,) = [v for v in svc[name]["volumes"] if v["target"] == state]
+        assert vol["type"] == "volume" and vol["source"] == "state"
+        assert vol.get("read_only", False) is (name != "router")  # the leader writes, workers read at start
+
+
+@pytest.mark.slow
+def test_every_rank_of_every_variant_holds_the_clusters_secret(project):
+    """The ranks' store admits only holders of the secret: a worker without it could not join."""
+    for name in ("router", "worker-1", "worker-2", "frontend"):
+        env = project["services"][name]["environment"]
+        assert env.get("MOESERVE_CONTROL_KEY") == ENV["MOESERVE_CONTROL_KEY"], name
 
 
 @pytest.mark.slow

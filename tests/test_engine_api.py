@@ -13,6 +13,7 @@ import pytest
 
 from moeserve.client import Client, MoeserveError
 from moeserve.config import ClusterConfig, EplbConfig, Limits
+from moeserve.dataplane import header_wire
 from moeserve.dataplane.protocol import RankResult
 from moeserve.placement import MigrationState, Placement
 from moeserve.router.engine import leader as leader_module
@@ -31,6 +32,7 @@ from moeserve.router.engine.api import (
 from moeserve.router.engine.channel import AsyncEngineClient, ChannelServer, ClusterError, EngineClient
 from moeserve.router.engine.leader import Engine
 from moeserve.rpc import serving_pb2_grpc
+from moeserve.sampling import SamplingParams
 from moeserve.services.admin import start_admin
 from moeserve.services.frontend import ServingService
 from moeserve.services.server import SERVING, ServerOptions, ServiceServer, ThreadedServer
@@ -58,6 +60,7 @@ class StandInRanks:
         while not self._stop:
             self.gate.wait()
             h = self.engine.next_header()
+            header_wire.encode(h)  # as the leader broadcasts it
             if h.stop:
                 return
             results = [RankResult(r) for r in range(self.world)]
@@ -122,6 +125,26 @@ def test_the_channel_serves_the_typed_api_and_its_errors(engine, channel):
     assert c.status().placement_version == mig.target_version
     with pytest.raises(ClusterError, match="handshake"):
         EngineClient(server.address, b"wrong key 123456").placement()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "req,fragment",
+    [
+        (GenerateRequest((1, 10**30), 2), "prompt token id 1000000000000000000000000000000 is outside"),
+        (GenerateRequest((-(10**30), 1), 2), "is outside the vocabulary"),
+        (GenerateRequest((1,), 2, stop_token_ids=(10**30,)), "stop token id 1000000000000000000000000000000 is"),
+        (GenerateRequest((1,), 2, SamplingParams(temperature=1.0, top_k=2**63)), "top_k must be in 0..100"),
+        (GenerateRequest((1,), 2, SamplingParams(temperature=1.0, top_k=VOCAB + 1)), "top_k must be in 0..100"),
+    ],
+)
+def test_a_request_a_step_header_could_not_carry_is_invalid_and_the_engine_serves_on(engine, channel, req, fragment):
+    server, key = channel
+    c = EngineClient(server.address, key)
+    with pytest.raises(InvalidRequest, match=fragment):
+        list(c.generate_stream([req]))
+    events = list(c.generate_stream([GenerateRequest((1, 2), 2, ignore_eos=True)]))
+    assert events[-1] == (0, Finished(FinishReason.LENGTH))
 
 
 def test_a_silent_connection_does_not_stop_the_channel(engine, channel):

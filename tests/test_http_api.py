@@ -39,7 +39,18 @@ class Front:
     """The front end's production parts (Admission, HttpApi + HttpServer, the gRPC servicer
     with the API key) on one uvloop event loop in a thread."""
 
-    def __init__(self, engine, tokenizer, api_key=KEY, names=(MODEL,), max_model_len=MAX_MODEL_LEN, tls=(None, None)):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        api_key=KEY,
+        names=(MODEL,),
+        max_model_len=MAX_MODEL_LEN,
+        tls=(None, None),
+        door=None,
+        grace_s=5,
+        **limits,
+    ):
         import uvloop
 
         from moeserve.ops.metrics import FrontendMetrics, ProcessMetrics
@@ -47,12 +58,16 @@ class Front:
         from moeserve.services.admission import Admission, AdmissionLimits
         from moeserve.services.frontend import make_server
         from moeserve.services.http import HttpApi, HttpServer
+        from moeserve.services.http.door import DoorLimits
         from moeserve.services.server import ServerOptions
 
         self.pm = ProcessMetrics("frontend")
         vllm = VllmMetrics(self.pm.registry, names[0])
         self.admission = Admission(
-            engine, tokenizer, FrontendMetrics(self.pm.registry, vllm), AdmissionLimits(max_model_len=max_model_len)
+            engine,
+            tokenizer,
+            FrontendMetrics(self.pm.registry, vllm),
+            AdmissionLimits(max_model_len=max_model_len, **limits),
         )
         self.api = HttpApi(
             self.admission,
@@ -63,7 +78,15 @@ class Front:
             max_body_bytes=MAX_BODY,
             vllm_metrics=vllm,
         )
-        self.http = HttpServer(self.api, "127.0.0.1", 0, grace_s=5, ssl_certfile=tls[0], ssl_keyfile=tls[1])
+        self.http = HttpServer(
+            self.api,
+            "127.0.0.1",
+            0,
+            grace_s=grace_s,
+            ssl_certfile=tls[0],
+            ssl_keyfile=tls[1],
+            door=door or DoorLimits(),
+        )
         self.grpc = make_server(None, None, ServerOptions(grace_s=1), admission=self.admission, api_key=api_key)
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -690,8 +713,8 @@ BAD = [
     ("prompt an object", C, {**OK, "prompt": {"text": "hi"}}, None, 400, "prompt must be", "prompt"),
     ("prompt missing", C, {"model": MODEL}, None, 400, "prompt is required", "prompt"),
     ("unknown model", C, {**OK, "model": "gpt-4"}, None, 404, "does not exist", "model"),
-    ("negative max_tokens", C, {**OK, "max_tokens": -1}, None, 400, "max_tokens must be >= 1", "max_tokens"),
-    ("zero max_tokens", CC, {**CHAT, "max_tokens": 0}, None, 400, "max_tokens must be >= 1", "max_tokens"),
+    ("negative max_tokens", C, {**OK, "max_tokens": -1}, None, 400, "max_tokens must be in 1..", "max_tokens"),
+    ("zero max_tokens", CC, {**CHAT, "max_tokens": 0}, None, 400, "max_tokens must be in 1..", "max_tokens"),
     (
         "prompt + max_tokens over max_model_len",
         C,

@@ -248,6 +248,37 @@ def test_the_leader_reads_migration_moves_and_queue_from_the_engine_status():
     assert set(samples(text, "moeserve_migrations_total").values()) == {0.0}
 
 
+def test_the_leader_says_how_the_world_re_formed_lost_and_replaced_ranks_and_readmitted_requests():
+    status = EngineStatus(
+        step=10,
+        forward_steps=9,
+        uptime_s=1.0,
+        placement_version=6,
+        layer_versions=(6, 6),
+        migration=None,
+        error=None,
+        waiting=0,
+        running=4,
+        readmitted=7,
+        generation=3,
+        members=(0, 2, 3),
+        ranks_in_world={"router": 1, "worker": 2},
+        ranks_lost={"router": 1, "worker": 1},
+        ranks_replaced={"router": 0, "worker": 1},
+    )
+    pm = M.ProcessMetrics("router", 0)
+    M.LeaderMetrics(pm.registry, _PublicEngine(status))
+    text = M.scrape_text(pm.registry)
+    assert samples(text, "moeserve_cluster_generation") == {(): 3.0}
+    assert samples(text, "moeserve_ranks") == {(("role", "router"),): 1.0, (("role", "worker"),): 2.0}
+    assert samples(text, "moeserve_ranks_lost_total") == {(("role", "router"),): 1.0, (("role", "worker"),): 1.0}
+    assert samples(text, "moeserve_rank_replacements_total") == {
+        (("role", "router"),): 0.0,
+        (("role", "worker"),): 1.0,
+    }
+    assert samples(text, "moeserve_requests_readmitted_total") == {(): 7.0}
+
+
 def test_router_timing_hooks_wrap_dispatch_and_combine_and_return_their_results():
     pm = M.ProcessMetrics("router", 1)
     rm = M.RouterMetrics(pm.registry)

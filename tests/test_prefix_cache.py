@@ -233,6 +233,34 @@ def test_a_preempted_sequence_that_shares_blocks_frees_only_its_references(late)
     assert s.counts()["kv_blocks_used"] == 0
 
 
+def test_a_lost_routers_sequences_start_on_the_blocks_cached_on_the_router_they_move_to():
+    """A lost router's pool and its cache go with it: its sequences are recomputed on another
+    router, from that router's cached blocks of their prefix, and the router's replacement
+    starts with an empty pool that caches as the others do (or not, with the cache off)."""
+    s = sched(routers=2, routing="round_robin")
+    a, b = s.submit(req(P, max_tokens=6)), s.submit(req(P, max_tokens=6))
+    feed(s, s.schedule())
+    feed(s, s.schedule())
+    assert (a.router, b.router) == (0, 1) and len(b.output) == 2
+    queries = s.counts()["prefix_cache_queries"]
+    replay = s.router_lost(1, s.schedule())  # the step router 1 dies in
+    feed(s, replay)
+    work = s.schedule()
+    sw = fresh_work(work, b)
+    assert b.router == 0 and sw.start == 12 and sw.new_blocks[:3] == tuple(a.blocks[:3])  # P: 3 full blocks
+    assert s.counts()["prefix_cache_queries"] == queries  # a recomputation is not a first admission
+    feed(s, work)
+    drain(s)
+    assert a.output == b.output == [7] * 6
+    s.router_joined(1, 64)
+    assert s.counts()["kv_blocks_cached"] == s._blocks[0].num_cached  # the new pool holds nothing yet
+    for caching in (True, False):
+        t = sched(routers=2, prefix_caching=caching)
+        t.router_lost(1)
+        t.router_joined(1, 64)
+        assert [x.caching for x in t._blocks] == [caching, caching]
+
+
 def conversations(routers, routing, turns=3, convs=3):
     """``convs`` conversations of ``turns`` turns, each turn sent after the previous answers:
     its prompt is the conversation so far and 5 new tokens. Returns (hit tokens, computed
@@ -332,6 +360,7 @@ def test_a_router_sequence_started_on_cached_blocks_computes_what_the_whole_prom
 def test_the_http_api_reports_cached_tokens_as_openai_does_and_checks_the_salt():
     from types import SimpleNamespace
 
+    from moeserve.services.admission import AdmissionLimits
     from moeserve.services.http.encode import ApiError, usage
     from moeserve.services.http.params import parse_sampling
 
@@ -342,11 +371,12 @@ def test_the_http_api_reports_cached_tokens_as_openai_does_and_checks_the_salt()
         "total_tokens": 52,
         "prompt_tokens_details": {"cached_tokens": 16},
     }
-    assert parse_sampling({"cache_salt": "tenant-a"}, False, 8).cache_salt == "tenant-a"
-    assert parse_sampling({}, True, 8).cache_salt == ""
+    lim = AdmissionLimits(max_stop_ids=8)
+    assert parse_sampling({"cache_salt": "tenant-a"}, False, lim).cache_salt == "tenant-a"
+    assert parse_sampling({}, True, lim).cache_salt == ""
     for bad in ("", 7, "x" * 1025):
         with pytest.raises(ApiError, match="cache_salt"):
-            parse_sampling({"cache_salt": bad}, False, 8)
+            parse_sampling({"cache_salt": bad}, False, lim)
 
 
 def test_the_engine_refuses_a_salt_over_its_limit():

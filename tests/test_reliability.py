@@ -78,6 +78,8 @@ def cluster(tmp_path_factory):
         QUIET,
         "--balancer-poll-interval",
         "0.2",
+        "--grace-period",
+        "2",
     )
     out = up.output()
     http = int(re.search(r"^http\s+http://[\d.]+:(\d+)/v1", out, re.M).group(1))
@@ -206,6 +208,123 @@ def test_limits_hold_at_the_front_end_before_any_conversion(cluster):
             s.generate(max_tokens=1, **kw)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and what in e.value.message, e.value.message
     serves(c)
+
+
+def _http(port: int, path: str, body: bytes, timeout: float = 120) -> tuple[int, dict]:
+    """(status, parsed error or answer) of a POST of raw JSON bytes."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read()
+    finally:
+        conn.close()
+    try:
+        return r.status, json.loads(raw)
+    except ValueError:
+        return r.status, {"raw": raw[:200].decode(errors="replace")}
+
+
+def test_a_request_of_death_is_refused_and_the_cluster_serves_on(cluster):
+    """top_k >= 2**63 once made the leader overflow encoding the step header: every rank died."""
+    c = cluster
+    vocab = c["model"].config.vocab_size
+    for top_k in (2**63, 2**64 + 5, vocab + 1):
+        body = json.dumps({"prompt": [5, 6], "max_tokens": 2, "temperature": 1.0, "top_k": top_k}).encode()
+        st, out = _http(c["http"], "/v1/completions", body)
+        assert st == 400 and "top_k must be in" in out["error"]["message"], (top_k, st, out)
+        assert out["error"]["param"] == "top_k"
+    for top_k in (2**62, vocab + 1):  # gRPC carries an int64: as large as the header holds
+        with pytest.raises(MoeserveError) as e:
+            c["serving"].generate(prompt_token_ids=[5, 6], max_tokens=2, temperature=1.0, top_k=top_k)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "top_k must be in" in e.value.message
+    serves(c)
+    assert c["admin"].status().error == ""
+    assert c["up"].proc.poll() is None
+
+
+def test_client_errors_are_client_errors_not_server_errors(cluster):
+    """A prompt id of 10**30 was 503 "cluster unavailable" (clients retry it), a lone surrogate 500."""
+    c = cluster
+    cases = [
+        (
+            b'{"prompt": [5, 1000000000000000000000000000000], "max_tokens": 2}',
+            "is outside the vocabulary [0, ",
+            "prompt",
+        ),
+        (
+            b'{"prompt": [5], "stop_token_ids": [1000000000000000000000000000000]}',
+            "is outside the vocabulary [0, ",
+            "stop_token_ids",
+        ),
+        (b'{"prompt": "abc \\ud800 def", "max_tokens": 2}', "not valid Unicode", None),
+        (b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', "not valid Unicode", None),
+    ]
+    for body, fragment, param in cases:
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        st, out = _http(c["http"], path, body)
+        assert st == 400 and fragment in out["error"]["message"], (body, st, out)
+        assert out["error"]["param"] == param, out
+    serves(c)
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_oversized_requests_are_refused_before_rendering_and_the_front_end_gives_its_memory_back(cluster):
+    """A 5.5 MB chat_template_kwargs value was rendered and tokenized in full before refusal;
+    150k empty messages too; the front end's RSS climbed to 3.9 GB over 24 refusals and stayed."""
+    c = cluster
+    fe = c["up"].child("frontend")
+    hi = [{"role": "user", "content": "hi"}]
+    ok = json.dumps({"messages": hi, "max_tokens": 2, "temperature": 0}).encode()
+    assert _http(c["http"], "/v1/chat/completions", ok)[0] == 200
+    base = _rss_kib(fe)
+    heavy = [
+        json.dumps({"messages": hi, "max_tokens": 2, "chat_template_kwargs": {"bos_token": "x" * 5_500_000}}).encode(),
+        json.dumps({"messages": [{"role": "user", "content": ""}] * 150_000, "max_tokens": 2}).encode(),
+        json.dumps({"prompt": "lorem ipsum " * 400_000, "max_tokens": 2}).encode(),  # 4.8 MB of text
+    ]
+    for i in range(100):
+        body = heavy[i % len(heavy)]
+        path = "/v1/completions" if body.startswith(b'{"prompt"') else "/v1/chat/completions"
+        st, out = _http(c["http"], path, body)
+        assert st == 400 and "larger than this server takes" in out["error"]["message"], (i, st, out)
+    grown = (_rss_kib(fe) - base) / 1024
+    assert grown < 50, f"the front end kept {grown:.0f} MB more after 100 refused requests"
+    assert _http(c["http"], "/v1/chat/completions", ok)[0] == 200
+    serves(c)
+
+
+def test_a_64_mb_header_line_is_431_and_costs_the_front_end_nothing(cluster):
+    c = cluster
+    fe = c["up"].child("frontend")
+    base = _rss_kib(fe)
+    with socket.create_connection(("127.0.0.1", c["http"]), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ")
+        sent, answer = 0, b""
+        try:
+            while sent < 64 << 20:
+                sock.sendall(b"a" * (1 << 20))
+                sent += 1 << 20
+            sock.sendall(b"\r\n\r\n")
+        except OSError:  # the server answered and closed
+            pass
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    grown = (_rss_kib(fe) - base) / 1024
+    assert grown < 16, f"the front end grew by {grown:.0f} MB reading a header it refused"
+    assert _http_health(c["http"]) == 200
 
 
 def test_a_tokenizer_held_busy_on_a_huge_prompt_does_not_stop_another_stream(cluster):
@@ -541,3 +660,80 @@ def test_bad_balancer_settings_are_refused_and_stop_nothing(cluster, settings, w
     _wait_for("the balancer's loop iterates", lambda: c["balancer"].balancer_status().loop_iterations > n + 2)
     assert c["balancer"].balancer_status().last_error == ""
     assert c["balancer"].set_config(step_interval=int(QUIET)).step_interval == int(QUIET)
+
+
+# -- 3. recovery that says what it did ----------------------------------------------------------
+
+
+def _sse_until_closed(port: int, body: dict, on_first) -> list[bytes]:
+    """The data events of a streamed completion, read until the server closes the connection;
+    ``on_first`` runs once the first event arrived."""
+    raw = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw
+    )
+    got, fired = b"", False
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += chunk
+        if not fired and b"data: " in got:
+            fired = True
+            on_first()
+    sock.close()
+    return [ln[len(b"data: ") :].strip() for ln in got.split(b"\n") if ln.startswith(b"data: ")]
+
+
+def test_a_front_end_stopped_mid_stream_ends_the_stream_with_an_error_event_and_done(cluster):
+    """The streams of a front end that stops (SIGTERM: its grace period, 2 s here, then it is
+    restarted by up) once ended without [DONE] or an error event."""
+    c = cluster
+    fe = c["up"].child("frontend")
+    events = _sse_until_closed(
+        c["http"],
+        {"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True},
+        lambda: os.kill(fe, signal.SIGTERM),
+    )
+    assert events[-1] == b"[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert "shutting down" in error["message"] and error["code"] == "unavailable", error
+    _wait_for("a new front end", lambda: (c["up"].child("frontend") or fe) != fe and _http_health(c["http"]) == 200)
+    serves(c)
+
+
+def test_a_replaced_worker_says_so_on_the_console_and_in_the_leaders_metrics(cluster):
+    """A replaced worker once left no line on the console and no metric."""
+    c = cluster
+    up = c["up"]
+    worker = _ranks(up)[WORKERS]
+    box: dict = {}
+    streams = threading.Thread(
+        target=lambda: box.update(
+            out=c["serving"].generate(prompt_token_ids=c["prompt"], max_tokens=8, ignore_eos=True, timeout=120)
+        )
+    )
+    streams.start()
+    os.kill(worker, signal.SIGKILL)
+    streams.join(180)
+    assert box["out"].token_ids == c["want"]
+    _wait_for(
+        "the replacement on the console",
+        lambda: re.search(
+            rf"rank {WORKERS} \(worker\) exited with signal SIGKILL: starting its replacement \(restart 1 of 3",
+            up.output(),
+        ),
+        timeout_s=60,
+    )
+    _wait_for("the rejoin on the console", lambda: "rejoined: the cluster runs as generation" in up.output(), 90)
+    text = scrape(c["metrics"]["rank 0 (router, leader)"])
+    assert samples(text, "moeserve_rank_replacements_total")[(("role", "worker"),)] == 1.0
+    assert samples(text, "moeserve_ranks_lost_total")[(("role", "worker"),)] == 1.0
+    assert samples(text, "moeserve_cluster_generation")[()] >= 1.0
+    assert samples(text, "moeserve_ranks")[(("role", "worker"),)] == float(WORKERS)
+    serves(c)

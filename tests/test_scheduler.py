@@ -290,3 +290,41 @@ def test_a_request_held_at_the_head_of_the_queue_says_why_once(caplog):
     assert len(lines) == 1, lines
     assert f"request {second.seq_id} has waited" in lines[0] and "running/max_num_seqs ['1/1']" in lines[0]
     assert first.seq_id != second.seq_id
+
+
+def test_a_lost_routers_sequences_are_recomputed_on_another_with_their_known_tokens():
+    s = sched(routers=2)
+    seqs = [s.submit(req(max_tokens=6)) for _ in range(4)]
+    run_step(s)
+    run_step(s)  # two tokens each, on routers 0 and 1
+    on_1 = [q for q in seqs if q.router == 1]
+    assert on_1 and all(q.output == [7, 7] for q in on_1)
+    in_flight = s.schedule()  # a step whose results never come from router 1: it dies
+    replay = s.router_lost(1, in_flight)
+    assert not replay[1].runs and replay[1].release == () and replay[0] is in_flight[0]  # router 1's part emptied
+    assert s.counts()["readmitted"] == len(on_1) and s.routers_open == [True, False]
+    # The failed step runs again; router 0 answers it, router 1's tokens never come.
+    s.on_results(replay, {sid: 7 for sid in replay[0].sampled_ids()}, {})
+    work = s.schedule()
+    assert not work[1].runs and not work[1].release  # nothing goes to the lost router
+    moved = {sw.seq_id: sw for sw in work[0].seqs}
+    for q in on_1:  # recomputed from the start on router 0: prompt plus the tokens it knows
+        assert q.router == 0 and moved[q.seq_id].start == 0
+        assert moved[q.seq_id].token_ids == tuple(q.req.prompt_ids) + (7, 7)
+        assert moved[q.seq_id].out_pos == 2  # its next token is its third output, as before
+    s.on_results(work, {sid: 7 for sid in work[0].sampled_ids()}, {})
+    while any(q.finished is None for q in seqs):
+        run_step(s)
+    assert all(q.output == [7] * 6 for q in seqs)
+
+
+def test_a_router_that_joins_again_takes_new_sequences():
+    s = sched(routers=2)
+    s.router_lost(1)
+    first = [s.submit(req()) for _ in range(3)]
+    run_step(s)
+    assert {q.router for q in first} == {0}
+    s.router_joined(1, 64)
+    later = s.submit(req())
+    run_step(s)
+    assert later.router == 1 and s.routers_open == [True, True]

@@ -100,7 +100,11 @@ def test_what_the_leader_refuses_maps_to_a_status(front, error, code, message):
         (dict(prompt="hi"), "no tokenizer"),
         (dict(prompt_token_ids=[1], top_p=0.0), "top_p must be in (0, 1]"),
         (dict(prompt_token_ids=[1], top_k=-1), "top_k must be an integer >= 0"),
-        (dict(prompt_token_ids=[1], seed=-5), "seed must be None or an integer in 0.."),
+        (dict(prompt_token_ids=[1], seed=-5), "seed must be in 0.."),
+        (dict(prompt_token_ids=[1], top_k=2**62), "top_k must be in -1..2147483647"),
+        (dict(prompt_token_ids=[1, 2**62]), "prompt token ids: "),
+        (dict(prompt_token_ids=[1], stop_token_ids=[2**62]), "stop token ids: "),
+        (dict(prompt_token_ids=[1], max_tokens=2**62), "max_tokens must be in 1.."),
     ],
 )
 def test_input_the_front_end_judges_is_invalid_with_what_is_allowed(front, kw, message):

@@ -345,6 +345,110 @@ def add_http_flags(p: argparse.ArgumentParser, http_port: bool = True, max_model
             default=4096,
             help="the cluster's max_model_len: longer prompts are refused before tokenization ends (default 4096)",
         )
+    add_door_flags(p)
+
+
+def add_door_flags(p: argparse.ArgumentParser) -> None:
+    """The HTTP door's limits (moeserve.services.http.door) and each request's share of the
+    batch (moeserve.services.admission.AdmissionLimits), uvicorn's and vLLM's names where they
+    have one."""
+    from moeserve.services.http.door import DoorLimits
+
+    d = DoorLimits()
+    g = p.add_argument_group("HTTP door limits")
+    g.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=d.max_header_bytes,
+        metavar="B",
+        help=f"largest request line and headers in bytes; larger answer 431 unread (default {d.max_header_bytes}; "
+        "uvicorn's and vLLM's name)",
+    )
+    g.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        default=d.max_header_count,
+        metavar="N",
+        help=f"most header fields of a request; more answer 431 (default {d.max_header_count}; vLLM's name)",
+    )
+    g.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        metavar="S",
+        help=f"seconds a request's headers may take to arrive from their first byte; then 408 "
+        f"(default {d.header_timeout_s:g})",
+    )
+    g.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        metavar="S",
+        help=f"seconds a request's body may take to arrive after its headers; then 408 (default {d.body_timeout_s:g})",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=d.keep_alive_s,
+        metavar="S",
+        help=f"close a connection idle this long: just opened, or between requests (default {d.keep_alive_s:g}; "
+        "uvicorn's name)",
+    )
+    g.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=d.max_connections,
+        metavar="N",
+        help=f"most open HTTP connections; one more answers 503 (default {d.max_connections}; uvicorn's name)",
+    )
+    g.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokens one HTTP request may make the cluster hold: n x (prompt + max_tokens), summed over its "
+        "prompts; more answer 400 (default 16 x --max-model-len)",
+    )
+    g.add_argument(
+        "--max-choices-in-flight",
+        type=int,
+        default=16,
+        metavar="N",
+        help="choices (n x prompts) of one HTTP request on the cluster at a time, the next starting as one "
+        "ends, so that one request cannot starve the others (a quarter of it with logprobs; default 16)",
+    )
+
+
+DOOR_FLAGS = {  # flag -> DoorLimits field (the front end's command line carries them from up)
+    "--h11-max-incomplete-event-size": "max_header_bytes",
+    "--h11-max-header-count": "max_header_count",
+    "--http-header-timeout": "header_timeout_s",
+    "--http-body-timeout": "body_timeout_s",
+    "--timeout-keep-alive": "keep_alive_s",
+    "--limit-concurrency": "max_connections",
+}
+SHARE_FLAGS = ("--max-request-tokens", "--max-choices-in-flight")
+
+
+def door_limits(args):
+    """The DoorLimits of the door flags (UsageError naming the flag for a bad value)."""
+    from moeserve.services.http.door import DoorLimits
+
+    values = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in DOOR_FLAGS.items()}
+    try:
+        return DoorLimits(**values)
+    except ValueError as e:
+        field = str(e).split()[0]
+        flag = next(f for f, name in DOOR_FLAGS.items() if name == field)
+        raise UsageError(f"{flag}: {str(e).split(' ', 1)[1]}") from None
+
+
+def door_argv(args) -> list[str]:
+    """The door and share flags as the front end's command line takes them."""
+    out = []
+    for flag in (*DOOR_FLAGS, *SHARE_FLAGS):
+        out += [flag, str(getattr(args, flag[2:].replace("-", "_")))]
+    return out
 
 
 def api_key(args) -> str | None:

@@ -143,8 +143,9 @@ def control_key() -> bytes:
     key = os.environ.get(F.CONTROL_KEY_ENV)
     if not key:
         raise UsageError(
-            f"set ${F.CONTROL_KEY_ENV} to the local channel's key (hex, the same for the leader "
-            "and the front end), e.g. $(python -c 'import secrets; print(secrets.token_hex(16))')"
+            f"set ${F.CONTROL_KEY_ENV} to the cluster's secret (hex, the same for every rank and the "
+            "front end: the ranks' store and the leader's channel), e.g. "
+            "$(python -c 'import secrets; print(secrets.token_hex(16))')"
         )
     try:
         return bytes.fromhex(key)
@@ -175,7 +176,7 @@ def run_rank(args: argparse.Namespace) -> int:
         )
     if args.rank == 0 and args.admin_port is not None and not F.token(args):
         raise UsageError(f"the admin API needs a token: --admin-token or ${F.TOKEN_ENV}")
-    key = control_key() if args.rank == 0 else b""
+    key = control_key()  # every rank proves it to the store (the leader's channel uses it too)
     eplb = EplbConfig(**{k: kw.pop(k) for k in list(kw) if k in EplbConfig.__dataclass_fields__})
     limits = Limits(**{k: kw.pop(k) for k in list(kw) if k in Limits.__dataclass_fields__})
     cache = CacheConfig(**{k: kw.pop(k) for k in list(kw) if k in CacheConfig.__dataclass_fields__})
@@ -228,7 +229,7 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 def run_frontend(args: argparse.Namespace) -> int:
     from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.services import server
-    from moeserve.services.admission import Admission, AdmissionLimits
+    from moeserve.services.admission import Admission, AdmissionLimits, vocab_size_of
     from moeserve.services.frontend import load_tokenizer, make_server
 
     address = _host_port(args.control_address, "--control-address")
@@ -261,9 +262,20 @@ def run_frontend(args: argparse.Namespace) -> int:
         opts = dataclasses.replace(opts, interceptors=(*opts.interceptors, grpc_interceptor(pm, SERVING)))
     from moeserve.services.readiness import Readiness, channel_probe
 
+    door = F.door_limits(args)
     defaults = _generation_defaults(args)
     if args.max_logprobs < 0:
         raise UsageError(f"--max-logprobs must be >= 0, got {args.max_logprobs}")
+    try:
+        limits = AdmissionLimits(
+            max_model_len=args.max_model_len,
+            vocab_size=vocab_size_of(args.model),
+            max_request_tokens=args.max_request_tokens,
+            choices_in_flight=args.max_choices_in_flight,
+            max_logprobs=args.max_logprobs,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     tokenizer = load_tokenizer(args.model)
     if args.chat_template:
         from moeserve.services.tokenizer import chat_template_arg
@@ -276,7 +288,7 @@ def run_frontend(args: argparse.Namespace) -> int:
             raise UsageError("--chat-template needs the model's tokenizer (tokenizer.json in --model)")
         tokenizer.chat_template = template
     engine = AsyncEngineClient(address, key)
-    admission = Admission(engine, tokenizer, metrics, AdmissionLimits(max_model_len=args.max_model_len))
+    admission = Admission(engine, tokenizer, metrics, limits)
     readiness_metrics = None
     if pm is not None:
         from moeserve.ops.metrics import ReadinessMetrics
@@ -304,7 +316,6 @@ def run_frontend(args: argparse.Namespace) -> int:
         api_key,
         pm.registry,
         max_body_bytes=opts.max_message_bytes,
-        max_logprobs=args.max_logprobs,
         generation_defaults=defaults,
         vllm_metrics=vllm_metrics,
     )
@@ -316,6 +327,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         opts.grace_s,  # HTTPS with the gRPC side's files
         ssl_certfile=opts.tls_cert,
         ssl_keyfile=opts.tls_key,
+        door=door,
     )
     try:
         server.run(_serve_both(srv, http, args.host))

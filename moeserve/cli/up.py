@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
     kw = F.cluster_kwargs(args)
     opts = F.server_options(args, 0)  # validates the server flags
+    F.door_limits(args)  # ... and the HTTP door's
     token = F.token(args) or secrets.token_urlsafe(18)
     http_port = getattr(args, "http_port", None)
     ports = {k: getattr(args, k) for k in ("port", "admin_port", "balancer_port")}
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         served = getattr(args, "served_model_name", None) or [getattr(args, "model_name", None) or args.model]
         if http_port is not None:
-            front += ["--http-port", str(ports["http_port"]), "--served-model-name", *served]
+            front += ["--http-port", str(ports["http_port"]), *F.door_argv(args), "--served-model-name", *served]
             front += frontend_text_flags(args)
         bal = [
             *module_command("moeserve", "balancer"),
@@ -308,7 +309,9 @@ def run(args: argparse.Namespace) -> int:
         if stop.is_set():
             return 0
         code = 0
+        told = Replacements(prog, cluster)
         while not stop.wait(0.2):
+            told.say()
             # The front end and the balancer keep no state: a lost one is started again while the
             # ranks serve on (clients that retry are served); a lost rank the launcher could not
             # replace ends the cluster.
@@ -345,6 +348,59 @@ def run(args: argparse.Namespace) -> int:
     finally:
         starting[0] = False
         _shutdown(children, cluster, opts.grace_s)
+
+
+class Replacements:
+    """One console line per rank the launcher replaces (which rank, how it exited, its restarts
+    within the launcher's window), and one when the world re-formed with it (from the leader's
+    status; the leader's log has the details)."""
+
+    def __init__(self, prog: str, cluster):
+        self.prog, self.cluster = prog, cluster
+        self.seen = len(cluster.replaced)
+        self.waiting: dict[int, int] = {}  # replaced rank -> the generation when it was lost
+        self._next = 0.0
+
+    def _generation(self) -> tuple[int, tuple[int, ...]] | None:
+        try:
+            st = self.cluster.status()
+        except Exception:  # the leader is busy re-forming; ask again later
+            return None
+        return st.generation, st.members
+
+    def say(self) -> None:
+        from moeserve.cluster.launcher import RESTART_WINDOW_S
+        from moeserve.ops.procs import describe_exit
+
+        c = self.cluster
+        for rank, code, at in c.replaced[self.seen :]:
+            recent = sum(1 for r, _, t in c.replaced if r == rank and at - t < RESTART_WINDOW_S)
+            print(
+                f"{self.prog}: rank {rank} ({c.config.role(rank).name}) exited with {describe_exit(code)}: "
+                f"starting its replacement (restart {recent} of {c.max_restarts} within {RESTART_WINDOW_S:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            now = self._generation()
+            self.waiting[rank] = now[0] if now is not None else 0
+        self.seen = len(c.replaced)
+        if not self.waiting or time.monotonic() < self._next or not c.alive:
+            return
+        self._next = time.monotonic() + 1.0
+        now = self._generation()
+        if now is None:
+            return
+        generation, members = now
+        back = sorted(r for r, lost_at in self.waiting.items() if r in members and generation > lost_at)
+        if back:
+            print(
+                f"{self.prog}: rank{'s' if len(back) > 1 else ''} {', '.join(map(str, back))} "
+                f"rejoined: the cluster runs as generation {generation} with ranks {', '.join(map(str, members))}",
+                file=sys.stderr,
+                flush=True,
+            )
+            for r in back:
+                del self.waiting[r]
 
 
 def frontend_text_flags(args) -> list[str]:

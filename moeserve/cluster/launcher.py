@@ -41,7 +41,7 @@ from moeserve.router.engine.api import (
 from moeserve.router.engine.channel import ClusterError, EngineClient
 from moeserve.sampling import SamplingParams
 
-RESTART_WINDOW_S = 60.0  # more replacements of one rank than max_worker_restarts within this: a crash loop
+RESTART_WINDOW_S = 60.0  # more replacements of one rank than max_restarts within this: a crash loop
 
 
 def free_port() -> int:
@@ -72,8 +72,9 @@ class LaunchOptions:
     ``LocalCluster.admin_address``), on admin_host, guarded by admin_token (handed to the leader
     in its environment), over TLS with admin_tls_cert and admin_tls_key; max_message_bytes and
     grace_s are that server's. metrics_ports: one Prometheus port per rank (0: a free one), or
-    None for no metrics. max_worker_restarts: lost expert workers replaced per minute before
-    the cluster gives up (0: never replaced).
+    None for no metrics. max_restarts: how many times a lost rank (an expert worker, or a router
+    other than the leader) is replaced within a minute before the cluster gives up (0: never
+    replaced).
     """
 
     startup_timeout_s: float = 300.0
@@ -87,15 +88,15 @@ class LaunchOptions:
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
     metrics_ports: tuple[int, ...] | None = None
-    max_worker_restarts: int = 3
+    max_restarts: int = 3
 
     def __post_init__(self):
         if not -1 <= self.admin_port <= 65535:
             raise ValueError(
                 f"admin_port must be -1 (no admin API), 0 (any free port) or a port, got {self.admin_port}"
             )
-        if self.max_worker_restarts < 0:
-            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
     def leader_hook(self) -> dict:
         """The ClusterConfig fields that make the leader serve the admin API ({} without one)."""
@@ -260,12 +261,15 @@ class LocalCluster:
             self.env["MOESERVE_ADMIN_TOKEN"] = launch.admin_token
         self.admin_address: tuple[str, int] | None = None
         self.authkey: bytes | None = None
+        self._authkey = b""  # the cluster's secret (the ranks' store, the local channel), set at start
         self.log_dir = launch.log_dir
         self.procs: list[subprocess.Popen] = []
         self.run_dir: str | None = None
         self.error: str | None = None
-        self.max_worker_restarts = launch.max_worker_restarts
+        self.max_restarts = launch.max_restarts
         self.replaced: list[tuple[int, int, float]] = []  # (rank, exit code, time) of each replacement
+        self.gave_up: str | None = None  # why a lost rank was not replaced (the restart limit)
+        self._store: Any = None  # a client of the ranks' store (the launcher marks lost ranks in it)
         self._stopping = False
         self._client: EngineClient | None = None
         self._monitor: threading.Thread | None = None
@@ -289,6 +293,7 @@ class LocalCluster:
         with open(cfg_path, "w") as f:
             f.write(cfg.to_json())
         authkey = secrets.token_bytes(16)
+        self._authkey = authkey
         port = free_port()
         base = child_env(**self.env)
         base.update(
@@ -400,23 +405,34 @@ class LocalCluster:
                 what = "; ".join(
                     f"rank {r} ({self.config.role(r).name}) exited with {describe_exit(c)}" for r, c in exited
                 )
+                if self.gave_up:
+                    what = f"{what}; {self.gave_up}"
                 self.error = f"{what}\n--- end of rank {first}'s log ---\n{self._log_tail(first)}"
                 self._kill_all()
                 return
 
     def _replace(self, exited: list[tuple[int, int]]) -> bool:
-        """Start a replacement for a lost expert worker (the other ranks wait for it, re-form
-        their groups and run the failed step again: docs/dataplane.md, "When a peer dies").
-        Only expert-worker ranks (not routers, whose KV caches die with them) are replaced, and
-        not a rank already replaced ``max_worker_restarts`` times in the last
-        ``RESTART_WINDOW_S`` (a crash loop); a rank that exited 0 was not lost."""
-        if len(exited) != 1 or not self.max_worker_restarts:
+        """Start a replacement for a lost rank (the others re-form their world without it and,
+        for a worker, wait for it: docs/dataplane.md, "When a peer dies"). Expert workers and
+        routers other than the leader are replaced (not the leader, which hosts the store and
+        the engine, nor a co-located rank), unless the rank was replaced ``max_restarts`` times
+        in the last ``RESTART_WINDOW_S`` (a crash loop: ``gave_up`` says so); a rank that
+        exited 0 was not lost."""
+        if len(exited) != 1:
             return False
         rank, code = exited[0]
+        role = self.config.role(rank)
+        if code == 0 or rank == 0 or self.config.colocated:
+            return False
         now = time.time()
         recent = [t for r, _, t in self.replaced if r == rank and now - t < RESTART_WINDOW_S]
-        if code == 0 or self.config.role(rank).router_index >= 0 or len(recent) >= self.max_worker_restarts:
+        if len(recent) >= self.max_restarts:
+            self.gave_up = (
+                f"rank {rank} ({role.name}) was lost {len(recent) + 1} times within {RESTART_WINDOW_S:.0f} s: "
+                f"the restart limit (max_restarts = {self.max_restarts}) is reached, so it is not replaced again"
+            )
             return False
+        self._mark_lost(rank)
         self.replaced.append((rank, code, now))
         with open(self.log_paths[rank], "ab") as out:
             out.write(f"--- rank {rank} exited with {describe_exit(code)}: starting its replacement ---\n".encode())
@@ -430,6 +446,24 @@ class LocalCluster:
                 preexec_fn=set_death_signal,
             )
         return True
+
+    def _mark_lost(self, rank: int) -> None:
+        """Tell the leader through the store that ``rank``'s process is gone, so that its
+        recovery need not wait for the rank to report (a hint: without it the leader waits
+        ``recovery_settle_s`` for a router)."""
+        try:
+            if self._store is None:
+                import datetime
+
+                from moeserve.cluster.store import AuthStore
+
+                env = self._envs[0]
+                self._store = AuthStore(
+                    env["MASTER_ADDR"], int(env["MASTER_PORT"]), self._authkey, datetime.timedelta(seconds=5)
+                )
+            self._store.set(f"lost/{rank}", "1")
+        except Exception:  # the leader is gone too: the monitor sees it next
+            self._store = None
 
     def _failure(self, wait_s: float = 3.0) -> str | None:
         """The cluster's error; when a connection just broke, give the monitor a moment to see why."""

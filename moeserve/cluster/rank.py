@@ -55,6 +55,7 @@ class ComposedRank(RankState):
     maps: RouterMaps | None = None
     store: ExpertStore | None = None
     leader: Engine | None = None
+    metrics_port: int = -1  # this rank's Prometheus port (-1: none), in every new world's gather
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,34 +92,28 @@ def initial_placement(cfg: ClusterConfig, num_layers: int, num_logical: int, num
     )
 
 
-_LISTEN: list = []  # the leader's listening socket of the store, kept open for the process's life
+_SERVER: list = []  # the leader's store server, kept for the process's life
 
 
-def open_store(cfg: ClusterConfig, rank: int):
-    """The torch.distributed store of the cluster. The leader (rank 0, never replaced) hosts it
-    on MASTER_ADDR:MASTER_PORT through a socket bound to that address only, not on every
-    interface; the other ranks connect to it."""
-    import socket
+def open_store(cfg: ClusterConfig, rank: int, secret: bytes):
+    """The cluster's store (``moeserve.cluster.store``): only holders of ``secret`` reach it.
+    The leader (rank 0, never replaced) serves it on MASTER_ADDR:MASTER_PORT, bound to that
+    address only, not on every interface; every rank (the leader too) is its client."""
+    from moeserve.cluster.store import AuthStore, serve
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     timeout = datetime.timedelta(seconds=max(60.0, cfg.pg_timeout_s))
-    if rank != 0:
-        return dist.TCPStore(host, port, cfg.world_size, False, timeout)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(512)
-    _LISTEN.append(sock)
-    return dist.TCPStore(
-        host, port, cfg.world_size, True, timeout, wait_for_workers=False, master_listen_fd=sock.fileno()
-    )
+    if rank == 0:
+        _SERVER.append(serve(host, port, secret))
+    return AuthStore(host, port, secret, timeout)
 
 
-def join(cfg: ClusterConfig, rank: int, device: torch.device, store, generation: int):
-    """Join the world of ``generation`` (0 at start; one more each time a lost expert worker was
-    replaced): the data group and the gloo control group. Returns the control group. Gloo
-    (and NCCL's bootstrap) use the interface that holds this rank's address towards the
-    leader, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise."""
+def join(cfg: ClusterConfig, membership, device: torch.device):
+    """Join the world of the membership's generation (0 at start; one more each time the world
+    re-forms): the data group and the gloo control group, this rank at its index among the
+    members. Returns the control group. Gloo (and NCCL's bootstrap) use the interface that
+    holds this rank's address towards the leader, unless GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME say otherwise."""
     from moeserve.cluster.netif import data_interface
 
     iface = data_interface(os.environ["MASTER_ADDR"])
@@ -128,38 +123,40 @@ def join(cfg: ClusterConfig, rank: int, device: torch.device, store, generation:
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     dist.init_process_group(
         cfg.backend,
-        store=dist.PrefixStore(f"generation{generation}", store),
-        rank=rank,
-        world_size=cfg.world_size,
+        store=dist.PrefixStore(f"generation{membership.gen.number}", membership.store),
+        rank=membership.dist_rank,
+        world_size=membership.world_size,
         timeout=timeout,
         device_id=device if cfg.backend == "nccl" else None,
     )
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> ComposedRank:
-    """Load this rank's share of the model and join the process groups. A worker that replaces
-    a lost one (``generation`` > 0) loads the experts of the placement the leader sends it."""
+def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> ComposedRank:
+    """Load this rank's share of the model and join the process groups. A replacement (of a
+    lost worker or router, joining a running cluster) loads what it can first (a router its
+    model), then waits to be admitted into a generation, and loads the experts of the
+    placement the leader sends it (docs/dataplane.md, "When a rank joins a running cluster")."""
     from moeserve.models import load_config, load_model, open_reader
     from moeserve.models.config import with_quantization
 
-    world = cfg.world_size
     if cfg.backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-    control = join(cfg, rank, device, store, generation)
-
     dtype = DTYPES[cfg.dtype]
-    mcfg = with_quantization(load_config(cfg.model_dir), cfg.quantization or None)
-    info_model = None
-    placement = None
-    topo = None
     role = cfg.role(rank)
-    if role.router_index >= 0:
-        info_model = load_model(
+    replacing = membership.replacing()
+    if replacing and role.router_index >= 0 and cfg.colocated:
+        raise RuntimeError(
+            f"rank {rank} (co-located) cannot rejoin a running cluster: its slots and sequences were lost with "
+            f"it; restart the whole cluster"
+        )
+
+    def router_model():
+        return load_model(
             cfg.model_dir,
             dtype=dtype,
             device=device,
@@ -167,15 +164,26 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
             load_format=cfg.load_format,
             quantization=cfg.quantization or None,
         )
+
+    info_model = router_model() if replacing and role.router_index >= 0 else None
+    if replacing:
+        gen = membership.join_running(cfg.pg_timeout_s + 300.0)
+        membership.gen = gen
+        log.warning("rank %d (%s) joins the running cluster: generation %d", rank, role.name, gen.number)
+    control = join(cfg, membership, device)
+
+    mcfg = with_quantization(load_config(cfg.model_dir), cfg.quantization or None)
+    if role.router_index >= 0:
+        info_model = info_model or router_model()
         info = info_model.moe_info
     else:
         info = _moe_info(cfg.model_dir, dtype, cfg.quantization or None)
     e = info.num_logical_experts
-    topo = Topology.build(cfg.routers, cfg.workers, cfg.colocated, e + cfg.eplb.num_redundant_experts)
+    topo = membership.topology(e + cfg.eplb.num_redundant_experts)
     placement = initial_placement(cfg, info.num_moe_layers, e, info.num_expert_groups)
-    if generation:  # a replacement: the placement in force
+    if replacing:  # the placement in force
         placement = _placement_from_leader(control, placement)
-    exchange = make_exchange(cfg, topo, rank, device, control, mcfg.hidden_size, dtype, info.top_k)
+    exchange = make_exchange(cfg, topo, membership.dist_rank, device, control, mcfg.hidden_size, dtype, info.top_k)
     st = ComposedRank(
         rank=rank,
         topo=topo,
@@ -185,6 +193,8 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
         hidden_size=mcfg.hidden_size,
         dtype=dtype,
         top_k=info.top_k,
+        router=role.router_index if role.router_index >= 0 else None,
+        metrics_port=metrics_port,
     )
 
     if role.worker_index >= 0:
@@ -210,7 +220,9 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
         st.maps = RouterMaps(
             placement.phy2log, e, cfg.eplb.num_redundant_experts + 1, device, breakeven=placement.breakeven
         )
-        experts = DistributedExperts(exchange, st.maps, role.router_index, info.num_moe_layers, st.store)
+        experts = DistributedExperts(
+            exchange, st.maps, topo.router_index(membership.dist_rank) or 0, info.num_moe_layers, st.store
+        )
         from moeserve.router.graphs import applies
 
         use_graphs, why = applies(info_model, exchange, st.store, cfg.enforce_eager)
@@ -247,8 +259,13 @@ def build(cfg: ClusterConfig, rank: int, store, generation: int = 0) -> Composed
     _warm_up_kernels(st, mcfg.vocab_size, device)
     from moeserve.expert_worker.migration import warm_up_pairs
 
-    warm_up_pairs(rank, world, device)
-    st.recover = partial(_recover, st, cfg, store, device, [generation])
+    warm_up_pairs(membership.dist_rank, membership.world_size, device)
+    from moeserve.cluster import recovery
+
+    st.recover = partial(recovery.recover, st, cfg, device, membership)
+    st.regroup = partial(recovery.regroup, st, cfg, device, membership)
+    if rank == 0:
+        st.poll = membership.poll_joins
     return st
 
 
@@ -302,89 +319,6 @@ def _placement_from_leader(control, placement: Placement) -> Placement:
     box: list[Any] = [(placement.phy2log, placement.breakeven) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=control)
     return placement.evolve(phy2log=box[0][0], breakeven=box[0][1])
-
-
-def _next_generation(store, current: int, timeout_s: float) -> int | None:
-    """The generation a replacement announced (the store's counter), or None within timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            gen = int(store.add("generation", 0))
-        except Exception:  # the store (the leader) is gone: fatal
-            return None
-        if gen > current:
-            return gen
-        time.sleep(0.05)
-    return None
-
-
-def _recover(
-    st: ComposedRank, cfg: ClusterConfig, store, device: torch.device, generation: list[int], error: BaseException
-) -> bool:
-    """A step's collective failed. When a replacement for a lost expert worker announces a new
-    generation (within pg_timeout_s + 30 s), re-form the groups with it, install the leader's
-    placement in force on every rank (a commit may have reached some ranks and not others),
-    and let the leader run the failed step again. Otherwise the failure is fatal (False)."""
-    if not _peer_lost(error):
-        return False
-    t0 = time.monotonic()
-    log.warning("step failed (%s: %s): waiting for a replaced peer", type(error).__name__, str(error)[:200])
-    gen = _next_generation(store, generation[0], cfg.pg_timeout_s + 30.0)
-    if gen is None:
-        return False
-    try:
-        dist.destroy_process_group()
-    except Exception:  # a group whose peer died may not close cleanly
-        pass
-    st.control_group = join(cfg, st.rank, device, store, gen)
-    placement = st.leader.on_peer_lost() if st.leader is not None else None
-    box: list[Any] = [(placement.phy2log, placement.breakeven) if placement is not None else None]
-    dist.broadcast_object_list(box, src=0, group=st.control_group)
-    phy2log, breakeven = box[0]
-    if st.maps is not None:
-        for layer in range(phy2log.shape[0]):
-            st.maps.set_layer(layer, phy2log[layer], breakeven[layer])
-    if st.store is not None:
-        from moeserve.models import open_reader
-
-        with open_reader(cfg.model_dir, cfg.load_format, device, quantization=cfg.quantization or None) as reader:
-            st.store.resync(reader, phy2log)
-    st.exchange = make_exchange(
-        cfg,
-        st.topo,
-        st.rank,
-        device,
-        st.control_group,
-        st.hidden_size,
-        st.dtype,
-        st.runner.model.moe_info.top_k if st.runner is not None else _top_k(cfg),
-    )
-    if st.runner is not None:
-        st.runner.experts.exchange = st.exchange
-        st.runner.experts.discard_load()  # the failed step's partial load, and the unread
-    from moeserve.expert_worker.migration import warm_up_pairs
-
-    warm_up_pairs(st.rank, cfg.world_size, device)
-    generation[0] = gen
-    log.warning("re-formed the groups as generation %d in %.2f s", gen, time.monotonic() - t0)
-    return True
-
-
-def _peer_lost(error: BaseException) -> bool:
-    """Whether a step failed because a peer of a collective went away (gloo: its connections
-    closed or timed out; NCCL: a backend error), not because of this rank's own fault."""
-    if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        m in text for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out")
-    )
-
-
-def _top_k(cfg: ClusterConfig) -> int:
-    from moeserve.models import load_config
-
-    return load_config(cfg.model_dir).top_k
 
 
 def kv_blocks(cfg: ClusterConfig, mcfg, dtype: torch.dtype, device: torch.device) -> int:
@@ -507,23 +441,24 @@ def serve(
             metrics = ProcessMetrics(cfg.role(rank).name, rank)
             metrics.serve(metrics_port, cfg.host)
             log.info("metrics on http://%s:%d/metrics", cfg.host, metrics.port)
-        store = open_store(cfg, rank)
-        generation = _rejoining(cfg, rank, store)
-        st = build(cfg, rank, store, generation)
-        if generation == 0:  # a replacement joins a running cluster: no start gather
-            ports: list[Any] | None = [None] * cfg.world_size if rank == 0 else None
-            blocks = st.runner.num_blocks if st.runner is not None else 0
-            dist.gather_object((metrics.port if metrics else -1, blocks), ports, dst=0, group=st.control_group)
+        from moeserve.cluster.recovery import Membership, report_members
+
+        membership = Membership(cfg, rank, open_store(cfg, rank, authkey))
+        st = build(cfg, rank, membership, metrics.port if metrics is not None and metrics.port is not None else -1)
+        # every rank's (rank, metrics port, KV blocks), at start as in every new world; a
+        # replacement's reaches the leader in the gather of the survivors' re-forming
+        ports = report_members(st, membership)
         if metrics is not None:
             _record_metrics(metrics, st, cfg)
         if st.leader is not None:
             engine = st.leader
-            assert ports is not None  # rank 0 (the leader) starts with the cluster: it took the start gather
+            assert ports is not None  # the leader took the gather
             engine.metrics_ports = {
-                **{f"rank{r}": int(p) for r, (p, _) in enumerate(ports) if p >= 0},
+                **{f"rank{r}": int(p) for r, p, _ in ports if p >= 0},
                 **dict(cfg.metrics_peers),
             }
-            engine.set_kv_capacity([ports[r][1] for r in range(cfg.world_size) if cfg.role(r).router_index >= 0])
+            engine.set_kv_capacity([b for r, _, b in sorted(ports) if cfg.role(r).router_index >= 0])
+            membership.publish(membership.gen)
             from moeserve.router.engine.channel import ChannelServer
 
             server = ChannelServer(engine, authkey, control_host, control_port)
@@ -537,7 +472,7 @@ def serve(
                         {"host": hooked.address[0], "port": hooked.address[1]},
                     )
                 log.info("%s on %s:%d", hooked.name, *hooked.address)
-            store.set("running", "1")  # from now on a restarted worker is a replacement
+            membership.store.set("running", "1")  # from now on a rank that starts is a replacement
             if run_dir:
                 server.write_address(os.path.join(run_dir, "control.json"))
             log.info(
@@ -565,23 +500,6 @@ def serve(
         hooked.stop()
     dist.destroy_process_group()
     return 0
-
-
-def _rejoining(cfg: ClusterConfig, rank: int, store) -> int:
-    """0 at the cluster's start; for a rank started while the cluster runs, the generation it
-    announces as the replacement of a lost expert worker. A router cannot be replaced: its KV
-    cache and its sequences died with it."""
-    if rank == 0 or not store.check(["running"]):
-        return 0
-    role = cfg.role(rank)
-    if role.router_index >= 0:
-        raise RuntimeError(
-            f"rank {rank} ({role.name}) cannot rejoin a running cluster: a router's KV cache and "
-            f"sequences are lost with it; restart the whole cluster"
-        )
-    gen = int(store.add("generation", 1))
-    log.warning("rank %d (worker %d) replaces a lost worker: generation %d", rank, role.worker_index, gen)
-    return gen
 
 
 def _load_hook(spec: str):

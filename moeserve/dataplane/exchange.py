@@ -42,6 +42,24 @@ class Topology:
         router_ranks, worker_ranks = rank_layout(routers, workers, colocated)
         return cls(len(set(router_ranks + worker_ranks)), router_ranks, worker_ranks, num_slots // workers)
 
+    @classmethod
+    def of_members(cls, routers: int, workers: int, colocated: bool, num_slots: int, members) -> Topology:
+        """The topology of a world of ``members`` (config ranks, ascending; a member's world
+        rank is its index): every worker, and the routers present (docs/dataplane.md,
+        "Generations and members")."""
+        check_topology(routers, workers, colocated, num_slots)
+        router_ranks, worker_ranks = rank_layout(routers, workers, colocated)
+        index = {r: i for i, r in enumerate(members)}
+        missing = [w for w in worker_ranks if w not in index]
+        if missing:
+            raise ValueError(f"a world without worker rank(s) {missing}: their slots would be nowhere")
+        return cls(
+            len(index),
+            tuple(index[r] for r in router_ranks if r in index),
+            tuple(index[w] for w in worker_ranks),
+            num_slots // workers,
+        )
+
     @property
     def num_routers(self) -> int:
         return len(self.router_ranks)

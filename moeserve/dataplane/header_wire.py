@@ -11,7 +11,7 @@ blocks they gain), well inside the default 4,096 (32 KiB).
 Layout (every field one int64 word; floats as their IEEE-754 bits; strings as UTF-8 bytes
 packed 8 to a word, little-endian, after their byte count):
 
-    MAGIC, total words, step, flags (forward, report, read_load, stop, warmup, migration),
+    MAGIC, total words, step, flags (forward, report, read_load, stop, warmup, migration, regroup),
     warmup bucket, warmup longest sequence, R routers, then per router:
         D decodes, K new blocks, N releases, Q sequences, decodes [D], blocks [K, 2],
         releases [N], then per sequence:
@@ -45,7 +45,7 @@ from moeserve.sampling import SamplingParams
 
 MAGIC = 0x4D53_4844_0002  # "MSHD", layout 2
 DEFAULT_CAPACITY = 4096  # words broadcast every step (32 KiB)
-_FORWARD, _REPORT, _READ_LOAD, _STOP, _WARMUP, _MIGRATION = (1 << i for i in range(6))
+_FORWARD, _REPORT, _READ_LOAD, _STOP, _WARMUP, _MIGRATION, _REGROUP = (1 << i for i in range(7))
 _SAMPLE, _SAMPLING, _SEED = 1, 2, 4
 _ADJUST, _PROMPT_LP = 1 << 5, 1 << 6  # bits 3-4 hold the logits mode
 _LOGITS = {"": 0, "last": 1, "all": 2}
@@ -79,6 +79,7 @@ def encode(h: StepHeader) -> np.ndarray:
         | _STOP * h.stop
         | _WARMUP * (h.warmup is not None)
         | _MIGRATION * (h.migration is not None)
+        | _REGROUP * h.regroup
     )
     wb, wl = h.warmup if h.warmup is not None else (0, 0)
     parts: list = []
@@ -240,6 +241,7 @@ def decode(words: np.ndarray) -> StepHeader:
         read_load=bool(flags & _READ_LOAD),
         warmup=(wb, wl) if flags & _WARMUP else None,
         stop=bool(flags & _STOP),
+        regroup=bool(flags & _REGROUP),
     )
 
 

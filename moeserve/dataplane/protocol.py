@@ -175,6 +175,7 @@ class StepHeader:
     read_load: bool = False  # routers send the load of the forward steps before this one
     warmup: tuple[int, int] | None = None  # (bucket, longest sequence): a decode graph warm-up step
     stop: bool = False
+    regroup: bool = False  # after this step every rank re-forms the world (a rank joins)
 
 
 @dataclass

@@ -119,7 +119,12 @@ class LeaderRole(Protocol):
         ...
 
     def on_results(self, header: StepHeader, results: list[RankResult]) -> None:
-        """Every rank's result of the step ``header`` started, in rank order."""
+        """Every rank's result of the step ``header`` started, in the world's rank order
+        (each names its rank of the configuration)."""
+        ...
+
+    def request_regroup(self) -> None:
+        """A rank waits to join the world: the next header is a regroup."""
         ...
 
 

@@ -44,8 +44,13 @@ class RankState:
     run_moves: worker role: runs one step's weight moves (``moeserve.expert_worker.migration``).
     leader:    rank 0 (``LeaderRole``): the header of every step, the results of every rank.
     recover:   called with the exception when a step's torch.distributed call fails; True when
-               the groups were re-formed (a lost expert worker was replaced) and the loop goes
+               the groups were re-formed (a lost rank was replaced or left out) and the loop goes
                on, False when the failure is fatal. None: every failure is fatal.
+    regroup:   called after a step whose header says ``regroup``: the world re-forms (a rank joins).
+    poll:      the leader, before each header: True when a rank waits to join the world.
+    router:    this rank's router index in the configuration (the header's work is indexed by
+               it; None: not a router; -1: as ``topo`` says, for a world that never re-forms).
+    rank is this rank in the configuration; ``topo`` is the world's now (ranks of the world).
     """
 
     rank: int
@@ -61,6 +66,9 @@ class RankState:
     run_moves: RunMoves | None = None
     leader: LeaderRole | None = None
     recover: Callable[[BaseException], bool] | None = None
+    regroup: Callable[[], None] | None = None
+    poll: Callable[[], bool] | None = None
+    router: int | None = -1
     top_k: int = 1
     last_enqueue_s: float = 0.0  # the last step's runner.run (host enqueue) and deliver (wait for tokens)
     last_deliver_s: float = 0.0
@@ -103,7 +111,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
         res.slot_digest = st.store.digest()
     if header.report and st.maps is not None:
         res.router_maps = (st.maps.phy2log.copy(), st.maps.breakeven.cpu().numpy().copy())
-    router = st.topo.router_index(st.rank)  # None on a worker-only rank (it has no runner)
+    router = st.topo.router_index(st.rank) if st.router == -1 else st.router  # None: a worker-only rank
     if st.store is not None:
         # the expert kernels by rows per slot (every rank sees every router's work)
         st.store.set_step_pairs(
@@ -153,6 +161,8 @@ def step_loop(st: RankState) -> None:
                 continue
             if header.stop:
                 return
+            if header.regroup and st.regroup is not None:
+                st.regroup()
     finally:
         if prof is not None:
             prof.finish()
@@ -160,6 +170,8 @@ def step_loop(st: RankState) -> None:
 
 def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> StepHeader:
     leader = st.leader
+    if leader is not None and st.poll is not None and st.poll():
+        leader.request_regroup()
     t0 = time.perf_counter()
     with profiling.span("schedule"):
         box = [leader.next_header() if leader is not None else None]

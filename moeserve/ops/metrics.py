@@ -27,6 +27,7 @@ PER_EXPERT_LIMIT = 4096
 PER_EXPERT_CHOICES = ("auto", "on", "off")
 STEP_KINDS = ("forward", "migration", "heartbeat")
 MIGRATION_RESULTS = ("done", "aborted", "failed")
+RANK_ROLES = ("router", "worker")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 REBALANCE_RESULTS = ("done", "skipped", "failed", "dry_run")
 
@@ -249,6 +250,38 @@ class _LeaderCollector(Collector):
             "moeserve_preemptions",
             "Sequences preempted (freed, to be recomputed) because KV blocks ran out.",
             value=float(status.preemptions),
+        )
+        yield GaugeMetricFamily(
+            "moeserve_cluster_generation",
+            "Times the world re-formed since start (a rank lost, replaced or joining).",
+            value=float(status.generation),
+        )
+        g = GaugeMetricFamily(
+            "moeserve_ranks", "Ranks in the world now, by role (a co-located rank counts in both).", labels=("role",)
+        )
+        for role in RANK_ROLES:
+            g.add_metric((role,), float(status.ranks_in_world.get(role, 0)))
+        yield g
+        for name, help_, counts in (
+            (
+                "moeserve_ranks_lost",
+                "Ranks lost (their process died or fell out of the world), by role.",
+                status.ranks_lost,
+            ),
+            (
+                "moeserve_rank_replacements",
+                "Replacements of lost ranks that joined the world, by role.",
+                status.ranks_replaced,
+            ),
+        ):
+            c = CounterMetricFamily(name, help_, labels=("role",))
+            for role in RANK_ROLES:
+                c.add_metric((role,), float(counts.get(role, 0)))
+            yield c
+        yield CounterMetricFamily(
+            "moeserve_requests_readmitted",
+            "Sequences of a lost router moved to another router, to be recomputed from the tokens known.",
+            value=float(status.readmitted),
         )
         yield CounterMetricFamily(
             "moeserve_prefix_cache_queries",

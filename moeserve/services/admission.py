@@ -23,18 +23,23 @@ Text (the tokenizer, chat templates, detokenization, stop strings): ``moeserve.s
 from __future__ import annotations
 
 import asyncio
-import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from moeserve.router.engine.api import Failed, Finished, GenerateRequest, InvalidRequest, Token, Unavailable
 from moeserve.sampling import SamplingParams
+from moeserve.services import limits as L
 from moeserve.services.tokenizer import ModelTokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096
 MAX_CHARS_PER_TOKEN = 64  # a text prompt may have at most max_model_len * this many characters
 MAX_STOP_IDS = 256
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_STRINGS = L.MAX_STOP_STRINGS
+MAX_STOP_STRING_CHARS = L.MAX_STOP_STRING_CHARS
+DEFAULT_CHOICES_IN_FLIGHT = 16  # choices of one HTTP request on the leader at a time
+TOKENIZER_THREADS = 2  # texts tokenized at once; more wait their turn
+INLINE_TEXT_CHARS = 1024  # shorter texts are tokenized on the event loop (cheaper than a hand-off)
+TEXT_WORK_S = 10.0  # rendering a chat template or tokenizing a text that takes longer is refused
 
 
 class RequestFailed(Unavailable):
@@ -43,16 +48,42 @@ class RequestFailed(Unavailable):
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """What the front end refuses before converting anything (the leader checks the rest)."""
+    """What the front end refuses before converting anything (the leader checks the rest).
+
+    max_model_len: prompt + generated tokens; max_chars_per_token: a prompt text may have
+    max_model_len x this many characters; max_stop_ids: stop token ids of a request;
+    vocab_size: the model's vocabulary when the front end knows it (its model folder), else
+    None (ids are bounded by the wire, and the leader checks the vocabulary);
+    max_request_tokens: the tokens one HTTP request may make the cluster hold, n x (prompt +
+    max_tokens) summed over its prompts (0: 16 x max_model_len); choices_in_flight: the choices
+    of one HTTP request on the leader at a time (its share of the batch; with logprobs a
+    quarter of it, at least 1), the next starting as one ends; max_logprobs: the most top
+    logprobs a request may ask for, per token and per prompt position (``--max-logprobs``).
+    """
 
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     max_chars_per_token: int = MAX_CHARS_PER_TOKEN
     max_stop_ids: int = MAX_STOP_IDS
+    vocab_size: int | None = None
+    max_request_tokens: int = 0
+    choices_in_flight: int = DEFAULT_CHOICES_IN_FLIGHT
+    max_logprobs: int = L.MAX_LOGPROBS
 
     def __post_init__(self):
-        for name in ("max_model_len", "max_chars_per_token", "max_stop_ids"):
+        for name in ("max_model_len", "max_chars_per_token", "max_stop_ids", "choices_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if self.max_request_tokens < 0:
+            raise ValueError(f"max_request_tokens must be >= 0 (0: 16 x max_model_len), got {self.max_request_tokens}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def request_tokens(self) -> int:
+        """The tokens one HTTP request may make the cluster hold (n x (prompt + max_tokens), summed)."""
+        return self.max_request_tokens or 16 * self.max_model_len
 
     @property
     def max_prompt_chars(self) -> int:
@@ -66,6 +97,25 @@ class AdmissionLimits:
         fields. The serving server receives nothing larger (gRPC answers RESOURCE_EXHAUSTED
         before parsing it)."""
         return 4 * self.max_prompt_chars + 11 * (self.max_model_len + self.max_stop_ids) + (64 << 10)
+
+
+def vocab_size_of(model_dir: str | None) -> int | None:
+    """The vocabulary size in a model folder's config.json (Llama 4: its text_config), or None
+    without one (read here, without the models package: the front end holds no torch)."""
+    import json
+    from pathlib import Path
+
+    if not model_dir:
+        return None
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    text = raw.get("text_config")
+    v = (text if isinstance(text, dict) and "vocab_size" in text else raw).get("vocab_size")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 # -- admission --------------------------------------------------------------------------------
@@ -145,6 +195,19 @@ class Admission:
         self.tokenizer: ModelTokenizer | None = tokenizer
         self.metrics = metrics
         self.limits = limits
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` on the tokenizer threads (at most TOKENIZER_THREADS texts at once), in
+        at most TEXT_WORK_S: the budget bounds the work, this bounds what a request waits."""
+        try:
+            return await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._pool, fn, *args), TEXT_WORK_S
+            )
+        except TimeoutError:
+            raise InvalidRequest(
+                f"this request's text took more than {TEXT_WORK_S:g} s to render or tokenize; send less of it"
+            ) from None
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -160,6 +223,7 @@ class Admission:
                 f"{what} has {len(text)} characters, more than this server tokenizes "
                 f"({limit} = max_model_len {self.limits.max_model_len} x {self.limits.max_chars_per_token})"
             )
+        L.check_text(text, what)
 
     def _check_length(self, n: int, what: str = "the prompt") -> None:
         if n >= self.limits.max_model_len:
@@ -169,41 +233,41 @@ class Admission:
             )
 
     async def encode(self, text: str, add_special_tokens: bool = True, allow_empty: bool = False) -> tuple[int, ...]:
-        """Prompt text -> ids, off the event loop, after the size check."""
+        """Prompt text -> ids, off the event loop (a short text on it), after the size check."""
         tok = self._need_tokenizer("send token ids instead of text")
         self.check_text(text)
-        ids = await asyncio.to_thread(tok.encode, text, add_special_tokens)
+        if len(text) <= INLINE_TEXT_CHARS:
+            ids = tok.encode(text, add_special_tokens)
+        else:
+            ids = await self._off_loop(tok.encode, text, add_special_tokens)
         if not ids and not allow_empty:
             raise InvalidRequest("the prompt text encodes to no tokens: give a non-empty prompt")
         self._check_length(len(ids))
         return tuple(ids)
 
     def token_ids(self, ids, what: str = "prompt token ids") -> tuple[int, ...]:
-        """A list of ids from a client: its length is checked before it is converted."""
+        """A list of ids from a client: its length is checked before it is converted, then each
+        id against the vocabulary the front end knows (``limits.token_ids``)."""
         self._check_length(len(ids))
-        return self._ints(ids, what)
-
-    @staticmethod
-    def _ints(ids, what: str) -> tuple[int, ...]:
-        out = []
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise InvalidRequest(f"{what} must be integers, found {t!r}")
-            out.append(int(t))
-        return tuple(out)
+        return L.token_ids(ids, self.limits, what)
 
     async def chat_ids(
         self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
     ) -> tuple[int, ...]:
         """Messages -> the chat template's text -> ids (no special tokens added: the template
-        writes them), off the event loop."""
+        writes them), off the event loop. Every field of the messages and the template
+        variables count against the request's budget before the template sees them, and the
+        rendered text against the prompt's characters before the tokenizer does."""
         tok = self._need_tokenizer("chat needs the model's tokenizer and chat template")
-        self.check_text("".join(str(m.get("content") or "") for m in messages), "the messages")
+        L.request_cost([messages, template_kwargs], L.request_budget(self.limits))
 
-        def render_and_encode():
-            return tok.encode(tok.render_chat(messages, add_generation_prompt, template_kwargs), False)
+        def render():
+            text = tok.render_chat(messages, add_generation_prompt, template_kwargs)
+            self.check_text(text, "the rendered chat prompt")
+            return text
 
-        ids = await asyncio.to_thread(render_and_encode)
+        text = await self._off_loop(render)
+        ids = await self._off_loop(tok.encode, text, False)
         if not ids:
             raise InvalidRequest("the messages render to an empty prompt")
         self._check_length(len(ids), "the rendered chat prompt")
@@ -227,15 +291,28 @@ class Admission:
         cache_salt: str = "",
         **adjust,
     ) -> GenerateRequest:
-        """The engine request; InvalidRequest for what only this side checks. ``stop_token_ids``
-        may be any sized sequence (a protobuf repeated field): its length is checked before it
-        is converted. ``adjust``: the other ``SamplingParams`` fields (min_p, penalties,
-        min_tokens, logit_bias)."""
-        if len(stop_token_ids) > self.limits.max_stop_ids:
-            raise InvalidRequest(f"{len(stop_token_ids)} stop token ids; at most {self.limits.max_stop_ids}")
-        stop = self._ints(stop_token_ids, "stop token ids") if stop_token_ids else ()
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and math.isnan(temperature):
-            raise InvalidRequest("temperature must be a finite number >= 0 (0 = greedy), found nan")
+        """The engine request; InvalidRequest for what only this side checks: every value
+        against its row of ``limits.BOUNDS``. ``stop_token_ids`` may be any sized sequence (a
+        protobuf repeated field): its length is checked before it is converted. ``adjust``: the
+        other ``SamplingParams`` fields (min_p, penalties, min_tokens, logit_bias)."""
+        lim = self.limits
+        if len(stop_token_ids) > lim.max_stop_ids:
+            raise L.BoundError(f"{len(stop_token_ids)} stop token ids; at most {lim.max_stop_ids}", "stop_token_ids")
+        stop = L.token_ids(stop_token_ids, lim, "stop token ids", "stop_token_ids") if stop_token_ids else ()
+        max_tokens = L.bounded("max_tokens", max_tokens, lim)
+        temperature = L.bounded("temperature", temperature, lim)
+        top_p = L.bounded("top_p", top_p, lim)
+        top_k = L.bounded("top_k", top_k, lim)
+        seed = L.bounded("seed", seed, lim)
+        if prompt_logprobs != -1:
+            prompt_logprobs = L.bounded("prompt_logprobs", prompt_logprobs, lim)
+        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+            if name in adjust:
+                adjust[name] = L.bounded(name, adjust[name], lim)
+        if adjust.get("logit_bias"):
+            bias = adjust["logit_bias"]
+            ids = L.token_ids([t for t, _ in bias], lim, "logit_bias keys", "logit_bias")
+            adjust["logit_bias"] = tuple((t, L.bounded("logit_bias", b, lim)) for t, (_, b) in zip(ids, bias))
         try:
             sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **adjust)
         except ValueError as e:

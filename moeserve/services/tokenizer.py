@@ -103,7 +103,13 @@ class ModelTokenizer:
         return cls(tok, specials, template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Text -> ids. Through ``encode_batch``, which releases the GIL while it tokenizes (a
+        plain ``encode`` holds it: 0.14 s for 270,000 characters, during which no other thread
+        of the front end, its event loop included, runs)."""
+        batch = getattr(self.tokenizer, "encode_batch", None)
+        if batch is None:  # a stand-in tokenizer
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

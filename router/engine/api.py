@@ -160,15 +160,20 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
     most tokens one router's KV cache holds (a request that could never fit is refused)."""
     if not req.prompt_ids:
         raise InvalidRequest("the prompt is empty: give at least one token")
-    ids = np.asarray(req.prompt_ids, dtype=np.int64)
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
-        raise InvalidRequest(f"prompt token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
-    bad_stop = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
-    if bad_stop:
-        raise InvalidRequest(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
+    # Python's comparisons first: an id too large for int64 is a bad request, not an overflow.
+    lo, hi = min(req.prompt_ids), max(req.prompt_ids)
+    if lo < 0 or hi >= vocab_size:
+        raise InvalidRequest(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if req.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {req.max_tokens}")
+    if not 0 <= req.sampling.top_k <= vocab_size:
+        raise InvalidRequest(
+            f"top_k must be in 0..{vocab_size} (0 = no top-k filtering, at most the vocabulary), "
+            f"got {req.sampling.top_k}"
+        )
     total = len(req.prompt_ids) + req.max_tokens
     if total > max_model_len:
         raise InvalidRequest(
@@ -276,6 +281,12 @@ class EngineStatus:
     moved_bytes: int = 0
     migrations_ended: dict[str, int] = field(default_factory=dict)  # state name -> count
     last_step_age_s: float = 0.0  # seconds since the last step completed (a stall: health)
+    readmitted: int = 0  # sequences of a lost router recomputed on another since start
+    generation: int = 0  # how many times the world re-formed (a lost or joining rank)
+    members: tuple[int, ...] = ()  # the ranks in the world now
+    ranks_in_world: dict[str, int] = field(default_factory=dict)  # role -> ranks in the world now
+    ranks_lost: dict[str, int] = field(default_factory=dict)  # role -> ranks lost since start
+    ranks_replaced: dict[str, int] = field(default_factory=dict)  # role -> replacements that joined
 
 
 # -- the interface ----------------------------------------------------------------------------

@@ -102,7 +102,11 @@ class Engine(EngineAPI):
         self._last_step_t = time.monotonic()  # when the last step completed (health: a stall)
         self._in_flight: StepHeader | None = None  # the header whose results have not come back
         self._replay: StepHeader | None = None  # to issue again after a lost peer was replaced
-        self.peers_replaced = 0
+        self._regroup = False  # a rank joins: the next header asks every rank to re-form
+        self.generation = 0
+        self.members: tuple[int, ...] = tuple(range(cfg.world_size))
+        self.ranks_lost = {"router": 0, "worker": 0}  # by role, since start
+        self.ranks_replaced = {"router": 0, "worker": 0}
         # forward steps whose sampled tokens have not come back (asynchronous steps): step -> work
         self._awaiting: dict[int, tuple] = {}
         self._unread_steps = 0  # forward steps issued since the last load read
@@ -274,6 +278,15 @@ class Engine(EngineAPI):
             kv_blocks_used=counts["kv_blocks_used"],
             kv_blocks_cached=counts["kv_blocks_cached"],
             preemptions=counts["preemptions"],
+            readmitted=counts["readmitted"],
+            generation=self.generation,
+            members=self.members,
+            ranks_in_world={
+                "router": sum(self.cfg.role(r).router_index >= 0 for r in self.members),
+                "worker": sum(self.cfg.role(r).worker_index >= 0 for r in self.members),
+            },
+            ranks_lost=dict(self.ranks_lost),
+            ranks_replaced=dict(self.ranks_replaced),
             prefix_cache_queries=counts["prefix_cache_queries"],
             prefix_cache_hits=counts["prefix_cache_hits"],
             metrics_ports=dict(self.metrics_ports),
@@ -330,6 +343,12 @@ class Engine(EngineAPI):
             self._in_flight, self._replay = self._replay, None
             self._header_t = time.perf_counter()
             return self._in_flight
+        if self._regroup:  # a flush of the tokens in flight, then every rank re-forms
+            self._regroup = False
+            self._header_t = time.perf_counter()
+            self._unread_steps, self._load_issued = 0, self._load_asked
+            self._in_flight = StepHeader(self.step, regroup=True, read_load=True)
+            return self._in_flight
         if self.step == 0:  # the loop starts: its age counts from here
             self._last_step_t = time.monotonic()
         if self._warmup and not self._stop.is_set():
@@ -373,17 +392,46 @@ class Engine(EngineAPI):
         )
         return self._in_flight
 
-    def on_peer_lost(self) -> Placement:
-        """A step failed because an expert worker was lost and has been replaced. The running
-        migration is aborted (its uncommitted layers roll back; the replacement loads the
-        placement in force), and the failed step's work is issued again with the same step
-        number, so the same tokens take the same slots and get the same samples. Returns the
-        placement in force, which every rank installs before the next step."""
-        self.migrator.abort("an expert worker was lost during the migration: the placement in force stands")
-        h = self._in_flight
-        self._replay = dataclasses.replace(h, migration=None) if h is not None and h.work else None
-        self.peers_replaced += 1
+    def request_regroup(self) -> None:
+        """A rank joins the running cluster: the next header is a regroup (docs/dataplane.md,
+        "When a rank joins a running cluster")."""
+        self._regroup = True
+        self._wake.set()
+
+    def on_regroup(self, lost: set[int], failed: bool) -> Placement:
+        """The world re-forms without the ranks ``lost`` (config ranks), after a failed step
+        (``failed``) or for a rank that joins. The running migration is aborted (its
+        uncommitted layers roll back; a replacement loads the placement in force); a lost
+        router's sequences go back to the waiting queue to be recomputed on the routers left;
+        after a failed step its work is issued again with the same step number (the lost
+        routers' part emptied), so the same tokens take the same slots and get the same
+        samples. Returns the placement in force, which every rank installs before the next step."""
+        self.migrator.abort("the cluster re-formed during the migration: the placement in force stands")
+        h = self._in_flight if failed else None
+        replay = dataclasses.replace(h, migration=None) if h is not None and h.work else None
+        for rank in sorted(lost):
+            role = self.cfg.role(rank)
+            self.ranks_lost["router" if role.router_index >= 0 else "worker"] += 1
+            if role.router_index >= 0:
+                moved = self.scheduler.router_lost(role.router_index, replay.work if replay is not None else None)
+                if replay is not None and moved is not None:
+                    replay = dataclasses.replace(replay, work=moved)
+        self._replay = replay
+        self._in_flight = None
         return self.placement()
+
+    def on_members(self, generation: int, members, joined: dict[int, tuple[int, int]]) -> None:
+        """The world of ``generation`` formed with ``members``; ``joined``: config rank ->
+        (metrics port, KV blocks) of each rank new in it (a replacement router opens for
+        sequences with its blocks)."""
+        self.generation, self.members = int(generation), tuple(members)
+        for rank, (port, blocks) in joined.items():
+            role = self.cfg.role(rank)
+            self.ranks_replaced["router" if role.router_index >= 0 else "worker"] += 1
+            if port >= 0:
+                self.metrics_ports[f"rank{rank}"] = int(port)
+            if role.router_index >= 0:
+                self.scheduler.router_joined(role.router_index, blocks)
 
     def on_results(self, header: StepHeader, results: list[RankResult]) -> None:
         """Consume the end-of-step gather (one RankResult per rank)."""
@@ -394,9 +442,10 @@ class Engine(EngineAPI):
             kind = "forward" if header.forward else "migration" if header.migration is not None else "heartbeat"
             self.metrics.on_step(kind, time.perf_counter() - self._header_t)
         if header.report:
+            by_rank = {r.rank: r for r in results}  # results come in the order of the members
             with self._report_lock:
                 # every worker answers a report with its digest
-                self._report = cast("list[np.ndarray]", [results[r].slot_digest for r in self.cfg.worker_ranks])
+                self._report = cast("list[np.ndarray]", [by_rank[r].slot_digest for r in self.cfg.worker_ranks])
                 self._router_maps = [r.router_maps for r in results if r.router_maps is not None]
                 self._report_wanted = False
                 self._report_done.set()

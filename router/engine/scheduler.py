@@ -157,6 +157,8 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._admissions = itertools.count(1)
         self.preemptions = 0
+        self.readmitted = 0  # sequences moved off a lost router, to be recomputed on another
+        self._open = [True] * num_routers  # routers in the world (a lost one takes no sequence)
         # per scheduled step with sequences, until its results come back: (work, [(sequence, its
         # admission then)] in the order of work's sequences)
         self._issued: deque = deque()
@@ -176,8 +178,58 @@ class Scheduler:
 
     @property
     def max_kv_tokens(self) -> int:
-        """The longest sequence (prompt + max_tokens) any router can hold alone."""
-        return min(a.num_blocks for a in self._blocks) * self.block_size
+        """The longest sequence (prompt + max_tokens) any router in the world can hold alone."""
+        return min(a.num_blocks for a, up in zip(self._blocks, self._open) if up) * self.block_size
+
+    def router_lost(self, r: int, replay: tuple[RouterWork, ...] | None = None) -> tuple[RouterWork, ...] | None:
+        """Router ``r`` left the world with its KV cache: its sequences (running, and those
+        preempted from it with a token in flight) go back to the head of the waiting queue, in
+        admission order, to be recomputed on the routers left from the tokens known here (as a
+        preemption: their sampling is keyed by seed and position, so they produce the same
+        tokens again); their tokens in flight never come and are forgotten, and ``r`` takes no
+        sequence until :meth:`router_joined`. ``replay``: the work of the failed step to run
+        again, which leaves with ``r``'s part emptied (returned; the scheduler expects its
+        results under it)."""
+        with self._lock:
+            self._open[r] = False
+            moved = sorted(self._running[r].values(), key=lambda x: x.admitted)
+            self._running[r] = {}
+            self._release[r] = []
+            self._blocks[r] = self.new_allocator(self._blocks[r].num_blocks)  # its pool, and the cache in it, are gone
+            gone = {id(x) for x in moved} | {id(x) for x in self._waiting if x.router == r}
+            now = time.monotonic()
+            for seq in moved:
+                seq.blocks, seq.new_blocks, seq.cached, seq.hashed = [], [], 0, 0
+                seq.partial_logits, seq.partial_plp, seq.fresh = [], [], False
+                seq.decoding, seq.queued_at, seq.wait_logged = False, now, False
+            for seq in [*moved, *(x for x in self._waiting if x.router == r)]:
+                seq.pending, seq.router = 0, -1
+            self._waiting.extendleft(reversed(moved))
+            self.readmitted += len(moved)
+            new_replay = None
+            if replay is not None:
+                new_replay = tuple(RouterWork() if i == r else w for i, w in enumerate(replay))
+            issued: deque = deque()
+            for work, entries in self._issued:
+                kept = [e for e in entries if id(e[0]) not in gone]
+                if work is replay:
+                    work = new_replay
+                if kept:
+                    issued.append((work, kept))
+            self._issued = issued
+        self.work_available.set()
+        return new_replay
+
+    def router_joined(self, r: int, num_blocks: int) -> None:
+        """Router ``r`` is in the world again (a replacement) with ``num_blocks`` free KV blocks."""
+        with self._lock:
+            self._blocks[r] = self.new_allocator(num_blocks)
+            self._open[r] = True
+        self.work_available.set()
+
+    @property
+    def routers_open(self) -> list[bool]:
+        return list(self._open)
 
     # -- any thread ------------------------------------------------------------------------
 
@@ -209,10 +261,11 @@ class Scheduler:
             return dict(
                 waiting=len(self._waiting),
                 running=sum(len(r) for r in self._running),
-                kv_blocks_total=sum(a.num_blocks for a in self._blocks),
+                kv_blocks_total=sum(a.num_blocks for a, up in zip(self._blocks, self._open) if up),
                 kv_blocks_used=sum(a.num_used for a in self._blocks),
                 kv_blocks_cached=sum(a.num_cached for a in self._blocks),
                 preemptions=self.preemptions,
+                readmitted=self.readmitted,
                 prefix_cache_queries=self.prefix_queries,
                 prefix_cache_hits=self.prefix_hits,
             )
@@ -254,9 +307,12 @@ class Scheduler:
                     break
                 # among the routers that can take a new sequence this step (room, token budget,
                 # free blocks for its first chunk after its cached prefix there), the routing
-                # policy's: one router out of budget or room does not stop admission to the others
+                # policy's (a router lost takes none): one router out of budget or room does not stop
+                # admission to the others
                 hits = self._prefix_hits(seq)
-                open_ = [r for r in range(self.num_routers) if self._can_admit(r, seq, hits[r], budget[r])]
+                open_ = [
+                    r for r in range(self.num_routers) if self._open[r] and self._can_admit(r, seq, hits[r], budget[r])
+                ]
                 if not open_:
                     self._log_long_wait(seq, budget)
                     break

@@ -47,15 +47,18 @@ server-sent events, logprobs and usage), ``tokens`` (/tokenize and /detokenize),
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from moeserve import __version__
+from moeserve.router.engine.api import Unavailable
 from moeserve.services.admission import Admission
 from moeserve.services.http.choices import FINISH, Choice, Run, drive, log_softmax_row
 from moeserve.services.http.encode import (
@@ -81,9 +84,6 @@ from moeserve.services.http.params import (
     DEFAULT_COMPLETION_TOKENS,
     IGNORED,
     MAX_BODY_BYTES,
-    MAX_CHOICES,
-    MAX_LOGPROBS,
-    MAX_N,
     PARSE_OFF_LOOP_BYTES,
     UNSUPPORTED,
     Sampling,
@@ -97,6 +97,7 @@ from moeserve.services.http.params import (
 )
 from moeserve.services.http.server import HttpServer
 from moeserve.services.http.tokens import TokenRoutes
+from moeserve.services.limits import MAX_CHOICES, MAX_LOGPROBS, MAX_N, request_budget, request_cost
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
 if TYPE_CHECKING:
@@ -128,6 +129,35 @@ async def _until_disconnect(receive, coro):
     return work.result()
 
 
+def _parse_body(raw: bytes, budget: int) -> dict:
+    """The body as a JSON object, counted against the request's budget (``limits.request_cost``)
+    before anything else reads it."""
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    request_cost(body, budget)
+    return body
+
+
+def trim_memory() -> None:
+    """Hand the heap's free memory back to the system (glibc's malloc_trim): a large body's
+    objects are freed at once, but malloc keeps their pages, and a front end that refused many
+    large requests would keep their peak as its resident size."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+
+        try:
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None  # libc's malloc_trim, or False where there is none
+
+
 class HttpApi(TokenRoutes):
     """The ASGI application (``app``) and its state.
 
@@ -136,7 +166,7 @@ class HttpApi(TokenRoutes):
     /v1/models); api_key: guards ``/v1/`` (None: open); registry: the Prometheus registry of
     /metrics (None: an empty answer); max_body_bytes: the largest request body (at most
     :func:`body_limit` of the admission limits); max_logprobs: the most top logprobs a request
-    may ask for (``--max-logprobs``); generation_defaults: sampling defaults for what a request
+    may ask for (``--max-logprobs``; None: the admission limits'); generation_defaults: sampling defaults for what a request
     leaves out (the model's ``generation_config.json``: ``params.GENERATION_DEFAULTS``);
     vllm_metrics: a ``moeserve.ops.metrics.VllmMetrics`` refreshed from the leader's status
     on every scrape of /metrics (None: none).
@@ -150,7 +180,7 @@ class HttpApi(TokenRoutes):
         api_key: str | None = None,
         registry=None,
         max_body_bytes: int = MAX_BODY_BYTES,
-        max_logprobs: int = MAX_LOGPROBS,
+        max_logprobs: int | None = None,
         generation_defaults: dict | None = None,
         vllm_metrics=None,
     ):
@@ -167,9 +197,11 @@ class HttpApi(TokenRoutes):
         self.registry = registry
         self.max_body_bytes = min(max_body_bytes, body_limit(admission.limits))
         self.draining = False
+        self._runs: weakref.WeakSet[Run] = weakref.WeakSet()  # requests in flight (cut_streams ends them)
         self.readiness: Readiness | None = None  # the front end's (None: ask the leader)
         self.created = int(time.time())
-        self.max_logprobs = max_logprobs
+        if max_logprobs is not None:
+            self.max_logprobs = max_logprobs
         self.defaults = dict(generation_defaults or {})
         self.vllm_metrics = vllm_metrics
         routes = [
@@ -217,6 +249,22 @@ class HttpApi(TokenRoutes):
         if not hmac.compare_digest(key.strip().encode(), self._key):
             raise ApiError(401, "wrong API key", code="invalid_api_key")
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most top logprobs a request may ask for (``--max-logprobs``), kept in the
+        admission limits, which bound every request field (``limits.BOUNDS``)."""
+        return self.admission.limits.max_logprobs
+
+    @max_logprobs.setter
+    def max_logprobs(self, value: int) -> None:
+        self.admission.limits = dataclasses.replace(self.admission.limits, max_logprobs=value)
+
+    def cut_streams(self, message: str) -> None:
+        """End every request in flight with ``message`` (503): a stream sends it as an error
+        event, then ``data: [DONE]`` (the server stops once its grace period is over)."""
+        for run in list(self._runs):
+            run.cut(Unavailable(message))
+
     async def _body(self, request) -> dict:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -228,15 +276,20 @@ class HttpApi(TokenRoutes):
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
             chunks.append(chunk)
         raw = b"".join(chunks)
-        try:  # a large body is parsed off the event loop
-            body = json.loads(raw) if len(raw) < PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
+        del chunks
+        budget = request_budget(self.admission.limits)
+        try:  # a large body is parsed (and counted) off the event loop
+            if len(raw) < PARSE_OFF_LOOP_BYTES:
+                return _parse_body(raw, budget)
+            try:
+                return await asyncio.to_thread(_parse_body, raw, budget)
+            finally:
+                del raw
+                trim_memory()  # what the parse took goes back to the system
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise bad(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise bad("the request body nests too deeply") from None
-        if not isinstance(body, dict):
-            raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
 
     async def _generation(self, request, handler):
         try:
@@ -244,8 +297,8 @@ class HttpApi(TokenRoutes):
                 raise ApiError(503, "the server is shutting down", code="unavailable")
             self._auth(request)
             body = await self._body(request)
-        except ApiError as e:
-            return e.response()
+        except Exception as e:
+            return api_error(e).response()
         try:
             return await _until_disconnect(request.receive, handler(body))
         except Exception as e:
@@ -335,6 +388,14 @@ class HttpApi(TokenRoutes):
             raise bad(
                 f"{len(prompts)} prompts x n = {s.n} make {len(prompts) * s.n} choices; at most {MAX_CHOICES}", "n"
             )
+        lens = [len(ids) + (s.max_tokens if s.max_tokens is not None else a.limits.max_model_len) for ids in prompts]
+        held = s.n * sum(min(n, a.limits.max_model_len) for n in lens)
+        if held > a.limits.request_tokens:
+            raise bad(
+                f"this request asks the cluster to hold {held} tokens (n = {s.n} x the prompts' tokens plus "
+                f"max_tokens); one request may hold at most {a.limits.request_tokens} (--max-request-tokens)",
+                "n" if s.n > 1 else "max_tokens",
+            )
         reqs: list[GenerateRequest] = []
         choices: list[Choice] = []
         for ids in prompts:
@@ -385,7 +446,7 @@ class HttpApi(TokenRoutes):
     async def _completions(self, body: dict):
         self._ignored(check_keys(body, COMPLETION_KEYS), "/v1/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, False, self.admission.limits.max_stop_ids, self.max_logprobs, self.defaults)
+        s = parse_sampling(body, False, self.admission.limits, self.defaults)
         prompts = await parse_prompts(body, self.admission)
         texts = None
         if s.echo:  # echo shows a text prompt as it was given
@@ -397,7 +458,7 @@ class HttpApi(TokenRoutes):
     async def _chat(self, body: dict):
         self._ignored(check_keys(body, CHAT_KEYS), "/v1/chat/completions")
         model = parse_model(body, self.served_models)
-        s = parse_sampling(body, True, self.admission.limits.max_stop_ids, self.max_logprobs, self.defaults)
+        s = parse_sampling(body, True, self.admission.limits, self.defaults)
         messages = parse_messages(body)
         add_gen, kwargs = parse_chat_options(body)
         ids = await self.admission.chat_ids(messages, add_gen, kwargs)
@@ -408,7 +469,11 @@ class HttpApi(TokenRoutes):
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
-        run = Run(self.admission, reqs)
+        lim = self.admission.limits
+        heavy = s.logprobs is not None or s.prompt_top >= 0  # logits sent back for every token or position
+        share = max(1, lim.choices_in_flight // 4) if heavy else lim.choices_in_flight
+        run = Run(self.admission, reqs, share)
+        self._runs.add(run)
         try:
             if s.stream:
                 await run.prime()

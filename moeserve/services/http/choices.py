@@ -135,13 +135,31 @@ class Choice:
 
 class Run:
     """The request streams of one HTTP request's choices, each iterated by a task of its own
-    into one queue. Closing it (or a choice) cancels the requests on the leader."""
+    into one queue. At most ``share`` choices are on the leader at a time (the request's share
+    of the batch): the next starts as one ends, so a request of many choices cannot fill the
+    leader's queue ahead of other requests. Closing it (or a choice) cancels the requests on
+    the leader; :meth:`cut` ends it with an error."""
 
-    def __init__(self, admission: Admission, reqs):
-        self.streams = [admission.open(r) for r in reqs]
+    def __init__(self, admission: Admission, reqs, share: int | None = None):
+        self.admission = admission
+        self.reqs = list(reqs)
+        self.share = max(1, share or len(self.reqs))
+        self.streams: list = [None] * len(self.reqs)
+        self.tasks: list = [None] * len(self.reqs)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.buffer: list = []
-        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self.streams)]
+        self.started = 0
+        self.closed = False
+        for _ in range(min(self.share, len(self.reqs))):
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if self.closed or self.started >= len(self.reqs):
+            return
+        i = self.started
+        self.started += 1
+        self.streams[i] = self.admission.open(self.reqs[i])
+        self.tasks[i] = asyncio.ensure_future(self._pump(i, self.streams[i]))
 
     async def _pump(self, i: int, stream) -> None:
         try:
@@ -154,11 +172,13 @@ class Run:
             self.queue.put_nowait((i, e))
         finally:
             await stream.aclose()
+            self._start_next()  # its place in the share goes to the next choice
 
     async def prime(self) -> None:
-        """Wait until every choice has its first event; raise the first refusal."""
+        """Wait until every choice started so far has its first event; raise the first refusal
+        (choices started later share these ones' parameters, so the leader takes them too)."""
         seen: set[int] = set()  # choice indices
-        while len(seen) < len(self.streams):
+        while len(seen) < min(self.share, len(self.reqs)):
             i, item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
@@ -175,10 +195,16 @@ class Run:
         self.streams[i].close_reason = reason
         self.tasks[i].cancel()
 
+    def cut(self, error: BaseException) -> None:
+        """End the request now with ``error`` (the server stops): ``drive`` raises it."""
+        self.queue.put_nowait((-1, error))
+
     async def close(self) -> None:
-        for t in self.tasks:
+        self.closed = True
+        tasks = [t for t in self.tasks if t is not None]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def drive(run: Run, choices: list[Choice]):
@@ -186,6 +212,8 @@ async def drive(run: Run, choices: list[Choice]):
     left = sum(not c.done for c in choices)
     while left:
         i, item = await run.next()
+        if i < 0:  # the request was cut
+            raise item
         c = choices[i]
         if c.done:
             continue

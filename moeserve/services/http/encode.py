@@ -61,7 +61,7 @@ def api_error(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
     if isinstance(e, (InvalidRequest, ValueError)):
-        return ApiError(400, str(e))
+        return ApiError(400, str(e), getattr(e, "param", None))
     if isinstance(e, QueueFull):
         return ApiError(429, str(e), code="queue_full")
     if isinstance(e, NotFound):

@@ -17,12 +17,17 @@ import math
 from dataclasses import dataclass
 
 from moeserve.router.engine.api import MAX_CACHE_SALT_BYTES
-from moeserve.sampling import MAX_BIAS, MAX_LOGIT_BIAS, MAX_MIN_TOKENS, MAX_REPETITION_PENALTY, MAX_SEED
+from moeserve.sampling import MAX_LOGIT_BIAS
 from moeserve.services.http.encode import ApiError, bad
+from moeserve.services.limits import (
+    MAX_N,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    bounded,
+    token_ids,
+)
 
-MAX_N = 64
-MAX_CHOICES = 256  # prompts x n of one request
-MAX_LOGPROBS = 20
 MAX_BODY_BYTES = 64 << 20
 PARSE_OFF_LOOP_BYTES = 256 << 10
 
@@ -48,39 +53,6 @@ def _show(v) -> str:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise bad(f"{name} must be an integer, got {_show(v)}", name)
-    if lo is not None and v < lo or hi is not None and v > hi:
-        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise bad(f"{name} must be {rng}, got {v}", name)
-    return v
-
-
-def _num(body: dict, name: str, default: float) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v) or not math.isfinite(v):
-        raise bad(f"{name} must be a finite number, got {_show(v)}", name)
-    return float(v)
-
-
-def _ranged(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    """A number in [lo, hi] ((lo, hi] with ``lo_open``), or ``default`` when absent."""
-    v = _num(body, name, default)
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {_show(body.get(name))}", name)
-    return v
 
 
 def _bool(body: dict, name: str, default: bool) -> bool:
@@ -221,20 +193,23 @@ class Sampling:
         return max(want) if want else -1
 
 
+def _bounded(body: dict, name: str, limits, default=None):
+    return bounded(name, body.get(name), limits, default)
+
+
 # The sampling defaults a model's generation_config.json may set (vLLM's names there).
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
-def parse_sampling(
-    body: dict, chat: bool, max_stop_ids: int, max_logprobs: int = MAX_LOGPROBS, defaults: dict | None = None
-) -> Sampling:
-    """The request's sampling, with ``defaults`` (the model's generation config:
-    :data:`GENERATION_DEFAULTS`) where the request gives none; top logprobs are bounded by
-    ``max_logprobs`` (``--max-logprobs``)."""
+def parse_sampling(body: dict, chat: bool, limits, defaults: dict | None = None) -> Sampling:
+    """The request's sampling parameters, each checked against its row of
+    ``moeserve.services.limits.BOUNDS`` (``limits``: the front end's ``AdmissionLimits``; top
+    logprobs are bounded by its ``max_logprobs``, ``--max-logprobs``), with ``defaults`` (the
+    model's generation config: :data:`GENERATION_DEFAULTS`) where the request gives none."""
     d = defaults or {}
-    n = _int(body, "n", 1, 1, MAX_N)
-    max_tokens = _int(body, "max_tokens", None, 1)
-    mct = _int(body, "max_completion_tokens", None, 1)
+    n = _bounded(body, "n", limits, 1)
+    max_tokens = _bounded(body, "max_tokens", limits)
+    mct = _bounded(body, "max_completion_tokens", limits)
     if mct is not None and max_tokens is not None and mct != max_tokens:
         raise bad(
             f"max_tokens ({max_tokens}) and max_completion_tokens ({mct}) disagree: give one",
@@ -243,44 +218,39 @@ def parse_sampling(
     max_tokens = mct if mct is not None else max_tokens
     if max_tokens is None:
         max_tokens = d.get("max_tokens") or (None if chat else DEFAULT_COMPLETION_TOKENS)
-    temperature = _num(body, "temperature", d.get("temperature", 1.0))
-    if temperature < 0:
-        raise bad(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
-    top_p = _num(body, "top_p", d.get("top_p", 1.0))
-    if not 0 < top_p <= 1:
-        raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _int(body, "top_k", d.get("top_k", 0), -1)
-    min_p = _ranged(body, "min_p", d.get("min_p", 0.0), 0.0, 1.0)
-    presence = _ranged(body, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = _ranged(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    repetition = _ranged(
-        body, "repetition_penalty", d.get("repetition_penalty", 1.0), 0.0, MAX_REPETITION_PENALTY, lo_open=True
-    )
-    min_tokens = _int(body, "min_tokens", 0, 0, min(MAX_MIN_TOKENS, max_tokens or MAX_MIN_TOKENS))
-    logit_bias = parse_logit_bias(body)
-    seed = _int(body, "seed", None, 0, MAX_SEED)
+    temperature = _bounded(body, "temperature", limits, d.get("temperature", 1.0))
+    top_p = _bounded(body, "top_p", limits, d.get("top_p", 1.0))
+    top_k = _bounded(body, "top_k", limits, d.get("top_k", 0))
+    min_p = _bounded(body, "min_p", limits, d.get("min_p", 0.0))
+    presence = _bounded(body, "presence_penalty", limits, 0.0)
+    frequency = _bounded(body, "frequency_penalty", limits, 0.0)
+    repetition = _bounded(body, "repetition_penalty", limits, d.get("repetition_penalty", 1.0))
+    min_tokens = _bounded(body, "min_tokens", limits, 0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad(f"min_tokens must be in 0..{max_tokens} (at most max_tokens), got {min_tokens}", "min_tokens")
+    logit_bias = parse_logit_bias(body, limits)
+    seed = _bounded(body, "seed", limits)
     if seed is not None and seed + n - 1 > MAX_SEED:
         raise bad(f"seed + n - 1 must be <= {MAX_SEED} (choice j is sampled with seed + j)", "seed")
     stop = body.get("stop")
     stops: tuple[str, ...] = ()
     if stop is not None:
         items = [stop] if isinstance(stop, str) else stop
-        if isinstance(items, list) and len(items) > 64:  # the length first: nothing else is read
-            raise bad(f"stop has {len(items)} strings; at most 64", "stop")
+        if isinstance(items, list) and len(items) > MAX_STOP_STRINGS:  # the length first: nothing else is read
+            raise bad(f"stop has {len(items)} strings; at most {MAX_STOP_STRINGS}", "stop")
         if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
             raise bad(f"stop must be a string or a list of strings, got {_show(stop)}", "stop")
-        if any(not s or len(s) > 1024 for s in items):
-            raise bad("every stop string must have 1..1024 characters", "stop")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in items):
+            raise bad(f"every stop string must have 1..{MAX_STOP_STRING_CHARS} characters", "stop")
         stops = tuple(items)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is None:
         stop_ids = []
     if not isinstance(stop_ids, list):
         raise bad(f"stop_token_ids must be a list of integers, got {_show(stop_ids)}", "stop_token_ids")
-    if len(stop_ids) > max_stop_ids:
-        raise bad(f"stop_token_ids has {len(stop_ids)} ids; at most {max_stop_ids}", "stop_token_ids")
-    if not all(_is_int(t) for t in stop_ids):
-        raise bad("stop_token_ids must be a list of integers", "stop_token_ids")
+    if len(stop_ids) > limits.max_stop_ids:
+        raise bad(f"stop_token_ids has {len(stop_ids)} ids; at most {limits.max_stop_ids}", "stop_token_ids")
+    stop_ids = list(token_ids(stop_ids, limits, "stop_token_ids", "stop_token_ids"))
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = continuous = False
@@ -299,13 +269,13 @@ def parse_sampling(
         continuous = _bool(opts, "continuous_usage_stats", False)
     if chat:
         want = _bool(body, "logprobs", False)
-        top = _int(body, "top_logprobs", None, 0, max_logprobs)
+        top = _bounded(body, "top_logprobs", limits)
         if top is not None and top > 0 and not want:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (top or 0) if want else None
     else:
-        logprobs = _int(body, "logprobs", None, 0, max_logprobs)
-    prompt_logprobs = _int(body, "prompt_logprobs", None, 0, max_logprobs)
+        logprobs = _bounded(body, "logprobs", limits)
+    prompt_logprobs = _bounded(body, "prompt_logprobs", limits)
     echo = False if chat else _bool(body, "echo", False)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt.encode()) > MAX_CACHE_SALT_BYTES):
@@ -342,9 +312,10 @@ def parse_sampling(
     )
 
 
-def parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: an object of token ids (as strings) to a bias in [-100, 100],
-    at most MAX_LOGIT_BIAS of them (the count is checked before anything else is read)."""
+def parse_logit_bias(body: dict, limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object of token ids (as strings of ASCII digits) to a bias,
+    at most MAX_LOGIT_BIAS of them (the count is checked before anything else is read); each id
+    against the vocabulary the front end knows and each bias against its row of ``BOUNDS``."""
     raw = body.get("logit_bias")
     if raw is None:
         return ()
@@ -355,11 +326,11 @@ def parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     out = []
     for k, v in raw.items():
         key = k.strip() if isinstance(k, str) else ""
-        if not key.isdigit() or len(key) > 10:
+        # ASCII only: str.isdigit() takes "²", which int() refuses
+        if not key.isascii() or not key.isdigit() or len(key) > 10:
             raise bad(f"logit_bias keys must be token ids (integers >= 0), got {_show(k)}", "logit_bias")
-        if not _is_num(v) or not math.isfinite(v) or not -MAX_BIAS <= v <= MAX_BIAS:
-            raise bad(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {_show(v)}", "logit_bias")
-        out.append((int(key), float(v)))
+        (tid,) = token_ids([int(key)], limits, "logit_bias keys", "logit_bias")
+        out.append((tid, bounded("logit_bias", v, limits, what=f"the logit_bias of token {tid}")))
     return tuple(sorted(out))
 
 

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API (``moeserve.services.http``) on uvicorn (uvloop, httptools),
 on the running event loop, with TLS when given a certificate and its key (vLLM's
-``--ssl-certfile`` / ``--ssl-keyfile``: uvicorn's ``ssl_certfile`` / ``ssl_keyfile``).
+``--ssl-certfile`` / ``--ssl-keyfile``: uvicorn's ``ssl_certfile`` / ``ssl_keyfile``), behind
+the door's limits (``moeserve.services.http.door``: connections, header size and count,
+header, body and idle timeouts).
 """
 
 from __future__ import annotations
@@ -10,16 +12,22 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moeserve.services.http.door import DoorLimits, protocol
+
 if TYPE_CHECKING:
     import uvicorn
+
+CUT_S = 5.0  # after the grace period: time for cut streams to send their error event and end
 
 
 class HttpServer:
     """``api`` (an :class:`~moeserve.services.http.HttpApi`) on uvicorn on the running event
     loop (no signal handlers of its own: the process's owner stops it). :meth:`start` binds
     ``host:port`` (0: a free port) and returns the port; :meth:`stop` drains: new requests
-    answer 503, in-flight ones get ``grace_s``. With ``ssl_certfile`` and ``ssl_keyfile`` (PEM
-    files) it serves HTTPS only: a plain-HTTP client gets no answer."""
+    answer 503, in-flight ones get ``grace_s``, and a request still running then is cut: a stream
+    gets an error event and ``data: [DONE]``, a plain answer a 503. With ``ssl_certfile`` and
+    ``ssl_keyfile`` (PEM files) it serves HTTPS only: a plain-HTTP client gets no answer.
+    ``door``: the connection limits (``DoorLimits``)."""
 
     def __init__(
         self,
@@ -29,11 +37,13 @@ class HttpServer:
         grace_s: float = 30.0,
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
+        door: DoorLimits | None = None,
     ):
         if bool(ssl_certfile) != bool(ssl_keyfile):
             raise ValueError("HTTPS needs both a certificate (ssl_certfile) and its key (ssl_keyfile)")
         self.api, self.host, self.port, self.grace_s = api, host, port, grace_s
         self.ssl_certfile, self.ssl_keyfile = ssl_certfile or None, ssl_keyfile or None
+        self.door = door or DoorLimits()
         self.server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -69,9 +79,10 @@ class HttpServer:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=max(1, int(math.ceil(self.grace_s))),
+            timeout_graceful_shutdown=max(1, int(math.ceil(self.grace_s + CUT_S))),
             server_header=False,
-            timeout_keep_alive=30,
+            http=protocol(self.door),
+            timeout_keep_alive=max(1, int(math.ceil(self.door.keep_alive_s))),
             ssl_certfile=self.ssl_certfile,
             ssl_keyfile=self.ssl_keyfile,
         )
@@ -105,7 +116,15 @@ class HttpServer:
             return
         self.server.should_exit = True
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), self.grace_s + 10)
+            await asyncio.wait_for(asyncio.shield(self._task), self.grace_s)
+            return
+        except TimeoutError:
+            pass
+        self.api.cut_streams(
+            f"the server is shutting down: this request did not finish within its grace period ({self.grace_s:g} s)"
+        )
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), CUT_S + 5)
         except TimeoutError:
             self.server.force_exit = True
             self._task.cancel()
