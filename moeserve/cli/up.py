@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             grace_s=opts.grace_s,
             startup_timeout_s=args.startup_timeout,
             log_dir=args.log_dir,
+            tokenizer_dir=getattr(args, "tokenizer_dir", None) or "",
             **mkw,
             **kw,
         )

@@ -26,6 +26,8 @@ import asyncio
 import math
 from dataclasses import dataclass
 
+from moeserve import grammar as grammars
+from moeserve.grammar import GrammarSpec
 from moeserve.router.engine.api import Failed, Finished, GenerateRequest, InvalidRequest, Token, Unavailable
 from moeserve.sampling import SamplingParams
 from moeserve.services.tokenizer import ModelTokenizer
@@ -108,6 +110,8 @@ class RequestStream:
         elif isinstance(ev, Failed):
             self._finish("error")
             await self._close_gen()
+            if ev.invalid:  # the request's own fault (a grammar a router could not compile)
+                raise InvalidRequest(ev.message)
             raise RequestFailed(ev.message)
         return ev
 
@@ -225,6 +229,7 @@ class Admission:
         return_logits: str = "",
         prompt_logprobs: int = -1,
         cache_salt: str = "",
+        grammar: GrammarSpec | None = None,
         **adjust,
     ) -> GenerateRequest:
         """The engine request; InvalidRequest for what only this side checks. ``stop_token_ids``
@@ -249,7 +254,23 @@ class Admission:
             return_logits,
             int(prompt_logprobs),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
+
+    async def check_grammar(self, spec: GrammarSpec) -> None:
+        """Structured output's checks (``moeserve.grammar.check``: size, keywords, bounds and the
+        conversion to a grammar), off the event loop and within ``CHECK_TIMEOUT_S``;
+        InvalidRequest naming the problem (the missing package included)."""
+        await asyncio.to_thread(grammars.missing)  # imports the library once (seconds), outside the deadline
+        try:
+            await asyncio.wait_for(asyncio.to_thread(grammars.check, spec), grammars.CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the {spec.kind.replace('_', ' ')} took longer than {grammars.CHECK_TIMEOUT_S:.0f} s to convert "
+                f"to a grammar: simplify it"
+            ) from None
+        except grammars.GrammarError as e:
+            raise InvalidRequest(str(e)) from None
 
     def open(self, req: GenerateRequest) -> RequestStream:
         """Start streaming ``req`` from the leader (it connects on the first iteration)."""

@@ -360,6 +360,7 @@ class HttpApi(TokenRoutes):
                         min_tokens=s.min_tokens,
                         logit_bias=s.logit_bias,
                         cache_salt=s.cache_salt,
+                        grammar=s.grammar,
                     )
                 )
                 choice = Choice(
@@ -405,6 +406,8 @@ class HttpApi(TokenRoutes):
 
     async def _respond(self, model: str, prompts, s: Sampling, chat: bool, texts: dict | None = None):
         reqs, choices = self._requests(prompts, s, texts)
+        if s.grammar is not None:  # before anything reaches the leader: a bad grammar is a 400
+            await self.admission.check_grammar(s.grammar)
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())

@@ -16,9 +16,11 @@ import json
 import math
 from dataclasses import dataclass
 
+from moeserve.grammar import GrammarSpec
 from moeserve.router.engine.api import MAX_CACHE_SALT_BYTES
 from moeserve.sampling import MAX_BIAS, MAX_LOGIT_BIAS, MAX_MIN_TOKENS, MAX_REPETITION_PENALTY, MAX_SEED
 from moeserve.services.http.encode import ApiError, bad
+from moeserve.services.http.structured import STRUCTURED_KEYS, parse_structured
 
 MAX_N = 64
 MAX_CHOICES = 256  # prompts x n of one request
@@ -104,16 +106,10 @@ UNSUPPORTED = {
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
     "parallel_tool_calls": lambda v: isinstance(v, bool),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "use_beam_search": lambda v: v is False,
     "continue_final_message": lambda v: v is False,
     "modalities": lambda v: v == ["text"],
     "priority": lambda v: v == 0,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
     "prediction": lambda v: False,
     "audio": lambda v: False,
     "reasoning_effort": lambda v: False,
@@ -150,7 +146,7 @@ COMMON = {
     "include_stop_str_in_output",
     "return_token_ids",
     "cache_salt",
-}
+} | STRUCTURED_KEYS
 COMPLETION_KEYS = COMMON | {"prompt", "echo"}
 CHAT_KEYS = COMMON | {
     "messages",
@@ -213,6 +209,7 @@ class Sampling:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
     cache_salt: str = ""  # vLLM's extension: cached KV blocks are shared only within one salt
+    grammar: GrammarSpec | None = None  # structured output: what the tokens must follow
 
     @property
     def prompt_top(self) -> int:
@@ -339,6 +336,7 @@ def parse_sampling(
         prompt_logprobs=prompt_logprobs,
         continuous_usage=include_usage and continuous,
         cache_salt=salt or "",
+        grammar=parse_structured(body),
     )
 
 
