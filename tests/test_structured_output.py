@@ -3,11 +3,14 @@ its byte-level BPE tokenizer (written by ``init_model``: nothing downloads): eve
 set of JSON schemas (nested objects, arrays, enums, bounded numbers, required fields) parses
 and validates, sampled and greedy, many at once beside unconstrained requests; guided choice
 and regex; bad schemas, unsupported keywords, too-large grammars are 400s naming the problem
-while the server keeps serving the others unchanged."""
+while the server keeps serving the others unchanged; tool calls with tool_choice required and
+a named function through the ``openai`` client, streamed and not, and a history with tool calls
+and results."""
 
 import json
 import re
 import threading
+import types
 
 import pytest
 from test_http_api import KEY, Served, _baseline, _idle, is_openai_error, post, sse
@@ -213,3 +216,125 @@ def test_bad_grammars_are_400s_naming_the_problem_and_change_nothing(s):
 def test_the_key_is_still_checked(s):
     st, _, _ = post(s.front.port, C, {"prompt": PROMPT, "guided_choice": ["a"]}, key=KEY + "x")
     assert st == 401
+
+
+# -- tool calls through the official client ---------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
+TOOL_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _client(s):
+    import openai
+
+    return openai.OpenAI(base_url=f"{s.front.base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _check_call(call):
+    assert call.type == "function" and call.id
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_tool_calls_round_trip_through_the_openai_client(s, choice, stream):
+    pytest.importorskip("openai")
+    client = _client(s)
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(
+        model="tiny",
+        messages=TOOL_MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        max_tokens=120,
+        temperature=1.0,
+        seed=3,
+    )
+    if not stream:
+        out = client.chat.completions.create(**kw)
+        msg = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls", out
+        calls = msg.tool_calls
+    else:
+        deltas = {}
+        finish = None
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if not chunk.choices:
+                continue
+            ch = chunk.choices[0]
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                entry = deltas.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+        assert finish == "tool_calls"
+        calls = [
+            types.SimpleNamespace(
+                id=e["id"], type="function", function=types.SimpleNamespace(name=e["name"], arguments=e["arguments"])
+            )
+            for _, e in sorted(deltas.items())
+        ]
+    assert calls
+    if choice == "named":
+        assert [c.function.name for c in calls] == ["get_weather"]
+    for c in calls:
+        _check_call(c)
+    client.close()
+
+
+def test_a_history_with_tool_calls_and_results_renders_and_auto_needs_the_parser_flag(s):
+    client = _client(s)
+    history = TOOL_MESSAGES + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+        client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=4)
+    s.front.api.tool_parser = "hermes"  # as --enable-auto-tool-choice --tool-call-parser hermes
+    try:
+        out = client.chat.completions.create(
+            model="tiny", messages=history, tools=[WEATHER], max_tokens=8, temperature=0.0
+        )
+        assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
+        out = client.chat.completions.create(
+            model="tiny", messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
+        )
+        assert out.choices[0].message.tool_calls in (None, [])
+    finally:
+        s.front.api.tool_parser = None
+    client.close()

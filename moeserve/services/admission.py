@@ -197,15 +197,19 @@ class Admission:
         return tuple(out)
 
     async def chat_ids(
-        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[int, ...]:
-        """Messages -> the chat template's text -> ids (no special tokens added: the template
-        writes them), off the event loop."""
+        """Messages (and ``tools``, the template's ``tools`` variable) -> the chat template's
+        text -> ids (no special tokens added: the template writes them), off the event loop."""
         tok = self._need_tokenizer("chat needs the model's tokenizer and chat template")
         self.check_text("".join(str(m.get("content") or "") for m in messages), "the messages")
 
         def render_and_encode():
-            return tok.encode(tok.render_chat(messages, add_generation_prompt, template_kwargs), False)
+            return tok.encode(tok.render_chat(messages, add_generation_prompt, template_kwargs, tools), False)
 
         ids = await asyncio.to_thread(render_and_encode)
         if not ids:

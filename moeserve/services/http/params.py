@@ -101,11 +101,8 @@ UNSUPPORTED = {
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
     "use_beam_search": lambda v: v is False,
     "continue_final_message": lambda v: v is False,
     "modalities": lambda v: v == ["text"],
@@ -153,6 +150,9 @@ CHAT_KEYS = COMMON | {
     "top_logprobs",
     "add_generation_prompt",
     "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 
 
