@@ -338,3 +338,56 @@ def test_a_history_with_tool_calls_and_results_renders_and_auto_needs_the_parser
     finally:
         s.front.api.tool_parser = None
     client.close()
+
+
+def test_constrained_sequences_preempted_and_recomputed_still_follow_their_schemas(tmp_path):
+    """A cluster with too few KV blocks for its requests: constrained sequences are preempted
+    and recomputed (their matchers restarted from the header, past a prefix-cache hit of their
+    prompt), and every answer still validates."""
+    from cluster_util import tiny_checkpoint
+    from test_http_api import Front
+
+    from moeserve.cluster.launcher import LocalCluster
+    from moeserve.router.engine.channel import AsyncEngineClient
+    from moeserve.services.tokenizer import ModelTokenizer
+
+    path = tiny_checkpoint(tmp_path / "m", "llama4")
+    cluster = LocalCluster(
+        path, routers=1, workers=1, max_model_len=128, block_size=4, num_gpu_blocks_override=40, startup_timeout_s=240
+    ).start()
+    try:
+        front = Front(
+            AsyncEngineClient(cluster.control_address, cluster.authkey), ModelTokenizer.load(path), max_model_len=128
+        )
+        answers, errors = [], []
+
+        def one(name, seed):
+            body = {
+                "prompt": PROMPT,
+                "max_tokens": 100,
+                "temperature": 1.0,
+                "seed": seed,
+                "structured_outputs": {"json": SCHEMAS[name], "disable_any_whitespace": True},
+            }
+            try:
+                st, out, _ = post(front.port, C, body)
+                assert st == 200, out
+                answers.append((name, out["choices"][0]))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [
+            threading.Thread(target=one, args=(n, seed)) for n in ("nested", "array_of_objects") for seed in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        front.stop()
+        assert not errors, errors
+        assert cluster.status().preemptions > 0
+        for name, choice in answers:
+            assert choice["finish_reason"] == "stop", (name, choice)
+            jsonschema.validate(json.loads(choice["text"]), SCHEMAS[name])
+    finally:
+        cluster.stop()
