@@ -1,10 +1,12 @@
 """Structured output's pieces without a cluster: the HTTP fields that name a constraint, the front
 end's checks and bounds (each refusal names the problem), the token mask in the batched sampler
 (per row, the others untouched), a router's matchers fed the token sampled in the step before
-and restarted from a header after a preemption, and a server without xgrammar refusing
-constrained requests by the package's name."""
+and restarted from a header after a preemption, the leader's table of grammars (announced once,
+ready when every router compiled it, a failure refused next time), and a server without
+xgrammar refusing constrained requests by the package's name while it serves the rest."""
 
 import asyncio
+import importlib.util
 import json
 import time
 
@@ -70,9 +72,10 @@ def test_bad_shapes_are_400s_naming_the_field(body, fragment):
     assert e.value.status == 400 and fragment in e.value.message
 
 
-xgr = pytest.importorskip("xgrammar")
+needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed")
 
 
+@needs_xgrammar
 @pytest.mark.parametrize(
     "spec,fragment",
     [
@@ -92,6 +95,7 @@ def test_the_front_end_refuses_what_it_cannot_bound_and_says_what(spec, fragment
     assert fragment in str(e.value)
 
 
+@needs_xgrammar
 def test_a_deep_schema_is_refused_before_conversion():
     schema: dict = {"type": "integer"}
     for _ in range(grammar.MAX_SCHEMA_DEPTH + 2):
@@ -100,9 +104,12 @@ def test_a_deep_schema_is_refused_before_conversion():
         grammar.check(GrammarSpec("json_schema", json.dumps(schema)))
 
 
+@needs_xgrammar
 def test_bounded_strings_exclude_raw_control_characters():
     """xgrammar writes minLength / maxLength strings with a class that lets control characters
     through (invalid JSON); moeserve's grammar keeps them out."""
+    import xgrammar as xgr
+
     spec = GrammarSpec("json_schema", json.dumps({"type": "string", "maxLength": 4}))
     g = xgr.GrammarMatcher(
         xgr.GrammarCompiler(_byte_info(), cache_enabled=False).compile_grammar(grammar.json_grammar(spec))
@@ -113,6 +120,8 @@ def test_bounded_strings_exclude_raw_control_characters():
 
 
 def _byte_info():
+    import xgrammar as xgr
+
     return xgr.TokenizerInfo([chr(i) for i in range(128)], xgr.VocabType.RAW, vocab_size=128)
 
 
@@ -159,6 +168,7 @@ class _Sampled:
         return self.tokens[j]
 
 
+@needs_xgrammar
 def test_a_matcher_takes_the_token_sampled_in_the_step_before_and_a_restart_from_the_header(book):
     from tokenizers import Tokenizer
 
@@ -188,3 +198,57 @@ def test_without_xgrammar_constrained_requests_are_refused_by_the_package_name(m
     monkeypatch.setattr(grammar, "_missing", "structured output needs the xgrammar package (not installed)")
     with pytest.raises(InvalidRequest, match="xgrammar"):
         asyncio.run(Admission(None).check_grammar(GrammarSpec("regex", "a")))
+
+
+class _Result:
+    def __init__(self, rank, grammars):
+        self.rank, self.grammars = rank, grammars
+
+
+class _Seq:
+    finished = None
+
+
+def test_the_leader_announces_a_grammar_once_and_it_is_ready_when_every_router_compiled_it():
+    from moeserve.router.engine.grammars import GrammarTable
+
+    t = GrammarTable(num_routers=2)
+    spec = GrammarSpec("regex", "[ab]+")
+    gid, why = t.acquire(spec)
+    assert why is None and t.attach(gid, _Seq()) is None
+    again, _ = t.acquire(spec)  # the same grammar: the same id, announced once
+    t.attach(again, _Seq())
+    assert again == gid
+    assert t.header() == (((gid, spec),), ())
+    assert t.header() == ((), ())
+    assert t.on_results([_Result(1, {gid: ""})]) == [] and not t.ready(gid)
+    assert t.on_results([_Result(2, {gid: ""})]) == [] and t.ready(gid)
+
+
+def test_a_grammar_a_router_cannot_compile_fails_its_requests_and_is_refused_next_time():
+    from moeserve.router.engine.grammars import GrammarTable
+
+    t = GrammarTable(num_routers=1)
+    spec = GrammarSpec("regex", "x+")
+    gid, _ = t.acquire(spec)
+    t.attach(gid, _Seq())
+    t.header()
+    failed = t.on_results([_Result(1, {gid: "compiling it took longer than 30 s"})])
+    assert failed == [(gid, "the grammar could not be compiled on router rank 1: compiling it took longer than 30 s")]
+    assert t.header() == ((), (gid,))  # the routers forget it
+    assert t.acquire(spec) == (-1, failed[0][1])
+
+
+def test_a_server_without_xgrammar_refuses_constrained_requests_by_name_and_serves_the_rest(monkeypatch):
+    from test_http_api import Front, StandIn, post
+
+    monkeypatch.setattr(grammar, "_xgr", None)
+    monkeypatch.setattr(grammar, "_missing", "structured output needs the xgrammar package (pip install xgrammar)")
+    front = Front(StandIn(), None)
+    try:
+        st, out, _ = post(front.port, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "guided_choice": ["a"]})
+        assert st == 400 and "xgrammar" in out["error"]["message"]
+        st, out, _ = post(front.port, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})
+        assert st == 200, out
+    finally:
+        front.stop()

@@ -340,11 +340,12 @@ def test_a_history_with_tool_calls_and_results_renders_and_auto_needs_the_parser
     client.close()
 
 
-def test_constrained_sequences_preempted_and_recomputed_still_follow_their_schemas(tmp_path):
-    """A cluster with too few KV blocks for its requests: constrained sequences are preempted
-    and recomputed (their matchers restarted from the header, past a prefix-cache hit of their
-    prompt), and every answer still validates."""
-    from cluster_util import tiny_checkpoint
+def test_constrained_sequences_preempted_recomputed_and_migrated_under_still_follow_their_schemas(tmp_path):
+    """A cluster with too few KV blocks for its requests, migrating to a random placement while
+    they run: constrained sequences are preempted and recomputed (their matchers restarted from
+    the header, past a prefix-cache hit of their prompt), experts move under them, and every
+    answer still validates."""
+    from cluster_util import moe_info, random_placement, tiny_checkpoint
     from test_http_api import Front
 
     from moeserve.cluster.launcher import LocalCluster
@@ -353,8 +354,16 @@ def test_constrained_sequences_preempted_and_recomputed_still_follow_their_schem
 
     path = tiny_checkpoint(tmp_path / "m", "llama4")
     cluster = LocalCluster(
-        path, routers=1, workers=1, max_model_len=128, block_size=4, num_gpu_blocks_override=40, startup_timeout_s=240
+        path,
+        routers=1,
+        workers=2,
+        num_redundant_experts=2,
+        max_model_len=128,
+        block_size=4,
+        num_gpu_blocks_override=40,
+        startup_timeout_s=240,
     ).start()
+    info = moe_info(path)
     try:
         front = Front(
             AsyncEngineClient(cluster.control_address, cluster.authkey), ModelTokenizer.load(path), max_model_len=128
@@ -381,8 +390,11 @@ def test_constrained_sequences_preempted_and_recomputed_still_follow_their_schem
         ]
         for t in threads:
             t.start()
+        target = random_placement(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts + 2, seed=4)
+        mid = cluster.apply_placement(target, wait=False)
         for t in threads:
             t.join(300)
+        cluster.wait_migration(mid, 120)
         front.stop()
         assert not errors, errors
         assert cluster.status().preemptions > 0
