@@ -403,3 +403,52 @@ def test_constrained_sequences_preempted_recomputed_and_migrated_under_still_fol
             jsonschema.validate(json.loads(choice["text"]), SCHEMAS[name])
     finally:
         cluster.stop()
+
+
+AUTO_FORMATS = {  # a parser and a regex that makes the random model write one call in its format
+    "hermes": r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}</tool_call>',
+    "llama4_json": r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}',
+    "pythonic": r'\[get_weather\(city="(Paris|Oslo)", days=[1-7]\)\]',
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parser", sorted(AUTO_FORMATS))
+def test_auto_tool_calls_are_parsed_in_each_format_through_the_openai_client(s, parser, stream):
+    """tool_choice auto with the server's parser; the model is steered into writing a call by a
+    regex, so the parser has one to find."""
+    client = _client(s)
+    s.front.api.tool_parser = parser
+    try:
+        kw = dict(
+            model="tiny",
+            messages=TOOL_MESSAGES,
+            tools=[WEATHER, TIME],
+            max_tokens=80,
+            temperature=1.0,
+            seed=2,
+            extra_body={"structured_outputs": {"regex": AUTO_FORMATS[parser]}},
+        )
+        if not stream:
+            out = client.chat.completions.create(**kw)
+            assert out.choices[0].finish_reason == "tool_calls", out
+            assert not out.choices[0].message.content
+            calls = out.choices[0].message.tool_calls
+        else:
+            deltas, content, finish = {}, "", None
+            for chunk in client.chat.completions.create(**kw, stream=True):
+                if not chunk.choices:
+                    continue
+                ch = chunk.choices[0]
+                finish = ch.finish_reason or finish
+                content += ch.delta.content or ""
+                for d in ch.delta.tool_calls or []:
+                    deltas[d.index] = d
+            assert finish == "tool_calls" and content == ""
+            calls = [deltas[i] for i in sorted(deltas)]
+        assert [c.function.name for c in calls] == ["get_weather"]
+        for c in calls:
+            _check_call(types.SimpleNamespace(id=c.id, type="function", function=c.function))
+    finally:
+        s.front.api.tool_parser = None
+        client.close()
