@@ -208,6 +208,8 @@ class ClusterConfig:
     routing_policy: which router a new sequence goes to: "cache_aware" (the one holding its
     longest cached prefix, balanced against the routers' running sequences) or "round_robin"
     (``moeserve.router.engine.scheduler``).
+    tokenizer_dir: the folder whose ``tokenizer.json`` the routers compile structured output's
+    grammars with (the front end's ``--tokenizer``; "" = ``model_dir``).
     """
 
     model_dir: str
@@ -242,6 +244,7 @@ class ClusterConfig:
     quantization: str = ""  # "" (the checkpoint's own) or "fp8" (vLLM's --quantization)
     seed: int | None = None
     routing_policy: str = "cache_aware"
+    tokenizer_dir: str = ""  # the folder of the tokenizer.json grammars compile with ("": model_dir)
 
     def __post_init__(self):
         if self.backend not in ("gloo", "nccl"):

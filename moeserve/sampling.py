@@ -416,6 +416,20 @@ def adjust_logits(logits: torch.Tensor, adj: LogitsAdjust) -> torch.Tensor:
     return x
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Structured output's masks, in place: logits [B, V] fp32, rows int64 [C] (the constrained
+    rows), bitmask int32 [C, W] on the device, W = ceil(V / 32): token i of row ``rows[c]``
+    keeps its logit when bit i % 32 of word i // 32 of mask row c is set, else it becomes -inf
+    (xgrammar's layout). After the other changes of ``adjust_logits``: -inf stays -inf under the
+    penalties and biases."""
+    c, v = rows.numel(), logits.shape[1]
+    if not c:
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    keep = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(c, -1)[:, :v].bool()  # [C, V]
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~keep, float("-inf")))
+
+
 # ----------------------------------------------------------------------------------------------
 # The race
 

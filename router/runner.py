@@ -23,7 +23,15 @@ from moeserve.models.paged import PagedBatch, PagedKVCache
 from moeserve.ops.profiling import span
 from moeserve.router import penalties
 from moeserve.router.dispatcher import DistributedExperts
-from moeserve.sampling import SamplingParams, SamplingTensors, adjust_logits, prompt_logprobs, sample
+from moeserve.router.grammars import GrammarBook, SeqGrammar
+from moeserve.sampling import (
+    SamplingParams,
+    SamplingTensors,
+    adjust_logits,
+    apply_token_bitmask,
+    prompt_logprobs,
+    sample,
+)
 
 
 class _Outputs:
@@ -42,6 +50,12 @@ class _Outputs:
             self.event.synchronize()
         return dict(zip(self.ids, self.host.tolist())) if self.ids else {}
 
+    def token(self, j: int) -> int:
+        """Row j's token, once its copy landed (a constrained sequence's matcher takes it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host[j])
+
 
 class RouterSeq:
     """One sequence on its router: its KV block ids (``table``), sampling parameters and the
@@ -52,7 +66,8 @@ class RouterSeq:
     also keeps the tokens the leader sent since its (re)start until its first sample (``known``),
     its slot of the penalty pool and how many of its outputs are counted there; a sequence whose
     prompt logprobs are asked keeps the last hidden row of its previous prefill chunk (``carry``
-    [H]: its logits score the first token of the next chunk)."""
+    [H]: its logits score the first token of the next chunk); a constrained one its matcher
+    (``grammar``, ``router.grammars``)."""
 
     __slots__ = (
         "table",
@@ -67,6 +82,7 @@ class RouterSeq:
         "pen_slot",
         "counted",
         "carry",
+        "grammar",
     )
 
     def __init__(self, table: list[int], sampling: SamplingParams, mode: str):
@@ -84,6 +100,7 @@ class RouterSeq:
         self.pen_slot: int | None = None
         self.counted: int | None = None
         self.carry: dict[int, torch.Tensor] | None = None
+        self.grammar: SeqGrammar | None = None
 
 
 class RouterRunner:
@@ -102,6 +119,7 @@ class RouterRunner:
         block_size: int,
         graphs: tuple[int, int] | None = None,
         async_outputs: bool = False,
+        grammars: GrammarBook | None = None,
     ):
         self.model = model
         self.experts = experts
@@ -129,6 +147,7 @@ class RouterRunner:
         self._delivered: tuple[int, tuple] | None = None  # (step, what deliver(step) returned): a replay
         self._load: tuple | None = None  # a load snapshot on its way to the host
         self.penalty_pool = penalties.PenaltyPool(model.config.vocab_size, self.device)
+        self.grammars = grammars or GrammarBook(None, model.config.vocab_size, self.device)
 
     def release(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -137,6 +156,14 @@ class RouterRunner:
                 self._free_tok.append(seq.tok)
             if seq is not None and seq.pen_slot is not None:
                 self.penalty_pool.give(seq.pen_slot)
+
+    def update_grammars(self, add, drop) -> None:
+        """A header's grammars to compile (off the step path) and to forget."""
+        self.grammars.update(add, drop)
+
+    def grammar_reports(self) -> dict[int, str]:
+        """The grammars compiled since the last step result: id -> "" or why not."""
+        return self.grammars.reports()
 
     def _tok_entry(self, seq: RouterSeq) -> int:
         if seq.tok is None:
@@ -278,11 +305,15 @@ class RouterRunner:
                 seq = live[sid] = RouterSeq(list(sw.new_blocks), sw.sampling, sw.return_logits)
                 if old is not None:  # keeps its tok_buf entry (a token of a step run again may sit there)
                     seq.tok, seq.cur, seq.pen_slot = old.tok, old.cur, old.pen_slot
+                if sw.grammar >= 0:
+                    seq.grammar = self.grammars.start(sw.grammar)
             else:
                 seq = live[sid]
                 seq.table.extend(sw.new_blocks)
             if seq.known is not None:
                 seq.known.extend(sw.token_ids)
+            if seq.grammar is not None and seq.grammar.known is not None:
+                seq.grammar.known.extend(sw.token_ids)
             seq.length = sw.start + len(sw.token_ids)
             if sw.sample:
                 seq.out = sw.out_pos + 1
@@ -323,8 +354,9 @@ class RouterRunner:
     ) -> None:
         """Sample one token per sequence of ``sampled`` from fp32 ``logits`` [B, V] (row j is
         sampled[j]'s), in one call on the device, after min_tokens, logit_bias and the
-        penalties changed them (``router.penalties``); keep each in ``tok_buf`` and start its
-        copy to the host; also the raw logits asked for with "last"."""
+        penalties changed them (``router.penalties``) and the constrained rows' grammars masked
+        them (``router.grammars``); keep each in ``tok_buf`` and start its copy to the host;
+        also the raw logits asked for with "last"."""
         out_logits = {} if out_logits is None else out_logits
         with span("sampling"):
             rows = [self.seqs[sw.seq_id] for sw in sampled]
@@ -339,7 +371,21 @@ class RouterRunner:
                 self.tok_buf,
                 self.penalty_pool,
             )
-            toks = sample(logits if adj is None else adjust_logits(logits, adj), st)  # [B] on the device
+            x = logits if adj is None else adjust_logits(logits, adj)
+            constrained = [
+                (j, seq.grammar, sw.out_pos) for j, (seq, sw) in enumerate(zip(rows, sampled)) if seq.grammar
+            ]
+            if constrained:
+                with span("grammar_mask"):
+                    mask = self.grammars.fill([(g, pos) for _, g, pos in constrained])  # [C, W] on the host
+                    at = torch.tensor([j for j, _, _ in constrained], dtype=torch.long)
+                    if self.cuda:
+                        at = at.pin_memory()
+                    if x is logits:  # the raw logits stay for "last" (logprobs)
+                        x = logits.clone()
+                    dev = self.device
+                    apply_token_bitmask(x, at.to(dev, non_blocking=True), mask.to(dev, non_blocking=True))
+            toks = sample(x, st)  # [B] on the device
             entries = [dst_of[sw.seq_id] for sw in sampled]
             index = torch.tensor(entries, dtype=torch.long)
             if self.cuda:
@@ -354,7 +400,10 @@ class RouterRunner:
         for j, sw in enumerate(sampled):
             if sw.return_logits == "last":
                 out_logits[sw.seq_id] = logits[j : j + 1].cpu().numpy()
-        self._outputs.append(_Outputs(step, [sw.seq_id for sw in sampled], host, event, out_logits, out_plp or {}))
+        outputs = _Outputs(step, [sw.seq_id for sw in sampled], host, event, out_logits, out_plp or {})
+        for j, g, _ in constrained:
+            g.last = (outputs, j)
+        self._outputs.append(outputs)
 
     PROMPT_LOGPROB_ROWS = 64  # prompt positions scored at once: [64, V] fp32 logits at a time
 

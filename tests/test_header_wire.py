@@ -7,6 +7,7 @@ import pytest
 
 from moeserve.dataplane import header_wire as hw
 from moeserve.dataplane.protocol import LayerCommit, MigrationOps, MoveOp, RouterWork, SeqWork, StepHeader
+from moeserve.grammar import GrammarSpec
 from moeserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,6 +54,7 @@ def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
                     sample=bool(rng.random() < 0.5),
                     out_pos=int(rng.integers(0, 1000)),
                     prompt_logprobs=int(rng.choice([-1, 0, 5])),
+                    grammar=int(rng.choice([-1, 0, 7, 2**40])) if sampling is not None else -1,
                 )
             )
         d = int(rng.integers(0, 300))
@@ -94,11 +96,21 @@ def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
         report=bool(rng.random() < 0.5),
         read_load=bool(rng.random() < 0.5),
         warmup=(16, 300) if rng.random() < 0.3 else None,
+        grammars=GRAMMARS[: int(rng.integers(0, len(GRAMMARS) + 1))],
+        drop_grammars=tuple(int(x) for x in rng.integers(0, 10**6, int(rng.integers(0, 3)))),
     )
 
 
+GRAMMARS = (
+    (3, GrammarSpec("json_schema", '{"type": "object", "properties": {"naïve": {"enum": ["é", "x"]}}}')),
+    (4, GrammarSpec("json_object", "", any_whitespace=False)),
+    (9, GrammarSpec("regex", r"\d{3}-[a-z]+")),
+    (2**33, GrammarSpec("ebnf", 'root ::= "yes" | "no"' + " " * 13)),
+)
+
+
 def same(a: StepHeader, b: StepHeader):
-    assert (a.step, a.forward, a.report, a.read_load, a.warmup, a.stop, a.migration) == (
+    assert (a.step, a.forward, a.report, a.read_load, a.warmup, a.stop, a.migration, a.grammars, a.drop_grammars) == (
         b.step,
         b.forward,
         b.report,
@@ -106,6 +118,8 @@ def same(a: StepHeader, b: StepHeader):
         b.warmup,
         b.stop,
         b.migration,
+        b.grammars,
+        b.drop_grammars,
     )
     assert len(a.work) == len(b.work)
     for x, y in zip(a.work, b.work):
@@ -130,6 +144,8 @@ def test_heartbeats_stops_and_empty_routers_round_trip():
         StepHeader(9, forward=True, work=(RouterWork(), RouterWork())),
         StepHeader(3, warmup=(256, 1)),
         StepHeader(4, report=True, read_load=True),
+        StepHeader(6, drop_grammars=(1, 2)),
+        StepHeader(8, grammars=GRAMMARS[:1]),
     ):
         same(h, hw.decode(hw.encode(h)))
 

@@ -338,6 +338,16 @@ def add_http_flags(p: argparse.ArgumentParser, http_port: bool = True, max_model
         help="the chat template to render messages with instead of the model's: a file, or the "
         "template itself (vLLM's flag)",
     )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="tool_choice \"auto\": the answers are read for tool calls in --tool-call-parser's format (vLLM's flag)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "llama4_json", "pythonic", "llama4_pythonic"),
+        help="the format the model writes tool calls in, for --enable-auto-tool-choice (vLLM's names)",
+    )
     if max_model_len:
         g.add_argument(
             "--max-model-len",

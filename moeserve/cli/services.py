@@ -287,6 +287,10 @@ def run_frontend(args: argparse.Namespace) -> int:
         if tokenizer is None:
             raise UsageError("--chat-template needs the model's tokenizer (tokenizer.json in --model)")
         tokenizer.chat_template = template
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise UsageError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, llama4_json, pythonic, llama4_pythonic)"
+        )
     engine = AsyncEngineClient(address, key)
     admission = Admission(engine, tokenizer, metrics, limits)
     readiness_metrics = None
@@ -318,6 +322,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         max_body_bytes=opts.max_message_bytes,
         generation_defaults=defaults,
         vllm_metrics=vllm_metrics,
+        tool_parser=args.tool_call_parser if getattr(args, "enable_auto_tool_choice", False) else None,
     )
     api.readiness = readiness
     http = HttpServer(

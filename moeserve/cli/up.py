@@ -166,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             grace_s=opts.grace_s,
             startup_timeout_s=args.startup_timeout,
             log_dir=args.log_dir,
+            tokenizer_dir=getattr(args, "tokenizer_dir", None) or "",
             **mkw,
             **kw,
         )
@@ -418,6 +419,10 @@ def frontend_text_flags(args) -> list[str]:
     if args.chat_template:
         t = args.chat_template
         out += ["--chat-template", os.path.abspath(t) if os.path.isfile(t) else t]
+    if getattr(args, "enable_auto_tool_choice", False):
+        out.append("--enable-auto-tool-choice")
+    if getattr(args, "tool_call_parser", None):
+        out += ["--tool-call-parser", args.tool_call_parser]
     return out
 
 

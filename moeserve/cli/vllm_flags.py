@@ -36,12 +36,12 @@ VLLM_NOOP_FLAGS: tuple[tuple[tuple[str, ...], int, tuple | None, str | None], ..
     (("--api-server-count",), 1, ("1",), "one front end serves the HTTP API"),
     (("--compilation-config", "-O"), 1, None, "decode steps replay CUDA graphs (--enforce-eager turns them off)"),
     (("--data-parallel-backend",), 1, ("mp",), "ranks are processes of this host"),
-    (("--enable-auto-tool-choice", "--tool-call-parser", "--tool-parser-plugin"), 1, None, None),
+    (("--tool-parser-plugin",), 1, None, None),
     (("--speculative-config", "--enable-lora", "--lora-modules", "--enable-sleep-mode"), 1, None, None),
     (("--limit-mm-per-prompt", "--mm-processor-kwargs", "--hf-overrides", "--otlp-traces-endpoint"), 1, None, None),
     (("--headless", "--data-parallel-address", "--data-parallel-rpc-port", "--reasoning-parser"), 1, None, None),
 )
-NOT_HONOURED = "moeserve does not serve this (tools, speculative decoding, LoRA, multimodal inputs, multi-node data parallelism and reasoning parsers are not available)"
+NOT_HONOURED = "moeserve does not serve this (tool parser plugins, speculative decoding, LoRA, multimodal inputs, multi-node data parallelism and reasoning parsers are not available)"
 
 
 def add_vllm_noop_flags(p: argparse.ArgumentParser) -> None:

@@ -148,8 +148,9 @@ def configure(model_dir, placement=None, breakeven=None, **keywords) -> tuple[Cl
         launch["metrics_ports"] = tuple(int(p) for p in launch["metrics_ports"])
     opts = LaunchOptions(**launch)
     top.setdefault("host", opts.admin_host)
-    if top.get("state_dir"):
-        top["state_dir"] = os.path.abspath(top["state_dir"])
+    for key in ("state_dir", "tokenizer_dir"):
+        if top.get(key):
+            top[key] = os.path.abspath(top[key])
     if "metrics_peers" in top:
         top["metrics_peers"] = tuple(sorted((str(k), int(v)) for k, v in dict(top["metrics_peers"] or {}).items()))
     if breakeven is None and isinstance(placement, Placement):

@@ -24,6 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -228,6 +229,13 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
         use_graphs, why = applies(info_model, exchange, st.store, cfg.enforce_eager)
         if not use_graphs and device.type == "cuda":
             log.info("decode steps run eagerly: %s", why)
+        from moeserve.grammar import Compiler
+        from moeserve.router.grammars import GrammarBook, default_threads
+
+        # structured output: grammars compile with the model's vocabulary (xgrammar imported on
+        # the first grammar, in the book's thread)
+        tokenizer = Path(cfg.tokenizer_dir or cfg.model_dir) / "tokenizer.json"
+        compiler = Compiler(tokenizer, mcfg.vocab_size, mcfg.eos_token_ids, threads=default_threads())
         st.runner = RouterRunner(
             info_model,
             experts,
@@ -235,6 +243,7 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
             cfg.cache.block_size,
             graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len) if use_graphs else None,
             async_outputs=cfg.async_scheduling,
+            grammars=GrammarBook(compiler, mcfg.vocab_size, device),
         )
     if rank == 0:
         from moeserve.router.engine.api import ModelShape

@@ -11,15 +11,19 @@ blocks they gain), well inside the default 4,096 (32 KiB).
 Layout (every field one int64 word; floats as their IEEE-754 bits; strings as UTF-8 bytes
 packed 8 to a word, little-endian, after their byte count):
 
-    MAGIC, total words, step, flags (forward, report, read_load, stop, warmup, migration, regroup),
-    warmup bucket, warmup longest sequence, R routers, then per router:
+    MAGIC, total words, step, flags (forward, report, read_load, stop, warmup, migration, regroup,
+    grammars), warmup bucket, warmup longest sequence, R routers, then per router:
         D decodes, K new blocks, N releases, Q sequences, decodes [D], blocks [K, 2],
         releases [N], then per sequence:
             seq_id, start, T tokens, B new blocks, out_pos, flags (sample, sampling, seed,
-            logits "" / "last" / "all", adjust, prompt logprobs), [temperature, top_p, top_k,
-            seed when sampling], [min_p, presence, frequency, repetition, min_tokens, S stop
-            ids, N biased tokens, stop ids [S], (token, bias) [N, 2] when adjust], [top tokens
-            per prompt position when prompt logprobs], tokens [T], new blocks [B]
+            logits "" / "last" / "all", adjust, prompt logprobs, grammar), [temperature, top_p,
+            top_k, seed when sampling], [min_p, presence, frequency, repetition, min_tokens, S
+            stop ids, N biased tokens, stop ids [S], (token, bias) [N, 2] when adjust], [top
+            tokens per prompt position when prompt logprobs], [grammar id when grammar],
+            tokens [T], new blocks [B]
+    then, when the grammars flag is set: G grammars, D dropped ids, per grammar (id, kind,
+    any_whitespace, its text as a string), dropped ids [D] (a grammar's text travels once,
+    in the header that announces it; a sequence's header carries its id)
     then, when the migration flag is set: the id, staging slots, rollback, end, C commits,
     M moves, per commit (layer, version, P, S staged, E break-even counts, phy2log [P], staged
     [S, 2], break-even [E]), per move its 7 fields (``MoveOp`` order).
@@ -41,13 +45,15 @@ from moeserve.dataplane.protocol import (
     SeqWork,
     StepHeader,
 )
+from moeserve.grammar import KINDS, GrammarSpec
 from moeserve.sampling import SamplingParams
 
-MAGIC = 0x4D53_4844_0002  # "MSHD", layout 2
+MAGIC = 0x4D53_4844_0003  # "MSHD", layout 3
+LAYOUT = 3
 DEFAULT_CAPACITY = 4096  # words broadcast every step (32 KiB)
-_FORWARD, _REPORT, _READ_LOAD, _STOP, _WARMUP, _MIGRATION, _REGROUP = (1 << i for i in range(7))
+_FORWARD, _REPORT, _READ_LOAD, _STOP, _WARMUP, _MIGRATION, _REGROUP, _GRAMMARS = (1 << i for i in range(8))
 _SAMPLE, _SAMPLING, _SEED = 1, 2, 4
-_ADJUST, _PROMPT_LP = 1 << 5, 1 << 6  # bits 3-4 hold the logits mode
+_ADJUST, _PROMPT_LP, _GRAMMAR = 1 << 5, 1 << 6, 1 << 7  # bits 3-4 hold the logits mode
 _LOGITS = {"": 0, "last": 1, "all": 2}
 _LOGITS_NAME = {v: k for k, v in _LOGITS.items()}
 
@@ -62,6 +68,11 @@ def _f2w(x: float) -> int:
 
 def _w2f(w) -> float:
     return float(np.array(int(w), dtype=np.int64).view(np.float64))
+
+
+def _take_str(take) -> str:
+    nbytes = int(take(1)[0])
+    return take(-(-nbytes // 8)).astype("<i8").tobytes()[:nbytes].decode()
 
 
 def _str_words(s: str) -> list[int]:
@@ -80,6 +91,7 @@ def encode(h: StepHeader) -> np.ndarray:
         | _WARMUP * (h.warmup is not None)
         | _MIGRATION * (h.migration is not None)
         | _REGROUP * h.regroup
+        | _GRAMMARS * bool(h.grammars or h.drop_grammars)
     )
     wb, wl = h.warmup if h.warmup is not None else (0, 0)
     parts: list = []
@@ -101,6 +113,7 @@ def encode(h: StepHeader) -> np.ndarray:
                 | _LOGITS[sw.return_logits or ""] << 3
                 | _ADJUST * (sp is not None and (sp.adjusts or sp.min_p > 0))
                 | _PROMPT_LP * (sw.prompt_logprobs >= 0)
+                | _GRAMMAR * (sw.grammar >= 0)
             )
             words = [sw.seq_id, sw.start, len(sw.token_ids), len(sw.new_blocks), sw.out_pos, f]
             if sp is not None:
@@ -113,9 +126,16 @@ def encode(h: StepHeader) -> np.ndarray:
                         words += [tok, _f2w(bias)]
             if f & _PROMPT_LP:
                 words.append(sw.prompt_logprobs)
+            if f & _GRAMMAR:
+                words.append(sw.grammar)
             parts.append(words)
             parts.append(sw.token_ids)
             parts.append(sw.new_blocks)
+    if flags & _GRAMMARS:
+        words = [len(h.grammars), len(h.drop_grammars)]
+        for gid, spec in h.grammars:
+            words += [gid, KINDS.index(spec.kind), int(spec.any_whitespace)] + _str_words(spec.text)
+        parts.append(words + list(h.drop_grammars))
     if h.migration is not None:
         m = h.migration
         words = _str_words(m.migration_id) + [
@@ -141,7 +161,7 @@ def decode(words: np.ndarray) -> StepHeader:
     words = np.asarray(words, dtype=np.int64)
     if len(words) < 7 or int(words[0]) != MAGIC or int(words[1]) > len(words):
         raise HeaderError(
-            f"not a step header of layout 2: magic {int(words[0]) if len(words) else None:#x}, "
+            f"not a step header of layout {LAYOUT}: magic {int(words[0]) if len(words) else None:#x}, "
             f"{int(words[1]) if len(words) > 1 else 0} words announced, {len(words)} received"
         )
     n = int(words[1])
@@ -190,6 +210,7 @@ def decode(words: np.ndarray) -> StepHeader:
                     **extra,
                 )
             plp = int(take(1)[0]) if f & _PROMPT_LP else -1
+            grammar = int(take(1)[0]) if f & _GRAMMAR else -1
             token_ids = tuple(take(t).tolist())
             new_blocks = tuple(take(b).tolist())
             seqs.append(
@@ -203,13 +224,23 @@ def decode(words: np.ndarray) -> StepHeader:
                     sample=bool(f & _SAMPLE),
                     out_pos=out_pos,
                     prompt_logprobs=plp,
+                    grammar=grammar,
                 )
             )
         work.append(RouterWork(seqs=tuple(seqs), release=release, decodes=decodes, blocks=blocks))
+    grammars: list[tuple[int, GrammarSpec]] = []
+    drops: tuple[int, ...] = ()
+    if flags & _GRAMMARS:
+        ng, nd = (int(x) for x in take(2))
+        for _ in range(ng):
+            gid, kind, ws = (int(x) for x in take(3))
+            if not 0 <= kind < len(KINDS):
+                raise HeaderError(f"step header names grammar kind {kind}; kinds are 0..{len(KINDS) - 1}")
+            grammars.append((gid, GrammarSpec(KINDS[kind], _take_str(take), bool(ws))))
+        drops = tuple(take(nd).tolist())
     migration = None
     if flags & _MIGRATION:
-        nbytes = int(take(1)[0])
-        raw = take(-(-nbytes // 8)).astype("<i8").tobytes()[:nbytes]
+        migration_id = _take_str(take)
         staging, rollback, end, nc, nm = (int(x) for x in take(5))
         commits = []
         for _ in range(nc):
@@ -223,7 +254,7 @@ def decode(words: np.ndarray) -> StepHeader:
             )
         moves = tuple(MoveOp(*(int(x) for x in take(7))) for _ in range(nm))
         migration = MigrationOps(
-            migration_id=raw.decode(),
+            migration_id=migration_id,
             begin_staging_slots=staging,
             commits=tuple(commits),
             rollback=bool(rollback),
@@ -242,6 +273,8 @@ def decode(words: np.ndarray) -> StepHeader:
         warmup=(wb, wl) if flags & _WARMUP else None,
         stop=bool(flags & _STOP),
         regroup=bool(flags & _REGROUP),
+        grammars=tuple(grammars),
+        drop_grammars=drops,
     )
 
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from moeserve.grammar import GrammarSpec
 from moeserve.sampling import SamplingParams
 
 
@@ -41,7 +42,9 @@ class SeqWork(NamedTuple):
     sampled in the step before, on the device (``token_ids`` is then empty); prompt_logprobs:
     how many top tokens to return per prompt position beside each position's own logprob (echo,
     prompt_logprobs; -1: none), computed on the router for the chunk's positions
-    (``RankResult.prompt_logprobs``).
+    (``RankResult.prompt_logprobs``); grammar: with ``sampling``, the id of the grammar the
+    sequence's tokens are constrained to (announced to the routers in an earlier header's
+    ``StepHeader.grammars``; -1: none).
     """
 
     seq_id: int
@@ -54,6 +57,7 @@ class SeqWork(NamedTuple):
     out_pos: int = 0
     pending: bool = False
     prompt_logprobs: int = -1
+    grammar: int = -1
 
     @property
     def num_new(self) -> int:
@@ -164,7 +168,10 @@ class StepHeader:
     """Broadcast by the leader at the start of every step.
 
     work has one entry per router when ``forward`` is set (idle routers get an empty one);
-    a step without ``forward`` is a heartbeat or a migration-only step.
+    a step without ``forward`` is a heartbeat or a migration-only step. ``grammars``: (id,
+    spec) of the grammars every router compiles from now on, off the step path, and reports in
+    ``RankResult.grammars``; ``drop_grammars``: ids no sequence uses any more (docs/engine.md,
+    "Structured output").
     """
 
     step: int
@@ -176,6 +183,8 @@ class StepHeader:
     warmup: tuple[int, int] | None = None  # (bucket, longest sequence): a decode graph warm-up step
     stop: bool = False
     regroup: bool = False  # after this step every rank re-forms the world (a rank joins)
+    grammars: tuple[tuple[int, GrammarSpec], ...] = ()
+    drop_grammars: tuple[int, ...] = ()
 
 
 @dataclass
@@ -211,3 +220,5 @@ class RankResult:
     # sequence id -> PromptLogprobs of the prompt positions a step's chunk scored (same step as logits)
     prompt_logprobs: dict = field(default_factory=dict)
     router_maps: tuple | None = None  # (phy2log [L, P], breakeven [L, E]) of a router, when asked
+    # routers: the grammars compiled since the last result, id -> "" (ready) or why it failed
+    grammars: dict = field(default_factory=dict)

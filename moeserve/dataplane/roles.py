@@ -60,6 +60,14 @@ class RouterRole(Protocol):
         """Forget finished, cancelled or preempted sequences."""
         ...
 
+    def update_grammars(self, add: tuple, drop: tuple[int, ...]) -> None:
+        """The header's grammars: (id, GrammarSpec) to compile off the step path, ids to forget."""
+        ...
+
+    def grammar_reports(self) -> dict[int, str]:
+        """The grammars compiled since the last result: id -> "" (ready) or why not."""
+        ...
+
     def snapshot_load(self) -> None:
         """Start reading the expert load counted on the device since the last snapshot."""
         ...

@@ -111,6 +111,8 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
         res.slot_digest = st.store.digest()
     if header.report and st.maps is not None:
         res.router_maps = (st.maps.phy2log.copy(), st.maps.breakeven.cpu().numpy().copy())
+    if st.runner is not None and (header.grammars or header.drop_grammars):
+        st.runner.update_grammars(header.grammars, header.drop_grammars)
     router = st.topo.router_index(st.rank) if st.router == -1 else st.router  # None: a worker-only rank
     if st.store is not None:
         # the expert kernels by rows per slot (every rank sees every router's work)
@@ -139,6 +141,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
         t0 = time.perf_counter()
         res.tokens_step, res.tokens, res.logits, res.prompt_logprobs = st.runner.deliver(header.step)
         st.last_deliver_s = time.perf_counter() - t0
+        res.grammars = st.runner.grammar_reports()
         load = st.runner.take_load_snapshot()
         if load is not None:
             with profiling.span("load_read"):

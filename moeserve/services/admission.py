@@ -26,6 +26,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from moeserve import grammar as grammars
+from moeserve.grammar import GrammarSpec
 from moeserve.router.engine.api import Failed, Finished, GenerateRequest, InvalidRequest, Token, Unavailable
 from moeserve.sampling import SamplingParams
 from moeserve.services import limits as L
@@ -158,6 +160,8 @@ class RequestStream:
         elif isinstance(ev, Failed):
             self._finish("error")
             await self._close_gen()
+            if ev.invalid:  # the request's own fault (a grammar a router could not compile)
+                raise InvalidRequest(ev.message)
             raise RequestFailed(ev.message)
         return ev
 
@@ -252,17 +256,22 @@ class Admission:
         return L.token_ids(ids, self.limits, what)
 
     async def chat_ids(
-        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[int, ...]:
-        """Messages -> the chat template's text -> ids (no special tokens added: the template
-        writes them), off the event loop. Every field of the messages and the template
-        variables count against the request's budget before the template sees them, and the
-        rendered text against the prompt's characters before the tokenizer does."""
+        """Messages (and ``tools``, the template's ``tools`` variable) -> the chat template's
+        text -> ids (no special tokens added: the template writes them), off the event loop.
+        Every field of the messages, the tools and the template variables count against the
+        request's budget before the template sees them, and the rendered text against the
+        prompt's characters before the tokenizer does."""
         tok = self._need_tokenizer("chat needs the model's tokenizer and chat template")
-        L.request_cost([messages, template_kwargs], L.request_budget(self.limits))
+        L.request_cost([messages, template_kwargs, tools], L.request_budget(self.limits))
 
         def render():
-            text = tok.render_chat(messages, add_generation_prompt, template_kwargs)
+            text = tok.render_chat(messages, add_generation_prompt, template_kwargs, tools)
             self.check_text(text, "the rendered chat prompt")
             return text
 
@@ -289,6 +298,7 @@ class Admission:
         return_logits: str = "",
         prompt_logprobs: int = -1,
         cache_salt: str = "",
+        grammar: GrammarSpec | None = None,
         **adjust,
     ) -> GenerateRequest:
         """The engine request; InvalidRequest for what only this side checks: every value
@@ -326,7 +336,23 @@ class Admission:
             return_logits,
             int(prompt_logprobs),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
+
+    async def check_grammar(self, spec: GrammarSpec) -> None:
+        """Structured output's checks (``moeserve.grammar.check``: size, keywords, bounds and the
+        conversion to a grammar), off the event loop and within ``CHECK_TIMEOUT_S``;
+        InvalidRequest naming the problem (the missing package included)."""
+        await asyncio.to_thread(grammars.missing)  # imports the library once (seconds), outside the deadline
+        try:
+            await asyncio.wait_for(asyncio.to_thread(grammars.check, spec), grammars.CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise InvalidRequest(
+                f"the {spec.kind.replace('_', ' ')} took longer than {grammars.CHECK_TIMEOUT_S:.0f} s to convert "
+                f"to a grammar: simplify it"
+            ) from None
+        except grammars.GrammarError as e:
+            raise InvalidRequest(str(e)) from None
 
     def open(self, req: GenerateRequest) -> RequestStream:
         """Start streaming ``req`` from the leader (it connects on the first iteration)."""

@@ -133,10 +133,14 @@ class ModelTokenizer:
         return piece.replace("\u2581", " ").encode("utf-8")
 
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The chat template rendered as transformers' ``apply_chat_template(..., tokenize=False)``
-        renders it: the special tokens and ``template_kwargs`` are template variables."""
+        renders it: the special tokens, ``tools`` and ``template_kwargs`` are template variables."""
         if self.chat_template is None:
             raise InvalidRequest(
                 "this model has no chat template (no chat_template in tokenizer_config.json and "
@@ -149,7 +153,7 @@ class ModelTokenizer:
         variables = {**self.special_tokens, **(template_kwargs or {})}
         try:
             return self._compiled.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"the chat template refused the messages: {e}") from None

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from moeserve.dataplane.protocol import PromptLogprobs
+from moeserve.grammar import GrammarSpec
 from moeserve.placement import MigrationProgress, MigrationState, Placement
 from moeserve.sampling import SamplingParams
 
@@ -106,7 +107,9 @@ class GenerateRequest:
     tokens at its position, computed on the routers (the first ``Token`` carries them; such a
     request computes its whole prompt too); -1: none.
     ``cache_salt`` (vLLM's name): requests share cached KV blocks only with requests of the same
-    salt."""
+    salt. ``grammar``: the tokens must follow it (structured output, checked by the front end:
+    ``moeserve.grammar.check``); the routers compile it before the request is scheduled
+    (docs/engine.md, "Structured output")."""
 
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -116,6 +119,7 @@ class GenerateRequest:
     return_logits: str = ""
     prompt_logprobs: int = -1
     cache_salt: str = ""
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The cluster failed under the request; ``message`` says how."""
+    """The cluster failed under the request; ``message`` says how. ``invalid``: the request
+    itself was at fault (its grammar did not compile on a router: a bad request, not a failure
+    of the cluster)."""
 
     message: str
+    invalid: bool = False
 
 
 Event = Token | Finished | Failed
@@ -204,6 +211,11 @@ def validate_request(req: GenerateRequest, vocab_size: int, max_model_len: int, 
         raise InvalidRequest(
             f"cache_salt is {len(req.cache_salt.encode())} bytes of UTF-8; at most {MAX_CACHE_SALT_BYTES} are allowed"
         )
+    if req.grammar is not None:
+        if not isinstance(req.grammar, GrammarSpec):
+            raise InvalidRequest(f"grammar must be a GrammarSpec, got {type(req.grammar).__name__}")
+        if sp.min_tokens:
+            raise InvalidRequest("min_tokens cannot be combined with structured output (the grammar decides the end)")
 
 
 # -- results ----------------------------------------------------------------------------------

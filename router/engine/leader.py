@@ -30,12 +30,14 @@ from moeserve.router.engine.api import (
     EngineStatus,
     EplbDisabled,
     GenerateRequest,
+    InvalidRequest,
     LoadReport,
     ModelShape,
     NotFound,
     Unavailable,
     validate_request,
 )
+from moeserve.router.engine.grammars import GrammarTable
 from moeserve.router.engine.migration import Migrator
 from moeserve.router.engine.scheduler import Scheduler, Sequence
 from moeserve.sampling import MAX_SEED, request_seed
@@ -44,6 +46,8 @@ if TYPE_CHECKING:  # the metrics are made on ranks that export them (prometheus_
     from moeserve.ops.metrics import LeaderMetrics
 
 log = logging.getLogger("moeserve.leader")
+
+GRAMMAR_POLL_S = 0.005  # the gap between steps while grammars compile on the routers and nothing else runs
 
 
 class Engine(EngineAPI):
@@ -68,6 +72,8 @@ class Engine(EngineAPI):
             prefix_caching=caching,
             routing=cfg.routing_policy,
         )
+        self.grammars = GrammarTable(cfg.routers)
+        self.scheduler.grammar_ready = self.grammars.ready
         placement, self._saver = _saved_state(cfg, placement)  # --state-dir: versions back, saves on
         self._saved_key = _placement_key(placement)
         self.migrator = Migrator(placement, shape.expert_bytes, cfg.migration_bytes_per_step)
@@ -135,7 +141,20 @@ class Engine(EngineAPI):
             sp = dataclasses.replace(sp, stop_ids=tuple(sorted(stops)))
         if sp is not req.sampling:
             req = dataclasses.replace(req, sampling=sp)
-        return self.scheduler.submit(req, sink)
+        if req.grammar is None:
+            return self.scheduler.submit(req, sink)
+        gid, why = self.grammars.acquire(req.grammar)  # announced to the routers in the next header
+        if why is not None:
+            raise InvalidRequest(why)
+        try:
+            seq = self.scheduler.submit(req, sink, grammar=gid)
+        except BaseException:
+            self.grammars.abandon(gid)
+            raise
+        why = self.grammars.attach(gid, seq)
+        if why is not None:  # it failed on a router in the meantime
+            self.scheduler.fail_grammar(gid, why)
+        return seq
 
     def _seed(self, sp) -> int:
         """A seed for a request that gave none: random, or with ``--seed`` the next of the
@@ -355,15 +374,25 @@ class Engine(EngineAPI):
             self._header_t = time.perf_counter()
             self._in_flight = StepHeader(self.step, warmup=self._warmup.popleft())
             return self._in_flight
-        deadline = time.monotonic() + self.cfg.heartbeat_s
+        # while grammars compile on the routers, steps keep coming to bring their reports back
+        deadline = time.monotonic() + (GRAMMAR_POLL_S if self.grammars.compiling else self.cfg.heartbeat_s)
         while True:
             if self._stop.is_set():
                 return StepHeader(self.step, stop=True)
+            grammars, drops = self.grammars.header()
             work = self.scheduler.schedule()
             ops = self.migrator.header_ops()
             report = self._report_wanted
             # tokens still on their way back, or load asked for: a step now, with or without work
-            if work is not None or ops is not None or report or self._awaiting or self._load_asked > self._load_issued:
+            if (
+                work is not None
+                or ops is not None
+                or report
+                or self._awaiting
+                or self._load_asked > self._load_issued
+                or grammars
+                or drops
+            ):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -388,7 +417,14 @@ class Engine(EngineAPI):
         self._unread_steps += forward
         self._header_t = time.perf_counter()
         self._in_flight = StepHeader(
-            self.step, forward=forward, work=work or (), migration=ops, report=report, read_load=read
+            self.step,
+            forward=forward,
+            work=work or (),
+            migration=ops,
+            report=report,
+            read_load=read,
+            grammars=grammars,
+            drop_grammars=drops,
         )
         return self._in_flight
 
@@ -449,6 +485,8 @@ class Engine(EngineAPI):
                 self._router_maps = [r.router_maps for r in results if r.router_maps is not None]
                 self._report_wanted = False
                 self._report_done.set()
+        for gid, why in self.grammars.on_results(results):
+            self.scheduler.fail_grammar(gid, why)
         if header.migration is not None and header.migration.begin_staging_slots:
             errors = [r.staging_error for r in results if r.staging_error]
             self.migrator.on_staging(header.migration.migration_id, errors)

@@ -108,6 +108,7 @@ class Sequence:
     finished: FinishReason | None = None
     queued_at: float = field(default_factory=time.monotonic)  # when it entered the waiting queue
     wait_logged: bool = False
+    grammar: int = -1  # the id of its grammar (router.engine.grammars), -1: none
 
     def emit(self, event: Event) -> None:
         (self.sink or self.events.put)(event)
@@ -163,6 +164,9 @@ class Scheduler:
         # admission then)] in the order of work's sequences)
         self._issued: deque = deque()
         self.work_available = threading.Event()
+        # whether a grammar id is compiled on every router (the engine's GrammarTable): a
+        # sequence whose grammar is not waits in the queue without holding back the others
+        self.grammar_ready: Callable[[int], bool] = lambda gid: True
         self.set_capacity(num_blocks)
 
     def set_capacity(self, num_blocks: int | list[int]) -> None:
@@ -233,8 +237,8 @@ class Scheduler:
 
     # -- any thread ------------------------------------------------------------------------
 
-    def submit(self, req: GenerateRequest, sink: Callable[[Event], None] | None = None) -> Sequence:
-        """Queue a validated request; QueueFull when ``max_waiting`` requests wait already."""
+    def submit(self, req: GenerateRequest, sink: Callable[[Event], None] | None = None, grammar: int = -1) -> Sequence:
+        """Queue a validated request (``grammar``: the id of its grammar); QueueFull when ``max_waiting`` requests wait already."""
         hashes: list[bytes] = []
         root = prefix_root(req.cache_salt) if self.prefix_caching else b""
         if self.prefix_caching:  # the prompt's block hashes, off the step driver's thread
@@ -244,7 +248,7 @@ class Scheduler:
                 raise QueueFull(
                     f"the admission queue is full ({self.limits.max_waiting} waiting requests); retry later"
                 )
-            seq = Sequence(next(self._ids), req, frozenset() if req.ignore_eos else self.eos_ids, sink)
+            seq = Sequence(next(self._ids), req, frozenset() if req.ignore_eos else self.eos_ids, sink, grammar=grammar)
             seq.known = list(req.prompt_ids)
             seq.root, seq.hashes = root, hashes
             self._waiting.append(seq)
@@ -301,8 +305,12 @@ class Scheduler:
                             entries.append((seq, seq.admitted, sw.sample))
                             self._cache_full_blocks(seq)  # a decode's block waits for its token (on_results)
                         budget[r] -= take
+            compiling: list[Sequence] = []  # waiting for their grammar: passed over, kept in order
             while self._waiting:
                 seq = self._waiting[0]
+                if seq.grammar >= 0 and not self.grammar_ready(seq.grammar):
+                    compiling.append(self._waiting.popleft())
+                    continue
                 if seq.pending:  # preempted with a token in flight: recomputed once it is known
                     break
                 # among the routers that can take a new sequence this step (room, token budget,
@@ -326,6 +334,7 @@ class Scheduler:
                 seqs[r].append(sw)
                 entries.append((seq, seq.admitted, sw.sample))
                 budget[r] -= take
+            self._waiting.extendleft(reversed(compiling))
             release = [tuple(x) for x in self._release]
             self._release = [[] for _ in range(self.num_routers)]
             if not entries and not any(release):
@@ -353,11 +362,15 @@ class Scheduler:
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
         """Per router, the cached blocks ``seq`` would start with there: the longest cached
         prefix of its known tokens in whole blocks, leaving at least its last token to compute
-        (it samples from that token's logits)."""
+        (it samples from that token's logits); a
+        constrained sequence at most its prompt (its router's matcher takes its outputs from the header)."""
         if not self._reads_prefix_cache(seq):
             return [[] for _ in range(self.num_routers)]
         extend_hashes(seq.hashes, seq.known, self.block_size, seq.root)
-        want = seq.hashes[: (len(seq.known) - 1) // self.block_size]
+        computed = len(seq.known) - 1
+        if seq.grammar >= 0:  # a recomputed constrained sequence's matcher takes its outputs from the header
+            computed = min(computed, len(seq.req.prompt_ids))
+        want = seq.hashes[: computed // self.block_size]
         return [a.match(want) for a in self._blocks]
 
     def _can_admit(self, r: int, seq: Sequence, hit: list[int], budget: int) -> bool:
@@ -465,6 +478,7 @@ class Scheduler:
             out_pos=len(known) - len(seq.req.prompt_ids),
             # scored in the first pass only: a sequence recomputed after its first token has them
             prompt_logprobs=seq.req.prompt_logprobs if len(known) == len(seq.req.prompt_ids) else -1,
+            grammar=seq.grammar if fresh else -1,  # a fresh record starts its matcher
         )
         seq.cached = start + take
         if last:
@@ -544,6 +558,14 @@ class Scheduler:
                         self._waiting.remove(seq)
                         seq.finished = reason
                         seq.emit(Finished(reason))
+
+    def fail_grammar(self, gid: int, message: str) -> None:
+        """The waiting sequences of grammar ``gid`` fail: it could not be compiled (their own
+        fault: ``Failed(invalid=True)``)."""
+        with self._lock:
+            for seq in [s for s in self._waiting if s.grammar == gid]:
+                self._waiting.remove(seq)
+                seq.emit(Failed(message, invalid=True))
 
     def fail_all(self, message: str) -> None:
         """The cluster is going down: every request in flight gets an error event."""

@@ -97,6 +97,7 @@ from moeserve.services.http.params import (
 )
 from moeserve.services.http.server import HttpServer
 from moeserve.services.http.tokens import TokenRoutes
+from moeserve.services.http.tools import Tools, ToolStream, parse_tools, template_messages
 from moeserve.services.limits import MAX_CHOICES, MAX_LOGPROBS, MAX_N, request_budget, request_cost
 from moeserve.services.tokenizer import Detokenizer, StopStrings
 
@@ -183,6 +184,7 @@ class HttpApi(TokenRoutes):
         max_logprobs: int | None = None,
         generation_defaults: dict | None = None,
         vllm_metrics=None,
+        tool_parser: str | None = None,
     ):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
@@ -204,6 +206,7 @@ class HttpApi(TokenRoutes):
             self.max_logprobs = max_logprobs
         self.defaults = dict(generation_defaults or {})
         self.vllm_metrics = vllm_metrics
+        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -421,6 +424,7 @@ class HttpApi(TokenRoutes):
                         min_tokens=s.min_tokens,
                         logit_bias=s.logit_bias,
                         cache_salt=s.cache_salt,
+                        grammar=s.grammar,
                     )
                 )
                 choice = Choice(
@@ -461,11 +465,25 @@ class HttpApi(TokenRoutes):
         s = parse_sampling(body, True, self.admission.limits, self.defaults)
         messages = parse_messages(body)
         add_gen, kwargs = parse_chat_options(body)
-        ids = await self.admission.chat_ids(messages, add_gen, kwargs)
-        return await self._respond(model, [ids], s, chat=True)
+        tools = parse_tools(body, self.tool_parser)
+        if tools is not None and tools.constrained:
+            if s.grammar is not None:
+                raise bad(
+                    f"tool_choice {tools.choice} constrains the output already: leave out response_format",
+                    "tool_choice",
+                )
+            s = dataclasses.replace(s, grammar=tools.grammar())
+        ids = await self.admission.chat_ids(
+            template_messages(messages), add_gen, kwargs, list(tools.tools) if tools is not None else None
+        )
+        return await self._respond(model, [ids], s, chat=True, tools=tools)
 
-    async def _respond(self, model: str, prompts, s: Sampling, chat: bool, texts: dict | None = None):
+    async def _respond(
+        self, model: str, prompts, s: Sampling, chat: bool, texts: dict | None = None, tools: Tools | None = None
+    ):
         reqs, choices = self._requests(prompts, s, texts)
+        if s.grammar is not None:  # before anything reaches the leader: a bad grammar is a 400
+            await self.admission.check_grammar(s.grammar)
         prompt_tokens = sum(len(p) for p in prompts)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
@@ -478,7 +496,8 @@ class HttpApi(TokenRoutes):
             if s.stream:
                 await run.prime()
                 return EventStream(
-                    self._chunks(run, choices, rid, created, model, prompt_tokens, s, chat), {"x-request-id": rid}
+                    self._chunks(run, choices, rid, created, model, prompt_tokens, s, chat, tools),
+                    {"x-request-id": rid},
                 )
             async for _ in drive(run, choices):
                 pass
@@ -490,13 +509,22 @@ class HttpApi(TokenRoutes):
         out = []
         for c in choices:
             part: dict = {"index": c.index}
+            finish = c.finish_reason
             if chat:
                 part["message"] = {"role": "assistant", "content": c.text}
+                if tools is not None and tools.parses:
+                    content, calls = tools.read(c.text)
+                    part["message"] = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [call.part(i) for i, call in enumerate(calls)],
+                    }
+                    finish = "tool_calls" if calls else finish
             else:
                 part["text"] = (c.echo or "") + c.text
             part.update(
                 logprobs=logprobs_part(tok, c.logprobs, chat) if s.logprobs is not None else None,
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
                 stop_reason=c.stop_reason,
             )
             if s.prompt_logprobs is not None and not chat:
@@ -525,7 +553,9 @@ class HttpApi(TokenRoutes):
             return None
         return prompt_logprobs_part(self.admission.tokenizer, c.prompt_ids, c.prompt_lp, s.prompt_logprobs or 0)
 
-    async def _chunks(self, run: Run, choices, rid, created, model, prompt_tokens, s: Sampling, chat: bool):
+    async def _chunks(
+        self, run: Run, choices, rid, created, model, prompt_tokens, s: Sampling, chat: bool, tools: Tools | None = None
+    ):
         kind = "chat.completion.chunk" if chat else "text_completion"
         extra: dict = {"usage": None} if s.include_usage else {}
         if s.continuous_usage:  # every chunk carries the usage so far
@@ -544,6 +574,7 @@ class HttpApi(TokenRoutes):
             prompt_ids = {}  # chat: the prompt's ids in the first chunk only
             return out
 
+        streams = {c.index: ToolStream(tools) for c in choices} if chat and tools is not None and tools.parses else {}
         try:
             if chat:
                 for c in choices:
@@ -566,7 +597,20 @@ class HttpApi(TokenRoutes):
                 if c.done:
                     part["stop_reason"] = c.stop_reason
                 if chat:
-                    part["delta"] = {"content": text} if text else {}
+                    delta: dict = {}
+                    if c.index in streams:  # held back while it may be a tool call
+                        text = streams[c.index].feed(text)
+                        if c.done:
+                            rest, calls = streams[c.index].finish()
+                            text += rest
+                            if calls:
+                                delta["tool_calls"] = [call.part(i) for i, call in enumerate(calls)]
+                                part["finish_reason"] = "tool_calls"
+                    if text:
+                        delta["content"] = text
+                    if not delta and not c.done and not entries and not every_token:
+                        continue
+                    part["delta"] = delta
                 else:
                     part["text"] = text
                     if s.prompt_logprobs is not None and c.prompt_lp is not None and not c.plp_sent:

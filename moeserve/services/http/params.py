@@ -16,9 +16,11 @@ import json
 import math
 from dataclasses import dataclass
 
+from moeserve.grammar import GrammarSpec
 from moeserve.router.engine.api import MAX_CACHE_SALT_BYTES
 from moeserve.sampling import MAX_LOGIT_BIAS
 from moeserve.services.http.encode import ApiError, bad
+from moeserve.services.http.structured import STRUCTURED_KEYS, parse_structured
 from moeserve.services.limits import (
     MAX_N,
     MAX_SEED,
@@ -71,21 +73,12 @@ UNSUPPORTED = {
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "use_beam_search": lambda v: v is False,
     "continue_final_message": lambda v: v is False,
     "modalities": lambda v: v == ["text"],
     "priority": lambda v: v == 0,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "structured_outputs": lambda v: False,
     "prediction": lambda v: False,
     "audio": lambda v: False,
     "reasoning_effort": lambda v: False,
@@ -122,13 +115,16 @@ COMMON = {
     "include_stop_str_in_output",
     "return_token_ids",
     "cache_salt",
-}
+} | STRUCTURED_KEYS
 COMPLETION_KEYS = COMMON | {"prompt", "echo"}
 CHAT_KEYS = COMMON | {
     "messages",
     "top_logprobs",
     "add_generation_prompt",
     "chat_template_kwargs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 
 
@@ -185,6 +181,7 @@ class Sampling:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
     cache_salt: str = ""  # vLLM's extension: cached KV blocks are shared only within one salt
+    grammar: GrammarSpec | None = None  # structured output: what the tokens must follow
 
     @property
     def prompt_top(self) -> int:
@@ -309,6 +306,7 @@ def parse_sampling(body: dict, chat: bool, limits, defaults: dict | None = None)
         prompt_logprobs=prompt_logprobs,
         continuous_usage=include_usage and continuous,
         cache_salt=salt or "",
+        grammar=parse_structured(body),
     )
 
 
