@@ -165,3 +165,20 @@ def test_two_routers_with_cache_aware_routing_find_more_and_compute_less_than_wi
         assert answer == reference_generate(setup["model"], prompt, 6)
     assert aware_hits > robin_hits and aware_computed < robin_computed
     print(f"cache_aware: {aware_hits} hit, {aware_computed} computed; round_robin: {robin_hits}, {robin_computed}")
+
+
+@pytest.mark.timeout(300)
+def test_penalized_requests_give_the_tokens_they_give_without_the_cache(setup):
+    """A repetition penalty needs every prompt token on the router, so such a request computes
+    its whole prompt; presence and frequency penalties count outputs only, so a repeated prompt
+    reads its cached prompt blocks. Either way its tokens are those it gets with the cache off."""
+    p = setup["prompts"][0]
+    kinds = [dict(repetition_penalty=1.8), dict(presence_penalty=1.5, frequency_penalty=1.0)]
+    with LocalCluster(setup["path"], routers=1, workers=1, block_size=BS, enable_prefix_caching=False) as off:
+        want = [run(off, [p], **kw)[0].token_ids for kw in kinds]
+    assert want[0] != setup["want"][0]  # the penalty changes the greedy tokens, so a lost prompt token shows
+    with LocalCluster(setup["path"], routers=1, workers=1, block_size=BS) as c:
+        assert run(c, [p])[0].cached_tokens == 0
+        rep, pres = (run(c, [p], **kw)[0] for kw in kinds)
+        assert (rep.token_ids, rep.cached_tokens) == (want[0], 0)
+        assert (pres.token_ids, pres.cached_tokens) == (want[1], 24)

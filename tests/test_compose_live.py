@@ -509,12 +509,20 @@ def test_the_compose_prometheus_scraped_the_expert_load_and_every_dashboard_quer
                     out.append(f"{board} / {title}: {expr}")
             return out
 
-        # rate() over the dashboards' windows needs two scrapes (5 s apart) after the traffic.
+        def traffic() -> None:  # requests inside the panels' rate() windows (1 m), HTTP and gRPC
+            http(c, "/v1/completions", {"model": "/models/demo", "prompt": c.prompts[0], "max_tokens": 4})
+            with serving(c) as client:
+                client.generate(prompt_token_ids=c.prompts[1], max_tokens=4, ignore_eos=True)
+
+        # rate() over the dashboards' windows needs two scrapes (5 s apart) after the traffic, and
+        # the traffic within the window: on a loaded machine the earlier tests' may be older.
+        traffic()
         deadline, missing = time.monotonic() + 60, None
         while True:
             missing = empty()
             if not missing or time.monotonic() > deadline:
                 break
+            traffic()
             time.sleep(2)
         assert not missing, "panels without data:\n" + "\n".join(missing)
         # the panels may all have data from a scrape taken before the rebalance's migration ended: wait for a

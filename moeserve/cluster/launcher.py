@@ -517,8 +517,11 @@ class LocalCluster:
         return_logits: bool = False,
         details: bool = False,
         cache_salt: str = "",
+        **adjust,
     ):
         """Generate for each prompt (a list of token ids); all prompts run concurrently.
+        ``adjust``: the other ``SamplingParams`` fields (min_p, the penalties, min_tokens,
+        logit_bias).
 
         Returns the generated ids per prompt (prompt excluded), or with ``details`` a list of
         :class:`Generation` (finish reason, the prompt tokens read from the prefix cache, and with
@@ -526,7 +529,7 @@ class LocalCluster:
         raises ValueError before anything runs. ``cache_salt``: the prompts share cached KV
         blocks only with requests of the same salt.
         """
-        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **adjust)
         reqs = [
             GenerateRequest(
                 prompt_ids=tuple(int(t) for t in p),

@@ -357,18 +357,22 @@ class Scheduler:
         prompt token (``return_logits == "all"``) or the logprobs of every prompt token
         (``prompt_logprobs`` >= 0: prompt logprobs, echo with logprobs), which only a computation
         of the whole prompt gives (as vLLM does)."""
-        return self.prefix_caching and seq.req.return_logits != "all" and seq.req.prompt_logprobs < 0
+        if not self.prefix_caching or seq.req.return_logits == "all" or seq.req.prompt_logprobs >= 0:
+            return False
+        # a repetition penalty needs every prompt token on the router, and a cached block's
+        # tokens never travel there (the router fills its penalty state from the chunks it gets)
+        return seq.req.sampling.repetition_penalty == 1.0
 
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
         """Per router, the cached blocks ``seq`` would start with there: the longest cached
         prefix of its known tokens in whole blocks, leaving at least its last token to compute
-        (it samples from that token's logits); a
-        constrained sequence at most its prompt (its router's matcher takes its outputs from the header)."""
+        (it samples from that token's logits); a constrained or penalized sequence at most its
+        prompt (its router's matcher, and its penalty counts, take its outputs from the chunks)."""
         if not self._reads_prefix_cache(seq):
             return [[] for _ in range(self.num_routers)]
         extend_hashes(seq.hashes, seq.known, self.block_size, seq.root)
         computed = len(seq.known) - 1
-        if seq.grammar >= 0:  # a recomputed constrained sequence's matcher takes its outputs from the header
+        if seq.grammar >= 0 or seq.req.sampling.penalized:  # outputs reach the router as chunks
             computed = min(computed, len(seq.req.prompt_ids))
         want = seq.hashes[: computed // self.block_size]
         return [a.match(want) for a in self._blocks]
