@@ -1,5 +1,5 @@
 """A cluster over several hosts: one launcher per node, each starting its block of ranks
-(docs/operations.md, "Several hosts"; docs/dataplane.md, "Ranks on several hosts").
+(docs/operations.md, "Several hosts"; docs/dataplane.md, "Ranks and groups").
 
 ``NodeLayout(nnodes=N, node_rank=K, master_addr=A, master_port=P)`` is torchrun's and SGLang's
 description of a node. The world's ranks split into N contiguous blocks of ``world / N``;
