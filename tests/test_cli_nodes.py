@@ -32,7 +32,7 @@ def test_workers_per_node_is_the_largest_placement_node_that_never_straddles_two
 
 
 def test_a_node_whose_flags_disagree_with_node_0s_is_refused_naming_the_fields():
-    theirs = ClusterConfig(model_dir="/models/on-node-0", routers=1, workers=3)
+    theirs = ClusterConfig(model_dir="/models/on-node-0", routers=1, workers=3, host="10.0.0.1")
 
     class Store:
         def wait(self, keys, timeout):
@@ -41,8 +41,9 @@ def test_a_node_whose_flags_disagree_with_node_0s_is_refused_naming_the_fields()
         def get_now(self, key):
             return theirs.to_json().encode()
 
-    same = config_from_leader(Store(), ClusterConfig(model_dir="/models/here", routers=1, workers=3), 1.0)
-    assert same.model_dir == "/models/here" and same.workers == 3
+    mine = ClusterConfig(model_dir="/models/here", routers=1, workers=3, host="10.0.0.2")
+    same = config_from_leader(Store(), mine, 1.0)
+    assert (same.model_dir, same.host, same.workers) == ("/models/here", "10.0.0.2", 3)
     with pytest.raises(ValueError, match="workers 2 here, 3 on node 0"):
         config_from_leader(Store(), ClusterConfig(model_dir="/m", routers=1, workers=2), 1.0)
 

@@ -32,7 +32,10 @@ TOKEN = "namespace-test-token"
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    try:
+        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:  # no ip command, or a hung one
+        return subprocess.CompletedProcess(["ip", *args], 127, "", str(e))
 
 
 class Namespaces:
@@ -62,10 +65,7 @@ class Namespaces:
                 ("-n", ns, "link", "set", "lo", "up"),
             ]
         for step in steps:
-            try:
-                r = _ip(*step)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return f"ip {' '.join(step)}: {e}"
+            r = _ip(*step)
             if r.returncode:
                 return f"ip {' '.join(step)}: {r.stderr.strip()}"
         return None
@@ -146,12 +146,12 @@ host, what, arg, ports, token, max_tokens = sys.argv[1], sys.argv[2], *map(json.
 serving = Client(f"{host}:{ports['port']}")
 admin = Client(f"{host}:{ports['admin']}", token=token)
 if what == "generate":
-    out = [[] for _ in arg]
+    out, said = [[] for _ in arg], threading.Lock()
     def one(i):
         for chunk in serving.generate_stream(prompt_token_ids=arg[i], max_tokens=max_tokens, ignore_eos=True):
-            if not any(out):
-                print("streaming", file=sys.stderr, flush=True)
             out[i] += chunk.token_ids
+            if said.acquire(blocking=False):  # once, when the first tokens came
+                print("streaming", file=sys.stderr, flush=True)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(arg))]
     [t.start() for t in threads]
     [t.join() for t in threads]
@@ -198,7 +198,7 @@ def two_nodes(namespaces, setup, tmp_path_factory):
     logs = tmp_path_factory.mktemp("node-logs")
     secret = secrets.token_hex(16)
     t0 = time.monotonic()
-    nodes = [_up(namespaces, 0, setup, secret, logs), _up(namespaces, 1, setup, secret, logs)]
+    nodes = [_up(namespaces, k, setup, secret, logs, "--metrics-port", "0") for k in (0, 1)]
     for k, p in enumerate(nodes):
         _wait_line(logs / f"up{k}.out", "ready", p)
     print(f"\ntwo nodes ready in {time.monotonic() - t0:.1f} s")
@@ -213,7 +213,9 @@ def two_nodes(namespaces, setup, tmp_path_factory):
 def test_two_nodes_serve_the_single_process_tokens(two_nodes, setup):
     out = two_nodes["logs"]
     assert "node 0 of 2: ranks 0, 1" in (out / "up0.out").read_text()
-    assert "node 1 of 2: ranks 2, 3 (worker 1, worker 2)" in (out / "up1.out").read_text()
+    node1 = (out / "up1.out").read_text()
+    assert "node 1 of 2: ranks 2, 3 (worker 1, worker 2)" in node1
+    assert "metrics  rank 3" in node1 and two_nodes["ns"].addrs[1] in node1  # node 1's ranks serve on its address
     got = _client(two_nodes["ns"], "generate", setup["prompts"], two_nodes["secret"])
     assert got == setup["want"]
     placement = _client(two_nodes["ns"], "placement", None, two_nodes["secret"])

@@ -123,9 +123,10 @@ def publish_config(store, cfg: ClusterConfig) -> None:
 
 
 def config_from_leader(store, mine: ClusterConfig, timeout_s: float) -> ClusterConfig:
-    """Node K's launcher: node 0's config, with this node's model folder. ValueError naming the
-    fields where this node's flags disagree with node 0's (every node takes the same flags;
-    node 0's state folder and start placement are the ones in force)."""
+    """Node K's launcher: node 0's config, with this node's model folder and host (where its
+    ranks serve metrics). ValueError naming the fields where this node's flags disagree with
+    node 0's (every node takes the same flags; node 0's state folder and start placement are
+    the ones in force)."""
     store.wait([CONFIG_KEY], datetime.timedelta(seconds=timeout_s))
     theirs = ClusterConfig.from_json(store.get_now(CONFIG_KEY).decode())
     a, b = asdict(mine), asdict(theirs)
@@ -136,7 +137,10 @@ def config_from_leader(store, mine: ClusterConfig, timeout_s: float) -> ClusterC
             + "; ".join(f"{k} {_short(a[k])} here, {_short(b[k])} on node 0" for k in differ)
             + "; give every node the same model and cluster flags"
         )
-    return replace(theirs, model_dir=mine.model_dir)
+    # the leader's own (its state folder, its services) stay on node 0
+    return replace(
+        theirs, model_dir=mine.model_dir, host=mine.host, state_dir="", leader_hook="", leader_hook_config=""
+    )
 
 
 def _short(value) -> str:
