@@ -41,7 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moeserve.cli import UsageError, vllm_flags
+from moeserve.cli import UsageError, multinode, vllm_flags
 from moeserve.cli import flags as F
 
 DEFAULT_GRPC_PORT = 8003
@@ -102,6 +102,7 @@ def register(subparsers) -> None:
         help="serve without a tokenizer (vLLM's name; the same as --tokenizer none): prompts are token "
         "ids, completions carry no text (ask for return_token_ids to get the ids)",
     )
+    multinode.add_node_flags(p)
     p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S", help="seconds to become ready")
     p.add_argument("--log-dir", metavar="DIR", help="keep every process's log here")
     p.set_defaults(func=run)
@@ -278,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = Path(tempfile.mkdtemp(prefix="moeserve-no-tokenizer-"))
     world = args.routers if args.colocated else args.routers + args.workers
     args.dtype = _dtype(args, folder)
-    args.backend = _backend(args, world)
+    args.backend = _backend(args, world // max(1, args.nnodes))  # the GPUs of this node
     args.model, args.model_name, args.tokenizer_dir = str(folder), model, str(tokenizer)
     args.http_port, args.port = args.port, args.grpc_port
     args.startup_progress = True

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from moeserve.cli import UsageError
+from moeserve.cli import UsageError, multinode
 from moeserve.cli import flags as F
 from moeserve.ops.procs import child_env, module_command
 
@@ -55,6 +55,7 @@ def register(subparsers) -> None:
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
+    multinode.add_node_flags(p)
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to become ready")
     p.add_argument("--log-dir", metavar="DIR", help="keep every process's log here")
     p.set_defaults(func=run)
@@ -110,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
     from moeserve.router.engine.channel import ClusterError
 
     prog = f"moeserve {getattr(args, 'command', None) or 'up'}"
-    kw = F.cluster_kwargs(args)
+    node, key = multinode.layout(args)  # sets the layout's workers_per_node and exchange first
+    kw = F.cluster_kwargs(args, leader=node is None or node.node_rank == 0)
+    if node is not None and node.node_rank > 0:  # no front end, balancer or admin API here
+        return multinode.run_node(args, kw, node, key, prog)
     opts = F.server_options(args, 0)  # validates the server flags
     F.door_limits(args)  # ... and the HTTP door's
     token = F.token(args) or secrets.token_urlsafe(18)
@@ -129,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     )  # validates the balancer flags
     host = args.host
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
-    metrics = metrics_layout(args.metrics_port, world, taken=list(ports.values()))
+    here = node.ranks(world) if node is not None else range(world)
+    metrics = metrics_layout(args.metrics_port, len(here), taken=list(ports.values()))
     # A port in use is reported now, not after the ranks have loaded the weights (minutes for
     # a real checkpoint). Ports this process picks lie outside the ephemeral range, so that no
     # rank's outgoing connection takes one meanwhile (moeserve.ops.ports).
@@ -142,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         check_bindable(host, {flag[k]: v for k, v in ports.items()})
+        if node is not None:  # the leader's store, for every node
+            check_bindable(node.master_addr, {"--master-port (the leader's store, on --master-addr)": node.master_port})
         if metrics is not None and args.metrics_port:
             check_bindable(host, {f"--metrics-port, {name}": p for name, p in metrics.items()})
     except OSError as e:
@@ -150,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     mkw = {}
     if metrics is not None:
         mkw = dict(
-            metrics_ports=[metrics[f"rank{r}"] for r in range(world)],
+            metrics_ports=[metrics[f"rank{r}"] if r in here else 0 for r in range(world)],
             per_expert_metrics=args.per_expert_metrics,
             metrics_peers={k: metrics[k] for k in ("balancer", "frontend")},
         )
@@ -167,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             startup_timeout_s=args.startup_timeout,
             log_dir=args.log_dir,
             tokenizer_dir=getattr(args, "tokenizer_dir", None) or "",
+            nodes=node,
+            authkey=key,
             **mkw,
             **kw,
         )
@@ -188,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     children: list[subprocess.Popen] = []
     try:
         try:
-            _start_cluster(cluster, world, on_signal, getattr(args, "startup_progress", False), args.model)
+            _start_cluster(cluster, len(here), on_signal, getattr(args, "startup_progress", False), args.model)
         except ClusterError as e:
             print(f"{prog}: the cluster did not start: {e}", file=sys.stderr, flush=True)
             return 1
@@ -292,6 +301,12 @@ def run(args: argparse.Namespace) -> int:
         if http_port is not None:
             wait_http(f"{scheme}://{shown}:{ports['http_port']}/health", args.startup_timeout, alive=alive, ca_file=ca)
         print(f"serving  {addrs['serving']}\nadmin    {addrs['admin']}\nbalancer {addrs['balancer']}", flush=True)
+        if node is not None:
+            print(
+                f"nodes    {multinode.describe(node, cluster.config)}; the leader's store on "
+                f"{node.master_addr}:{node.master_port}",
+                flush=True,
+            )
         if http_port is not None:
             base = f"{scheme}://{shown}:{ports['http_port']}"
             print(

@@ -20,11 +20,12 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
+from moeserve.cluster.nodes import NodeLayout
 from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
 from moeserve.ops import ports
 from moeserve.ops.procs import child_env, describe_exit, module_command, set_death_signal
@@ -74,7 +75,9 @@ class LaunchOptions:
     grace_s are that server's. metrics_ports: one Prometheus port per rank (0: a free one), or
     None for no metrics. max_restarts: how many times a lost rank (an expert worker, or a router
     other than the leader) is replaced within a minute before the cluster gives up (0: never
-    replaced).
+    replaced). nodes: this launcher's node of a cluster over several hosts (it starts that
+    node's ranks; ``moeserve.cluster.nodes``), None for one host; authkey: the cluster's secret,
+    the same on every node (default: a fresh one, for one host).
     """
 
     startup_timeout_s: float = 300.0
@@ -89,6 +92,8 @@ class LaunchOptions:
     grace_s: float = 30.0
     metrics_ports: tuple[int, ...] | None = None
     max_restarts: int = 3
+    nodes: NodeLayout | None = None
+    authkey: bytes = field(default=b"", repr=False)
 
     def __post_init__(self):
         if not -1 <= self.admin_port <= 65535:
@@ -97,6 +102,10 @@ class LaunchOptions:
             )
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.nodes is not None and self.nodes.nnodes > 1 and not self.authkey:
+            raise ValueError(
+                "a cluster over several nodes needs the cluster's secret (authkey), the same on every node"
+            )
 
     def leader_hook(self) -> dict:
         """The ClusterConfig fields that make the leader serve the admin API ({} without one)."""
@@ -247,6 +256,10 @@ class LocalCluster:
                 raise ValueError(
                     f"placement has shape {p.phy2log.shape}, expected (L, P) = ({info.num_moe_layers}, {num_slots})"
                 )
+        if launch.nodes is not None:
+            from moeserve.cluster.nodes import check_layout
+
+            check_layout(config.routers, config.workers, config.colocated, launch.nodes.nnodes, config.workers_per_node)
         if launch.metrics_ports is not None and len(launch.metrics_ports) != config.world_size:
             raise ValueError(
                 f"metrics_ports needs one port per rank ({config.world_size}), got {len(launch.metrics_ports)}"
@@ -264,7 +277,10 @@ class LocalCluster:
         self.authkey: bytes | None = None
         self._authkey = b""  # the cluster's secret (the ranks' store, the local channel), set at start
         self.log_dir = launch.log_dir
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | None] = []  # by rank; None for a rank of another node
+        self.node = launch.nodes
+        self.remote = self.node is not None and self.node.node_rank > 0  # a node without the leader
+        self.ended = False  # a remote node: the leader stopped the cluster and every rank here exited 0
         self.run_dir: str | None = None
         self.error: str | None = None
         self.max_restarts = launch.max_restarts
@@ -286,37 +302,53 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> LocalCluster:
+        authkey = self.launch.authkey or secrets.token_bytes(16)
+        self._authkey = authkey
+        node = self.node
+        addr, port = (node.master_addr, node.master_port) if node is not None else ("127.0.0.1", free_port())
+        if self.remote:  # node 0's config, read from its store
+            from moeserve.cluster import nodes
+
+            assert node is not None
+            try:
+                self.config = nodes.config_from_leader(
+                    nodes.open_store(node, authkey, self.startup_timeout_s), self.config, self.startup_timeout_s
+                )
+            except Exception as e:
+                raise ClusterError(f"node {node.node_rank} cannot join node 0 at {addr}:{port}: {e}") from None
         cfg = self.config
+        here = node.ranks(cfg.world_size) if node is not None else range(cfg.world_size)
         self.run_dir = tempfile.mkdtemp(prefix="moeserve-cluster-")
         logs = self.log_dir or self.run_dir
         os.makedirs(logs, exist_ok=True)
         cfg_path = os.path.join(self.run_dir, "cluster.json")
         with open(cfg_path, "w") as f:
             f.write(cfg.to_json())
-        authkey = secrets.token_bytes(16)
-        self._authkey = authkey
-        port = free_port()
         base = child_env(**self.env)
         base.update(
-            MASTER_ADDR="127.0.0.1",
+            MASTER_ADDR=addr,
             MASTER_PORT=str(port),
             WORLD_SIZE=str(cfg.world_size),
             MOESERVE_CLUSTER_CONFIG=cfg_path,
             MOESERVE_RUN_DIR=self.run_dir,
             MOESERVE_AUTHKEY=authkey.hex(),
             MOESERVE_PARENT_PID=str(os.getpid()),
+            MOESERVE_STARTUP_TIMEOUT_S=str(self.startup_timeout_s),
         )
         if cfg.backend == "gloo":
             base.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         self.log_paths = []
         self._envs = []
         for rank in range(cfg.world_size):
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank - here.start))
             if self.metrics_ports is not None:
                 env["MOESERVE_METRICS_PORT"] = str(self.metrics_ports[rank])
             self._envs.append(env)
             path = os.path.join(logs, f"rank{rank}.log")
             self.log_paths.append(path)
+            if rank not in here:  # another node starts it
+                self.procs.append(None)
+                continue
             out = open(path, "wb")
             self.procs.append(
                 subprocess.Popen(
@@ -332,9 +364,19 @@ class LocalCluster:
         # The monitor also starts replacements: they die with the thread that started them (PDEATHSIG).
         self._monitor = threading.Thread(target=self._watch, name="cluster-monitor", daemon=True)
         self._monitor.start()
-        ready = os.path.join(self.run_dir, "control.json")
+        if node is not None and node.nnodes > 1:
+            from moeserve.cluster.nodes import NodeStart
+
+            start = NodeStart(node, authkey, cfg, self.startup_timeout_s)
+            started = start.wait(lambda: self.error, self.run_dir, remote=self.remote)
+            if started is not True:
+                self.stop(timeout_s=0.0)  # no leader to stop them in order: a rank here waits for peers
+                raise ClusterError(f"{started} (logs: {logs})")
+            if self.remote:
+                return self
+        ready_path = os.path.join(self.run_dir, "control.json")
         deadline = time.monotonic() + self.startup_timeout_s
-        while not os.path.exists(ready):
+        while not os.path.exists(ready_path):
             if self.error:
                 self.stop()
                 raise ClusterError(self.error)
@@ -344,7 +386,7 @@ class LocalCluster:
                     f"the cluster did not become ready within {self.startup_timeout_s:.0f} s (logs: {logs})"
                 )
             time.sleep(0.05)
-        with open(ready) as f:
+        with open(ready_path) as f:
             addr = json.load(f)
         if cfg.leader_hook:
             with open(os.path.join(self.run_dir, "admin.json")) as f:
@@ -365,8 +407,12 @@ class LocalCluster:
                 self._client.request_stop()
             except Exception:
                 pass
+        elif self.remote:  # no leader here to stop the ranks: they go now
+            timeout_s = 0.0
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
+            if p is None:
+                continue
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -379,10 +425,12 @@ class LocalCluster:
 
     def _kill_all(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + 5
         for p in self.procs:
+            if p is None:
+                continue
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -390,14 +438,22 @@ class LocalCluster:
                 p.wait()
 
     def _watch(self) -> None:
+        from moeserve.cluster.nodes import LeaderWatch
+
+        leader = LeaderWatch(self.node, self._authkey) if self.remote and self.node is not None else None
         while True:
             time.sleep(0.2)
             if self._stopping:
                 return
             exited = self._exited()
+            if leader is not None and self._leader_gone(leader, exited):
+                return
             if exited:
                 time.sleep(0.3)  # let peers that saw the failure exit too
                 exited = self._exited()
+                if leader is not None and leader.gone(force=True):  # they died of losing the leader
+                    self._leader_gone(leader, exited, known=True)
+                    return
                 if self._replace(exited):
                     continue
                 # A rank killed by a signal is the likely cause; the others died of losing it.
@@ -411,6 +467,26 @@ class LocalCluster:
                 self.error = f"{what}\n--- end of rank {first}'s log ---\n{self._log_tail(first)}"
                 self._kill_all()
                 return
+
+    def _leader_gone(self, leader, exited: list[tuple[int, int]], known: bool = False) -> bool:
+        """A node without the leader: True when the cluster ended here, cleanly (the leader
+        stopped it: every rank here exited 0) or because node 0 is gone (``error`` names it)."""
+        local = sum(p is not None for p in self.procs)
+        if len(exited) == local and all(code == 0 for _, code in exited):
+            self.ended = True
+            return True
+        if not known and not leader.gone():
+            return False
+        deadline = time.monotonic() + 5.0  # a clean stop: the ranks here may exit just after the leader
+        while time.monotonic() < deadline and len(self._exited()) < local:
+            time.sleep(0.1)
+        exited = self._exited()
+        if len(exited) == local and all(code == 0 for _, code in exited):
+            self.ended = True
+            return True
+        self.error = leader.describe()
+        self._kill_all()
+        return True
 
     def _replace(self, exited: list[tuple[int, int]]) -> bool:
         """Start a replacement for a lost rank (the others re-form their world without it and,
@@ -482,7 +558,7 @@ class LocalCluster:
 
     def _exited(self) -> list[tuple[int, int]]:
         """(rank, exit code) of every rank process that has exited."""
-        return [(rank, code) for rank, p in enumerate(self.procs) if (code := p.poll()) is not None]
+        return [(rank, code) for rank, p in enumerate(self.procs) if p is not None and (code := p.poll()) is not None]
 
     @property
     def control_address(self) -> tuple[str, int]:
@@ -493,7 +569,7 @@ class LocalCluster:
     def alive(self) -> bool:
         """Started, not stopped, and not failed. A lost expert worker being replaced is not a
         failure: the monitor decides (it sets ``error`` when the cluster cannot go on)."""
-        return bool(self.procs) and self.error is None and not self._stopping
+        return bool(self.procs) and self.error is None and not self._stopping and not self.ended
 
     # -- use --------------------------------------------------------------------------------
 

@@ -100,10 +100,12 @@ def open_store(cfg: ClusterConfig, rank: int, secret: bytes):
     """The cluster's store (``moeserve.cluster.store``): only holders of ``secret`` reach it.
     The leader (rank 0, never replaced) serves it on MASTER_ADDR:MASTER_PORT, bound to that
     address only, not on every interface; every rank (the leader too) is its client."""
+    from moeserve.cluster.nodes import startup_timeout_s
     from moeserve.cluster.store import AuthStore, serve
 
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    timeout = datetime.timedelta(seconds=max(60.0, cfg.pg_timeout_s))
+    # another node's ranks may start minutes before node 0's store is up
+    timeout = datetime.timedelta(seconds=startup_timeout_s(max(60.0, cfg.pg_timeout_s)))
     if rank == 0:
         _SERVER.append(serve(host, port, secret))
     return AuthStore(host, port, secret, timeout)
@@ -453,6 +455,10 @@ def serve(
         from moeserve.cluster.recovery import Membership, report_members
 
         membership = Membership(cfg, rank, open_store(cfg, rank, authkey))
+        if not membership.replacing():  # every rank of every node reached the store
+            from moeserve.cluster.nodes import await_world, startup_timeout_s
+
+            await_world(membership.store, rank, cfg.world_size, startup_timeout_s(max(60.0, cfg.pg_timeout_s)) + 10)
         st = build(cfg, rank, membership, metrics.port if metrics is not None and metrics.port is not None else -1)
         # every rank's (rank, metrics port, KV blocks), at start as in every new world; a
         # replacement's reaches the leader in the gather of the survivors' re-forming
