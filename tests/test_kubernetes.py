@@ -20,8 +20,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 K8S_VERSION = "1.32.0"  # the oldest release the manifests use fields of (grpc probes: 1.27; sizeLimit ...)
 LWS = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
-# What LeaderWorkerSet sets in every container of a group (its controller), as on node 1 of 2
-LWS_ENV = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "moeserve-0.moeserve.default"}
+# What LeaderWorkerSet sets in every container of a group (its controller), and a pod address
+LWS_ENV = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "moeserve-0.moeserve.default", "POD_IP": "10.0.1.7"}
 
 
 def documents() -> list[tuple[str, dict]]:
@@ -77,13 +77,24 @@ def expand(arg: str, env: dict) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
 
 
-def moeserve_args(container: dict):
+def moeserve_args(container: dict, node_rank: int = 0):
+    """The container's command as moeserve parses it, on node ``node_rank`` of its group."""
     from moeserve.cli import build_parser
 
     cmd = container["command"]
     assert cmd[0] == "moeserve"
-    env = {**LWS_ENV, **{e["name"]: e.get("value", "") for e in container.get("env", [])}}
+    env = {**LWS_ENV, "LWS_WORKER_INDEX": str(node_rank)}
+    env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
     return build_parser().parse_args([expand(a, env) for a in cmd[1:]])
+
+
+def node_of(name: str) -> int:
+    return 0 if name.endswith("node0") else 1
+
+
+def local_ranks(args) -> int:
+    world = args.routers if args.colocated else args.routers + args.workers
+    return world // args.nnodes
 
 
 # -- the schemas ---------------------------------------------------------------------------
@@ -134,12 +145,21 @@ def test_the_validation_catches_a_misspelt_field_a_wrong_type_or_a_value_outside
 # -- against moeserve ------------------------------------------------------------------------
 
 
-def test_every_container_command_is_a_moeserve_command_line_that_moeserve_accepts():
+def test_every_container_command_is_a_moeserve_command_line_that_moeserve_accepts(monkeypatch):
+    """Parsed by moeserve's command line (argparse exits 2 on a flag it does not have) and
+    through its node layout check (node K refuses node 0's flags, N must divide the ranks, ...)."""
+    from moeserve.cli import multinode
+
+    monkeypatch.setenv("MOESERVE_CONTROL_KEY", "ab" * 16)
     for name, template, _ in pod_templates():
         for c in template["spec"]["containers"]:
-            args = moeserve_args(c)  # argparse exits 2 on a flag moeserve does not have
+            args = moeserve_args(c, node_of(name))
             assert args.command == "up", name
             assert args.backend == "nccl" and args.enable_eplb, name
+            node, key = multinode.layout(args)
+            if args.nnodes > 1:
+                assert node.node_rank == node_of(name) and key == bytes.fromhex("ab" * 16)
+                assert args.workers_per_node == local_ranks(args)  # a placement node is a host
 
 
 def test_both_pods_of_a_leaderworkerset_group_run_the_same_command_and_the_nodes_hold_every_rank():
@@ -147,38 +167,45 @@ def test_both_pods_of_a_leaderworkerset_group_run_the_same_command_and_the_nodes
         lwt = doc["spec"]["leaderWorkerTemplate"]
         leader = lwt["leaderTemplate"]["spec"]["containers"][0]
         worker = lwt["workerTemplate"]["spec"]["containers"][0]
-        assert leader["command"] == worker["command"]
-        args = moeserve_args(worker)
+        i = leader["command"].index("--state-dir")  # node 0 alone keeps the placement
+        assert leader["command"][:i] + leader["command"][i + 2 :] == worker["command"]
+        args = moeserve_args(worker, 1)
         assert (args.nnodes, args.node_rank, args.master_port) == (lwt["size"], 1, 29500)
-        assert args.master_addr == LWS_ENV["LWS_LEADER_ADDRESS"]
-        ranks = args.routers if args.colocated else args.routers + args.workers
+        assert args.master_addr == LWS_ENV["LWS_LEADER_ADDRESS"] and args.host == LWS_ENV["POD_IP"]
         gpus = int(worker["resources"]["limits"]["nvidia.com/gpu"])
-        assert ranks == lwt["size"] * gpus, "one rank per GPU on every node"
+        assert local_ranks(args) == gpus, "one rank per GPU on every node"
         assert int(leader["resources"]["limits"]["nvidia.com/gpu"]) == gpus
         # the store's port is open on node 0, the port every node is told to reach
         assert {"name": "store", "containerPort": args.master_port} in leader["ports"]
 
 
 def test_the_ports_the_flags_open_are_the_ports_the_pods_declare_and_the_probes_use():
+    from moeserve.cli.up import metrics_layout
+
     for name, template, _ in pod_templates():
         c = template["spec"]["containers"][0]
-        args = moeserve_args(c)
+        args = moeserve_args(c, node_of(name))
         declared = {p["name"]: p["containerPort"] for p in c["ports"]}
-        if name.endswith("node0"):
+        metrics = sorted(p for n, p in declared.items() if n.startswith("metrics-"))
+        if node_of(name) == 0:  # the front end, the balancer, the admin API and node 0's ranks
             want = {"http": args.http_port, "grpc": args.port, "admin": args.admin_port, "balancer": args.balancer_port}
-            want.update({"metrics-rank0": args.metrics_port, "metrics-bal": args.metrics_port + 1})
-            want["metrics-fe"] = args.metrics_port + 2
             for port_name, port in want.items():
                 assert declared.get(port_name) == port, (name, port_name)
+            layout = metrics_layout(args.metrics_port, local_ranks(args))
+            assert metrics == sorted(layout.values()), name
+            assert (declared["metrics-r0"], declared["metrics-bal"], declared["metrics-fe"]) == (
+                layout["rank0"],
+                layout["balancer"],
+                layout["frontend"],
+            )
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
             assert c["startupProbe"]["httpGet"]["port"] == "http"
             assert c["livenessProbe"]["grpc"]["port"] == args.port
-            assert args.host == "0.0.0.0"
-        else:
-            assert declared == {"metrics-rank": args.metrics_port}, name
-            probe = c["livenessProbe"]["exec"]["command"]
-            assert probe[:3] == ["moeserve", "health", "--metrics-url"]
-            assert probe[3] == f"http://127.0.0.1:{args.metrics_port}/metrics"
+        else:  # node K: its ranks' metrics from --metrics-port on, in rank order
+            assert metrics == [args.metrics_port + i for i in range(local_ranks(args))], name
+            assert set(declared) == {n for n in declared if n.startswith("metrics-")}, name
+            probe = c["livenessProbe"]["httpGet"]
+            assert probe["path"] == "/metrics" and declared[probe["port"]] == args.metrics_port
 
 
 def test_services_select_pods_that_exist_and_name_ports_those_pods_declare():
@@ -205,10 +232,10 @@ def test_secrets_claims_and_the_state_folder_are_the_ones_defined_beside_them():
                 if ref:
                     assert (ref["name"], ref["key"]) in secret_keys, (name, e["name"])
             env = {e["name"] for e in c.get("env", [])}
-            if getattr(moeserve_args(c), "nnodes", 1) > 1:  # every node proves the same secret
+            if moeserve_args(c, node_of(name)).nnodes > 1:  # every node proves the same secret
                 assert "MOESERVE_CONTROL_KEY" in env, name
             mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
-            args = moeserve_args(c)
+            args = moeserve_args(c, node_of(name))
             assert args.model.startswith("/models/") and "/models" in mounts
             if "MOESERVE_ADMIN_TOKEN" in env:  # the pod that runs the balancer keeps its state
                 state = mounts[args.state_dir]
