@@ -6,6 +6,9 @@ leaves the namespaces. Greedy tokens equal the single-process model's (fp32), al
 placement change that swaps experts between the nodes and after a worker of node 1 was killed
 and replaced by node 1's launcher; node 0 stopping ends node 1 cleanly, node 0 lost ends it
 with an error naming node 0, and a node that never starts is named at the start-up timeout.
+A model with expert groups (DeepSeek-V3, 4 groups) on 2 hosts of 2 co-located ranks keeps every
+group's replicas on one host, at start and through a rebalance the balancer plans, and serves
+the single-process tokens before and after.
 
 Needs root (``ip netns``). Under CI=true a machine that cannot make the namespaces fails the
 test; elsewhere it is skipped with the reason."""
@@ -163,6 +166,11 @@ elif what == "apply":
 elif what == "placement":
     p = admin.placement()
     print(json.dumps(dict(phy2log=p.phy2log.tolist(), version=p.version, workers_per_node=p.workers_per_node)))
+elif what == "rebalance":
+    r = Client(f"{host}:{ports['balancer']}", token=token).rebalance(wait=True, timeout=300)
+    p = admin.placement()
+    groups = admin.status().model.num_expert_groups
+    print(json.dumps(dict(applied=r.applied, note=r.note, phy2log=p.phy2log.tolist(), groups=groups)))
 """
 
 
@@ -291,3 +299,57 @@ def test_a_node_that_never_starts_is_named_at_the_start_up_timeout(namespaces, s
         if node0.poll() is None:
             node0.kill()
             node0.wait()
+
+
+def group_hosts(phy2log, group_size: int, slots_per_host: int) -> list[dict[int, set[int]]]:
+    """Per MoE layer, the hosts that hold a replica of each expert group."""
+    out = []
+    for row in phy2log:
+        hosts: dict[int, set[int]] = {}
+        for slot, expert in enumerate(row):
+            hosts.setdefault(int(expert) // group_size, set()).add(slot // slots_per_host)
+        out.append(hosts)
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_expert_groups_stay_on_one_host_through_a_rebalance_and_tokens_do_not_change(namespaces, tmp_path):
+    """DeepSeek-V3's group-limited routing: 16 experts in 4 groups, 4 co-located ranks (each a
+    router and a worker), 2 per host, 4 redundant slots (20: 10 per host). The placement's node
+    is a host (workers_per_node 2, from the layout); the balancer learns the groups from the
+    admin API and plans hierarchically, so no group spans the veth link."""
+    path = tiny_checkpoint(tmp_path / "model", "deepseek_v3", hot_experts=2)
+    info = moe_info(path)
+    assert info.num_expert_groups == 4
+    model = reference_model(path)
+    prompts = prompts_for(model.config.vocab_size, lengths=(5, 11, 3, 9), seed=3)
+    want = [reference_generate(model, p, MAX_TOKENS) for p in prompts]
+    grouped = dict(path=str(path))
+    extra = ("--colocated", "--routers", "4", "--workers", "4", "--num-redundant-experts", "4")
+    extra += ("--eplb-step-interval", "1000000", "--migration-bytes-per-step", str(info.expert_bytes))
+    secret = secrets.token_hex(16)
+    nodes = [_up(namespaces, k, grouped, secret, tmp_path, *extra) for k in (0, 1)]
+    try:
+        for k, p in enumerate(nodes):
+            _wait_line(tmp_path / f"up{k}.out", "ready", p)
+        group, per_host = info.num_logical_experts // 4, (info.num_logical_experts + 4) // 2
+        start = _client(namespaces, "placement", None, secret)
+        assert start["workers_per_node"] == 2
+        assert all(len(h) == 1 for layer in group_hosts(start["phy2log"], group, per_host) for h in layer.values())
+        assert _client(namespaces, "generate", prompts, secret) == want  # the load window holds the hot experts
+        r = _client(namespaces, "rebalance", None, secret)
+        assert r["applied"] and r["groups"] == 4, r["note"]
+        assert r["phy2log"] != start["phy2log"]
+        layers = group_hosts(r["phy2log"], group, per_host)
+        assert all(len(h) == 1 for layer in layers for h in layer.values()), layers  # each group on one host
+        assert all(sorted(layer) == [0, 1, 2, 3] for layer in layers)
+        assert _client(namespaces, "generate", prompts, secret) == want
+    finally:
+        if nodes[0].poll() is None:
+            nodes[0].send_signal(signal.SIGTERM)  # node 0 stopping ends node 1 too
+        for p in nodes:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
