@@ -15,7 +15,7 @@ from moeserve.cluster import LocalCluster
 from moeserve.config import ClusterConfig
 from moeserve.models import CheckpointError, DummyReader, families, init_model, load_model
 from moeserve.models.checkpoint import CheckpointReader
-from moeserve.models.config import FAMILIES
+from moeserve.models.families import FAMILIES
 
 WORKERS = 2
 REDUNDANT = 4

@@ -182,7 +182,7 @@ def test_capacity_and_layout_errors_are_explained():
 
 
 def test_auto_takes_the_collective_exchange_without_cuda():
-    from moeserve.cluster.rank import make_exchange
+    from moeserve.cluster.recovery import make_exchange
     from moeserve.config import ClusterConfig
 
     topo = Topology.build(1, 2, False, 4)

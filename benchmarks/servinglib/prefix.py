@@ -187,11 +187,10 @@ def warm_up_plan(plans: dict, procs: int) -> list:
     return [(c, 0.0, first, n) for c, _, first, n, _ in plans["multiturn"][: 2 * procs]]
 
 
-def run_prefix_workloads(m, plans: dict) -> None:
-    """The prefix workload through ``m``'s first API, the multi-turn one through gRPC, on ``m.up``
-    (``servinglib.workloads.Measure``); each's figures and the engine's counters meanwhile."""
-    from servinglib.clients import drive
-
+def run_prefix_workloads(m, plans: dict, drive) -> None:
+    """The prefix workload through ``m``'s first API, the multi-turn one through gRPC
+    (``drive``: ``servinglib.clients.drive``), on ``m.up`` (``servinglib.workloads.Measure``);
+    each's figures and the engine's counters meanwhile."""
     a, up = m.a, m.up
     for key in ("prefix", "multiturn"):
         plan = plans.get(key)

@@ -250,7 +250,7 @@ def run_moeserve(
 
             if "burst" not in plans:
                 warm_up(up.api_address(m.first), warm_up_plan(plans, a.client_procs), a.client_procs, api=m.first)
-            run_prefix_workloads(m, plans)
+            run_prefix_workloads(m, plans, drive)
         m.finish(sizes)
     except Exception as e:  # noqa: BLE001 - one configuration's failure
         m.res["error"] = f"{type(e).__name__}: {e}"

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from moeserve.cli import UsageError
-from moeserve.models.config import FAMILIES
+from moeserve.models.families import FAMILIES
 
 FAMILY_FIELDS = {  # CLI option -> config.json field, per family
     "num_layers": dict.fromkeys(FAMILIES, "num_hidden_layers"),

@@ -138,7 +138,7 @@ def run_node(args, kw: dict, node, key: bytes, prog: str) -> int:
     """Node K > 0: start this node's ranks with node 0's config, print ``ready`` once the
     cluster is, replace lost ranks, and return 0 when node 0 stopped the cluster (or on SIGTERM
     or Ctrl-C, which take this node's ranks out), 1 when the cluster failed or node 0 is gone."""
-    from moeserve.cli import up
+    from moeserve.cli.launching import Replacements, start_cluster
     from moeserve.cluster.launcher import LocalCluster
     from moeserve.router.engine.channel import ClusterError
 
@@ -174,7 +174,7 @@ def run_node(args, kw: dict, node, key: bytes, prog: str) -> int:
 
     try:
         try:
-            up._start_cluster(cluster, len(here), on_signal, getattr(args, "startup_progress", False), args.model)
+            start_cluster(cluster, len(here), on_signal, getattr(args, "startup_progress", False), args.model)
         except ClusterError as e:
             print(f"{prog}: node {node.node_rank}: the cluster did not start: {e}", file=sys.stderr, flush=True)
             return 1
@@ -187,7 +187,7 @@ def run_node(args, kw: dict, node, key: bytes, prog: str) -> int:
             for r in here:
                 print(f"metrics  rank {r:<23} http://{args.host}:{mkw['metrics_ports'][r]}/metrics", flush=True)
         print("ready", flush=True)
-        told = up.Replacements(prog, cluster)
+        told = Replacements(prog, cluster)
         while not stop.wait(0.2) and cluster.alive:
             told.say()
         told.say()

@@ -12,6 +12,7 @@ docs/dataplane.md says who writes each).
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import logging
@@ -21,9 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from moeserve.config import ClusterConfig
+from moeserve.dataplane.collective import CollectiveExchange
 from moeserve.dataplane.exchange import Topology
 
 log = logging.getLogger("moeserve.rank")
@@ -258,7 +261,6 @@ def reform(st, cfg: ClusterConfig, device, m: Membership, gen: Generation, survi
     re-admitted), installed; the exchange rebuilt on the members' topology and every pair
     warmed up; one gather of each member's metrics port and KV blocks (a replacement router
     opens with them). ``survivors``: the leader's set of the old members that are in ``gen``."""
-    from moeserve.cluster.rank import join, make_exchange
     from moeserve.expert_worker.migration import warm_up_pairs
 
     old = m.gen
@@ -323,4 +325,80 @@ def peer_lost(error: BaseException) -> bool:
     )
 
 
-__all__ = ["Membership", "Generation", "Dropped", "recover", "regroup", "reform", "report_members", "peer_lost"]
+def join(cfg: ClusterConfig, membership, device: torch.device):
+    """Join the world of the membership's generation (0 at start; one more each time the world
+    re-forms): the data group and the gloo control group, this rank at its index among the
+    members. Returns the control group. Gloo (and NCCL's bootstrap) use the interface that
+    holds this rank's address towards the leader, unless GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME say otherwise."""
+    from moeserve.cluster.netif import data_interface
+
+    iface = data_interface(os.environ["MASTER_ADDR"])
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
+    dist.init_process_group(
+        cfg.backend,
+        store=dist.PrefixStore(f"generation{membership.gen.number}", membership.store),
+        rank=membership.dist_rank,
+        world_size=membership.world_size,
+        timeout=timeout,
+        device_id=device if cfg.backend == "nccl" else None,
+    )
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def make_exchange(
+    cfg: ClusterConfig,
+    topo: Topology,
+    rank: int,
+    device: torch.device,
+    control,
+    hidden_size: int,
+    dtype: torch.dtype,
+    top_k: int,
+):
+    """The data plane's per-layer exchange, the same kind on every rank (``cfg.exchange``).
+
+    "auto" takes the direct NVLink exchange when every rank can run it (one collective on the
+    control group decides), else the collective one; "nvlink" insists and fails otherwise.
+    """
+    if cfg.exchange == "collective" or cfg.backend != "nccl":
+        return CollectiveExchange(topo, rank, group=None, device=device)
+    from moeserve.dataplane import nvlink
+
+    ok, why = nvlink.usable(device)
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=control)
+    if not int(flag.item()):
+        if cfg.exchange == "nvlink":
+            raise RuntimeError(
+                f"exchange='nvlink' cannot run on every rank (rank {rank}: {why or 'usable'}); "
+                f"use exchange='auto' or 'collective'"
+            )
+        return CollectiveExchange(topo, rank, group=None, device=device)
+    return nvlink.NvlinkExchange(
+        topo,
+        rank,
+        device,
+        hidden_size,
+        dtype,
+        pair_capacity=cfg.limits.max_num_batched_tokens * top_k,
+        top_k=top_k,
+        timeout_ms=int(cfg.pg_timeout_s * 1000),
+    )
+
+
+__all__ = [
+    "Membership",
+    "Generation",
+    "Dropped",
+    "recover",
+    "regroup",
+    "reform",
+    "report_members",
+    "peer_lost",
+    "join",
+    "make_exchange",
+]

@@ -75,21 +75,10 @@ class TensorSlice(Protocol):
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
-def experts_quantized(cfg: ModelConfig) -> bool:
-    """Whether ``cfg``'s routed experts are FP8 (its quantization keeps none of them in the
-    checkpoint's dtype; checked against the tensors when they are read)."""
-    scheme = cfg.quantization
-    if scheme is None or not cfg.num_moe_layers:
-        return False
-    n = families.names(cfg)
-    module = f"{n.experts(cfg.moe_layer_ids[0])}0.{n.expert_linears[0]}"
-    return scheme.online_quantizes(module) if scheme.format == "online" else not scheme.ignores(module)
-
-
 def expert_spec(cfg: ModelConfig, dtype: torch.dtype) -> ExpertSpec:
     """The routed experts' spec for compute dtype ``dtype`` (FP8 weights when quantized)."""
     quant = None
-    if experts_quantized(cfg):
+    if families.experts_quantized(cfg):
         assert cfg.quantization is not None
         if cfg.expert_bias:
             raise CheckpointError(
@@ -400,7 +389,7 @@ def read_expert(reader, moe_layer: int, expert: int, dtype: torch.dtype | None =
     prefix = reader._experts_prefix(moe_layer)
     if not 0 <= expert < n_exp:
         raise ValueError(f"logical expert id {expert} out of range 0..{n_exp - 1}")
-    quantized = experts_quantized(cfg)
+    quantized = families.experts_quantized(cfg)
     if reader.expert_layout(moe_layer) == "fused":
         return _read_fused(reader, prefix, expert, dtype, quantized)
     g_name, u_name, d_name = names.expert_linears

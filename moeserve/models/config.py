@@ -31,6 +31,7 @@ layer ``m``. Everything that talks to expert workers (dispatch, placement, load)
 from __future__ import annotations
 
 import builtins
+import importlib
 import json
 import math
 from dataclasses import dataclass, replace
@@ -52,7 +53,6 @@ MODEL_TYPES = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
 }
-FAMILIES = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCORINGS = ("softmax", "sigmoid")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
@@ -279,8 +279,6 @@ def parse_config(
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"{source}: unknown model_type {model_type!r}; allowed: {', '.join(MODEL_TYPES)}")
-    from moeserve.models import families  # (the families' modules import this one)
-
     f = Fields(raw, source)
     if model_type == "llama4":
         text = raw.get("text_config")
@@ -289,7 +287,8 @@ def parse_config(
                 f"{source}: model_type 'llama4' needs a 'text_config' object (the text model's settings)"
             )
         f = Fields({**{k: raw[k] for k in ("dtype", "torch_dtype") if k in raw}, **text}, source, "text_config.")
-    cfg = families.module(MODEL_TYPES[model_type]).parse(f, model_type)
+    # the family's module (moeserve.models.<family>, which imports this one; families.module)
+    cfg = importlib.import_module(f"moeserve.models.{MODEL_TYPES[model_type]}").parse(f, model_type)
     if eos_override is not None:
         cfg = replace(cfg, eos_token_ids=eos_override)
     qc = raw.get("quantization_config")

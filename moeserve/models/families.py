@@ -27,8 +27,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-from moeserve.models.config import FAMILIES, ModelConfig
+if TYPE_CHECKING:
+    from moeserve.models.config import ModelConfig
+
+# The families, each a module moeserve.models.<family> (config.py reads config.json through them)
+FAMILIES = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -164,10 +169,15 @@ def mla_shapes(cfg: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
 def fused_fp8(cfg: ModelConfig) -> bool:
     """Whether ``cfg``'s FP8 experts must be stored one Linear per expert although the family
     publishes fused tensors (the published FP8 Llama 4 checkpoints do: fused FP8 is no layout)."""
-    return cfg.quantization is not None and names(cfg).fused and _experts_fp8(cfg)
+    return cfg.quantization is not None and names(cfg).fused and experts_quantized(cfg)
 
 
-def _experts_fp8(cfg: ModelConfig) -> bool:
-    from moeserve.models.checkpoint import experts_quantized
-
-    return experts_quantized(cfg)
+def experts_quantized(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s routed experts are FP8 (its quantization keeps none of them in the
+    checkpoint's dtype; checked against the tensors when they are read)."""
+    scheme = cfg.quantization
+    if scheme is None or not cfg.num_moe_layers:
+        return False
+    n = names(cfg)
+    module = f"{n.experts(cfg.moe_layer_ids[0])}0.{n.expert_linears[0]}"
+    return scheme.online_quantizes(module) if scheme.format == "online" else not scheme.ignores(module)

@@ -46,7 +46,8 @@ import torch
 from safetensors.torch import save_file
 
 from moeserve.models import families
-from moeserve.models.config import DTYPES, FAMILIES, ModelConfig, parse_config
+from moeserve.models.config import DTYPES, ModelConfig, parse_config
+from moeserve.models.families import FAMILIES
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos
 WRITTEN_FILES = (
@@ -90,7 +91,7 @@ def defaults(family: str) -> dict[str, Any]:
 def init_model(
     path: str | Path, family: str = "llama4", seed: int = 0, hot_experts: int = 0, **config_overrides
 ) -> Path:
-    """Write a random checkpoint of ``family`` (one of ``config.FAMILIES``) into folder ``path``.
+    """Write a random checkpoint of ``family`` (one of ``families.FAMILIES``) into folder ``path``.
 
     ``config_overrides`` are config.json fields in the transformers-5 spelling (for example
     ``num_hidden_layers=8``, ``num_local_experts=16``, ``moe_num_experts=32``, ``dtype="bfloat16"``,
