@@ -37,6 +37,8 @@ from moeserve import kernels  # noqa: E402
 SHAPES = {
     "scout": dict(hidden=5120, inter=8192, slots=16, top_k=1),
     "ernie": dict(hidden=2560, inter=1536, slots=64, top_k=6),
+    "qwen3": dict(hidden=2048, inter=768, slots=144, top_k=8),  # Qwen3-30B-A3B, 128 experts + 16 redundant
+    "gptoss": dict(hidden=2880, inter=2880, slots=36, top_k=4),  # GPT-OSS-20B's shape, bf16 (no biases here)
 }
 CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))  # (BN, BK, warps, stages)
 FP8_CANDIDATES = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (False, True)))  # ..., swap

@@ -35,6 +35,7 @@ MODULES = (
     "moeserve.kernels.triton_sampling",
     "moeserve.kernels.triton_experts",
     "moeserve.kernels.triton_exchange",
+    "moeserve.kernels.triton_mla",
 )
 
 
@@ -43,11 +44,13 @@ def _forget_kernels():
     import reads TRITON_INTERPRET again."""
     import moeserve.kernels as K
     import moeserve.models.attention as A
+    import moeserve.models.mla as M
     import moeserve.sampling as S
 
     for name in MODULES:
         sys.modules.pop(name, None)
     A._kernels.cache_clear()
+    M._kernels.cache_clear()
     S._kernel.cache_clear()
     K._kernels.cache_clear()
     K._expert_kernels.cache_clear()
@@ -297,6 +300,37 @@ def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, ki
     assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mla_warm_up_compiles_every_key_a_step_can_launch(launches, dtype):
+    """A DeepSeek-V3 router compiles the absorbed MLA kernel at start (``models.mla.warm_up_mla``
+    on layer 0's latent pool): decode, prefill and mixed steps of any shape, on any layer's
+    pool, then find its one key."""
+    from moeserve.models.config import MLAConfig
+    from moeserve.models.mla import mla_decode_triton, warm_up_mla
+
+    hq, r, dr, block_size = 16, 128, 32, 16
+    mla = MLAConfig(
+        q_lora_rank=64, kv_lora_rank=r, qk_nope_head_dim=32, qk_rope_head_dim=dr, v_head_dim=32, softmax_scale=0.1
+    )
+    pools = torch.empty(3, 4096 * block_size, 1, r + dr, dtype=dtype)  # [layers, slots, 1, C]
+    assert warm_up_mla(pools[0], hq, mla, block_size, 0.1) == 1
+    warm = _keys(launches, "mla_decode_kernel")
+    launches.clear()
+    rng = random.Random(2)
+    for s in [1, 2, 3, 7, 16, 17, 64, 65, 200]:
+        for lens, starts in (
+            ([1] * s, [rng.randrange(0, 9000) for _ in range(s)]),
+            ([rng.randrange(1, 300) for _ in range(s)], [rng.choice([0, rng.randrange(0, 3000)]) for _ in range(s)]),
+            ([1] * (s - 1) + [rng.randrange(2, 900)], [rng.randrange(0, 5000) for _ in range(s)]),
+        ):
+            batch, _ = _batch(lens, starts, block_size)
+            q_c = torch.empty(batch.num_tokens, hq, r, dtype=dtype)
+            q_pe = torch.empty(batch.num_tokens, hq, dr, dtype=dtype)
+            mla_decode_triton(q_c, q_pe, pools[1 + s % 2], batch, scale=0.1, kv_lora_rank=r)
+    seen = _keys(launches, "mla_decode_kernel")
+    assert launches["mla_decode_kernel"] and seen <= warm, sorted(seen - warm)
+
+
 # Every kernel of the serving path and what compiles it before the server is ready. A kernel
 # added to moeserve/kernels/ joins this table (and gets a test above that its warm-up covers every
 # key a step can launch), or the next test fails. None: not compiled before ready yet, and why.
@@ -304,6 +338,7 @@ WARMED = {
     "paged_attention_kernel": "router: models.attention.warm_up_attention",
     "paged_attention_reduce_kernel": "router: models.attention.warm_up_attention",
     "race_kernel": "router: sampling.warm_up",
+    "mla_decode_kernel": "router: models.mla.warm_up_mla",
     "expert_matmul_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",
     "silu_mul_kernel": None,  # torch._grouped_mm's activation (prefill steps of bf16 experts): the first prefill
     "weighted_sum_kernel": None,  # the combine of weights on the output (ERNIE): the first step

@@ -274,7 +274,12 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
 
         races = sampling.warm_up(vocab_size, device)
         model, cache = st.runner.model, st.runner.cache
-        if kernels.available():
+        if kernels.available() and model.config.mla is not None:
+            from moeserve.models.mla import warm_up_mla
+
+            attn = model.layers[0].attn
+            attention = warm_up_mla(cache.k[0], model.config.num_heads, model.config.mla, cache.block_size, attn.scale)
+        elif kernels.available():
             attention = warm_up_attention(
                 cache.k[0],
                 cache.v[0],

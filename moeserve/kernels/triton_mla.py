@@ -57,7 +57,13 @@ def _latent_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The block table's width and the step's packed metadata (block tables, positions, sequence of
+# each token) follow the step's shape: left unspecialized, so that one compile per model and
+# dtype serves every step (tests/test_triton_specialization.py).
+@triton.jit(
+    do_not_specialize=["stride_bt"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "positions_ptr", "seq_ptr"],
+)
 def mla_decode_kernel(
     qc_ptr,
     qpe_ptr,

@@ -283,6 +283,19 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def warm_up_mla(pool: torch.Tensor, num_heads: int, mla: MLAConfig, block_size: int, scale: float) -> int:
+    """Compile ``mla_decode_triton`` before serving, on one layer's latent pool [N, 1, C] (every
+    layer's view has the same strides): its launch configuration depends on the model and the
+    dtype alone, so one decode launch covers every step, decode, prefill or mixed. Reads block
+    0 of the pool, writes nothing of it. Returns the launches."""
+    device, dtype = pool.device, pool.dtype
+    batch = PagedBatch.build([1], [0], [[0]], block_size, device)
+    q_c = torch.zeros(1, num_heads, mla.kv_lora_rank, dtype=dtype, device=device)
+    q_pe = torch.zeros(1, num_heads, mla.qk_rope_head_dim, dtype=dtype, device=device)
+    mla_decode_triton(q_c, q_pe, pool, batch, scale=scale, kv_lora_rank=mla.kv_lora_rank)
+    return 1
+
+
 def mla_decode_triton(
     q_c: torch.Tensor,
     q_pe: torch.Tensor,
