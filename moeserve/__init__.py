@@ -8,7 +8,8 @@ data plane, the client SDK and the CLI). The services are installed beside it as
 
 import os as _os
 
-__version__ = "0.1.0"
+from moeserve.version import __version__
+
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

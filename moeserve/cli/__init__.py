@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from moeserve import __version__
+from moeserve.version import __version__
 
 # Modules under moeserve.cli that provide subcommands, in the order ``--help`` lists them.
 SUBCOMMAND_MODULES: tuple[str, ...] = ("demo", "init_model", "generate", "serve", "up", "services", "ops", "health")

@@ -20,8 +20,6 @@ import sys
 import time
 from collections.abc import Mapping
 
-import moeserve
-
 
 def describe_exit(code: int) -> str:
     """A child's exit status in words: "code 1", "signal SIGKILL"."""
@@ -48,7 +46,7 @@ def module_command(module: str, *args: str) -> list[str]:
 
 def source_root() -> str:
     """The folder this process imported moeserve from (the one that holds ``moeserve/``)."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(moeserve.__file__)))
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # .../moeserve/ops/procs.py
 
 
 def child_env(**extra: str) -> dict[str, str]:

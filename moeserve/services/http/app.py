@@ -57,7 +57,6 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from moeserve import __version__
 from moeserve.router.engine.api import Unavailable
 from moeserve.services.admission import Admission
 from moeserve.services.http.choices import FINISH, Choice, Run, drive, log_softmax_row
@@ -100,6 +99,7 @@ from moeserve.services.http.tokens import TokenRoutes
 from moeserve.services.http.tools import Tools, ToolStream, parse_tools, template_messages
 from moeserve.services.limits import MAX_CHOICES, MAX_LOGPROBS, MAX_N, request_budget, request_cost
 from moeserve.services.tokenizer import Detokenizer, StopStrings
+from moeserve.version import __version__
 
 if TYPE_CHECKING:
     from moeserve.router.engine.api import GenerateRequest
