@@ -191,12 +191,23 @@ class ExpertStore:
         """Compile the Triton expert kernels for every rows-per-pass a step can pick, before
         serving (``kernels.warm_up_expert_mlp`` on layer 0's views: the same strides as every
         layer's). Returns the block sizes compiled; [] where a step never picks them (not CUDA
-        bf16, ``MOESERVE_EXPERT_KERNEL=grouped_mm``, no Triton)."""
-        if not self.capturable or expert_block_m_for(1, 1) == 0:
-            return []
+        bf16, ``MOESERVE_EXPERT_KERNEL=grouped_mm``, no Triton). Also the activation kernel
+        between the two ``torch._grouped_mm`` of a step with many rows per slot (a prefill), where
+        that path takes it (bf16 SwiGLU without biases)."""
         from moeserve import kernels
 
         w = self.weights(0)
+        dev, spec = w["gate_up"].device, self.spec
+        if (
+            kernels.available()
+            and grouped_mm_applies(spec, dev, spec.dtype)
+            and not spec.has_bias
+            and spec.activation == "silu"
+        ):
+            gu = torch.zeros(1, 2 * spec.intermediate_size, dtype=spec.dtype, device=dev)
+            kernels.silu_mul(gu, torch.zeros(1, dtype=torch.int32, device=dev))  # total: offs[-1:], int32
+        if not self.capturable or expert_block_m_for(1, 1) == 0:
+            return []
         return kernels.warm_up_expert_mlp(
             w["gate_up"], w["down"], self.scales(0), self.spec.dtype, expert_act(self.spec, w)
         )

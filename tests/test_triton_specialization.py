@@ -24,6 +24,7 @@ import random
 import sys
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 from triton_util import needs_triton
@@ -180,6 +181,7 @@ def test_the_exchange_helpers_compile_once_whatever_the_row_count(launches):
     for t in list(range(1, 300, 5)) + [512, 1024]:
         K.weighted_sum(torch.empty(t * 2, 96), torch.empty(t, 2))
         K.silu_mul(torch.empty(t, 2 * 48), torch.tensor([t], dtype=torch.int32))
+        K.silu_mul(torch.empty(t, 2 * 48), torch.zeros(t % 13 + 1, dtype=torch.int32)[-1:])  # a slot table's last
     assert_one_key_per_config(launches, "weighted_sum_kernel", range(1, 2))
     assert_one_key_per_config(launches, "silu_mul_kernel", range(1, 2))
 
@@ -331,6 +333,104 @@ def test_the_mla_warm_up_compiles_every_key_a_step_can_launch(launches, dtype):
     assert launches["mla_decode_kernel"] and seen <= warm, sorted(seen - warm)
 
 
+def _exchange_stand_in(graphs: bool, rank: int = 1):
+    """What NvlinkExchange.warm_up_kernels reads of its exchange, without symmetric memory: rank
+    1 of 2 co-located ranks, 20 slots, top-4, hidden 64 in bf16."""
+    from types import SimpleNamespace
+
+    from moeserve.dataplane.exchange import Topology
+
+    topo = Topology.build(2, 2, True, 20)
+    return SimpleNamespace(
+        device=torch.device("cpu"),
+        topo=topo,
+        rank=rank,
+        router=topo.router_index(rank),
+        worker=topo.worker_index(rank),
+        worker_base=topo.worker_ranks[0],
+        hidden_size=64,
+        dtype=torch.bfloat16,
+        pair_capacity=512 * 4,
+        top_k=4,
+        graphs=graphs,
+        shift=torch.zeros(20, dtype=torch.long),
+        offs=torch.zeros(10, dtype=torch.int32),
+    )
+
+
+EXCHANGE_KERNELS = ("expert_count_kernel", "route_kernel", "publish_kernel", "prep_kernel")
+EXCHANGE_KERNELS += ("scatter_pairs_kernel", "return_rows_kernel")
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_the_exchange_warm_up_compiles_every_key_a_step_can_launch(launches, graphs):
+    """A rank of the direct exchange compiles its kernels at start on scratch buffers
+    (``NvlinkExchange.warm_up_kernels``, N = 0 pairs); the launches of serving steps then find
+    their key there: eager steps' own argument row or a whole-step graph's row of any MoE layer,
+    every layer's rows of the placement tables and of the load counters, any placement (one
+    replica or several, with break-even counts or none), inputs scaled or not."""
+    from moeserve import kernels as K
+    from moeserve.dataplane.nvlink import NvlinkExchange
+    from moeserve.router.dispatcher import RouterMaps
+
+    ex = _exchange_stand_in(graphs)
+    layers, e, p = 5, 16, ex.topo.num_slots
+    rng = np.random.default_rng(0)
+    phy2log = np.stack([np.concatenate([np.arange(e), rng.integers(0, e, p - e)]) for _ in range(layers)])
+    breakeven = np.where(rng.random((layers, e)) < 0.5, 0, 8)
+    maps = RouterMaps(phy2log, e, 3, breakeven=breakeven)
+    assert NvlinkExchange.warm_up_kernels(ex, maps, layers) > 0
+    warm = {k: _keys(launches, k) for k in EXCHANGE_KERNELS}
+    launches.clear()
+    r = ex.topo.world_size
+    counts = torch.zeros(r, p, dtype=torch.long)
+    rows = torch.zeros(r * ex.pair_capacity, ex.hidden_size, dtype=torch.bfloat16)
+    meta = torch.zeros(r * ex.pair_capacity, dtype=torch.long)
+    out = torch.zeros(ex.pair_capacity, ex.hidden_size, dtype=torch.bfloat16)
+
+    def table(t):
+        return torch.full((r,), t.data_ptr(), dtype=torch.long)
+
+    step_args = torch.zeros(layers, 5, dtype=torch.long)  # a whole-step graph's rows: 40 bytes apart
+    sent_rows = torch.zeros(layers, r * ex.topo.slots_per_worker + 3, dtype=torch.long)
+    for tokens in (1, 7, 64, 300):
+        x = torch.zeros(tokens, ex.hidden_size, dtype=torch.bfloat16)
+        ids = torch.from_numpy(rng.integers(0, e, (tokens, ex.top_k)))
+        w = torch.zeros(tokens * ex.top_k, dtype=torch.bfloat16)
+        for layer in range(layers):
+            for scaled in (False, True):
+                host = K.pair_args(x, ids, w if scaled else None, tokens * ex.top_k, layer)
+                args = step_args[layer] if graphs else host.clone()
+                args.copy_(host)
+                single = bool(maps.single[layer]) and not graphs
+                slots, hist = K.route(
+                    args,
+                    maps.log2phy[layer],
+                    maps.logcnt[layer],
+                    p,
+                    single,
+                    ex.top_k,
+                    ex.pair_capacity,
+                    maps.route_breakeven(layer, always=graphs),
+                    ex.router,
+                    ex.topo.num_routers,
+                )
+                prefix = torch.empty_like(hist)
+                sent = sent_rows[layer, layer % 3 : layer % 3 + p]
+                K.publish(args, hist, prefix, table(counts), ex.rank, sent, p)
+                K.prep(counts, ex.rank, ex.worker, ex.topo.num_workers, ex.shift, ex.offs)
+                K.scatter_pairs(
+                    args, ex.dtype, ex.hidden_size, ex.top_k, scaled, slots, prefix, ex.shift,
+                    ex.topo.slots_per_worker, ex.worker_base, table(rows), table(meta), ex.rank * ex.pair_capacity,
+                )  # fmt: skip
+                K.return_rows(rows, meta, ex.offs[-1:], table(out), ex.pair_capacity)
+    for k in EXCHANGE_KERNELS:
+        seen = _keys(launches, k)
+        if k != "expert_count_kernel" or graphs:
+            assert seen, f"{k} was never launched"
+        assert seen <= warm[k], (k, sorted(seen - warm[k]))
+
+
 # Every kernel of the serving path and what compiles it before the server is ready. A kernel
 # added to moeserve/kernels/ joins this table (and gets a test above that its warm-up covers every
 # key a step can launch), or the next test fails. None: not compiled before ready yet, and why.
@@ -340,14 +440,14 @@ WARMED = {
     "race_kernel": "router: sampling.warm_up",
     "mla_decode_kernel": "router: models.mla.warm_up_mla",
     "expert_matmul_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",
-    "silu_mul_kernel": None,  # torch._grouped_mm's activation (prefill steps of bf16 experts): the first prefill
-    "weighted_sum_kernel": None,  # the combine of weights on the output (ERNIE): the first step
-    "expert_count_kernel": None,  # the direct exchange's kernels: the first forward step
-    "route_kernel": None,
-    "publish_kernel": None,
-    "prep_kernel": None,
-    "scatter_pairs_kernel": None,
-    "return_rows_kernel": None,
+    "silu_mul_kernel": "worker: ExpertStore.warm_up_kernels",  # torch._grouped_mm's activation (prefills)
+    "weighted_sum_kernel": "router: cluster.rank._warm_up_kernels",  # the combine over k of weighed outputs
+    "expert_count_kernel": "any rank: NvlinkExchange.warm_up_kernels",  # the direct exchange's kernels
+    "route_kernel": "any rank: NvlinkExchange.warm_up_kernels",
+    "publish_kernel": "any rank: NvlinkExchange.warm_up_kernels",
+    "prep_kernel": "any rank: NvlinkExchange.warm_up_kernels",
+    "scatter_pairs_kernel": "any rank: NvlinkExchange.warm_up_kernels",
+    "return_rows_kernel": "any rank: NvlinkExchange.warm_up_kernels",
 }
 
 

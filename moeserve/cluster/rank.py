@@ -259,16 +259,29 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
     """Compile, before the rank is ready, the Triton kernels whose launch configurations a
     step picks from its shape: the expert kernels' rows per pass (a worker), the race sampler
     with and without a threshold, the paged attention's decode and prefill tiles at every split
-    for each kind of attention layer the model has (chunk, window, sinks), and the FP8 linears
-    (a router); the table of tests/test_triton_specialization.py says which kernel is compiled
+    for each kind of attention layer the model has (chunk, window, sinks; or the MLA kernel),
+    the combine over k and the FP8 linears (a router), the direct exchange's kernels for every
+    MoE layer (any rank); the table of tests/test_triton_specialization.py says which kernel is compiled
     where. Each is ~1 s of host time on an H200 host that a step would otherwise wait for, mid-serving."""
     if device.type != "cuda":
         return
     t0 = time.perf_counter()
     blocks = st.store.warm_up_kernels() if st.store is not None else []
-    races = linears = attention = 0
+    races = linears = attention = exchange = 0
+    from moeserve import kernels
+    from moeserve.dataplane.nvlink import NvlinkExchange
+
+    if isinstance(st.exchange, NvlinkExchange):
+        exchange = st.exchange.warm_up_kernels(st.maps, st.num_layers)
+    if st.runner is not None and st.top_k > 1 and kernels.available():
+        # the combine over k of a family that weighs the outputs (every one but Llama 4)
+        kernels.weighted_sum(
+            torch.zeros(st.top_k, st.hidden_size, dtype=st.dtype, device=device),
+            torch.zeros(1, st.top_k, dtype=st.dtype, device=device),
+        )
+        exchange += 1
     if st.runner is not None:
-        from moeserve import kernels, sampling
+        from moeserve import sampling
         from moeserve.models.attention import warm_up_attention
         from moeserve.models.quant import QuantLinear
 
@@ -292,14 +305,15 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
         if fp8 and kernels.available():
             linears = kernels.warm_up_fp8_linears(fp8, st.dtype)
     torch.cuda.synchronize(device)
-    if blocks or races or linears or attention:
+    if blocks or races or linears or attention or exchange:
         log.info(
-            "compiled the expert kernels for rows per pass %s, %d race sampler, %d paged attention and %d FP8 "
-            "linear configurations in %.1f s",
+            "compiled the expert kernels for rows per pass %s, %d race sampler, %d paged attention, %d FP8 "
+            "linear and %d exchange and combine launches in %.1f s",
             blocks,
             races,
             attention,
             linears,
+            exchange,
             time.perf_counter() - t0,
         )
 

@@ -190,6 +190,76 @@ class NvlinkExchange:
         self.out.zero_()  # rows of padded pairs are read, never used
         self._barrier()  # every rank's counts are zero
 
+    def warm_up_kernels(self, maps, num_moe_layers: int) -> int:
+        """Compile, before the rank is ready, every kernel a MoE layer of this exchange launches
+        (route and its expert count, publish, prep, scatter, return), at each launch
+        configuration a layer can reach: the replica rule with and without replicas and
+        break-even counts when steps run eagerly (graphs always take the general rule), inputs
+        scaled by the weights or not. On this rank's own scratch copies of the shared buffers,
+        with arguments of N = 0 pairs: nothing is read past them, nothing reaches a peer, no
+        barrier is passed. The kernels leave the per-step and per-layer inputs unspecialized on
+        alignment (``moeserve.kernels.triton_exchange``), so these keys are the serving keys
+        (tests/test_triton_specialization.py). ``maps``: this router's RouterMaps (None on a
+        worker alone). Returns the launches."""
+        dev, r, p = self.device, self.topo.world_size, self.topo.num_slots
+        args = kernels.pair_args(None, None, None, 0, 0).to(dev)
+        counts = torch.zeros(r, p, dtype=torch.long, device=dev)
+        rows = torch.zeros(1, self.hidden_size, dtype=self.dtype, device=dev)
+        meta = torch.zeros(1, dtype=torch.long, device=dev)
+
+        def table(t):  # every "peer" is this scratch
+            return torch.full((r,), t.data_ptr(), dtype=torch.long, device=dev)
+
+        counts_table, rows_table, meta_table = table(counts), table(rows), table(meta)
+        shift, offs = torch.zeros_like(self.shift), torch.zeros_like(self.offs)
+        sent = torch.zeros(p, dtype=torch.long, device=dev)
+        launches = 0
+        if self.router is not None and maps is not None:
+            for layer in range(num_moe_layers):
+                if self.graphs:
+                    rules = [(False, maps.route_breakeven(layer, always=True))]
+                else:
+                    rules = [(single, b) for single in (True, False) for b in (None, maps.breakeven[layer])]
+                for single, b in rules:
+                    slots, hist = kernels.route(
+                        args,
+                        maps.log2phy[layer],
+                        maps.logcnt[layer],
+                        p,
+                        single,
+                        self.top_k,
+                        self.pair_capacity,
+                        b,
+                        self.router,
+                        self.topo.num_routers,
+                    )
+                    prefix = torch.empty_like(hist)
+                    kernels.publish(args, hist, prefix, counts_table, self.rank, sent, p)
+                    launches += 2
+                    for scaled in (False, True):
+                        kernels.scatter_pairs(
+                            args,
+                            self.dtype,
+                            self.hidden_size,
+                            self.top_k,
+                            scaled,
+                            slots,
+                            prefix,
+                            shift,
+                            self.topo.slots_per_worker,
+                            self.worker_base,
+                            rows_table,
+                            meta_table,
+                            self.rank * self.pair_capacity,
+                        )
+                        launches += 1
+        kernels.prep(counts, self.rank, -1 if self.worker is None else self.worker, self.topo.num_workers, shift, offs)
+        launches += 1
+        if self.worker is not None:
+            kernels.return_rows(rows, meta, offs[-1:], table(rows), self.pair_capacity)
+            launches += 1
+        return launches
+
     def _barrier(self) -> None:
         self._h_counts.barrier(channel=0, timeout_ms=self.timeout_ms)
 

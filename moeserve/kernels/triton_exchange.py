@@ -8,8 +8,14 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+# Inputs that a step or a layer hands over as views at offsets that follow it (a whole-step
+# graph's row of arguments per MoE layer, a layer's rows of the placement tables and of the
+# load counters, a slot table's last entry) are not specialized on their alignment: each kernel
+# then compiles once per model whatever the layer and the step, and the warm-ups before ready
+# (NvlinkExchange.warm_up_kernels, ExpertStore.warm_up_kernels) find every key a step launches.
 
-@triton.jit
+
+@triton.jit(do_not_specialize_on_alignment=["args_ptr"])
 def expert_count_kernel(args_ptr, ecnt_ptr, B: tl.constexpr, EB: tl.constexpr):
     # Block b of B pairs of the N in args: its pairs per logical expert, added to ecnt [EB] (int32,
     # zeroed before the launch). Blocks past N (the grid covers the capacity) do nothing.
@@ -25,7 +31,7 @@ def expert_count_kernel(args_ptr, ecnt_ptr, B: tl.constexpr, EB: tl.constexpr):
         tl.atomic_add(ecnt_ptr + bins, h, mask=h > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["args_ptr", "log2phy_ptr", "logcnt_ptr", "ecnt_ptr", "b_ptr"])
 def route_kernel(
     args_ptr,
     log2phy_ptr,
@@ -78,7 +84,7 @@ def route_kernel(
         tl.store(hist_ptr + b * PB + tl.arange(0, PB), tl.histogram(slot, PB, mask=m))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["args_ptr", "sent_ptr"])
 def publish_kernel(
     args_ptr,
     hist_ptr,
@@ -149,7 +155,7 @@ def prep_kernel(
         tl.store(offs_ptr + s1, offs.to(tl.int32), mask=s1 < S)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["args_ptr"])
 def scatter_pairs_kernel(
     args_ptr,
     slots_ptr,
@@ -210,7 +216,7 @@ def scatter_pairs_kernel(
             tl.store(dst[:, None] + row[:, None] * H + cols[None, :], v, mask=mm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["total_ptr"])
 def return_rows_kernel(
     y_ptr, meta_ptr, total_ptr, out_table, capacity, H: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr
 ):
@@ -231,7 +237,7 @@ def return_rows_kernel(
             tl.store(dst[:, None] + row[:, None] * H + cols[None, :], v, mask=mm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["total_ptr"])
 def silu_mul_kernel(gu_ptr, out_ptr, total_ptr, I: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
     # out[j] = silu(gu[j, :I]) * gu[j, I:] for rows j < total.
     j = tl.program_id(0).to(tl.int64)
@@ -250,7 +256,7 @@ def silu_mul_kernel(gu_ptr, out_ptr, total_ptr, I: tl.constexpr, BLOCK: tl.const
             tl.store(out_ptr + j * I + cols, (sl.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["w_ptr"])
 def weighted_sum_kernel(x_ptr, w_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr):
     # out[t] = sum_k w[t, k] * x[t*K + k], fp32 accumulation in k order, one rounding.
     t = tl.program_id(0).to(tl.int64)
