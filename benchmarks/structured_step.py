@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # a bare checkout
 
 from grammar_engines import tokenizer_json  # noqa: E402
 from servinglib.common import git_commit  # noqa: E402

@@ -240,6 +240,12 @@ def test_a_request_of_death_is_refused_and_the_cluster_serves_on(cluster):
         with pytest.raises(MoeserveError) as e:
             c["serving"].generate(prompt_token_ids=[5, 6], max_tokens=2, temperature=1.0, top_k=top_k)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "top_k must be in" in e.value.message
+    # -1 is "no top-k" on gRPC too, as the bound's message, the HTTP API and vLLM say
+    same = [
+        c["serving"].generate(prompt_token_ids=[5, 6], max_tokens=4, temperature=1.0, seed=7, top_k=k).token_ids
+        for k in (0, -1)
+    ]
+    assert same[0] == same[1] and len(same[0]) == 4
     serves(c)
     assert c["admin"].status().error == ""
     assert c["up"].proc.poll() is None

@@ -313,6 +313,7 @@ class Admission:
         temperature = L.bounded("temperature", temperature, lim)
         top_p = L.bounded("top_p", top_p, lim)
         top_k = L.bounded("top_k", top_k, lim)
+        top_k = 0 if top_k == -1 else top_k  # -1 is "no top-k" too (vLLM's, and the HTTP API's)
         seed = L.bounded("seed", seed, lim)
         if prompt_logprobs != -1:
             prompt_logprobs = L.bounded("prompt_logprobs", prompt_logprobs, lim)
