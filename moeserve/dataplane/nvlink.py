@@ -95,6 +95,43 @@ def worker_offsets(counts: torch.Tensor, worker: int, topo: Topology) -> torch.T
     return torch.cumsum(counts[:, worker * s : (worker + 1) * s].sum(0), 0).to(torch.int32)
 
 
+def _route(ex, args: torch.Tensor, maps, layer: int, single: bool, breakeven) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.route`` of a router of exchange ``ex`` for MoE layer ``layer`` of ``maps``."""
+    topo = ex.topo
+    return kernels.route(
+        args,
+        maps.log2phy[layer],
+        maps.logcnt[layer],
+        topo.num_slots,
+        single,
+        ex.top_k,
+        ex.pair_capacity,
+        breakeven,
+        ex.router,
+        topo.num_routers,
+    )
+
+
+def _scatter(ex, args, scaled: bool, slots, prefix, shift, rows_table, meta_table) -> None:
+    """``kernels.scatter_pairs`` of a router of exchange ``ex`` into the receive buffers of
+    ``rows_table`` / ``meta_table`` (its return addresses start at rank x B)."""
+    kernels.scatter_pairs(
+        args,
+        ex.dtype,
+        ex.hidden_size,
+        ex.top_k,
+        scaled,
+        slots,
+        prefix,
+        shift,
+        ex.topo.slots_per_worker,
+        ex.worker_base,
+        rows_table,
+        meta_table,
+        ex.rank * ex.pair_capacity,
+    )
+
+
 @dataclass
 class NvlinkHandle:
     moe_layer: int
@@ -221,37 +258,12 @@ class NvlinkExchange:
                 else:
                     rules = [(single, b) for single in (True, False) for b in (None, maps.breakeven[layer])]
                 for single, b in rules:
-                    slots, hist = kernels.route(
-                        args,
-                        maps.log2phy[layer],
-                        maps.logcnt[layer],
-                        p,
-                        single,
-                        self.top_k,
-                        self.pair_capacity,
-                        b,
-                        self.router,
-                        self.topo.num_routers,
-                    )
+                    slots, hist = _route(self, args, maps, layer, single, b)
                     prefix = torch.empty_like(hist)
                     kernels.publish(args, hist, prefix, counts_table, self.rank, sent, p)
                     launches += 2
                     for scaled in (False, True):
-                        kernels.scatter_pairs(
-                            args,
-                            self.dtype,
-                            self.hidden_size,
-                            self.top_k,
-                            scaled,
-                            slots,
-                            prefix,
-                            shift,
-                            self.topo.slots_per_worker,
-                            self.worker_base,
-                            rows_table,
-                            meta_table,
-                            self.rank * self.pair_capacity,
-                        )
+                        _scatter(self, args, scaled, slots, prefix, shift, rows_table, meta_table)
                         launches += 1
         kernels.prep(counts, self.rank, -1 if self.worker is None else self.worker, self.topo.num_workers, shift, offs)
         launches += 1
@@ -326,17 +338,8 @@ class NvlinkExchange:
 
         def body():
             if self.router is not None:
-                slots, hist = kernels.route(
-                    args,
-                    maps.log2phy[moe_layer],
-                    maps.logcnt[moe_layer],
-                    self.topo.num_slots,
-                    single,
-                    self.top_k,
-                    self.pair_capacity,
-                    maps.route_breakeven(moe_layer, always=self.graphs),
-                    self.router,
-                    self.topo.num_routers,
+                slots, hist = _route(
+                    self, args, maps, moe_layer, single, maps.route_breakeven(moe_layer, always=self.graphs)
                 )
                 prefix = torch.empty_like(hist)
                 kernels.publish(args, hist, prefix, self.counts_table, self.rank, sent, self.topo.num_slots)
@@ -350,21 +353,7 @@ class NvlinkExchange:
                 self.offs,
             )
             if self.router is not None:
-                kernels.scatter_pairs(
-                    args,
-                    self.dtype,
-                    self.hidden_size,
-                    self.top_k,
-                    scaled,
-                    slots,
-                    prefix,
-                    self.shift,
-                    self.topo.slots_per_worker,
-                    self.worker_base,
-                    self.rows_table,
-                    self.meta_table,
-                    self.rank * self.pair_capacity,
-                )
+                _scatter(self, args, scaled, slots, prefix, self.shift, self.rows_table, self.meta_table)
             self._barrier()
 
         tables = (maps.log2phy, maps.logcnt) if maps is not None else ()
