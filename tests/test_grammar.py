@@ -225,6 +225,37 @@ def test_the_leader_announces_a_grammar_once_and_it_is_ready_when_every_router_c
     assert t.on_results([_Result(2, {gid: ""})]) == [] and t.ready(gid)
 
 
+def test_a_replacement_router_compiles_every_known_grammar_before_a_sequence_of_it_is_admitted():
+    """A lost router's replacement holds no grammar: the leader announces every grammar it knows
+    (in use and idle) again, the others skip it, and each is ready again only when the new
+    router reports it; a failed or dropped one is not announced."""
+    from moeserve.router.engine.grammars import GrammarTable
+
+    t = GrammarTable(num_routers=2, keep_idle=4)
+    used, idle, bad = GrammarSpec("regex", "[ab]+"), GrammarSpec("regex", "c+"), GrammarSpec("regex", "d+")
+    ids = {}
+    for name, spec in (("used", used), ("idle", idle), ("bad", bad)):
+        ids[name], _ = t.acquire(spec)
+        t.attach(ids[name], _Seq())
+    t.header()
+    t.on_results([_Result(1, {ids["used"]: "", ids["idle"]: "", ids["bad"]: "no"}), _Result(2, {ids["used"]: ""})])
+    t.on_results([_Result(2, {ids["idle"]: ""})])
+    t._users[ids["idle"]][0].finished = "stop"  # its request is done: idle, kept compiled
+    t.header()
+    assert t.ready(ids["used"]) and t.ready(ids["idle"]) and t.counts()["grammars_idle"] == 1
+
+    t.router_joined(2)  # rank 2 lost and replaced
+    assert not t.ready(ids["used"]) and not t.ready(ids["idle"]) and t.compiling
+    announced, dropped = t.header()
+    assert sorted(g for g, _ in announced) == sorted([ids["used"], ids["idle"]]) and dropped == ()
+    assert dict(announced)[ids["used"]] == used
+    t.on_results([_Result(1, {}), _Result(2, {ids["used"]: ""})])  # rank 1 has them: it reports nothing
+    assert t.ready(ids["used"]) and not t.ready(ids["idle"])
+    t.on_results([_Result(2, {ids["idle"]: ""})])
+    assert t.ready(ids["idle"]) and not t.compiling
+    assert t.header() == ((), ())
+
+
 def test_a_grammar_a_router_cannot_compile_fails_its_requests_and_is_refused_next_time():
     from moeserve.router.engine.grammars import GrammarTable
 

@@ -405,6 +405,69 @@ def test_constrained_sequences_preempted_recomputed_and_migrated_under_still_fol
         cluster.stop()
 
 
+def test_a_replacement_router_compiles_the_grammars_in_use_before_it_starts_their_sequences(tmp_path):
+    """A router lost and replaced: its replacement holds no grammar. The leader announces the
+    grammars it knows again and admits their sequences only once the new router compiled them,
+    so the same schema, asked again on both routers, still validates."""
+    import os
+    import signal
+    import time
+
+    from cluster_util import tiny_checkpoint
+    from test_http_api import Front
+
+    from moeserve.cluster.launcher import LocalCluster
+    from moeserve.router.engine.channel import AsyncEngineClient
+    from moeserve.services.tokenizer import ModelTokenizer
+
+    path = tiny_checkpoint(tmp_path / "m", "llama4")
+    cluster = LocalCluster(path, routers=2, workers=1, max_model_len=128, startup_timeout_s=240).start()
+    front = Front(
+        AsyncEngineClient(cluster.control_address, cluster.authkey), ModelTokenizer.load(path), max_model_len=128
+    )
+
+    def ask(seeds):  # at once, so that both routers take some
+        out: list = []
+
+        def one(seed):
+            body = {
+                "prompt": f"{PROMPT} {seed}",
+                "max_tokens": 100,
+                "temperature": 1.0,
+                "seed": seed,
+                "structured_outputs": {"json": SCHEMAS["nested"], "disable_any_whitespace": True},
+            }
+            out.append(post(front.port, C, body))
+
+        threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert len(out) == len(threads) and all(st == 200 for st, _, _ in out), out
+        return [res["choices"][0] for _, res, _ in out]
+
+    try:
+        ask(range(2))  # compiled on both routers, then idle on them
+        os.kill(cluster.procs[1].pid, signal.SIGKILL)  # router rank 1
+        deadline = time.monotonic() + 180
+        while True:
+            st = cluster.status()
+            if st.ranks_replaced["router"] == 1 and 1 in st.members:
+                break
+            assert time.monotonic() < deadline, f"rank 1 did not rejoin: {st}"
+            time.sleep(0.2)
+        answers = ask(range(2, 10))  # spread over both routers, the replacement among them
+        for choice in answers:
+            assert choice["finish_reason"] == "stop", choice
+            jsonschema.validate(json.loads(choice["text"]), SCHEMAS["nested"])
+        st = cluster.status()
+        assert st.ranks_replaced["router"] == 1 and st.members == (0, 1, 2)
+    finally:
+        front.stop()
+        cluster.stop()
+
+
 AUTO_FORMATS = {  # a parser and a regex that makes the random model write one call in its format
     "hermes": r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}</tool_call>',
     "llama4_json": r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}',

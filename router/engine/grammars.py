@@ -153,6 +153,24 @@ class GrammarTable:
                     self._drop.append(gid)
         return failed
 
+    def router_joined(self, rank: int) -> None:
+        """A router joined the running cluster as config rank ``rank`` (a replacement): it holds
+        no grammar. Every grammar the leader knows (in use, idle or compiling) is announced
+        again in the next header, where the routers that have it skip it
+        (``GrammarBook.update``) and the new one compiles it; until it reports, no waiting
+        sequence of that grammar is admitted (a lost router's sequences, recomputed, may land
+        on it and start their matchers there). Running sequences go on."""
+        with self._lock:
+            now = time.monotonic()
+            queued = {gid for gid, _ in self._announce}
+            for gid, spec in self._specs.items():
+                self._reported.setdefault(gid, set()).discard(rank)
+                self.ready_ids.discard(gid)
+                self._idle.pop(gid, None)  # idle again once ready (``header``)
+                self._announced_at[gid] = now
+                if gid not in queued:
+                    self._announce.append((gid, spec))
+
     def _forget(self, gid: int) -> None:
         spec = self._specs.pop(gid, None)
         if spec is not None and self._ids.get(spec.key) == gid:

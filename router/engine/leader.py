@@ -468,6 +468,7 @@ class Engine(EngineAPI):
                 self.metrics_ports[f"rank{rank}"] = int(port)
             if role.router_index >= 0:
                 self.scheduler.router_joined(role.router_index, blocks)
+                self.grammars.router_joined(rank)  # compiled again there before it is used
 
     def on_results(self, header: StepHeader, results: list[RankResult]) -> None:
         """Consume the end-of-step gather (one RankResult per rank)."""
