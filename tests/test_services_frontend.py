@@ -99,7 +99,7 @@ def test_what_the_leader_refuses_maps_to_a_status(front, error, code, message):
         (dict(prompt="hi", prompt_token_ids=[1]), "not both"),
         (dict(prompt="hi"), "no tokenizer"),
         (dict(prompt_token_ids=[1], top_p=0.0), "top_p must be in (0, 1]"),
-        (dict(prompt_token_ids=[1], top_k=-1), "top_k must be an integer >= 0"),
+        (dict(prompt_token_ids=[1], top_k=-2), "top_k must be in -1.."),  # -1 is no top-k, as on HTTP
         (dict(prompt_token_ids=[1], seed=-5), "seed must be in 0.."),
         (dict(prompt_token_ids=[1], top_k=2**62), "top_k must be in -1..2147483647"),
         (dict(prompt_token_ids=[1, 2**62]), "prompt token ids: "),
