@@ -72,10 +72,12 @@ def test_padded_decode_steps_equal_unpadded_ones_and_touch_only_the_scratch_bloc
         assert (got.float() - want.float()).abs().max() < 1e-4, step
         tokens = want.argmax(-1).tolist()
         starts = [s + 1 for s in starts]
+    # a padded batch rounds its projections differently (fp32, a few ulps): relative as well as
+    # absolute, as the values reach |2.5| (ERNIE's init)
     for layer in range(model.config.num_layers):
         real = slice(0, num_blocks * BS)
-        torch.testing.assert_close(padded.k[layer][real], plain.k[layer][real], rtol=0, atol=1e-5)
-        torch.testing.assert_close(padded.v[layer][real], plain.v[layer][real], rtol=0, atol=1e-5)
+        torch.testing.assert_close(padded.k[layer][real], plain.k[layer][real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(padded.v[layer][real], plain.v[layer][real], rtol=1e-5, atol=1e-5)
         assert padded.k[layer][num_blocks * BS :].abs().sum() > 0  # the padded row wrote its scratch slot
 
 
