@@ -151,7 +151,7 @@ class ExpertStore:
         from moeserve import kernels
 
         w = self.weights(layer)
-        return kernels.ExpertScales(w["gate_up_scale"], q.gate_up_block, w["down_scale"], q.down_block)
+        return kernels.ExpertScales(w["gate_up_scale"], q.gate_up_block, w["down_scale"], q.down_block, q.act_quant)
 
     def compute_slot_major(
         self, layer: int, rows: torch.Tensor, offs: torch.Tensor, total: torch.Tensor
@@ -366,7 +366,9 @@ def grouped_forward(
             offs = torch.tensor(np.cumsum(per_slot), dtype=torch.int32, device=x.device)
         q = spec.quant
         assert q is not None
-        sc = kernels.ExpertScales(weights["gate_up_scale"], q.gate_up_block, weights["down_scale"], q.down_block)
+        sc = kernels.ExpertScales(
+            weights["gate_up_scale"], q.gate_up_block, weights["down_scale"], q.down_block, q.act_quant
+        )
         bm = kernels.expert_block_m(max(per_slot, default=1))
         return kernels.expert_mlp(x, weights["gate_up"], weights["down"], offs, bm, sc)
     if grouped_mm_applies(spec, x.device, x.dtype):

@@ -156,6 +156,68 @@ def test_fp8_expert_kernels_equal_the_dequantizing_slot_loop(dtype, blocks):
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
+def _w8a8_reference(spec, x, w, counts):
+    """W8A8 in torch: each row quantized per row to e4m3 (``quant_rows_reference``), times the
+    dequantized weights in fp32, then the SwiGLU and the second quantization as the kernels do."""
+    from moeserve.models.moe import activate
+
+    d = spec.dense(w, torch.float32)
+    out, start = [], 0
+    for slot, c in enumerate(counts):
+        r = x[start : start + c]
+        start += c
+        q, qs = kernels.quant_rows_reference(r)
+        gu = ((q.float() @ d["gate_up"][slot]) * qs[:, None]).to(x.dtype)
+        h = activate(spec, gu)
+        q2, qs2 = kernels.quant_rows_reference(h)
+        out.append(((q2.float() @ d["down"][slot]) * qs2[:, None]).to(x.dtype))
+    return torch.cat(out)
+
+
+@needs_triton
+@pytest.mark.parametrize("blocks", [((96, 1), (40, 1)), ((16, 16), (16, 16))], ids=["per-channel", "block16"])
+def test_w8a8_expert_kernels_equal_quantized_rows_times_the_dequantized_weights(blocks):
+    """act_quant: rows (and the SwiGLU output) quantized per row to FP8 (max |x| / 448), both
+    operands FP8 codes, the row's scale times the weights' on the sums: equals the same
+    arithmetic in torch (products of e4m3 codes are exact in fp32), the tail past the device
+    total (NaN) never read; and it is a different, coarser answer than weight-only."""
+    from moeserve.models.moe import ExpertQuant, ExpertSpec, grouped_expert_forward
+
+    spec = ExpertSpec(96, 40, dtype=torch.float32, quant=ExpertQuant(*blocks))  # fp32: no bf16 rounding flips
+    g = torch.Generator().manual_seed(5)
+    buf = torch.stack(
+        [
+            spec.flat({"gate_up": torch.randn(96, 80, generator=g) / 9, "down": torch.randn(40, 96, generator=g) / 6})
+            for _ in range(4)
+        ]
+    )
+    w = spec.views(buf)
+    counts = [5, 0, 17, 3]
+    m = sum(counts)
+    x = torch.cat([torch.randn(m, 96, generator=g), torch.full((3, 96), float("nan"))])
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], act_quant=True)
+    got = kernels.expert_mlp(x, w["gate_up"], w["down"], offs, 16, sc)[:m].float()
+    want = _w8a8_reference(spec, x[:m], w, counts).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    weight_only = grouped_expert_forward(spec, x[:m], None, w, counts=counts)
+    assert (got - weight_only).abs().max() > 1e-2  # the activations were quantized
+
+
+@needs_triton
+def test_quant_rows_equals_its_reference_and_skips_rows_past_the_total(monkeypatch):
+    monkeypatch.setattr(kernels, "QUANT_ROWS_PROGRAMS", 4)  # fewer programs than rows: each takes several
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 300, generator=g).to(torch.bfloat16) * 7
+    x[2] = 0  # a zero row: scale 1, codes 0
+    q, s = kernels.quant_rows(x, torch.tensor([6], dtype=torch.int32))
+    rq, rs = kernels.quant_rows_reference(x[:6])
+    torch.testing.assert_close(s[:6], rs)
+    assert torch.equal(q[:6].float(), rq.float()) and s[2] == 1
+    assert q[:6].float().abs().max() == 448  # each row's largest value maps to e4m3's largest
+    assert torch.isfinite(q[:6].float()).all()
+
+
 @needs_triton
 def test_fp8_linear_equals_its_dequantized_weight():
     from moeserve.models import quant as Q

@@ -107,7 +107,7 @@ def test_quantization_fp8_quantizes_a_bf16_checkpoint_at_load_per_output_channel
     ids = hf.prompts(2, 20, seed=3)
     model = load_model(src, dtype=torch.float32, quantization="fp8")
     spec = model.moe_info.expert_spec
-    assert spec.quant == ExpertQuant(gate_up_block=(64, 1), down_block=(32, 1))
+    assert spec.quant == ExpertQuant(gate_up_block=(64, 1), down_block=(32, 1))  # weight-only by default
     with torch.no_grad():
         want = hf.load_oracle(deq)(ids).logits
     assert (model(ids) - want).abs().max().item() < FP32_LOGITS_ATOL
@@ -306,3 +306,39 @@ def test_a_cluster_with_redundant_slots_serves_fp8_exactly_through_a_live_random
             if phase == "start":
                 c.apply_placement(place, wait=True)
         assert_workers_hold(c, place, expert_digests(fp8))
+
+
+def test_which_fp8_products_quantize_their_rows_on_the_gpu(monkeypatch):
+    """Weight-only by default; with MOESERVE_FP8_ACTIVATIONS=dynamic, W8A8 (rows quantized per
+    row, FP8 tensor cores) where the checkpoint declares dynamic per-token activations with
+    channel or tensor weight scales, and for --quantization fp8; never for block scales or
+    undeclared activations; any other value refused by name."""
+    from moeserve.models import quant as Q
+
+    ct = Q.QuantScheme("compressed-tensors", "channel", None, "token")
+    monkeypatch.delenv("MOESERVE_FP8_ACTIVATIONS", raising=False)
+    assert not Q.activations_quantized(ct) and not Q.activations_quantized(Q.online_scheme())
+    assert not ExpertQuant.from_scheme(ct, 64, 32).act_quant
+    monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", "dynamic")
+    assert Q.activations_quantized(ct) and Q.activations_quantized(Q.online_scheme())
+    assert Q.activations_quantized(Q.QuantScheme("compressed-tensors", "tensor", None, "token"))
+    assert not Q.activations_quantized(Q.QuantScheme("compressed-tensors", "channel", None, "none"))
+    assert not Q.activations_quantized(Q.QuantScheme("fp8-block", "block", (128, 128), "token"))
+    assert not Q.activations_quantized(None)
+    assert ExpertQuant.from_scheme(ct, 64, 32).act_quant
+    monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", "w8a8")
+    with pytest.raises(Q.QuantizationError, match="allowed weight-only, dynamic"):
+        Q.activations_quantized(ct)
+
+
+def test_fp8_codes_are_stored_output_channel_major_and_viewed_canonically():
+    """A slot's FP8 codes lie in its buffer as [N, K] (each output channel's inputs contiguous,
+    the layout FP8 tensor cores read) and its views are the canonical [K, N]: flat then views
+    gives back the tensors put in."""
+    spec = ExpertSpec(64, 32, quant=ExpertQuant((16, 16), (16, 16)))
+    g = torch.Generator().manual_seed(2)
+    t = spec.canonical({"gate_up": torch.randn(64, 64, generator=g), "down": torch.randn(32, 64, generator=g)})
+    w = spec.views(spec.flat(t))
+    for k in t:
+        assert w[k].shape == t[k].shape and torch.equal(w[k].float(), t[k].float()), k
+    assert w["gate_up"].stride() == (1, 64) and w["down"].stride() == (1, 32)

@@ -190,12 +190,13 @@ def _keys(seen, kernel):
     return {spec for _, spec in seen[kernel]}
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", [False, True, "a8"], ids=["bf16", "fp8", "fp8-w8a8"])
 @pytest.mark.parametrize("slots", [4, 16])
 def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots, fp8):
     """A worker compiles the expert kernels at start (``ExpertStore.warm_up_kernels``) on layer
     0's views of its slot buffer; whatever a step's pairs, its launches find their key there.
-    FP8 experts (codes and scales in one byte row per slot) take the kernels at every size."""
+    FP8 experts (codes and scales in one byte row per slot) take the kernels at every size; with
+    FP8 activations (W8A8) the row quantizer's keys are compiled too."""
     from moeserve import kernels as K
     from moeserve.expert_worker.store import expert_block_m_for
     from moeserve.models.moe import ExpertQuant, ExpertSpec
@@ -205,11 +206,15 @@ def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots
     layers = [spec.views(torch.empty(slots, spec.numel, dtype=spec.storage_dtype)) for _ in range(3)]
 
     def scales(w):
-        return K.ExpertScales(w["gate_up_scale"], (16, 16), w["down_scale"], (16, 16)) if fp8 else None
+        if not fp8:
+            return None
+        return K.ExpertScales(w["gate_up_scale"], (16, 16), w["down_scale"], (16, 16), act_quant=fp8 == "a8")
 
     blocks = K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"], scales(layers[0]), spec.dtype)
     assert blocks == [16, 32, 64]
     warm = _keys(launches, "expert_matmul_kernel")
+    warm_q = _keys(launches, "quant_rows_kernel")
+    assert bool(warm_q) == (fp8 == "a8")
     launches.clear()
     recv = torch.empty(8192, spec.hidden_size, dtype=spec.dtype)  # the receive buffer
     offs = torch.empty(slots, dtype=torch.int32)
@@ -219,6 +224,7 @@ def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots
             for w in layers:
                 K.expert_mlp(recv, w["gate_up"], w["down"], offs, bm, scales(w))
     assert {cfg for cfg, _ in launches["expert_matmul_kernel"]} and _keys(launches, "expert_matmul_kernel") <= warm
+    assert _keys(launches, "quant_rows_kernel") <= warm_q
 
 
 def test_the_fp8_linear_compiles_once_per_block_m_whatever_the_rows(launches):
@@ -440,6 +446,7 @@ WARMED = {
     "race_kernel": "router: sampling.warm_up",
     "mla_decode_kernel": "router: models.mla.warm_up_mla",
     "expert_matmul_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",
+    "quant_rows_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",  # W8A8 rows
     "silu_mul_kernel": "worker: ExpertStore.warm_up_kernels",  # torch._grouped_mm's activation (prefills)
     "weighted_sum_kernel": "router: cluster.rank._warm_up_kernels",  # the combine over k of weighed outputs
     "expert_count_kernel": "any rank: NvlinkExchange.warm_up_kernels",  # the direct exchange's kernels

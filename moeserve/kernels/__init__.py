@@ -345,10 +345,12 @@ EXPERT_TUNING = {"gate_up": (128, 64, 8, 3), "down": (128, 128, 4, 4), "down_bm6
 # FP8 codes are half the bytes per element: the same tiles carry half the bytes in flight, so
 # FP8 takes its own (``benchmarks/expert_kernel.py --fp8 --tune``); BK is cut to a block-wise
 # scale's K block where it is smaller.
-EXPERT_TUNING_FP8 = {  # (BN, BK, warps, stages, transposed): results/expert-kernel-fp8-tune.json
-    "gate_up": (128, 64, 4, 3, True),
-    "down": (128, 64, 4, 3, True),
-    "down_bm64": (128, 64, 4, 3, True),
+EXPERT_TUNING_FP8 = {  # (BN, BK, warps, stages, transposed): codes stored [N, K] (ExpertSpec.views)
+    # weight-only, the tiles best over both Scout's and ERNIE's layer (results/expert-kernel-fp8-nk-tune.json:
+    # gate_up 1.93 / 1.35 TB/s of codes, down 1.91 / 1.38)
+    "gate_up": (64, 128, 4, 4, True),
+    "down": (128, 128, 4, 4, True),
+    "down_bm64": (128, 64, 4, 4, True),
 }
 # FP8 kernels compute the product transposed (codes as the first operand, held in registers)
 # when this is set: MOESERVE_FP8_SWAP=0|1 (a measurement switch; benchmarks/expert_kernel.py)
@@ -357,6 +359,20 @@ FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
 # replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints)
 if os.environ.get("MOESERVE_FP8_TUNING"):
     EXPERT_TUNING_FP8.update({k: tuple(v) for k, v in json.loads(os.environ["MOESERVE_FP8_TUNING"]).items()})
+# W8A8 (``ExpertScales.act_quant``, opt-in: ``models.quant.activations_quantized``): both operands
+# FP8 codes, the product on FP8 tensor cores; K-tiles of 256 codes (128 where a 64-row pass's
+# tiles would not fit shared memory). On an H200 (results/expert-kernel-fp8-nk.json) Scout's
+# layer takes 0.68-0.70 ms against bf16's 0.97-1.08, ERNIE's 0.38-0.40 against 0.49-0.52; the
+# research kernel of benchmarks/fp8_kernels.py reaches 0.55 ms at Scout's (results/fp8-kernels.json).
+EXPERT_TUNING_FP8_A8 = {
+    "gate_up": (64, 256, 4, 3, False),
+    "down": (128, 256, 8, 3, False),
+    "gate_up_bm64": (64, 128, 4, 3, False),
+    "down_bm64": (128, 128, 8, 3, False),
+}
+# MOESERVE_FP8_A8_TUNING: the same for the W8A8 table
+if os.environ.get("MOESERVE_FP8_A8_TUNING"):
+    EXPERT_TUNING_FP8_A8.update({k: tuple(v) for k, v in json.loads(os.environ["MOESERVE_FP8_A8_TUNING"]).items()})
 EXPERT_MAX_BM = 64
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
@@ -364,11 +380,12 @@ EXPERT_MAX_BM = 64
 EXPERT_PASS_GROUPS = 4
 
 
-def expert_tuning(kind: str, block_m: int, fp8: bool = False) -> tuple:
-    """(BN, BK, warps, stages) of ``kind`` (gate_up, down) for passes of ``block_m`` rows."""
-    table = EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
-    if kind == "down" and block_m >= 64:
-        return table["down_bm64"]
+def expert_tuning(kind: str, block_m: int, fp8: bool = False, a8: bool = False) -> tuple:
+    """(BN, BK, warps, stages[, transposed]) of ``kind`` (gate_up, down) for passes of
+    ``block_m`` rows: bf16, FP8 weight-only, or (``a8``) FP8 rows and weights."""
+    table = EXPERT_TUNING_FP8_A8 if fp8 and a8 else EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
+    if block_m >= 64 and f"{kind}_bm64" in table:
+        return table[f"{kind}_bm64"]
     return table[kind]
 
 
@@ -419,8 +436,14 @@ def expert_mlp(
             f"expert_mlp: rows [C, {hdim}], gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, "
             f"offs [{offs.numel()}] do not agree (want gate_up [S, H, 2I], down [S, I, H], offs [S])"
         )
-    if rows.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
-        raise ValueError("expert_mlp: the last dim of rows and of the weights must be contiguous")
+
+    def dense_dim(t):  # N contiguous; FP8 codes may be [N, K] bytes viewed as [K, N] (ExpertSpec.views)
+        return t.stride(2) == 1 or (scales is not None and t.stride(1) == 1)
+
+    if rows.stride(1) != 1 or not dense_dim(gate_up) or not dense_dim(down):
+        raise ValueError(
+            "expert_mlp: the last dim of rows and of bf16 weights must be contiguous (FP8 codes: the K dim)"
+        )
     if c == 0 or s == 0:
         return rows.new_empty(c, hdim)
     if scales is None:
@@ -429,19 +452,61 @@ def expert_mlp(
         return _expert_matmul(h, down, offs, block_m, expert_tuning("down", block_m), False, act=a)
     if act is not None and (act.gate_up_bias is not None or act.kind != "silu"):
         raise ValueError("expert_mlp: FP8 experts are SwiGLU without biases")
+    a8 = scales.act_quant
+    total = offs[-1:]
+    x, xs = quant_rows(rows, total) if a8 else (rows, None)
     gu = _expert_matmul(
-        rows,
+        x,
         gate_up,
         offs,
         block_m,
-        expert_tuning("gate_up", block_m, True),
+        expert_tuning("gate_up", block_m, True, a8),
         True,
         scales.gate_up,
         scales.gate_up_block,
+        xs=xs,
+        out_dtype=rows.dtype,
     )
+    h, hs = quant_rows(gu, total) if a8 else (gu, None)
     return _expert_matmul(
-        gu, down, offs, block_m, expert_tuning("down", block_m, True), False, scales.down, scales.down_block
+        h,
+        down,
+        offs,
+        block_m,
+        expert_tuning("down", block_m, True, a8),
+        False,
+        scales.down,
+        scales.down_block,
+        xs=hs,
+        out_dtype=rows.dtype,
     )
+
+
+QUANT_ROWS_PROGRAMS = 1024  # programs of quant_rows: each takes every 1024-th row below the device total
+
+
+def quant_rows(x: torch.Tensor, total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row FP8: x [C, K] -> (codes [C, K] float8_e4m3fn, scales float32 [C]) with
+    scale = max|x[r]| / 448 (1 for a zero row) and codes = e4m3(x / scale), rounded to nearest
+    and clamped to +-448. ``total`` (int32 device [1]): only rows < total are written (the rest of
+    a receive buffer is not read). The activations of ``expert_mlp`` with ``act_quant`` scales."""
+    c, k = x.shape
+    q = torch.empty(c, k, dtype=torch.float8_e4m3fn, device=x.device)
+    sc = torch.empty(c, dtype=torch.float32, device=x.device)
+    if c:
+        if total is None:
+            total = torch.full((1,), c, dtype=torch.int32, device=x.device)
+        _expert_kernels().quant_rows_kernel[(min(c, QUANT_ROWS_PROGRAMS),)](
+            x, q, sc, total, x.stride(0), K=k, BLOCK=min(_block(k), 4096), num_warps=8 if k >= 4096 else 4
+        )
+    return q, sc
+
+
+def quant_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant_rows`` in torch (the tests' reference)."""
+    amax = x.float().abs().amax(dim=1)
+    sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (x.float() / sc[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), sc
 
 
 class ExpertAct(NamedTuple):
@@ -465,17 +530,32 @@ class ExpertScales(NamedTuple):
     gate_up_block: tuple[int, int]
     down: torch.Tensor
     down_block: tuple[int, int]
+    act_quant: bool = False  # W8A8: rows quantized per row (``quant_rows``), products on FP8 tensor cores
 
 
-def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], act_quant: bool = False
+) -> torch.Tensor:
     """x [M, K] @ W for FP8 codes [K, N] (x @ W layout, last dim contiguous) with float32 scales
     [ceil(K/bk), ceil(N/bn)] per ``block`` = (bk, bn): the expert kernel with one slot, so a
-    quantized dense layer or shared expert of a decode step streams its codes once."""
+    quantized dense layer or shared expert of a decode step streams its codes once. ``act_quant``:
+    x quantized per row first and the product on FP8 tensor cores (``quant_rows``)."""
     m = x.shape[0]
     offs = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one slot holding every row
     bm = expert_block_m(m)
+    x = x.contiguous()
+    xq, xs = quant_rows(x) if act_quant else (x, None)
     return _expert_matmul(
-        x.contiguous(), codes.unsqueeze(0), offs, bm, expert_tuning("down", bm, True), False, scale.unsqueeze(0), block
+        xq,
+        codes.unsqueeze(0),
+        offs,
+        bm,
+        expert_tuning("down", bm, True, act_quant),
+        False,
+        scale.unsqueeze(0),
+        block,
+        xs=xs,
+        out_dtype=x.dtype,
     )
 
 
@@ -499,7 +579,8 @@ def warm_up_fp8_linears(layers: Iterable[FP8Weight], dtype: torch.dtype) -> int:
     for q in shapes.values():
         kn, skn = q.codes_kn(), q.scale_kn()
         for bm in expert_block_ms():
-            fp8_linear(torch.zeros(bm, kn.shape[0], dtype=dtype, device=kn.device), kn, skn, (q.block[1], q.block[0]))
+            x = torch.zeros(bm, kn.shape[0], dtype=dtype, device=kn.device)
+            fp8_linear(x, kn, skn, (q.block[1], q.block[0]), getattr(q, "act_quant", False))
             n += 1
     return n
 
@@ -566,15 +647,20 @@ def _expert_matmul(
     scale: torch.Tensor | None = None,
     block: tuple[int, int] = (0, 0),
     act: ExpertAct | None = None,
+    xs: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One launch of ``expert_matmul_kernel``: x [C, K] slot-major through w [S, K, N] ([S, K,
     2N] gated: act(gate, up)) -> [C, N]; with ``scale`` [S, Kb, Nb] w holds FP8 codes scaled
     per ``block`` = (bk, bn); ``act``: the activation (gated) and the bias of this product
-    (``gate_up_bias`` gated, else ``down_bias``)."""
+    (``gate_up_bias`` gated, else ``down_bias``); ``xs`` [C]: x holds FP8 codes with these
+    per-row scales (``quant_rows``), the output in ``out_dtype``."""
     c, k = x.shape
     s, _, n = w.shape
     n = n // 2 if gated else n
-    out = x.new_empty(c, n)
+    if xs is not None and (scale is None or x.dtype != torch.float8_e4m3fn or out_dtype is None):
+        raise ValueError("FP8 rows (xs) need FP8 weights with scales and an out_dtype")
+    out = torch.empty(c, n, dtype=out_dtype or x.dtype, device=x.device)
     interp = _interpreted()
     bn, bk, warps, stages = tuning[:4]
     bk = min(bk, max(16, _pow2(k)))
@@ -608,6 +694,7 @@ def _expert_matmul(
         x.stride(0),
         w.stride(0),
         w.stride(1),
+        w.stride(2),
         sc.stride(0) if quant else 0,
         sc.stride(1) if quant else 0,
         out.stride(0),
@@ -625,6 +712,8 @@ def _expert_matmul(
         SBN=sbn,
         NB=-(-n // sbn) if quant else 0,
         SWAP=bool(quant and (tuning[4] if len(tuning) > 4 else FP8_SWAP)),
+        xs_ptr=xs if xs is not None else sc,  # (not read without A8)
+        A8=xs is not None,
         b_ptr=bias if bias is not None else out,  # (not read without a bias)
         stride_bs=bias.stride(0) if bias is not None else 0,
         alpha=float(act.alpha),

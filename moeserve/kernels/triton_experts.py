@@ -6,6 +6,8 @@ Imported lazily through ``moeserve.kernels`` (never at data-plane import). See
 by its block's scale, or the whole sum once when a scale covers every K). With HAS_BIAS each
 slot's bias row is added to the rounded product and rounded again (as ``x @ W`` then ``+ b``);
 ACT 1 is GPT-OSS's clamped SwiGLU, op by op as ``moeserve.models.moe.activate`` rounds it.
+With A8 the rows are FP8 codes too, each with its own float32 scale (``quant_rows_kernel``): the
+product runs on FP8 tensor cores and the row's scale multiplies the sums with the weights'.
 """
 
 import triton
@@ -27,6 +29,7 @@ def _rows(
     N: tl.constexpr,
     stride_x,
     stride_wk,
+    stride_wn,
     stride_sk,
     stride_out,
     BM: tl.constexpr,
@@ -46,6 +49,8 @@ def _rows(
     limit,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    xs_ptr,
+    A8: tl.constexpr,
 ):
     # rows m0 .. m0 + BM - 1 (< end) of one slot through its weight columns rn; GATED: the gate
     # columns rn and the up columns N + rn, out = silu(gate) * up. QUANT: w holds FP8 codes and
@@ -67,10 +72,10 @@ def _rows(
             a_mask = m_ok[:, None] & k_ok[None, :]
             w_mask = k_ok[:, None] & n_ok[None, :]
         a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=a_mask, other=0.0)
-        b = tl.load(w + rk[:, None] * stride_wk + rn[None, :], mask=w_mask, other=0.0)
+        b = tl.load(w + rk[:, None] * stride_wk + rn[None, :] * stride_wn, mask=w_mask, other=0.0)
         if GATED:  # both panels' loads before the products, as the tuned kernel had them
-            bu = tl.load(w + rk[:, None] * stride_wk + (N + rn)[None, :], mask=w_mask, other=0.0)
-        if QUANT:  # e4m3 codes are exact in bf16 and fp32
+            bu = tl.load(w + rk[:, None] * stride_wk + (N + rn)[None, :] * stride_wn, mask=w_mask, other=0.0)
+        if QUANT and not A8:  # e4m3 codes are exact in bf16 and fp32 (A8: both operands FP8 codes)
             b = b.to(a.dtype)
             if GATED:
                 bu = bu.to(a.dtype)
@@ -94,6 +99,11 @@ def _rows(
         acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[None, :]
+    if A8:  # each row's own activation scale
+        xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+        acc = acc * xs[:, None]
+        if GATED:
+            acc_u = acc_u * xs[:, None]
     if HAS_BIAS:  # the slot's bias row: [N] (down), or the gate's [N] then the up's [N]
         b_g = tl.load(bias + rn, mask=n_ok, other=0.0).to(tl.float32)
         if GATED:
@@ -174,6 +184,7 @@ def _rows_swapped(
     N: tl.constexpr,
     stride_x,
     stride_wk,
+    stride_wn,
     stride_sk,
     stride_out,
     BM: tl.constexpr,
@@ -187,6 +198,8 @@ def _rows_swapped(
     SBK: tl.constexpr,
     SBN: tl.constexpr,
     NB: tl.constexpr,
+    xs_ptr,
+    A8: tl.constexpr,
 ):
     # As _rows with FP8 weights, computed transposed: out^T [BN, BM] = W^T [BN, BK] x^T [BK, BM],
     # so that the converted codes are the product's first operand (held in registers) and the
@@ -206,12 +219,13 @@ def _rows_swapped(
             a_mask = m_ok[None, :] & k_ok[:, None]
             w_mask = k_ok[None, :] & n_ok[:, None]
         a = tl.load(x_ptr + rm[None, :] * stride_x + rk[:, None], mask=a_mask, other=0.0)  # [BK, BM]
-        b = tl.load(w + rk[None, :] * stride_wk + rn[:, None], mask=w_mask, other=0.0)  # [BN, BK]
+        b = tl.load(w + rk[None, :] * stride_wk + rn[:, None] * stride_wn, mask=w_mask, other=0.0)  # [BN, BK]
         if GATED:
-            bu = tl.load(w + rk[None, :] * stride_wk + (N + rn)[:, None], mask=w_mask, other=0.0)
-        b = b.to(a.dtype)
-        if GATED:
-            bu = bu.to(a.dtype)
+            bu = tl.load(w + rk[None, :] * stride_wk + (N + rn)[:, None] * stride_wn, mask=w_mask, other=0.0)
+        if not A8:
+            b = b.to(a.dtype)
+            if GATED:
+                bu = bu.to(a.dtype)
         if INTERPRET:
             a, b = a.to(tl.float32), b.to(tl.float32)
         if SBK < K:
@@ -232,6 +246,11 @@ def _rows_swapped(
         acc = acc * tl.load(sc + sn, mask=n_ok, other=0.0)[:, None]
         if GATED:
             acc_u = acc_u * tl.load(sc + NB + sn, mask=n_ok, other=0.0)[:, None]
+    if A8:
+        xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+        acc = acc * xs[None, :]
+        if GATED:
+            acc_u = acc_u * xs[None, :]
     zero = tl.zeros((BN,), dtype=tl.float32)  # FP8 experts have no biases
     _store(
         tl.trans(acc),
@@ -265,6 +284,7 @@ def expert_matmul_kernel(
     stride_x,
     stride_ws,
     stride_wk,
+    stride_wn,
     stride_ss,
     stride_sk,
     stride_out,
@@ -288,6 +308,8 @@ def expert_matmul_kernel(
     limit,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    xs_ptr,
+    A8: tl.constexpr,
 ):
     # Program (g, s, j): out[r, jBN:(j+1)BN] for the rows r of slot s, in passes g, g + G, .. of BM
     # rows: x[r] @ W[s][:, jBN:(j+1)BN] (W[s] is [K, N]), or with GATED silu of that times
@@ -322,6 +344,7 @@ def expert_matmul_kernel(
                     N,
                     stride_x,
                     stride_wk,
+                    stride_wn,
                     stride_sk,
                     stride_out,
                     BM,
@@ -335,6 +358,8 @@ def expert_matmul_kernel(
                     SBK,
                     SBN,
                     NB,
+                    xs_ptr,
+                    A8,
                 )
             else:
                 _rows(
@@ -350,6 +375,7 @@ def expert_matmul_kernel(
                     N,
                     stride_x,
                     stride_wk,
+                    stride_wn,
                     stride_sk,
                     stride_out,
                     BM,
@@ -369,6 +395,8 @@ def expert_matmul_kernel(
                     limit,
                     HAS_BIAS,
                     ACT,
+                    xs_ptr,
+                    A8,
                 )
             m0 += G * BM
     else:
@@ -387,6 +415,7 @@ def expert_matmul_kernel(
                     N,
                     stride_x,
                     stride_wk,
+                    stride_wn,
                     stride_sk,
                     stride_out,
                     BM,
@@ -400,6 +429,8 @@ def expert_matmul_kernel(
                     SBK,
                     SBN,
                     NB,
+                    xs_ptr,
+                    A8,
                 )
             else:
                 _rows(
@@ -415,6 +446,7 @@ def expert_matmul_kernel(
                     N,
                     stride_x,
                     stride_wk,
+                    stride_wn,
                     stride_sk,
                     stride_out,
                     BM,
@@ -434,4 +466,41 @@ def expert_matmul_kernel(
                     limit,
                     HAS_BIAS,
                     ACT,
+                    xs_ptr,
+                    A8,
                 )
+
+
+@triton.jit
+def _e4m3_grid(v):
+    # v (fp32, |v| <= 448) rounded to nearest even on e4m3's grid, so that the cast to FP8 is
+    # exact (Triton's interpreter rounds a carry into the next binade wrongly): a step of
+    # 2^(e - 3) in the binade [2^e, 2^(e+1)), 2^-9 below 2^-6 (the subnormals)
+    a = tl.abs(v)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)
+    step = ((e + 124) << 23).to(tl.float32, bitcast=True)
+    r = (a / step + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to an integer, ties to even
+    return tl.where(v < 0, -r * step, r * step)
+
+
+@triton.jit(do_not_specialize_on_alignment=["total_ptr"])  # offs[-1:]: any int32 of a slot table
+def quant_rows_kernel(x_ptr, q_ptr, s_ptr, total_ptr, stride_x, K: tl.constexpr, BLOCK: tl.constexpr):
+    # rows pid, pid + P, .. < total (P programs, whatever the buffer's capacity): s = max|x| / 448
+    # (1 for a zero row), q = e4m3(x / s); rows past total untouched
+    total = tl.load(total_ptr).to(tl.int64)
+    r = tl.program_id(0).to(tl.int64)
+    while r < total:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        m = tl.max(amax, axis=0)
+        s = tl.where(m > 0, m / 448.0, 1.0)
+        for k0 in range(0, K, BLOCK):
+            rk = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+            q = _e4m3_grid(tl.minimum(tl.maximum(x / s, -448.0), 448.0))
+            tl.store(q_ptr + r * K + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
+        tl.store(s_ptr + r, s)
+        r += tl.num_programs(0)

@@ -75,12 +75,19 @@ class ExpertQuant:
 
     gate_up_block: tuple[int, int]
     down_block: tuple[int, int]
+    act_quant: bool = False  # W8A8 in the GPU kernels (``quant.activations_quantized``)
 
     @classmethod
     def from_scheme(cls, scheme: Q.QuantScheme, hidden: int, inter: int) -> ExpertQuant:
         bo, bi = scheme.block_of(inter, hidden)  # gate_proj / up_proj: [I, H] as a checkpoint holds them
         do, di = scheme.block_of(hidden, inter)  # down_proj: [H, I]
-        return cls(gate_up_block=(bi, bo), down_block=(di, do))
+        return cls(gate_up_block=(bi, bo), down_block=(di, do), act_quant=Q.activations_quantized(scheme))
+
+
+# FP8 codes of a slot, stored [N, K] (the checkpoint's own nn.Linear layout, each output
+# channel's inputs contiguous) and viewed as the canonical [K, N]: the layout that lets the
+# grouped kernel feed FP8 tensor cores (both operands K-major; benchmarks/fp8_kernels.py)
+FP8_CODES = ("gate_up", "down")
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,8 @@ class ExpertSpec:
                     f"expert tensor {name!r} is {t.dtype} {tuple(t.shape)}, expected "
                     f"{self.tensor_dtypes[name]} {self.shapes[name]}"
                 )
+            if name in FP8_CODES:  # stored [N, K]: each output channel's inputs contiguous
+                t = t.t()
             out[off : off + n] = t.contiguous().reshape(-1).view(torch.uint8)
         return out
 
@@ -225,7 +234,11 @@ class ExpertSpec:
             part = flat[..., off : off + n]
             if self.quant is not None:
                 part = part.view(self.tensor_dtypes[name])
-            out[name] = part.view(*lead, *self.shapes[name])
+            if self.quant is not None and name in FP8_CODES:  # [.., K, N] views of [.., N, K] bytes
+                k, n_out = self.shapes[name]
+                out[name] = part.view(*lead, n_out, k).transpose(-1, -2)
+            else:
+                out[name] = part.view(*lead, *self.shapes[name])
         return out
 
     def dense(self, w: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

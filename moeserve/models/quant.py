@@ -29,14 +29,17 @@ an FP8 KV cache) is refused by name with what is supported: never read as if it 
 Which tensors are quantized is what the checkpoint stores: a weight in FP8 with its scale
 beside it; a checkpoint's ignore list must agree.
 
-Compute is weight-only here: :func:`dequantize` makes ``codes * scale`` in float32, then the
+The torch path is weight-only: :func:`dequantize` makes ``codes * scale`` in float32, then the
 compute dtype (exact in fp32, so an FP8 checkpoint computed in fp32 equals transformers on the
 dequantized weights). The GPU kernels read the codes and apply the scales in registers
-(``moeserve.kernels``).
+(``moeserve.kernels``), and where :func:`activations_quantized` says so (dynamic per-token
+activations declared, or ``--quantization fp8``) and opted in (``MOESERVE_FP8_ACTIVATIONS=dynamic``)
+quantize each product's rows per row too and run it on FP8 tensor cores (W8A8).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +132,23 @@ class QuantScheme:
             return False
         leaf = module.rsplit(".", 1)[-1]
         return leaf in MLP_LEAVES and ".self_attn." not in module
+
+
+def activations_quantized(scheme: QuantScheme | None) -> bool:
+    """Whether the GPU kernels quantize a product's rows too (W8A8: FP8 per row, dynamic, the
+    product on FP8 tensor cores). Opt-in, ``MOESERVE_FP8_ACTIVATIONS=dynamic`` (read in each
+    process), and then only where the checkpoint declares dynamic per-token activations with
+    per-channel or per-tensor weight scales, or for ``--quantization fp8``; block-wise weight
+    scales stay weight-only (their checkpoints' activations are per 128-group). The default,
+    ``weight-only``, is every FP8 product weight-only: on 1 x H200 the W8A8 path does not yet
+    give a faster step end to end, and its tokens with EPLB on differ from EPLB off in bf16
+    (docs/engine.md, "FP8 activations"). The torch path (CPU, fp32) is always weight-only."""
+    mode = os.environ.get("MOESERVE_FP8_ACTIVATIONS", "weight-only") or "weight-only"
+    if mode not in ("weight-only", "dynamic"):
+        raise QuantizationError(f"MOESERVE_FP8_ACTIVATIONS={mode!r}: allowed weight-only, dynamic")
+    if scheme is None or mode == "weight-only" or scheme.strategy == "block":
+        return False
+    return scheme.format == "online" or scheme.activations == "token"
 
 
 def online_scheme() -> QuantScheme:
@@ -314,6 +334,7 @@ class QuantLinear:
     scale: torch.Tensor  # float32 [ceil(out/bo), ceil(in/bi)]
     block: tuple[int, int]
     bias: torch.Tensor | None = None
+    act_quant: bool = False  # W8A8 on CUDA (``activations_quantized``)
     _kn: torch.Tensor | None = field(default=None, repr=False)  # codes as [in, out], for the kernel
     _skn: torch.Tensor | None = field(default=None, repr=False)
 
@@ -331,7 +352,7 @@ class QuantLinear:
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_MAX_ROWS and self._kernel_ok(x):
             from moeserve import kernels
 
-            y = kernels.fp8_linear(x, self.codes_kn(), self.scale_kn(), (self.block[1], self.block[0]))
+            y = kernels.fp8_linear(x, self.codes_kn(), self.scale_kn(), (self.block[1], self.block[0]), self.act_quant)
             return y if self.bias is None else y + self.bias
         return torch.nn.functional.linear(x, self.weight(x.dtype), self.bias)
 
@@ -353,10 +374,11 @@ class QuantLinear:
         )
 
     def codes_kn(self) -> torch.Tensor:
-        """The codes as [in, out] (x @ W), the layout the kernel streams; made once."""
+        """The codes as an [in, out] view (x @ W) of the [out, in] bytes: each output channel's
+        inputs contiguous, the layout the kernel streams onto FP8 tensor cores."""
         if self._kn is None:
-            self._kn = self.codes.t().contiguous()
-            self.codes = self._kn.t()  # the [out, in] view of the same bytes: one copy held
+            self._kn = self.codes.contiguous().t()
+            self.codes = self._kn.t()
         return self._kn
 
     def scale_kn(self) -> torch.Tensor:
@@ -391,7 +413,9 @@ def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype,
         if not reader.has(scale_name):
             raise QuantizationError(f"tensor '{name}' is FP8 but its scale '{scale_name}' is missing")
         scale = check_scale(scale_name, reader.read(scale_name, torch.float32), shape, block)
-        return QuantLinear(codes.to(device), scale.to(device), block).prepared()
+        return QuantLinear(
+            codes.to(device), scale.to(device), block, act_quant=activations_quantized(scheme)
+        ).prepared()
     if stored in (torch.float8_e5m2,):
         raise QuantizationError(
             f"tensor '{name}' is stored in {stored}: FP8 e5m2 weights are not supported; {SUPPORTED}"
@@ -400,5 +424,5 @@ def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype,
     if scheme is not None and scheme.online_quantizes(module):
         block = scheme.block_of(*shape)
         codes, scale = quantize(w.to(device=device, dtype=torch.float32), block)
-        return QuantLinear(codes, scale, block).prepared()
+        return QuantLinear(codes, scale, block, act_quant=activations_quantized(scheme)).prepared()
     return w.to(device)
