@@ -5,7 +5,8 @@ expert weights read.
 
     python3 benchmarks/expert_kernel.py                 # 1 GPU, bf16, Scout and ERNIE decode shapes
     python3 benchmarks/expert_kernel.py --tune          # also time each kernel's candidate tilings
-    python3 benchmarks/expert_kernel.py --fp8           # also FP8 weights (per channel, 128x128 blocks)
+    python3 benchmarks/expert_kernel.py --fp8           # also FP8 weights (per channel, 128x128 blocks),
+                                                        # weight-only and W8A8 (rows quantized per row)
 
 Per case: S slots of one MoE layer on one GPU (Scout: 16 experts of H 5120 x I 8192; ERNIE-4.5-
 21B: 64 experts of H 2560 x I 1536), T decode tokens routed top-K uniformly at random (and, for
@@ -41,6 +42,7 @@ SHAPES = {
     "gptoss": dict(hidden=2880, inter=2880, slots=36, top_k=4),  # GPT-OSS-20B's shape, bf16 (no biases here)
 }
 CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))  # (BN, BK, warps, stages)
+FP8_A8_CANDIDATES = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4), (False, True)))
 FP8_CANDIDATES = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (False, True)))  # ..., swap
 
 
@@ -71,20 +73,28 @@ def time_fn(fn, iters, layers):
     return float(np.median(ts))
 
 
-def tune_fp8(case, rows, offs, bm, used, h, i, layers):
-    """Time every FP8_CANDIDATES tiling of both FP8 kernels (per-channel scales): GB/s of codes."""
+def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False):
+    """Time every FP8_CANDIDATES (``a8``: FP8_A8_CANDIDATES) tiling of both FP8 kernels
+    (per-channel scales; ``a8``: rows quantized per row, outside the timing): GB/s of codes."""
     _, blocks, layers8 = case
     h_in = torch.randn(rows.shape[0], i, device=rows.device, dtype=rows.dtype)
+    x, xs, hx, hs = rows, None, h_in, None
+    if a8:
+        (x, xs), (hx, hs) = kernels.quant_rows(rows), kernels.quant_rows(h_in)
     res = {"gate_up": [], "down": []}
-    for cand in FP8_CANDIDATES:
+    for cand in FP8_A8_CANDIDATES if a8 else FP8_CANDIDATES:
 
         def gu(j, cand=cand):
             w = layers8[j]
-            return kernels._expert_matmul(rows, w["gate_up"], offs, bm, cand, True, w["gate_up_scale"], blocks[0])
+            return kernels._expert_matmul(
+                x, w["gate_up"], offs, bm, cand, True, w["gate_up_scale"], blocks[0], xs=xs, out_dtype=rows.dtype
+            )
 
         def dn(j, cand=cand):
             w = layers8[j]
-            return kernels._expert_matmul(h_in, w["down"], offs, bm, cand, False, w["down_scale"], blocks[1])
+            return kernels._expert_matmul(
+                hx, w["down"], offs, bm, cand, False, w["down_scale"], blocks[1], xs=hs, out_dtype=rows.dtype
+            )
 
         try:
             t1, t2 = time_fn(gu, 10, layers), time_fn(dn, 10, layers)
@@ -97,6 +107,16 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers):
         lst.sort(key=lambda x: -x[1])
         print(f"  tune fp8 {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]), flush=True)
     down = list(res["down"][0][0])
+    if a8:  # 64-row passes: BK 128 (shared memory), with the best tiles' other choices
+        gu = list(res["gate_up"][0][0])
+        best = {
+            "gate_up": gu,
+            "down": down,
+            "gate_up_bm64": [gu[0], 128, *gu[2:]],
+            "down_bm64": [down[0], 128, *down[2:]],
+        }
+        print("MOESERVE_FP8_A8_TUNING=" + json.dumps(best), flush=True)
+        return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"best": best}
     # 64-row passes keep a BK of 64 (shared memory), with the best down tile's other choices
     best = {"gate_up": list(res["gate_up"][0][0]), "down": down, "down_bm64": [down[0], 64, *down[2:]]}
     print("MOESERVE_FP8_TUNING=" + json.dumps(best), flush=True)
@@ -110,6 +130,7 @@ def main():
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--layers", type=int, default=4, help="layers of weights cycled (L2 never holds one)")
     p.add_argument("--tune", action="store_true", help="time every candidate tiling of each kernel (256 tokens)")
+    p.add_argument("--tune-kinds", default="bf16,fp8,w8a8", help="which kernels --tune sweeps (bf16,fp8,w8a8)")
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -129,6 +150,8 @@ def main():
         gpu=torch.cuda.get_device_name(),
         torch=torch.__version__,
         tuning=dict(kernels.EXPERT_TUNING),
+        tuning_fp8=dict(kernels.EXPERT_TUNING_FP8),
+        tuning_fp8_a8=dict(kernels.EXPERT_TUNING_FP8_A8),
         cases=[],
         tune={},
     )
@@ -184,17 +207,19 @@ def main():
             err = float((ref(0).float() - tri(0).float()).abs().max())
             t_ref, t_tri = time_fn(ref, a.iters, a.layers), time_fn(tri, a.iters, a.layers)
             fp8_rows = {}
-            for label, (spec8, blocks, layers8) in fp8.items():
+            for (label, (spec8, blocks, layers8)), a8 in itertools.product(fp8.items(), (False, True)):
 
-                def q8(j, layers8=layers8, blocks=blocks):
+                def q8(j, layers8=layers8, blocks=blocks, a8=a8):
                     w = layers8[j]
-                    sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1])
+                    sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], a8)
                     return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm, sc)
 
                 t8 = time_fn(q8, a.iters, a.layers)
                 b8 = used * spec8.nbytes
                 rel = float((q8(0).float() - ref(0).float()).norm() / ref(0).float().norm())
-                fp8_rows[label] = dict(s=t8, bytes=b8, GBps=b8 / t8 / 1e9, over_bf16_triton=t8 / t_tri, rel_err=rel)
+                fp8_rows[label + ("-w8a8" if a8 else "")] = dict(
+                    s=t8, bytes=b8, GBps=b8 / t8 / 1e9, over_bf16_triton=t8 / t_tri, rel_err=rel
+                )
             row = dict(
                 shape=name,
                 tokens=tokens,
@@ -223,7 +248,12 @@ def main():
                     for lb, f in fp8_rows.items()
                 )
             )
-            if a.tune and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
+            if (
+                a.tune
+                and "bf16" in a.tune_kinds
+                and tokens == max(int(t) for t in a.tokens.split(","))
+                and skew == "uniform"
+            ):
                 h_in = kernels.expert_gate_up(rows, gu[0], offs, bm)
                 res = {"gate_up": [], "down": []}
                 for cand in CANDIDATES:
@@ -240,7 +270,12 @@ def main():
                     print(f"  tune {name} {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]))
                 out["tune"][name] = {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()}
             if a.tune and fp8 and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
-                out["tune"][f"{name}-fp8"] = tune_fp8(fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers)
+                if "fp8" in a.tune_kinds.split(","):
+                    out["tune"][f"{name}-fp8"] = tune_fp8(fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers)
+                if "w8a8" in a.tune_kinds.split(","):
+                    out["tune"][f"{name}-fp8-w8a8"] = tune_fp8(
+                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, a8=True
+                    )
         gu = dn = []  # free the device memory before the next shape
         fp8 = {}
         torch.cuda.empty_cache()
