@@ -41,6 +41,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from expert_kernel import time_fn  # noqa: E402  (benchmarks/, the script's own folder)
+
 from moeserve import kernels  # noqa: E402
 
 SHAPES = {
@@ -208,21 +210,6 @@ def quantize_nk(w):  # w [S, N, K] bf16 -> codes [S, N, K], scales [S, N] (per o
     amax = w.abs().amax(dim=2).float().clamp_min(1e-12)
     sc = amax / FP8_MAX
     return (w.float() / sc[..., None]).to(torch.float8_e4m3fn), sc
-
-
-def time_fn(fn, iters, layers):
-    for i in range(2):
-        fn(i % layers)
-    torch.cuda.synchronize()
-    ts = []
-    for i in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(i % layers)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return float(np.median(ts))
 
 
 def counts_for(rng, tokens, k, slots):
