@@ -156,8 +156,16 @@ def test_fp8_expert_kernels_equal_the_dequantizing_slot_loop(dtype, blocks):
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
+def _quant_rows_reference(x):
+    """Per-row FP8 in torch: ``quant.quantize`` with one block per row."""
+    from moeserve.models import quant as Q
+
+    q, s = Q.quantize(x, (1, x.shape[1]))
+    return q, s[:, 0]
+
+
 def _w8a8_reference(spec, x, w, counts):
-    """W8A8 in torch: each row quantized per row to e4m3 (``quant_rows_reference``), times the
+    """W8A8 in torch: each row quantized per row to e4m3 (``_quant_rows_reference``), times the
     dequantized weights in fp32, then the SwiGLU and the second quantization as the kernels do."""
     from moeserve.models.moe import activate
 
@@ -166,10 +174,10 @@ def _w8a8_reference(spec, x, w, counts):
     for slot, c in enumerate(counts):
         r = x[start : start + c]
         start += c
-        q, qs = kernels.quant_rows_reference(r)
+        q, qs = _quant_rows_reference(r)
         gu = ((q.float() @ d["gate_up"][slot]) * qs[:, None]).to(x.dtype)
         h = activate(spec, gu)
-        q2, qs2 = kernels.quant_rows_reference(h)
+        q2, qs2 = _quant_rows_reference(h)
         out.append(((q2.float() @ d["down"][slot]) * qs2[:, None]).to(x.dtype))
     return torch.cat(out)
 
@@ -211,7 +219,7 @@ def test_quant_rows_equals_its_reference_and_skips_rows_past_the_total(monkeypat
     x = torch.randn(9, 300, generator=g).to(torch.bfloat16) * 7
     x[2] = 0  # a zero row: scale 1, codes 0
     q, s = kernels.quant_rows(x, torch.tensor([6], dtype=torch.int32))
-    rq, rs = kernels.quant_rows_reference(x[:6])
+    rq, rs = _quant_rows_reference(x[:6])
     torch.testing.assert_close(s[:6], rs)
     assert torch.equal(q[:6].float(), rq.float()) and s[2] == 1
     assert q[:6].float().abs().max() == 448  # each row's largest value maps to e4m3's largest

@@ -355,10 +355,17 @@ EXPERT_TUNING_FP8 = {  # (BN, BK, warps, stages, transposed): codes stored [N, K
 # FP8 kernels compute the product transposed (codes as the first operand, held in registers)
 # when this is set: MOESERVE_FP8_SWAP=0|1 (a measurement switch; benchmarks/expert_kernel.py)
 FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
+
+
 # MOESERVE_FP8_TUNING: a JSON object of the same keys ([BN, BK, warps, stages, swap]) that
 # replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints)
-if os.environ.get("MOESERVE_FP8_TUNING"):
-    EXPERT_TUNING_FP8.update({k: tuple(v) for k, v in json.loads(os.environ["MOESERVE_FP8_TUNING"]).items()})
+def _tuning_from_env(table: dict, name: str) -> None:
+    """``name``: a JSON object of ``table``'s keys whose tiles replace the table's entries."""
+    if os.environ.get(name):
+        table.update({k: tuple(v) for k, v in json.loads(os.environ[name]).items()})
+
+
+_tuning_from_env(EXPERT_TUNING_FP8, "MOESERVE_FP8_TUNING")
 # W8A8 (``ExpertScales.act_quant``, opt-in: ``models.quant.activations_quantized``): both operands
 # FP8 codes, the product on FP8 tensor cores; K-tiles of 256 codes (128 where a 64-row pass's
 # tiles would not fit shared memory). On an H200 (results/expert-kernel-fp8-nk.json) Scout's
@@ -371,8 +378,7 @@ EXPERT_TUNING_FP8_A8 = {
     "down_bm64": (128, 128, 8, 3, False),
 }
 # MOESERVE_FP8_A8_TUNING: the same for the W8A8 table
-if os.environ.get("MOESERVE_FP8_A8_TUNING"):
-    EXPERT_TUNING_FP8_A8.update({k: tuple(v) for k, v in json.loads(os.environ["MOESERVE_FP8_A8_TUNING"]).items()})
+_tuning_from_env(EXPERT_TUNING_FP8_A8, "MOESERVE_FP8_A8_TUNING")
 EXPERT_MAX_BM = 64
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
@@ -500,13 +506,6 @@ def quant_rows(x: torch.Tensor, total: torch.Tensor | None = None) -> tuple[torc
             x, q, sc, total, x.stride(0), K=k, BLOCK=min(_block(k), 4096), num_warps=8 if k >= 4096 else 4
         )
     return q, sc
-
-
-def quant_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quant_rows`` in torch (the tests' reference)."""
-    amax = x.float().abs().amax(dim=1)
-    sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return (x.float() / sc[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), sc
 
 
 class ExpertAct(NamedTuple):
