@@ -240,6 +240,35 @@ def test_fp8_linear_equals_its_dequantized_weight():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@needs_triton
+@pytest.mark.parametrize("block", [(1, 64), (48, 64)], ids=["per-channel", "per-tensor"])
+def test_w8a8_linear_is_rows_quantized_per_row_through_an_fp8_gemm_with_row_wise_scales(block):
+    """A QuantLinear with act_quant and one scale over K (per channel or per tensor) runs on CUDA
+    as quant_rows + torch._scaled_mm: the row's codes times the weight's codes summed in fp32,
+    times the row's scale and the channel's, rounded once to the rows' dtype."""
+    from moeserve.models import quant as Q
+
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(48, 64, generator=g)
+    codes, scale = Q.quantize(w, block)
+    lin = Q.QuantLinear(codes, scale, block, act_quant=True)
+    assert lin.scale_row().shape == (1, 48) and torch.equal(lin.scale_row()[0], scale.expand(48, 1)[:, 0])
+    assert lin._scaled_mm_ok(torch.zeros(1, 64, dtype=torch.bfloat16))
+    x = (torch.randn(7, 64, generator=g) * 3).to(torch.bfloat16)
+    got = kernels.fp8_scaled_linear(x, lin.codes_kn(), lin.scale_row())
+    xq, xs = Q.quantize(x.float(), (1, 64))
+    want = ((xq.float() @ codes.float().t()) * xs * lin.scale_row()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=1e-3)
+    weight_only = x.float() @ lin.weight(torch.float32).t()
+    assert (got.float() - weight_only).abs().max() > 1e-2  # the rows were quantized
+    # block scales over K (and bf16 weights' shapes cuBLAS's FP8 GEMM cannot take) stay on the kernel
+    bq, bs = Q.quantize(w, (16, 16))
+    assert not Q.QuantLinear(bq, bs, (16, 16), act_quant=True)._scaled_mm_ok(x)
+    oq, os_ = Q.quantize(torch.randn(40, 72, generator=g), (1, 72))
+    assert not Q.QuantLinear(oq, os_, (1, 72), act_quant=True)._scaled_mm_ok(torch.zeros(1, 72, dtype=torch.bfloat16))
+
+
 def test_fp8_scale_blocks_the_kernel_cannot_tile_are_said():
     assert kernels.fp8_blocks_supported(96, (96, 1)) and kernels.fp8_blocks_supported(512, (128, 128))
     assert not kernels.fp8_blocks_supported(96, (8, 8)) and not kernels.fp8_blocks_supported(96, (24, 24))

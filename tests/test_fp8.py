@@ -256,6 +256,23 @@ def test_dummy_fp8_weights_are_made_as_fp8_with_no_nan_code(tmp_path):
     assert torch.isfinite(out).all()
 
 
+def test_dummy_fp8_weights_quantize_rows_where_quantization_fp8_on_real_weights_does(tmp_path, monkeypatch):
+    """--load-format dummy with --quantization fp8 declares what quantizing real weights gives
+    (dynamic per-token activations), so MOESERVE_FP8_ACTIVATIONS=dynamic turns W8A8 on for the
+    experts and the quantized MLPs of both, and off for both by default."""
+    from moeserve.models import init_model
+
+    path = init_model(tmp_path / "m", family="llama4", seed=1)
+    shared = "model.layers.1.feed_forward.shared_expert.up_proj"
+    for mode, want in (("weight-only", False), ("dynamic", True)):
+        monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", mode)
+        for reader in (DummyReader(path, quantization="fp8"), CheckpointReader(path, quantization="fp8")):
+            assert reader.expert_spec(torch.bfloat16).quant.act_quant is want, (mode, type(reader).__name__)
+            shape = tuple(reader.shape(f"{shared}.weight"))
+            lin = Q.read_weight(reader, shared, shape, torch.bfloat16, "cpu")
+            assert isinstance(lin, Q.QuantLinear) and lin.act_quant is want, (mode, type(reader).__name__)
+
+
 @pytest.mark.slow
 def test_quantization_flags_on_the_command_line(source, tmp_path):
     _, src = source

@@ -367,15 +367,18 @@ def _tuning_from_env(table: dict, name: str) -> None:
 
 _tuning_from_env(EXPERT_TUNING_FP8, "MOESERVE_FP8_TUNING")
 # W8A8 (``ExpertScales.act_quant``, opt-in: ``models.quant.activations_quantized``): both operands
-# FP8 codes, the product on FP8 tensor cores; K-tiles of 256 codes (128 where a 64-row pass's
-# tiles would not fit shared memory). On an H200 (results/expert-kernel-fp8-nk.json) Scout's
-# layer takes 0.68-0.70 ms against bf16's 0.97-1.08, ERNIE's 0.38-0.40 against 0.49-0.52; the
-# research kernel of benchmarks/fp8_kernels.py reaches 0.55 ms at Scout's (results/fp8-kernels.json).
+# FP8 codes, the product on FP8 tensor cores, computed transposed (codes [BN, BK] x rows^T [BK,
+# BM]) with K-tiles of 128 codes at every rows-per-pass: the rows are the MMA's N side, so a row's
+# sums are the same instructions in the same K order whatever BM a step picks, and a token's
+# output does not depend on how many rows its slot got (EPLB on gives the tokens of EPLB off:
+# results/gpu-correctness-eplb-off-fp8-w8a8.json; with the rows as the M side and BK 256/128 by
+# BM, ERNIE matched 6 % of tokens). On an H200 (results/expert-kernel-w8a8-swap.json, 256
+# tokens) Scout's layer takes 0.60-0.66 ms against bf16's 1.0, ERNIE's 0.34-0.38 against 0.47-0.50.
 EXPERT_TUNING_FP8_A8 = {
-    "gate_up": (64, 256, 4, 3, False),
-    "down": (128, 256, 8, 3, False),
-    "gate_up_bm64": (64, 128, 4, 3, False),
-    "down_bm64": (128, 128, 8, 3, False),
+    "gate_up": (64, 128, 4, 3, True),
+    "down": (128, 128, 8, 3, True),
+    "gate_up_bm64": (64, 128, 4, 3, True),
+    "down_bm64": (128, 128, 8, 3, True),
 }
 # MOESERVE_FP8_A8_TUNING: the same for the W8A8 table
 _tuning_from_env(EXPERT_TUNING_FP8_A8, "MOESERVE_FP8_A8_TUNING")
@@ -558,6 +561,24 @@ def fp8_linear(
     )
 
 
+def fp8_scaled_linear(x: torch.Tensor, codes: torch.Tensor, scale_row: torch.Tensor) -> torch.Tensor:
+    """W8A8 x [M, K] @ W with one scale per output channel: x quantized per row
+    (``quant_rows``), the product on FP8 tensor cores by cuBLAS (``torch._scaled_mm``, row-wise
+    scales, fp32 accumulation) and written in x's dtype. codes [K, N] is the [N, K] bytes viewed
+    transposed (``QuantLinear.codes_kn``), scale_row float32 [1, N]. A dense layer's rows are
+    many and share one weight: there cuBLAS's FP8 GEMM is faster than the grouped expert kernel
+    with one slot (benchmarks/fp8_linears.py)."""
+    xq, xs = quant_rows(x.contiguous())
+    return torch._scaled_mm(xq, codes, scale_a=xs.view(-1, 1), scale_b=scale_row, out_dtype=x.dtype)
+
+
+def fp8_scaled_linear_supported(k: int, n: int, block: tuple[int, int], codes: torch.Tensor) -> bool:
+    """Whether ``fp8_scaled_linear`` takes FP8 weights [K, N] scaled in blocks of ``block`` =
+    (bk, bn): one scale over all of K (per channel or per tensor), K and N multiples of 16 (what
+    cuBLAS's FP8 GEMM needs), the codes the transposed view of [N, K] bytes."""
+    return block[0] >= k and k % 16 == 0 and n % 16 == 0 and codes.stride(0) == 1 and codes.stride(1) == k
+
+
 class FP8Weight(Protocol):
     """What ``warm_up_fp8_linears`` reads of a quantized linear layer (``models.quant.QuantLinear``)."""
 
@@ -567,19 +588,21 @@ class FP8Weight(Protocol):
 
     def scale_kn(self) -> torch.Tensor: ...
 
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
 
 def warm_up_fp8_linears(layers: Iterable[FP8Weight], dtype: torch.dtype) -> int:
-    """Compile ``fp8_linear`` for every rows-per-pass and weight shape of ``layers`` (the
-    ``QuantLinear`` s of a router's model) before serving. Returns the launches run."""
+    """Compile what a call of each quantized linear layer runs (``fp8_linear`` for every
+    rows-per-pass, or ``quant_rows`` before cuBLAS's FP8 GEMM) for every weight shape of
+    ``layers`` (the ``QuantLinear`` s of a router's model) before serving. Returns the calls run."""
     shapes: dict[tuple, FP8Weight] = {}
     for q in layers:
-        shapes.setdefault((tuple(q.codes_kn().shape), q.block), q)
+        shapes.setdefault((tuple(q.codes_kn().shape), q.block, bool(getattr(q, "act_quant", False))), q)
     n = 0
     for q in shapes.values():
-        kn, skn = q.codes_kn(), q.scale_kn()
+        kn = q.codes_kn()
         for bm in expert_block_ms():
-            x = torch.zeros(bm, kn.shape[0], dtype=dtype, device=kn.device)
-            fp8_linear(x, kn, skn, (q.block[1], q.block[0]), getattr(q, "act_quant", False))
+            q(torch.zeros(bm, kn.shape[0], dtype=dtype, device=kn.device))
             n += 1
     return n
 

@@ -194,14 +194,16 @@ def fp8_modules(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> list[st
 
 def declared_scheme(cfg: ModelConfig) -> ModelConfig:
     """A dummy checkpoint is made directly in FP8: ``--quantization fp8`` on it reads as the
-    compressed-tensors checkpoint it would quantize to (per channel, the MLPs and experts; the
-    other linear layers named in its ignore list), never as bf16 weights quantized later."""
+    compressed-tensors checkpoint it would quantize to (per channel, dynamic per-token
+    activations, as ``--quantization fp8`` on real weights; the MLPs and experts; the other linear
+    layers named in its ignore list), never as bf16 weights quantized later."""
     scheme = cfg.quantization
     if scheme is None or scheme.format != "online":
         return cfg
     every = replace(cfg, quantization=Q.QuantScheme("compressed-tensors", "channel"))  # the FP8 layout's names
     keep = tuple(m for m in linear_modules(checkpoint_shapes(every)) if not scheme.online_quantizes(m))
-    return replace(cfg, quantization=Q.QuantScheme("compressed-tensors", "channel", ignore=keep))
+    declared = Q.QuantScheme("compressed-tensors", "channel", activations="token", ignore=keep)
+    return replace(cfg, quantization=declared)
 
 
 class DummyReader:

@@ -328,7 +328,9 @@ class QuantLinear:
     (bo, bi) block: weight-only, activations in x's dtype. On CUDA with up to
     ``KERNEL_MAX_ROWS`` rows the Triton kernel reads the codes and scales them in registers
     (``moeserve.kernels.fp8_linear``); otherwise the weight is dequantized for the call (CPU,
-    exactness checks, prefill), so it is held in one byte per weight either way."""
+    exactness checks, prefill), so it is held in one byte per weight either way. With
+    ``act_quant`` (W8A8, opt-in) and one scale over K, every call on CUDA quantizes its rows and
+    runs cuBLAS's FP8 GEMM (``kernels.fp8_scaled_linear``)."""
 
     codes: torch.Tensor  # FP8 [out, in]
     scale: torch.Tensor  # float32 [ceil(out/bo), ceil(in/bi)]
@@ -337,6 +339,7 @@ class QuantLinear:
     act_quant: bool = False  # W8A8 on CUDA (``activations_quantized``)
     _kn: torch.Tensor | None = field(default=None, repr=False)  # codes as [in, out], for the kernel
     _skn: torch.Tensor | None = field(default=None, repr=False)
+    _srow: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -349,6 +352,11 @@ class QuantLinear:
         return dequantize(self.codes, self.scale, self.block, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and self.act_quant and self._scaled_mm_ok(x):
+            from moeserve import kernels
+
+            y = kernels.fp8_scaled_linear(x, self.codes_kn(), self.scale_row())
+            return y if self.bias is None else y + self.bias
         if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_MAX_ROWS and self._kernel_ok(x):
             from moeserve import kernels
 
@@ -356,12 +364,26 @@ class QuantLinear:
             return y if self.bias is None else y + self.bias
         return torch.nn.functional.linear(x, self.weight(x.dtype), self.bias)
 
+    def _scaled_mm_ok(self, x: torch.Tensor) -> bool:
+        """W8A8 with one scale over each output channel's inputs: cuBLAS's FP8 GEMM
+        (``kernels.fp8_scaled_linear``) at every row count, prefill included."""
+        from moeserve import kernels
+
+        kn = self.codes_kn()
+        return (
+            x.dtype in (torch.bfloat16, torch.float16)
+            and kernels.available()
+            and kernels.fp8_scaled_linear_supported(kn.shape[0], kn.shape[1], (self.block[1], self.block[0]), kn)
+        )
+
     def prepared(self) -> QuantLinear:
         """On CUDA, the kernel's layouts made now (at load), not in a step (maybe one being
         captured in a CUDA graph)."""
         if self.codes.is_cuda:
             self.codes_kn()
             self.scale_kn()
+            if self.block[1] >= self.codes.shape[1]:
+                self.scale_row()
         return self
 
     def _kernel_ok(self, x: torch.Tensor) -> bool:
@@ -385,6 +407,14 @@ class QuantLinear:
         if self._skn is None:
             self._skn = self.scale.t().contiguous()
         return self._skn
+
+    def scale_row(self) -> torch.Tensor:
+        """float32 [1, out]: each output channel's scale (a per-tensor scale repeated), as
+        ``torch._scaled_mm`` takes a weight's row-wise scales; only for one scale over K."""
+        if self._srow is None:
+            out = self.codes.shape[0]
+            self._srow = _expand(self.scale.float(), (self.block[0], 1), (out, 1)).reshape(1, out).contiguous()
+        return self._srow
 
 
 def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor | QuantLinear:
