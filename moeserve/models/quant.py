@@ -340,6 +340,7 @@ class QuantLinear:
     _kn: torch.Tensor | None = field(default=None, repr=False)  # codes as [in, out], for the kernel
     _skn: torch.Tensor | None = field(default=None, repr=False)
     _srow: torch.Tensor | None = field(default=None, repr=False)
+    _gemm_ok: bool | None = field(default=None, repr=False)  # the weight fits kernels.fp8_scaled_linear
 
     @property
     def nbytes(self) -> int:
@@ -366,15 +367,19 @@ class QuantLinear:
 
     def _scaled_mm_ok(self, x: torch.Tensor) -> bool:
         """W8A8 with one scale over each output channel's inputs: cuBLAS's FP8 GEMM
-        (``kernels.fp8_scaled_linear``) at every row count, prefill included."""
-        from moeserve import kernels
+        (``kernels.fp8_scaled_linear``) at every row count, prefill included. What the weight
+        allows is decided once (``_gemm_takes_weight``), not on every call of a step."""
+        return x.dtype in (torch.bfloat16, torch.float16) and self._gemm_takes_weight()
 
-        kn = self.codes_kn()
-        return (
-            x.dtype in (torch.bfloat16, torch.float16)
-            and kernels.available()
-            and kernels.fp8_scaled_linear_supported(kn.shape[0], kn.shape[1], (self.block[1], self.block[0]), kn)
-        )
+    def _gemm_takes_weight(self) -> bool:
+        if self._gemm_ok is None:
+            from moeserve import kernels
+
+            kn = self.codes_kn()
+            self._gemm_ok = kernels.available() and kernels.fp8_scaled_linear_supported(
+                kn.shape[0], kn.shape[1], (self.block[1], self.block[0]), kn
+            )
+        return self._gemm_ok
 
     def prepared(self) -> QuantLinear:
         """On CUDA, the kernel's layouts made now (at load), not in a step (maybe one being
@@ -382,7 +387,7 @@ class QuantLinear:
         if self.codes.is_cuda:
             self.codes_kn()
             self.scale_kn()
-            if self.block[1] >= self.codes.shape[1]:
+            if self._gemm_takes_weight():
                 self.scale_row()
         return self
 
