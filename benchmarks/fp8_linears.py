@@ -86,21 +86,32 @@ def main():
         "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp8-linears.json")
     )
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA device")
+    for flag in ("copies", "reps", "iters"):
+        if not 1 <= getattr(a, flag) <= 1000:
+            p.error(f"--{flag} must be 1 .. 1000, got {getattr(a, flag)}")
+    try:
+        rows = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows must be a comma list of integers, got {a.rows!r}")
+    if not all(1 <= r <= 65536 for r in rows):
+        p.error(f"--rows must each be 1 .. 65536, got {a.rows}")
     variants = a.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variants {bad}: allowed {', '.join(VARIANTS)}")
+    shapes = a.shapes.split(",")
+    unknown = [sh for sh in shapes if sh not in SHAPES]
+    if unknown:
+        p.error(f"unknown shapes {unknown}: allowed {', '.join(SHAPES)}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = dict(command=" ".join(["python3"] + sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     out["cases"] = []
     head = f"{'shape':<19}{'rows':>6}" + "".join(f"{v + ' us':>17}" for v in variants) + f"{'best fp8/bf16':>15}"
     print(head)
-    for name in a.shapes.split(","):
-        if name not in SHAPES:
-            p.error(f"unknown shape {name!r}: allowed {', '.join(SHAPES)}")
+    for name in shapes:
         k, n = SHAPES[name]
         w16, lins = [], []
         for _ in range(a.copies):
@@ -109,7 +120,7 @@ def main():
             lin = QuantLinear(codes, scale, (1, k))
             w16.append(lin.weight(torch.bfloat16))
             lins.append(lin.prepared())
-        for m in [int(r) for r in a.rows.split(",")]:
+        for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x.float() @ lins[0].weight(torch.float32).T
             c = a.copies
