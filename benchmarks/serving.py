@@ -47,8 +47,10 @@ Configurations, side by side in one run, each in its own processes, freed before
   against the default's Triton decode kernels (``moeserve.kernels.expert_mlp``);
 - ``moeserve-ep2-fp8``, ``moeserve-1rank-fp8`` (only when named): the same with
   ``--quantization fp8``: FP8 experts, shared experts and dense MLPs (dummy codes made as FP8,
-  per-channel scales), the roofline counted on the quantized bytes; ``--shape scout48`` (Scout's
-  whole text model) and ``maverick12`` fit one H200 only so;
+  per-channel scales; W8A8 where it applies, the default), the roofline counted on the quantized
+  bytes; ``--shape scout48`` (Scout's whole text model) and ``maverick12`` fit one H200 only so;
+  ``moeserve-ep2-fp8-weight-only``, ``moeserve-1rank-fp8-weight-only``: the same with every FP8
+  product weight-only (``MOESERVE_FP8_ACTIVATIONS=weight-only``);
 - ``moeserve-ep2-no-prefix-cache``, ``moeserve-1rank-no-prefix-cache`` (only when named): the same
   with ``--no-enable-prefix-caching``, side by side with the default's prefix caching;
 - ``transformers``: ``AutoModelForCausalLM.from_config`` (random init, bf16) and ``generate``
@@ -177,6 +179,7 @@ sys.path.insert(0, HERE)  # servinglib
 from servinglib.args import APIS, CONFIGS, EXTRA_CONFIGS, PREFIX_WORKLOADS  # noqa: E402, F401
 from servinglib.args import parse as parse_args  # noqa: E402
 from servinglib.baseline import run_transformers  # noqa: E402
+from servinglib.cluster import is_fp8  # noqa: E402
 from servinglib.common import git_commit  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
 from servinglib.prefix import conversation_plan, prefix_plan, prefix_table, side_by_side  # noqa: E402
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
         write_tokenizer(model_dir, SHAPES[a.shape]["config"]["vocab_size"])
     dtype_bytes = 4 if a.dtype == "float32" else 2
     sizes = model_sizes(model_dir, dtype_bytes)
-    sizes_fp8 = model_sizes(model_dir, dtype_bytes, "fp8") if any(c.endswith("-fp8") for c in a.configs) else None
+    sizes_fp8 = model_sizes(model_dir, dtype_bytes, "fp8") if any(is_fp8(c) for c in a.configs) else None
 
     facts = gpu_facts(2 if any(c.startswith("moeserve-ep2") for c in a.configs) else 1, a.smoke)
     measured = float(min(f["rate_Bps"] for f in facts))
@@ -313,7 +316,7 @@ def main(argv=None) -> int:
         else:
             ranks = 2 if name.startswith("moeserve-ep2") else 1
             redundant = a.redundant_experts if ranks > 1 else 0
-            held = sizes_fp8 if name.endswith("-fp8") and sizes_fp8 is not None else sizes
+            held = sizes_fp8 if is_fp8(name) and sizes_fp8 is not None else sizes
             weights = weights_per_gpu(held, redundant, ranks)
             if gpu_mem and weights > 0.85 * gpu_mem:
                 result["configs"][name] = dict(

@@ -195,8 +195,8 @@ class ClusterConfig:
     schedules step N+1 while the GPUs run step N (vLLM's name; docs/dataplane.md, "Asynchronous
     steps"); False: every step's tokens come back in its own gather.
     capture_graphs_at_start: before serving, the leader runs warm-up steps that make every router
-    compile and capture its decode graph of every (bucket, attention split) key, instead of on a
-    key's first two uses while serving (which costs those steps' latency).
+    compile and capture its decode graph of every (bucket, attention split) key (the default, as
+    vLLM does); False: on a key's first two uses while serving, which costs those steps' latency.
     load_read_steps: routers keep the expert load on the device and send it every this many
     forward steps (and when the load is asked for, before a commit, and when the cluster goes
     idle), not every step.
@@ -239,7 +239,7 @@ class ClusterConfig:
     state_dir: str = ""
     enforce_eager: bool = False
     async_scheduling: bool = True
-    capture_graphs_at_start: bool = False
+    capture_graphs_at_start: bool = True
     load_read_steps: int = 16
     quantization: str = ""  # "" (the checkpoint's own) or "fp8" (vLLM's --quantization)
     seed: int | None = None

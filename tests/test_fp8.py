@@ -259,18 +259,23 @@ def test_dummy_fp8_weights_are_made_as_fp8_with_no_nan_code(tmp_path):
 def test_dummy_fp8_weights_quantize_rows_where_quantization_fp8_on_real_weights_does(tmp_path, monkeypatch):
     """--load-format dummy with --quantization fp8 declares what quantizing real weights gives
     (dynamic per-token activations), so MOESERVE_FP8_ACTIVATIONS=dynamic turns W8A8 on for the
-    experts and the quantized MLPs of both, and off for both by default."""
+    experts and the quantized MLPs of both (the default), and weight-only turns it off for both."""
     from moeserve.models import init_model
 
     path = init_model(tmp_path / "m", family="llama4", seed=1)
     shared = "model.layers.1.feed_forward.shared_expert.up_proj"
-    for mode, want in (("weight-only", False), ("dynamic", True)):
-        monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", mode)
+    for mode, want in (("weight-only", False), ("dynamic", True), (None, True)):
+        if mode is None:
+            monkeypatch.delenv("MOESERVE_FP8_ACTIVATIONS", raising=False)
+        else:
+            monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", mode)
         for reader in (DummyReader(path, quantization="fp8"), CheckpointReader(path, quantization="fp8")):
             assert reader.expert_spec(torch.bfloat16).quant.act_quant is want, (mode, type(reader).__name__)
             shape = tuple(reader.shape(f"{shared}.weight"))
             lin = Q.read_weight(reader, shared, shape, torch.bfloat16, "cpu")
             assert isinstance(lin, Q.QuantLinear) and lin.act_quant is want, (mode, type(reader).__name__)
+            assert not reader.expert_spec(torch.float32).quant.act_quant  # fp32: weight-only
+            assert not Q.read_weight(reader, shared, shape, torch.float32, "cpu").act_quant
 
 
 @pytest.mark.slow
@@ -326,25 +331,33 @@ def test_a_cluster_with_redundant_slots_serves_fp8_exactly_through_a_live_random
 
 
 def test_which_fp8_products_quantize_their_rows_on_the_gpu(monkeypatch):
-    """Weight-only by default; with MOESERVE_FP8_ACTIVATIONS=dynamic, W8A8 (rows quantized per
-    row, FP8 tensor cores) where the checkpoint declares dynamic per-token activations with
-    channel or tensor weight scales, and for --quantization fp8; never for block scales or
-    undeclared activations; any other value refused by name."""
+    """W8A8 by default (rows quantized per row, FP8 tensor cores) where the checkpoint declares
+    dynamic per-token activations with channel or tensor weight scales, and for --quantization
+    fp8, as vLLM does; never for block scales or undeclared activations;
+    MOESERVE_FP8_ACTIVATIONS=weight-only turns it off everywhere; any other value refused by name."""
     from moeserve.models import quant as Q
 
     ct = Q.QuantScheme("compressed-tensors", "channel", None, "token")
-    monkeypatch.delenv("MOESERVE_FP8_ACTIVATIONS", raising=False)
+    for mode in (None, "dynamic"):
+        if mode is None:
+            monkeypatch.delenv("MOESERVE_FP8_ACTIVATIONS", raising=False)
+        else:
+            monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", mode)
+        assert Q.activations_quantized(ct) and Q.activations_quantized(Q.online_scheme())
+        assert Q.activations_quantized(Q.QuantScheme("compressed-tensors", "tensor", None, "token"))
+        assert not Q.activations_quantized(Q.QuantScheme("compressed-tensors", "channel", None, "none"))
+        assert not Q.activations_quantized(Q.QuantScheme("fp8-block", "block", (128, 128), "token"))
+        assert not Q.activations_quantized(None)
+        assert ExpertQuant.from_scheme(ct, 64, 32).act_quant
+        assert ExpertQuant.from_scheme(ct, 64, 32, torch.bfloat16).act_quant
+        # fp32 compute is the exactness dtype: weight-only, experts and linears alike
+        assert not Q.activations_quantized(ct, torch.float32)
+        assert not ExpertQuant.from_scheme(ct, 64, 32, torch.float32).act_quant
+    monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", "weight-only")
     assert not Q.activations_quantized(ct) and not Q.activations_quantized(Q.online_scheme())
     assert not ExpertQuant.from_scheme(ct, 64, 32).act_quant
-    monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", "dynamic")
-    assert Q.activations_quantized(ct) and Q.activations_quantized(Q.online_scheme())
-    assert Q.activations_quantized(Q.QuantScheme("compressed-tensors", "tensor", None, "token"))
-    assert not Q.activations_quantized(Q.QuantScheme("compressed-tensors", "channel", None, "none"))
-    assert not Q.activations_quantized(Q.QuantScheme("fp8-block", "block", (128, 128), "token"))
-    assert not Q.activations_quantized(None)
-    assert ExpertQuant.from_scheme(ct, 64, 32).act_quant
     monkeypatch.setenv("MOESERVE_FP8_ACTIVATIONS", "w8a8")
-    with pytest.raises(Q.QuantizationError, match="allowed weight-only, dynamic"):
+    with pytest.raises(Q.QuantizationError, match="allowed dynamic \\(the default\\), weight-only"):
         Q.activations_quantized(ct)
 
 

@@ -17,7 +17,13 @@ SYNC_CONFIGS = ("moeserve-ep2-sync", "moeserve-1rank-sync")
 GROUPED_MM_CONFIGS = ("moeserve-ep2-grouped-mm", "moeserve-1rank-grouped-mm")
 # named with --configs only: the same with FP8 experts and MLPs (--quantization fp8: dummy weights
 # made as FP8 codes with per-channel scales), side by side with the bf16 ones
-FP8_CONFIGS = ("moeserve-ep2-fp8", "moeserve-1rank-fp8")
+# (W8A8 where it applies, the default); ``-fp8-weight-only``: every FP8 product weight-only
+FP8_CONFIGS = (
+    "moeserve-ep2-fp8",
+    "moeserve-1rank-fp8",
+    "moeserve-ep2-fp8-weight-only",
+    "moeserve-1rank-fp8-weight-only",
+)
 # named with --configs only: the same without prefix caching (--no-enable-prefix-caching)
 NO_PREFIX_CACHE_CONFIGS = ("moeserve-ep2-no-prefix-cache", "moeserve-1rank-no-prefix-cache")
 EXTRA_CONFIGS = SYNC_CONFIGS + GROUPED_MM_CONFIGS + FP8_CONFIGS + NO_PREFIX_CACHE_CONFIGS
@@ -135,8 +141,10 @@ def parse(argv=None, doc: str = "") -> argparse.Namespace:
     p.add_argument("--exchange", default="auto", choices=("auto", "collective", "nvlink"))
     p.add_argument(
         "--capture-graphs-at-start",
-        action="store_true",
-        help="moeserve up --capture-graphs-at-start: every decode graph captured before serving",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every decode graph captured before serving (moeserve up's default); "
+        "--no-capture-graphs-at-start: on a key's first two uses while serving",
     )
     p.add_argument("--startup-timeout", type=float, default=None)
     p.add_argument("--burst-timeout", type=float, default=None)

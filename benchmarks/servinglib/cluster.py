@@ -24,12 +24,20 @@ WARNING_WORDS = (
 )
 
 
-def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], str | None]:
-    """The ``moeserve up`` flags a configuration adds to the common ones, and its expert kernel
-    (``MOESERVE_EXPERT_KERNEL``, None: the default): ``-sync`` runs without asynchronous steps,
-    ``-grouped-mm`` with torch._grouped_mm, ``-no-prefix-cache`` without prefix caching; the EPLB
-    workload lets one rebalance move every layer."""
+def is_fp8(name: str) -> bool:
+    """Whether a configuration serves FP8 experts and MLPs (``-fp8``, ``-fp8-weight-only``)."""
+    return name.endswith(("-fp8", "-fp8-weight-only"))
+
+
+def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, str]]:
+    """The ``moeserve up`` flags a configuration adds to the common ones, and the environment
+    its ranks get: ``-sync`` runs without asynchronous steps, ``-grouped-mm`` with
+    torch._grouped_mm (``MOESERVE_EXPERT_KERNEL``), ``-fp8`` with ``--quantization fp8`` (W8A8,
+    the default), ``-fp8-weight-only`` the same with ``MOESERVE_FP8_ACTIVATIONS=weight-only``,
+    ``-no-prefix-cache`` without prefix caching; the EPLB workload lets one rebalance move
+    every layer."""
     extra = []
+    env: dict[str, str] = {}
     if eplb:
         extra += ["--eplb-move-budget", "1.0"]  # one rebalance may move every layer
         if getattr(a, "eplb_step_model", None):
@@ -38,13 +46,17 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], str | None
             extra += ["--eplb-step-model-shape", a.eplb_step_model_shape]
     if name.endswith("-sync"):
         extra.append("--no-async-scheduling")
-    if name.endswith("-fp8"):
+    if is_fp8(name):
         extra += ["--quantization", "fp8"]
+    if name.endswith("-fp8-weight-only"):
+        env["MOESERVE_FP8_ACTIVATIONS"] = "weight-only"
     if name.endswith("-no-prefix-cache"):
         extra.append("--no-enable-prefix-caching")
-    if a.capture_graphs_at_start:
-        extra.append("--capture-graphs-at-start")
-    return extra, "grouped_mm" if name.endswith("-grouped-mm") else None
+    if not a.capture_graphs_at_start:
+        extra.append("--no-capture-graphs-at-start")
+    if name.endswith("-grouped-mm"):
+        env["MOESERVE_EXPERT_KERNEL"] = "grouped_mm"
+    return extra, env
 
 
 class Cluster(UpProcess):
@@ -61,7 +73,7 @@ class Cluster(UpProcess):
         log_dir: str,
         http: bool = False,
         extra: list | None = None,
-        expert_kernel: str | None = None,
+        env: dict[str, str] | None = None,
     ):
         flags = [
             "--load-format",
@@ -94,13 +106,11 @@ class Cluster(UpProcess):
         ]
         if redundant:
             flags += ["--enable-eplb", "--num-redundant-experts", str(redundant)]
-        env = {}
+        env = dict(env or {})
         self.profile_dir = None
         if getattr(a, "profile", None):  # ranks profile forward steps START .. START+COUNT-1
             self.profile_dir = os.path.join(log_dir, "profile")
             env["MOESERVE_PROFILE"] = f"{self.profile_dir}:{a.profile}"
-        if expert_kernel:
-            env["MOESERVE_EXPERT_KERNEL"] = expert_kernel
         super().__init__(
             model_dir,
             *flags,

@@ -127,6 +127,7 @@ def cache_figures(recs: list[dict]) -> dict:
     last = max((r["tokens"][-1] for r in recs if r["tokens"]), default=first_submit)
     wall = last - first_submit
     ttft = [r["tokens"][0] - r["submit"] for r in recs if r["tokens"]]
+    gaps = [b - a for r in recs for a, b in zip(r["tokens"], r["tokens"][1:])]  # inter-token: the step period
     prompt = sum(r["prompt_len"] for r in done)
     cached = sum(r.get("cached", 0) for r in done)
     digests = (  # each request's generated ids, to compare configurations (gRPC records carry them)
@@ -143,6 +144,8 @@ def cache_figures(recs: list[dict]) -> dict:
         output_tok_s=toks / wall if wall > 0 else None,
         ttft_p50_s=pct(ttft, 50),
         ttft_p99_s=pct(ttft, 99),
+        itl_p50_s=pct(gaps, 50),
+        itl_p99_s=pct(gaps, 99),
         prompt_tokens=prompt,
         cached_prompt_tokens=cached,
         computed_prompt_tokens=prompt - cached,
@@ -208,11 +211,14 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
         f["engine"] = {
             k: s1[k] - s0[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "forward_steps")
         }
+        steps = f["engine"]["forward_steps"]
+        f["wall_per_forward_step_s"] = f["wall_s"] / steps if steps else None
         m.res[key] = f
         later = f.get("later_turns", f)
         m.say(
             f"{key}: {f['completed']}/{f['requests']} requests, TTFT p50 {1e3 * (f['ttft_p50_s'] or 0):.1f} ms "
-            f"p99 {1e3 * (f['ttft_p99_s'] or 0):.1f} ms, {f['output_tok_s'] or 0:.0f} tok/s, cached "
+            f"p99 {1e3 * (f['ttft_p99_s'] or 0):.1f} ms, ITL p50 {1e3 * (f['itl_p50_s'] or 0):.1f} ms "
+            f"p99 {1e3 * (f['itl_p99_s'] or 0):.1f} ms, {f['output_tok_s'] or 0:.0f} tok/s, cached "
             f"{100 * (later['hit_rate'] or 0):.1f} % of the prompt tokens"
             + (" after the first turn" if key == "multiturn" else "")
         )

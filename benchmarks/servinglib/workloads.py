@@ -220,7 +220,7 @@ def run_moeserve(
     m = Measure(name, ranks, redundant, a)
     try:
         eplb = "eplb" in plans
-        extra, expert_kernel = configuration_flags(name, a, eplb)
+        extra, env = configuration_flags(name, a, eplb)
         m.up = up = Cluster(
             model_dir,
             ranks,
@@ -229,7 +229,7 @@ def run_moeserve(
             os.path.join(log_root, name),
             http="http" in m.apis,
             extra=extra,
-            expert_kernel=expert_kernel,
+            env=env,
         )
         m.res["startup_s"] = up.startup_s
         m.say(f"ready in {up.startup_s:.0f} s")

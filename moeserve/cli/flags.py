@@ -60,9 +60,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--capture-graphs-at-start",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="before serving, compile and capture the decode CUDA graph of every batch bucket and "
-        "attention split (default: on a key's first two uses while serving)",
+        "attention split, as vLLM does (default on; --no-capture-graphs-at-start: on a key's first "
+        "two uses while serving, which costs those steps' latency)",
     )
     g.add_argument(
         "--load-format",
@@ -726,7 +728,7 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         quantization=getattr(args, "quantization", None) or "",
         enforce_eager=getattr(args, "enforce_eager", False),
         async_scheduling=getattr(args, "async_scheduling", True),
-        capture_graphs_at_start=getattr(args, "capture_graphs_at_start", False),
+        capture_graphs_at_start=getattr(args, "capture_graphs_at_start", True),
         seed=getattr(args, "seed", None),
         routing_policy=getattr(args, "routing_policy", "cache_aware"),
         **cache,

@@ -366,7 +366,7 @@ def _tuning_from_env(table: dict, name: str) -> None:
 
 
 _tuning_from_env(EXPERT_TUNING_FP8, "MOESERVE_FP8_TUNING")
-# W8A8 (``ExpertScales.act_quant``, opt-in: ``models.quant.activations_quantized``): both operands
+# W8A8 (``ExpertScales.act_quant``, where ``models.quant.activations_quantized`` says): both operands
 # FP8 codes, the product on FP8 tensor cores, computed transposed (codes [BN, BK] x rows^T [BK,
 # BM]) with K-tiles of 128 codes at every rows-per-pass: the rows are the MMA's N side, so a row's
 # sums are the same instructions in the same K order whatever BM a step picks, and a token's

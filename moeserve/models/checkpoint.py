@@ -85,7 +85,7 @@ def expert_spec(cfg: ModelConfig, dtype: torch.dtype) -> ExpertSpec:
                 f"{cfg.model_type}: FP8 routed experts with biases are not served (the {cfg.family} experts have "
                 f"biases); serve the checkpoint in bf16, without --quantization fp8"
             )
-        quant = ExpertQuant.from_scheme(cfg.quantization, cfg.hidden_size, cfg.moe_intermediate_size)
+        quant = ExpertQuant.from_scheme(cfg.quantization, cfg.hidden_size, cfg.moe_intermediate_size, dtype)
     return ExpertSpec(
         cfg.hidden_size,
         cfg.moe_intermediate_size,

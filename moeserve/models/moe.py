@@ -78,10 +78,12 @@ class ExpertQuant:
     act_quant: bool = False  # W8A8 in the GPU kernels (``quant.activations_quantized``)
 
     @classmethod
-    def from_scheme(cls, scheme: Q.QuantScheme, hidden: int, inter: int) -> ExpertQuant:
+    def from_scheme(
+        cls, scheme: Q.QuantScheme, hidden: int, inter: int, dtype: torch.dtype | None = None
+    ) -> ExpertQuant:
         bo, bi = scheme.block_of(inter, hidden)  # gate_proj / up_proj: [I, H] as a checkpoint holds them
         do, di = scheme.block_of(hidden, inter)  # down_proj: [H, I]
-        return cls(gate_up_block=(bi, bo), down_block=(di, do), act_quant=Q.activations_quantized(scheme))
+        return cls(gate_up_block=(bi, bo), down_block=(di, do), act_quant=Q.activations_quantized(scheme, dtype))
 
 
 # FP8 codes of a slot, stored [N, K] (the checkpoint's own nn.Linear layout, each output

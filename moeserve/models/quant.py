@@ -33,7 +33,7 @@ The torch path is weight-only: :func:`dequantize` makes ``codes * scale`` in flo
 compute dtype (exact in fp32, so an FP8 checkpoint computed in fp32 equals transformers on the
 dequantized weights). The GPU kernels read the codes and apply the scales in registers
 (``moeserve.kernels``), and where :func:`activations_quantized` says so (dynamic per-token
-activations declared, or ``--quantization fp8``) and opted in (``MOESERVE_FP8_ACTIVATIONS=dynamic``)
+activations declared, or ``--quantization fp8``) unless ``MOESERVE_FP8_ACTIVATIONS=weight-only``
 quantize each product's rows per row too and run it on FP8 tensor cores (W8A8).
 """
 
@@ -134,19 +134,19 @@ class QuantScheme:
         return leaf in MLP_LEAVES and ".self_attn." not in module
 
 
-def activations_quantized(scheme: QuantScheme | None) -> bool:
+def activations_quantized(scheme: QuantScheme | None, dtype: torch.dtype | None = None) -> bool:
     """Whether the GPU kernels quantize a product's rows too (W8A8: FP8 per row, dynamic, the
-    product on FP8 tensor cores). Opt-in, ``MOESERVE_FP8_ACTIVATIONS=dynamic`` (read in each
-    process), and then only where the checkpoint declares dynamic per-token activations with
-    per-channel or per-tensor weight scales, or for ``--quantization fp8``; block-wise weight
-    scales stay weight-only (their checkpoints' activations are per 128-group). The default,
-    ``weight-only``, is every FP8 product weight-only: on 1 x H200 the W8A8 path does not yet
-    give a faster step end to end, and its tokens with EPLB on differ from EPLB off in bf16
-    (docs/engine.md, "FP8 activations"). The torch path (CPU, fp32) is always weight-only."""
-    mode = os.environ.get("MOESERVE_FP8_ACTIVATIONS", "weight-only") or "weight-only"
+    product on FP8 tensor cores): where the checkpoint declares dynamic per-token activations
+    with per-channel or per-tensor weight scales, and for ``--quantization fp8`` (vLLM's
+    behaviour for both). Block-wise weight scales stay weight-only (their checkpoints'
+    activations are per 128-group). ``MOESERVE_FP8_ACTIVATIONS=weight-only`` (read in each
+    process) forces every FP8 product weight-only, for exactness checks; ``dynamic`` is the
+    default. A float32 compute ``dtype`` (the exactness dtype) and the torch path (CPU) are always
+    weight-only (docs/engine.md, "FP8 activations")."""
+    mode = os.environ.get("MOESERVE_FP8_ACTIVATIONS", "dynamic") or "dynamic"
     if mode not in ("weight-only", "dynamic"):
-        raise QuantizationError(f"MOESERVE_FP8_ACTIVATIONS={mode!r}: allowed weight-only, dynamic")
-    if scheme is None or mode == "weight-only" or scheme.strategy == "block":
+        raise QuantizationError(f"MOESERVE_FP8_ACTIVATIONS={mode!r}: allowed dynamic (the default), weight-only")
+    if scheme is None or mode == "weight-only" or scheme.strategy == "block" or dtype == torch.float32:
         return False
     return scheme.format == "online" or scheme.activations == "token"
 
@@ -329,7 +329,7 @@ class QuantLinear:
     ``KERNEL_MAX_ROWS`` rows the Triton kernel reads the codes and scales them in registers
     (``moeserve.kernels.fp8_linear``); otherwise the weight is dequantized for the call (CPU,
     exactness checks, prefill), so it is held in one byte per weight either way. With
-    ``act_quant`` (W8A8, opt-in) and one scale over K, every call on CUDA quantizes its rows and
+    ``act_quant`` (W8A8, the default where declared) and one scale over K, every call on CUDA quantizes its rows and
     runs cuBLAS's FP8 GEMM (``kernels.fp8_scaled_linear``)."""
 
     codes: torch.Tensor  # FP8 [out, in]
@@ -449,7 +449,7 @@ def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype,
             raise QuantizationError(f"tensor '{name}' is FP8 but its scale '{scale_name}' is missing")
         scale = check_scale(scale_name, reader.read(scale_name, torch.float32), shape, block)
         return QuantLinear(
-            codes.to(device), scale.to(device), block, act_quant=activations_quantized(scheme)
+            codes.to(device), scale.to(device), block, act_quant=activations_quantized(scheme, dtype)
         ).prepared()
     if stored in (torch.float8_e5m2,):
         raise QuantizationError(
@@ -459,5 +459,5 @@ def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype,
     if scheme is not None and scheme.online_quantizes(module):
         block = scheme.block_of(*shape)
         codes, scale = quantize(w.to(device=device, dtype=torch.float32), block)
-        return QuantLinear(codes, scale, block, act_quant=activations_quantized(scheme)).prepared()
+        return QuantLinear(codes, scale, block, act_quant=activations_quantized(scheme, dtype)).prepared()
     return w.to(device)
