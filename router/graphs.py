@@ -29,6 +29,17 @@ a padded batch of Bk sequences and replays it:
 Sampling stays outside the graph (its per-request parameters change every step); it reads
 the first S rows of the graph's logits.
 
+**Mixed steps** (decodes with prefill chunks, T new tokens over S sequences) replay graphs of
+their own, keyed by (Tk, Sk): T padded to a token bucket (``mixed_buckets``: 128 ... 2,048, at
+most ``max_num_batched_tokens``), S to 16, 64 or ``max_seqs``. Padded sequences have no new
+token and no key (they launch no attention tile); padded tokens belong to no sequence, write
+their k/v to the scratch block and send no (token, k) pair, so their rows, computed row by row
+and never read, touch no real row; the LM head reads each sequence's last token (Sk rows). The
+attention runs its prefill launch shape (one key segment) whatever the step's longest chunk,
+so that a key's graph serves every step of its bucket. Steps of more tokens than the largest
+bucket, and steps that need every prompt token's logits, run eagerly; so does a DeepSeek-V3
+(latent attention) step. A mixed capture that fails turns mixed graphs off, not decode graphs.
+
 Off CUDA (the CPU tests) nothing is captured: every step runs the padded batch eagerly through
 the same buffers, which is how the padding is checked against unpadded steps.
 """
@@ -54,6 +65,20 @@ def bucket_sizes(max_seqs: int) -> list[int]:
     return small + list(range(16, max_seqs, 16)) + [max_seqs]
 
 
+MIXED_TOKENS = (128, 256, 512, 1024, 2048)  # token buckets of mixed-step graphs (larger: eager)
+MIXED_SEQS = (16, 64)  # sequence buckets below max_seqs
+
+
+def mixed_buckets(max_seqs: int, max_tokens: int) -> tuple[list[int], list[int]]:
+    """The token and sequence buckets of mixed-step graphs for a step budget of ``max_tokens``
+    new tokens (``max_num_batched_tokens``) and ``max_seqs`` sequences; none when
+    ``max_tokens`` is 0."""
+    if max_tokens <= 0:
+        return [], []
+    tokens = sorted({t for t in MIXED_TOKENS if t < max_tokens} | {min(max_tokens, MIXED_TOKENS[-1])})
+    return tokens, sorted({x for x in MIXED_SEQS if x < max_seqs} | {max_seqs})
+
+
 def applies(model, exchange, store, enforce_eager: bool) -> tuple[bool, str]:
     """Whether a rank can run whole-step graphs: (ok, why not)."""
     if enforce_eager:
@@ -75,7 +100,7 @@ class DecodeGraphs:
     captured; max_model_len: bounds each block table (MB columns).
     """
 
-    def __init__(self, model, cache, experts, block_size: int, max_seqs: int, max_model_len: int):
+    def __init__(self, model, cache, experts, block_size: int, max_seqs: int, max_model_len: int, max_tokens: int = 0):
         self.model, self.cache, self.experts = model, cache, experts
         self.exchange = getattr(experts, "exchange", None)  # None: a model's local experts (tests)
         self.cuda = model.device.type == "cuda"
@@ -105,6 +130,16 @@ class DecodeGraphs:
         self.disabled = ""
         self.replays = 0
         self.captures = 0
+        # mixed steps (max_tokens: the step's token budget; 0 or a latent-attention model: none)
+        self.mixed_tokens, self.mixed_seqs = mixed_buckets(bmax, 0 if c.mla is not None else max_tokens)
+        tmax = self.mixed_tokens[-1] if self.mixed_tokens else 0
+        self.m_longs = torch.zeros(5, max(tmax, bmax) if tmax else 0, dtype=torch.long, device=dev)
+        self.m_ints = torch.zeros((bmax * self.mb + 2 * bmax + 1) if tmax else 0, dtype=torch.int32, device=dev)
+        self.m_hlongs = torch.zeros(self.m_longs.shape, dtype=torch.long)
+        self.m_hints = torch.zeros(self.m_ints.shape, dtype=torch.int32)
+        if self.cuda and tmax:
+            self.m_hlongs, self.m_hints = self.m_hlongs.pin_memory(), self.m_hints.pin_memory()
+        self.mixed_disabled = ""
         if self.exchange is not None:
             self.exchange.prepare_step_graphs(model.moe_info.num_moe_layers)
 
@@ -127,13 +162,22 @@ class DecodeGraphs:
         for b in self.sizes:
             for msl in sorted(lens):
                 keys.setdefault((b, self._ns(b, msl)), msl)
-        return [(b, msl) for (b, _), msl in keys.items()]
+        decode = [(b, msl) for (b, _), msl in keys.items()]
+        # a mixed-step key (Tk, Sk) as (Tk, -Sk): the header's warm-up pair (its second number < 0)
+        return decode + [(t, -x) for t in self.mixed_tokens for x in self.mixed_seqs]
 
     def warmup(self, b: int, max_seq_len: int, step: int) -> None:
         """One decode step of bucket ``b`` whose ``b`` rows all live in the scratch block, at
         position ``max_seq_len - 1``: a key's first call runs eagerly (compiles), its second
         captures, as in serving. The rows' pairs reach the experts like a real step's (the
-        caller discards their load)."""
+        caller discards their load). ``max_seq_len < 0``: a mixed step of ``b`` tokens over
+        ``-max_seq_len`` sequences (``warmup_keys``), every token in the scratch block."""
+        if max_seq_len < 0:
+            seqs = -max_seq_len
+            num_new = [b // seqs + (i < b % seqs) for i in range(seqs)]
+            blocks = [self.scratch] * -(-max(num_new) // self.block_size)
+            self.run_mixed([0] * b, None, num_new, [0] * seqs, [blocks] * seqs, step)
+            return
         blocks = [self.scratch] * -(-max_seq_len // self.block_size)
         self.run([0] * b, [max_seq_len - 1] * b, [blocks] * b, step)
 
@@ -262,3 +306,149 @@ class DecodeGraphs:
         self.captures += 1
         self.graphs[key] = (g, logits)
         return self.graphs[key]
+
+    # -- mixed steps ----------------------------------------------------------------------
+
+    def mixed_key(self, num_new: list[int], tables: list[list[int]]) -> tuple[int, int] | None:
+        """The (Tk, Sk) graph key of a step of these sequences, or None when it runs eagerly."""
+        t, n = sum(num_new), len(num_new)
+        if self.disabled or self.mixed_disabled or not self.mixed_tokens or t > self.mixed_tokens[-1]:
+            return None
+        if n > self.bmax or any(len(x) > self.mb for x in tables):
+            return None
+        return next(x for x in self.mixed_tokens if x >= t), next(x for x in self.mixed_seqs if x >= n)
+
+    def _fill_mixed(self, ids, src, num_new, starts, tables, tk: int, sk: int) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the pinned buffers are free again
+        bs, mb = self.block_size, self.mb
+        t, n = len(ids), len(num_new)
+        hl, hi = self.m_hlongs.numpy(), self.m_hints.numpy()
+        nn = np.asarray(num_new, dtype=np.int64)
+        st = np.asarray(starts, dtype=np.int64)
+        qs = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(nn, out=qs[1:])
+        seq_of = np.repeat(np.arange(n), nn)
+        pos = np.repeat(st - qs[:-1], nn) + np.arange(t)  # each token's absolute position
+        table = np.zeros((sk, mb), dtype=np.int32)
+        for i, x in enumerate(tables):
+            table[i, : len(x)] = x
+        hl[0, :t] = ids
+        hl[0, t:tk] = 0
+        hl[1, :t] = pos
+        hl[1, t:tk] = 0
+        hl[2, :t] = table[seq_of, pos // bs].astype(np.int64) * bs + pos % bs
+        hl[2, t:tk] = self.scratch * bs  # padded tokens: the scratch block
+        hl[3, :n] = qs[1:] - 1  # each sequence's last new token
+        hl[3, n:sk] = 0
+        hl[4, :t] = -1 if src is None else src
+        o = self.bmax * mb
+        hi[: sk * mb] = table.reshape(-1)
+        hi[o : o + n] = st + nn
+        hi[o + n : o + sk] = 0  # padded sequences: no key, no new token
+        q = o + self.bmax
+        hi[q : q + n + 1] = qs
+        hi[q + n + 1 : q + sk + 1] = t
+        self.m_longs.copy_(self.m_hlongs, non_blocking=self.cuda)
+        self.m_ints.copy_(self.m_hints, non_blocking=self.cuda)
+        if self.cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _mixed_batch(self, tk: int, sk: int, max_query_len: int, max_seq_len: int) -> PagedBatch:
+        o = self.bmax * self.mb
+        if self.cuda:  # the attention's prefill launch shape for every step of the key
+            max_query_len, max_seq_len = tk, self.mb * self.block_size
+        return PagedBatch(
+            num_tokens=tk,
+            num_seqs=sk,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            block_size=self.block_size,
+            positions=self.m_longs[1, :tk],
+            slot_mapping=self.m_longs[2, :tk],
+            block_tables=self.m_ints[: sk * self.mb].view(sk, self.mb),
+            seq_lens=self.m_ints[o : o + sk],
+            query_start=self.m_ints[o + self.bmax : o + self.bmax + sk + 1],
+            last_token_index=self.m_longs[3, :sk],
+        )
+
+    def _mixed_forward(self, tk: int, sk: int, mql: int, msl: int) -> torch.Tensor:
+        hidden = self.model.step(
+            self.m_longs[0, :tk],
+            self._mixed_batch(tk, sk, mql, msl),
+            self.cache,
+            experts=self.experts if self.exchange is not None else None,
+            check_ids=False,
+        )  # [Tk, H]
+        return self.model.logits(hidden.index_select(0, self.m_longs[3, :sk]))  # [Sk, V]
+
+    def run_mixed(
+        self,
+        ids: list[int],
+        src: list[int] | None,
+        num_new: list[int],
+        starts: list[int],
+        tables: list[list[int]],
+        step: int,
+        runner=None,
+    ) -> torch.Tensor:
+        """One mixed step: sequence s computes ``num_new[s]`` new tokens from position
+        ``starts[s]`` (their ids in order in ``ids``; where ``src[j] >= 0`` token j is
+        ``runner.tok_buf[src[j]]`` on the device), block table ``tables[s]``. Returns the logits
+        of each sequence's last new token [S, V] in the model's dtype: a view valid until the
+        next call. The caller checked ``mixed_key``."""
+        key = self.mixed_key(num_new, tables)
+        assert key is not None
+        tk, sk = key
+        t, n = len(ids), len(num_new)
+        mql = max(num_new)
+        msl = max(st + x for st, x in zip(starts, num_new))
+        self._fill_mixed(ids, src, num_new, starts, tables, tk, sk)
+        if src is not None:
+            self.m_longs[0, :t] = runner.select_ids(self.m_longs[0, :t], self.m_longs[4, :t])
+        if self.exchange is not None:
+            self.experts.step = step
+            self.exchange.set_step_args(t * self.top_k, self.experts.router + step)
+        gkey = ("mixed", tk, sk)
+        entry = self.graphs.get(gkey)
+        if entry is None and gkey in self.seen and self.cuda:
+            entry = self._capture_mixed(gkey, mql, msl)
+        if entry is None:  # first use (or capture failed, or CPU): eagerly, padded
+            self.seen.add(gkey)
+            if self.exchange is not None:
+                self.exchange.valid_pairs = t * self.top_k
+            try:
+                logits = self._mixed_forward(tk, sk, mql, msl)
+            finally:
+                if self.exchange is not None:
+                    self.exchange.valid_pairs = None
+            return logits[:n]
+        entry[0].replay()
+        self.replays += 1
+        return entry[1][:n]
+
+    def _capture_mixed(self, gkey, mql: int, msl: int):
+        _, tk, sk = gkey
+        try:
+            torch.cuda.synchronize(self.model.device)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with cudagraph.capture(g, pool=self.pool, capture_error_mode="thread_local"):
+                logits = self._mixed_forward(tk, sk, mql, msl)
+        except Exception as e:  # noqa: BLE001 - any capture failure: mixed steps stay eager
+            if self.exchange is not None:
+                self.exchange._in_flight = False
+            self.mixed_disabled = f"{type(e).__name__}: {e}"
+            log.warning(
+                "CUDA graph capture of a mixed step of %d tokens over %d sequences failed; mixed steps run "
+                "eagerly from now on (decode graphs stay): %s",
+                tk,
+                sk,
+                self.mixed_disabled,
+            )
+            return None
+        self.captures += 1
+        self.graphs[gkey] = (g, logits)
+        return self.graphs[gkey]

@@ -107,8 +107,8 @@ class RouterRunner:
     """Runs ``RouterWork`` on the router-side model with the distributed experts backend.
     ``num_blocks`` x ``block_size``: the rank's KV pool as the leader allocates it.
 
-    With ``graphs`` (``max_num_seqs``, ``max_model_len``; see ``moeserve.router.graphs``) decode
-    steps replay CUDA graphs; the pool then has one more block, the padded rows' scratch block.
+    With ``graphs`` (``max_num_seqs``, ``max_model_len``[, ``max_num_batched_tokens``]; see
+    ``moeserve.router.graphs``) decode steps, and mixed steps of up to 2,048 tokens, replay CUDA graphs; the pool then has one more block, the padded rows' scratch block.
     ``async_outputs``: a step's sampled tokens are delivered with the next step's result."""
 
     def __init__(
@@ -117,7 +117,7 @@ class RouterRunner:
         experts: DistributedExperts,
         num_blocks: int,
         block_size: int,
-        graphs: tuple[int, int] | None = None,
+        graphs: tuple[int, ...] | None = None,
         async_outputs: bool = False,
         grammars: GrammarBook | None = None,
     ):
@@ -236,6 +236,33 @@ class RouterRunner:
             )  # [S, V]
             self.experts.end_step()
             self._sample(seqs, logits.float(), step, dst_of, src_of)
+            return
+        tables = [self.seqs[sw.seq_id].table for sw in seqs]
+        if (
+            self.graphs is not None
+            and all(sw.return_logits != "all" and sw.prompt_logprobs < 0 for sw in seqs)
+            and self.graphs.mixed_key([sw.num_new for sw in seqs], tables) is not None
+        ):  # a mixed step (prefill chunks beside decodes) replays its token bucket's graph
+            logits = self.graphs.run_mixed(
+                ids,
+                src if any(j >= 0 for j in src) else None,
+                [sw.num_new for sw in seqs],
+                [sw.start for sw in seqs],
+                tables,
+                step,
+                runner=self,
+            )  # [S, V]: each sequence's last new token
+            self.experts.end_step()
+            rows = [i for i, sw in enumerate(seqs) if sw.sample]
+            if not rows:
+                self._outputs.append(_Outputs(step, [], None, None, {}, {}))
+                return
+            if len(rows) < len(seqs):
+                pick = torch.tensor(rows)
+                if self.cuda:
+                    pick = pick.pin_memory()
+                logits = logits.index_select(0, pick.to(self.device, non_blocking=True))
+            self._sample([seqs[i] for i in rows], logits.float(), step, dst_of, src_of)
             return
         with span("batch_build"):
             ids_dev = self._device_ids(ids, src)  # [T]

@@ -10,7 +10,7 @@ import torch
 
 from moeserve.models import init_model, load_model
 from moeserve.models.paged import PagedBatch
-from moeserve.router.graphs import DecodeGraphs, applies, bucket_sizes
+from moeserve.router.graphs import DecodeGraphs, applies, bucket_sizes, mixed_buckets
 
 pytestmark = pytest.mark.timeout(120)
 BS = 4
@@ -140,3 +140,84 @@ def test_warmup_keys_reach_every_key_a_decode_step_can_use_and_warmup_touches_on
     for layer, (k, v) in enumerate(before):
         assert torch.equal(cache.k[layer][real], k[real]) and torch.equal(cache.v[layer][real], v[real])
         assert not torch.equal(cache.k[layer][8 * BS :], k[8 * BS :])  # the scratch block was written
+
+
+def test_mixed_buckets_cover_every_step_up_to_the_token_budget():
+    assert mixed_buckets(256, 0) == ([], [])
+    assert mixed_buckets(256, 8192) == ([128, 256, 512, 1024, 2048], [16, 64, 256])
+    assert mixed_buckets(20, 300) == ([128, 256, 300], [16, 20])
+    assert mixed_buckets(4, 64) == ([64], [4])
+
+
+def test_padded_mixed_steps_equal_unpadded_ones_and_touch_only_the_scratch_block(model):
+    """Mixed steps (a decode, a prefill chunk after a cached prefix, a new prompt; one decode's
+    id taken from the device token buffer) through the padded buffers of their (tokens,
+    sequences) bucket: each sequence's last-token logits equal an unpadded eager step's on a
+    second cache, the caches agree on every real slot, and the padded tokens wrote only the
+    scratch block. Steps of more tokens than the largest bucket, or wider tables, stay eager."""
+    from moeserve.router.runner import RouterRunner
+
+    class Tokens:  # the runner's device token buffer, alone
+        tok_buf = torch.zeros(8, dtype=torch.long)
+        select_ids = RouterRunner.select_ids
+
+    torch.manual_seed(2)
+    v = model.config.vocab_size
+    num_blocks = 24
+    padded = model.new_paged_cache(num_blocks + 1, BS)
+    plain = model.new_paged_cache(num_blocks, BS)
+    graphs = DecodeGraphs(model, padded, None, BS, max_seqs=20, max_model_len=40, max_tokens=300)
+    assert graphs.mixed_tokens == [128, 256, 300] and graphs.mixed_seqs == [16, 20]
+    prompts = [torch.randint(3, v, (n,)).tolist() for n in (6, 13)]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11]]
+    first = [prompts[0], prompts[1][:5]]  # sequence 1's first chunk
+    a = _prefill(model, padded, first, tables[:2])
+    torch.testing.assert_close(a, _prefill(model, plain, first, tables[:2]), rtol=0, atol=0)
+    toks = Tokens()
+    dec = int(a[0].argmax())
+    toks.tok_buf[3] = dec
+    new = torch.randint(3, v, (9,)).tolist()
+    nxt: list[int] = []  # the tokens each sequence sampled in the step before
+    for step in range(3):
+        if step == 0:  # decode (its id on the device), sequence 1's next chunk of 8, a new prompt of 9
+            num_new, starts = [1, 8, 9], [6, 5, 0]
+            ids, src = [0, *prompts[1][5:], *new], [3] + [-1] * 17
+        else:  # every sequence decodes one token, ids sent by the host
+            num_new, starts = [1, 1, 1], [s + n for s, n in zip(starts, num_new)]
+            ids, src = nxt, None
+        assert graphs.mixed_key(num_new, tables) == (128, 16)
+        got = graphs.run_mixed(ids, src, num_new, starts, tables, step, runner=toks)  # [3, V]
+        host = [dec if j >= 0 else t for t, j in zip(ids, src or [-1] * len(ids))]
+        batch = PagedBatch.build(num_new, starts, tables, BS)
+        want = model.logits(model.step(torch.tensor(host), batch, plain).index_select(0, batch.last_token_index))
+        assert got.shape == want.shape
+        assert (got.float() - want.float()).abs().max() < 1e-4, step
+        nxt = want.argmax(-1).tolist()
+    # 128 padded rows against 18 round the projections differently (fp32, a few ulps of values near 2.5)
+    for layer in range(model.config.num_layers):
+        real = slice(0, num_blocks * BS)
+        torch.testing.assert_close(padded.k[layer][real], plain.k[layer][real], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(padded.v[layer][real], plain.v[layer][real], rtol=1e-4, atol=1e-4)
+        assert padded.k[layer][num_blocks * BS :].abs().sum() > 0  # padded tokens wrote the scratch block
+    assert graphs.mixed_key([301], [[0]]) is None  # more tokens than the largest bucket: eager
+    assert graphs.mixed_key([3], [list(range(11))]) is None  # a table wider than max_model_len allows
+    assert graphs.mixed_key([1] * 21, [[0]] * 21) is None  # more sequences than max_seqs
+    assert DecodeGraphs(model, padded, None, BS, max_seqs=20, max_model_len=40).mixed_key([5], [[0]]) is None
+
+
+def test_mixed_warmup_keys_reach_every_mixed_key_and_write_only_the_scratch_block(model):
+    cache = model.new_paged_cache(9, BS)
+    graphs = DecodeGraphs(model, cache, None, BS, max_seqs=20, max_model_len=64, max_tokens=200)
+    mixed = [(t, s) for t, s in graphs.warmup_keys() if s < 0]  # (tokens, -sequences)
+    assert sorted(mixed) == sorted((t, -s) for t in (128, 200) for s in (16, 20))
+    for t in range(1, 201, 13):
+        for s in range(1, min(t, 20) + 1, 3):
+            tk, sk = graphs.mixed_key([t - s + 1] + [1] * (s - 1), [[0]] * s)
+            assert (tk, -sk) in mixed
+    before = [(k.clone(), v.clone()) for k, v in zip(cache.k, cache.v)]
+    graphs.warmup(128, -16, 0)
+    assert ("mixed", 128, 16) in graphs.seen
+    real = slice(0, 8 * BS)
+    for layer, (k, v) in enumerate(before):
+        assert torch.equal(cache.k[layer][real], k[real]) and torch.equal(cache.v[layer][real], v[real])
+        assert not torch.equal(cache.k[layer][8 * BS :], k[8 * BS :])

@@ -131,3 +131,53 @@ def test_outputs_come_one_step_late_and_a_step_without_forward_flushes_them(mode
     assert s == 0 and set(toks) == {1, 2}
     assert r.deliver(2) == (-1, {}, {}, {})
     assert r.experts.ended == 1
+
+
+class GraphExperts(LocalExperts):
+    """LocalExperts with the calls ``DecodeGraphs`` makes of the direct exchange (no-ops here)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.exchange = SimpleNamespace(
+            device=model.device,
+            prepare_step_graphs=lambda layers: None,
+            set_step_args=lambda pairs, key: None,
+            valid_pairs=None,
+        )
+        self.router = 0
+
+
+def test_mixed_and_decode_steps_through_the_graph_buffers_give_the_eager_tokens(model):
+    """With graphs (on the CPU: the padded buffers, run eagerly) the prompts' step and a step
+    that decodes beside a new prompt's first chunk (which samples nothing) take the mixed-step
+    path, the decodes the decode path: every token equals the runner's without graphs."""
+
+    def steps(r):
+        got = {1: [], 2: [], 3: []}
+
+        def take(step):
+            s, toks, _, _ = r.deliver(step)
+            for sid, t in toks.items():
+                got[sid].append(t)
+
+        r.run(first_step(), 0)
+        take(0)
+        chunk = SeqWork(
+            seq_id=3, token_ids=(4, 6, 8, 10, 12), start=0, sampling=GREEDY, new_blocks=(5, 6), sample=False
+        )
+        r.run(RouterWork((chunk,), decodes=np.array([1, 2], dtype=np.int64), blocks=np.array([[2, 3]])), 1)
+        take(1)
+        rest = SeqWork(seq_id=3, token_ids=(14, 16), start=5)
+        r.run(RouterWork((rest,), decodes=np.array([1, 2], dtype=np.int64)), 2)
+        take(2)
+        for step in range(3, 6):
+            blocks = np.array([[1, 4], [3, 7]] if step == 4 else [], dtype=np.int64).reshape(-1, 2)
+            r.run(RouterWork(decodes=np.array([1, 2, 3], dtype=np.int64), blocks=blocks), step)
+            take(step)
+        take(6)
+        return got
+
+    g = RouterRunner(model, GraphExperts(model), num_blocks=32, block_size=BS, async_outputs=True, graphs=(4, 64, 64))
+    got = steps(g)
+    assert got == steps(runner(model)) and len(got[3]) == 4
+    assert {("mixed", 64, 4)} <= g.graphs.seen and any(k[0] != "mixed" for k in g.graphs.seen)

@@ -218,7 +218,9 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
             experts,
             kv_blocks(cfg, mcfg, dtype, device),
             cfg.cache.block_size,
-            graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len) if use_graphs else None,
+            graphs=(cfg.limits.max_num_seqs, cfg.limits.max_model_len, cfg.limits.max_num_batched_tokens)
+            if use_graphs
+            else None,
             async_outputs=cfg.async_scheduling,
             grammars=GrammarBook(compiler, mcfg.vocab_size, device),
         )

@@ -180,7 +180,8 @@ class StepHeader:
     migration: MigrationOps | None = None
     report: bool = False  # workers send a digest of every slot's weights
     read_load: bool = False  # routers send the load of the forward steps before this one
-    warmup: tuple[int, int] | None = None  # (bucket, longest sequence): a decode graph warm-up step
+    # (bucket, longest sequence): a decode graph warm-up step; (tokens, -sequences): a mixed-step one
+    warmup: tuple[int, int] | None = None
     stop: bool = False
     regroup: bool = False  # after this step every rank re-forms the world (a rank joins)
     grammars: tuple[tuple[int, GrammarSpec], ...] = ()

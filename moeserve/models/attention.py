@@ -147,8 +147,9 @@ def paged_attention_torch(
     # Back to the flat token order without a boolean index (no host synchronisation): token i
     # of the step is row (its sequence) * Q + (i - query_start[its sequence]).
     tok = torch.arange(t, device=dev)
-    seq = torch.searchsorted(qs[1:], tok, right=True)  # [T]
-    return out[seq * qmax + tok - qs[seq]]
+    seq = torch.searchsorted(qs[1:], tok, right=True).clamp(max=s - 1)  # [T]
+    # tokens past the last sequence's (a mixed-step graph's padding: moeserve.router.graphs) read row 0
+    return out[torch.where(tok < qs[-1], seq * qmax + tok - qs[seq], 0)]
 
 
 # -- Triton --------------------------------------------------------------------------------------
