@@ -217,31 +217,40 @@ class DecodeGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _batch(self, b: int, max_seq_len: int) -> PagedBatch:
+    def _batch(
+        self, longs: torch.Tensor, ints: torch.Tensor, t: int, n: int, max_query_len: int, max_seq_len: int
+    ) -> PagedBatch:
+        """The PagedBatch over static buffers ``longs``, ``ints`` (``_fill``'s or ``_fill_mixed``'s
+        layout) of ``t`` tokens in ``n`` sequences."""
         o = self.bmax * self.mb
         return PagedBatch(
-            num_tokens=b,
-            num_seqs=b,
-            max_query_len=1,
+            num_tokens=t,
+            num_seqs=n,
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             block_size=self.block_size,
-            positions=self.longs[1, :b],
-            slot_mapping=self.longs[2, :b],
-            block_tables=self.ints[: b * self.mb].view(b, self.mb),
-            seq_lens=self.ints[o : o + b],
-            query_start=self.ints[o + self.bmax : o + self.bmax + b + 1],
-            last_token_index=self.longs[3, :b],
+            positions=longs[1, :t],
+            slot_mapping=longs[2, :t],
+            block_tables=ints[: n * self.mb].view(n, self.mb),
+            seq_lens=ints[o : o + n],
+            query_start=ints[o + self.bmax : o + self.bmax + n + 1],
+            last_token_index=longs[3, :n],
         )
 
-    def _forward(self, b: int, max_seq_len: int) -> torch.Tensor:
+    def _forward(self, key: tuple, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+        """The padded step of ``key`` through the static buffers: logits [Bk, V] of a decode
+        key (b, NS), of each sequence's last token [Sk, V] of a mixed key ("mixed", Tk, Sk)."""
+        mixed = key[0] == "mixed"
+        longs, ints = (self.m_longs, self.m_ints) if mixed else (self.longs, self.ints)
+        t, n = key[1:] if mixed else (key[0], key[0])
         hidden = self.model.step(
-            self.longs[0, :b],
-            self._batch(b, max_seq_len),
+            longs[0, :t],
+            self._batch(longs, ints, t, n, max_query_len, max_seq_len),
             self.cache,
             experts=self.experts if self.exchange is not None else None,
             check_ids=False,
-        )  # [Bk, H]
-        return self.model.logits(hidden)  # [Bk, V]
+        )  # [T, H]
+        return self.model.logits(hidden.index_select(0, longs[3, :n]) if mixed else hidden)
 
     def run(
         self,
@@ -259,32 +268,35 @@ class DecodeGraphs:
         s = len(ids)
         b = next(x for x in self.sizes if x >= s)
         msl = int(max(starts)) + 1
-        key = (b, self._ns(b, msl))
         self._fill(ids, starts, tables, b, src)
         if src is not None:
             self.longs[0, :s] = runner.select_ids(self.longs[0, :s], self.longs[4, :s])
+        return self._launch((b, self._ns(b, msl)), s, step, 1, msl)[:s]
+
+    def _launch(self, key: tuple, t: int, step: int, max_query_len: int, max_seq_len: int) -> torch.Tensor:
+        """Run ``key``'s padded step of ``t`` real tokens (their buffers filled): replay its graph,
+        or capture it on its second use, or (first use, CPU, a failed capture) run it eagerly."""
         if self.exchange is not None:
             self.experts.step = step
-            self.exchange.set_step_args(s * self.top_k, self.experts.router + step)
+            self.exchange.set_step_args(t * self.top_k, self.experts.router + step)
         entry = self.graphs.get(key)
         if entry is None and key in self.seen and self.cuda:
-            entry = self._capture(key, msl)
+            entry = self._capture(key, max_query_len, max_seq_len)
         if entry is None:  # first use (or capture failed, or CPU): eagerly, padded
             self.seen.add(key)
             if self.exchange is not None:
-                self.exchange.valid_pairs = s * self.top_k
+                self.exchange.valid_pairs = t * self.top_k
             try:
-                logits = self._forward(b, msl)
+                return self._forward(key, max_query_len, max_seq_len)
             finally:
                 if self.exchange is not None:
                     self.exchange.valid_pairs = None
-            return logits[:s]
         entry[0].replay()
         self.replays += 1
-        return entry[1][:s]
+        return entry[1]
 
-    def _capture(self, key, max_seq_len: int):
-        b, _ = key
+    def _capture(self, key: tuple, max_query_len: int, max_seq_len: int):
+        mixed = key[0] == "mixed"
         try:
             torch.cuda.synchronize(self.model.device)
             if self.pool is None:
@@ -292,16 +304,27 @@ class DecodeGraphs:
             g = torch.cuda.CUDAGraph()
             # thread_local: the NCCL watchdog thread's event queries must not invalidate the capture
             with cudagraph.capture(g, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._forward(b, max_seq_len)
+                logits = self._forward(key, max_query_len, max_seq_len)
         except Exception as e:  # noqa: BLE001 - any capture failure: stay eager
             if self.exchange is not None:
                 self.exchange._in_flight = False  # a layer dispatched inside the failed capture
-            self.disabled = f"{type(e).__name__}: {e}"
-            log.warning(
-                "CUDA graph capture of a decode step of %d sequences failed; decode runs eagerly from now on: %s",
-                b,
-                self.disabled,
-            )
+            why = f"{type(e).__name__}: {e}"
+            if mixed:  # mixed steps run eagerly from now on, decode graphs stay
+                self.mixed_disabled = why
+                log.warning(
+                    "CUDA graph capture of a mixed step of %d tokens over %d sequences failed; mixed steps run "
+                    "eagerly from now on (decode graphs stay): %s",
+                    key[1],
+                    key[2],
+                    why,
+                )
+            else:
+                self.disabled = why
+                log.warning(
+                    "CUDA graph capture of a decode step of %d sequences failed; decode runs eagerly from now on: %s",
+                    key[0],
+                    why,
+                )
             return None
         self.captures += 1
         self.graphs[key] = (g, logits)
@@ -355,34 +378,6 @@ class DecodeGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _mixed_batch(self, tk: int, sk: int, max_query_len: int, max_seq_len: int) -> PagedBatch:
-        o = self.bmax * self.mb
-        if self.cuda:  # the attention's prefill launch shape for every step of the key
-            max_query_len, max_seq_len = tk, self.mb * self.block_size
-        return PagedBatch(
-            num_tokens=tk,
-            num_seqs=sk,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            block_size=self.block_size,
-            positions=self.m_longs[1, :tk],
-            slot_mapping=self.m_longs[2, :tk],
-            block_tables=self.m_ints[: sk * self.mb].view(sk, self.mb),
-            seq_lens=self.m_ints[o : o + sk],
-            query_start=self.m_ints[o + self.bmax : o + self.bmax + sk + 1],
-            last_token_index=self.m_longs[3, :sk],
-        )
-
-    def _mixed_forward(self, tk: int, sk: int, mql: int, msl: int) -> torch.Tensor:
-        hidden = self.model.step(
-            self.m_longs[0, :tk],
-            self._mixed_batch(tk, sk, mql, msl),
-            self.cache,
-            experts=self.experts if self.exchange is not None else None,
-            check_ids=False,
-        )  # [Tk, H]
-        return self.model.logits(hidden.index_select(0, self.m_longs[3, :sk]))  # [Sk, V]
-
     def run_mixed(
         self,
         ids: list[int],
@@ -407,48 +402,6 @@ class DecodeGraphs:
         self._fill_mixed(ids, src, num_new, starts, tables, tk, sk)
         if src is not None:
             self.m_longs[0, :t] = runner.select_ids(self.m_longs[0, :t], self.m_longs[4, :t])
-        if self.exchange is not None:
-            self.experts.step = step
-            self.exchange.set_step_args(t * self.top_k, self.experts.router + step)
-        gkey = ("mixed", tk, sk)
-        entry = self.graphs.get(gkey)
-        if entry is None and gkey in self.seen and self.cuda:
-            entry = self._capture_mixed(gkey, mql, msl)
-        if entry is None:  # first use (or capture failed, or CPU): eagerly, padded
-            self.seen.add(gkey)
-            if self.exchange is not None:
-                self.exchange.valid_pairs = t * self.top_k
-            try:
-                logits = self._mixed_forward(tk, sk, mql, msl)
-            finally:
-                if self.exchange is not None:
-                    self.exchange.valid_pairs = None
-            return logits[:n]
-        entry[0].replay()
-        self.replays += 1
-        return entry[1][:n]
-
-    def _capture_mixed(self, gkey, mql: int, msl: int):
-        _, tk, sk = gkey
-        try:
-            torch.cuda.synchronize(self.model.device)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            g = torch.cuda.CUDAGraph()
-            with cudagraph.capture(g, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._mixed_forward(tk, sk, mql, msl)
-        except Exception as e:  # noqa: BLE001 - any capture failure: mixed steps stay eager
-            if self.exchange is not None:
-                self.exchange._in_flight = False
-            self.mixed_disabled = f"{type(e).__name__}: {e}"
-            log.warning(
-                "CUDA graph capture of a mixed step of %d tokens over %d sequences failed; mixed steps run "
-                "eagerly from now on (decode graphs stay): %s",
-                tk,
-                sk,
-                self.mixed_disabled,
-            )
-            return None
-        self.captures += 1
-        self.graphs[gkey] = (g, logits)
-        return self.graphs[gkey]
+        # the attention's prefill launch shape for every step of the key (CPU: the step's own sizes)
+        mql, msl = (tk, self.mb * self.block_size) if self.cuda else (mql, msl)
+        return self._launch(("mixed", tk, sk), t, step, mql, msl)[:n]
