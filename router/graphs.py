@@ -176,7 +176,7 @@ class DecodeGraphs:
             seqs = -max_seq_len
             num_new = [b // seqs + (i < b % seqs) for i in range(seqs)]
             blocks = [self.scratch] * -(-max(num_new) // self.block_size)
-            self.run_mixed([0] * b, None, num_new, [0] * seqs, [blocks] * seqs, step)
+            self.run_mixed((b, seqs), [0] * b, None, num_new, [0] * seqs, [blocks] * seqs, step)
             return
         blocks = [self.scratch] * -(-max_seq_len // self.block_size)
         self.run([0] * b, [max_seq_len - 1] * b, [blocks] * b, step)
@@ -380,6 +380,7 @@ class DecodeGraphs:
 
     def run_mixed(
         self,
+        key: tuple[int, int],
         ids: list[int],
         src: list[int] | None,
         num_new: list[int],
@@ -392,16 +393,14 @@ class DecodeGraphs:
         ``starts[s]`` (their ids in order in ``ids``; where ``src[j] >= 0`` token j is
         ``runner.tok_buf[src[j]]`` on the device), block table ``tables[s]``. Returns the logits
         of each sequence's last new token [S, V] in the model's dtype: a view valid until the
-        next call. The caller checked ``mixed_key``."""
-        key = self.mixed_key(num_new, tables)
-        assert key is not None
+        next call. ``key``: the step's ``mixed_key`` (not None)."""
         tk, sk = key
         t, n = len(ids), len(num_new)
-        mql = max(num_new)
-        msl = max(st + x for st, x in zip(starts, num_new))
         self._fill_mixed(ids, src, num_new, starts, tables, tk, sk)
         if src is not None:
             self.m_longs[0, :t] = runner.select_ids(self.m_longs[0, :t], self.m_longs[4, :t])
-        # the attention's prefill launch shape for every step of the key (CPU: the step's own sizes)
-        mql, msl = (tk, self.mb * self.block_size) if self.cuda else (mql, msl)
+        if self.cuda:  # the attention's prefill launch shape for every step of the key
+            mql, msl = tk, self.mb * self.block_size
+        else:  # the step's own sizes (the torch attention pads to them)
+            mql, msl = max(num_new), max(st + x for st, x in zip(starts, num_new))
         return self._launch(("mixed", tk, sk), t, step, mql, msl)[:n]

@@ -108,7 +108,8 @@ class RouterRunner:
     ``num_blocks`` x ``block_size``: the rank's KV pool as the leader allocates it.
 
     With ``graphs`` (``max_num_seqs``, ``max_model_len``[, ``max_num_batched_tokens``]; see
-    ``moeserve.router.graphs``) decode steps, and mixed steps of up to 2,048 tokens, replay CUDA graphs; the pool then has one more block, the padded rows' scratch block.
+    ``moeserve.router.graphs``) decode steps, and mixed steps of up to 2,048 tokens, replay CUDA
+    graphs; the pool then has one more block, the padded rows' scratch block.
     ``async_outputs``: a step's sampled tokens are delivered with the next step's result."""
 
     def __init__(
@@ -219,65 +220,42 @@ class RouterRunner:
                 ids.extend(sw.token_ids)
                 src.extend([-1] * len(sw.token_ids))
         self._check_ids([t for t, j in zip(ids, src) if j < 0])
+        tables = [self.seqs[sw.seq_id].table for sw in seqs]
+        num_new = [sw.num_new for sw in seqs]
+        starts_of = [sw.start for sw in seqs]
+        dev_src = src if any(j >= 0 for j in src) else None  # ids to take from tok_buf on the device
+        whole = all(sw.return_logits != "all" and sw.prompt_logprobs < 0 for sw in seqs)  # no prompt logits
         if (
             self.graphs is not None
-            and all(
-                sw.num_new == 1 and sw.sample and sw.return_logits != "all" and sw.prompt_logprobs < 0 for sw in seqs
-            )
-            and self.graphs.fits(len(seqs), [self.seqs[sw.seq_id].table for sw in seqs])
+            and whole
+            and all(sw.num_new == 1 and sw.sample for sw in seqs)
+            and self.graphs.fits(len(seqs), tables)
         ):
-            logits = self.graphs.run(
-                ids,
-                [sw.start for sw in seqs],
-                [self.seqs[sw.seq_id].table for sw in seqs],
-                step,
-                src=src if any(j >= 0 for j in src) else None,
-                runner=self,
-            )  # [S, V]
+            logits = self.graphs.run(ids, starts_of, tables, step, src=dev_src, runner=self)  # [S, V]
             self.experts.end_step()
             self._sample(seqs, logits.float(), step, dst_of, src_of)
             return
-        tables = [self.seqs[sw.seq_id].table for sw in seqs]
+        rows = [i for i, sw in enumerate(seqs) if sw.sample]
+        key = self.graphs.mixed_key(num_new, tables) if self.graphs is not None and whole else None
         if (
-            self.graphs is not None
-            and all(sw.return_logits != "all" and sw.prompt_logprobs < 0 for sw in seqs)
-            and self.graphs.mixed_key([sw.num_new for sw in seqs], tables) is not None
-        ):  # a mixed step (prefill chunks beside decodes) replays its token bucket's graph
-            logits = self.graphs.run_mixed(
-                ids,
-                src if any(j >= 0 for j in src) else None,
-                [sw.num_new for sw in seqs],
-                [sw.start for sw in seqs],
-                tables,
-                step,
-                runner=self,
-            )  # [S, V]: each sequence's last new token
+            key is not None and self.graphs is not None
+        ):  # a mixed step (prefill chunks beside decodes) replays its buckets' graph
+            logits = self.graphs.run_mixed(key, ids, dev_src, num_new, starts_of, tables, step, runner=self)  # [S, V]
             self.experts.end_step()
-            rows = [i for i, sw in enumerate(seqs) if sw.sample]
             if not rows:
                 self._outputs.append(_Outputs(step, [], None, None, {}, {}))
                 return
             if len(rows) < len(seqs):
-                pick = torch.tensor(rows)
-                if self.cuda:
-                    pick = pick.pin_memory()
-                logits = logits.index_select(0, pick.to(self.device, non_blocking=True))
+                logits = logits.index_select(0, self._device_index(np.asarray(rows)))
             self._sample([seqs[i] for i in rows], logits.float(), step, dst_of, src_of)
             return
         with span("batch_build"):
             ids_dev = self._device_ids(ids, src)  # [T]
-            batch = PagedBatch.build(
-                [sw.num_new for sw in seqs],
-                [sw.start for sw in seqs],
-                [self.seqs[sw.seq_id].table for sw in seqs],
-                self.block_size,
-                self.device,
-            )
+            batch = PagedBatch.build(num_new, starts_of, tables, self.block_size, self.device)
         hidden = self.model.step(ids_dev, batch, self.cache, experts=self.experts, check_ids=False)  # [T, H]
         self.experts.end_step()
-        rows = [i for i, sw in enumerate(seqs) if sw.sample]
         out_logits = {}
-        starts = np.cumsum([0] + [sw.num_new for sw in seqs])
+        starts = np.cumsum([0] + num_new)
         out_plp = {}
         for i, sw in enumerate(seqs):
             if sw.return_logits == "all":
@@ -287,14 +265,18 @@ class RouterRunner:
                     out_plp[sw.seq_id] = self._prompt_logprobs(sw, hidden[starts[i] : starts[i + 1]])
         if rows:
             with span("lm_head"):
-                last = torch.from_numpy(starts[1:][rows] - 1)  # [B]
-                if self.cuda:
-                    last = last.pin_memory()
-                last = last.to(self.device, non_blocking=True)
+                last = self._device_index(starts[1:][rows] - 1)  # [B]
                 logits = self.model.logits(hidden.index_select(0, last)).float()  # [B, V]
             self._sample([seqs[i] for i in rows], logits, step, dst_of, src_of, out_logits, out_plp)
         else:
             self._outputs.append(_Outputs(step, [], None, None, out_logits, out_plp))
+
+    def _device_index(self, values: np.ndarray) -> torch.Tensor:
+        """int64 row indices on the device, copied from pinned memory without a host sync."""
+        idx = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        if self.cuda:
+            idx = idx.pin_memory()
+        return idx.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def warmup(self, b: int, max_seq_len: int, step: int) -> None:

@@ -186,7 +186,7 @@ def test_padded_mixed_steps_equal_unpadded_ones_and_touch_only_the_scratch_block
             num_new, starts = [1, 1, 1], [s + n for s, n in zip(starts, num_new)]
             ids, src = nxt, None
         assert graphs.mixed_key(num_new, tables) == (128, 16)
-        got = graphs.run_mixed(ids, src, num_new, starts, tables, step, runner=toks)  # [3, V]
+        got = graphs.run_mixed((128, 16), ids, src, num_new, starts, tables, step, runner=toks)  # [3, V]
         host = [dec if j >= 0 else t for t, j in zip(ids, src or [-1] * len(ids))]
         batch = PagedBatch.build(num_new, starts, tables, BS)
         want = model.logits(model.step(torch.tensor(host), batch, plain).index_select(0, batch.last_token_index))
