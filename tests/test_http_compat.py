@@ -197,3 +197,17 @@ def test_metrics_carry_vllms_names_with_model_name(served):
         assert all(s.labels.get("model_name") == MODEL for s in fams[name].samples), name
     gen = [s.value for s in fams["vllm:generation_tokens"].samples if s.name.endswith("_total")]
     assert gen and gen[0] >= 4
+
+    def hist(name, suffix):
+        return sum(s.value for s in fams[name].samples if s.name == name + suffix)
+
+    # the leader's queue and prefill times lie inside the front end's TTFT of the same requests
+    n = hist("vllm:time_to_first_token_seconds", "_count")
+    for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"):
+        assert hist(name, "_count") == n, name
+    for name in ("vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
+        assert hist(name, "_count") >= 1, name
+    queue, prefill = hist("vllm:request_queue_time_seconds", "_sum"), hist("vllm:request_prefill_time_seconds", "_sum")
+    assert prefill > 0 and queue >= 0
+    assert queue + prefill <= hist("vllm:time_to_first_token_seconds", "_sum")
+    assert hist("vllm:request_inference_time_seconds", "_sum") >= prefill

@@ -305,6 +305,7 @@ def test_the_front_end_records_latencies_tokens_and_finish_reasons():
     assert set(samples(text, "moeserve_requests_total")) == {(("finish_reason", r),) for r in M.FINISH_REASONS}
     rec = fm.request(prompt_tokens=5)
     assert samples(M.scrape_text(pm.registry), "moeserve_requests_in_flight") == {(): 1.0}
+    rec.engine_times(0.25, 0.5)  # the leader's clock, from the first token's event
     for _ in range(4):
         rec.token()
     rec.finish("length")
@@ -319,6 +320,8 @@ def test_the_front_end_records_latencies_tokens_and_finish_reasons():
     assert samples(text, "moeserve_time_per_output_token_seconds_count") == {(): 1.0}
     assert samples(text, "moeserve_e2e_request_latency_seconds_count") == {(): 1.0}
     assert samples(text, "moeserve_requests_in_flight") == {(): 0.0}
+    assert samples(text, "moeserve_request_queue_time_seconds_sum") == {(): 0.25}
+    assert samples(text, "moeserve_request_prefill_time_seconds_sum") == {(): 0.5}
 
 
 def test_the_balancer_shows_every_result_from_the_start_and_times_real_rebalances():

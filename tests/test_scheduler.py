@@ -328,3 +328,25 @@ def test_a_router_that_joins_again_takes_new_sequences():
     later = s.submit(req())
     run_step(s)
     assert later.router == 1 and s.routers_open == [True, True]
+
+
+def test_the_first_token_carries_the_leaders_queue_and_prefill_times():
+    import time
+
+    from moeserve.router.engine.api import FirstToken
+
+    s = sched(routers=1, max_num_seqs=1)
+    a, b = s.submit(req(max_tokens=2)), s.submit(req(max_tokens=1))
+    got: dict = {"a": [], "b": []}
+    a.sink, b.sink = got["a"].append, got["b"].append
+    time.sleep(0.02)  # both wait for the first step; b waits until a is done too
+    work = s.schedule()
+    time.sleep(0.03)  # the step runs
+    s.on_results(work, {sid: 7 for rw in work for sid in rw.sampled_ids()}, {})
+    while a.finished is None or b.finished is None:
+        run_step(s)
+    fa, fb = got["a"][0], got["b"][0]
+    assert isinstance(fa, FirstToken) and isinstance(fb, FirstToken)
+    assert fa.queued_s >= 0.02 > fa.queued_s - 0.02 and fa.prefill_s >= 0.03
+    assert fb.queued_s >= 0.05 > fb.prefill_s  # admitted once a left, its token in that same step
+    assert fa == FirstToken(fa.token_id)  # timings are not what the event says

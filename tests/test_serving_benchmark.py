@@ -391,6 +391,10 @@ def test_smoke_prefix_workloads_measure_prefix_caching_side_by_side(tmp_path):
     assert on["multiturn"]["later_turns"]["hit_rate"] > 0.5 and on["multiturn"]["first_turns"]["hit_rate"] == 0
     assert off["prefix"]["cached_prompt_tokens"] == 0 == off["multiturn"]["cached_prompt_tokens"]
     assert off["prefix"]["computed_prompt_tokens"] == 12 * (64 + 8)
+    for c in (on, off):  # where each request's TTFT went, by clock: client >= front end >= leader
+        for key in ("prefix", "multiturn"):
+            t = c[key]["ttft_parts_mean_s"]
+            assert t["client"] >= t["front_end"] >= t["queue"] + t["prefill"] and t["prefill"] > 0
     sbs = res["prefix_caching"]["moeserve-1rank"]
     assert set(sbs) == {"prefix", "multiturn"} and sbs["prefix"]["ttft_p50_uncached_over_cached"] > 0
     for key, n in (("prefix", 12), ("multiturn", 12)):  # fp32 on the CPU: the same tokens either way

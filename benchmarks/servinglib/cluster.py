@@ -103,6 +103,8 @@ class Cluster(UpProcess):
             str(a.startup_timeout),
             "--eplb-step-interval",
             "1000000000",  # the balancer never rebalances here
+            "--metrics-port",
+            "0",  # the front end's latencies by part (frontend_latency)
         ]
         if redundant:
             flags += ["--enable-eplb", "--num-redundant-experts", str(redundant)]
@@ -124,6 +126,37 @@ class Cluster(UpProcess):
         self.wait_ready(a.startup_timeout + 30, poll_s=0.2)
         self.has_http = http
         self._frontend_pid: int | None = None
+
+    def frontend_latency(self) -> dict[str, tuple[float, float]]:
+        """The front end's latency histograms so far, (sum s, count) each: ``ttft`` (its own
+        clock, arrival to first token), ``queue`` and ``prefill`` (the leader's clock,
+        ``moeserve_request_{queue,prefill}_time_seconds``); {} where it serves no metrics."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = next((line.split()[-1] for line in self.metrics_lines() if line.startswith("front end")), None)
+        if url is None:
+            return {}
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        names = {
+            "moeserve_time_to_first_token_seconds": "ttft",
+            "moeserve_request_queue_time_seconds": "queue",
+            "moeserve_request_prefill_time_seconds": "prefill",
+        }
+        out: dict[str, list[float]] = {}
+        for fam in text_string_to_metric_families(text):
+            key = names.get(fam.name)
+            if key is None:
+                continue
+            got = out.setdefault(key, [0.0, 0.0])
+            for smp in fam.samples:
+                if smp.name == fam.name + "_sum":
+                    got[0] += smp.value
+                elif smp.name == fam.name + "_count":
+                    got[1] += smp.value
+        return {k: (v[0], v[1]) for k, v in out.items()}
 
     def api_address(self, api: str) -> str:
         return self.http if api == "http" else self.serving

@@ -154,6 +154,22 @@ def cache_figures(recs: list[dict]) -> dict:
     )
 
 
+def ttft_parts(recs: list[dict], before: dict, after: dict) -> dict:
+    """Mean TTFT by where it was spent, over the requests of one run: ``client`` (the client's
+    clock), ``front_end`` (the front end's, from its ``moeserve_time_to_first_token_seconds``),
+    and the leader's ``queue`` (arrival to first admission) and ``prefill`` (admission to the
+    first token known): the rest of the front end's figure is the trip between front end and
+    leader, the rest of the client's the trip between client and front end. None where the
+    front end serves no metrics."""
+    ttft = [r["tokens"][0] - r["submit"] for r in recs if r["tokens"]]
+    out: dict = {"client": sum(ttft) / len(ttft) if ttft else None}
+    for name, key in (("front_end", "ttft"), ("queue", "queue"), ("prefill", "prefill")):
+        s0, n0 = before.get(key, (0.0, 0.0))
+        s1, n1 = after.get(key, (0.0, 0.0))
+        out[name] = (s1 - s0) / (n1 - n0) if key in after and n1 > n0 else None
+    return out
+
+
 def prefix_figures(recs: list[dict], a) -> dict:
     out = dict(
         rate_req_s=a.prefix_rate,
@@ -199,7 +215,7 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
         plan = plans.get(key)
         if plan is None:
             continue
-        s0 = up.status()
+        s0, l0 = up.status(), up.frontend_latency()
         if key == "prefix":
             recs, _ = m.run(m.first, plan, plan[-1][1] + a.drain)
             f = prefix_figures(recs, a)
@@ -207,13 +223,21 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
             span = plan[-1][1] + a.multiturn_turns * (a.drain / 2)
             recs = drive(up.serving, plan, a.client_procs, span + a.drain, api="turns")
             f = multiturn_figures(recs, a)
-        s1 = up.status()
+        s1, l1 = up.status(), up.frontend_latency()
+        f["ttft_parts_mean_s"] = ttft_parts(recs, l0, l1)
         f["engine"] = {
             k: s1[k] - s0[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "forward_steps")
         }
         steps = f["engine"]["forward_steps"]
         f["wall_per_forward_step_s"] = f["wall_s"] / steps if steps else None
         m.res[key] = f
+        parts = f["ttft_parts_mean_s"]
+        if parts.get("queue") is not None:
+            m.say(
+                f"{key}: TTFT mean {1e3 * (parts['client'] or 0):.1f} ms at the client, "
+                f"{1e3 * (parts['front_end'] or 0):.1f} at the front end; the leader's queue "
+                f"{1e3 * parts['queue']:.1f} + prefill {1e3 * (parts['prefill'] or 0):.1f}"
+            )
         later = f.get("later_turns", f)
         m.say(
             f"{key}: {f['completed']}/{f['requests']} requests, TTFT p50 {1e3 * (f['ttft_p50_s'] or 0):.1f} ms "

@@ -60,7 +60,11 @@ KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins
             "AllToAll",
         ),
     ),
-    ("expert_matmul", ("GroupProblem", "grouped", "silu_mul_kernel", "weighted_sum_kernel")),
+    (
+        "expert_matmul",
+        ("GroupProblem", "grouped", "expert_matmul_kernel", "silu_mul_kernel", "weighted_sum_kernel"),
+    ),
+    ("fp8_quant", ("quant_rows",)),
     ("attention", ("paged_attention",)),
     ("sampling", ("sample", "philox", "race", "argmax", "ArgMax")),
 )
@@ -96,6 +100,6 @@ def profile_table(profiles: dict, expert_bytes_per_step: float | None = None) ->
         lines.append(
             f"profile {rank}: host ms/step: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in p["host_s"].items())
         )
-        for k in p["kernels"][:8]:
+        for k in p["kernels"][:14]:
             lines.append(f"    {1e3 * k['device_s']:7.3f} ms x{k['calls_per_step']:.0f}  {k['name'][:90]}")
     return lines

@@ -373,6 +373,18 @@ class FrontendMetrics:
             buckets=E2E_BUCKETS,
             registry=registry,
         )
+        self.queue = Histogram(
+            "moeserve_request_queue_time_seconds",
+            "The leader's clock: from the engine taking a request to its first admission to a router.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.prefill = Histogram(
+            "moeserve_request_prefill_time_seconds",
+            "The leader's clock: from a request's first admission to the leader learning its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
         self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=registry)
         self.generation_tokens = Counter("moeserve_generation_tokens", "Generated tokens.", registry=registry)
         self.requests = Counter(
@@ -397,10 +409,19 @@ class RequestRecord:
         self.tokens = 0
         self.done = False
         self.prompt_tokens = prompt_tokens
+        self.prefill_s: float | None = None
         m.prompt_tokens.inc(prompt_tokens)
         m.in_flight.inc()
         if m.vllm is not None:
             m.vllm.admitted(prompt_tokens)
+
+    def engine_times(self, queued_s: float, prefill_s: float) -> None:
+        """The leader's queue and prefill time of the request (its ``FirstToken``)."""
+        self.prefill_s = prefill_s
+        self.m.queue.observe(queued_s)
+        self.m.prefill.observe(prefill_s)
+        if self.m.vllm is not None:
+            self.m.vllm.engine_times(queued_s, prefill_s)
 
     def token(self, n: int = 1) -> None:
         now = time.monotonic()
@@ -432,7 +453,8 @@ class RequestRecord:
                 tpot = (self.last - self.first) / (self.tokens - 1)
                 m.tpot.observe(tpot)
         if m.vllm is not None:
-            m.vllm.finished(reason, self.prompt_tokens, self.tokens, e2e, tpot)
+            decode = self.last - self.first if self.first is not None else None
+            m.vllm.finished(reason, self.prompt_tokens, self.tokens, e2e, tpot, decode, self.prefill_s)
 
 
 # -- the balancer -----------------------------------------------------------------------------

@@ -56,6 +56,20 @@ class VllmMetrics:
             ITL_BUCKETS,
         )
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token (vLLM's name).", E2E_BUCKETS)
+        self.queue = hist(
+            "vllm:request_queue_time_seconds",
+            "Time waiting for admission, the leader's clock (vLLM's name).",
+            TTFT_BUCKETS,
+        )
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds",
+            "First admission to the first token, the leader's clock (vLLM's name).",
+            TTFT_BUCKETS,
+        )
+        self.decode = hist("vllm:request_decode_time_seconds", "First token to last token (vLLM's name).", E2E_BUCKETS)
+        self.inference = hist(
+            "vllm:request_inference_time_seconds", "Prefill and decode time (vLLM's name).", E2E_BUCKETS
+        )
         self.request_prompt = hist(
             "vllm:request_prompt_tokens", "Prompt tokens per finished request (vLLM's name).", TOKEN_BUCKETS
         )
@@ -102,8 +116,25 @@ class VllmMetrics:
             self.tpot.observe(gap_s)
         self.generation_tokens.inc(n)
 
-    def finished(self, reason: str, prompt_tokens: int, tokens: int, e2e_s: float | None, tpot_s: float | None):
+    def engine_times(self, queued_s: float, prefill_s: float) -> None:
+        self.queue.observe(queued_s)
+        self.prefill.observe(prefill_s)
+
+    def finished(
+        self,
+        reason: str,
+        prompt_tokens: int,
+        tokens: int,
+        e2e_s: float | None,
+        tpot_s: float | None,
+        decode_s: float | None = None,
+        prefill_s: float | None = None,
+    ):
         self.success[reason if reason in FINISHED else "error"].inc()
+        if decode_s is not None:
+            self.decode.observe(decode_s)
+            if prefill_s is not None:
+                self.inference.observe(prefill_s + decode_s)
         self.request_prompt.observe(prompt_tokens)
         self.request_generation.observe(tokens)
         if e2e_s is not None:

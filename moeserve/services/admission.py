@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from moeserve import grammar as grammars
 from moeserve.grammar import GrammarSpec
-from moeserve.router.engine.api import Failed, Finished, GenerateRequest, InvalidRequest, Token, Unavailable
+from moeserve.router.engine.api import Failed, Finished, FirstToken, GenerateRequest, InvalidRequest, Token, Unavailable
 from moeserve.sampling import SamplingParams
 from moeserve.services import limits as L
 from moeserve.services.tokenizer import ModelTokenizer
@@ -153,6 +153,8 @@ class RequestStream:
             raise
         if isinstance(ev, Token):
             if self._record is not None:
+                if isinstance(ev, FirstToken):
+                    self._record.engine_times(ev.queued_s, ev.prefill_s)
                 self._record.token()
         elif isinstance(ev, Finished):
             self._finish(str(ev.reason))

@@ -137,9 +137,13 @@ class Token:
 class FirstToken(Token):
     """A request's first generated token, with ``cached_tokens``: how many of its prompt tokens
     were read from the prefix cache instead of computed (every later token is a plain Token,
-    which keeps the event of a decode step small)."""
+    which keeps the event of a decode step small); and the leader's clock of it: ``queued_s``
+    from the engine taking the request to its first admission to a router (vLLM's queue time),
+    ``prefill_s`` from there to the leader learning its first token (vLLM's prefill time)."""
 
     cached_tokens: int = 0
+    queued_s: float = field(default=0.0, compare=False)  # timings: not what the event says
+    prefill_s: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,8 @@ class Sequence:
     cancelled: bool = False
     finished: FinishReason | None = None
     queued_at: float = field(default_factory=time.monotonic)  # when it entered the waiting queue
+    arrived_at: float = field(default_factory=time.monotonic)  # when the engine took it (never reset)
+    scheduled_at: float | None = None  # its first admission to a router (a preemption keeps it)
     wait_logged: bool = False
     grammar: int = -1  # the id of its grammar (router.engine.grammars), -1: none
 
@@ -401,6 +403,8 @@ class Scheduler:
     def _admit(self, r: int, seq: Sequence, hit: list[int]) -> None:
         """Pin ``seq`` to router r, starting with the cached blocks ``hit``."""
         seq.router, seq.admitted = r, next(self._admissions)
+        if seq.scheduled_at is None:
+            seq.scheduled_at = time.monotonic()
         self._running[r][seq.seq_id] = seq
         self._blocks[r].share(hit)
         seq.blocks, seq.hashed, seq.fresh = list(hit), len(hit), True
@@ -547,7 +551,18 @@ class Scheduler:
                 if len(seq.known) // self.block_size > seq.hashed and seq.seq_id in self._running[seq.router]:
                     self._cache_full_blocks(seq)  # a block its decodes filled may now be known whole
                 if len(seq.known) == len(seq.req.prompt_ids) + 1:  # says how much of the prompt was cached
-                    seq.emit(FirstToken(tok, lg, pl, max(seq.prefix_hit, 0)))
+                    now = time.monotonic()
+                    sched = seq.scheduled_at if seq.scheduled_at is not None else now
+                    seq.emit(
+                        FirstToken(
+                            tok,
+                            lg,
+                            pl,
+                            max(seq.prefix_hit, 0),
+                            queued_s=sched - seq.arrived_at,
+                            prefill_s=now - sched,
+                        )
+                    )
                 else:
                     seq.emit(Token(tok, lg, pl))
                 reason = None
