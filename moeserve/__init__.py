@@ -10,6 +10,13 @@ import os as _os
 
 from moeserve.version import __version__
 
+# moeserve forks only to exec (its ranks, replacements, the front end: preexec_fn sets their death
+# signal, so subprocess forks instead of spawning). gRPC's fork handlers would then run in the
+# child before its exec, with the parent's pollers: a fork while another thread calls into gRPC
+# aborted the child ("epoll_wait error: Bad file descriptor", SIGABRT) under load. Off unless the
+# user asks for them; read when gRPC initialises, so this holds where moeserve is imported first.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

@@ -1,10 +1,12 @@
-"""Suite-wide settings: one torch thread (the CI machine has 2 cores and runs tests serially);
+"""Suite-wide settings: one torch thread (the CI machine has 2 cores and .ci/run runs two test
+files at a time, one per pytest-xdist worker);
 Triton kernels run in Triton's interpreter (no GPU here). TRITON_INTERPRET is read when Triton
 defines its kernels, so it is set before anything imports Triton."""
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as moeserve/__init__.py says, before any grpc import
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 
 # Idle for longer than every timeout a quiet cluster could trip: the process groups' (10 s here)
 # and the store's (60 s at least, moeserve.cluster.rank.open_store).
-IDLE_S = float(os.environ.get("MOESERVE_IDLE_TEST_S", "75"))
+IDLE_S = float(os.environ.get("MOESERVE_IDLE_TEST_S", "40"))  # 4x the cluster's pg timeout below
 
 
 @pytest.fixture(scope="module")

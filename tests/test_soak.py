@@ -22,7 +22,7 @@ def test_a_short_soak_with_attacks_rebalances_and_a_router_killed_loses_nothing(
         sys.executable,
         os.path.join(REPO, "benchmarks", "soak.py"),
         "--minutes",
-        "1",
+        "0.5",  # 15 attacks at one every 2 s, 3 rebalances
         "--clean-minutes",
         "0.25",
         "--kill-at",
