@@ -16,7 +16,10 @@ the direct exchange delivers them):
 - ``nk-w8a8``: the rows quantized per row to FP8 first (dynamic per-token scales, as the
   compressed-tensors checkpoints declare ``input_activations``), the product on FP8 tensor cores
   (both operands K-major), scaled by the row's and the channel's scale;
-- ``nk-w8a8-swap``: the same computed transposed.
+- ``nk-w8a8-swap``: the same computed transposed;
+- ``sgmm``: ``torch._scaled_grouped_mm`` (PyTorch's CUTLASS grouped FP8 GEMM) on the [N, K] codes
+  with the rows quantized per row, the SwiGLU between by ``kernels.silu_mul``; its row invariance
+  is checked too (a row's output alone in its slot against among the step's rows, bitwise).
 
 Each variant's tilings (BN, BK, warps, stages) are swept; bytes = the codes and scales of the slots
 that got rows; rate = bytes / median of ``--iters`` launches (CUDA events), layers cycled so that L2
@@ -50,7 +53,7 @@ SHAPES = {
     "ernie": dict(hidden=2560, inter=1536, slots=64, top_k=6),
     "qwen3": dict(hidden=2048, inter=768, slots=144, top_k=8),
 }
-VARIANTS = ("nk-wo", "nk-wo-swap", "nk-w8a8", "nk-w8a8-swap", "kn-w8a8", "kn-w8a8-swap")
+VARIANTS = ("nk-wo", "nk-wo-swap", "nk-w8a8", "nk-w8a8-swap", "kn-w8a8", "kn-w8a8-swap", "sgmm")
 TILES = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4)))  # BN, BK, warps, stages
 FP8_MAX = 448.0
 
@@ -206,6 +209,34 @@ def nk_mlp(rows, gu, gus, dn, dns, offs, bm, tiles, variant):
     return nk_matmul(h, dn, dns, offs, bm, tiles[1], False, swap, False, None, kn)
 
 
+def sgmm(x, xs, w, ws, offs):
+    """x [C, K] e4m3 codes with a float32 scale per row xs [C]; w [S, N, K] codes, ws [S, N]."""
+    return torch._scaled_grouped_mm(
+        x, w.transpose(1, 2), xs, ws, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True
+    )
+
+
+def sgmm_mlp(rows, gq, gs, dq, ds, offs):
+    q, qs = quant_rows(rows)
+    g = sgmm(q, qs, gq, gs, offs)
+    h = kernels.silu_mul(g, offs[-1:])
+    q2, qs2 = quant_rows(h)
+    return sgmm(q2, qs2, dq, ds, offs)
+
+
+def row_invariant(fn, rows, offs, s):
+    """Whether slot 0's first row gets the same output bitwise alone in its slot (every other
+    slot's rows as they are) as among all of slot 0's rows."""
+    o = offs.tolist()
+    n0 = o[0]
+    if n0 < 2:
+        return None
+    full = fn(rows, offs)[0]
+    alone_rows = torch.cat([rows[:1], rows[n0:]])
+    alone_offs = torch.tensor([1] + [x - n0 + 1 for x in o[1:]], dtype=torch.int32, device=rows.device)
+    return bool(torch.equal(fn(alone_rows, alone_offs)[0], full))
+
+
 def quantize_nk(w):  # w [S, N, K] bf16 -> codes [S, N, K], scales [S, N] (per output channel)
     amax = w.abs().amax(dim=2).float().clamp_min(1e-12)
     sc = amax / FP8_MAX
@@ -292,6 +323,13 @@ def main():
                 sc = kernels.ExpertScales(kn["gus"], (h, 1), kn["dns"], (i, 1))
                 return kernels.expert_mlp(rows, kn["gu"], kn["dn"], offs, bm, sc)
 
+            def today_at(r, o):  # today's kernel, W8A8 as served (per-channel scales, dynamic rows)
+                L = layers[0]
+                gus, dns = L["gs"].unsqueeze(1).contiguous(), L["ds"].unsqueeze(1).contiguous()
+                sc = kernels.ExpertScales(gus, (h, 1), dns, (i, 1), act_quant=True)
+                gu_v, dn_v = L["gq"].transpose(1, 2), L["dq"].transpose(1, 2)  # [N, K] codes seen as [K, N]
+                return kernels.expert_mlp(r, gu_v, dn_v, o, bm, sc)
+
             t16 = time_fn(bf16, a.iters, a.layers)
             b16 = used * 3 * h * i * 2
             case = dict(shape=name, tokens=tokens, rows=m, used_slots=used, block_m=bm, bytes_fp8=nbytes)
@@ -305,6 +343,40 @@ def main():
                 flush=True,
             )
             for variant in a.variants.split(","):
+                if variant == "sgmm":
+                    L = layers
+                    try:
+                        tv = time_fn(
+                            lambda j: sgmm_mlp(rows, L[j]["gq"], L[j]["gs"], L[j]["dq"], L[j]["ds"], offs),
+                            a.iters,
+                            a.layers,
+                        )
+                        xq, xqs = quant_rows(rows)
+                        t1 = time_fn(lambda j: sgmm(xq, xqs, L[j]["gq"], L[j]["gs"], offs), a.iters, a.layers)
+                        err = rel(sgmm_mlp(rows, L[0]["gq"], L[0]["gs"], L[0]["dq"], L[0]["ds"], offs))
+                        inv = row_invariant(
+                            lambda r, o: sgmm_mlp(r, L[0]["gq"], L[0]["gs"], L[0]["dq"], L[0]["ds"], o), rows, offs, s
+                        )
+                        inv_today = row_invariant(lambda r, o: today_at(r, o), rows, offs, s)
+                    except Exception as e:  # noqa: BLE001 - what this torch build refuses is the answer
+                        print(f"  sgmm: {type(e).__name__}: {str(e)[:300]}")
+                        case["sgmm"] = dict(error=f"{type(e).__name__}: {e}")
+                        continue
+                    case["sgmm"] = dict(
+                        s=tv,
+                        GBps=nbytes / tv / 1e9,
+                        over_bf16=tv / t16,
+                        rel_err=err,
+                        gate_up_s=t1,
+                        row_invariant=inv,
+                        today_row_invariant=inv_today,
+                    )
+                    print(
+                        f"{name:<7}{tokens:>7}{'sgmm':>14}{'gate_up ' + format(1e3 * t1, '.3f'):>22}{1e3 * tv:>8.3f}"
+                        f"{nbytes / tv / 1e9:>7.0f}{tv / t16:>8.2f}{err:>9.1e}  row-invariant {inv} (today's {inv_today})",
+                        flush=True,
+                    )
+                    continue
                 results = {"gate_up": [], "down": []}
                 # each projection's tiles swept alone (the other at a fixed tile), then the pair timed
                 h_in = torch.randn(m, i, device=dev, dtype=torch.bfloat16)
