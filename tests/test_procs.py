@@ -40,24 +40,3 @@ def test_every_rank_of_a_cluster_has_the_launchers_path(tmp_path):
             with open(f"/proc/{proc.pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
             assert env[b"PATH"] == os.environ["PATH"].encode() and env[b"MOESERVE_PROBE"] == b"1"
-
-
-def test_serving_processes_hand_the_gil_over_at_half_a_millisecond_or_as_told(monkeypatch):
-    import sys
-
-    from moeserve.ops.procs import GIL_SWITCH_S, responsive_threads
-
-    before = sys.getswitchinterval()
-    try:
-        monkeypatch.delenv("MOESERVE_GIL_SWITCH_S", raising=False)
-        assert responsive_threads() == GIL_SWITCH_S and abs(sys.getswitchinterval() - GIL_SWITCH_S) < 1e-9
-        monkeypatch.setenv("MOESERVE_GIL_SWITCH_S", "0.002")
-        assert responsive_threads() == 0.002 and abs(sys.getswitchinterval() - 0.002) < 1e-9
-        monkeypatch.setenv("MOESERVE_GIL_SWITCH_S", "0")
-        assert responsive_threads() is None and abs(sys.getswitchinterval() - 0.002) < 1e-9  # left as it was
-        for bad in ("fast", "-1", "5"):
-            monkeypatch.setenv("MOESERVE_GIL_SWITCH_S", bad)
-            with pytest.raises(ValueError, match="MOESERVE_GIL_SWITCH_S.*between 0"):
-                responsive_threads()
-    finally:
-        sys.setswitchinterval(before)

@@ -242,9 +242,6 @@ def run_frontend(args: argparse.Namespace) -> int:
         raise UsageError(f"--http-port and --port must differ, got {args.port} for both")
     _logging("frontend")
     _parent_watch()
-    from moeserve.ops.procs import responsive_threads
-
-    responsive_threads()
     metrics = None
     pm = F.start_metrics(args, "frontend")
     if pm is None and args.http_port is not None:  # /metrics on the HTTP port

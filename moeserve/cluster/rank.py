@@ -34,7 +34,6 @@ import torch.distributed as dist
 from moeserve.cluster.recovery import join, make_exchange
 from moeserve.config import ClusterConfig, default_breakeven
 from moeserve.dataplane.step import RankState, step_loop
-from moeserve.ops.procs import responsive_threads
 from moeserve.placement import Placement
 
 if TYPE_CHECKING:  # the roles' modules are imported where a rank takes the role (build)
@@ -508,7 +507,6 @@ def main() -> int:
         level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s",
     )
-    responsive_threads()  # the leader's channel thread beside its step driver
     parent = os.environ.get("MOESERVE_PARENT_PID")
     if parent:
         threading.Thread(target=_watch_parent, args=(int(parent),), daemon=True).start()

@@ -20,29 +20,6 @@ import sys
 import time
 from collections.abc import Mapping
 
-GIL_SWITCH_S = 0.0005  # MOESERVE_GIL_SWITCH_S's default
-
-
-def responsive_threads() -> float | None:
-    """Python's GIL switch interval for a serving process (the leader, the front end): their
-    network threads (the leader's channel, the front end's gRPC and HTTP loops) wait for the GIL
-    while the step driver runs Python, by default up to 5 ms per hand-over; a request's first
-    token crosses several. ``MOESERVE_GIL_SWITCH_S`` (seconds, default 0.0005; 0 keeps
-    Python's). Returns the interval set, None where none was."""
-    raw = os.environ.get("MOESERVE_GIL_SWITCH_S", "")
-    try:
-        value = float(raw) if raw.strip() else GIL_SWITCH_S
-        if not 0 <= value <= 1:
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"MOESERVE_GIL_SWITCH_S={raw!r}: want seconds between 0 (Python's own interval) and 1"
-        ) from None
-    if value == 0:
-        return None
-    sys.setswitchinterval(value)
-    return value
-
 
 def describe_exit(code: int) -> str:
     """A child's exit status in words: "code 1", "signal SIGKILL"."""
