@@ -100,3 +100,27 @@ def pytest_runtest_makereport(item, call):
             f"{item.nodeid} starts processes ({why}): mark it @pytest.mark.slow, so that the fast loop "
             f'(pytest -m "not slow") leaves it out'
         )
+
+
+# The longest test files first (their wall time on the 2-core CI machine), so that .ci/run's
+# two workers (--dist loadfile hands out files in collection order) end together instead of
+# one finishing the live compose test alone: the longest-first rule of scheduling.
+LONGEST_FIRST = (
+    "test_compose_live.py",
+    "test_soak.py",
+    "test_serving_benchmark.py",
+    "test_reliability.py",
+    "test_cluster_faults.py",
+    "test_structured_output.py",
+    "test_cli_serve.py",
+    "test_clients_tools.py",
+    "test_cluster_nodes.py",
+    "test_control_rebalance.py",
+    "test_cli_serve_families.py",
+    "test_cluster_exact.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest keep theirs
