@@ -144,6 +144,7 @@ def cache_figures(recs: list[dict]) -> dict:
         output_tok_s=toks / wall if wall > 0 else None,
         ttft_p50_s=pct(ttft, 50),
         ttft_p99_s=pct(ttft, 99),
+        ttft_mean_s=sum(ttft) / len(ttft) if ttft else None,
         itl_p50_s=pct(gaps, 50),
         itl_p99_s=pct(gaps, 99),
         prompt_tokens=prompt,
@@ -154,15 +155,14 @@ def cache_figures(recs: list[dict]) -> dict:
     )
 
 
-def ttft_parts(recs: list[dict], before: dict, after: dict) -> dict:
+def ttft_parts(client_mean_s: float | None, before: dict, after: dict) -> dict:
     """Mean TTFT by where it was spent, over the requests of one run: ``client`` (the client's
-    clock), ``front_end`` (the front end's, from its ``moeserve_time_to_first_token_seconds``),
+    clock, ``cache_figures``' ``ttft_mean_s``), ``front_end`` (the front end's, from its ``moeserve_time_to_first_token_seconds``),
     and the leader's ``queue`` (arrival to first admission) and ``prefill`` (admission to the
     first token known): the rest of the front end's figure is the trip between front end and
     leader, the rest of the client's the trip between client and front end. None where the
     front end serves no metrics."""
-    ttft = [r["tokens"][0] - r["submit"] for r in recs if r["tokens"]]
-    out: dict = {"client": sum(ttft) / len(ttft) if ttft else None}
+    out: dict = {"client": client_mean_s}
     for name, key in (("front_end", "ttft"), ("queue", "queue"), ("prefill", "prefill")):
         s0, n0 = before.get(key, (0.0, 0.0))
         s1, n1 = after.get(key, (0.0, 0.0))
@@ -224,7 +224,7 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
             recs = drive(up.serving, plan, a.client_procs, span + a.drain, api="turns")
             f = multiturn_figures(recs, a)
         s1, l1 = up.status(), up.frontend_latency()
-        f["ttft_parts_mean_s"] = ttft_parts(recs, l0, l1)
+        f["ttft_parts_mean_s"] = ttft_parts(f["ttft_mean_s"], l0, l1)
         f["engine"] = {
             k: s1[k] - s0[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "forward_steps")
         }

@@ -445,15 +445,14 @@ class RequestRecord:
         m = self.m
         m.in_flight.dec()
         m.requests.labels(reason if reason in FINISH_REASONS else "error").inc()
-        e2e = tpot = None
+        e2e = tpot = decode = None
         if self.first is not None:
-            e2e = self.last - self.start
+            e2e, decode = self.last - self.start, self.last - self.first
             m.e2e.observe(e2e)
             if self.tokens > 1:
-                tpot = (self.last - self.first) / (self.tokens - 1)
+                tpot = decode / (self.tokens - 1)
                 m.tpot.observe(tpot)
         if m.vllm is not None:
-            decode = self.last - self.first if self.first is not None else None
             m.vllm.finished(reason, self.prompt_tokens, self.tokens, e2e, tpot, decode, self.prefill_s)
 
 
