@@ -37,6 +37,7 @@ MODULES = (
     "moeserve.kernels.triton_experts",
     "moeserve.kernels.triton_exchange",
     "moeserve.kernels.triton_mla",
+    "moeserve.kernels.triton_norms",
 )
 
 
@@ -55,6 +56,7 @@ def _forget_kernels():
     S._kernel.cache_clear()
     K._kernels.cache_clear()
     K._expert_kernels.cache_clear()
+    K._norm_kernels.cache_clear()
 
 
 @pytest.fixture
@@ -184,6 +186,44 @@ def test_the_exchange_helpers_compile_once_whatever_the_row_count(launches):
         K.silu_mul(torch.empty(t, 2 * 48), torch.zeros(t % 13 + 1, dtype=torch.int32)[-1:])  # a slot table's last
     assert_one_key_per_config(launches, "weighted_sum_kernel", range(1, 2))
     assert_one_key_per_config(launches, "silu_mul_kernel", range(1, 2))
+
+
+def test_the_norm_kernels_compile_once_whatever_the_row_count(launches):
+    from moeserve import kernels as K
+
+    for t in list(range(1, 300, 7)) + [512, 2048]:
+        x = torch.empty(t, 200, dtype=torch.bfloat16)
+        K.rms_norm(x, torch.empty(200, dtype=torch.bfloat16), 1e-6)
+        K.rms_norm(x, torch.empty(200, dtype=torch.bfloat16), 1e-6, residual=torch.empty_like(x))
+        K.rms_norm(x[1:], None, 1e-6)  # a view at an odd offset: copied to the one alignment
+        cos = torch.empty(t, 32)
+        for heads in (8, 2, 1):
+            K.head_rope(torch.empty(t, heads, 64, dtype=torch.bfloat16), cos, cos, False, 1e-6, cos[0].bfloat16())
+    assert_one_key_per_config(launches, "rms_norm_kernel", range(3, 4))  # weighted, with a residual, weightless
+    assert_one_key_per_config(launches, "head_rope_kernel", range(1, 2))  # q and k of any head count alike
+
+
+@pytest.mark.parametrize("family", ["llama4", "qwen3_moe", "gpt_oss"])
+def test_the_norm_warm_up_compiles_every_key_a_step_can_launch(launches, family, tmp_path, monkeypatch):
+    """A router runs ``DecoderModel.warm_up_norms`` at start; forward steps of any length then
+    launch no key of the norm kernels that the warm-up did not compile."""
+    import hf_oracle as hf
+
+    from moeserve import kernels as K
+    from moeserve.models import load_model
+
+    build = {"llama4": hf.build_llama4, "qwen3_moe": hf.build_qwen3_moe, "gpt_oss": hf.build_gpt_oss}[family]
+    model = load_model(hf.save(build(seed=1), tmp_path), dtype=torch.bfloat16)
+    monkeypatch.setattr(K, "NORM_DEVICES", ("cuda", "cpu"))
+    assert model.warm_up_norms() > 0
+    warm = {k: _keys(launches, k) for k in ("rms_norm_kernel", "head_rope_kernel")}
+    launches.clear()
+    for t in (1, 5, 33):
+        model(torch.zeros(1, t, dtype=torch.long))  # the kernels are not run here: only their keys matter
+    for k, keys in warm.items():
+        seen = _keys(launches, k)
+        assert seen, f"{k} was never launched by a step"
+        assert seen <= keys, (k, sorted(seen - keys))
 
 
 def _keys(seen, kernel):
@@ -455,6 +495,8 @@ WARMED = {
     "prep_kernel": "any rank: NvlinkExchange.warm_up_kernels",
     "scatter_pairs_kernel": "any rank: NvlinkExchange.warm_up_kernels",
     "return_rows_kernel": "any rank: NvlinkExchange.warm_up_kernels",
+    "rms_norm_kernel": "router: DecoderModel.warm_up_norms (cluster.rank._warm_up_kernels)",  # norms + residual
+    "head_rope_kernel": "router: DecoderModel.warm_up_norms (cluster.rank._warm_up_kernels)",  # qk norm + RoPE
 }
 
 

@@ -336,6 +336,115 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _norm_kernels():
+    return fresh_module("moeserve.kernels.triton_norms")
+
+
+NORM_MAX_H = 16384  # widest row a norm program holds in registers (one tile per row)
+
+
+# Where the models' norms and RoPE take the fused kernels (tests add "cpu": the interpreter);
+# MOESERVE_FUSED_NORMS=0 keeps torch's sequences everywhere (for side-by-side runs and checks).
+def _norm_devices() -> tuple[str, ...]:
+    mode = os.environ.get("MOESERVE_FUSED_NORMS", "1") or "1"
+    if mode not in ("0", "1"):
+        raise ValueError(f"MOESERVE_FUSED_NORMS={mode!r}: allowed 1 (the default: fused on CUDA) or 0 (torch's)")
+    return ("cuda",) if mode == "1" else ()
+
+
+NORM_DEVICES: tuple[str, ...] = _norm_devices()
+
+
+def _norm_tile(width: int) -> tuple[int, int, int]:
+    """(columns, rows, warps) of a norm program over rows of ``width``: the whole row in one
+    tile, several rows per program when rows are narrow (a head of 64-256), ~16 values a thread."""
+    block = _pow2(width)
+    rows = max(1, min(16, 4096 // block))
+    return block, rows, max(1, min(8, rows * block // 512))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t itself when contiguous and 16-byte aligned (the one alignment key the norm kernels are
+    compiled for), else a copy that is."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def fused_norms_take(x: torch.Tensor, weight: torch.Tensor | None, weight_first: bool = False) -> bool:
+    """Whether ``rms_norm`` / ``head_rope`` serve x [..., H]: a CUDA tensor of a float dtype with
+    Triton present, a row that fits one tile, and a weight whose product rounds as the kernel's
+    (the dtype of x, or any with ``weight_first``); otherwise the caller keeps its torch path."""
+    return (
+        x.device.type in NORM_DEVICES
+        and available()
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and 0 < x.shape[-1] <= NORM_MAX_H
+        and (weight is None or weight_first or weight.dtype == x.dtype)
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    weight_first: bool = False,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of ``triton_norms.rms_norm_kernel`` over the rows of x [..., H]: returns (y, s)
+    with s = x + residual rounded to x's dtype (None without a residual) and y the RMS norm of
+    s (or x) scaled by ``weight`` [H] (None: unscaled) as ``moeserve.models.layers.rms_norm``
+    rounds it. The caller checks ``fused_norms_take`` first."""
+    h = x.shape[-1]
+    x2 = _dense(x.reshape(-1, h))
+    res = None if residual is None else _dense(residual.reshape(-1, h).to(x.dtype))
+    w = None if weight is None else _dense(weight)
+    n = x2.shape[0]
+    out = torch.empty_like(x2)
+    total = torch.empty_like(x2) if res is not None else None
+    if n:
+        block, rows, warps = _norm_tile(h)
+        _norm_kernels().rms_norm_kernel[((n + rows - 1) // rows,)](
+            x2, res if res is not None else x2, w if w is not None else x2, out, total if total is not None else out,
+            n, float(eps), H=h, BLOCK_H=block, ROWS=rows, HAS_RES=res is not None, HAS_WEIGHT=w is not None,
+            WEIGHT_FIRST=weight_first, num_warps=warps,
+        )  # fmt: skip
+    return out.view(x.shape), None if total is None else total.view(x.shape)
+
+
+def head_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    interleaved: bool,
+    eps: float,
+    pre_weight: torch.Tensor | None = None,
+    post_norm: bool = False,
+) -> torch.Tensor:
+    """One launch of ``triton_norms.head_rope_kernel`` over x [T, heads, D] (D a power of two):
+    the RMS norm weighted by ``pre_weight`` [D] when given, the rotary embedding by cos/sin
+    [T, D/2] fp32 when given, then a weightless RMS norm with ``post_norm``, each rounded to x's
+    dtype as the torch sequence of ``moeserve.models.layers.Attention`` rounds it."""
+    t, heads, d = x.shape
+    if d & (d - 1):
+        raise ValueError(f"head_rope needs a power-of-two head dim, got {d}")
+    x2 = _dense(x.reshape(t * heads, d))
+    rope = cos is not None and sin is not None
+    c = _dense(cos.float()) if cos is not None and rope else x2
+    s = _dense(sin.float()) if sin is not None and rope else x2
+    w = _dense(pre_weight) if pre_weight is not None else x2
+    out = torch.empty_like(x2)
+    n = x2.shape[0]
+    if n:
+        _, rows, warps = _norm_tile(d)
+        _norm_kernels().head_rope_kernel[((n + rows - 1) // rows,)](
+            x2, w, c, s, out, n, heads, float(eps), D=d, ROWS=rows, PRE_NORM=pre_weight is not None, ROPE=rope,
+            POST_NORM=post_norm, INTERLEAVED=interleaved, num_warps=warps,
+        )  # fmt: skip
+    return out.view(t, heads, d)
+
+
 # (BN, BK, warps, stages) of the grouped expert kernels, per projection and rows per pass:
 # weights are streamed once per step, [BK, BN] tiles at a time, so these set how close a decode
 # step gets to HBM rate. Picked from 24 candidates timed by ``benchmarks/expert_kernel.py --tune``

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeserve import kernels
 from moeserve.models.attention import attention_probs, paged_attention
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.config import ModelConfig, RopeConfig
@@ -29,7 +30,10 @@ from moeserve.models.quant import QuantLinear, read_weight
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False) -> torch.Tensor:
     """x [..., H] -> [..., H]: normalised in fp32, cast back to x's dtype, then scaled by weight;
-    ``weight_first``: scaled in fp32, then cast (GPT-OSS, whose norm weights stay fp32)."""
+    ``weight_first``: scaled in fp32, then cast (GPT-OSS, whose norm weights stay fp32).
+    On the GPU one Triton launch (``moeserve.kernels.rms_norm``), rounding at the same places."""
+    if kernels.fused_norms_take(x, weight, weight_first):
+        return kernels.rms_norm(x, weight, eps, weight_first)[0]
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight_first:
@@ -37,8 +41,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bo
     return normed.to(x.dtype) * weight
 
 
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, weight_first: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's update and the next norm: (h + delta, rms_norm(h + delta)), both
+    [T, H]; ``delta`` None: (h, rms_norm(h)). On the GPU the sum and the norm are one launch."""
+    if delta is None:
+        return h, rms_norm(h, weight, eps, weight_first)
+    if delta.dtype == h.dtype and delta.shape == h.shape and kernels.fused_norms_take(h, weight, weight_first):
+        y, total = kernels.rms_norm(h, weight, eps, weight_first, residual=delta)
+        assert total is not None  # a residual was given
+        return total, y
+    h = h + delta
+    return h, rms_norm(h, weight, eps, weight_first)
+
+
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Weightless RMS normalisation of the last dim, in fp32 (Llama 4's qk-norm): [..., D]."""
+    if kernels.fused_norms_take(x, None):
+        return kernels.rms_norm(x, None, eps)[0]
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -198,12 +219,7 @@ class Attention:
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        if self.use_rope:
-            q, k = apply_rope(q, *rope, self.interleaved), apply_rope(k, *rope, self.interleaved)
-        if self.qk_norm:
-            q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
+        q, k = self._heads(q, self.q_norm, rope), self._heads(k, self.k_norm, rope)
         if self.temperature_tuning:
             q = (q * temperature_scales(positions, self.floor_scale, self.attn_scale)[:, None, None]).to(q.dtype)
         if isinstance(cache, PagedKVCache):
@@ -228,6 +244,35 @@ class Attention:
             keys, values = cache.write(self.layer, sid, start, k[a:b], v[a:b])  # [start+n, Hkv, D]
             out[a:b] = self._attend(q[a:b], keys, values, start)
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+
+    def _transforms_heads(self) -> bool:
+        return self.q_norm is not None or self.use_rope or self.qk_norm
+
+    def warm_up_norms(self, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, device) -> int:
+        """Run q's and k's transforms on one token (rope: cos, sin [1, D/2]), so that their fused
+        kernel is compiled before serving; returns the calls run."""
+        if not self._transforms_heads():
+            return 0
+        for heads, norm in ((self.num_heads, self.q_norm), (self.num_kv_heads, self.k_norm)):
+            self._heads(torch.zeros(1, heads, self.head_dim, dtype=dtype, device=device), norm, rope)
+        return 2
+
+    def _heads(
+        self, x: torch.Tensor, norm: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """What q or k [T, heads, D] go through before attention: the weighted RMS norm (Qwen3's
+        q_norm / k_norm), the rotary embedding, the weightless qk-norm (Llama 4's), in that order,
+        each rounded to the dtype; on the GPU all of it one launch (``kernels.head_rope``)."""
+        if self._transforms_heads() and self.head_dim & (self.head_dim - 1) == 0 and kernels.fused_norms_take(x, norm):
+            cos, sin = rope if self.use_rope else (None, None)
+            return kernels.head_rope(x, cos, sin, self.interleaved, self.eps, pre_weight=norm, post_norm=self.qk_norm)
+        if norm is not None:
+            x = rms_norm(x, norm, self.eps)
+        if self.use_rope:
+            x = apply_rope(x, *rope, self.interleaved)
+        if self.qk_norm:
+            x = l2_norm(x, self.eps)
+        return x
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
         """One sequence: q [n, Hq, D] at positions start.., keys/values [start+n, Hkv, D] -> [n, Hq, D]."""

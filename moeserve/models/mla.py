@@ -120,6 +120,14 @@ class MLAttention:
     def linears(self):
         yield from (x for x in (self.q_a, self.q_b, self.kv_a, self.kv_b, self.o_proj) if x is not None)
 
+    def warm_up_norms(self, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, device) -> int:
+        """Run the latent norms on one token, so that their fused kernel is compiled before
+        serving (the RoPE of the MLA's rotary part stays torch's); returns the calls run."""
+        norms = [n for n in (self.q_a_norm, self.kv_a_norm) if n is not None]
+        for n in norms:
+            rms_norm(torch.zeros(1, n.shape[0], dtype=dtype, device=device), n, self.eps)
+        return len(norms)
+
     def __call__(
         self,
         x: torch.Tensor,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve import kernels
 from moeserve.models import families
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.checkpoint import expert_spec
@@ -31,9 +32,9 @@ from moeserve.models.layers import (
     Attention,
     Linear,
     SwiGLU,
+    add_rms_norm,
     load_linear,
     load_swiglu,
-    rms_norm,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -177,14 +178,16 @@ class DecoderModel:
         eps, first = self.config.rms_norm_eps, self.norm_first
         with span("embed"):
             h = self.embed[input_ids.to(self.device)]  # [T, H]
+        delta: torch.Tensor | None = None  # the last block's output, added to h with the next norm
         for layer in self.layers:
             with span("attention"):
-                h = h + layer.attn(rms_norm(h, layer.input_norm, eps, first), batch, positions, rope, cache)
-            u = rms_norm(h, layer.post_norm, eps, first)  # [T, H]
+                h, x = add_rms_norm(h, delta, layer.input_norm, eps, first)  # [T, H] each
+                delta = layer.attn(x, batch, positions, rope, cache)
+            h, u = add_rms_norm(h, delta, layer.post_norm, eps, first)  # [T, H]
             if layer.moe_index is None:
                 assert layer.mlp is not None  # a dense layer has its MLP
                 with span("dense_mlp"):
-                    h = h + layer.mlp(u)
+                    delta = layer.mlp(u)
                 continue
             assert experts is not None  # checked above: a model with MoE layers has a backend
             block = self.moe_blocks[layer.moe_index]
@@ -196,10 +199,30 @@ class DecoderModel:
                 shared = block.shared(u)  # [T, H] or None
             with span("moe_combine"):
                 routed = experts.combine(handle)  # [T, H]
-            h = h + (routed if shared is None else routed + shared)
+            delta = routed if shared is None else routed + shared
         if not isinstance(cache, PagedKVCache) and not isinstance(batch, PagedBatch):  # (the eager cache)
             cache.commit(batch)
-        return rms_norm(h, self.norm, eps, first)
+        return add_rms_norm(h, delta, self.norm, eps, first)[1]
+
+    def warm_up_norms(self) -> int:
+        """Compile, before serving, the fused norm and RoPE kernels (``moeserve.kernels.rms_norm``,
+        ``head_rope``) for every row shape and kind a step of this model launches: the residual
+        stream's norms with and without the residual, each attention's q/k transforms. Returns
+        the calls run; 0 where the torch path serves (CPU)."""
+        h = torch.zeros(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        if not self.layers or not kernels.fused_norms_take(h, self.norm, self.norm_first):
+            return 0
+        eps, first = self.config.rms_norm_eps, self.norm_first
+        rope = rope_cos_sin(torch.zeros(1, dtype=torch.long, device=self.device), self.inv_freq, self.rope_scale)
+        n = 0
+        for layer in self.layers:
+            for norm in (layer.input_norm, layer.post_norm):
+                add_rms_norm(h, None, norm, eps, first)
+                add_rms_norm(h, h, norm, eps, first)
+                n += 2
+            n += layer.attn.warm_up_norms(rope, self.dtype, self.device)
+        add_rms_norm(h, h, self.norm, eps, first)
+        return n + 1
 
     def _check_paged(self, batch: StepBatch | PagedBatch, cache: PagedKVCache) -> None:
         """Host-side checks of a paged step (no device synchronisation)."""

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""The fused norm and RoPE kernels (moeserve/kernels/triton_norms.py) against the torch sequences
+they replace, side by side in one run on one GPU: time per call at serving shapes, and agreement.
+
+    python3 benchmarks/norm_kernels.py                      # 1 GPU, every case and model
+    python3 benchmarks/norm_kernels.py --rows 256 --cases qwen3_qk,scout_residual
+
+Cases (``--cases``), each timed inside a CUDA graph (launch overhead excluded, as graph replay
+does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
+
+- ``<shape>_residual``: h + delta, then the RMS norm of the sum with a bf16 weight (every layer
+  of every family twice: after attention and after the MLP);
+- ``qwen3_qk``: Qwen3's q_norm / k_norm then rotate-half RoPE on q [T, 32, 128] and k [T, 4, 128];
+- ``scout_qk``: Llama 4's interleaved RoPE then its weightless qk-norm on q [T, 40, 128] and k [T, 8, 128];
+- ``ernie_qk``: ERNIE's interleaved RoPE on q [T, 20, 128] and k [T, 4, 128].
+
+Agreement, bf16: the share of output elements bit-identical to the torch path and the largest
+difference in units of the last place; fp32: the largest difference relative to the
+largest value. Then whole models
+(``--models``): tiny random fp32 checkpoints of each family (moeserve init-model) on the GPU,
+the logits of a 2 x 24-token batch with the torch path and with the fused kernels: max |dlogit|
+(the fp32 contract is 1e-4). Prints a table and writes JSON (``--json``, default
+benchmarks/results/norm-kernels.json); exits 1 when an fp32 case or model breaks its tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fp8_linears import graph_time  # noqa: E402
+
+from moeserve import kernels  # noqa: E402
+from moeserve.models import init_model, layers, load_model  # noqa: E402
+from moeserve.models.config import RopeConfig  # noqa: E402
+
+HIDDEN = {"scout": 5120, "ernie": 2560, "qwen3": 2048}
+QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
+    "qwen3_qk": (32, 4, 128, False, True, False),
+    "scout_qk": (40, 8, 128, True, False, True),
+    "ernie_qk": (20, 4, 128, True, False, False),
+}
+CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK)
+MODELS = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
+FP32_CASE_RTOL = 1e-5
+FP32_LOGITS_ATOL = 1e-4
+
+
+class TorchPath:
+    """Within it, the models' norms and RoPE take the torch path (no device takes the kernels)."""
+
+    def __enter__(self):
+        self.saved, kernels.NORM_DEVICES = kernels.NORM_DEVICES, ()
+
+    def __exit__(self, *exc):
+        kernels.NORM_DEVICES = self.saved
+
+
+def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies: int):
+    """fn(i) running the case on inputs i % copies (L2 never holds them all), and its output of copy 0."""
+    g = torch.Generator(device=dev).manual_seed(rows)
+    if name.endswith("_residual"):
+        h = HIDDEN[name.split("_")[0]]
+        xs = [torch.randn(rows, h, device=dev, generator=g).to(dtype) for _ in range(copies)]
+        ds = [torch.randn(rows, h, device=dev, generator=g).to(dtype) for _ in range(copies)]
+        w = (1 + 0.3 * torch.randn(h, device=dev, generator=g)).to(dtype)
+        return lambda i: layers.add_rms_norm(xs[i % copies], ds[i % copies], w, 1e-5), h * rows * 2
+    hq, hkv, d, interleaved, pre, post = QK[name]
+    att = layers.Attention.__new__(layers.Attention)  # only the q/k transforms are used
+    att.q_norm = (1 + 0.3 * torch.randn(d, device=dev, generator=g)).to(dtype) if pre else None
+    att.k_norm = (1 + 0.3 * torch.randn(d, device=dev, generator=g)).to(dtype) if pre else None
+    att.use_rope, att.qk_norm, att.interleaved, att.eps, att.head_dim = True, post, interleaved, 1e-6, d
+    inv = layers.rope_inv_freq(d, RopeConfig(theta=500000.0)).to(dev)
+    rope = layers.rope_cos_sin(torch.randint(0, 8192, (rows,), device=dev, generator=g), inv)
+    qs = [torch.randn(rows, hq, d, device=dev, generator=g).to(dtype) for _ in range(copies)]
+    ks = [torch.randn(rows, hkv, d, device=dev, generator=g).to(dtype) for _ in range(copies)]
+
+    def fn(i):
+        return att._heads(qs[i % copies], att.q_norm, rope), att._heads(ks[i % copies], att.k_norm, rope)
+
+    return fn, rows * (hq + hkv) * d
+
+
+def agreement(got, ref) -> dict:
+    got = torch.cat([t.reshape(-1) for t in got]) if isinstance(got, tuple) else got.reshape(-1)
+    ref = torch.cat([t.reshape(-1) for t in ref]) if isinstance(ref, tuple) else ref.reshape(-1)
+    if got.dtype == torch.float32:
+        rel = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()  # of the largest value
+        return dict(max_rel=rel, bit_identical=(got == ref).float().mean().item())
+    bits_g, bits_r = got.view(torch.int16).int(), ref.view(torch.int16).int()
+    ulps = (bits_g - bits_r).abs().max().item()  # same sign in practice: the bf16 step count
+    return dict(bit_identical=(got == ref).float().mean().item(), max_ulps=ulps)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--rows", default="64,256,2048")
+    p.add_argument("--models", default=",".join(MODELS), help="tiny fp32 models checked whole ('' for none)")
+    p.add_argument("--copies", type=int, default=4)
+    p.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "norm-kernels.json")
+    )
+    a = p.parse_args()
+    for flag in ("copies", "reps", "iters"):
+        if not 1 <= getattr(a, flag) <= 1000:
+            p.error(f"--{flag} must be 1 .. 1000, got {getattr(a, flag)}")
+    cases = [c for c in a.cases.split(",") if c]
+    bad = [c for c in cases if c not in CASES]
+    if bad:
+        p.error(f"unknown cases {bad}: allowed {', '.join(CASES)}")
+    models = [m for m in a.models.split(",") if m]
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        p.error(f"unknown models {bad}: allowed {', '.join(MODELS)}")
+    try:
+        rows = [int(r) for r in a.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows must be a comma list of integers, got {a.rows!r}")
+    if not all(1 <= r <= 65536 for r in rows):
+        p.error(f"--rows must each be 1 .. 65536, got {a.rows}")
+    if not torch.cuda.is_available() or not kernels.available():
+        p.error("needs a CUDA device and Triton")
+    dev = torch.device("cuda")
+    out = dict(command=" ".join(["python3"] + sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+    out["cases"], out["models"], failed = [], [], []
+    print(f"{'case':<17}{'rows':>6}{'dtype':>6}{'torch us':>10}{'fused us':>10}{'speed-up':>9}{'GB/s':>7}  agreement")
+    for name in cases:
+        for m in rows:
+            for dtype in (torch.bfloat16, torch.float32):
+                fn, elems = case_fn(name, m, dtype, dev, a.copies)
+                with TorchPath():
+                    t_torch = graph_time(fn, a.reps, a.iters)
+                    ref = fn(0)
+                t_fused = graph_time(fn, a.reps, a.iters)
+                got = fn(0)
+                if name.endswith("_residual"):  # (sum, normed): both must agree
+                    got, ref = (got[0], got[1]), (ref[0], ref[1])
+                agree = agreement(got, ref)
+                # bytes moved by the fused kernel: read x (and delta), write y (and the sum)
+                moved = elems * dtype.itemsize * (4 if name.endswith("_residual") else 1)
+                dname = "bf16" if dtype == torch.bfloat16 else "fp32"
+                row = dict(case=name, rows=m, dtype=dname, torch_s=t_torch, fused_s=t_fused, **agree)
+                row["fused_GBps"] = moved / t_fused / 1e9
+                out["cases"].append(row)
+                if dtype == torch.float32 and agree["max_rel"] > FP32_CASE_RTOL:
+                    failed.append(f"{name} rows {m} fp32: max relative difference {agree['max_rel']:.2e}")
+                print(
+                    f"{name:<17}{m:>6}{dname:>6}{t_torch * 1e6:>10.1f}{t_fused * 1e6:>10.1f}{t_torch / t_fused:>8.2f}x"
+                    f"{row['fused_GBps']:>7.0f}  " + ", ".join(f"{k} {v:.3g}" for k, v in agree.items())
+                )
+    if models:
+        print(f"\n{'model (fp32, tiny)':<20}{'max |dlogit| fused vs torch':>30}")
+    with tempfile.TemporaryDirectory() as root:
+        for fam in models:
+            path = init_model(os.path.join(root, fam), family=fam, seed=3, dtype="float32")
+            model = load_model(path, dtype=torch.float32, device=dev)
+            ids = torch.randint(3, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+            with TorchPath():
+                ref = model(ids)
+            got = model(ids)
+            diff = (got - ref).abs().max().item()
+            out["models"].append(dict(family=fam, max_dlogit=diff))
+            if diff >= FP32_LOGITS_ATOL:
+                failed.append(f"{fam}: max |dlogit| {diff:.2e} >= {FP32_LOGITS_ATOL}")
+            print(f"{fam:<20}{diff:>30.2e}")
+    out["failed"] = failed
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {a.json}")
+    if failed:
+        print("FAILED: " + "; ".join(failed))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The fused RMS norm and rotary embedding kernels (moeserve/kernels/triton_norms.py), run by
+Triton's interpreter on CPU tensors: each equals the torch sequence it replaces
+(moeserve.models.layers), a row's result does not depend on the rest of the launch, and every
+family's tiny model with its norms and RoPE on the kernels still equals transformers."""
+
+import hf_oracle as hf
+import pytest
+import torch
+from hf_oracle import FP32_LOGITS_ATOL
+from triton_util import needs_triton
+
+from moeserve import kernels
+from moeserve.models import layers, load_model
+
+pytestmark = needs_triton
+
+
+def torch_rms(x, w, eps, weight_first=False):
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if w is None:
+        return normed.to(x.dtype)
+    return (w * normed).to(x.dtype) if weight_first else normed.to(x.dtype) * w
+
+
+def torch_heads(x, w, cos, sin, interleaved, eps, post):
+    if w is not None:
+        x = torch_rms(x, w, eps)
+    if cos is not None:
+        x = layers.apply_rope(x, cos, sin, interleaved)
+    if post:
+        x = torch_rms(x, None, eps)
+    return x
+
+
+def close(got, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    else:  # the interpreter truncates fp32 -> bf16 where the GPU rounds: a bf16 step per rounding
+        assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-6
+
+
+@pytest.mark.parametrize("h", [64, 70, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["weight", "weight_first", "none", "residual"])
+def test_rms_norm_equals_the_torch_sequence(h, dtype, mode):
+    g = torch.Generator().manual_seed(h)
+    x = (torch.randn(7, h, generator=g) * 3).to(dtype)
+    w = (1 + 0.5 * torch.randn(h, generator=g)).to(torch.float32 if mode == "weight_first" else dtype)
+    res = torch.randn(7, h, generator=g).to(dtype)
+    weight = None if mode == "none" else w
+    y, total = kernels.rms_norm(
+        x, weight, 1e-5, weight_first=mode == "weight_first", residual=res if mode == "residual" else None
+    )
+    src = x
+    if mode == "residual":
+        assert total is not None
+        close(total, x + res, dtype)  # torch's add, rounded once to the dtype (exact in fp32)
+        assert dtype != torch.float32 or torch.equal(total, x + res)
+        src = x + res
+    else:
+        assert total is None
+    assert y.dtype == dtype and y.shape == x.shape
+    close(y, torch_rms(src, weight, 1e-5, mode == "weight_first"), dtype)
+
+
+def test_a_rows_norm_does_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    x, w, res = torch.randn(37, 96, generator=g), torch.randn(96, generator=g), torch.randn(37, 96, generator=g)
+    y, s = kernels.rms_norm(x, w, 1e-6, residual=res)
+    for lo, hi in [(0, 1), (5, 6), (3, 20), (36, 37)]:
+        y1, s1 = kernels.rms_norm(x[lo:hi].clone(), w, 1e-6, residual=res[lo:hi].clone())
+        assert torch.equal(y1, y[lo:hi]) and torch.equal(s1, s[lo:hi])
+    assert kernels.rms_norm(x[:0], w, 1e-6)[0].shape == (0, 96)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize(
+    "pre,rope,post",
+    [(True, True, False), (False, True, True), (False, True, False), (True, False, False), (False, False, True)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_rope_equals_the_torch_sequence(interleaved, pre, rope, post, dtype):
+    g = torch.Generator().manual_seed(int(pre) + 2 * int(post) + 4 * int(interleaved))
+    t, heads, d = 5, 3, 32
+    x = (torch.randn(t, heads, d, generator=g) * 2).to(dtype)
+    w = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype) if pre else None
+    positions = torch.tensor([0, 3, 4, 17, 1000])
+    inv = layers.rope_inv_freq(d, layers.RopeConfig(theta=10000.0)) if rope else None
+    cos, sin = layers.rope_cos_sin(positions, inv, 1.3) if rope else (None, None)
+    got = kernels.head_rope(x, cos, sin, interleaved, 1e-6, pre_weight=w, post_norm=post)
+    ref = torch_heads(x, w, cos, sin, interleaved, 1e-6, post)
+    assert got.shape == x.shape and got.dtype == dtype
+    close(got, ref, dtype)
+    if rope:  # the rotation acts (so the equality above covers it)
+        assert not torch.allclose(got[1:], torch_heads(x, w, None, None, interleaved, 1e-6, post)[1:])
+
+
+def test_head_rope_refuses_a_head_dim_it_cannot_tile():
+    with pytest.raises(ValueError, match="power-of-two head dim, got 48"):
+        kernels.head_rope(torch.zeros(2, 1, 48), None, None, True, 1e-6, post_norm=True)
+
+
+def test_the_models_keep_torch_for_what_the_kernels_do_not_round_alike():
+    x = torch.zeros(2, 8)
+    assert not kernels.fused_norms_take(x, torch.ones(8))  # a CPU tensor: the torch path
+    assert not kernels.fused_norms_take(torch.zeros(2, 8, dtype=torch.int64), None)
+
+
+BUILD = {
+    "llama4": hf.build_llama4,  # interleaved RoPE, weightless qk-norm after it, NoPE layers
+    "ernie4_5_moe": hf.build_ernie,  # interleaved RoPE, no qk-norm
+    "qwen3_moe": hf.build_qwen3_moe,  # q_norm / k_norm before RoPE
+    "gpt_oss": hf.build_gpt_oss,  # fp32 norm weights applied first, YaRN
+}
+
+
+@pytest.mark.parametrize("family", list(BUILD))
+def test_each_family_on_the_fused_kernels_equals_transformers(family, tmp_path, monkeypatch):
+    path = hf.save(BUILD[family](seed=1), tmp_path)
+    oracle, model = hf.load_oracle(path), load_model(path)
+    ids = hf.prompts(2, 12)
+    torch_logits = model(ids)
+    monkeypatch.setattr(kernels, "NORM_DEVICES", ("cuda", "cpu"))
+    calls = {"rms_norm": 0, "head_rope": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(kernels, name, counted)
+    fused = model(ids)
+    n = model.config.num_layers
+    assert calls["rms_norm"] == 2 * n + 1  # every residual add with its norm, and the final norm
+    assert calls["head_rope"] == 2 * sum(1 for layer in model.layers if layer.attn._transforms_heads())
+    with torch.no_grad():
+        ref = oracle(ids).logits
+    assert (fused - ref).abs().max().item() < FP32_LOGITS_ATOL
+    assert (fused - torch_logits).abs().max().item() < FP32_LOGITS_ATOL
+
+
+def test_the_switch_takes_torch_everywhere_and_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("MOESERVE_FUSED_NORMS", "0")
+    assert kernels._norm_devices() == ()
+    monkeypatch.setenv("MOESERVE_FUSED_NORMS", "1")
+    assert kernels._norm_devices() == ("cuda",)
+    monkeypatch.setenv("MOESERVE_FUSED_NORMS", "yes")
+    with pytest.raises(ValueError, match="MOESERVE_FUSED_NORMS='yes': allowed 1"):
+        kernels._norm_devices()
