@@ -276,6 +276,47 @@ def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame
     assert len(events) <= sum(events) / 2  # events leave a step together, not one by one
 
 
+def test_a_first_token_carries_each_hop_in_order_through_both_clients_and_the_leader_sends_at_once(
+    engine, channel, monkeypatch
+):
+    """The hops of ``api.HopTimes`` are stamped on the way (the front end's write, the leader's
+    read, the engine's arrival and first token, the leader's write, the front end's read), in
+    that order, through the session (AsyncEngineClient) and a stream of its own (EngineClient);
+    every connection the leader accepts sends without Nagle's delay (TCP_NODELAY)."""
+    import asyncio
+
+    server, key = channel
+    delays = []
+    real = ChannelServer._handshake
+
+    async def handshake(self, reader, writer):
+        delays.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        return await real(self, reader, writer)
+
+    monkeypatch.setattr(ChannelServer, "_handshake", handshake)
+
+    async def session():
+        client = AsyncEngineClient(server.address, key)
+        t0 = time.time()
+        evs = [ev async for _, ev in client.generate([GenerateRequest((1, 2), 3, ignore_eos=True)])]
+        await client.close()
+        return t0, evs, time.time()
+
+    def stream():
+        t0 = time.time()
+        evs = [ev for _, ev in EngineClient(server.address, key).generate_stream([GenerateRequest((1, 2), 3)])]
+        return t0, evs, time.time()
+
+    for t0, evs, t1 in (asyncio.run(session()), stream()):
+        first = evs[0]
+        assert isinstance(first, FirstToken) and not any(isinstance(ev, FirstToken) for ev in evs[1:])
+        h = first.hops
+        eps = 1e-4  # ``arrived`` is the engine's monotonic clock moved onto the wall's
+        assert t0 <= h.sent <= h.received <= h.arrived + eps and h.arrived <= h.known <= h.written <= h.read <= t1
+        assert h.known - h.arrived == pytest.approx(first.queued_s + first.prefill_s, abs=1e-5)
+    assert delays and all(delays)  # TCP_NODELAY on every connection
+
+
 def test_leaving_one_stream_cancels_only_it_and_closing_the_session_cancels_the_rest(engine, channel, monkeypatch):
     import asyncio
 

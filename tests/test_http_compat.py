@@ -15,6 +15,7 @@ from cluster_util import reference_model, tiny_checkpoint
 from test_http_api import MODEL, Front, openai_client, post, request
 from test_sampling_adjust import reference_tokens
 
+from moeserve.ops.metrics import TTFT_PARTS
 from moeserve.sampling import SamplingParams
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -210,4 +211,18 @@ def test_metrics_carry_vllms_names_with_model_name(served):
     queue, prefill = hist("vllm:request_queue_time_seconds", "_sum"), hist("vllm:request_prefill_time_seconds", "_sum")
     assert prefill > 0 and queue >= 0
     assert queue + prefill <= hist("vllm:time_to_first_token_seconds", "_sum")
+    # moeserve's TTFT split at every hop between front end and leader: one of each part per
+    # request with a first token, none negative, adding up to the TTFT
+    part = "moeserve_time_to_first_token_part_seconds"
+    by = {
+        (smp.labels["part"], smp.name[len(part) :]): smp.value
+        for smp in fams[part].samples
+        if smp.name in (part + "_sum", part + "_count")
+    }
+    n = hist("moeserve_time_to_first_token_seconds", "_count")
+    ttft = hist("moeserve_time_to_first_token_seconds", "_sum")
+    assert n >= 1 and all(by[(p, "_count")] == n for p in TTFT_PARTS)
+    assert all(by[(p, "_sum")] >= 0 for p in TTFT_PARTS) and by[("prefill", "_sum")] > 0
+    assert sum(by[(p, "_sum")] for p in TTFT_PARTS) == pytest.approx(ttft, abs=1e-3 * n)
+    assert by[("queue", "_sum")] == pytest.approx(hist("moeserve_request_queue_time_seconds", "_sum"))
     assert hist("vllm:request_inference_time_seconds", "_sum") >= prefill

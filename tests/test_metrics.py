@@ -324,6 +324,41 @@ def test_the_front_end_records_latencies_tokens_and_finish_reasons():
     assert samples(text, "moeserve_request_prefill_time_seconds_sum") == {(): 0.5}
 
 
+def test_the_front_end_splits_each_ttft_at_every_hop_and_the_parts_add_up_to_it():
+    import time
+
+    from moeserve.router.engine.api import HopTimes
+
+    pm = M.ProcessMetrics("frontend")
+    fm = M.FrontendMetrics(pm.registry)
+    rec = fm.request(prompt_tokens=5)
+    t = rec.start_wall
+    # 1 ms in the front end, 2 ms to the leader, 1 ms of intake, queue 3 + prefill 5 ms, 1 ms to
+    # the leader's write, 2 ms back, then the front end until the token
+    hops = HopTimes(sent=t + 0.001, received=t + 0.003, arrived=t + 0.004, known=t + 0.012, written=t + 0.013)
+    hops.read = t + 0.015
+    time.sleep(0.02)
+    assert rec.ttft_parts(hops, 0.003, 0.005) is None  # before the first token: nothing
+    rec.token()
+    parts = rec.ttft_parts(hops, 0.003, 0.005)
+    assert list(parts) == list(M.TTFT_PARTS) and all(v >= 0 for v in parts.values())
+    want = dict(frontend_before=0.001, submit_transport=0.002, leader_intake=0.001, queue=0.003, prefill=0.005)
+    want.update(leader_event=0.001, event_transport=0.002)
+    assert {k: parts[k] for k in want} == pytest.approx(want, abs=1e-6)  # epoch seconds: ~0.2 us apart
+    ttft = rec.first - rec.start
+    assert parts["frontend_after"] >= 0.005 and sum(parts.values()) == pytest.approx(ttft, abs=1e-3)
+    # a hop nobody stamped (an engine in this process, an older channel): no parts, TTFT still
+    other = fm.request(prompt_tokens=3)
+    other.token()
+    assert other.ttft_parts(HopTimes(known=time.time()), 0.0, 0.0) is None and other.ttft_parts(None, 0, 0) is None
+    text = M.scrape_text(pm.registry)
+    counts = samples(text, "moeserve_time_to_first_token_part_seconds_count")
+    assert counts == {(("part", p),): 1.0 for p in M.TTFT_PARTS}
+    sums = samples(text, "moeserve_time_to_first_token_part_seconds_sum")
+    assert sum(sums.values()) <= samples(text, "moeserve_time_to_first_token_seconds_sum")[()]
+    assert samples(text, "moeserve_time_to_first_token_seconds_count") == {(): 2.0}
+
+
 def test_the_balancer_shows_every_result_from_the_start_and_times_real_rebalances():
     pm = M.ProcessMetrics("balancer")
     state = {"paused": True}

@@ -350,3 +350,7 @@ def test_the_first_token_carries_the_leaders_queue_and_prefill_times():
     assert fa.queued_s >= 0.02 > fa.queued_s - 0.02 and fa.prefill_s >= 0.03
     assert fb.queued_s >= 0.05 > fb.prefill_s  # admitted once a left, its token in that same step
     assert fa == FirstToken(fa.token_id)  # timings are not what the event says
+    for f in (fa, fb):  # the hops the engine stamps: its arrival and the first token, on the wall clock
+        assert f.hops is not None and f.hops.arrived < f.hops.known <= time.time()
+        assert f.hops.known - f.hops.arrived == pytest.approx(f.queued_s + f.prefill_s, abs=1e-5)
+        assert not (f.hops.sent or f.hops.received or f.hops.written or f.hops.read)  # the channel's

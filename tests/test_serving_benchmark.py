@@ -15,6 +15,7 @@ sys.path.insert(0, str(SCRIPT.parent))  # the command's library, servinglib
 
 from servinglib.figures import BURST_KEYS, ONLINE_KEYS, steady_steps  # noqa: E402
 from servinglib.httpclient import SseTokens  # noqa: E402
+from servinglib.prefix import HOPS, ttft_parts  # noqa: E402
 from servinglib.roofline import ROOFLINE_KEYS, kv_bytes_read, roofline  # noqa: E402
 from servinglib.shapes import SHAPES, model_sizes, write_model  # noqa: E402
 
@@ -395,11 +396,33 @@ def test_smoke_prefix_workloads_measure_prefix_caching_side_by_side(tmp_path):
         for key in ("prefix", "multiturn"):
             t = c[key]["ttft_parts_mean_s"]
             assert t["client"] >= t["front_end"] >= t["queue"] + t["prefill"] and t["prefill"] > 0
+            # and split at every hop: each part of every request the front end counted (the
+            # workload's and the clients' warm-ups), none negative, adding up to its TTFT
+            hops = t["hops"]
+            parts = [hops[p] for p in HOPS]
+            assert hops["requests"] == t["front_end_requests"] >= c[key]["requests"]
+            assert all(v >= 0 for v in parts) and sum(parts) == pytest.approx(t["front_end"], abs=1e-3)
+            assert (hops["queue"], hops["prefill"]) == pytest.approx((t["queue"], t["prefill"]))
     sbs = res["prefix_caching"]["moeserve-1rank"]
     assert set(sbs) == {"prefix", "multiturn"} and sbs["prefix"]["ttft_p50_uncached_over_cached"] > 0
     for key, n in (("prefix", 12), ("multiturn", 12)):  # fp32 on the CPU: the same tokens either way
         assert sbs[key]["compared_requests"] == n and sbs[key]["identical_outputs_share"] == 1.0
     assert "prefix caching: TTFT" in run.stdout and "moeserve-1rank-no-prefix-cache" in run.stdout  # the table
+
+
+def test_ttft_parts_are_the_means_over_a_run_of_the_front_ends_histograms():
+    before = {"ttft": (1.0, 10.0), "queue": (0.1, 10.0), "prefill": (0.5, 10.0)}
+    before.update({f"part:{p}": (0.1, 10.0) for p in HOPS})
+    after = {"ttft": (1.8, 14.0), "queue": (0.2, 14.0), "prefill": (0.9, 14.0)}
+    after.update({f"part:{p}": (0.2, 14.0) for p in HOPS})
+    t = ttft_parts(0.25, before, after)
+    assert t["client"] == 0.25 and t["front_end_requests"] == 4
+    assert (t["front_end"], t["queue"], t["prefill"]) == pytest.approx((0.2, 0.025, 0.1))
+    assert t["hops"] == {**{p: pytest.approx(0.025) for p in HOPS}, "requests": 4}
+    assert ttft_parts(0.25, {}, {})["hops"] is None  # a front end without metrics
+    # a front end that records no parts (an older one), or not all of them: no split
+    assert ttft_parts(0.25, {}, {k: v for k, v in after.items() if not k.startswith("part:")})["hops"] is None
+    assert ttft_parts(0.25, {}, {k: v for k, v in after.items() if k != "part:queue"})["hops"] is None
 
 
 def test_prefix_workload_flags():

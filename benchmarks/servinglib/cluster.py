@@ -130,7 +130,9 @@ class Cluster(UpProcess):
     def frontend_latency(self) -> dict[str, tuple[float, float]]:
         """The front end's latency histograms so far, (sum s, count) each: ``ttft`` (its own
         clock, arrival to first token), ``queue`` and ``prefill`` (the leader's clock,
-        ``moeserve_request_{queue,prefill}_time_seconds``); {} where it serves no metrics."""
+        ``moeserve_request_{queue,prefill}_time_seconds``) and ``part:NAME`` for each part of the
+        TTFT (``moeserve_time_to_first_token_part_seconds{part=NAME}``: the hops between front end
+        and leader, ``moeserve.ops.metrics.TTFT_PARTS``); {} where it serves no metrics."""
         import urllib.request
 
         from prometheus_client.parser import text_string_to_metric_families
@@ -144,18 +146,18 @@ class Cluster(UpProcess):
             "moeserve_time_to_first_token_seconds": "ttft",
             "moeserve_request_queue_time_seconds": "queue",
             "moeserve_request_prefill_time_seconds": "prefill",
+            "moeserve_time_to_first_token_part_seconds": "part",
         }
         out: dict[str, list[float]] = {}
         for fam in text_string_to_metric_families(text):
             key = names.get(fam.name)
             if key is None:
                 continue
-            got = out.setdefault(key, [0.0, 0.0])
             for smp in fam.samples:
-                if smp.name == fam.name + "_sum":
-                    got[0] += smp.value
-                elif smp.name == fam.name + "_count":
-                    got[1] += smp.value
+                if smp.name not in (fam.name + "_sum", fam.name + "_count"):
+                    continue
+                got = out.setdefault(f"part:{smp.labels['part']}" if key == "part" else key, [0.0, 0.0])
+                got[smp.name.endswith("_count")] += smp.value
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def api_address(self, api: str) -> str:

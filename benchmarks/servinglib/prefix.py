@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from moeserve.ops.metrics import TTFT_PARTS as HOPS
 from servinglib.common import pct, ratio
 from servinglib.streams import record, start
 
@@ -157,16 +158,33 @@ def cache_figures(recs: list[dict]) -> dict:
 
 def ttft_parts(client_mean_s: float | None, before: dict, after: dict) -> dict:
     """Mean TTFT by where it was spent, over the requests of one run: ``client`` (the client's
-    clock, ``cache_figures``' ``ttft_mean_s``), ``front_end`` (the front end's, from its ``moeserve_time_to_first_token_seconds``),
-    and the leader's ``queue`` (arrival to first admission) and ``prefill`` (admission to the
-    first token known): the rest of the front end's figure is the trip between front end and
-    leader, the rest of the client's the trip between client and front end. None where the
-    front end serves no metrics."""
-    out: dict = {"client": client_mean_s}
-    for name, key in (("front_end", "ttft"), ("queue", "queue"), ("prefill", "prefill")):
+    clock, ``cache_figures``' ``ttft_mean_s``), ``front_end`` (the front end's, from its
+    ``moeserve_time_to_first_token_seconds``, over ``front_end_requests`` requests: the clients'
+    warm-ups too), the leader's ``queue`` (arrival to first admission) and ``prefill`` (admission
+    to the first token known); the rest of the client's figure is the trip between client and
+    front end. ``hops``: the front end's TTFT split at every hop (``HOPS`` in order, from
+    ``moeserve_time_to_first_token_part_seconds``: the front end before the submit, the submit's
+    way to the leader's channel, the leader's intake, queue and prefill, the first token's way
+    to the leader's channel and back to the front end, the front end after; they add up to
+    ``front_end``), with ``requests``: how many requests they cover. None where the front end
+    serves no metrics (or, for ``hops``, no parts)."""
+
+    def mean(key):
         s0, n0 = before.get(key, (0.0, 0.0))
         s1, n1 = after.get(key, (0.0, 0.0))
-        out[name] = (s1 - s0) / (n1 - n0) if key in after and n1 > n0 else None
+        return ((s1 - s0) / (n1 - n0) if key in after and n1 > n0 else None), n1 - n0
+
+    out: dict = {"client": client_mean_s}
+    for name, key in (("front_end", "ttft"), ("queue", "queue"), ("prefill", "prefill")):
+        out[name] = mean(key)[0]
+    out["front_end_requests"] = int(mean("ttft")[1])
+    hops = {name: mean(f"part:{name}") for name in HOPS}
+    counts = {n for _, n in hops.values()}
+    out["hops"] = (
+        {**{name: m for name, (m, _) in hops.items()}, "requests": int(counts.pop())}
+        if all(m is not None for m, _ in hops.values()) and len(counts) == 1
+        else None
+    )
     return out
 
 
@@ -237,6 +255,11 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
                 f"{key}: TTFT mean {1e3 * (parts['client'] or 0):.1f} ms at the client, "
                 f"{1e3 * (parts['front_end'] or 0):.1f} at the front end; the leader's queue "
                 f"{1e3 * parts['queue']:.1f} + prefill {1e3 * (parts['prefill'] or 0):.1f}"
+            )
+        if parts.get("hops") is not None:
+            m.say(
+                f"{key}: the front end's TTFT by hop, mean ms: "
+                + ", ".join(f"{name} {1e3 * parts['hops'][name]:.2f}" for name in HOPS)
             )
         later = f.get("later_turns", f)
         m.say(

@@ -30,11 +30,25 @@ MIGRATION_RESULTS = ("done", "aborted", "failed")
 RANK_ROLES = ("router", "worker")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 REBALANCE_RESULTS = ("done", "skipped", "failed", "dry_run")
+# Where a request's TTFT goes, in order (RequestRecord.ttft_parts; docs/metrics.md): the front
+# end, the submit's way to the leader, the leader's intake, queue and prefill, the first token's
+# way to the leader's channel, its way back, the front end again.
+TTFT_PARTS = (
+    "frontend_before",
+    "submit_transport",
+    "leader_intake",
+    "queue",
+    "prefill",
+    "leader_event",
+    "event_transport",
+    "frontend_after",
+)
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 EXCHANGE_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+PART_BUCKETS = (1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 REBALANCE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -385,6 +399,19 @@ class FrontendMetrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        self.ttft_part = Histogram(
+            "moeserve_time_to_first_token_part_seconds",
+            "A request's TTFT by part, in order: frontend_before (arrival to the submit's write), "
+            "submit_transport (to the leader's channel reading it), leader_intake (to the engine taking it), "
+            "queue, prefill (the leader's), leader_event (to the leader's channel writing the first token's "
+            "event), event_transport (to the front end reading it), frontend_after (to the first token); "
+            "wall clocks across processes, the parts sum to the TTFT.",
+            ("part",),
+            buckets=PART_BUCKETS,
+            registry=registry,
+        )
+        # Label children looked up once: observed for every request.
+        self._parts = [self.ttft_part.labels(p) for p in TTFT_PARTS]
         self.prompt_tokens = Counter("moeserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=registry)
         self.generation_tokens = Counter("moeserve_generation_tokens", "Generated tokens.", registry=registry)
         self.requests = Counter(
@@ -404,7 +431,9 @@ class RequestRecord:
     def __init__(self, m: FrontendMetrics, prompt_tokens: int):
         self.m = m
         self.start = time.monotonic()
+        self.start_wall = time.time()  # the clock of the hops across processes (ttft_parts)
         self.first: float | None = None
+        self.first_wall = 0.0
         self.last = self.start
         self.tokens = 0
         self.done = False
@@ -423,11 +452,36 @@ class RequestRecord:
         if self.m.vllm is not None:
             self.m.vllm.engine_times(queued_s, prefill_s)
 
+    def ttft_parts(self, hops, queued_s: float, prefill_s: float) -> dict[str, float] | None:
+        """Record where the TTFT went (``moeserve_time_to_first_token_part_seconds``), after
+        :meth:`token` saw the first token; ``hops``: its ``api.HopTimes``. Returns the parts
+        (seconds, each at least 0), or None (nothing recorded) when a hop was not stamped (an
+        engine in this process, a channel without stamps)."""
+        h = hops
+        if self.first is None or h is None or not all((h.sent, h.received, h.arrived, h.known, h.written, h.read)):
+            return None
+        values = (
+            h.sent - self.start_wall,
+            h.received - h.sent,
+            h.arrived - h.received,
+            queued_s,
+            prefill_s,
+            h.written - h.known,
+            h.read - h.written,
+            self.first_wall - h.read,
+        )
+        parts = {}
+        for name, child, v in zip(TTFT_PARTS, self.m._parts, values):
+            v = max(0.0, v)  # the wall clock may step between two stamps
+            child.observe(v)
+            parts[name] = v
+        return parts
+
     def token(self, n: int = 1) -> None:
         now = time.monotonic()
         first = gap = None
         if self.first is None and n > 0:
-            self.first = now
+            self.first, self.first_wall = now, time.time()
             first = now - self.start
             self.m.ttft.observe(first)
         elif n > 0:

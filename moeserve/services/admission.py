@@ -155,7 +155,10 @@ class RequestStream:
             if self._record is not None:
                 if isinstance(ev, FirstToken):
                     self._record.engine_times(ev.queued_s, ev.prefill_s)
-                self._record.token()
+                    self._record.token()
+                    self._record.ttft_parts(ev.hops, ev.queued_s, ev.prefill_s)
+                else:
+                    self._record.token()
         elif isinstance(ev, Finished):
             self._finish(str(ev.reason))
             await self._close_gen()

@@ -39,6 +39,7 @@ __all__ = [
     "GenerateRequest",
     "Token",
     "FirstToken",
+    "HopTimes",
     "Finished",
     "Failed",
     "Event",
@@ -133,17 +134,37 @@ class Token:
     prompt_logprobs: PromptLogprobs | None = None
 
 
+@dataclass(slots=True)
+class HopTimes:
+    """Wall-clock stamps (``time.time()``, seconds) of a request's way to its first token, each
+    written by the hop that saw it (0.0: not seen; processes differ, so the clock is the wall's):
+    ``sent`` the front end wrote the submit to the local channel, ``received`` the leader's
+    channel read it, ``arrived`` the engine took it (``queued_s`` counts from here), ``known`` the
+    leader learned the first token (``prefill_s`` ends here), ``written`` the leader's channel
+    wrote the event's frame, ``read`` the front end's channel read that frame. Mutable: the one
+    object travels with its :class:`FirstToken` and each hop fills its own field."""
+
+    sent: float = 0.0
+    received: float = 0.0
+    arrived: float = 0.0
+    known: float = 0.0
+    written: float = 0.0
+    read: float = 0.0
+
+
 @dataclass(frozen=True)
 class FirstToken(Token):
     """A request's first generated token, with ``cached_tokens``: how many of its prompt tokens
     were read from the prefix cache instead of computed (every later token is a plain Token,
     which keeps the event of a decode step small); and the leader's clock of it: ``queued_s``
     from the engine taking the request to its first admission to a router (vLLM's queue time),
-    ``prefill_s`` from there to the leader learning its first token (vLLM's prefill time)."""
+    ``prefill_s`` from there to the leader learning its first token (vLLM's prefill time);
+    ``hops``: when it passed each hop between the front end and the leader (:class:`HopTimes`)."""
 
     cached_tokens: int = 0
     queued_s: float = field(default=0.0, compare=False)  # timings: not what the event says
     prefill_s: float = field(default=0.0, compare=False)
+    hops: HopTimes | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,11 @@ had its Finished or Failed event; closing the session cancels every stream still
 Every message after the handshake is a frame: an 8-byte big-endian length, then a pickle of
 plain values (the api module's dataclasses, numpy arrays). Pickle is read only after the peer
 proved it holds the key. ``method`` must be one of ``api.REMOTE_METHODS``; errors are the api's
-exception classes, so a caller here catches exactly what an in-process caller would.
+exception classes, so a caller here catches exactly what an in-process caller would. Every
+connection sends with TCP_NODELAY (a step's frame leaves at once). A request's first token
+carries the wall clock of each hop (``api.HopTimes``): the client stamps its write of the
+submit and its read of the event's frame, the server its read of the submit and its write of
+the frame (the engine stamps the rest), so the front end can tell where its TTFT went.
 
 The server runs every connection as a task of one asyncio loop on one thread: a slow or silent
 peer (a connect without a handshake, a half-sent frame) holds only its own task, never the
@@ -48,6 +52,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from moeserve.router.engine.api import (
@@ -57,6 +62,7 @@ from moeserve.router.engine.api import (
     Event,
     Failed,
     Finished,
+    FirstToken,
     GenerateRequest,
     InvalidRequest,
     RemoteEngineAPI,
@@ -82,6 +88,15 @@ def _mac(key: bytes, nonce: bytes) -> bytes:
 def _frame(msg) -> bytes:
     body = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     return _LEN.pack(len(body)) + body
+
+
+def _no_delay(sock) -> None:
+    """Send each frame at once (TCP_NODELAY). asyncio sets it only on sockets whose ``proto`` is
+    IPPROTO_TCP, and ``socket.create_server`` makes the listener (so every accepted socket) with
+    proto 0: with Nagle's algorithm on, the leader held each step's event frame until the front
+    end acknowledged the one before (a delayed ACK: up to 40 ms), on the first token's way out."""
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _error_msg(e: BaseException) -> tuple:
@@ -146,11 +161,14 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            _no_delay(writer.get_extra_info("socket"))
             if not await self._handshake(reader, writer):
                 return
-            msg = pickle.loads(await _read_frame(reader))
+            frame = await _read_frame(reader)
+            received = time.time()
+            msg = pickle.loads(frame)
             if msg[0] == "generate":
-                await self._generate(msg[1], reader, writer)
+                await self._generate(msg[1], reader, writer, received)
             elif msg[0] == "session":
                 await _Session(self.engine, reader, writer).run()
             elif msg[0] == "call":
@@ -197,7 +215,7 @@ class ChannelServer:
         except Exception as e:
             return _error_msg(e)
 
-    async def _generate(self, reqs: list[GenerateRequest], reader, writer) -> None:
+    async def _generate(self, reqs: list[GenerateRequest], reader, writer, received: float = 0.0) -> None:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -230,6 +248,7 @@ class ChannelServer:
                     get.cancel()
                     raise ConnectionResetError("the client closed the stream")
                 i, ev = get.result()
+                _stamp(ev, received, time.time())
                 writer.write(_frame(("event", i, ev)))
                 await writer.drain()
                 if isinstance(ev, (Finished, Failed)):
@@ -254,7 +273,7 @@ class _Session:
         self.lock = threading.Lock()
         self.pending: list = []  # (sid, i, Event), appended by the step driver
         self.wake = asyncio.Event()
-        self.streams: dict = {}  # sid -> [open request count, [Sequence, ...]]
+        self.streams: dict = {}  # sid -> [open request count, [Sequence, ...], when its submit was read]
 
     def _sink(self, sid: int, i: int):
         def sink(ev: Event) -> None:  # on the step driver's thread
@@ -273,9 +292,11 @@ class _Session:
         writer_task = asyncio.ensure_future(self._write_events())
         try:
             while True:
-                msg = pickle.loads(await _read_frame(self.reader))
+                frame = await _read_frame(self.reader)
+                received = time.time()  # the submit's hop: HopTimes.received
+                msg = pickle.loads(frame)
                 if msg[0] == "submit":
-                    await self._submit(msg[1], msg[2])
+                    await self._submit(msg[1], msg[2], received)
                 elif msg[0] == "cancel":
                     self._cancel(msg[1])
                 else:
@@ -285,9 +306,9 @@ class _Session:
             for sid in list(self.streams):  # the client went away (or the server stops): cancel
                 self._cancel(sid)
 
-    async def _submit(self, sid: int, reqs: list) -> None:
+    async def _submit(self, sid: int, reqs: list, received: float = 0.0) -> None:
         seqs: list[object] = []  # the engine's handles, for cancel
-        self.streams[sid] = [len(reqs), seqs]
+        self.streams[sid] = [len(reqs), seqs, received]
         try:  # all or nothing
             for i, r in enumerate(reqs):
                 seqs.append(self.engine.submit(r, self._sink(sid, i)))
@@ -318,8 +339,12 @@ class _Session:
                 batch, self.pending = self.pending, []
             if not batch:
                 continue
+            now = time.time()
             for sid, _, ev in batch:
-                if isinstance(ev, (Finished, Failed)):
+                if isinstance(ev, FirstToken):  # before its stream's Finished, in the same batch
+                    stream = self.streams.get(sid)
+                    _stamp(ev, stream[2] if stream is not None else 0.0, now)
+                elif isinstance(ev, (Finished, Failed)):
                     stream = self.streams.get(sid)
                     if stream is not None:
                         stream[0] -= 1
@@ -327,6 +352,24 @@ class _Session:
                             del self.streams[sid]
             self.writer.write(_frame(("events", batch)))
             await self.writer.drain()
+
+
+def _stamp(ev: Event, received: float, written: float) -> None:
+    """The leader's channel's hops of a first token (``HopTimes``): when it read the request's
+    submit and when it writes the event's frame."""
+    hops = ev.hops if isinstance(ev, FirstToken) else None
+    if hops is not None:
+        hops.received, hops.written = received, written
+
+
+def _read_hops(ev: Event, read: float, sent: float = 0.0) -> None:
+    """The front end's hops of a first token: when its channel read the event's frame and (when
+    known) when it wrote the request's submit."""
+    hops = ev.hops if isinstance(ev, FirstToken) else None
+    if hops is not None:
+        hops.read = read
+        if sent:
+            hops.sent = sent
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:
@@ -371,6 +414,7 @@ class EngineClient(RemoteEngineAPI):
         except OSError as e:
             raise self._broken(e, "cannot reach the leader") from e
         try:
+            _no_delay(sock)
             hello = _recv_exactly(sock, len(MAGIC) + NONCE)
             if hello[: len(MAGIC)] != MAGIC:
                 raise ConnectionError("not a moeserve channel")
@@ -447,11 +491,12 @@ class EngineClient(RemoteEngineAPI):
         """Submit ``reqs`` and return their event stream (see :class:`GenerateStream`)."""
         sock = self._connect()
         try:
+            sent = time.time()
             sock.sendall(_frame(("generate", list(reqs))))
         except OSError as e:
             sock.close()
             raise self._broken(e, "the leader closed the connection") from e
-        return GenerateStream(sock, self)
+        return GenerateStream(sock, self, sent)
 
 
 class GenerateStream:
@@ -459,9 +504,10 @@ class GenerateStream:
     when it refused the requests. ``cancel()`` (any thread) cancels the requests still running
     and ends the iteration quietly."""
 
-    def __init__(self, sock: socket.socket, client: EngineClient):
+    def __init__(self, sock: socket.socket, client: EngineClient, sent: float = 0.0):
         self._sock = sock
         self._client = client
+        self._sent = sent
         self.cancelled = False
         self._closed = False
         self._lock = threading.Lock()
@@ -469,15 +515,18 @@ class GenerateStream:
     def __iter__(self):
         while True:
             try:
-                msg = pickle.loads(_recv_frame(self._sock))
+                frame = _recv_frame(self._sock)
             except (OSError, EOFError) as e:
                 if self.cancelled:
                     return
                 raise self._client._broken(e, "the leader closed the connection") from e
+            read = time.time()
+            msg = pickle.loads(frame)
             if msg[0] == "end":
                 return
             if msg[0] == "error":
                 _raise(msg, self._client.on_failure)
+            _read_hops(msg[2], read, self._sent)
             yield msg[1], msg[2]
 
     def cancel(self) -> None:
@@ -526,11 +575,14 @@ class _ClientSession:
         err = ClusterError("the channel to the leader closed")
         try:
             while True:
-                msg = pickle.loads(await _read_frame(self.reader))
+                frame = await _read_frame(self.reader)
+                read = time.time()  # the event's hop: HopTimes.read
+                msg = pickle.loads(frame)
                 if msg[0] == "events":
                     for sid, i, ev in msg[1]:
                         q = self.queues.get(sid)
                         if q is not None:
+                            _read_hops(ev, read)
                             q.put_nowait((i, ev))
                 elif msg[0] == "error":
                     q = self.queues.get(msg[1])
@@ -633,6 +685,7 @@ class AsyncEngineClient:
         open_, ended = len(reqs), False
         try:
             try:
+                sent = time.time()  # the submit's hop: HopTimes.sent
                 session.send(("submit", sid, reqs))
                 await session.writer.drain()
             except OSError as e:
@@ -644,6 +697,8 @@ class AsyncEngineClient:
                     raise ev
                 if isinstance(ev, (Finished, Failed)):
                     open_ -= 1
+                elif isinstance(ev, FirstToken) and ev.hops is not None:
+                    ev.hops.sent = sent
                 yield i, ev
             ended = True
         finally:

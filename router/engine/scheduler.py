@@ -63,6 +63,7 @@ from moeserve.router.engine.api import (
     FinishReason,
     FirstToken,
     GenerateRequest,
+    HopTimes,
     QueueFull,
     Token,
 )
@@ -551,7 +552,7 @@ class Scheduler:
                 if len(seq.known) // self.block_size > seq.hashed and seq.seq_id in self._running[seq.router]:
                     self._cache_full_blocks(seq)  # a block its decodes filled may now be known whole
                 if len(seq.known) == len(seq.req.prompt_ids) + 1:  # says how much of the prompt was cached
-                    now = time.monotonic()
+                    now, wall = time.monotonic(), time.time()
                     sched = seq.scheduled_at if seq.scheduled_at is not None else now
                     seq.emit(
                         FirstToken(
@@ -561,6 +562,7 @@ class Scheduler:
                             max(seq.prefix_hit, 0),
                             queued_s=sched - seq.arrived_at,
                             prefill_s=now - sched,
+                            hops=HopTimes(arrived=wall - (now - seq.arrived_at), known=wall),
                         )
                     )
                 else:
