@@ -15,11 +15,15 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
 - ``ernie_qk``: ERNIE's interleaved RoPE on q [T, 20, 128] and k [T, 4, 128].
 
 Agreement: the share of output elements bit-identical to the torch path and the largest
-difference relative to the largest value (a bf16 step is 2^-8 of a value: 3.9e-3). Then whole models
-(``--models``): tiny random fp32 checkpoints of each family (moeserve init-model) on the GPU,
-the logits of a 2 x 24-token batch with the torch path and with the fused kernels: max |dlogit|
-(the fp32 contract is 1e-4). Prints a table and writes JSON (``--json``, default
-benchmarks/results/norm-kernels.json); exits 1 when an fp32 case or model breaks its tolerance.
+difference relative to the largest value (a bf16 step is 2^-8 of a value: 3.9e-3). Then whole
+models (``--models``): tiny random fp32 checkpoints of each family (moeserve init-model) on the
+GPU, the kernels taking fp32 here (serving leaves fp32 to torch's sequences,
+``kernels.NORM_DTYPES``), the logits of a 2 x 24-token batch with the torch path and with the
+fused kernels: max |dlogit| (the fp32 contract is 1e-4); and whether each kernel is batch
+invariant (rows of a 256-row launch bit-identical to the same rows launched alone or in
+slices). Prints a table and writes JSON (``--json``, default
+benchmarks/results/norm-kernels.json); exits 1 when an fp32 case or model breaks its tolerance
+or a kernel is not batch invariant.
 """
 
 from __future__ import annotations
@@ -95,6 +99,34 @@ def agreement(got, ref) -> dict:
     return dict(bit_identical=(got == ref).float().mean().item(), max_rel=rel)
 
 
+def invariant(dtype: torch.dtype, dev: torch.device) -> dict:
+    """Whether each fused kernel's rows are batch invariant on this GPU: rows of a 256-row launch
+    against the same rows launched alone and in slices (bit for bit), per kernel."""
+    g = torch.Generator(device=dev).manual_seed(7)
+    out = {}
+    for h in sorted(set(HIDDEN.values())):
+        x, d = (torch.randn(256, h, device=dev, generator=g).to(dtype) for _ in range(2))
+        w = (1 + 0.3 * torch.randn(h, device=dev, generator=g)).to(dtype)
+        y, s = kernels.rms_norm(x, w, 1e-5, residual=d)
+        ok = True
+        for lo, hi in ((0, 1), (100, 101), (7, 40), (255, 256)):
+            y1, s1 = kernels.rms_norm(x[lo:hi].clone(), w, 1e-5, residual=d[lo:hi].clone())
+            ok &= torch.equal(y1, y[lo:hi]) and torch.equal(s1, s[lo:hi])
+        out[f"rms_norm_h{h}"] = ok
+    for name, (hq, _, dh, interleaved, pre, post) in QK.items():
+        x = torch.randn(256, hq, dh, device=dev, generator=g).to(dtype)
+        w = (1 + 0.3 * torch.randn(dh, device=dev, generator=g)).to(dtype) if pre else None
+        inv = layers.rope_inv_freq(dh, RopeConfig(theta=500000.0)).to(dev)
+        cos, sin = layers.rope_cos_sin(torch.randint(0, 8192, (256,), device=dev, generator=g), inv)
+        y = kernels.head_rope(x, cos, sin, interleaved, 1e-6, pre_weight=w, post_norm=post)
+        ok = True
+        for lo, hi in ((0, 1), (100, 101), (7, 40), (255, 256)):
+            y1 = kernels.head_rope(x[lo:hi].clone(), cos[lo:hi].clone(), sin[lo:hi].clone(), interleaved, 1e-6, w, post)
+            ok &= torch.equal(y1, y[lo:hi])
+        out[name] = ok
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cases", default=",".join(CASES))
@@ -127,6 +159,9 @@ def main():
     if not torch.cuda.is_available() or not kernels.available():
         p.error("needs a CUDA device and Triton")
     dev = torch.device("cuda")
+    # fp32 serves through torch's sequences (kernels.NORM_DTYPES): here the kernels are measured
+    # in fp32 too, against those sequences.
+    kernels.NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
     out = dict(command=" ".join(["python3"] + sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     out["cases"], out["models"], failed = [], [], []
     print(f"{'case':<17}{'rows':>6}{'dtype':>6}{'torch us':>10}{'fused us':>10}{'speed-up':>9}{'GB/s':>7}  agreement")
@@ -154,6 +189,12 @@ def main():
                     f"{name:<17}{m:>6}{dname:>6}{t_torch * 1e6:>10.1f}{t_fused * 1e6:>10.1f}{t_torch / t_fused:>8.2f}x"
                     f"{row['fused_GBps']:>7.0f}  " + ", ".join(f"{k} {v:.3g}" for k, v in agree.items())
                 )
+    out["batch_invariant"] = {}
+    for dtype, dname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        inv = invariant(dtype, dev)
+        out["batch_invariant"][dname] = inv
+        print(f"batch invariant, {dname}: " + ", ".join(f"{k} {v}" for k, v in inv.items()))
+        failed += [f"{k} {dname}: a row differs alone and in a batch" for k, v in inv.items() if not v]
     if models:
         print(f"\n{'model (fp32, tiny)':<20}{'max |dlogit| fused vs torch':>30}")
     with tempfile.TemporaryDirectory() as root:

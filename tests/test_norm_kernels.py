@@ -101,9 +101,14 @@ def test_head_rope_refuses_a_head_dim_it_cannot_tile():
         kernels.head_rope(torch.zeros(2, 1, 48), None, None, True, 1e-6, post_norm=True)
 
 
-def test_the_models_keep_torch_for_what_the_kernels_do_not_round_alike():
-    x = torch.zeros(2, 8)
-    assert not kernels.fused_norms_take(x, torch.ones(8))  # a CPU tensor: the torch path
+def test_the_models_keep_torch_for_what_the_kernels_do_not_serve(monkeypatch):
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    assert not kernels.fused_norms_take(x, torch.ones(8, dtype=torch.bfloat16))  # a CPU tensor: the torch path
+    monkeypatch.setattr(kernels, "NORM_DEVICES", ("cuda", "cpu"))
+    assert kernels.fused_norms_take(x, torch.ones(8, dtype=torch.bfloat16))
+    assert kernels.fused_norms_take(x, torch.ones(8), weight_first=True)  # GPT-OSS: an fp32 weight, first
+    assert not kernels.fused_norms_take(x, torch.ones(8))  # an fp32 weight last promotes in torch: not alike
+    assert not kernels.fused_norms_take(x.float(), torch.ones(8))  # fp32, the exactness mode, keeps torch's
     assert not kernels.fused_norms_take(torch.zeros(2, 8, dtype=torch.int64), None)
 
 
@@ -122,6 +127,7 @@ def test_each_family_on_the_fused_kernels_equals_transformers(family, tmp_path, 
     ids = hf.prompts(2, 12)
     torch_logits = model(ids)
     monkeypatch.setattr(kernels, "NORM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels, "NORM_DTYPES", (torch.bfloat16, torch.float16, torch.float32))
     calls = {"rms_norm": 0, "head_rope": 0}
     for name in calls:
         real = getattr(kernels, name)

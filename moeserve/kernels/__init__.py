@@ -354,6 +354,10 @@ def _norm_devices() -> tuple[str, ...]:
 
 
 NORM_DEVICES: tuple[str, ...] = _norm_devices()
+# The dtypes that take them: fp32 is the exactness mode and keeps torch's sequences (ERNIE fp32
+# on 1 x H200 met its 1e-4 contract with them, 4.5e-5; with the kernels the model's own
+# batched-vs-alone floor had two routing flips at the same seed: docs/engine.md).
+NORM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 
 def _norm_tile(width: int) -> tuple[int, int, int]:
@@ -373,13 +377,13 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def fused_norms_take(x: torch.Tensor, weight: torch.Tensor | None, weight_first: bool = False) -> bool:
-    """Whether ``rms_norm`` / ``head_rope`` serve x [..., H]: a CUDA tensor of a float dtype with
-    Triton present, a row that fits one tile, and a weight whose product rounds as the kernel's
+    """Whether ``rms_norm`` / ``head_rope`` serve x [..., H]: a CUDA tensor of a half dtype
+    (``NORM_DTYPES``) with Triton present, a row that fits one tile, and a weight whose product rounds as the kernel's
     (the dtype of x, or any with ``weight_first``); otherwise the caller keeps its torch path."""
     return (
         x.device.type in NORM_DEVICES
         and available()
-        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and x.dtype in NORM_DTYPES
         and 0 < x.shape[-1] <= NORM_MAX_H
         and (weight is None or weight_first or weight.dtype == x.dtype)
     )
