@@ -74,18 +74,16 @@ def graph_time(fn, reps: int, iters: int) -> float:
     return float(np.median(ts))
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--rows", default="16,64,256,512,2048")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--copies", type=int, default=4, help="weights cycled (L2 never holds one)")
+def add_graph_args(p: argparse.ArgumentParser, json_name: str, copies_help: str | None = None) -> None:
+    """The options of a benchmark timed with ``graph_time``: --copies, --reps, --iters, --json."""
+    p.add_argument("--copies", type=int, default=4, help=copies_help)
     p.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument(
-        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp8-linears.json")
-    )
-    a = p.parse_args()
+    p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", json_name))
+
+
+def graph_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[int]:
+    """Check ``add_graph_args``' options and parse --rows (a comma list of 1 .. 65536): the rows."""
     for flag in ("copies", "reps", "iters"):
         if not 1 <= getattr(a, flag) <= 1000:
             p.error(f"--{flag} must be 1 .. 1000, got {getattr(a, flag)}")
@@ -95,6 +93,17 @@ def main():
         p.error(f"--rows must be a comma list of integers, got {a.rows!r}")
     if not all(1 <= r <= 65536 for r in rows):
         p.error(f"--rows must each be 1 .. 65536, got {a.rows}")
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--rows", default="16,64,256,512,2048")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    add_graph_args(p, "fp8-linears.json", "weights cycled (L2 never holds one)")
+    a = p.parse_args()
+    rows = graph_args(p, a)
     variants = a.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fp8_linears import graph_time  # noqa: E402
+from fp8_linears import add_graph_args, graph_args, graph_time  # noqa: E402
 
 from moeserve import kernels  # noqa: E402
 from moeserve.models import init_model, layers, load_model  # noqa: E402
@@ -132,16 +132,9 @@ def main():
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--rows", default="64,256,2048")
     p.add_argument("--models", default=",".join(MODELS), help="tiny fp32 models checked whole ('' for none)")
-    p.add_argument("--copies", type=int, default=4)
-    p.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument(
-        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "norm-kernels.json")
-    )
+    add_graph_args(p, "norm-kernels.json", "inputs cycled (L2 never holds them)")
     a = p.parse_args()
-    for flag in ("copies", "reps", "iters"):
-        if not 1 <= getattr(a, flag) <= 1000:
-            p.error(f"--{flag} must be 1 .. 1000, got {getattr(a, flag)}")
+    rows = graph_args(p, a)
     cases = [c for c in a.cases.split(",") if c]
     bad = [c for c in cases if c not in CASES]
     if bad:
@@ -150,12 +143,6 @@ def main():
     bad = [m for m in models if m not in MODELS]
     if bad:
         p.error(f"unknown models {bad}: allowed {', '.join(MODELS)}")
-    try:
-        rows = [int(r) for r in a.rows.split(",")]
-    except ValueError:
-        p.error(f"--rows must be a comma list of integers, got {a.rows!r}")
-    if not all(1 <= r <= 65536 for r in rows):
-        p.error(f"--rows must each be 1 .. 65536, got {a.rows}")
     if not torch.cuda.is_available() or not kernels.available():
         p.error("needs a CUDA device and Triton")
     dev = torch.device("cuda")

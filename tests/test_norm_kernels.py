@@ -155,3 +155,29 @@ def test_the_switch_takes_torch_everywhere_and_refuses_other_values(monkeypatch)
     monkeypatch.setenv("MOESERVE_FUSED_NORMS", "yes")
     with pytest.raises(ValueError, match="MOESERVE_FUSED_NORMS='yes': allowed 1"):
         kernels._norm_devices()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--rows", "64,x"], "--rows must be a comma list of integers, got '64,x'"),
+        (["--cases", "qwen3_qk,bogus"], "unknown cases ['bogus']: allowed scout_residual"),
+        (["--models", "llama4,gpt5"], "unknown models ['gpt5']: allowed llama4"),
+        (["--reps", "0"], "--reps must be 1 .. 1000, got 0"),
+    ],
+)
+def test_the_benchmark_refuses_bad_options_by_name(args, message, monkeypatch, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("norm_kernels_bench", bench / "norm_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["norm_kernels.py", *args])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
