@@ -124,10 +124,14 @@ def test_guidellm_with_its_default_stream_options_completes_every_request(served
     )
     bench = json.loads(out.read_text())["benchmarks"][0]
     totals = bench["metrics"]["request_totals"]
-    assert (totals["successful"], totals["errored"]) == (6, 0), totals
+    # Every request guidellm counted succeeded. It stops creating requests at max_requests, but on
+    # a busy machine (CI under two pytest workers) its report has held 5 of 6, none errored or
+    # incomplete: a race in its scheduler between a creation and the constraint's check.
+    ok = totals["successful"]
+    assert totals["errored"] == totals["incomplete"] == 0 and ok == totals["total"] and 5 <= ok <= 6, totals
     counts = bench["metrics"]["output_token_count"]["successful"]
-    assert counts["count"] == 6 and counts["total_sum"] > 0, counts
-    assert bench["metrics"]["time_to_first_token_ms"]["successful"]["count"] == 6
+    assert counts["count"] == ok and counts["total_sum"] > 0, counts
+    assert bench["metrics"]["time_to_first_token_ms"]["successful"]["count"] == ok
 
 
 def test_aiperf_streams_chat_with_per_chunk_usage(served, tmp_path):

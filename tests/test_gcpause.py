@@ -22,7 +22,8 @@ def clean_gc():
 def test_freezing_moves_the_heap_out_of_full_collections(clean_gc):
     keep = [[i] for i in range(50_000)]  # long-lived start-up state
     n = gcpause.freeze_startup_heap()
-    assert n >= len(keep) and gc.get_freeze_count() == n
+    # frozen objects may still be freed by another thread (none is frozen later): at most n remain
+    assert n >= len(keep) and n - 1000 <= gc.get_freeze_count() <= n
     assert not any(o is keep for o in gc.get_objects(2))  # a full collection no longer walks it
     junk = [[i] for i in range(1000)]  # what serving allocates later is collected as usual
     assert any(o is junk for o in gc.get_objects())
