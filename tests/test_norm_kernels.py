@@ -140,7 +140,7 @@ def test_each_family_on_the_fused_kernels_equals_transformers(family, tmp_path, 
     fused = model(ids)
     n = model.config.num_layers
     assert calls["rms_norm"] == 2 * n + 1  # every residual add with its norm, and the final norm
-    assert calls["head_rope"] == 2 * sum(1 for layer in model.layers if layer.attn._transforms_heads())
+    assert calls["head_rope"] == 2 * sum(1 for layer in model.layers if layer.attn.transforms_heads)
     with torch.no_grad():
         ref = oracle(ids).logits
     assert (fused - ref).abs().max().item() < FP32_LOGITS_ATOL

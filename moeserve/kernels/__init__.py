@@ -360,6 +360,7 @@ NORM_DEVICES: tuple[str, ...] = _norm_devices()
 NORM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def _norm_tile(width: int) -> tuple[int, int, int]:
     """(columns, rows, warps) of a norm program over rows of ``width``: the whole row in one
     tile, several rows per program when rows are narrow (a head of 64-256), ~16 values a thread."""

@@ -200,6 +200,10 @@ class Attention:
         self.temperature_tuning = cfg.attn_temperature_tuning and not self.use_rope
         self.floor_scale, self.attn_scale = cfg.floor_scale, cfg.attn_scale
         self.softmax_fp32 = cfg.attention_softmax_fp32
+        # Whether q and k go through anything before attention, and whether one fused launch
+        # (``kernels.head_rope``, power-of-two heads) may do it: fixed at load, read every call.
+        self.transforms_heads = q_norm is not None or self.use_rope or self.qk_norm
+        self.fusable_heads = self.transforms_heads and self.head_dim & (self.head_dim - 1) == 0
 
     def __call__(
         self,
@@ -245,13 +249,10 @@ class Attention:
             out[a:b] = self._attend(q[a:b], keys, values, start)
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
 
-    def _transforms_heads(self) -> bool:
-        return self.q_norm is not None or self.use_rope or self.qk_norm
-
     def warm_up_norms(self, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, device) -> int:
         """Run q's and k's transforms on one token (rope: cos, sin [1, D/2]), so that their fused
         kernel is compiled before serving; returns the calls run."""
-        if not self._transforms_heads():
+        if not self.transforms_heads:
             return 0
         for heads, norm in ((self.num_heads, self.q_norm), (self.num_kv_heads, self.k_norm)):
             self._heads(torch.zeros(1, heads, self.head_dim, dtype=dtype, device=device), norm, rope)
@@ -263,7 +264,7 @@ class Attention:
         """What q or k [T, heads, D] go through before attention: the weighted RMS norm (Qwen3's
         q_norm / k_norm), the rotary embedding, the weightless qk-norm (Llama 4's), in that order,
         each rounded to the dtype; on the GPU all of it one launch (``kernels.head_rope``)."""
-        if self._transforms_heads() and self.head_dim & (self.head_dim - 1) == 0 and kernels.fused_norms_take(x, norm):
+        if self.fusable_heads and kernels.fused_norms_take(x, norm):
             cos, sin = rope if self.use_rope else (None, None)
             return kernels.head_rope(x, cos, sin, self.interleaved, self.eps, pre_weight=norm, post_norm=self.qk_norm)
         if norm is not None:
