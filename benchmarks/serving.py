@@ -51,6 +51,9 @@ Configurations, side by side in one run, each in its own processes, freed before
   bytes; ``--shape scout48`` (Scout's whole text model) and ``maverick12`` fit one H200 only so;
   ``moeserve-ep2-fp8-weight-only``, ``moeserve-1rank-fp8-weight-only``: the same with every FP8
   product weight-only (``MOESERVE_FP8_ACTIVATIONS=weight-only``);
+- ``-no-late-schedule`` after ``moeserve-ep2`` or ``moeserve-1rank`` in any of these names (e.g.
+  ``moeserve-1rank-no-late-schedule-no-prefix-cache``): the same without late scheduling
+  (``--no-late-scheduling``; docs/dataplane.md, "Late scheduling"), for side-by-side runs;
 - ``moeserve-ep2-no-prefix-cache``, ``moeserve-1rank-no-prefix-cache`` (only when named): the same
   with ``--no-enable-prefix-caching``, side by side with the default's prefix caching;
 - ``transformers``: ``AutoModelForCausalLM.from_config`` (random init, bf16) and ``generate``

@@ -160,6 +160,9 @@ def default_breakeven() -> int:
     return value
 
 
+MAX_LATE_SCHEDULING_MARGIN_MS = 100.0
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Everything every rank must agree on.
@@ -194,6 +197,11 @@ class ClusterConfig:
     async_scheduling: the leader learns a step's sampled tokens one step late, so that it
     schedules step N+1 while the GPUs run step N (vLLM's name; docs/dataplane.md, "Asynchronous
     steps"); False: every step's tokens come back in its own gather.
+    late_scheduling: with async_scheduling, the leader schedules step N+1 just before the GPUs
+    are expected to finish step N rather than when they start it, so that a request arriving
+    meanwhile joins step N+1, one step earlier (moeserve.router.engine.pacing; docs/dataplane.md,
+    "Late scheduling"); late_scheduling_margin_ms: how long before that end the next step should
+    be enqueued.
     capture_graphs_at_start: before serving, the leader runs warm-up steps that make every router
     compile and capture its decode graph of every (bucket, attention split) key (the default, as
     vLLM does); False: on a key's first two uses while serving, which costs those steps' latency.
@@ -239,6 +247,8 @@ class ClusterConfig:
     state_dir: str = ""
     enforce_eager: bool = False
     async_scheduling: bool = True
+    late_scheduling: bool = True
+    late_scheduling_margin_ms: float = 1.0
     capture_graphs_at_start: bool = True
     load_read_steps: int = 16
     quantization: str = ""  # "" (the checkpoint's own) or "fp8" (vLLM's --quantization)
@@ -252,6 +262,11 @@ class ClusterConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         check_topology(self.routers, self.workers, self.colocated)
+        if not 0 <= self.late_scheduling_margin_ms <= MAX_LATE_SCHEDULING_MARGIN_MS:
+            raise ValueError(
+                f"late_scheduling_margin_ms must be in [0, {MAX_LATE_SCHEDULING_MARGIN_MS:g}] (milliseconds), "
+                f"got {self.late_scheduling_margin_ms}"
+            )
         if self.load_read_steps < 1:
             raise ValueError(f"load_read_steps must be >= 1, got {self.load_read_steps}")
         wpn = self.workers_per_node or self.workers

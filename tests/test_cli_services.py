@@ -73,6 +73,16 @@ def test_async_scheduling_is_on_by_default_and_the_no_flag_turns_it_off(model):
     assert c.config.async_scheduling is False  # the flag reaches every rank's ClusterConfig
 
 
+def test_late_scheduling_is_on_by_default_and_its_flags_reach_the_ranks_config(model):
+    from moeserve.cluster import LocalCluster
+
+    kw = parse("up", "--model", model)
+    assert kw["late_scheduling"] is True and kw["late_scheduling_margin_ms"] == 1.0
+    argv = ("up", "--model", model, "--no-late-scheduling", "--late-scheduling-margin-ms", "2.5")
+    c = LocalCluster(model, **parse(*argv))
+    assert c.config.late_scheduling is False and c.config.late_scheduling_margin_ms == 2.5
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -104,6 +114,8 @@ def test_async_scheduling_is_on_by_default_and_the_no_flag_turns_it_off(model):
         (["balancer", "--admin-address", "nohost"], "HOST:PORT"),
         (["status", "--address", "nohost"], "host:port"),
         (["up", "--model", "{m}", "--exchange", "nvlink"], "--exchange nvlink needs --backend nccl"),
+        (["up", "--model", "{m}", "--late-scheduling-margin-ms", "-1"], "must be in [0, 100] milliseconds, got -1"),
+        (["up", "--model", "{m}", "--late-scheduling-margin-ms", "101"], "must be in [0, 100] milliseconds, got 101"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(model, argv, message, capsys, monkeypatch):

@@ -355,3 +355,17 @@ def test_leaving_one_stream_cancels_only_it_and_closing_the_session_cancels_the_
     status = asyncio.run(main())
     assert status.running == 0 and status.waiting == 0
     assert len(opened) == 1
+
+
+def test_a_frame_hands_its_first_tokens_out_before_the_running_streams_next_tokens():
+    from moeserve.router.engine.api import Finished, FirstToken, Token
+    from moeserve.router.engine.channel import _first_tokens_first
+
+    done = Finished("length")
+    events = [(1, 5, Token(9)), (2, 0, FirstToken(4)), (1, 6, done), (3, 7, Token(8)), (4, 0, FirstToken(3))]
+    out = _first_tokens_first(events)
+    # the new streams first, then the others, each stream's own events in their order
+    assert [e[0] for e in out] == [2, 4, 1, 1, 3] and sorted(out, key=events.index) == events
+    assert [e[1] for e in out if e[0] == 1] == [5, 6]
+    plain = [(1, 5, Token(9)), (3, 7, Token(8))]
+    assert _first_tokens_first(plain) == plain

@@ -27,6 +27,20 @@ FP8_CONFIGS = (
 # named with --configs only: the same without prefix caching (--no-enable-prefix-caching)
 NO_PREFIX_CACHE_CONFIGS = ("moeserve-ep2-no-prefix-cache", "moeserve-1rank-no-prefix-cache")
 EXTRA_CONFIGS = SYNC_CONFIGS + GROUPED_MM_CONFIGS + FP8_CONFIGS + NO_PREFIX_CACHE_CONFIGS
+# "-no-late-schedule" after moeserve-ep2 / moeserve-1rank: the same without late scheduling
+# (docs/dataplane.md, "Late scheduling"), e.g. moeserve-1rank-no-late-schedule-no-prefix-cache
+NO_LATE = "-no-late-schedule"
+
+
+def known_config(name: str) -> bool:
+    """Whether ``name`` is a configuration: one of CONFIGS + EXTRA_CONFIGS, or a moeserve one
+    with NO_LATE after its rank count."""
+    for base in ("moeserve-ep2", "moeserve-1rank"):
+        if name.startswith(base + NO_LATE):
+            name = base + name[len(base + NO_LATE) :]
+    return name in CONFIGS + EXTRA_CONFIGS
+
+
 PREFIX_WORKLOADS = ("prefix", "multiturn")
 APIS = ("grpc", "http")
 
@@ -215,7 +229,7 @@ def parse(argv=None, doc: str = "") -> argparse.Namespace:
             else ",".join(CONFIGS)
         )
     ).split(",")
-    bad = [c for c in a.configs if c not in CONFIGS + EXTRA_CONFIGS]
+    bad = [c for c in a.configs if not known_config(c)]
     if bad:
         p.error(f"unknown configs {bad}; choose from {CONFIGS + EXTRA_CONFIGS}")
     a.workloads = a.workloads.split(",")

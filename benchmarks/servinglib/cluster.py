@@ -34,7 +34,8 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, 
     its ranks get: ``-sync`` runs without asynchronous steps, ``-grouped-mm`` with
     torch._grouped_mm (``MOESERVE_EXPERT_KERNEL``), ``-fp8`` with ``--quantization fp8`` (W8A8,
     the default), ``-fp8-weight-only`` the same with ``MOESERVE_FP8_ACTIVATIONS=weight-only``,
-    ``-no-prefix-cache`` without prefix caching; the EPLB workload lets one rebalance move
+    ``-no-prefix-cache`` without prefix caching, ``-no-late-schedule`` (after the rank count)
+    without late scheduling; the EPLB workload lets one rebalance move
     every layer."""
     extra = []
     env: dict[str, str] = {}
@@ -44,6 +45,8 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, 
             extra += ["--eplb-step-model", os.path.abspath(a.eplb_step_model)]
         if getattr(a, "eplb_step_model_shape", None):
             extra += ["--eplb-step-model-shape", a.eplb_step_model_shape]
+    if "-no-late-schedule" in name:
+        extra.append("--no-late-scheduling")
     if name.endswith("-sync"):
         extra.append("--no-async-scheduling")
     if is_fp8(name):

@@ -59,6 +59,20 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "late, so a sequence that stops may run one extra step (default on; vLLM's name)",
     )
     g.add_argument(
+        "--late-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --async-scheduling, schedule step N+1 just before the GPUs are expected to finish "
+        "step N, so that a request arriving meanwhile joins N+1, one step earlier (default on)",
+    )
+    g.add_argument(
+        "--late-scheduling-margin-ms",
+        type=float,
+        default=1.0,
+        metavar="MS",
+        help="how long before the running step's expected end the next step is enqueued (default 1.0, 0-100)",
+    )
+    g.add_argument(
         "--capture-graphs-at-start",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -711,6 +725,13 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         raise UsageError(
             f"{e} (pass --enable-eplb to use redundant experts)" if "enable_eplb" in str(e) else str(e)
         ) from None
+    from moeserve.config import MAX_LATE_SCHEDULING_MARGIN_MS
+
+    margin = getattr(args, "late_scheduling_margin_ms", 1.0)
+    if not 0 <= margin <= MAX_LATE_SCHEDULING_MARGIN_MS:
+        raise UsageError(
+            f"--late-scheduling-margin-ms must be in [0, {MAX_LATE_SCHEDULING_MARGIN_MS:g}] milliseconds, got {margin:g}"
+        )
     kw = dict(
         routers=args.routers,
         workers=args.workers,
@@ -728,6 +749,8 @@ def cluster_kwargs(args, leader: bool = True) -> dict:
         quantization=getattr(args, "quantization", None) or "",
         enforce_eager=getattr(args, "enforce_eager", False),
         async_scheduling=getattr(args, "async_scheduling", True),
+        late_scheduling=getattr(args, "late_scheduling", True),
+        late_scheduling_margin_ms=getattr(args, "late_scheduling_margin_ms", 1.0),
         capture_graphs_at_start=getattr(args, "capture_graphs_at_start", True),
         seed=getattr(args, "seed", None),
         routing_policy=getattr(args, "routing_policy", "cache_aware"),

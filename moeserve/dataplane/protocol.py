@@ -223,3 +223,10 @@ class RankResult:
     router_maps: tuple | None = None  # (phy2log [L, P], breakeven [L, E]) of a router, when asked
     # routers: the grammars compiled since the last result, id -> "" (ready) or why it failed
     grammars: dict = field(default_factory=dict)
+    # the step's host timings on this rank (time.perf_counter; the leader's pacer reads them,
+    # moeserve.router.engine.pacing): when run_step began, the time from then to the end of the
+    # step's enqueue, when the tokens it delivers were read and how long it waited for them
+    started_at: float = 0.0
+    enqueue_s: float = 0.0
+    tokens_at: float = 0.0
+    tokens_wait_s: float = 0.0

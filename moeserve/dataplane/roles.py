@@ -122,6 +122,11 @@ class WorkerRole(Protocol):
 class LeaderRole(Protocol):
     """Rank 0's engine: it writes every step's header and reads every rank's result."""
 
+    def pace(self) -> None:
+        """Before each schedule: wait while the devices are busy and the next step need not be
+        enqueued yet (late scheduling, ``moeserve.router.engine.pacing``); returns at once else."""
+        ...
+
     def next_header(self) -> StepHeader:
         """The next step's header (a heartbeat when there is nothing to do)."""
         ...

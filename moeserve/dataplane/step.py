@@ -87,7 +87,7 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
     before a commit, which changes the maps the counts are read with), then enqueues the
     step's work, then waits for the tokens of the oldest undelivered step (with asynchronous
     steps, the step before this one: the device is still running this one)."""
-    res = RankResult(st.rank)
+    res = RankResult(st.rank, started_at=time.perf_counter())
     if header.read_load and st.runner is not None:
         st.runner.snapshot_load()
     mig = header.migration
@@ -137,10 +137,12 @@ def run_step(st: RankState, header: StepHeader) -> RankResult:
             idle_walk(st.exchange, st.num_layers, st.hidden_size, st.dtype, st.store)
     elif header.work and st.runner is not None and router is not None:
         st.runner.release(header.work[router].release)
+    t0 = time.perf_counter()
+    res.enqueue_s = t0 - res.started_at
     if st.runner is not None:
-        t0 = time.perf_counter()
         res.tokens_step, res.tokens, res.logits, res.prompt_logprobs = st.runner.deliver(header.step)
-        st.last_deliver_s = time.perf_counter() - t0
+        res.tokens_at = time.perf_counter()
+        st.last_deliver_s = res.tokens_wait_s = res.tokens_at - t0
         res.grammars = st.runner.grammar_reports()
         load = st.runner.take_load_snapshot()
         if load is not None:
@@ -175,6 +177,9 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
     leader = st.leader
     if leader is not None and st.poll is not None and st.poll():
         leader.request_regroup()
+    if leader is not None:
+        with profiling.span("pacing"):
+            leader.pace()
     t0 = time.perf_counter()
     with profiling.span("schedule"):
         box = [leader.next_header() if leader is not None else None]

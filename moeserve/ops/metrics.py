@@ -307,6 +307,16 @@ class _LeaderCollector(Collector):
             "Prompt tokens of admitted requests read from the prefix cache instead of computed.",
             value=float(status.prefix_cache_hits),
         )
+        yield CounterMetricFamily(
+            "moeserve_late_schedules",
+            "Schedules the leader delayed to just before the running step's expected end (late scheduling).",
+            value=float(status.late_schedules),
+        )
+        yield CounterMetricFamily(
+            "moeserve_late_schedule_delay_seconds",
+            "Time the leader waited before those schedules, in total.",
+            value=float(status.late_schedule_delay_s),
+        )
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:

@@ -31,6 +31,7 @@ import torch
 
 ENV = "MOESERVE_PROFILE"
 SPANS = (
+    "pacing",
     "schedule",
     "header_broadcast",
     "result_gather",

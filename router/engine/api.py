@@ -324,6 +324,8 @@ class EngineStatus:
     ranks_in_world: dict[str, int] = field(default_factory=dict)  # role -> ranks in the world now
     ranks_lost: dict[str, int] = field(default_factory=dict)  # role -> ranks lost since start
     ranks_replaced: dict[str, int] = field(default_factory=dict)  # role -> replacements that joined
+    late_schedules: int = 0  # schedules the leader's pacer delayed since start, and their total
+    late_schedule_delay_s: float = 0.0
 
 
 # -- the interface ----------------------------------------------------------------------------

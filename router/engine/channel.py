@@ -372,6 +372,19 @@ def _read_hops(ev: Event, read: float, sent: float = 0.0) -> None:
             hops.sent = sent
 
 
+def _first_tokens_first(events: list) -> list:
+    """A frame's (stream, index, event) entries with the streams that get their first token in it
+    first, each stream's own entries in their order: the consumers of a frame's events wake in
+    the order they were handed them, and a first token (TTFT) should not wait behind every
+    running stream's next token (1.9 ms of a 30 ms TTFT with ~40 streams, 2026-12-03)."""
+    if len(events) < 2:
+        return events
+    firsts = {sid for sid, _, ev in events if isinstance(ev, FirstToken)}
+    if not firsts or len(firsts) == len(events):
+        return events
+    return [e for e in events if e[0] in firsts] + [e for e in events if e[0] not in firsts]
+
+
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:
     (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     return await reader.readexactly(n)
@@ -579,7 +592,7 @@ class _ClientSession:
                 read = time.time()  # the event's hop: HopTimes.read
                 msg = pickle.loads(frame)
                 if msg[0] == "events":
-                    for sid, i, ev in msg[1]:
+                    for sid, i, ev in _first_tokens_first(msg[1]):
                         q = self.queues.get(sid)
                         if q is not None:
                             _read_hops(ev, read)

@@ -39,6 +39,7 @@ from moeserve.router.engine.api import (
 )
 from moeserve.router.engine.grammars import GrammarTable
 from moeserve.router.engine.migration import Migrator
+from moeserve.router.engine.pacing import StepPacer
 from moeserve.router.engine.scheduler import Scheduler, Sequence
 from moeserve.sampling import MAX_SEED, request_seed
 
@@ -122,6 +123,10 @@ class Engine(EngineAPI):
         self._load_served = 0
         self._driver: int | None = None  # the step driver's thread id
         self._warmup: deque[tuple[int, int]] = deque()  # decode graph warm-up steps still to issue
+        # late scheduling: the next schedule just before the GPUs finish the running step
+        late = cfg.async_scheduling and cfg.late_scheduling
+        self.pacer = StepPacer(cfg.late_scheduling_margin_ms / 1e3) if late else None
+        self._sched_t = time.perf_counter()  # when the latest header's schedule began
         self._seed_lock = threading.Lock()
         self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None
 
@@ -313,6 +318,8 @@ class Engine(EngineAPI):
             moved_bytes=nbytes,
             migrations_ended=ended,
             last_step_age_s=time.monotonic() - self._last_step_t,
+            late_schedules=self.pacer.delays if self.pacer is not None else 0,
+            late_schedule_delay_s=self.pacer.delayed_s if self.pacer is not None else 0.0,
         )
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
@@ -353,11 +360,24 @@ class Engine(EngineAPI):
 
     # -- step driver ------------------------------------------------------------------------
 
+    def pace(self) -> None:
+        """Before the step driver's next schedule: while the GPUs run a step and the next one
+        need not be enqueued yet, wait (``StepPacer``), so that requests arriving meanwhile join
+        it. Never before a replay, a regroup, a warm-up step or a stop."""
+        p = self.pacer
+        if p is None or self._replay is not None or self._regroup or self._warmup or self._stop.is_set():
+            return
+        d = p.delay(time.perf_counter())
+        if d > 0:
+            p.note_delay(d)
+            self._stop.wait(d)
+
     def next_header(self) -> StepHeader:
         """The header of the next step; when there is nothing to do, waits up to heartbeat_s
         for work and then returns a heartbeat. After a lost peer was replaced, the step that
         failed comes first, again."""
         self._driver = threading.get_ident()
+        self._sched_t = time.perf_counter()
         if self._replay is not None:
             self._in_flight, self._replay = self._replay, None
             self._header_t = time.perf_counter()
@@ -379,6 +399,7 @@ class Engine(EngineAPI):
         while True:
             if self._stop.is_set():
                 return StepHeader(self.step, stop=True)
+            self._sched_t = time.perf_counter()
             grammars, drops = self.grammars.header()
             work = self.scheduler.schedule()
             ops = self.migrator.header_ops()
@@ -454,6 +475,8 @@ class Engine(EngineAPI):
                     replay = dataclasses.replace(replay, work=moved)
         self._replay = replay
         self._in_flight = None
+        if self.pacer is not None:
+            self.pacer.reset()  # another world: other ranks, other times
         return self.placement()
 
     def on_members(self, generation: int, members, joined: dict[int, tuple[int, int]]) -> None:
@@ -475,6 +498,12 @@ class Engine(EngineAPI):
         self._in_flight = None
         self.step += 1
         self._last_step_t = time.monotonic()
+        if self.pacer is not None:
+            mine = next((r for r in results if r.rank == 0), None)  # the leader's own rank
+            if mine is not None and mine.started_at:
+                # schedule + broadcast here, then the slowest rank's enqueue
+                lead = mine.started_at - self._sched_t + max(r.enqueue_s for r in results)
+                self.pacer.on_step(header.forward, lead, mine.tokens_at, mine.tokens_wait_s)
         if self.metrics is not None:
             kind = "forward" if header.forward else "migration" if header.migration is not None else "heartbeat"
             self.metrics.on_step(kind, time.perf_counter() - self._header_t)
