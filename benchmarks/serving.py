@@ -206,6 +206,10 @@ def main(argv=None) -> int:
         from moeserve.models.dummy import HOT_CONFIG_KEY
 
         config[HOT_CONFIG_KEY] = a.hot_experts_cfg
+    if a.dummy_routing == "spread":  # every MoE layer about evenly loaded (moeserve.models.dummy)
+        from moeserve.models.dummy import ROUTING_CONFIG_KEY
+
+        config[ROUTING_CONFIG_KEY] = "spread"
     model_dir = write_model(os.path.join(work, "model"), config)
     if a.tokenizer == "words":
         write_tokenizer(model_dir, SHAPES[a.shape]["config"]["vocab_size"])

@@ -214,3 +214,65 @@ def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_pat
     with pytest.raises(ValueError, match="distinct"):
         DummyReader(path)
     assert 0 < hot_margin(16, 1, 2, 0.8) < hot_margin(16, 1, 2, 0.9) and hot_margin(16, 1, 2, 0.05) == 0.0
+
+
+def _balancedness(ids: torch.Tensor, experts: int) -> float:
+    counts = np.bincount(ids.flatten().numpy(), minlength=experts)
+    return float(counts.mean() / counts.max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_spread_routing_loads_every_expert_and_keeps_decode_spread(tmp_path, family, monkeypatch):
+    from moeserve.models.dummy import HOT_ENV, ROUTING_CONFIG_KEY, ROUTING_ENV, parse_routing
+
+    monkeypatch.delenv(HOT_ENV, raising=False)
+    monkeypatch.delenv(ROUTING_ENV, raising=False)
+    path = config_only(tmp_path, family)
+    plain, spread = DummyReader(path), DummyReader(path, routing="spread")
+    assert plain.routing == "default" and spread.routing == "spread"
+    cfg = plain.config
+    n = families.names(cfg)
+    # Only the embedding, an untied LM head, the routers' biases and the correction biases differ.
+    differ = [name for name in plain.names() if not torch.equal(plain.read(name), spread.read(name))]
+    allowed = ("embed_tokens.weight", "lm_head.weight", f"{n.router}.bias", *n.correction_bias)
+    assert "model.embed_tokens.weight" in differ and all(name.endswith(allowed) for name in differ), differ
+    assert all(torch.equal(DummyReader(path, routing="spread").read(name), spread.read(name)) for name in differ)
+    experts = cfg.num_experts
+    base = [_balancedness(r, experts) for r in routed_ids(load_model(path, reader=plain), prompts=16, length=32)]
+    model = load_model(path, reader=spread)
+    got = [_balancedness(r, experts) for r in routed_ids(model, prompts=16, length=32)]
+    print(family, "balancedness plain", base, "spread", got)
+    assert min(got) >= 0.55, got  # 512 tokens: a uniform router's max load is within about 1.5x its mean
+    if cfg.routing.correction_bias:  # ERNIE, DeepSeek-V3: the plain weights pick the same few experts
+        assert max(base) < 0.45, base
+    # Decode stays spread: every sequence gets its own id each step (distinct last prompt ids).
+    prompts = torch.randint(3, cfg.vocab_size, (8, 5), generator=torch.Generator().manual_seed(1))
+    assert len(set(prompts[:, -1].tolist())) == 8
+    new = model.generate(prompts, 6, ignore_eos=True)[:, 5:]
+    last = prompts[:, -1:]
+    if cfg.tie_word_embeddings:
+        assert torch.equal(new, last.expand_as(new))  # a tied head repeats the last id
+    else:
+        assert torch.equal(new, (last + torch.arange(1, 7)) % cfg.vocab_size)  # an untied one walks t + 1, ...
+    # Where it comes from (the argument, the environment, config.json) and what is refused.
+    assert parse_routing(None) == parse_routing("") == "default"
+    with pytest.raises(ValueError, match="allowed: default, spread"):
+        DummyReader(path, routing="even")
+    monkeypatch.setenv(ROUTING_ENV, "spread")
+    assert DummyReader(path).routing == "spread"
+    with pytest.raises(ValueError, match="exclude each other"):
+        DummyReader(path, hot=(2, 0.5))
+    monkeypatch.setenv(ROUTING_ENV, "sideways")
+    with pytest.raises(ValueError, match=f"{ROUTING_ENV}: 'sideways' is not a dummy routing"):
+        DummyReader(path)
+    monkeypatch.delenv(ROUTING_ENV)
+    import json
+
+    conf = json.loads((path / "config.json").read_text())
+    conf[ROUTING_CONFIG_KEY] = "spread"
+    (path / "config.json").write_text(json.dumps(conf))
+    assert DummyReader(path).routing == "spread"
+    conf[ROUTING_CONFIG_KEY] = 3
+    (path / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=f"{ROUTING_CONFIG_KEY}: 3 is not a dummy routing"):
+        DummyReader(path)

@@ -329,9 +329,25 @@ def test_eplb_flags():
         ["--workloads", "eplb", "--hot-experts", "x"],
         ["--workloads", "eplb", "--redundant-experts", "0"],
         ["--workloads", "eplb", "--apis", "grpc,http"],
+        ["--workloads", "eplb", "--dummy-routing", "spread"],
     ):
         with pytest.raises(SystemExit):
             bench.parse(["--smoke", *bad])
+
+
+def test_dummy_routing_flag():
+    bench = _bench()
+    # the shapes whose plain dummy routing collapses get spread routing unless told otherwise
+    assert bench.parse(["--shape", "ernie28"]).dummy_routing == "spread"
+    assert bench.parse(["--shape", "dsv3_7"]).dummy_routing == "spread"
+    assert bench.parse(["--shape", "scout8"]).dummy_routing == "default"
+    assert bench.parse(["--shape", "ernie28", "--dummy-routing", "default"]).dummy_routing == "default"
+    assert bench.parse(["--shape", "scout8", "--dummy-routing", "spread"]).dummy_routing == "spread"
+    assert bench.parse(["--shape", "ernie28", "--configs", "moeserve-ep2", "--workloads", "eplb"]).dummy_routing == (
+        "default"
+    )
+    with pytest.raises(SystemExit):
+        bench.parse(["--shape", "scout8", "--dummy-routing", "even"])
 
 
 def test_the_flop_aware_roofline_takes_each_class_at_its_bound():

@@ -117,6 +117,14 @@ def parse(argv=None, doc: str = "") -> argparse.Namespace:
         help="eplb: K experts per MoE layer take about SHARE of the routed tokens (dummy weights; 2:0.8)",
     )
     p.add_argument(
+        "--dummy-routing",
+        choices=("default", "spread"),
+        default=None,
+        help="the dummy weights' routing (moeserve.models.dummy; docs/models.md): spread balances every MoE "
+        "layer as a trained model does; default: spread for the shapes whose plain routing collapses "
+        "(ernie28, gptoss20b, dsv3_*), else the plain weights; eplb: always the hot experts",
+    )
+    p.add_argument(
         "--eplb-step-model",
         default=None,
         metavar="FILE",
@@ -243,6 +251,10 @@ def parse(argv=None, doc: str = "") -> argparse.Namespace:
     if "http" in a.apis and a.tokenizer == "none":
         p.error("--apis http needs --tokenizer words: without a tokenizer the HTTP API streams no chunk per token")
     a.hot_experts_cfg = None
+    if eplb and a.dummy_routing == "spread":
+        p.error("--workloads eplb skews routing with hot experts: leave out --dummy-routing spread")
+    if a.dummy_routing is None:
+        a.dummy_routing = "default" if eplb else SHAPES[a.shape].get("dummy_routing", "default")
     if eplb:
         if a.workloads != ["eplb"]:
             p.error("--workloads eplb runs alone (its model has hot experts, which would skew the other workloads)")

@@ -279,12 +279,12 @@ DSV3_13_FP8 = {**DEEPSEEK_V3, "num_hidden_layers": 13}
 SHAPES = {
     "scout8": dict(config=SCOUT8, redundant=2),
     "qwen3_30b": dict(config=QWEN3_30B, redundant=16),
-    "gptoss20b": dict(config=GPTOSS_20B, redundant=4),
-    "dsv3_7": dict(config=DSV3_7, redundant=0),
-    "dsv3_13_fp8": dict(config=DSV3_13_FP8, redundant=0),
+    "gptoss20b": dict(config=GPTOSS_20B, redundant=4, dummy_routing="spread"),
+    "dsv3_7": dict(config=DSV3_7, redundant=0, dummy_routing="spread"),
+    "dsv3_13_fp8": dict(config=DSV3_13_FP8, redundant=0, dummy_routing="spread"),
     "scout48": dict(config=SCOUT48, redundant=2),
     "maverick12": dict(config=MAVERICK12, redundant=2),
-    "ernie28": dict(config=ERNIE28, redundant=2),
+    "ernie28": dict(config=ERNIE28, redundant=2, dummy_routing="spread"),
     "tiny": dict(config=TINY, redundant=2),
 }
 

@@ -52,6 +52,29 @@ tensor is as above, byte for byte. With it:
 The share is about what the argument asks (within a few points on random prompts; decode steps
 route the generated tokens, whatever they are); at most ``k / top_k`` (every token picks every hot
 expert) and at least the uniform ``k / E``.
+
+**Spread routing (off by default).** ``routing="spread"`` (the reader's argument), else the
+environment's ``MOESERVE_DUMMY_ROUTING=spread``, else config.json's ``"moeserve_dummy_routing":
+"spread"`` (``"default"`` anywhere is the plain weights; anything else is refused by name) spreads
+the routed pairs about evenly over the experts of every MoE layer, as a trained model's
+load-balancing loss does. The plain weights do not: every sublayer adds about 1e-3 to a residual
+stream whose embedding is about 1e-3 too, so at real widths every token's MoE input looks alike,
+and a correction bias as large as the gate's score differences (ERNIE's, DeepSeek-V3's) picks the
+same experts for most of them; greedy decoding then samples the same few ids for every sequence.
+With it, in every family (hot experts exclude it):
+
+- the embedding is made 1,000 times larger (uniform in [-1, 1]), so that every router sees the
+  token's own embedding: a random direction per token id, whose logits are about independent over
+  experts under the random gate;
+- the gate's biases and the correction bias are 0, so that no expert is favoured (a trained
+  model's correction bias is what balances its load);
+- decode stays spread because greedy decoding maps distinct ids to distinct ids: the last hidden
+  state is about the current token's embedding, so a tied LM head (ERNIE's) scores that token
+  highest and each sequence repeats its last id, and an untied one is made of the embedding's
+  rows shifted by one (``lm_head[v] = embed[v - 1]``) so that each sequence walks ``t, t + 1,
+  t + 2, ...`` (mod V). Sequences whose prompts end in distinct ids (random prompts) never
+  generate the same id in a step, so every decode step routes as many distinct tokens as it has
+  sequences.
 """
 
 from __future__ import annotations
@@ -81,8 +104,11 @@ LOAD_FORMATS = ("auto", "dummy")
 LOW, HIGH = -1e-3, 1e-3  # vLLM's dummy init range
 HOT_ENV = "MOESERVE_DUMMY_HOT_EXPERTS"  # "k:share", e.g. "2:0.8"
 HOT_CONFIG_KEY = "moeserve_dummy_hot_experts"  # config.json: {"experts": k, "share": share}
-HOT_EMBED_SCALE = 1e3  # hot experts: the embedding dominates the residual stream
-HOT_CHANNEL = 0  # ... and carries the constant 1 on this channel
+EMBED_SCALE = 1e3  # hot experts and spread routing: the embedding dominates the residual stream
+HOT_CHANNEL = 0  # hot experts: the embedding carries the constant 1 on this channel
+ROUTING_ENV = "MOESERVE_DUMMY_ROUTING"  # "default" or "spread"
+ROUTING_CONFIG_KEY = "moeserve_dummy_routing"  # config.json: "default" or "spread"
+ROUTINGS = ("default", "spread")
 SIGMA_UNIFORM = (HIGH - LOW) / math.sqrt(12.0)  # standard deviation of a dummy value
 
 
@@ -123,6 +149,16 @@ def parse_hot(spec) -> tuple[int, float] | None:
     if k < 0 or not 0.0 < share < 1.0:
         raise ValueError(f"hot experts: k must be >= 0 and share in (0, 1), got k={k}, share={share}")
     return (k, share) if k else None
+
+
+def parse_routing(value, source: str = "dummy routing") -> str:
+    """``"default"``, ``"spread"`` or nothing (the default) -> one of ``ROUTINGS``. Raises
+    ValueError naming ``source`` (where the value came from) and the values allowed."""
+    if value is None or value == "":
+        return "default"
+    if not isinstance(value, str) or value not in ROUTINGS:
+        raise ValueError(f"{source}: {value!r} is not a dummy routing; allowed: {', '.join(ROUTINGS)}")
+    return value
 
 
 def hot_margin(num_experts: int, top_k: int, hot: int, share: float, samples: int = 20000) -> float:
@@ -222,6 +258,7 @@ class DummyReader:
         device: torch.device | str = "cpu",
         hot=None,
         quantization: str | None = None,
+        routing: str | None = None,
     ):
         self.path = Path(path)
         self.config: ModelConfig = declared_scheme(with_quantization(load_config(self.path), quantization))
@@ -231,15 +268,31 @@ class DummyReader:
         self.tensors_read = 0
         self._shapes = checkpoint_shapes(self.config)
         self._fp8 = set(fp8_modules(self.config, self._shapes))
+        try:
+            with open(self.path / "config.json") as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            raw = {}
+        raw = raw if isinstance(raw, dict) else {}
         if hot is None:
             hot = os.environ.get(HOT_ENV) or None
         if hot is None:
-            try:
-                with open(self.path / "config.json") as f:
-                    hot = json.load(f).get(HOT_CONFIG_KEY)
-            except (OSError, ValueError):
-                hot = None
+            hot = raw.get(HOT_CONFIG_KEY)
         self.hot = parse_hot(hot)
+        if routing is not None:
+            self.routing = parse_routing(routing, "routing")
+        elif os.environ.get(ROUTING_ENV):
+            self.routing = parse_routing(os.environ[ROUTING_ENV], ROUTING_ENV)
+        else:
+            self.routing = parse_routing(
+                raw.get(ROUTING_CONFIG_KEY), f"{self.path / 'config.json'}: {ROUTING_CONFIG_KEY}"
+            )
+        if self.routing == "spread" and self.hot:
+            raise ValueError(
+                f"dummy weights: spread routing and hot experts {self.hot[0]}:{self.hot[1]} exclude each other "
+                f"(spread balances every expert's load, hot experts skew it): leave out {ROUTING_ENV} / "
+                f"{ROUTING_CONFIG_KEY} or {HOT_ENV} / {HOT_CONFIG_KEY}"
+            )
         cfg = self.config
         ids = hot.get("ids") if isinstance(hot, dict) and self.hot else None
         self._fixed_hot = None
@@ -258,7 +311,7 @@ class DummyReader:
             d = hot_margin(cfg.num_experts, cfg.top_k, self.hot[0], self.hot[1])
             sigma_w = SIGMA_UNIFORM
             if not cfg.routing.correction_bias:
-                sigma_e = SIGMA_UNIFORM * HOT_EMBED_SCALE
+                sigma_e = SIGMA_UNIFORM * EMBED_SCALE
                 self._hot_value = d * math.sqrt(cfg.hidden_size - 1) * sigma_e * sigma_w
             else:
                 # the scores' spread: a softmax's ~ sigma_l / E, a sigmoid's ~ sigma_l / 4 (its slope at 0)
@@ -326,19 +379,35 @@ class DummyReader:
         module, _, leaf = name.rpartition(".")
         if module in self._fp8:
             return self._make_fp8(name, full, dtype) if leaf == "weight" else self._make_scale(name, full, dtype)
-        if self.hot:
-            skewed = self._skewed(name, full)
-            if skewed is not None:
-                dtype = dtype or self.stored_dtype(name)
-                return skewed if skewed.dtype == dtype else skewed.to(dtype)
+        made = self._skewed(name, full) if self.hot else self._spread(name, full) if self.routing == "spread" else None
+        if made is not None:
+            dtype = dtype or self.stored_dtype(name)
+            return made if made.dtype == dtype else made.to(dtype)
         return self._make(name, full, dtype or self.stored_dtype(name), ones=_is_norm(name))
+
+    def _spread(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """With spread routing: the tensors that differ from the plain dummy ones (float32), else None."""
+        cfg = self.config
+        embed = "model.embed_tokens.weight"
+        if name == embed:
+            return self._make(name, shape, torch.float32).mul_(EMBED_SCALE)
+        if name == "lm_head.weight":  # untied: lm_head[v] = embed[v - 1], so greedy maps t to t + 1
+            return torch.roll(self._make(embed, shape, torch.float32).mul_(EMBED_SCALE), 1, dims=0)
+        n = families.names(cfg)
+        biases = [f".{n.ffn}.{n.router}.bias", *(f".{n.ffn}.{c}" for c in n.correction_bias)]
+        if not name.endswith(tuple(biases)) or int(name.split(".")[2]) not in cfg.moe_layer_ids:
+            return None
+        t = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.bytes_read += t.numel() * t.element_size()
+        self.tensors_read += 1
+        return t
 
     def _skewed(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         """With hot experts: the tensors that differ from the plain dummy ones (float32), else None."""
         cfg = self.config
         by_bias = cfg.routing.correction_bias  # top-k on scores + bias: the bias makes them hot
         if name == "model.embed_tokens.weight":
-            t = self._make(name, shape, torch.float32) * HOT_EMBED_SCALE
+            t = self._make(name, shape, torch.float32) * EMBED_SCALE
             if not by_bias:
                 t[:, HOT_CHANNEL] = 1.0
             return t
