@@ -82,6 +82,37 @@ def test_the_delay_is_capped_and_reset_forgets_the_estimates():
     assert p.delay(at) == 0.0
 
 
+def test_the_slack_a_delayed_schedule_left_corrects_the_next_delays():
+    p = StepPacer(MARGIN)
+    at = steady(p, 4)
+    planned = p.delay(at)
+    assert planned == pytest.approx(STEP - LEAD - MARGIN) and p.correction_s == 0.0
+    # a delayed schedule, and then no wait for the running step's tokens: a bubble
+    p.note_delay(planned)
+    p.on_step(True, LEAD, at + STEP + 0.001, 0.0)
+    assert p.bubbles == 1 and p.correction_s == pytest.approx(MARGIN + 2.5e-4)
+    at = steady(p, 2, at + STEP + 0.002)  # two waited steps (undelayed) and the estimates stand again
+    assert p.delay(at) == pytest.approx(STEP - LEAD - MARGIN - (MARGIN + 2.5e-4))
+    # slack shorter than the margin: the correction grows by a quarter of the shortfall
+    c = p.correction_s
+    p.note_delay(p.delay(at))
+    p.on_step(True, LEAD, at + STEP, MARGIN - 0.0006)
+    assert p.correction_s == pytest.approx(c + 0.25 * 0.0006) and p.bubbles == 1
+    # slack longer than the margin: it shrinks the same way, never below 0
+    for _ in range(40):
+        p.note_delay(0.001)
+        p.on_step(True, LEAD, at + STEP, MARGIN + 0.004)
+    assert p.correction_s == 0.0
+    # a non-forward step leaves the slack pending for the next forward one
+    p.note_delay(0.001)
+    p.on_step(False, LEAD, at + STEP, 0.0)
+    assert p.bubbles == 1
+    p.on_step(True, LEAD, at + 2 * STEP, 0.0)
+    assert p.bubbles == 2
+    p.reset()
+    assert p.correction_s == 0.0 and p.delay(at) == 0.0
+
+
 def test_bad_pacer_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="margin_s must be >= 0"):
         StepPacer(-0.001)
@@ -160,6 +191,21 @@ def test_the_leader_never_waits_where_it_must_not(monkeypatch, why):
         eng.request_stop()
     eng.pace()
     assert asked == [] and eng.status().late_schedules == 0
+
+
+def test_the_leader_never_waits_while_every_router_runs_max_num_seqs(monkeypatch):
+    from moeserve.config import Limits
+
+    eng = engine(limits=Limits(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64))
+    asked = waits(eng, monkeypatch)
+    eng.submit(GenerateRequest((3, 4), 8))
+    assert eng.next_header().forward  # the one sequence is admitted: no room for another
+    now = time.perf_counter()
+    for k in range(4):
+        forward(eng, now - (3 - k) * STEP)
+    assert eng.pacer.delay(time.perf_counter()) > 0  # the estimates would delay ...
+    eng.pace()
+    assert asked == [] and eng.status().late_schedules == 0  # ... but an arrival could not join
 
 
 def test_the_world_re_forming_clears_the_estimates(monkeypatch):

@@ -456,3 +456,16 @@ def test_prefix_workload_flags():
     ):
         with pytest.raises(SystemExit):
             bench.parse(["--smoke", *bad])
+
+
+def test_late_schedules_between_two_status_reads():
+    _bench()  # puts servinglib on the path
+    from servinglib.common import pacing
+
+    s0 = dict(late_schedules=10.0, late_schedule_delay_s=0.05, late_schedule_bubbles=1.0)
+    s1 = dict(late_schedules=30.0, late_schedule_delay_s=0.09, late_schedule_bubbles=4.0)
+    got = pacing(s0, s1)
+    assert got["late_schedules"] == 20 and got["late_schedule_bubbles"] == 3
+    assert got["late_schedule_mean_delay_s"] == pytest.approx(0.002)
+    assert pacing(s0, s0)["late_schedule_mean_delay_s"] is None
+    assert pacing({}, {"forward_steps": 3}) == {}  # a leader without metrics: nothing made up

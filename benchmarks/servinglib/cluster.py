@@ -180,12 +180,38 @@ class Cluster(UpProcess):
         except (OSError, ValueError, IndexError):
             return None
 
+    def leader_counters(self) -> dict[str, float]:
+        """The leader's late-scheduling counters (``moeserve_late_schedule*_total``, summed over
+        every process's metrics; only the leader's rank has them); {} without metrics."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        names = {
+            "moeserve_late_schedules": "late_schedules",
+            "moeserve_late_schedule_delay_seconds": "late_schedule_delay_s",
+            "moeserve_late_schedule_bubbles": "late_schedule_bubbles",
+        }
+        out: dict[str, float] = {}
+        for line in self.metrics_lines():
+            try:
+                with urllib.request.urlopen(line.split()[-1], timeout=10) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            for fam in text_string_to_metric_families(text):
+                key = names.get(fam.name)
+                for smp in fam.samples if key else ():
+                    if smp.name == fam.name + "_total":
+                        out[key] = out.get(key, 0.0) + smp.value
+        return out
+
     def status(self) -> dict:
         from moeserve.client import Client
 
         with Client(self.admin, TOKEN, timeout=10) as c:
             s = c.status()
-        return dict(
+        return self.leader_counters() | dict(
             forward_steps=s.forward_steps,
             step=s.step,
             running=s.running,

@@ -66,3 +66,17 @@ def _child_entry(q, fn, args) -> None:
         q.put(("ok", fn(*args)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         q.put(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+
+
+def pacing(s0: dict, s1: dict) -> dict:
+    """The late schedules between two status reads: how many, their mean delay (s), and the
+    bubbles after them (``Cluster.leader_counters``); {} where the leader exports none."""
+    if "late_schedules" not in s1:
+        return {}
+    n = s1["late_schedules"] - s0.get("late_schedules", 0.0)
+    delay = s1.get("late_schedule_delay_s", 0.0) - s0.get("late_schedule_delay_s", 0.0)
+    return dict(
+        late_schedules=int(n),
+        late_schedule_mean_delay_s=delay / n if n else None,
+        late_schedule_bubbles=int(s1.get("late_schedule_bubbles", 0.0) - s0.get("late_schedule_bubbles", 0.0)),
+    )

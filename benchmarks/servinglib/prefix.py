@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from moeserve.ops.metrics import TTFT_PARTS as HOPS
-from servinglib.common import pct, ratio
+from servinglib.common import pacing, pct, ratio
 from servinglib.streams import record, start
 
 TURN_STRIDE = 1000  # a record's index: conversation x TURN_STRIDE + turn
@@ -245,7 +245,7 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
         f["ttft_parts_mean_s"] = ttft_parts(f["ttft_mean_s"], l0, l1)
         f["engine"] = {
             k: s1[k] - s0[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "forward_steps")
-        }
+        } | pacing(s0, s1)
         steps = f["engine"]["forward_steps"]
         f["wall_per_forward_step_s"] = f["wall_s"] / steps if steps else None
         m.res[key] = f

@@ -12,7 +12,7 @@ import numpy as np
 
 from servinglib.clients import drive, warm_up
 from servinglib.cluster import Cluster, configuration_flags
-from servinglib.common import ratio
+from servinglib.common import pacing, ratio
 from servinglib.figures import (
     ROUND_KEYS,
     api_figures,
@@ -102,6 +102,7 @@ class Measure:
                     burst_wall_per_step_s=(b["wall_s"] / steps) if steps else None,
                     preemptions=s1["preemptions"] - s0["preemptions"],
                     kv_blocks_total=s1["kv_blocks_total"],
+                    **pacing(s0, s1),
                 )
                 rounds[api].append((b, engine))
                 fe = b.get("frontend_cpu_us_per_token")
@@ -185,9 +186,11 @@ class Measure:
         rate = a.load * base / mean_out
         plan = arrival_plan(a, rate, sizes["vocab_size"])
         for api in self.apis:
+            s0 = self.up.status()
             recs, cost = self.run(api, plan, plan[-1][1] + a.drain)
             o = online_figures(recs, a.load, rate, tuple(a.online_prompt), tuple(a.online_output))
             o.update(cost(o["output_tokens"]))
+            o.update(pacing(s0, self.up.status()))
             self.record(api, "online", o)
             self.say(
                 f"online via {api}: {o['requests']} requests at {rate:.1f}/s, "

@@ -317,6 +317,11 @@ class _LeaderCollector(Collector):
             "Time the leader waited before those schedules, in total.",
             value=float(status.late_schedule_delay_s),
         )
+        yield CounterMetricFamily(
+            "moeserve_late_schedule_bubbles",
+            "Delayed schedules after which the GPU went idle before the step was enqueued (the pacer backs off).",
+            value=float(status.late_schedule_bubbles),
+        )
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:

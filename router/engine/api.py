@@ -326,6 +326,7 @@ class EngineStatus:
     ranks_replaced: dict[str, int] = field(default_factory=dict)  # role -> replacements that joined
     late_schedules: int = 0  # schedules the leader's pacer delayed since start, and their total
     late_schedule_delay_s: float = 0.0
+    late_schedule_bubbles: int = 0  # delayed schedules after which the GPU went idle first
 
 
 # -- the interface ----------------------------------------------------------------------------

@@ -320,6 +320,7 @@ class Engine(EngineAPI):
             last_step_age_s=time.monotonic() - self._last_step_t,
             late_schedules=self.pacer.delays if self.pacer is not None else 0,
             late_schedule_delay_s=self.pacer.delayed_s if self.pacer is not None else 0.0,
+            late_schedule_bubbles=self.pacer.bubbles if self.pacer is not None else 0,
         )
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:
@@ -363,12 +364,13 @@ class Engine(EngineAPI):
     def pace(self) -> None:
         """Before the step driver's next schedule: while the GPUs run a step and the next one
         need not be enqueued yet, wait (``StepPacer``), so that requests arriving meanwhile join
-        it. Never before a replay, a regroup, a warm-up step or a stop."""
+        it. Never before a replay, a regroup, a warm-up step or a stop, nor while every router
+        runs ``max_num_seqs`` sequences (an arrival could not join the next step)."""
         p = self.pacer
         if p is None or self._replay is not None or self._regroup or self._warmup or self._stop.is_set():
             return
         d = p.delay(time.perf_counter())
-        if d > 0:
+        if d > 0 and self.scheduler.has_room():
             p.note_delay(d)
             self._stop.wait(d)
 

@@ -17,15 +17,26 @@ What it reads, per step k (times from ``time.perf_counter`` on the leader's rank
   the slowest rank (scheduling, the header's broadcast, the rank's own enqueue).
 
 Two waited steps in a row give a step's device time, ``tokens_at[k+1] - tokens_at[k]`` (no
-gap hides in it). The next schedule starts at ``tokens_at + T - H - margin``: T the shortest
+gap hides in it). The next schedule starts at ``tokens_at + T - H - margin - c``: T the shortest
 device time among the last ``window`` steps, H the longest lead among them. A step that did not
 wait (the GPU was idle when the host came: a bubble, an estimate too late, or the host is the
 bottleneck) schedules the next at once, so that a wrong estimate costs at most one gap.
+
+``c`` is the pacer's own correction, learnt from the steps it delayed. After a delayed
+schedule, the wait for the running step's tokens is the slack the GPU was left with: it should
+be ``margin``. Where it is shorter, ``c`` grows by a quarter of the shortfall, where it is
+longer it shrinks the same way (never below 0); where there was no wait at all (a *bubble*: the
+GPU went idle before the step was enqueued, from a late wake-up, a busy interpreter lock or a
+lead the window did not see) it grows by ``margin`` + 0.25 ms at once. So a delay that keeps
+costing bubbles backs off within a few steps, whatever the cause (``bubbles`` counts them).
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+GAIN = 0.25  # of the slack's error, added to the correction after each delayed schedule
+BUBBLE_STEP_S = 2.5e-4  # the correction's growth after a bubble, beyond the margin
 
 
 class StepPacer:
@@ -47,11 +58,22 @@ class StepPacer:
         self._busy = False  # whether the GPU was busy then (and runs the latest step since)
         self.delays = 0  # schedules delayed, and their total (for the metrics and tests)
         self.delayed_s = 0.0
+        self.bubbles = 0  # delayed schedules after which the GPU went idle before the step came
+        self.correction_s = 0.0  # c: learnt from the slack the delayed schedules left
+        self._delayed = False  # the latest schedule was delayed (its step's slack is pending)
 
     def on_step(self, forward: bool, lead_s: float, tokens_at: float, tokens_wait_s: float) -> None:
         """Step k's timings: whether it runs a forward pass, the host's lead, when step k-1's
         tokens came and how long the leader's rank waited for them."""
         busy = forward and tokens_wait_s > self.busy_s
+        if self._delayed and forward:  # the slack the delayed schedule left the GPU
+            self._delayed = False
+            if busy:
+                self.correction_s = max(0.0, self.correction_s + GAIN * (self.margin_s - tokens_wait_s))
+            else:
+                self.bubbles += 1
+                self.correction_s += self.margin_s + BUBBLE_STEP_S
+            self.correction_s = min(self.correction_s, self.max_delay_s)
         if busy and self._busy and self._tokens_at is not None:
             self._device.append(tokens_at - self._tokens_at)
         if forward:
@@ -63,14 +85,18 @@ class StepPacer:
         self._device.clear()
         self._lead.clear()
         self._busy, self._tokens_at = False, None
+        self._delayed, self.correction_s = False, 0.0
 
     def delay(self, now: float) -> float:
         """Seconds to wait at ``now`` before scheduling the next step (0: at once)."""
         if not self._busy or self._tokens_at is None or len(self._device) < 2 or not self._lead:
             return 0.0
-        start = self._tokens_at + min(self._device) - max(self._lead) - self.margin_s
+        start = self._tokens_at + min(self._device) - max(self._lead) - self.margin_s - self.correction_s
         return min(max(0.0, start - now), self.max_delay_s)
 
     def note_delay(self, seconds: float) -> None:
+        """The leader waits ``seconds`` before this schedule (the next forward step's wait for
+        tokens tells how much slack it left)."""
         self.delays += 1
         self.delayed_s += seconds
+        self._delayed = True

@@ -277,6 +277,13 @@ class Scheduler:
                 prefix_cache_hits=self.prefix_hits,
             )
 
+    def has_room(self) -> bool:
+        """Whether a request arriving now could join the next step: some open router runs fewer
+        than ``max_num_seqs`` sequences (the late schedule waits for arrivals only then)."""
+        with self._lock:
+            cap = self.limits.max_num_seqs
+            return any(up and len(run) < cap for run, up in zip(self._running, self._open))
+
     # -- step driver -----------------------------------------------------------------------
 
     def schedule(self) -> tuple[RouterWork, ...] | None:
