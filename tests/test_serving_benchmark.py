@@ -469,3 +469,16 @@ def test_late_schedules_between_two_status_reads():
     assert got["late_schedule_mean_delay_s"] == pytest.approx(0.002)
     assert pacing(s0, s0)["late_schedule_mean_delay_s"] is None
     assert pacing({}, {"forward_steps": 3}) == {}  # a leader without metrics: nothing made up
+
+
+def test_the_late_scheduling_margin_reaches_the_configurations_that_schedule_late():
+    bench = _bench()
+    from servinglib.cluster import configuration_flags
+
+    a = bench.parse(["--shape", "scout8", "--late-scheduling-margin-ms", "0.5"])
+    late, _ = configuration_flags("moeserve-1rank-fp8", a, False)
+    assert late[late.index("--late-scheduling-margin-ms") + 1] == "0.5"
+    off, _ = configuration_flags("moeserve-1rank-no-late-schedule-fp8", a, False)
+    assert "--no-late-scheduling" in off and "--late-scheduling-margin-ms" not in off
+    plain, _ = configuration_flags("moeserve-1rank", bench.parse(["--shape", "scout8"]), False)
+    assert "--late-scheduling-margin-ms" not in plain and "--no-late-scheduling" not in plain

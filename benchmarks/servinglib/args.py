@@ -158,6 +158,13 @@ def parse(argv=None, doc: str = "") -> argparse.Namespace:
         "--multiturn-rate", type=float, default=None, help="multiturn: conversations started per second (4; smoke 4)"
     )
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--late-scheduling-margin-ms",
+        type=float,
+        default=None,
+        help="moeserve up --late-scheduling-margin-ms for the configurations with late scheduling "
+        "(default: the cluster's, 1.0)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--exchange", default="auto", choices=("auto", "collective", "nvlink"))

@@ -47,6 +47,8 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, 
             extra += ["--eplb-step-model-shape", a.eplb_step_model_shape]
     if "-no-late-schedule" in name:
         extra.append("--no-late-scheduling")
+    elif getattr(a, "late_scheduling_margin_ms", None) is not None:
+        extra += ["--late-scheduling-margin-ms", str(a.late_scheduling_margin_ms)]
     if name.endswith("-sync"):
         extra.append("--no-async-scheduling")
     if is_fp8(name):
