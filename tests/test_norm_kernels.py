@@ -96,6 +96,26 @@ def test_head_rope_equals_the_torch_sequence(interleaved, pre, rope, post, dtype
         assert not torch.allclose(got[1:], torch_heads(x, w, None, None, interleaved, 1e-6, post)[1:])
 
 
+@pytest.mark.parametrize("pad", [64, 8])  # tokens 160 / 104 values apart: read in place / copied first
+def test_head_rope_reads_q_or_k_in_place_from_a_merged_product(pad):
+    """q or k as a view of a merged qkv output [T, (Hq + 2 Hkv) D]: a token's heads contiguous,
+    tokens further apart. The kernel reads the view where its strides allow (no copy) and gives
+    exactly what it gives on the same values made contiguous."""
+    g = torch.Generator().manual_seed(pad)
+    t, heads, d = 5, 3, 32
+    merged = torch.randn(t, 32 + heads * d + pad, generator=g)  # [T, N]: 32 values before, pad after
+    x = merged[:, 32 : 32 + heads * d].view(t, heads, d)
+    assert not x.is_contiguous() and x.stride(0) == merged.shape[1]
+    inv = layers.rope_inv_freq(d, layers.RopeConfig(theta=10000.0))
+    cos, sin = layers.rope_cos_sin(torch.tensor([0, 3, 4, 17, 1000]), inv)
+    w = 1 + 0.5 * torch.randn(d, generator=g)
+    got = kernels.head_rope(x, cos, sin, True, 1e-6, pre_weight=w, post_norm=True)
+    ref = kernels.head_rope(x.contiguous(), cos, sin, True, 1e-6, pre_weight=w, post_norm=True)
+    assert got.is_contiguous() and got.shape == (t, heads, d)
+    assert torch.equal(got, ref)
+    close(got, torch_heads(x, w, cos, sin, True, 1e-6, True), torch.float32)
+
+
 def test_head_rope_refuses_a_head_dim_it_cannot_tile():
     with pytest.raises(ValueError, match="power-of-two head dim, got 48"):
         kernels.head_rope(torch.zeros(2, 1, 48), None, None, True, 1e-6, post_norm=True)

@@ -430,21 +430,26 @@ def head_rope(
     """One launch of ``triton_norms.head_rope_kernel`` over x [T, heads, D] (D a power of two):
     the RMS norm weighted by ``pre_weight`` [D] when given, the rotary embedding by cos/sin
     [T, D/2] fp32 when given, then a weightless RMS norm with ``post_norm``, each rounded to x's
-    dtype as the torch sequence of ``moeserve.models.layers.Attention`` rounds it."""
+    dtype as the torch sequence of ``moeserve.models.layers.Attention`` rounds it. x may be a
+    view whose tokens are ``x.stride(0)`` apart (q or k of a merged qkv product, read in place);
+    returns a contiguous [T, heads, D]."""
     t, heads, d = x.shape
     if d & (d - 1):
         raise ValueError(f"head_rope needs a power-of-two head dim, got {d}")
-    x2 = _dense(x.reshape(t * heads, d))
+    if x.stride(2) == 1 and x.stride(1) == d and x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0:
+        x2, stride_t = x, x.stride(0)  # read in place (the strides the kernel is compiled for)
+    else:
+        x2, stride_t = _dense(x.reshape(t * heads, d)), heads * d
     rope = cos is not None and sin is not None
     c = _dense(cos.float()) if cos is not None and rope else x2
     s = _dense(sin.float()) if sin is not None and rope else x2
     w = _dense(pre_weight) if pre_weight is not None else x2
-    out = torch.empty_like(x2)
-    n = x2.shape[0]
+    n = t * heads
+    out = torch.empty(n, d, dtype=x.dtype, device=x.device)
     if n:
         _, rows, warps = _norm_tile(d)
         _norm_kernels().head_rope_kernel[((n + rows - 1) // rows,)](
-            x2, w, c, s, out, n, heads, float(eps), D=d, ROWS=rows, PRE_NORM=pre_weight is not None, ROPE=rope,
+            x2, w, c, s, out, n, heads, stride_t, float(eps), D=d, ROWS=rows, PRE_NORM=pre_weight is not None, ROPE=rope,
             POST_NORM=post_norm, INTERLEAVED=interleaved, num_warps=warps,
         )  # fmt: skip
     return out.view(t, heads, d)

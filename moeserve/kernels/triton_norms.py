@@ -71,6 +71,7 @@ def head_rope_kernel(
     out_ptr,
     n_rows,
     heads,
+    stride_t,
     eps,
     D: tl.constexpr,
     ROWS: tl.constexpr,
@@ -79,7 +80,8 @@ def head_rope_kernel(
     POST_NORM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):
-    # Rows [ROWS] of x [T * heads, D] (one head of one token each, contiguous), in torch's order
+    # Rows [ROWS] of x [T, heads, D] (one head of one token each; a token's heads contiguous, token t
+    # at t * stride_t: q or k may be a view of a merged qkv product), out [T * heads, D], in torch's order
     # (moeserve.models.layers.Attention): PRE_NORM, an RMS norm weighted by w [D] (Qwen3's
     # q_norm/k_norm), rounded to the dtype; ROPE, the rotation of each pair by the token's angle
     # (cos, sin [T, D/2] fp32), pairs (2j, 2j+1) when INTERLEAVED else (j, j + D/2), rounded;
@@ -89,7 +91,8 @@ def head_rope_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     cols = tl.arange(0, D)[None, :]  # [1, D]
     m = (rows < n_rows) & (cols < D)
-    x = tl.load(x_ptr + rows * D + cols, mask=m, other=0.0).to(tl.float32)
+    src = (rows // heads) * stride_t + (rows % heads) * D  # [ROWS, 1] the row's first element in x
+    x = tl.load(x_ptr + src + cols, mask=m, other=0.0).to(tl.float32)
     if ROPE:
         if INTERLEAVED:
             partner = cols ^ 1
@@ -99,7 +102,7 @@ def head_rope_kernel(
             partner = (cols + HALF) % D
             pair = cols % HALF
             first = cols < HALF
-        xp = tl.load(x_ptr + rows * D + partner, mask=m, other=0.0).to(tl.float32)
+        xp = tl.load(x_ptr + src + partner, mask=m, other=0.0).to(tl.float32)
     if PRE_NORM:
         inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]  # the row's, shared by its pairs
         w = tl.load(w_ptr + cols).to(tl.float32)

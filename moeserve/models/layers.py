@@ -25,7 +25,7 @@ from moeserve.models.attention import attention_probs, paged_attention
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.config import ModelConfig, RopeConfig
 from moeserve.models.paged import PagedBatch, PagedKVCache
-from moeserve.models.quant import QuantLinear, read_weight
+from moeserve.models.quant import QuantLinear, merge_quant, read_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False) -> torch.Tensor:
@@ -149,16 +149,62 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+def merge_linears(parts: list[Linear | QuantLinear]) -> Linear | QuantLinear | None:
+    """One linear layer whose outputs are ``parts``' outputs side by side (vLLM's merged column
+    linears: q, k, v as one qkv, gate and up as one gate_up), so that a step runs one product
+    (and, W8A8, quantizes its rows once) where it ran ``len(parts)``; each part's outputs are
+    the same values, only computed in one call. None when the parts cannot be joined: mixed
+    kinds (one kept in bf16 by an ignore list, one FP8), biases on some only, or FP8 scale
+    blocks that do not line up (``moeserve.models.quant.merge_quant``)."""
+    if len(parts) < 2:
+        return None
+    linears = [p for p in parts if isinstance(p, Linear)]
+    if len(linears) == len(parts):
+        ws = [p.weight for p in linears]
+        if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+            return None
+        biases = [p.bias for p in linears if p.bias is not None]
+        if biases and len(biases) != len(parts):
+            return None
+        return Linear(torch.cat(ws).contiguous(), torch.cat(biases) if biases else None)
+    quants = [p for p in parts if isinstance(p, QuantLinear)]
+    return merge_quant(quants) if len(quants) == len(parts) else None
+
+
+def split_outputs(y: torch.Tensor, widths: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """A merged linear's output y [T, sum(widths)] -> each part's [T, width] (views)."""
+    return tuple(y.split(widths, dim=-1))
+
+
 @dataclass
 class SwiGLU:
-    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts. x [T, H] -> [T, H]."""
+    """down(silu(gate(x)) * up(x)): the dense MLP and the shared experts. x [T, H] -> [T, H].
+    ``gate_up`` (``merged``): gate's and up's outputs from one product, gate and up then None."""
 
-    gate: Linear | QuantLinear
-    up: Linear | QuantLinear
+    gate: Linear | QuantLinear | None
+    up: Linear | QuantLinear | None
     down: Linear | QuantLinear
+    gate_up: Linear | QuantLinear | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.gate_up is not None:
+            g, u = self.gate_up(x).chunk(2, dim=-1)  # [T, F] each
+        else:
+            assert self.gate is not None and self.up is not None  # unmerged: both held
+            g, u = self.gate(x), self.up(x)
+        return self.down(F.silu(g) * u)
+
+    def merged(self) -> SwiGLU:
+        """The same MLP with gate and up as one ``gate_up`` product where they can be joined
+        (``merge_linears``), else itself."""
+        if self.gate_up is not None or self.gate is None or self.up is None:
+            return self
+        gate_up = merge_linears([self.gate, self.up])
+        return self if gate_up is None else SwiGLU(None, None, self.down, gate_up)
+
+    def linears(self) -> tuple[Linear | QuantLinear, ...]:
+        """The linear layers it holds (merged or not)."""
+        return tuple(m for m in (self.gate, self.up, self.gate_up, self.down) if m is not None)
 
 
 class Attention:
@@ -186,7 +232,17 @@ class Attention:
         sinks: torch.Tensor | None = None,
     ):
         self.layer = layer
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        # q, k and v as one product where they can be joined (``merge_linears``): each step's
+        # x is read (and, W8A8, quantized) once and one GEMM launched; the three then None
+        self.qkv = merge_linears([q, k, v])
+        self.qkv_widths = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        )
+        unmerged: tuple[Linear | QuantLinear | None, ...] = (None,) * 3 if self.qkv is not None else (q, k, v)
+        self.q_proj, self.k_proj, self.v_proj = unmerged
+        self.o_proj = o
         self.q_norm, self.k_norm = q_norm, k_norm  # [D] each, or None
         self.sinks = sinks  # [Hq] or None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -220,9 +276,14 @@ class Attention:
         (``moeserve.models.attention``); with a ``KVCache`` (the eager oracle) sequence by sequence.
         """
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qkv is not None:
+            q, k, v = split_outputs(self.qkv(x), self.qkv_widths)  # views of one [T, (Hq + 2 Hkv) D]
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self._heads(q, self.q_norm, rope), self._heads(k, self.k_norm, rope)
         if self.temperature_tuning:
             q = (q * temperature_scales(positions, self.floor_scale, self.attn_scale)[:, None, None]).to(q.dtype)
@@ -248,6 +309,11 @@ class Attention:
             keys, values = cache.write(self.layer, sid, start, k[a:b], v[a:b])  # [start+n, Hkv, D]
             out[a:b] = self._attend(q[a:b], keys, values, start)
         return self.o_proj(out.view(t, self.num_heads * self.head_dim))
+
+    def linears(self) -> tuple[Linear | QuantLinear, ...]:
+        """The projections it holds (q, k, v merged or not, then o)."""
+        parts = (self.qkv, self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        return tuple(m for m in parts if m is not None)
 
     def warm_up_norms(self, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, device) -> int:
         """Run q's and k's transforms on one token (rope: cos, sin [1, D/2]), so that their fused
@@ -316,9 +382,10 @@ def load_linear(
 
 
 def load_swiglu(reader, prefix: str, hidden: int, width: int, bias: bool, dtype: torch.dtype, device) -> SwiGLU:
-    """Read a SwiGLU MLP stored as ``{prefix}.{gate,up,down}_proj``."""
+    """Read a SwiGLU MLP stored as ``{prefix}.{gate,up,down}_proj``, gate and up merged into one
+    product where they can be (``SwiGLU.merged``)."""
     return SwiGLU(
         gate=load_linear(reader, f"{prefix}.gate_proj", width, hidden, bias, dtype, device),
         up=load_linear(reader, f"{prefix}.up_proj", width, hidden, bias, dtype, device),
         down=load_linear(reader, f"{prefix}.down_proj", hidden, width, bias, dtype, device),
-    )
+    ).merged()

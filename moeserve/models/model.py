@@ -257,16 +257,13 @@ class DecoderModel:
         shared experts): ``Linear`` or ``QuantLinear``."""
         for layer in self.layers:
             a = layer.attn
-            if isinstance(a, MLAttention):
-                yield from a.linears()
-            else:
-                yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            yield from a.linears()
             if layer.mlp is not None:
-                yield from (layer.mlp.gate, layer.mlp.up, layer.mlp.down)
+                yield from layer.mlp.linears()
         for block in self.moe_blocks:
             mlp = block.shared_mlp
             if mlp is not None:
-                yield from (mlp.gate, mlp.up, mlp.down)
+                yield from mlp.linears()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -422,6 +422,36 @@ class QuantLinear:
         return self._srow
 
 
+def merge_quant(parts: list[QuantLinear]) -> QuantLinear | None:
+    """FP8 linears [out_i, in] joined along their outputs (``moeserve.models.layers.merge_linears``):
+    codes concatenated, and scales too where every part has the same blocks and its rows fill
+    whole blocks of rows. Otherwise, with one scale over the inputs (per channel and per tensor
+    mixed, or per tensor of different sizes), each part's scales are first repeated per output
+    channel, which is the same weight (code x scale unchanged). None when the parts' inputs,
+    input blocks or activation schemes differ, when biases are on some only, or when block-wise
+    scales do not line up."""
+    ins = {p.codes.shape[1] for p in parts}
+    if len(ins) != 1 or len({p.act_quant for p in parts}) != 1 or len({p.block[1] for p in parts}) != 1:
+        return None
+    biases = [p.bias for p in parts if p.bias is not None]
+    if biases and len(biases) != len(parts):
+        return None
+    codes = [p.codes for p in parts]
+    block, scales = parts[0].block, [p.scale for p in parts]
+    lined_up = len({p.block for p in parts}) == 1 and not any(c.shape[0] % block[0] for c in codes[:-1])
+    if not lined_up:
+        if parts[0].block[1] < ins.pop():
+            return None  # block-wise: only whole blocks of rows join
+        # one scale over the inputs (per channel or per tensor): each part's per output channel
+        block = (1, parts[0].block[1])
+        scales = [_expand(p.scale, (p.block[0], 1), (c.shape[0], 1)) for p, c in zip(parts, codes)]
+    bias = torch.cat(biases) if biases else None
+    merged = QuantLinear(
+        torch.cat(codes).contiguous(), torch.cat(scales).contiguous(), block, bias=bias, act_quant=parts[0].act_quant
+    )
+    return merged.prepared()
+
+
 def read_weight(reader, module: str, shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor | QuantLinear:
     """``{module}.weight`` [out, in] of a linear layer: a tensor in ``dtype`` on ``device``, or
     a :class:`QuantLinear` (without bias) when the checkpoint stores it in FP8 with its scale,
