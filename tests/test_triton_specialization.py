@@ -38,6 +38,7 @@ MODULES = (
     "moeserve.kernels.triton_exchange",
     "moeserve.kernels.triton_mla",
     "moeserve.kernels.triton_norms",
+    "moeserve.kernels.triton_routing",
 )
 
 
@@ -57,6 +58,7 @@ def _forget_kernels():
     K._kernels.cache_clear()
     K._expert_kernels.cache_clear()
     K._norm_kernels.cache_clear()
+    K._routing_kernels.cache_clear()
 
 
 @pytest.fixture
@@ -224,6 +226,55 @@ def test_the_norm_warm_up_compiles_every_key_a_step_can_launch(launches, family,
         seen = _keys(launches, k)
         assert seen, f"{k} was never launched by a step"
         assert seen <= keys, (k, sorted(seen - keys))
+
+
+ROUTINGS = [  # (spec, E, K, gate dtype): ERNIE, Qwen3, Mixtral, DeepSeek-V3 without groups
+    (dict(gate_fp32=True, correction_bias=True, renormalize=True, renorm_min=1e-12), 64, 6, torch.float32),
+    (dict(renormalize=True), 128, 8, torch.bfloat16),
+    (dict(renormalize=True), 8, 2, torch.bfloat16),
+    (dict(scoring="sigmoid", gate_fp32=True, correction_bias=True, renormalize=True, scaling_factor=2.5), 256, 8,
+     torch.float32),
+]  # fmt: skip
+
+
+def test_the_routing_kernel_compiles_once_per_routing_whatever_the_token_count(launches, monkeypatch):
+    from moeserve import kernels as K
+    from moeserve.models.config import RoutingSpec
+    from moeserve.models.routing import route
+
+    monkeypatch.setattr(K, "ROUTING_DEVICES", ("cuda", "cpu"))
+    for kw, e, k, dtype in ROUTINGS:
+        spec = RoutingSpec(**kw)
+        bias = torch.empty(e) if spec.correction_bias else None
+        buf = torch.empty(4096, e, dtype=dtype)
+        for t in list(range(1, 300, 7)) + [512, 2048]:
+            route(spec, torch.empty(t, e, dtype=dtype), k, bias, torch.bfloat16)
+            route(spec, buf[:t], k, bias, torch.bfloat16)  # a view of a larger buffer
+    assert_one_key_per_config(launches, "fused_route_kernel", range(len(ROUTINGS), len(ROUTINGS) + 1))
+
+
+@pytest.mark.parametrize("family", ["ernie", "qwen3_moe"])
+def test_the_routing_warm_up_compiles_every_key_a_step_can_launch(launches, family, tmp_path, monkeypatch):
+    """A router runs ``MoEBlock.warm_up`` for each MoE layer at start (``cluster.rank._warm_up_kernels``);
+    the routing of steps of any length then launches no key of the routing kernel it did not compile."""
+    import hf_oracle as hf
+
+    from moeserve import kernels as K
+    from moeserve.models import load_model
+
+    build = {"ernie": hf.build_ernie, "qwen3_moe": hf.build_qwen3_moe}[family]
+    model = load_model(hf.save(build(seed=1), tmp_path), dtype=torch.bfloat16)
+    monkeypatch.setattr(K, "ROUTING_DEVICES", ("cuda", "cpu"))
+    assert sum(block.warm_up(torch.bfloat16) for block in model.moe_blocks) == len(model.moe_blocks) > 0
+    warm = _keys(launches, "fused_route_kernel")
+    launches.clear()
+    h = model.config.hidden_size
+    for t in (1, 5, 33, 300):  # what a step's MoE layers launch (not run here: the ids would be garbage)
+        for block in model.moe_blocks:
+            block.route(torch.zeros(t, h, dtype=torch.bfloat16))
+    seen = _keys(launches, "fused_route_kernel")
+    assert seen, "fused_route_kernel was never launched by a step"
+    assert seen <= warm, sorted(seen - warm)
 
 
 def _keys(seen, kernel):
@@ -497,6 +548,7 @@ WARMED = {
     "return_rows_kernel": "any rank: NvlinkExchange.warm_up_kernels",
     "rms_norm_kernel": "router: DecoderModel.warm_up_norms (cluster.rank._warm_up_kernels)",  # norms + residual
     "head_rope_kernel": "router: DecoderModel.warm_up_norms (cluster.rank._warm_up_kernels)",  # qk norm + RoPE
+    "fused_route_kernel": "router: MoEBlock.warm_up per MoE layer (cluster.rank._warm_up_kernels)",  # the routing
 }
 
 

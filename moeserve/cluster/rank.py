@@ -262,15 +262,15 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
     step picks from its shape: the expert kernels' rows per pass (a worker), the race sampler
     with and without a threshold, the paged attention's decode and prefill tiles at every split
     for each kind of attention layer the model has (chunk, window, sinks; or the MLA kernel),
-    the combine over k, the FP8 linears and the fused norms and RoPE (a router), the direct
-    exchange's kernels for every MoE layer (any rank); the table of
-    tests/test_triton_specialization.py says which kernel is compiled where. Each is ~1 s of
+    the combine over k, the FP8 linears, the fused norms and RoPE and the fused routing of
+    each MoE layer (a router), the direct exchange's kernels for every MoE layer (any rank);
+    the table of tests/test_triton_specialization.py says which kernel is compiled where. Each is ~1 s of
     host time on an H200 host that a step would otherwise wait for, mid-serving."""
     if device.type != "cuda":
         return
     t0 = time.perf_counter()
     blocks = st.store.warm_up_kernels() if st.store is not None else []
-    races = linears = attention = exchange = norms = 0
+    races = linears = attention = exchange = norms = routing = 0
     from moeserve import kernels
     from moeserve.dataplane.nvlink import NvlinkExchange
 
@@ -305,19 +305,21 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
                 model.layers[0].attn.scale,
             )
         norms = model.warm_up_norms()  # the fused norm and RoPE kernels
+        routing = sum(block.warm_up(st.dtype) for block in model.moe_blocks)  # the fused routing
         fp8 = [q for q in st.runner.model.linears() if isinstance(q, QuantLinear)]
         if fp8 and kernels.available():
             linears = kernels.warm_up_fp8_linears(fp8, st.dtype)
     torch.cuda.synchronize(device)
-    if blocks or races or linears or attention or exchange or norms:
+    if blocks or races or linears or attention or exchange or norms or routing:
         log.info(
             "compiled the expert kernels for rows per pass %s, %d race sampler, %d paged attention, %d FP8 "
-            "linear, %d norm and RoPE, and %d exchange and combine launches in %.1f s",
+            "linear, %d norm and RoPE, %d routing, and %d exchange and combine launches in %.1f s",
             blocks,
             races,
             attention,
             linears,
             norms,
+            routing,
             exchange,
             time.perf_counter() - t0,
         )

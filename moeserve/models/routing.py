@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeserve import kernels
 from moeserve.models import families
 from moeserve.models.config import ModelConfig, RoutingSpec
 from moeserve.models.layers import Linear, SwiGLU, load_swiglu
@@ -56,8 +57,25 @@ def route(
     dtype: torch.dtype | None = None,
 ) -> RoutingResult:
     """The routing function of ``spec``: gate logits [T, E] -> ids, weights [T, K] (weights in
-    ``dtype``, default the logits' dtype); ``correction_bias`` [E] fp32 selects only."""
+    ``dtype``, default the logits' dtype); ``correction_bias`` [E] fp32 selects only.
+
+    On CUDA a routing without groups that takes the top-k on the scores is one Triton launch
+    (``kernels.fused_route``: the same fp32 operations, the lowest index first among equal
+    choices); the torch sequence below is the CPU's and the reference
+    (``MOESERVE_FUSED_ROUTING=0`` keeps it on CUDA too)."""
     dtype = dtype or logits.dtype
+    if kernels.fused_route_takes(logits, spec, top_k):
+        ids, weights = kernels.fused_route(
+            logits,
+            top_k,
+            spec.scoring,
+            correction_bias,
+            spec.renormalize,
+            spec.renorm_min,
+            spec.scaling_factor,
+            dtype,
+        )
+        return RoutingResult(ids=ids, weights=weights, weights_on_input=spec.weights_on_input)
     if spec.topk_first:
         top, ids = torch.topk(logits, top_k, dim=-1)  # [T, K]
         weights = _score(spec, top)
@@ -128,6 +146,18 @@ class MoEBlock:
         x = hidden.float() if self.spec.gate_fp32 else hidden
         logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
         return route(self.spec, logits, self.top_k, self.correction_bias, hidden.dtype)
+
+    def warm_up(self, dtype: torch.dtype) -> int:
+        """Compile, before serving, what ``route`` launches for hidden states of ``dtype`` (the
+        model's): the fused routing kernel of this layer's routing, experts and top-k, whose key
+        does not depend on the token count. Returns the launches run: 0 where torch's sequence
+        serves (CPU, grouped or top-k-first routings, ``MOESERVE_FUSED_ROUTING=0``)."""
+        gate_dtype = torch.float32 if self.spec.gate_fp32 else dtype
+        logits = torch.zeros(1, self.gate_weight.shape[0], dtype=gate_dtype, device=self.gate_weight.device)
+        if not kernels.fused_route_takes(logits, self.spec, self.top_k):
+            return 0
+        self.route(torch.zeros(1, self.gate_weight.shape[1], dtype=dtype, device=self.gate_weight.device))
+        return 1
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The shared experts: [T, H] -> [T, H] (times their sigmoid gate), or None."""

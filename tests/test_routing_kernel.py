@@ -1,0 +1,202 @@
+"""The fused routing kernel (moeserve/kernels/triton_routing.py), run by Triton's interpreter on
+CPU tensors: for every routing it serves it chooses the ids torch's ``route`` chooses, in the
+same (descending) order, with the same weights (fp32 within 1e-6, bf16 within a step of the
+dtype: the interpreter truncates where the GPU rounds); ``route`` takes it only where it
+should, and MOESERVE_FUSED_ROUTING=0 or a CPU tensor keeps torch's sequence."""
+
+import pytest
+import torch
+from triton_util import needs_triton
+
+from moeserve import kernels
+from moeserve.models.config import RoutingSpec
+from moeserve.models.routing import MoEBlock, route
+
+pytestmark = needs_triton
+
+# (spec, E, K, logits dtype, correction bias): the routings the kernel serves
+CASES = {
+    "ernie": (
+        RoutingSpec(gate_fp32=True, correction_bias=True, renormalize=True, renorm_min=1e-12),
+        64,
+        6,
+        torch.float32,
+        True,
+    ),
+    "qwen3": (RoutingSpec(renormalize=True), 128, 8, torch.bfloat16, False),
+    "qwen3-no-renorm": (RoutingSpec(), 128, 8, torch.bfloat16, False),
+    "mixtral": (RoutingSpec(renormalize=True), 8, 2, torch.bfloat16, False),
+    "dsv3-one-group": (
+        RoutingSpec(
+            scoring="sigmoid",
+            gate_fp32=True,
+            correction_bias=True,
+            renormalize=True,
+            renorm_min=1e-20,
+            scaling_factor=2.5,
+        ),
+        256,
+        8,
+        torch.float32,
+        True,
+    ),
+    "e512-k16": (RoutingSpec(renormalize=True), 512, 16, torch.float32, False),
+}
+
+
+def distinct_logits(t: int, e: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random logits [T, E] in ``dtype`` with no two equal in a row (so that no choice ties:
+    torch.topk's order among equal values is unspecified)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(t):
+        pool = torch.unique((torch.randn(8 * e, generator=g) * 2).to(dtype))  # distinct values of the dtype
+        rows.append(pool[torch.randperm(pool.numel(), generator=g)[:e]])
+    x = torch.stack(rows)
+    assert all(len(set(r.tolist())) == e for r in x)
+    return x
+
+
+def bias_for(e: int, seed: int) -> torch.Tensor:
+    return torch.randn(e, generator=torch.Generator().manual_seed(seed + 1000)) * 0.05
+
+
+def weights_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    else:  # one rounding to the dtype: equal, or a step apart (the interpreter truncates)
+        assert ((got.float() - ref.float()).abs() <= ref.float().abs() * 1e-2).all()
+
+
+SIZES = [(name, t) for name in CASES for t in ([1, 3, 65] if name != "e512-k16" else [1, 9])]
+
+
+@pytest.mark.parametrize("name,t", SIZES, ids=[f"{n}-T{t}" for n, t in SIZES])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_routing_equals_the_torch_route(name, t, out_dtype):
+    spec, e, k, dtype, has_bias = CASES[name]
+    logits = distinct_logits(t, e, dtype, seed=t * 7 + e)
+    bias = bias_for(e, t) if has_bias else None
+    ref = route(spec, logits, k, bias, out_dtype)  # torch's sequence (a CPU tensor)
+    ids, weights = kernels.fused_route(
+        logits, k, spec.scoring, bias, spec.renormalize, spec.renorm_min, spec.scaling_factor, out_dtype
+    )
+    assert ids.dtype == torch.long and ids.shape == (t, k)
+    assert torch.equal(ids, ref.ids)  # the same experts in the same (descending) order
+    weights_close(weights, ref.weights)
+    if spec.renormalize and spec.scaling_factor == 1.0:  # the weights are renormalised, not raw scores
+        torch.testing.assert_close(weights.float().sum(-1), torch.ones(t), rtol=2e-2, atol=0)
+
+
+def test_the_bias_selects_and_the_unbiased_scores_weigh():
+    """A bias that lifts a low-scoring expert into the top-k: it is chosen, and weighs by its
+    own score, not by the biased one."""
+    e, k = 16, 2
+    logits = torch.linspace(2.0, -2.0, e)[None, :]  # expert 0 best, 15 worst
+    bias = torch.zeros(e)
+    bias[15] = 1.0
+    ids, w = kernels.fused_route(logits, k, "softmax", bias, False, None, 1.0, torch.float32)
+    assert ids.tolist() == [[15, 0]]
+    scores = torch.softmax(logits, -1)
+    torch.testing.assert_close(w, scores[:, [15, 0]], rtol=1e-6, atol=0)
+    ids, w = kernels.fused_route(logits, k, "softmax", None, False, None, 1.0, torch.float32)
+    assert ids.tolist() == [[0, 1]]
+
+
+def test_the_renormalisation_floor_and_the_scaling_factor():
+    logits = torch.full((1, 8), -30.0)  # sigmoid scores ~1e-13: their sum is below the floor
+    logits[0, 3] = -29.0
+    ids, w = kernels.fused_route(logits, 2, "sigmoid", None, True, 1e-6, 3.0, torch.float32)
+    s = torch.sigmoid(logits)
+    assert ids[0, 0].item() == 3
+    torch.testing.assert_close(w, s.gather(-1, ids) / 1e-6 * 3.0, rtol=1e-6, atol=0)
+    ids, w = kernels.fused_route(logits, 2, "sigmoid", None, True, 0.0, 1.0, torch.float32)  # no floor
+    torch.testing.assert_close(w.sum(-1), torch.ones(1), rtol=1e-6, atol=0)
+
+
+def test_equal_choices_take_the_lowest_index_first():
+    logits = torch.tensor([[0.0, 1.0, 0.5, 1.0, 1.0, 0.5]])
+    ids, _ = kernels.fused_route(logits, 4, "softmax", None, True, None, 1.0, torch.float32)
+    assert ids.tolist() == [[1, 3, 4, 2]]
+
+
+def test_a_tokens_routing_does_not_depend_on_the_batch():
+    spec, e, k, dtype, _ = CASES["ernie"]
+    logits, bias = distinct_logits(37, e, dtype, seed=5), bias_for(e, 5)
+    ids, w = kernels.fused_route(logits, k, "softmax", bias, True, 1e-12, 1.0, torch.bfloat16)
+    for lo, hi in [(0, 1), (5, 6), (3, 20), (36, 37)]:
+        i1, w1 = kernels.fused_route(logits[lo:hi].clone(), k, "softmax", bias, True, 1e-12, 1.0, torch.bfloat16)
+        assert torch.equal(i1, ids[lo:hi]) and torch.equal(w1, w[lo:hi])
+    i0, w0 = kernels.fused_route(logits[:0], k, "softmax", bias, True, 1e-12, 1.0, torch.bfloat16)
+    assert i0.shape == (0, k) and w0.shape == (0, k) and i0.dtype == torch.long
+
+
+def test_route_takes_the_kernel_only_where_it_serves(monkeypatch):
+    x = torch.zeros(4, 64)
+    softmax = RoutingSpec(renormalize=True)
+    assert not kernels.fused_route_takes(x, softmax, 6)  # a CPU tensor: torch's sequence
+    monkeypatch.setattr(kernels, "ROUTING_DEVICES", ("cuda", "cpu"))
+    assert kernels.fused_route_takes(x, softmax, 6)
+    assert kernels.fused_route_takes(x.bfloat16(), RoutingSpec(scoring="sigmoid", correction_bias=True), 8)
+    assert not kernels.fused_route_takes(x, RoutingSpec(topk_first=True), 4)  # Llama 4, GPT-OSS
+    assert not kernels.fused_route_takes(x, RoutingSpec(n_group=8, topk_group=4), 6)  # DeepSeek-V3's groups
+    assert not kernels.fused_route_takes(x, softmax, 17)  # K past ROUTING_MAX_K
+    assert not kernels.fused_route_takes(torch.zeros(4, 1024), softmax, 8)  # E past ROUTING_MAX_E
+    assert not kernels.fused_route_takes(x.long(), softmax, 6)
+
+
+class _Spy:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = kernels.fused_route
+
+        def spy(*args, **kw):
+            self.calls += 1
+            return real(*args, **kw)
+
+        monkeypatch.setattr(kernels, "fused_route", spy)
+
+
+def test_route_runs_the_kernel_when_it_takes_it_and_torch_otherwise(monkeypatch):
+    spec, e, k, dtype, _ = CASES["ernie"]
+    logits, bias = distinct_logits(9, e, dtype, seed=2), bias_for(e, 2)
+    spy = _Spy(monkeypatch)
+    ref = route(spec, logits, k, bias, torch.bfloat16)  # CPU: torch's sequence, the kernel not run
+    assert spy.calls == 0
+    monkeypatch.setattr(kernels, "ROUTING_DEVICES", ("cuda", "cpu"))
+    got = route(spec, logits, k, bias, torch.bfloat16)
+    assert spy.calls == 1
+    assert torch.equal(got.ids, ref.ids) and got.weights_on_input == ref.weights_on_input
+    weights_close(got.weights, ref.weights)
+    route(RoutingSpec(n_group=4, topk_group=2), logits, k)  # grouped: torch's, even where the kernel serves
+    route(RoutingSpec(topk_first=True), logits, k)
+    assert spy.calls == 1
+
+
+def test_moeserve_fused_routing_0_keeps_torchs_sequence(monkeypatch):
+    monkeypatch.setenv("MOESERVE_FUSED_ROUTING", "0")
+    assert kernels._routing_devices() == ()
+    monkeypatch.setenv("MOESERVE_FUSED_ROUTING", "1")
+    assert kernels._routing_devices() == ("cuda",)
+    monkeypatch.delenv("MOESERVE_FUSED_ROUTING")
+    assert kernels._routing_devices() == ("cuda",)
+    monkeypatch.setenv("MOESERVE_FUSED_ROUTING", "yes")
+    with pytest.raises(ValueError, match="MOESERVE_FUSED_ROUTING='yes'"):
+        kernels._routing_devices()
+    monkeypatch.setattr(kernels, "ROUTING_DEVICES", ())  # what =0 gives at import
+    spy = _Spy(monkeypatch)
+    route(CASES["qwen3"][0], distinct_logits(3, 128, torch.bfloat16, 1), 8)
+    assert spy.calls == 0
+
+
+def test_the_block_warm_up_runs_the_kernel_where_it_serves(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    spec = CASES["ernie"][0]
+    block = MoEBlock(spec, 6, torch.randn(64, 32, generator=g), correction_bias=torch.zeros(64))
+    grouped = MoEBlock(RoutingSpec(n_group=4, topk_group=2), 6, torch.randn(64, 32, generator=g))
+    assert block.warm_up(torch.bfloat16) == 0  # CPU
+    monkeypatch.setattr(kernels, "ROUTING_DEVICES", ("cuda", "cpu"))
+    spy = _Spy(monkeypatch)
+    assert block.warm_up(torch.bfloat16) == 1 and spy.calls == 1
+    assert grouped.warm_up(torch.bfloat16) == 0 and spy.calls == 1
