@@ -44,6 +44,8 @@ SHAPES = {  # name: (K, N) of x [M, K] @ W [N, K].T
     "ernie_dense_down": (12288, 2560),
     "scout_shared_gu": (5120, 8192),  # Llama 4 Scout's shared expert, gate or up
     "scout_shared_down": (8192, 5120),
+    "ernie_shared_gate_up": (2560, 6144),  # gate and up merged (moeserve.models.layers.merge_linears)
+    "scout_shared_gate_up": (5120, 16384),
 }
 VARIANTS = ("bf16", "fp8-wo", "fp8-a8-triton", "fp8-a8-cublas", "quant-rows")
 

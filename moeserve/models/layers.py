@@ -15,6 +15,7 @@ router and expert sides load different subsets of them.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,10 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+# MOESERVE_MERGED_PROJECTIONS=0 keeps q, k, v and gate, up as separate products (a measurement switch)
+MERGE_PROJECTIONS = os.environ.get("MOESERVE_MERGED_PROJECTIONS", "1") != "0"
+
+
 def merge_linears(parts: list[Linear | QuantLinear]) -> Linear | QuantLinear | None:
     """One linear layer whose outputs are ``parts``' outputs side by side (vLLM's merged column
     linears: q, k, v as one qkv, gate and up as one gate_up), so that a step runs one product
@@ -156,7 +161,7 @@ def merge_linears(parts: list[Linear | QuantLinear]) -> Linear | QuantLinear | N
     the same values, only computed in one call. None when the parts cannot be joined: mixed
     kinds (one kept in bf16 by an ignore list, one FP8), biases on some only, or FP8 scale
     blocks that do not line up (``moeserve.models.quant.merge_quant``)."""
-    if len(parts) < 2:
+    if len(parts) < 2 or not MERGE_PROJECTIONS:
         return None
     linears = [p for p in parts if isinstance(p, Linear)]
     if len(linears) == len(parts):
