@@ -249,7 +249,9 @@ class DistributedExperts:
         if event is not None:
             event.synchronize()
         sent = host.numpy()  # [L, R*S]
-        slot = sent[:, self.exchange.slot_position.cpu().numpy()]  # [L, P]
+        # the topology's slot layout, computed on the host: reading the exchange's device copy
+        # (.cpu()) waited for every step enqueued since, so each load read drained the pipeline
+        slot = sent[:, self.exchange.topo.slot_positions().numpy()]  # [L, P]
         layers, p = slot.shape
         logical = np.zeros((layers, self.maps.num_logical), dtype=np.int64)
         rows = np.repeat(np.arange(layers), p)

@@ -54,7 +54,7 @@ import torch
 
 from moeserve.kernels import cudagraph
 from moeserve.models.attention import MAX_SEGMENTS, MIN_KEYS_PER_SEGMENT, attention_config
-from moeserve.models.paged import PagedBatch
+from moeserve.models.paged import PagedBatch, block_table
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,7 @@ class DecodeGraphs:
         hl = self.h_longs.numpy()
         hi = self.h_ints.numpy()
         st = np.asarray(starts, dtype=np.int64)
-        table = np.zeros((b, mb), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
+        table = block_table(tables, b, mb)
         table[s:, 0] = self.scratch
         hl[0, :s] = ids
         hl[0, s:b] = 0

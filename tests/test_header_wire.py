@@ -217,3 +217,15 @@ def test_a_sequence_started_on_cached_blocks_keeps_its_table_start_and_freshness
     back = hw.decode(hw.encode(StepHeader(5, forward=True, work=(RouterWork(seqs=(fresh, chunk)),))))
     got = back.work[0].seqs
     assert got == (fresh, chunk) and got[0].fresh and not got[1].fresh
+
+
+def test_a_leader_alone_sends_nothing(monkeypatch):
+    """One rank serves the whole model (its control group is itself): the header is neither
+    encoded nor broadcast, and the leader gets its own header back."""
+    fake = FakeBroadcast()
+    monkeypatch.setattr(hw.dist, "broadcast", fake)
+    monkeypatch.setattr(hw, "encode", lambda h: pytest.fail("encoded with nobody to send it to"))
+    alone = hw.HeaderWire("leader", capacity=1024, alone=True)
+    h = random_header(np.random.default_rng(0), prompts=2)
+    assert alone.exchange(h) is h
+    assert fake.sent == []

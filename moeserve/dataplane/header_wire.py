@@ -282,19 +282,23 @@ class HeaderWire:
     """One rank's end of the header broadcast: a preallocated int64 buffer of ``capacity``
     words, broadcast whole from rank 0 (``src``) every step on the gloo ``group``; words past
     it follow in a second broadcast. The leader passes its header and gets it back; the other
-    ranks pass None and get the decoded copy."""
+    ranks pass None and get the decoded copy. ``alone``: the group is the leader alone (one
+    rank serves the whole model), so there is nobody to send to: the header is not encoded."""
 
-    def __init__(self, group, capacity: int = DEFAULT_CAPACITY, src: int = 0):
+    def __init__(self, group, capacity: int = DEFAULT_CAPACITY, src: int = 0, alone: bool = False):
         if capacity < 8:
             raise ValueError(f"the header buffer needs at least 8 words, got {capacity}")
         self.group = group
         self.src = src
+        self.alone = alone
         self.buf = torch.zeros(capacity, dtype=torch.int64)
         self.overflows = 0  # headers that needed the second broadcast
 
     def exchange(self, header: StepHeader | None) -> StepHeader:
         cap = self.buf.numel()
         view = self.buf.numpy()
+        if header is not None and self.alone:  # the leader with no other rank
+            return header
         if header is not None:  # the leader
             words = encode(header)
             view[: min(cap, len(words))] = words[:cap]

@@ -188,7 +188,7 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
         log.warning("slow schedule of step %d: %.2f s in the leader's next_header", box[0].step, took)
     with profiling.span("header_broadcast"):
         if st.header_wire is None or st.header_wire.group is not st.control_group:  # new groups after a lost peer
-            st.header_wire = HeaderWire(st.control_group)
+            st.header_wire = HeaderWire(st.control_group, alone=dist.get_world_size(st.control_group) == 1)
         header: StepHeader = st.header_wire.exchange(box[0])
     if header.stop:
         return header
@@ -220,7 +220,10 @@ def _one_step(st: RankState, prof: profiling.StepProfiler | None = None) -> Step
     st.last_enqueue_s = st.last_deliver_s = 0.0
     out: list[Any] | None = [None] * st.topo.world_size if leader is not None else None  # the gather fills it
     with profiling.span("result_gather"):
-        dist.gather_object(res, out, dst=0, group=st.control_group)
+        if st.header_wire.alone and out is not None:  # one rank: its own result, nothing to gather
+            out[0] = res
+        else:
+            dist.gather_object(res, out, dst=0, group=st.control_group)
         if leader is not None and out is not None:
             leader.on_results(header, out)
     return header
