@@ -482,3 +482,12 @@ def test_the_late_scheduling_margin_reaches_the_configurations_that_schedule_lat
     assert "--no-late-scheduling" in off and "--late-scheduling-margin-ms" not in off
     plain, _ = configuration_flags("moeserve-1rank", bench.parse(["--shape", "scout8"]), False)
     assert "--late-scheduling-margin-ms" not in plain and "--no-late-scheduling" not in plain
+
+
+def test_the_commit_of_a_copied_tree_comes_from_the_environment(monkeypatch):
+    """A tree copied to a GPU machine by ``git archive`` inside another checkout records the
+    commit it was made from (MOESERVE_GIT_COMMIT), not the surrounding checkout's HEAD."""
+    from servinglib.common import git_commit
+
+    monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
+    assert git_commit() == {"commit": "abc1234", "dirty": None}  # git is not asked

@@ -26,6 +26,8 @@ def git_commit() -> dict:
     def git(*a):
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10)
 
+    if os.environ.get("MOESERVE_GIT_COMMIT"):  # a tree copied without its repository (git archive)
+        return {"commit": os.environ["MOESERVE_GIT_COMMIT"], "dirty": None}
     try:
         head = git("rev-parse", "HEAD")
         if head.returncode:
