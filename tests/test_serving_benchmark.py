@@ -411,6 +411,7 @@ def test_smoke_prefix_workloads_measure_prefix_caching_side_by_side(tmp_path):
     for c in (on, off):  # where each request's TTFT went, by clock: client >= front end >= leader
         for key in ("prefix", "multiturn"):
             t = c[key]["ttft_parts_mean_s"]
+            assert t["queue_requests"] == t["front_end_requests"]  # the means cover the same requests
             assert t["client"] >= t["front_end"] >= t["queue"] + t["prefill"] and t["prefill"] > 0
             # and split at every hop: each part of every request the front end counted (the
             # workload's and the clients' warm-ups), none negative, adding up to its TTFT
@@ -491,3 +492,23 @@ def test_the_commit_of_a_copied_tree_comes_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
     assert git_commit() == {"commit": "abc1234", "dirty": None}  # git is not asked
+
+
+def test_the_latency_scrape_waits_until_ttft_queue_and_prefill_count_the_same_requests():
+    """A scrape that fell between a first token's queue/prefill observation and its TTFT's is
+    taken again, so that a window's means cover the same requests."""
+    from servinglib.prefix import settled_latency
+
+    class Up:
+        def __init__(self, scrapes):
+            self.scrapes = scrapes
+
+        def frontend_latency(self):
+            return self.scrapes.pop(0)
+
+    torn = {"ttft": (1.0, 4.0), "queue": (0.3, 5.0), "prefill": (0.5, 5.0)}
+    whole = {"ttft": (1.3, 5.0), "queue": (0.3, 5.0), "prefill": (0.5, 5.0)}
+    up = Up([torn, torn, whole, torn])
+    assert settled_latency(up, wait_s=0) is whole and len(up.scrapes) == 1
+    assert settled_latency(Up([{}]), wait_s=0) == {}  # a front end without metrics
+    assert settled_latency(Up([torn, torn]), tries=1, wait_s=0) is torn  # gives up after its tries

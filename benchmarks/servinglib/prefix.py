@@ -156,6 +156,23 @@ def cache_figures(recs: list[dict]) -> dict:
     )
 
 
+def settled_latency(up, tries: int = 20, wait_s: float = 0.05) -> dict:
+    """The front end's latency histograms (``Cluster.frontend_latency``) once their request
+    counts agree: a first token's queue and prefill times are observed just before its TTFT, by
+    another thread than the scrape's, so a scrape between the two counts one request in the
+    first and not the other, and the means of a window would cover different requests (the
+    leader's parts of one more than the front end's TTFT). Scraped again, ``wait_s`` apart,
+    until ``ttft``, ``queue`` and ``prefill`` count the same requests (at most ``tries``)."""
+    got = up.frontend_latency()
+    for _ in range(tries):
+        counts = {got[k][1] for k in ("ttft", "queue", "prefill") if k in got}
+        if len(counts) <= 1:
+            break
+        time.sleep(wait_s)
+        got = up.frontend_latency()
+    return got
+
+
 def ttft_parts(client_mean_s: float | None, before: dict, after: dict) -> dict:
     """Mean TTFT by where it was spent, over the requests of one run: ``client`` (the client's
     clock, ``cache_figures``' ``ttft_mean_s``), ``front_end`` (the front end's, from its
@@ -178,6 +195,7 @@ def ttft_parts(client_mean_s: float | None, before: dict, after: dict) -> dict:
     for name, key in (("front_end", "ttft"), ("queue", "queue"), ("prefill", "prefill")):
         out[name] = mean(key)[0]
     out["front_end_requests"] = int(mean("ttft")[1])
+    out["queue_requests"] = int(mean("queue")[1])
     hops = {name: mean(f"part:{name}") for name in HOPS}
     counts = {n for _, n in hops.values()}
     out["hops"] = (
@@ -233,7 +251,7 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
         plan = plans.get(key)
         if plan is None:
             continue
-        s0, l0 = up.status(), up.frontend_latency()
+        s0, l0 = up.status(), settled_latency(up)
         if key == "prefix":
             recs, _ = m.run(m.first, plan, plan[-1][1] + a.drain)
             f = prefix_figures(recs, a)
@@ -241,7 +259,7 @@ def run_prefix_workloads(m, plans: dict, drive) -> None:
             span = plan[-1][1] + a.multiturn_turns * (a.drain / 2)
             recs = drive(up.serving, plan, a.client_procs, span + a.drain, api="turns")
             f = multiturn_figures(recs, a)
-        s1, l1 = up.status(), up.frontend_latency()
+        s1, l1 = up.status(), settled_latency(up)
         f["ttft_parts_mean_s"] = ttft_parts(f["ttft_mean_s"], l0, l1)
         f["engine"] = {
             k: s1[k] - s0[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "forward_steps")
