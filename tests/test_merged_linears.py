@@ -104,3 +104,16 @@ def test_an_fp8_checkpoint_loads_its_projections_merged_and_equals_transformers(
     with torch.no_grad():
         ref = hf.load_oracle(deq)(ids).logits
     assert (model(ids) - ref).abs().max().item() < 1e-4
+
+
+def test_the_switch_keeps_projections_apart_and_refuses_other_values(monkeypatch):
+    from moeserve.models import layers
+
+    monkeypatch.setenv("MOESERVE_MERGED_PROJECTIONS", "0")
+    assert layers._merge_projections() is False
+    monkeypatch.setattr(layers, "MERGE_PROJECTIONS", False)
+    g = torch.Generator().manual_seed(6)
+    assert merge_linears([Linear(_w(g, 8, 4)), Linear(_w(g, 8, 4))]) is None
+    monkeypatch.setenv("MOESERVE_MERGED_PROJECTIONS", "yes")
+    with pytest.raises(ValueError, match="MOESERVE_MERGED_PROJECTIONS='yes': allowed 1 .* or 0"):
+        layers._merge_projections()

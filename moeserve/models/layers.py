@@ -150,8 +150,16 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-# MOESERVE_MERGED_PROJECTIONS=0 keeps q, k, v and gate, up as separate products (a measurement switch)
-MERGE_PROJECTIONS = os.environ.get("MOESERVE_MERGED_PROJECTIONS", "1") != "0"
+def _merge_projections() -> bool:
+    """MOESERVE_MERGED_PROJECTIONS: 1 (the default) merges q, k, v and gate, up at load; 0 keeps
+    them separate products (a measurement switch); any other value is refused by name."""
+    mode = os.environ.get("MOESERVE_MERGED_PROJECTIONS", "1") or "1"
+    if mode not in ("0", "1"):
+        raise ValueError(f"MOESERVE_MERGED_PROJECTIONS={mode!r}: allowed 1 (the default: merged) or 0 (separate)")
+    return mode == "1"
+
+
+MERGE_PROJECTIONS = _merge_projections()
 
 
 def merge_linears(parts: list[Linear | QuantLinear]) -> Linear | QuantLinear | None:
