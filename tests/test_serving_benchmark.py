@@ -17,7 +17,7 @@ from servinglib.figures import BURST_KEYS, ONLINE_KEYS, steady_steps  # noqa: E4
 from servinglib.httpclient import SseTokens  # noqa: E402
 from servinglib.prefix import HOPS, ttft_parts  # noqa: E402
 from servinglib.roofline import ROOFLINE_KEYS, kv_bytes_read, roofline  # noqa: E402
-from servinglib.shapes import SHAPES, model_sizes, write_model  # noqa: E402
+from servinglib.shapes import SHAPES, model_sizes, weights_per_gpu, weights_read_per_gpu, write_model  # noqa: E402
 
 
 def _bench():
@@ -63,7 +63,8 @@ def test_smoke_run_writes_every_figure(tmp_path):
     hf = res["configs"]["transformers"]
     assert hf["error"] is None, hf.get("error_detail")
     assert hf["burst"]["output_tokens"] == n * new and hf["burst"]["steady_step_s"] > 0
-    assert hf["roofline"]["weight_bytes_per_gpu"] == hf["run"]["weight_bytes"]
+    # the roofline reads every weight but an untied embedding table (a row per token is gathered)
+    assert hf["roofline"]["weight_bytes_per_gpu"] == hf["run"]["read_bytes"] < hf["run"]["weight_bytes"]
     assert "moeserve-1rank" in run.stdout and "transformers" in run.stdout  # the table
 
 
@@ -217,6 +218,15 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
         else:
             router += n * (4 if reader.stored_dtype(name) != cfg.dtype == torch.bfloat16 else 2)
     assert sizes["router_bytes"] == router and sizes["all_experts_bytes"] == experts
+    # a decode step reads every weight held but an untied embedding table (it gathers a row per
+    # token); a tied one is the LM head's product and is read whole
+    table = cfg.vocab_size * cfg.hidden_size * 2
+    assert sizes["lookup_bytes"] == (0 if cfg.tie_word_embeddings else table)
+    assert weights_read_per_gpu(sizes, 0, 1) == weights_per_gpu(sizes, 0, 1) - sizes["lookup_bytes"]
+    if shape != "gptoss20b":  # (FP8 experts with biases are refused)
+        fp8 = model_sizes(folder, 2, quantization="fp8")  # the table stays unquantized, in its stored dtype
+        stored = DummyReader(folder, quantization="fp8").stored_dtype("model.embed_tokens.weight")
+        assert fp8["lookup_bytes"] == (0 if cfg.tie_word_embeddings else table // 2 * stored.itemsize)
     params = sizes["router_bytes"] / 2 + sizes["all_experts_bytes"] / 2
     if shape == "qwen3_30b":  # Qwen3-30B-A3B: 30.5B parameters, 128 experts top-8 in 48 MoE layers
         assert (cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size) == (
@@ -234,6 +244,7 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
         assert sizes["windows"][:2] == [128, None] and 20.5e9 < params < 21.5e9
         assert cfg.attention_window == 128  # the leader turns the prefix cache off
     if shape == "scout8":
+        assert not cfg.tie_word_embeddings and sizes["lookup_bytes"] == 202048 * 5120 * 2
         assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (8, 5120, 202048, 16, 1)
         assert cfg.use_rope == (True, True, True, False) * 2 and cfg.moe_layer_ids == tuple(range(8))
         assert cfg.rope.type == "llama3" and cfg.attention_chunk_size == 8192

@@ -30,6 +30,11 @@ def hf_generate(model_dir: str, device: str, dtype_name: str, prompts: list, new
     model.eval()
     init_s = time.perf_counter() - t
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # what a decode step reads: every weight but an untied input embedding (a gather of a row
+    # per token; a tied one is the LM head's product)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.weight.data_ptr()
+    read_bytes = weight_bytes - (0 if tied else emb.weight.numel() * emb.weight.element_size())
     ids = torch.tensor(prompts, dtype=torch.long, device=dev)
     mask = torch.ones_like(ids)
 
@@ -62,6 +67,7 @@ def hf_generate(model_dir: str, device: str, dtype_name: str, prompts: list, new
         transformers=transformers.__version__,
         init_s=init_s,
         weight_bytes=weight_bytes,
+        read_bytes=read_bytes,
         prefill_s=prefill_s,
         total_s=total_s,
         new_tokens=made,
@@ -98,7 +104,7 @@ def run_transformers(model_dir: str, sizes: dict, a, rates: dict, plans: dict) -
     )
     ctx = a.burst_prompt + new / 2
     kv = kv_bytes_read(sizes, [int(round(ctx))]) * n
-    res["roofline"] = roofline(out["weight_bytes"], kv, out["step_s"], rates, 1, n, ctx)
+    res["roofline"] = roofline(out["read_bytes"], kv, out["step_s"], rates, 1, n, ctx)
     print(
         f"[transformers] {res['burst']['output_tok_s']:.0f} tok/s, step {1e3 * (out['step_s'] or 0):.2f} ms", flush=True
     )

@@ -47,8 +47,9 @@ def kv_bytes_read(sizes: dict, contexts) -> float:
 def step_classes(sizes: dict, weight_bytes: float, kv_bytes: float, tokens: float, contexts) -> dict:
     """{class: (bytes, FLOPs)} of one decode step on a GPU: ``tokens`` new tokens (one per
     sequence), the sequences at ``contexts``; the routed experts' bytes are what the GPU holds
-    beside the dense ones (at these batches every slot is read)."""
-    dense_bytes = sizes["router_bytes"]
+    beside the dense ones (at these batches every slot is read); ``weight_bytes`` is what the GPU
+    reads (``shapes.weights_read_per_gpu``): an untied embedding table is gathered, not read."""
+    dense_bytes = sizes["router_bytes"] - sizes.get("lookup_bytes", 0)
     keys = keys_read(sizes, contexts)
     return dict(
         dense=(dense_bytes, 2.0 * tokens * sizes["dense_params"]),

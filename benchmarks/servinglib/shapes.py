@@ -358,6 +358,7 @@ def _quantized_sizes(model_dir: str, dtype_bytes: int, quantization: str, plain:
     return dict(
         plain,
         router_bytes=router,
+        lookup_bytes=_lookup_bytes(cfg, r.names(), r.shape, r.stored_dtype, dtype_bytes),
         expert_bytes=expert,
         all_experts_bytes=expert * cfg.num_experts * cfg.num_moe_layers,
         quantization=quantization,
@@ -392,6 +393,8 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
         )
         router += n * (4 if fp32 else dtype_bytes)
     expert = expert_spec(cfg, torch.bfloat16 if dtype_bytes == 2 else torch.float32).nbytes
+    shapes = checkpoint_shapes(cfg)
+    lookup = _lookup_bytes(cfg, shapes, shapes.__getitem__, lambda name: None, dtype_bytes)
     # MLA caches one latent per token and layer (moeserve.models.mla); other families K and V
     kv_layer_token = (1 if cfg.mla is not None else 2) * cfg.cache_heads * cfg.cache_dim * dtype_bytes
     return dict(
@@ -403,6 +406,7 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
         router_bytes=router,
+        lookup_bytes=lookup,
         expert_bytes=expert,
         all_experts_bytes=expert * cfg.num_experts * cfg.num_moe_layers,
         kv_bytes_per_token=kv_layer_token * cfg.num_layers,
@@ -417,6 +421,25 @@ def _plain_sizes(cfg, dtype_bytes: int) -> dict:
     )
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _lookup_bytes(cfg, names, shape_of, dtype_of, dtype_bytes: int) -> int:
+    """Bytes of the router side that a decode step does not read whole: an untied embedding
+    table, of which a step gathers one row per token (a tied one is the LM head's product,
+    read whole every step). Held in memory (``router_bytes`` counts it), left out of the
+    roofline's bytes read."""
+    import torch
+
+    if cfg.tie_word_embeddings or EMBEDDING not in names:
+        return 0
+    n = 1
+    for d in shape_of(EMBEDDING):
+        n *= d
+    dt = dtype_of(EMBEDDING)
+    return n * (1 if dt == torch.float8_e4m3fn else 4 if dt == torch.float32 else dtype_bytes)
+
+
 def expert_bytes_per_gpu(sizes: dict, redundant: int, ranks: int) -> int:
     """Bytes of the routed experts one rank holds: its (E + R) / ranks slots of every MoE layer."""
     return (sizes["num_experts"] + redundant) // max(1, ranks) * sizes["num_moe_layers"] * sizes["expert_bytes"]
@@ -425,3 +448,9 @@ def expert_bytes_per_gpu(sizes: dict, redundant: int, ranks: int) -> int:
 def weights_per_gpu(sizes: dict, redundant: int, ranks: int) -> int:
     """Bytes of every weight one rank holds: the router side and its expert slots."""
     return sizes["router_bytes"] + expert_bytes_per_gpu(sizes, redundant, ranks)
+
+
+def weights_read_per_gpu(sizes: dict, redundant: int, ranks: int) -> int:
+    """Bytes of weights one rank reads in a decode step: every weight it holds but an untied
+    embedding table, of which the step gathers a row per token (``lookup_bytes``)."""
+    return weights_per_gpu(sizes, redundant, ranks) - sizes.get("lookup_bytes", 0)

@@ -25,7 +25,7 @@ from servinglib.figures import (
 from servinglib.profiles import profile_table, read_profiles
 from servinglib.report import by_round
 from servinglib.roofline import kv_bytes_read, roofline, step_classes
-from servinglib.shapes import expert_bytes_per_gpu, weights_per_gpu
+from servinglib.shapes import expert_bytes_per_gpu, weights_read_per_gpu
 
 
 def clean(b: dict) -> bool:
@@ -87,7 +87,7 @@ class Measure:
     def burst(self, plan: list, sizes: dict, rates: dict) -> None:
         """``--rounds`` bursts through each API; each API's figures are its median round's."""
         a, apis, up, ranks = self.a, self.apis, self.up, self.ranks
-        weights = weights_per_gpu(sizes, self.redundant, ranks)
+        weights = weights_read_per_gpu(sizes, self.redundant, ranks)  # the roofline's bytes
         rounds: dict = {api: [] for api in apis}
         for r in range(a.rounds):  # odd rounds in the reverse order of the APIs
             for api in apis if r % 2 == 0 else apis[::-1]:
