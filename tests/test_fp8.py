@@ -100,21 +100,16 @@ def test_a_checkpoint_written_by_the_compressed_tensors_library_equals_transform
 
 
 def test_quantization_fp8_quantizes_a_bf16_checkpoint_at_load_per_output_channel(source, tmp_path):
-    """--quantization fp8 equals the checkpoint quantized per channel by another writer: the
-    routed experts, shared experts and dense MLPs and attention's projections (MLA's too), as
-    vLLM's fp8 method; the routers, embeddings and the LM head as stored."""
+    """--quantization fp8 equals the checkpoint quantized per channel by another writer (the
+    routed experts, shared experts and dense MLPs; attention, routers and the LM head as stored)."""
     family, src = source
-    _, deq = fp8_util.quantize(src, tmp_path, "compressed-tensors", "channel", layers="all")
+    _, deq = fp8_util.quantize(src, tmp_path, "compressed-tensors", "channel", layers="mlp")
     ids = hf.prompts(2, 20, seed=3)
     model = load_model(src, dtype=torch.float32, quantization="fp8")
     spec = model.moe_info.expert_spec
     assert spec.quant == ExpertQuant(gate_up_block=(64, 1), down_block=(32, 1))  # weight-only by default
-    assert all(isinstance(layer.attn.o_proj, Q.QuantLinear) for layer in model.layers)
-    assert not isinstance(model.lm_head, Q.QuantLinear)
     with torch.no_grad():
         want = hf.load_oracle(deq)(ids).logits
-        mlp_only = hf.load_oracle(fp8_util.quantize(src, tmp_path / "mlp", "compressed-tensors", "channel")[1])
-        assert (mlp_only(ids).logits - want).abs().max().item() > 10 * FP32_LOGITS_ATOL  # attention's codes matter
     assert (model(ids) - want).abs().max().item() < FP32_LOGITS_ATOL
 
 
@@ -253,10 +248,8 @@ def test_dummy_fp8_weights_are_made_as_fp8_with_no_nan_code(tmp_path):
     assert e["gate_up"].dtype == Q.FP8 and not ((codes == 0x7F) | (codes == 0xFF)).any()
     assert torch.isfinite(spec.dense(e, torch.float32)["gate_up"]).all()
     assert r.read_expert(0, 1)["gate_up"].view(torch.uint8).equal(codes)  # seeded: the same on every rank
-    # the router and the LM head stay in the model dtype; attention and the shared expert are FP8
-    assert r.stored_dtype("model.layers.0.self_attn.q_proj.weight") == Q.FP8
-    assert r.stored_dtype("lm_head.weight") != Q.FP8
-    assert r.stored_dtype("model.layers.1.feed_forward.router.weight") != Q.FP8
+    # attention, the router and the LM head stay in the model dtype; the shared expert is FP8
+    assert r.stored_dtype("model.layers.0.self_attn.q_proj.weight") != Q.FP8
     assert r.stored_dtype("model.layers.1.feed_forward.shared_expert.up_proj.weight") == Q.FP8
     model = load_model(path, dtype=torch.float32, load_format="dummy", quantization="fp8")
     out = model(torch.tensor([[5, 6, 7, 8]]))

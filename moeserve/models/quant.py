@@ -21,9 +21,8 @@ What is read (``quantization_config`` of config.json; :func:`parse_quantization`
 - block-wise FP8 (``quant_method: fp8``, ``weight_block_size: [bo, bi]``, ``weight_scale_inv``
   [Ob, Ib], which multiplies despite its name; ``modules_to_not_convert``);
 - ``--quantization fp8`` (vLLM's name; :func:`online_scheme`): a bf16 checkpoint quantized at
-  load, per output channel: every linear layer vLLM's fp8 method takes, the routed experts, the
-  MLPs beside them (shared experts, dense layers) and attention's projections (q, k, v, o; MLA's
-  q_a, q_b, kv_a, kv_b); routers, embeddings and the LM head keep the checkpoint's dtype.
+  load, per output channel: the routed experts and the MLPs beside them (shared experts, dense
+  layers); attention, routers, embeddings and the LM head keep the checkpoint's dtype.
 
 Anything else (another method or format, integer or 4-bit weights, static activation scales,
 an FP8 KV cache) is refused by name with what is supported: never read as if it were bf16.
@@ -56,9 +55,6 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 KERNEL_MAX_ROWS = 512
 FORMATS = ("compressed-tensors", "fp8-block", "online")
 MLP_LEAVES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # w1, w3, w2: Mixtral's experts
-# attention's products (MLA's too: moeserve.models.mla), which --quantization fp8 quantizes as
-# vLLM's fp8 method does every linear layer but the LM head and the routers
-ATTENTION_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 STRATEGIES = ("channel", "tensor", "block")
 SUPPORTED = (
     "moeserve serves FP8 (e4m3) weights from compressed-tensors checkpoints (format float-quantized or "
@@ -130,15 +126,12 @@ class QuantScheme:
         return False
 
     def online_quantizes(self, module: str) -> bool:
-        """With --quantization fp8: whether a bf16 ``module`` is quantized at load: the MLPs
-        (routed and shared experts, dense layers) and attention's projections, as vLLM's fp8
-        method quantizes every linear layer; never the routers, the embeddings or the LM head."""
+        """With --quantization fp8: whether a bf16 ``module`` is quantized at load (the MLPs:
+        routed and shared experts, dense layers; never attention, routers or the LM head)."""
         if self.format != "online" or self.ignores(module):
             return False
         leaf = module.rsplit(".", 1)[-1]
-        if ".self_attn." in module:
-            return leaf in ATTENTION_LEAVES
-        return leaf in MLP_LEAVES
+        return leaf in MLP_LEAVES and ".self_attn." not in module
 
 
 def activations_quantized(scheme: QuantScheme | None, dtype: torch.dtype | None = None) -> bool:
