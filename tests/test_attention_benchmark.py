@@ -56,3 +56,22 @@ def test_bad_flags_are_refused_with_what_is_allowed(capsys):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_prefill_tiling_switch_reads_four_bounded_integers_and_refuses_the_rest():
+    from moeserve.models import attention as A
+
+    env = A.TILING_ENV
+    assert A.prefill_tiling_from_env({}) is None and A.prefill_tiling_from_env({env: ""}) is None
+    assert A.prefill_tiling_from_env({env: "128,64,8,3"}) == dict(BM=128, BN=64, num_warps=8, num_stages=3)
+    for bad, why in (
+        ("128,64,8", "allowed four integers"),
+        ("128,64,eight,3", "allowed four integers"),
+        ("96,64,8,3", "BM 96 is out of range"),
+        ("128,512,8,3", "BN 512 is out of range"),
+        ("128,64,3,3", "num_warps 3 is out of range"),
+        ("128,64,8,0", "num_stages 0 is out of range"),
+    ):
+        with pytest.raises(ValueError, match=why) as e:
+            A.prefill_tiling_from_env({env: bad})
+        assert env in str(e.value) and bad in str(e.value)

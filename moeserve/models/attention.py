@@ -181,6 +181,35 @@ TUNING = {
     "decode": dict(BM=16, BN=64, num_warps=4, num_stages=2, SKIP_MASK=False),
     "prefill": dict(BM=64, BN=64, num_warps=4, num_stages=2, SKIP_MASK=True),
 }
+TILING_ENV = "MOESERVE_ATTENTION_PREFILL_TILING"
+TILING_BOUNDS = dict(BM=(16, 256), BN=(16, 256), num_warps=(1, 16), num_stages=(1, 6))  # powers of two but stages
+
+
+def prefill_tiling_from_env(environ=os.environ) -> dict | None:
+    """``MOESERVE_ATTENTION_PREFILL_TILING=BM,BN,warps,stages`` (a measurement switch, read once
+    per process): the prefill tiling ``benchmarks/attention.py --tune`` found, tried end to end
+    beside today's in one run before it becomes the default. Anything else is refused by name."""
+    raw = environ.get(TILING_ENV, "")
+    if not raw:
+        return None
+    allowed = (
+        "four integers BM,BN,warps,stages: BM and BN powers of two in 16..256, warps 1, 2, 4, 8 or 16, stages 1..6"
+    )
+    try:
+        values = [int(x) for x in raw.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 4:
+        raise ValueError(f"{TILING_ENV}={raw!r}: allowed {allowed}")
+    out = dict(zip(TILING_BOUNDS, values))
+    for key, (lo, hi) in TILING_BOUNDS.items():
+        v = out[key]
+        if not lo <= v <= hi or (key != "num_stages" and v & (v - 1)):
+            raise ValueError(f"{TILING_ENV}={raw!r}: {key} {v} is out of range; allowed {allowed}")
+    return out
+
+
+TUNING["prefill"].update(prefill_tiling_from_env() or {})
 MAX_SEGMENTS = 16  # split-KV segments at most (a power of two: the reduction's arange)
 MIN_KEYS_PER_SEGMENT = 256  # a segment shorter than this costs more in partials than it saves
 
