@@ -88,7 +88,7 @@ def table(result: dict) -> str:
     lines += eplb_table(result)
     hb = result["hbm"]
     lines.append(
-        f"roofline: (weights on a GPU + KV read per step) / HBM rate; roof = datasheet "
+        f"roofline: (weights a GPU reads + KV read per step) / HBM rate; roof = datasheet "
         f"{hb['datasheet_Bps'] / 1e12:.1f} TB/s, roofc = measured copy {hb['measured_copy_Bps'] / 1e12:.2f} TB/s; "
         f"x roof = measured step / roofline step"
     )
