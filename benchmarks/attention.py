@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The paged attention kernel (moeserve/kernels/triton_attention.py) at serving shapes, beside
-torch's scaled_dot_product_attention where one exists (no cached keys), with its launch configuration swept.
+torch's scaled_dot_product_attention and FlashAttention-2's varlen forward where they serve (no
+cached keys), with its launch configuration swept.
 
     python3 benchmarks/attention.py                 # 1 GPU: every shape and case, today's tiles
     python3 benchmarks/attention.py --tune          # and every candidate prefill tiling
@@ -19,7 +20,9 @@ Each is timed inside a CUDA graph (the serving path replays graphs) with the til
 ``CANDIDATES`` for the cases that take the prefill tiling. Where a case has no cached keys,
 ``torch.nn.functional.scaled_dot_product_attention`` (causal, grouped heads, per sequence) runs
 beside it on the same q, k and v: its time, and the reference each output is checked against
-(with cached keys, moeserve's torch path in fp32 is).
+(with cached keys, moeserve's torch path in fp32 is); so does ``flash_varlen`` (column ``flash``:
+the ``MOESERVE_ATTENTION_PREFILL=flash`` backend, all of a case's prompts in one launch, where
+torch has FlashAttention for the device and every prompt lies within its first chunk).
 FLOPs are the causal ones (4 Hq D per visible (query, key) pair; a chunked layer sees its chunk
 only), reported as TFLOP/s beside the measured bf16 GEMM peak of the same run
 (``servinglib.roofline.measure_peak``). Prints a table and writes JSON (``--json``, default
@@ -147,6 +150,20 @@ def sdpa(c: dict) -> torch.Tensor | None:
     return torch.cat(outs)
 
 
+def flash_inputs(c: dict) -> dict | None:
+    """The arguments of ``moeserve.models.attention.flash_varlen`` (FlashAttention-2's varlen
+    forward, the ``MOESERVE_ATTENTION_PREFILL=flash`` backend) for a case it serves: no cached
+    keys, every prompt within its first chunk, a device and dtype it runs (None otherwise)."""
+    if any(c["starts"]) or c["kind"] == "decode" or not A.flash_supported(c["q"]):
+        return None
+    if c["chunk"] and max(c["lens"]) > c["chunk"]:
+        return None
+    cu = torch.tensor([0] + list(itertools.accumulate(c["lens"])), dtype=torch.int32, device=c["q"].device)
+    k = torch.cat([k for k, _ in c["seqs"]])  # [T, Hkv, D]: the step's own keys, as a layer passes them
+    v = torch.cat([v for _, v in c["seqs"]])
+    return dict(q=c["q"], k=k, v=v, cu_seqlens=cu, max_len=max(c["lens"]), scale=c["scale"], window=None)
+
+
 def triton_attention(c: dict, tiling: tuple | None) -> torch.Tensor:
     """The kernel on the case, with ``tiling`` (BM, BN, warps, stages) in place of the prefill
     tuning (None: today's)."""
@@ -205,6 +222,13 @@ def run_case(shape_name: str, shape: tuple, case: str, a, dev: torch.device, pea
     else:
         t = timed(lambda: sdpa(c), a.reps, a.iters, cuda)
         row["sdpa"] = dict(s=t, tflops=flops / t / 1e12)
+    fl = flash_inputs(c)
+    if fl is not None:
+        out = A.flash_varlen(**fl)
+        t = timed(lambda: A.flash_varlen(**fl), a.reps, a.iters, cuda)
+        row["flash"] = dict(s=t, tflops=flops / t / 1e12, rel_diff=rel_diff(out, ref))
+        if peak:
+            row["flash"]["share_of_peak"] = flops / t / peak
     cfg = A.attention_config(c["batch"], shape[0], shape[1], shape[2], A._num_sms(dev.index or 0) if cuda else None)
     tilings: list[tuple | None] = [None]
     if a.tune and uses_prefill_tiling(c):
@@ -287,8 +311,10 @@ def run(a, shapes_known: dict, shapes: list, cases: list, dev: torch.device, pea
         for run in r["runs"]
         if "rel_diff" in run and run["rel_diff"] > TOLERANCE
     ]
+    bad += [(r["shape"], r["case"], "flash") for r in rows if "flash" in r and r["flash"]["rel_diff"] > TOLERANCE]
     print(
-        f"{'shape':<13}{'case':<16}{'today ms':>10}{'TFLOP/s':>9}{'sdpa ms':>9}{'best tiling':>20}{'best ms':>9}{'TFLOP/s':>9}"
+        f"{'shape':<13}{'case':<16}{'today ms':>10}{'TFLOP/s':>9}{'sdpa ms':>9}{'flash ms':>9}{'TFLOP/s':>9}"
+        f"{'best tiling':>20}{'best ms':>9}{'TFLOP/s':>9}"
     )
     for r in rows:
         today = next((x for x in r["runs"] if x.get("today")), None)
@@ -298,6 +324,7 @@ def run(a, shapes_known: dict, shapes: list, cases: list, dev: torch.device, pea
             f"{r['shape']:<13}{r['case']:<16}"
             + (f"{1e3 * today['s']:>10.3f}{today['tflops']:>9.1f}" if today else f"{'-':>10}{'-':>9}")
             + (f"{1e3 * sd['s']:>9.3f}" if sd else f"{'-':>9}")
+            + (f"{1e3 * fl['s']:>9.3f}{fl['tflops']:>9.1f}" if (fl := r.get("flash")) else f"{'-':>9}{'-':>9}")
             + f"{str(best.get('tiling', '-')):>20}"
             + (f"{1e3 * best['s']:>9.3f}{best['tflops']:>9.1f}" if best else "")
         )

@@ -45,6 +45,26 @@ def test_paged_batch_build_golden_example():
     assert b.block_tables.dtype == b.seq_lens.dtype == b.query_start.dtype == torch.int32
 
 
+def test_paged_batch_fresh_suffix_is_the_trailing_prompts_that_start_at_zero():
+    # a decode, a continuing chunk, then two fresh prompts (the scheduler admits new ones last)
+    b = PagedBatch.build([1, 5, 3, 6], [6, 2, 0, 0], [[4, 0], [9, 1], [7], [2, 3]], 4)
+    f = b.fresh
+    assert f is not None and (f.first_seq, f.first_token, f.max_len) == (2, 6, 6)
+    assert f.cu_seqlens.tolist() == [0, 3, 9] and f.cu_seqlens.dtype == torch.int32
+    h = f.head
+    assert h is not None and (h.num_tokens, h.num_seqs, h.max_query_len, h.max_seq_len) == (6, 2, 5, 7)
+    assert h.fresh is None and h.block_size == 4
+    assert h.positions.tolist() == b.positions.tolist()[:6] and h.slot_mapping.tolist() == b.slot_mapping.tolist()[:6]
+    assert h.block_tables.tolist() == [[4, 0], [9, 1]] and h.seq_lens.tolist() == [7, 7]
+    assert h.query_start.tolist() == [0, 1, 6] and h.last_token_index.tolist() == [0, 5]
+    # a fresh prompt before a continuing one is not in the suffix; all fresh: no head
+    assert PagedBatch.build([3, 2], [0, 4], [[1], [2, 3]], 4).fresh is None
+    whole = PagedBatch.build([3, 2], [0, 0], [[1], [2]], 4).fresh
+    assert whole is not None and whole.head is None and (whole.first_seq, whole.first_token) == (0, 0)
+    assert whole.cu_seqlens.tolist() == [0, 3, 5]
+    assert PagedBatch.build([], [], [], 4).fresh is None
+
+
 def test_paged_batch_empty_and_invalid():
     e = PagedBatch.build([], [], [], 16)
     assert (e.num_tokens, e.num_seqs, e.max_query_len, e.max_seq_len) == (0, 0, 0, 0)
@@ -378,3 +398,118 @@ def test_launch_config_shapes():
     prefill = PagedBatch.build([100, 1], [0, 50], [list(range(7)), [9, 10, 11, 12]], 16)
     cfg = attn.attention_config(prefill, 40, 8, 128, num_sms=132)
     assert (cfg["BM"], cfg["BQ"], cfg["NS"], cfg["tiles"]) == (64, 12, 1, 101 // 12 + 2)
+
+
+# -- the flash prefill backend (MOESERVE_ATTENTION_PREFILL=flash) -------------------------------------
+
+
+def _dense_causal(calls):
+    """A stand-in for ``attn.flash_varlen`` on CPU (FlashAttention runs on CUDA only): causal
+    attention of each sequence over its own rows, grouped heads, fp32; records its calls."""
+
+    def run(q, k, v, cu_seqlens, max_len, *, scale, window):
+        cu = cu_seqlens.tolist()
+        assert cu[0] == 0 and cu[-1] == q.shape[0] == k.shape[0] == v.shape[0]
+        assert max_len == max(b - a for a, b in zip(cu, cu[1:]))
+        calls.append((q.shape[0], len(cu) - 1, window))
+        g = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for a, b in zip(cu, cu[1:]):
+            qq = q[a:b].transpose(0, 1)  # [Hq, n, D]
+            kk, vv = (x[a:b].repeat_interleave(g, dim=1).transpose(0, 1) for x in (k, v))
+            i = torch.arange(b - a)
+            vis = i[None, :] <= i[:, None]
+            if window:
+                vis = vis & (i[None, :] > i[:, None] - window)
+            p = torch.softmax((qq @ kk.transpose(-1, -2) * scale).masked_fill(~vis, float("-inf")), dim=-1)
+            out[a:b] = (p @ vv).transpose(0, 1)
+        return out
+
+    return run
+
+
+@pytest.fixture
+def flash_on(monkeypatch):
+    """The flash prefill backend switched on, its kernel replaced by ``_dense_causal``."""
+    calls: list = []
+    monkeypatch.setitem(attn.PREFILL, "backend", "flash")
+    monkeypatch.setattr(attn, "flash_supported", lambda q: True)
+    monkeypatch.setattr(attn, "flash_varlen", _dense_causal(calls))
+    return calls
+
+
+FLASH_CASES = {  # name: (lens, starts, rows the dense kernel gets, sequences it gets)
+    "decodes, a chunk, two prompts": ([1, 9, 1, 30, 4], [50, 7, 13, 0, 0], 34, 2),
+    "prompts only": ([7, 20, 1, 33], [0, 0, 0, 0], 61, 4),
+    "a prompt before a chunk": ([12, 5], [0, 3], 0, 0),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(FLASH_CASES))
+@pytest.mark.parametrize("chunk,window", [(None, None), (None, 6), (40, None), (16, None)])
+def test_flash_prefill_takes_the_trailing_prompts_and_equals_the_torch_path(flash_on, case, chunk, window):
+    lens, starts, rows, seqs = FLASH_CASES[case]
+    q, k_pool, v_pool, batch = _case(lens, starts, 4, 6, 2, 16, seed=len(lens))
+    k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]  # what the step wrote
+    want = attn.paged_attention_torch(
+        q, k_pool, v_pool, batch, scale=0.25, chunk=chunk, softmax_fp32=True, window=window
+    )
+    kp, vp = _poisoned(k_pool, v_pool, batch, chunk, window)
+    got = attn.paged_attention(
+        q,
+        kp,
+        vp,
+        batch,
+        scale=0.25,
+        chunk=chunk,
+        softmax_fp32=True,
+        window=window,
+        backend="triton",
+        k_new=k_new,
+        v_new=v_new,
+    )
+    assert (got - want).abs().max() < 1e-5
+    if chunk is not None and batch.fresh is not None and batch.fresh.max_len > chunk:
+        rows = seqs = 0  # a prompt past its first chunk: the chunked mask is the paged kernel's
+    assert flash_on == ([(rows, seqs, window)] if rows else [])
+
+
+@needs_triton
+def test_flash_prefill_declines_sinks_other_dtypes_and_a_missing_key(flash_on):
+    lens, starts = [1, 9], [20, 0]
+    q, k_pool, v_pool, batch = _case(lens, starts, 4, 4, 2, 16, seed=3)
+    k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]
+    sinks = SINKS[:4]
+    want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=0.25, chunk=None, softmax_fp32=True, sinks=sinks)
+    got = attn.paged_attention_triton(
+        q, k_pool, v_pool, batch, scale=0.25, chunk=None, sinks=sinks, k_new=k_new, v_new=v_new
+    )
+    assert (got - want).abs().max() < 1e-5
+    attn.paged_attention_triton(q, k_pool, v_pool, batch, scale=0.25, chunk=None)  # no step keys given
+    assert attn.fresh_suffix(q, k_pool.half(), batch, None, None, k_new) is None  # the pools hold another dtype
+    assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new) is batch.fresh
+    assert flash_on == []
+
+
+def test_flash_prefill_off_by_default_and_refused_by_name():
+    assert attn.prefill_backend_from_env({}) == "triton"
+    assert attn.prefill_backend_from_env({"MOESERVE_ATTENTION_PREFILL": "flash"}) == "flash"
+    with pytest.raises(ValueError, match=r"MOESERVE_ATTENTION_PREFILL='sdpa': allowed 'triton'.*'flash'"):
+        attn.prefill_backend_from_env({"MOESERVE_ATTENTION_PREFILL": "sdpa"})
+    q = torch.zeros(3, 4, 16)
+    assert not attn.flash_supported(q) and not attn.flash_supported(q.bfloat16())  # CPU tensors: never
+
+
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
+@needs_triton
+def test_paged_model_step_with_flash_prefill_equals_the_eager_oracle(model, monkeypatch, flash_on):
+    """The model's Attention passes the step's own (RoPE'd, normed) keys: with the flash backend
+    the schedule's fresh prompts go through them, and the model still equals the oracle."""
+    monkeypatch.setattr(
+        "moeserve.models.layers.paged_attention", functools.partial(attn.paged_attention, backend="triton")
+    )
+    for want, got, _ in _run_schedule(model, 4, seed=1):
+        if want.numel():
+            assert (got - want).abs().max() < FP32_LOGITS_ATOL
+    assert flash_on, "no step went through the flash backend"

@@ -34,7 +34,7 @@ import torch
 
 from moeserve.kernels import available as triton_available
 from moeserve.kernels import fresh_module
-from moeserve.models.paged import PagedBatch
+from moeserve.models.paged import FreshSuffix, PagedBatch
 
 
 def paged_attention(
@@ -49,11 +49,15 @@ def paged_attention(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     backend: str | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a step's queries q [T, Hq, D] over one layer's pools k_pool, v_pool
     [N, Hkv, D], which already hold this step's keys (written at ``batch.slot_mapping``).
     Returns [T, Hq, D] in q's dtype. ``window``: a sliding window (keys k > q_pos - window);
-    ``sinks`` [Hq]: one more logit per head in every softmax (GPT-OSS).
+    ``sinks`` [Hq]: one more logit per head in every softmax (GPT-OSS). ``k_new``, ``v_new``
+    [T, Hkv, D]: the step's own keys and values (what was written), which the prefill backend
+    ``flash`` reads for the step's fresh prompts (``MOESERVE_ATTENTION_PREFILL``).
 
     backend: "torch", "triton", or None for the device's choice (Triton on CUDA when it is
     installed, torch otherwise).
@@ -61,7 +65,9 @@ def paged_attention(
     if backend is None:
         backend = "triton" if q.is_cuda and triton_available() else "torch"
     if backend == "triton":
-        return paged_attention_triton(q, k_pool, v_pool, batch, scale=scale, chunk=chunk, window=window, sinks=sinks)
+        return paged_attention_triton(
+            q, k_pool, v_pool, batch, scale=scale, chunk=chunk, window=window, sinks=sinks, k_new=k_new, v_new=v_new
+        )
     if backend == "torch":
         return paged_attention_torch(
             q, k_pool, v_pool, batch, scale=scale, chunk=chunk, softmax_fp32=softmax_fp32, window=window, sinks=sinks
@@ -210,6 +216,80 @@ def prefill_tiling_from_env(environ=os.environ) -> dict | None:
 
 
 TUNING["prefill"].update(prefill_tiling_from_env() or {})
+
+PREFILL_ENV = "MOESERVE_ATTENTION_PREFILL"
+PREFILL_BACKENDS = {
+    "triton": "the paged Triton kernel for every sequence (the default)",
+    "flash": "a step's trailing fresh prompts through FlashAttention-2's varlen kernel in torch "
+    "(torch.ops.aten._flash_attention_forward) on the step's own keys, the rest through the paged Triton kernel",
+}
+
+
+def prefill_backend_from_env(environ=os.environ) -> str:
+    """``MOESERVE_ATTENTION_PREFILL=triton|flash`` (a measurement switch, read once per process):
+    which kernel attends a step's fresh prompts (sequences that start at position 0). Anything
+    else is refused by name."""
+    raw = environ.get(PREFILL_ENV, "") or "triton"
+    if raw not in PREFILL_BACKENDS:
+        allowed = "; ".join(f"{k!r}: {v}" for k, v in PREFILL_BACKENDS.items())
+        raise ValueError(f"{PREFILL_ENV}={raw!r}: allowed {allowed}")
+    return raw
+
+
+PREFILL = {"backend": prefill_backend_from_env()}
+
+
+def flash_supported(q: torch.Tensor) -> bool:
+    """Whether torch's FlashAttention-2 varlen forward runs q's device and dtype (CUDA, sm80
+    or newer, 16-bit; torch builds without it report False)."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return False
+    return torch.cuda.get_device_capability(q.device) >= (8, 0)
+
+
+def flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal varlen attention of fresh sequences over their own keys: q [Tf, Hq, D], k, v
+    [Tf, Hkv, D], sequence i is rows ``cu_seqlens[i] .. cu_seqlens[i+1]`` of all three
+    (int32 [F + 1]); ``window``: keys k > q_pos - window only. Returns [Tf, Hq, D]. Grouped heads
+    natively (Hq a multiple of Hkv). Softmax in fp32, P rounded to the inputs' dtype for P @ V,
+    as the Triton kernel does."""
+    extra = {} if not window else dict(window_size_left=window - 1, window_size_right=0)
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True, False, scale=scale, **extra
+    )[0]
+
+
+def fresh_suffix(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    batch: PagedBatch,
+    chunk: int | None,
+    sinks: torch.Tensor | None,
+    k_new: torch.Tensor | None,
+) -> FreshSuffix | None:
+    """The step's trailing fresh prompts when the ``flash`` prefill backend may attend them:
+    the switch is on, the step's keys were passed, no sink logits (FlashAttention has none),
+    the pools hold q's dtype (what was written is what is read), and every such prompt lies in
+    its first attention chunk (Llama 4's chunked layers are causal there)."""
+    f = batch.fresh
+    if f is None or PREFILL["backend"] != "flash" or k_new is None or sinks is not None:
+        return None
+    if k_pool.dtype != q.dtype or k_new.dtype != q.dtype or (chunk and f.max_len > chunk):
+        return None
+    return f if flash_supported(q) else None
+
+
 MAX_SEGMENTS = 16  # split-KV segments at most (a power of two: the reduction's arange)
 MIN_KEYS_PER_SEGMENT = 256  # a segment shorter than this costs more in partials than it saves
 
@@ -267,6 +347,8 @@ def paged_attention_triton(
     window: int | None = None,
     sinks: torch.Tensor | None = None,
     num_segments: int | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton varlen paged flash-attention: q [T, Hq, D] -> [T, Hq, D] (q's dtype), one
     launch per call (two with a split key range). ``window``: keys k > q_pos - window only;
@@ -276,11 +358,44 @@ def paged_attention_triton(
     dtype for the P @ V product, as FlashAttention does; with fp32 tensors both products use
     IEEE fp32 (not TF32), so the result matches the torch path to rounding.
     ``num_segments`` (a power of two) forces the split (tests); None picks it from the shape.
+
+    With ``MOESERVE_ATTENTION_PREFILL=flash`` and the step's own keys ``k_new``, ``v_new``
+    [T, Hkv, D], the step's trailing fresh prompts (``fresh_suffix``) go through ``flash_varlen``
+    instead and the kernel runs over the sequences before them only (``FreshSuffix.head``).
     """
     t, hq, d = q.shape
+    f = fresh_suffix(q, k_pool, batch, chunk, sinks, k_new) if t else None
+    if f is not None:
+        assert k_new is not None and v_new is not None
+        t0 = f.first_token
+        tail = flash_varlen(q[t0:], k_new[t0:], v_new[t0:], f.cu_seqlens, f.max_len, scale=scale, window=window)
+        if f.head is None:
+            return tail
+        out = q.new_empty(t, hq, d)
+        out[t0:] = tail
+        _paged_triton(q[:t0], k_pool, v_pool, f.head, out[:t0], scale, chunk, window, sinks, num_segments)
+        return out
     out = q.new_empty(t, hq, d)
     if t == 0:
         return out
+    _paged_triton(q, k_pool, v_pool, batch, out, scale, chunk, window, sinks, num_segments)
+    return out
+
+
+def _paged_triton(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: PagedBatch,
+    out: torch.Tensor,
+    scale: float,
+    chunk: int | None,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    num_segments: int | None,
+) -> None:
+    """The paged kernel's launch(es) for q [T, Hq, D] into ``out`` [T, Hq, D] (a view may do)."""
+    t, hq, d = q.shape
     hkv = k_pool.shape[1]
     if k_pool.stride(2) != 1 or v_pool.stride() != k_pool.stride() or q.stride(2) != 1:
         raise ValueError(
@@ -351,7 +466,6 @@ def paged_attention_triton(
             NS=ns,
             **({} if _interpreted() else dict(num_warps=1)),
         )
-    return out
 
 
 def warm_up_attention(
@@ -366,7 +480,8 @@ def warm_up_attention(
     serving: for each kind of layer the model has, ``(chunk, window, sinks)`` as its layers call
     the kernel (None: global, no window, no sinks; one layer's sinks [Hq] stand for all, as they
     share a dtype), the decode tile at every split (1 .. MAX_SEGMENTS segments, with the
-    reduction) and the prefill tile. ``k_pool`` and ``v_pool``: one layer's views of the router's
+    reduction) and the prefill tile (and, with ``MOESERVE_ATTENTION_PREFILL=flash``, one launch of
+    ``flash_varlen``). ``k_pool`` and ``v_pool``: one layer's views of the router's
     pool (every layer's have the same strides, so the same keys). Reads block 0 of the pool,
     writes nothing of it. Returns the launches."""
     hkv, d = k_pool.shape[1], k_pool.shape[2]
@@ -396,5 +511,11 @@ def warm_up_attention(
                     sinks=sinks,
                     num_segments=ns,
                 )
+                n += 1
+            k_new, v_new = k_pool[: lens[0]], v_pool[: lens[0]]
+            if lens[0] > 1 and fresh_suffix(q, k_pool, batch, chunk or None, sinks, k_new) is not None:
+                # the flash prefill backend: nothing to compile, but its first launch loads the module
+                assert batch.fresh is not None
+                flash_varlen(q, k_new, v_new, batch.fresh.cu_seqlens, lens[0], scale=scale, window=window or None)
                 n += 1
     return n

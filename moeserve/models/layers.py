@@ -313,6 +313,8 @@ class Attention:
                 softmax_fp32=self.softmax_fp32,
                 window=self.window,
                 sinks=self.sinks,
+                k_new=k,
+                v_new=v,
             )  # [T, Hq, D]
             return self.o_proj(out.view(t, self.num_heads * self.head_dim))
         assert isinstance(batch, StepBatch)  # DecoderModel.step pairs the batch with its cache

@@ -95,6 +95,20 @@ def block_table(
     return out
 
 
+@dataclass(frozen=True, eq=False)
+class FreshSuffix:
+    """The sequences at the end of a step that start at position 0 (new prompts, no cached
+    prefix): their keys are exactly the step's own new keys, so a dense varlen attention over
+    the step's k and v serves them (``moeserve.models.attention``, ``MOESERVE_ATTENTION_PREFILL``).
+    The sequences before them keep the paged kernel, as ``head``."""
+
+    first_seq: int  # index of the suffix's first sequence (host)
+    first_token: int  # its first new token's row in the step (host)
+    max_len: int  # the longest sequence of the suffix (host)
+    cu_seqlens: torch.Tensor  # IntTensor [F + 1]: cumulative new tokens of the suffix, from 0
+    head: PagedBatch | None  # the sequences before it (views of the step's tensors), None when none
+
+
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value; a batch compares by identity
 class PagedBatch:
     """One step's attention metadata, built on the host once per step, moved to the device in
@@ -116,6 +130,7 @@ class PagedBatch:
     seq_lens: torch.Tensor  # IntTensor [S]: tokens in the cache after this step (start + new)
     query_start: torch.Tensor  # IntTensor [S + 1]: cumulative new tokens (cu_seqlens)
     last_token_index: torch.Tensor  # LongTensor [S]: flat index of each sequence's last new token
+    fresh: FreshSuffix | None = None  # the step's trailing fresh prompts (``build`` only; graphs: None)
 
     @classmethod
     def build(
@@ -176,9 +191,15 @@ class PagedBatch:
         slot_mapping = table[seq_of_token, positions // block_size] * block_size + positions % block_size
         last = query_start[1:] - 1  # [S]
 
+        # the longest run of sequences at the end that start at position 0 (the scheduler puts
+        # newly admitted prompts last): their cumulative lengths ride in the same transfer
+        trailing = int(np.argmin(starts_a[::-1] == 0)) if s and starts_a.any() else s
+        first = s - trailing
+        cu_fresh = query_start[first:] - query_start[first] if trailing else query_start[:0]
+
         # One host buffer, one transfer: the int64 fields first, then the int32 ones (converted
         # on the device by one cast, then viewed); every field is a view of those two tensors.
-        host = np.concatenate([positions, slot_mapping, last, table.reshape(-1), seq_lens, query_start])
+        host = np.concatenate([positions, slot_mapping, last, table.reshape(-1), seq_lens, query_start, cu_fresh])
         buf = torch.from_numpy(host)
         device = torch.device(device)
         if device.type == "cuda":
@@ -186,17 +207,39 @@ class PagedBatch:
         else:
             buf = buf.to(device)
         longs, ints = buf[: 2 * t_total + s], buf[2 * t_total + s :].to(torch.int32)
-        o = np.cumsum([0, s * mb, s, s + 1])
+        o = np.cumsum([0, s * mb, s, s + 1, len(cu_fresh)])
+        positions_t, slots_t, last_t = longs[:t_total], longs[t_total : 2 * t_total], longs[2 * t_total :]
+        tables_t, lens_t, qs_t = ints[o[0] : o[1]].view(s, mb), ints[o[1] : o[2]], ints[o[2] : o[3]]
+        fresh = None
+        if trailing:
+            t0 = int(query_start[first])
+            head = None
+            if first:  # the sequences before the suffix: views of the same tensors
+                head = cls(
+                    num_tokens=t0,
+                    num_seqs=first,
+                    max_query_len=int(lens_a[:first].max()),
+                    max_seq_len=int(seq_lens[:first].max()),
+                    block_size=block_size,
+                    positions=positions_t[:t0],
+                    slot_mapping=slots_t[:t0],
+                    last_token_index=last_t[:first],
+                    block_tables=tables_t[:first],
+                    seq_lens=lens_t[:first],
+                    query_start=qs_t[: first + 1],
+                )
+            fresh = FreshSuffix(first, t0, int(seq_lens[first:].max()), ints[o[3] : o[4]], head)
         return cls(
             num_tokens=t_total,
             num_seqs=s,
             max_query_len=int(lens_a.max()) if s else 0,
             max_seq_len=int(seq_lens.max()) if s else 0,
             block_size=block_size,
-            positions=longs[:t_total],
-            slot_mapping=longs[t_total : 2 * t_total],
-            last_token_index=longs[2 * t_total :],
-            block_tables=ints[o[0] : o[1]].view(s, mb),
-            seq_lens=ints[o[1] : o[2]],
-            query_start=ints[o[2] : o[3]],
+            positions=positions_t,
+            slot_mapping=slots_t,
+            last_token_index=last_t,
+            block_tables=tables_t,
+            seq_lens=lens_t,
+            query_start=qs_t,
+            fresh=fresh,
         )
