@@ -18,7 +18,7 @@ import torch
 from hf_oracle import FP32_LOGITS_ATOL
 from triton_util import HAVE_TRITON, needs_triton  # noqa: E402
 
-from moeserve.models import PagedBatch, PagedKVCache, StepBatch, init_model, load_model
+from moeserve.models import PagedBatch, PagedKVCache, StepBatch, init_model, load_model, paged
 from moeserve.models import attention as attn
 from moeserve.models.layers import Attention
 
@@ -45,7 +45,9 @@ def test_paged_batch_build_golden_example():
     assert b.block_tables.dtype == b.seq_lens.dtype == b.query_start.dtype == torch.int32
 
 
-def test_paged_batch_fresh_suffix_is_the_trailing_prompts_that_start_at_zero():
+def test_paged_batch_fresh_suffix_is_the_trailing_prompts_that_start_at_zero(monkeypatch):
+    assert PagedBatch.build([3, 2], [0, 0], [[1], [2]], 4).fresh is None  # off: nothing built for it
+    monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
     # a decode, a continuing chunk, then two fresh prompts (the scheduler admits new ones last)
     b = PagedBatch.build([1, 5, 3, 6], [6, 2, 0, 0], [[4, 0], [9, 1], [7], [2, 3]], 4)
     f = b.fresh
@@ -433,6 +435,7 @@ def flash_on(monkeypatch):
     """The flash prefill backend switched on, its kernel replaced by ``_dense_causal``."""
     calls: list = []
     monkeypatch.setitem(attn.PREFILL, "backend", "flash")
+    monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
     monkeypatch.setattr(attn, "flash_supported", lambda q: True)
     monkeypatch.setattr(attn, "flash_varlen", _dense_causal(calls))
     return calls

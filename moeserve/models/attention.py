@@ -34,6 +34,7 @@ import torch
 
 from moeserve.kernels import available as triton_available
 from moeserve.kernels import fresh_module
+from moeserve.models import paged
 from moeserve.models.paged import FreshSuffix, PagedBatch
 
 
@@ -237,6 +238,7 @@ def prefill_backend_from_env(environ=os.environ) -> str:
 
 
 PREFILL = {"backend": prefill_backend_from_env()}
+paged.SPLIT_FRESH["on"] = PREFILL["backend"] == "flash"  # only this backend reads the split
 
 
 def flash_supported(q: torch.Tensor) -> bool:
@@ -283,7 +285,7 @@ def fresh_suffix(
     the pools hold q's dtype (what was written is what is read), and every such prompt lies in
     its first attention chunk (Llama 4's chunked layers are causal there)."""
     f = batch.fresh
-    if f is None or PREFILL["backend"] != "flash" or k_new is None or sinks is not None:
+    if PREFILL["backend"] != "flash" or f is None or k_new is None or sinks is not None:
         return None
     if k_pool.dtype != q.dtype or k_new.dtype != q.dtype or (chunk and f.max_len > chunk):
         return None

@@ -95,6 +95,12 @@ def block_table(
     return out
 
 
+# Whether ``PagedBatch.build`` marks a step's trailing fresh prompts (``FreshSuffix``): only the
+# ``flash`` prefill backend reads them, so ``moeserve.models.attention`` turns this on from
+# ``MOESERVE_ATTENTION_PREFILL`` and the default path builds nothing for it.
+SPLIT_FRESH = {"on": False}
+
+
 @dataclass(frozen=True, eq=False)
 class FreshSuffix:
     """The sequences at the end of a step that start at position 0 (new prompts, no cached
@@ -130,7 +136,7 @@ class PagedBatch:
     seq_lens: torch.Tensor  # IntTensor [S]: tokens in the cache after this step (start + new)
     query_start: torch.Tensor  # IntTensor [S + 1]: cumulative new tokens (cu_seqlens)
     last_token_index: torch.Tensor  # LongTensor [S]: flat index of each sequence's last new token
-    fresh: FreshSuffix | None = None  # the step's trailing fresh prompts (``build`` only; graphs: None)
+    fresh: FreshSuffix | None = None  # the step's trailing fresh prompts (``build`` with SPLIT_FRESH on)
 
     @classmethod
     def build(
@@ -193,7 +199,9 @@ class PagedBatch:
 
         # the longest run of sequences at the end that start at position 0 (the scheduler puts
         # newly admitted prompts last): their cumulative lengths ride in the same transfer
-        trailing = int(np.argmin(starts_a[::-1] == 0)) if s and starts_a.any() else s
+        trailing = 0
+        if SPLIT_FRESH["on"]:
+            trailing = int(np.argmin(starts_a[::-1] == 0)) if s and starts_a.any() else s
         first = s - trailing
         cu_fresh = query_start[first:] - query_start[first] if trailing else query_start[:0]
 
