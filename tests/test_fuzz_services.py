@@ -9,7 +9,9 @@ force equals the one the last accepted ApplyPlacement (or applied Rebalance) set
 Bounded: a few hundred examples in all (``max_examples`` per test), no per-example deadline,
 no example database; about a minute on 2 cores. The balancer's loop cannot apply a plan of its
 own (``--eplb-min-gain 2``: no plan gains that much), so every placement change is one the test
-sees accepted; after each accepted one the test waits for its migration to end.
+sees accepted; after each accepted one the test waits for its migration to end. Between the
+admin fuzz and the balancer fuzz one valid placement is applied on purpose, so that the final
+check always has an accepted placement to hold through the fuzz after it.
 """
 
 from __future__ import annotations
@@ -378,6 +380,23 @@ def test_fuzz_admin(cluster, data):
     if data.draw(st.integers(0, 5)) == 0:
         payload = _mutate(payload, data.draw)
     call(c, method, payload, _token(data.draw(TOKENS)))
+
+
+def test_between_the_fuzz_rounds_a_valid_placement_is_accepted_and_moved(cluster):
+    """One authenticated ApplyPlacement of a valid random placement, after the admin fuzz and
+    before the balancer and raw-bytes fuzz: it is accepted and its migration ends (``call``
+    follows it), whatever the fuzz before did to the settings. The fuzz alone reaches an accepted
+    change only by chance (a valid, authenticated, unversioned, non-dry-run draw: a few in a
+    hundred), so without this call the final test would sometimes have nothing to hold."""
+    c = cluster
+    before = c["accepted"]
+    p = random_placement(c["layers"], c["experts"], c["slots"], seed=int(c["calls"]) + 1)
+    m = common_pb2.Int64Matrix(rows=p.shape[0], cols=p.shape[1], values=p.ravel().tolist())
+    r = admin_pb2.ApplyPlacementRequest(phy2log=m)
+    code, out = call(c, "/moeserve.v1.Admin/ApplyPlacement", r.SerializeToString(), TOKEN)
+    assert code == grpc.StatusCode.OK, code
+    assert c["accepted"] == before + 1
+    np.testing.assert_array_equal(c["admin"].placement().phy2log, p)
 
 
 @settings(FUZZ, max_examples=50)
