@@ -8,6 +8,7 @@ query / key-value heads, D head dim, N flat slots.
 """
 
 import functools
+import itertools
 import math
 import os
 import random
@@ -498,8 +499,9 @@ def test_flash_prefill_declines_sinks_other_dtypes_and_a_missing_key(flash_on):
 def test_flash_prefill_off_by_default_and_refused_by_name():
     assert attn.prefill_backend_from_env({}) == "triton"
     assert attn.prefill_backend_from_env({"MOESERVE_ATTENTION_PREFILL": "flash"}) == "flash"
-    with pytest.raises(ValueError, match=r"MOESERVE_ATTENTION_PREFILL='sdpa': allowed 'triton'.*'flash'"):
-        attn.prefill_backend_from_env({"MOESERVE_ATTENTION_PREFILL": "sdpa"})
+    assert attn.prefill_backend_from_env({"MOESERVE_ATTENTION_PREFILL": "sdpa"}) == "sdpa"
+    with pytest.raises(ValueError, match=r"MOESERVE_ATTENTION_PREFILL='cudnn': allowed 'triton'.*'flash'.*'sdpa'"):
+        attn.prefill_backend_from_env({"MOESERVE_ATTENTION_PREFILL": "cudnn"})
     q = torch.zeros(3, 4, 16)
     assert not attn.flash_supported(q) and not attn.flash_supported(q.bfloat16())  # CPU tensors: never
 
@@ -516,3 +518,101 @@ def test_paged_model_step_with_flash_prefill_equals_the_eager_oracle(model, monk
         if want.numel():
             assert (got - want).abs().max() < FP32_LOGITS_ATOL
     assert flash_on, "no step went through the flash backend"
+
+
+# -- the sdpa prefill backend (MOESERVE_ATTENTION_PREFILL=sdpa): torch's own kernel, on the CPU too --
+
+
+@pytest.fixture
+def sdpa_on(monkeypatch):
+    """The sdpa prefill backend switched on; ``attn.sdpa_prompts`` runs as it is, its calls
+    recorded as (rows, lens)."""
+    calls: list = []
+    real = attn.sdpa_prompts
+
+    def spy(q, k, v, lens, **kw):
+        calls.append((q.shape[0], tuple(lens)))
+        return real(q, k, v, lens, **kw)
+
+    monkeypatch.setitem(attn.PREFILL, "backend", "sdpa")
+    monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
+    monkeypatch.setattr(attn, "sdpa_prompts", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_prompts_equal_a_dense_causal_attention_per_sequence(dtype):
+    lens = (7, 1, 20, 3)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(sum(lens), 6, 16, generator=g).to(dtype)
+    k, v = (torch.randn(sum(lens), 2, 16, generator=g).to(dtype) for _ in range(2))
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    want = _dense_causal([])(q.float(), k.float(), v.float(), cu, max(lens), scale=0.3, window=None)
+    got = attn.sdpa_prompts(q, k, v, lens, scale=0.3)
+    assert got.dtype == dtype
+    assert (got.float() - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    out = torch.full_like(q, float("nan"))
+    assert attn.sdpa_prompts(q, k, v, lens, scale=0.3, out=out) is out and not out.isnan().any()
+
+
+@needs_triton
+@pytest.mark.parametrize("case", list(FLASH_CASES))
+@pytest.mark.parametrize("chunk,window", [(None, None), (None, 6), (None, 64), (40, None), (16, None)])
+def test_sdpa_prefill_takes_the_trailing_prompts_and_equals_the_torch_path(sdpa_on, case, chunk, window):
+    lens, starts, rows, _ = FLASH_CASES[case]
+    q, k_pool, v_pool, batch = _case(lens, starts, 4, 6, 2, 16, seed=len(lens))
+    k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]  # what the step wrote
+    want = attn.paged_attention_torch(
+        q, k_pool, v_pool, batch, scale=0.25, chunk=chunk, softmax_fp32=True, window=window
+    )
+    kp, vp = _poisoned(k_pool, v_pool, batch, chunk, window)
+    got = attn.paged_attention(
+        q,
+        kp,
+        vp,
+        batch,
+        scale=0.25,
+        chunk=chunk,
+        softmax_fp32=True,
+        window=window,
+        backend="triton",
+        k_new=k_new,
+        v_new=v_new,
+    )
+    assert (got - want).abs().max() < 1e-5
+    f = batch.fresh
+    if f is None or (chunk is not None and f.max_len > chunk) or (window is not None and f.max_len > window):
+        rows = 0  # a prompt past its first chunk or its window: the paged kernel's masks
+    assert sdpa_on == ([(rows, tuple(lens[f.first_seq :]))] if rows else [])
+
+
+@needs_triton
+def test_sdpa_prefill_declines_sinks_other_dtypes_and_a_missing_key(sdpa_on):
+    lens, starts = [1, 9], [20, 0]
+    q, k_pool, v_pool, batch = _case(lens, starts, 4, 4, 2, 16, seed=3)
+    k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]
+    sinks = SINKS[:4]
+    want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=0.25, chunk=None, softmax_fp32=True, sinks=sinks)
+    got = attn.paged_attention_triton(
+        q, k_pool, v_pool, batch, scale=0.25, chunk=None, sinks=sinks, k_new=k_new, v_new=v_new
+    )
+    assert (got - want).abs().max() < 1e-5
+    attn.paged_attention_triton(q, k_pool, v_pool, batch, scale=0.25, chunk=None)  # no step keys given
+    assert attn.fresh_suffix(q, k_pool.half(), batch, None, None, k_new) is None  # the pools hold another dtype
+    assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new, window=8) is None  # the 9-token prompt exceeds it
+    assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new, window=9) is batch.fresh
+    assert sdpa_on == []
+
+
+@pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
+@needs_triton
+def test_paged_model_step_with_sdpa_prefill_equals_the_eager_oracle(model, monkeypatch, sdpa_on):
+    """The model's fresh prompts through torch's SDPA (the real function, on the CPU), the rest
+    through the paged kernel: the model still equals the oracle."""
+    monkeypatch.setattr(
+        "moeserve.models.layers.paged_attention", functools.partial(attn.paged_attention, backend="triton")
+    )
+    for want, got, _ in _run_schedule(model, 4, seed=1):
+        if want.numel():
+            assert (got - want).abs().max() < FP32_LOGITS_ATOL
+    assert sdpa_on, "no step went through the sdpa backend"

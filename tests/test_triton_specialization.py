@@ -368,6 +368,25 @@ ATTENTION_KINDS = {
 }
 
 
+def test_the_attention_warm_up_launches_the_sdpa_prefill_backend_where_it_serves(launches, monkeypatch):
+    """With ``MOESERVE_ATTENTION_PREFILL=sdpa`` the warm-up also runs ``sdpa_prompts`` once for
+    each kind of layer it serves (its first call loads torch's kernels), and not for one whose
+    window the warm-up prompt exceeds nor one with sinks."""
+    from moeserve.models import attention as attn
+    from moeserve.models import paged
+
+    calls: list = []
+    real = attn.sdpa_prompts
+    monkeypatch.setitem(attn.PREFILL, "backend", "sdpa")
+    monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
+    monkeypatch.setattr(attn, "sdpa_prompts", lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    hq, hkv, d, block_size = 40, 8, 128, 16
+    pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)
+    kinds = [(None, None, None), (8192, None, None), (None, 8, None), (None, None, SINKS)]
+    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, kinds, d**-0.5) == 6 * len(kinds) + 2
+    assert len(calls) == 2 and calls[0] > 8  # global and chunked; the 8-token window and the sinks decline
+
+
 @pytest.mark.parametrize("kinds", ATTENTION_KINDS.values(), ids=ATTENTION_KINDS.keys())
 def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, kinds):
     """A router compiles the paged attention at start (``models.attention.warm_up_attention`` on

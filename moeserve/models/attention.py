@@ -57,8 +57,8 @@ def paged_attention(
     [N, Hkv, D], which already hold this step's keys (written at ``batch.slot_mapping``).
     Returns [T, Hq, D] in q's dtype. ``window``: a sliding window (keys k > q_pos - window);
     ``sinks`` [Hq]: one more logit per head in every softmax (GPT-OSS). ``k_new``, ``v_new``
-    [T, Hkv, D]: the step's own keys and values (what was written), which the prefill backend
-    ``flash`` reads for the step's fresh prompts (``MOESERVE_ATTENTION_PREFILL``).
+    [T, Hkv, D]: the step's own keys and values (what was written), which the prefill backends
+    ``flash`` and ``sdpa`` read for the step's fresh prompts (``MOESERVE_ATTENTION_PREFILL``).
 
     backend: "torch", "triton", or None for the device's choice (Triton on CUDA when it is
     installed, torch otherwise).
@@ -223,13 +223,15 @@ PREFILL_BACKENDS = {
     "triton": "the paged Triton kernel for every sequence (the default)",
     "flash": "a step's trailing fresh prompts through FlashAttention-2's varlen kernel in torch "
     "(torch.ops.aten._flash_attention_forward) on the step's own keys, the rest through the paged Triton kernel",
+    "sdpa": "a step's trailing fresh prompts through torch's scaled_dot_product_attention, one call per "
+    "prompt on the step's own keys (torch picks its kernel), the rest through the paged Triton kernel",
 }
 
 
 def prefill_backend_from_env(environ=os.environ) -> str:
-    """``MOESERVE_ATTENTION_PREFILL=triton|flash`` (a measurement switch, read once per process):
-    which kernel attends a step's fresh prompts (sequences that start at position 0). Anything
-    else is refused by name."""
+    """``MOESERVE_ATTENTION_PREFILL=triton|flash|sdpa`` (a measurement switch, read once per
+    process): which kernel attends a step's fresh prompts (sequences that start at position 0).
+    Anything else is refused by name."""
     raw = environ.get(PREFILL_ENV, "") or "triton"
     if raw not in PREFILL_BACKENDS:
         allowed = "; ".join(f"{k!r}: {v}" for k, v in PREFILL_BACKENDS.items())
@@ -238,7 +240,7 @@ def prefill_backend_from_env(environ=os.environ) -> str:
 
 
 PREFILL = {"backend": prefill_backend_from_env()}
-paged.SPLIT_FRESH["on"] = PREFILL["backend"] == "flash"  # only this backend reads the split
+paged.SPLIT_FRESH["on"] = PREFILL["backend"] != "triton"  # only the other backends read the split
 
 
 def flash_supported(q: torch.Tensor) -> bool:
@@ -272,6 +274,31 @@ def flash_varlen(
     )[0]
 
 
+def sdpa_prompts(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: tuple[int, ...],
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of fresh sequences over their own keys through torch's
+    ``scaled_dot_product_attention``, one call per sequence (grouped heads natively,
+    ``enable_gqa``; torch picks the kernel: cuDNN, FlashAttention, memory-efficient or, on the
+    CPU, its own): q [Tf, Hq, D], k, v [Tf, Hkv, D], sequence i is the next ``lens[i]`` rows of
+    all three. Writes into ``out`` [Tf, Hq, D] (a new tensor when None) and returns it. No
+    window: the caller declines a windowed layer whose window a prompt exceeds."""
+    out = q.new_empty(q.shape) if out is None else out
+    at = 0
+    for n in lens:
+        qs, ks, vs = (x[at : at + n].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        out[at : at + n] = o.transpose(0, 1)
+        at += n
+    return out
+
+
 def fresh_suffix(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -279,16 +306,22 @@ def fresh_suffix(
     chunk: int | None,
     sinks: torch.Tensor | None,
     k_new: torch.Tensor | None,
+    window: int | None = None,
 ) -> FreshSuffix | None:
-    """The step's trailing fresh prompts when the ``flash`` prefill backend may attend them:
-    the switch is on, the step's keys were passed, no sink logits (FlashAttention has none),
-    the pools hold q's dtype (what was written is what is read), and every such prompt lies in
-    its first attention chunk (Llama 4's chunked layers are causal there)."""
+    """The step's trailing fresh prompts when the ``flash`` or ``sdpa`` prefill backend may
+    attend them: the switch is on, the step's keys were passed, no sink logits (neither kernel
+    has them), the pools hold q's dtype (what was written is what is read), every such prompt
+    lies in its first attention chunk (Llama 4's chunked layers are causal there) and, for
+    ``sdpa``, within its sliding window (SDPA's causal mask has none); ``flash`` runs where
+    torch has FlashAttention for q (``flash_supported``)."""
     f = batch.fresh
-    if PREFILL["backend"] != "flash" or f is None or k_new is None or sinks is not None:
+    backend = PREFILL["backend"]
+    if backend == "triton" or f is None or k_new is None or sinks is not None:
         return None
     if k_pool.dtype != q.dtype or k_new.dtype != q.dtype or (chunk and f.max_len > chunk):
         return None
+    if backend == "sdpa":
+        return f if not window or f.max_len <= window else None
     return f if flash_supported(q) else None
 
 
@@ -361,21 +394,27 @@ def paged_attention_triton(
     IEEE fp32 (not TF32), so the result matches the torch path to rounding.
     ``num_segments`` (a power of two) forces the split (tests); None picks it from the shape.
 
-    With ``MOESERVE_ATTENTION_PREFILL=flash`` and the step's own keys ``k_new``, ``v_new``
-    [T, Hkv, D], the step's trailing fresh prompts (``fresh_suffix``) go through ``flash_varlen``
-    instead and the kernel runs over the sequences before them only (``FreshSuffix.head``).
+    With ``MOESERVE_ATTENTION_PREFILL=flash`` (or ``sdpa``) and the step's own keys ``k_new``,
+    ``v_new`` [T, Hkv, D], the step's trailing fresh prompts (``fresh_suffix``) go through
+    ``flash_varlen`` (``sdpa_prompts``) instead and the kernel runs over the sequences before
+    them only (``FreshSuffix.head``).
     """
     t, hq, d = q.shape
-    f = fresh_suffix(q, k_pool, batch, chunk, sinks, k_new) if t else None
+    f = fresh_suffix(q, k_pool, batch, chunk, sinks, k_new, window) if t else None
     if f is not None:
         assert k_new is not None and v_new is not None
         t0 = f.first_token
-        tail = flash_varlen(q[t0:], k_new[t0:], v_new[t0:], f.cu_seqlens, f.max_len, scale=scale, window=window)
-        if f.head is None:
-            return tail
-        out = q.new_empty(t, hq, d)
-        out[t0:] = tail
-        _paged_triton(q[:t0], k_pool, v_pool, f.head, out[:t0], scale, chunk, window, sinks, num_segments)
+        if PREFILL["backend"] == "sdpa":
+            out = q.new_empty(t, hq, d)
+            sdpa_prompts(q[t0:], k_new[t0:], v_new[t0:], f.lens, scale=scale, out=out[t0:])
+        else:
+            tail = flash_varlen(q[t0:], k_new[t0:], v_new[t0:], f.cu_seqlens, f.max_len, scale=scale, window=window)
+            if f.head is None:
+                return tail
+            out = q.new_empty(t, hq, d)
+            out[t0:] = tail
+        if f.head is not None:
+            _paged_triton(q[:t0], k_pool, v_pool, f.head, out[:t0], scale, chunk, window, sinks, num_segments)
         return out
     out = q.new_empty(t, hq, d)
     if t == 0:
@@ -482,8 +521,8 @@ def warm_up_attention(
     serving: for each kind of layer the model has, ``(chunk, window, sinks)`` as its layers call
     the kernel (None: global, no window, no sinks; one layer's sinks [Hq] stand for all, as they
     share a dtype), the decode tile at every split (1 .. MAX_SEGMENTS segments, with the
-    reduction) and the prefill tile (and, with ``MOESERVE_ATTENTION_PREFILL=flash``, one launch of
-    ``flash_varlen``). ``k_pool`` and ``v_pool``: one layer's views of the router's
+    reduction) and the prefill tile (and, with ``MOESERVE_ATTENTION_PREFILL=flash`` or ``sdpa``,
+    one launch of ``flash_varlen`` or ``sdpa_prompts``). ``k_pool`` and ``v_pool``: one layer's views of the router's
     pool (every layer's have the same strides, so the same keys). Reads block 0 of the pool,
     writes nothing of it. Returns the launches."""
     hkv, d = k_pool.shape[1], k_pool.shape[2]
@@ -515,9 +554,12 @@ def warm_up_attention(
                 )
                 n += 1
             k_new, v_new = k_pool[: lens[0]], v_pool[: lens[0]]
-            if lens[0] > 1 and fresh_suffix(q, k_pool, batch, chunk or None, sinks, k_new) is not None:
-                # the flash prefill backend: nothing to compile, but its first launch loads the module
+            if lens[0] > 1 and fresh_suffix(q, k_pool, batch, chunk or None, sinks, k_new, window or None) is not None:
+                # the flash or sdpa prefill backend: nothing to compile, but its first launch loads the module
                 assert batch.fresh is not None
-                flash_varlen(q, k_new, v_new, batch.fresh.cu_seqlens, lens[0], scale=scale, window=window or None)
+                if PREFILL["backend"] == "sdpa":
+                    sdpa_prompts(q, k_new, v_new, batch.fresh.lens, scale=scale)
+                else:
+                    flash_varlen(q, k_new, v_new, batch.fresh.cu_seqlens, lens[0], scale=scale, window=window or None)
                 n += 1
     return n

@@ -96,7 +96,7 @@ def block_table(
 
 
 # Whether ``PagedBatch.build`` marks a step's trailing fresh prompts (``FreshSuffix``): only the
-# ``flash`` prefill backend reads them, so ``moeserve.models.attention`` turns this on from
+# ``flash`` and ``sdpa`` prefill backends read them, so ``moeserve.models.attention`` turns this on from
 # ``MOESERVE_ATTENTION_PREFILL`` and the default path builds nothing for it.
 SPLIT_FRESH = {"on": False}
 
@@ -113,6 +113,7 @@ class FreshSuffix:
     max_len: int  # the longest sequence of the suffix (host)
     cu_seqlens: torch.Tensor  # IntTensor [F + 1]: cumulative new tokens of the suffix, from 0
     head: PagedBatch | None  # the sequences before it (views of the step's tensors), None when none
+    lens: tuple[int, ...] = ()  # each suffix sequence's new tokens (host; the sdpa backend's slices)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value; a batch compares by identity
@@ -236,7 +237,9 @@ class PagedBatch:
                     seq_lens=lens_t[:first],
                     query_start=qs_t[: first + 1],
                 )
-            fresh = FreshSuffix(first, t0, int(seq_lens[first:].max()), ints[o[3] : o[4]], head)
+            fresh = FreshSuffix(
+                first, t0, int(seq_lens[first:].max()), ints[o[3] : o[4]], head, tuple(lens_a[first:].tolist())
+            )
         return cls(
             num_tokens=t_total,
             num_seqs=s,
