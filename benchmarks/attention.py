@@ -33,6 +33,7 @@ reference by more than ``TOLERANCE`` (bf16).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -150,6 +151,16 @@ def sdpa(c: dict) -> torch.Tensor | None:
     return torch.cat(outs)
 
 
+def sdpa_inputs(c: dict) -> dict | None:
+    """The step's own q, k, v [T, H, D] of a case the ``sdpa`` prefill backend serves: no cached
+    keys, every prompt within its first chunk (any device and dtype; None otherwise)."""
+    if any(c["starts"]) or c["kind"] == "decode" or (c["chunk"] and max(c["lens"]) > c["chunk"]):
+        return None
+    k = torch.cat([k for k, _ in c["seqs"]])
+    v = torch.cat([v for _, v in c["seqs"]])
+    return dict(q=c["q"], k=k, v=v, scale=c["scale"])
+
+
 def flash_inputs(c: dict) -> dict | None:
     """The arguments of ``moeserve.models.attention.flash_varlen`` (FlashAttention-2's varlen
     forward, the ``MOESERVE_ATTENTION_PREFILL=flash`` backend) for a case it serves: no cached
@@ -162,6 +173,66 @@ def flash_inputs(c: dict) -> dict | None:
     k = torch.cat([k for k, _ in c["seqs"]])  # [T, Hkv, D]: the step's own keys, as a layer passes them
     v = torch.cat([v for _, v in c["seqs"]])
     return dict(q=c["q"], k=k, v=v, cu_seqlens=cu, max_len=max(c["lens"]), scale=c["scale"], window=None)
+
+
+def sdpa_backends(dev: torch.device) -> dict:
+    """The kernels torch's SDPA may pick, by name (``torch.nn.attention.SDPBackend``): on a GPU
+    cuDNN's, FlashAttention-2's and the memory-efficient one; on the CPU its own (math)."""
+    from torch.nn.attention import SDPBackend
+
+    if dev.type == "cuda":
+        return dict(
+            cudnn=SDPBackend.CUDNN_ATTENTION,
+            flash=SDPBackend.FLASH_ATTENTION,
+            efficient=SDPBackend.EFFICIENT_ATTENTION,
+        )
+    return dict(math=SDPBackend.MATH)
+
+
+def sdpa_by_backend(c: dict, fl: dict, ref: torch.Tensor, flops: float, a, cuda: bool) -> dict:
+    """``moeserve.models.attention.sdpa_prompts`` (the ``MOESERVE_ATTENTION_PREFILL=sdpa``
+    backend: one call per prompt on the step's own keys) on the case, once as torch picks its
+    kernel (``default``) and once forced to each kernel of ``sdpa_backends``: seconds per launch
+    (in a CUDA graph), TFLOP/s, the difference to the reference, and ``first_call_s``, the wall
+    time of the first eager call at a length no call had before (a kernel that builds a plan per
+    shape, as cuDNN's may, pays it there: on the serving path that is a compile per new prompt
+    length) against ``steady_call_s``, the same call again. A kernel that does not serve the
+    case is recorded with its error."""
+    from torch.nn.attention import sdpa_kernel
+
+    lens = tuple(c["lens"])
+    shorter = tuple(n - 1 for n in lens)  # a shape no call had: every prompt one token shorter
+    keep = torch.cat([torch.arange(at, at + n - 1) for at, n in zip(itertools.accumulate((0,) + lens), lens)])
+    keep = keep.to(fl["q"].device)
+    q2, k2, v2 = (fl[x].index_select(0, keep) for x in ("q", "k", "v"))
+
+    def one(backend) -> dict:
+        ctx = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
+        with ctx:
+            try:
+                out = A.sdpa_prompts(fl["q"], fl["k"], fl["v"], lens, scale=fl["scale"])
+                t = timed(
+                    lambda: A.sdpa_prompts(fl["q"], fl["k"], fl["v"], lens, scale=fl["scale"]), a.reps, a.iters, cuda
+                )
+                walls = []
+                for _ in range(2):
+                    if cuda:
+                        torch.cuda.synchronize()
+                    w = time.perf_counter()
+                    A.sdpa_prompts(q2, k2, v2, shorter, scale=fl["scale"])
+                    if cuda:
+                        torch.cuda.synchronize()
+                    walls.append(time.perf_counter() - w)
+            except Exception as e:  # a kernel that does not take the case (head size, GQA, dtype)
+                return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return dict(
+            s=t, tflops=flops / t / 1e12, rel_diff=rel_diff(out, ref), first_call_s=walls[0], steady_call_s=walls[1]
+        )
+
+    res = {"default": one(None)}
+    for name, backend in sdpa_backends(fl["q"].device).items():
+        res[name] = one(backend)
+    return res
 
 
 def triton_attention(c: dict, tiling: tuple | None) -> torch.Tensor:
@@ -222,6 +293,9 @@ def run_case(shape_name: str, shape: tuple, case: str, a, dev: torch.device, pea
     else:
         t = timed(lambda: sdpa(c), a.reps, a.iters, cuda)
         row["sdpa"] = dict(s=t, tflops=flops / t / 1e12)
+    sd_in = sdpa_inputs(c)
+    if sd_in is not None:
+        row["sdpa_backends"] = sdpa_by_backend(c, sd_in, ref, flops, a, cuda)
     fl = flash_inputs(c)
     if fl is not None:
         out = A.flash_varlen(**fl)
@@ -312,6 +386,12 @@ def run(a, shapes_known: dict, shapes: list, cases: list, dev: torch.device, pea
         if "rel_diff" in run and run["rel_diff"] > TOLERANCE
     ]
     bad += [(r["shape"], r["case"], "flash") for r in rows if "flash" in r and r["flash"]["rel_diff"] > TOLERANCE]
+    bad += [
+        (r["shape"], r["case"], f"sdpa:{name}")
+        for r in rows
+        for name, x in r.get("sdpa_backends", {}).items()
+        if x.get("rel_diff", 0.0) > TOLERANCE
+    ]
     print(
         f"{'shape':<13}{'case':<16}{'today ms':>10}{'TFLOP/s':>9}{'sdpa ms':>9}{'flash ms':>9}{'TFLOP/s':>9}"
         f"{'best tiling':>20}{'best ms':>9}{'TFLOP/s':>9}"
@@ -328,6 +408,24 @@ def run(a, shapes_known: dict, shapes: list, cases: list, dev: torch.device, pea
             + f"{str(best.get('tiling', '-')):>20}"
             + (f"{1e3 * best['s']:>9.3f}{best['tflops']:>9.1f}" if best else "")
         )
+    names = sorted({n for r in rows for n in r.get("sdpa_backends", {})}, key=lambda n: (n != "default", n))
+    if names:
+        print(
+            "\nMOESERVE_ATTENTION_PREFILL=sdpa (sdpa_prompts), by SDPA kernel: ms per launch / TFLOP/s / first call at a new length over the steady one"
+        )
+        print(f"{'shape':<13}{'case':<16}" + "".join(f"{n:>26}" for n in names))
+        for r in rows:
+            if "sdpa_backends" not in r:
+                continue
+            cells = []
+            for n in names:
+                x = r["sdpa_backends"].get(n, {})
+                cells.append(
+                    f"{1e3 * x['s']:>9.3f} /{x['tflops']:>6.1f} /{x['first_call_s'] / x['steady_call_s']:>6.1f}x"
+                    if "s" in x
+                    else f"{'(does not serve)':>26}"
+                )
+            print(f"{r['shape']:<13}{r['case']:<16}" + "".join(cells))
     if peak:
         print(f"bf16 GEMM peak measured in this run: {peak / 1e12:.0f} TFLOP/s")
     result = dict(

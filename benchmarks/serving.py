@@ -183,7 +183,7 @@ from servinglib.args import APIS, CONFIGS, EXTRA_CONFIGS, PREFIX_WORKLOADS  # no
 from servinglib.args import parse as parse_args  # noqa: E402
 from servinglib.baseline import run_transformers  # noqa: E402
 from servinglib.cluster import is_fp8  # noqa: E402
-from servinglib.common import git_commit  # noqa: E402
+from servinglib.common import git_commit, switches  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
 from servinglib.prefix import conversation_plan, prefix_plan, prefix_table, side_by_side  # noqa: E402
 from servinglib.report import table  # noqa: E402
@@ -245,6 +245,7 @@ def main(argv=None) -> int:
         smoke=a.smoke,
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         git=git_commit(),
+        switches=switches(),
         gpu=facts[0].get("name", "cpu"),
         device="cpu" if a.smoke else "cuda",
         gpus=len(facts) if not a.smoke else 0,

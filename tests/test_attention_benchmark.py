@@ -39,6 +39,10 @@ def test_every_candidate_tiling_computes_the_reference_attention(tmp_path):
     res = json.loads(out.read_text())
     prefill, cached = res["rows"]
     assert prefill["sdpa"]["s"] > 0 and "sdpa" not in cached  # SDPA only where no key is cached
+    # the sdpa prefill backend's own function, as torch picks and forced to each CPU kernel
+    assert set(prefill["sdpa_backends"]) == {"default", "math"} and "sdpa_backends" not in cached
+    for x in prefill["sdpa_backends"].values():
+        assert x["rel_diff"] < 1e-5 and x["s"] > 0 and x["first_call_s"] > 0 and x["steady_call_s"] > 0
     for row in (prefill, cached):
         ran = [r for r in row["runs"] if "s" in r]
         assert len(ran) == 1 + len(bench.CANDIDATES) and not [r for r in row["runs"] if "error" in r]
@@ -75,3 +79,14 @@ def test_the_prefill_tiling_switch_reads_four_bounded_integers_and_refuses_the_r
         with pytest.raises(ValueError, match=why) as e:
             A.prefill_tiling_from_env({env: bad})
         assert env in str(e.value) and bad in str(e.value)
+
+
+def test_an_sdpa_kernel_that_does_not_serve_a_case_is_recorded_not_raised(tmp_path, monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(bench, "sdpa_backends", lambda dev: {"cudnn": SDPBackend.CUDNN_ATTENTION})  # none on a CPU
+    out = tmp_path / "attention.json"
+    assert bench.main(["--smoke", "--shapes", "tiny", "--cases", "prefill:40", "--iters", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" in row["sdpa_backends"]["cudnn"] and "s" not in row["sdpa_backends"]["cudnn"]
+    assert row["sdpa_backends"]["default"]["rel_diff"] < 1e-5

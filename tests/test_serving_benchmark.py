@@ -4,6 +4,7 @@ front end, SDK clients in two processes, transformers) and writes every figure o
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,12 +33,17 @@ def _bench():
 def test_smoke_run_writes_every_figure(tmp_path):
     out = tmp_path / "serving.json"
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out)], capture_output=True, text=True, timeout=230
+        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env=dict(os.environ, MOESERVE_ATTENTION_PREFILL="sdpa"),
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     res = json.loads(out.read_text())
     assert {"shape", "command", "git", "gpu", "device", "model", "workload", "hbm", "configs", "elapsed_s"} <= set(res)
     assert res["shape"] == "tiny" and res["smoke"] and "--smoke" in res["command"]
+    assert res["switches"]["MOESERVE_ATTENTION_PREFILL"] == "sdpa"  # set below: what the clusters inherited
     assert res["hbm"]["datasheet_Bps"] == 4.8e12 and res["hbm"]["measured_copy_Bps"] > 0
     assert set(res["configs"]) == {"moeserve-1rank", "transformers"}
 
@@ -503,6 +509,16 @@ def test_the_commit_of_a_copied_tree_comes_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
     assert git_commit() == {"commit": "abc1234", "dirty": None}  # git is not asked
+
+
+def test_a_result_records_the_switches_its_clusters_inherit():
+    """``switches``: every MOESERVE_* setting of the environment but the commit's, so that a
+    JSON measured with MOESERVE_ATTENTION_PREFILL=sdpa says so."""
+    from servinglib.common import switches
+
+    env = {"MOESERVE_ATTENTION_PREFILL": "sdpa", "MOESERVE_GIT_COMMIT": "abc1234", "PATH": "/bin", "XMOESERVE_A": "1"}
+    assert switches(env) == {"MOESERVE_ATTENTION_PREFILL": "sdpa"}
+    assert switches({}) == {}
 
 
 def test_the_latency_scrape_waits_until_ttft_queue_and_prefill_count_the_same_requests():

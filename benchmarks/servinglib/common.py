@@ -38,6 +38,13 @@ def git_commit() -> dict:
         return {"commit": os.environ.get("MOESERVE_GIT_COMMIT", "unknown"), "dirty": None}
 
 
+def switches(environ=os.environ) -> dict:
+    """The ``MOESERVE_*`` settings of the environment the benchmark's clusters inherit (kernel
+    choices and measurement switches such as ``MOESERVE_ATTENTION_PREFILL``), so that a result
+    says what it ran; ``MOESERVE_GIT_COMMIT`` is the commit's, not a switch."""
+    return {k: v for k, v in sorted(environ.items()) if k.startswith("MOESERVE_") and k != "MOESERVE_GIT_COMMIT"}
+
+
 def run_in_process(fn, args: tuple, timeout_s: float):
     """``fn(*args)`` in a fresh (spawned) process, its memory and devices freed when it ends:
     (result, None) or (None, error text)."""
