@@ -604,6 +604,21 @@ def test_sdpa_prefill_declines_sinks_other_dtypes_and_a_missing_key(sdpa_on):
     assert sdpa_on == []
 
 
+@needs_triton
+def test_sdpa_prefill_leaves_a_step_of_many_short_prompts_to_the_paged_kernel(sdpa_on):
+    """One SDPA launch per prompt and layer: past ``SDPA_MAX_PROMPTS`` fresh prompts the step
+    keeps the paged kernel; at the limit it takes them all."""
+    for n, taken in ((attn.SDPA_MAX_PROMPTS, True), (attn.SDPA_MAX_PROMPTS + 1, False)):
+        lens, starts = [1] + [3] * n, [20] + [0] * n
+        q, k_pool, v_pool, batch = _case(lens, starts, 4, 4, 2, 16, seed=n)
+        k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]
+        want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=0.25, chunk=None, softmax_fp32=True)
+        got = attn.paged_attention_triton(q, k_pool, v_pool, batch, scale=0.25, chunk=None, k_new=k_new, v_new=v_new)
+        assert (got - want).abs().max() < 1e-5
+        assert sdpa_on == ([(3 * n, tuple(lens[1:]))] if taken else [])
+        sdpa_on.clear()
+
+
 @pytest.mark.slow  # long-running (several seconds on 2 cores): out of the fast loop
 @needs_triton
 def test_paged_model_step_with_sdpa_prefill_equals_the_eager_oracle(model, monkeypatch, sdpa_on):

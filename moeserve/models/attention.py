@@ -274,6 +274,12 @@ def flash_varlen(
     )[0]
 
 
+# The sdpa backend launches once per prompt and layer: a step with more fresh prompts than this
+# (a chunk of many short prompts, where the launches would cost more than the kernel saves)
+# keeps the paged kernel. 8 covers a 8,192-token chunk of 2,048-token prompts.
+SDPA_MAX_PROMPTS = 8
+
+
 def sdpa_prompts(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -312,8 +318,9 @@ def fresh_suffix(
     attend them: the switch is on, the step's keys were passed, no sink logits (neither kernel
     has them), the pools hold q's dtype (what was written is what is read), every such prompt
     lies in its first attention chunk (Llama 4's chunked layers are causal there) and, for
-    ``sdpa``, within its sliding window (SDPA's causal mask has none); ``flash`` runs where
-    torch has FlashAttention for q (``flash_supported``)."""
+    ``sdpa``, within its sliding window (SDPA's causal mask has none) and there are at most
+    ``SDPA_MAX_PROMPTS`` of them; ``flash`` runs where torch has FlashAttention for q
+    (``flash_supported``)."""
     f = batch.fresh
     backend = PREFILL["backend"]
     if backend == "triton" or f is None or k_new is None or sinks is not None:
@@ -321,7 +328,9 @@ def fresh_suffix(
     if k_pool.dtype != q.dtype or k_new.dtype != q.dtype or (chunk and f.max_len > chunk):
         return None
     if backend == "sdpa":
-        return f if not window or f.max_len <= window else None
+        if len(f.lens) > SDPA_MAX_PROMPTS or (window and f.max_len > window):
+            return None
+        return f
     return f if flash_supported(q) else None
 
 
