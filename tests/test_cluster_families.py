@@ -2,8 +2,8 @@
 built and saved, two routers and two workers (co-located or not), redundant slots, a random
 placement and a live migration while generating. Tokens and their logits equal the
 single-process model's (which equals transformers: tests/test_models_families.py), and the
-workers end up holding exactly the new placement's experts. A model with sliding-window layers
-(GPT-OSS, this Mixtral) runs with the prefix cache off; Qwen3-MoE reads its cache."""
+workers end up holding exactly the new placement's experts. Every family reads the prefix cache,
+the sliding-window layers of GPT-OSS and this Mixtral included."""
 
 import threading
 import time
@@ -111,17 +111,19 @@ def test_prompt_logits_at_every_position_equal_the_single_process_model(cluster,
 
 
 @pytest.mark.timeout(300)
-def test_a_model_with_sliding_window_layers_runs_with_the_prefix_cache_off(cluster, setup):
+def test_every_family_reads_the_prefix_cache_sliding_window_layers_included(cluster, setup):
+    """A repeated prompt and one that shares its first two blocks then goes on differently: the
+    later requests read 32 cached tokens and give the single-process model's tokens. The prompts
+    are longer than GPT-OSS's and this Mixtral's window of 8, so a windowed layer's new tokens
+    attend to keys of cached blocks."""
     prompt = list(range(3, 40))  # two full blocks of 16 and more
+    other = prompt[:34] + [7, 5, 11, 2, 9, 4]
     want = reference_decode(setup["model"], prompt, 8)[0]
-    out = cluster.generate([prompt, prompt], max_tokens=8, ignore_eos=True, details=True)
-    out += cluster.generate([prompt], max_tokens=8, ignore_eos=True, details=True)
-    assert [g.token_ids for g in out] == [want] * 3
-    windowed = setup["model"].config.attention_window > 0
-    assert windowed == (setup["family"] in WINDOWED)
-    status = cluster.status()
-    if windowed:
-        assert not any(g.cached_tokens for g in out)
-        assert status.prefix_cache_hits == 0 == status.kv_blocks_cached
-    else:
-        assert out[-1].cached_tokens == 32 and status.prefix_cache_hits >= 32
+    want_other = reference_decode(setup["model"], other, 8)[0]
+    out = cluster.generate([prompt], max_tokens=8, ignore_eos=True, details=True)
+    hits = cluster.status().prefix_cache_hits
+    out += cluster.generate([prompt, other], max_tokens=8, ignore_eos=True, details=True)
+    assert [g.token_ids for g in out] == [want, want, want_other]
+    assert (setup["model"].config.attention_window > 0) == (setup["family"] in WINDOWED)
+    assert [g.cached_tokens for g in out[1:]] == [32, 32]
+    assert cluster.status().prefix_cache_hits - hits >= 64

@@ -57,20 +57,15 @@ class Engine(EngineAPI):
     def __init__(self, cfg: ClusterConfig, shape: ModelShape, placement: Placement):
         self.cfg = cfg
         self.shape = shape
-        caching = cfg.cache.enable_prefix_caching
-        if caching and shape.sliding_window:
-            caching = False
-            log.warning(
-                "prefix caching is off: the model has sliding-window attention (window %d), whose "
-                "layers would need only the blocks of their window",
-                shape.sliding_window,
-            )
+        # Sliding-window layers read the cache as full ones do: every layer's keys of a block live
+        # under the one block table, so a cached block holds them all (a windowed layer reads the
+        # last ``sliding_window`` of them; keeping only those would save memory, not change a token).
         self.scheduler = Scheduler(
             cfg.routers,
             cfg.limits,
             shape.eos_token_ids,
             cfg.cache.block_size,
-            prefix_caching=caching,
+            prefix_caching=cfg.cache.enable_prefix_caching,
             routing=cfg.routing_policy,
         )
         self.grammars = GrammarTable(cfg.routers)
