@@ -243,12 +243,12 @@ def test_the_bytes_a_gpu_holds_match_the_tensors_of_the_config(tmp_path, shape):
             768,
         )
         assert cfg.routing.renormalize and cfg.qk_rms_norm and not cfg.rope.interleaved and 30e9 < params < 31e9
-        assert cfg.attention_window == 0  # the prefix cache stays on
+        assert cfg.attention_window == 0  # no sliding layer
     if shape == "gptoss20b":  # GPT-OSS-20B: 20.9B parameters, 32 experts top-4, window 128 every other layer
         assert (cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.head_dim) == (24, 2880, 32, 4, 64)
         assert cfg.sliding_layers == (True, False) * 12 and cfg.window(0) == 128 and cfg.rope.type == "yarn"
         assert sizes["windows"][:2] == [128, None] and 20.5e9 < params < 21.5e9
-        assert cfg.attention_window == 128  # the leader turns the prefix cache off
+        assert cfg.attention_window == 128  # the window of its sliding layers (the prefix cache stays on)
     if shape == "scout8":
         assert not cfg.tie_word_embeddings and sizes["lookup_bytes"] == 202048 * 5120 * 2
         assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.num_experts, cfg.top_k) == (8, 5120, 202048, 16, 1)
