@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a step that carries a prefill chunk costs, beside its FLOP-aware roofline and its own
-device time (issue 23, must-show 2: a chunk of 512, 1,024, 2,048 or 8,192 tokens at most 1.5x
+device time (the latency target for mixed steps: a chunk of 512, 1,024, 2,048 or 8,192 tokens at most 1.5x
 the roofline and 1.1x the device time).
 
 For each chunk size C of ``--chunks`` one co-located rank (``--load-format dummy`` weights of

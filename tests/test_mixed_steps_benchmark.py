@@ -1,5 +1,5 @@
 """benchmarks/mixed_steps.py: a step carrying one prefill chunk beside decodes, its wall time,
-device time and FLOP-aware roofline (issue 23, must-show 2). The arithmetic of the roofline
+device time and FLOP-aware roofline (the mixed-step latency target). The arithmetic of the roofline
 here; the whole run on the CPU (``--smoke``) in the slow set."""
 
 from __future__ import annotations
