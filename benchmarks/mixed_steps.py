@@ -47,6 +47,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # a bare checkout
 
+from servinglib.cluster import colocated_rank  # noqa: E402
 from servinglib.common import git_commit, switches  # noqa: E402
 from servinglib.profiles import read_profiles  # noqa: E402
 from servinglib.roofline import DATASHEET_HBM_BPS, gpu_facts, kv_bytes_read, step_classes  # noqa: E402
@@ -141,8 +142,6 @@ def measure(times: list[list[float]], decodes: int, prompts: int) -> dict:
 
 
 def run_chunk(a, folder: str, sizes: dict, c: int, prof_dir: str) -> dict:
-    from moeserve.cluster.launcher import LocalCluster
-
     vocab = sizes["vocab_size"]
     rng = np.random.default_rng(c)
     out_len = a.prompts + 64  # the decodes outlast the chunks
@@ -150,20 +149,15 @@ def run_chunk(a, folder: str, sizes: dict, c: int, prof_dir: str) -> dict:
     plan += [(tuple(int(t) for t in rng.integers(3, vocab, c)), 1) for _ in range(a.prompts)]
     _, _, start, count = windows(a.prompts)
     env = {"MOESERVE_PROFILE": f"{prof_dir}:{start}:{count}"} if a.profile else {}
-    cluster = LocalCluster(
+    cluster = colocated_rank(
         folder,
-        routers=1,
-        workers=1,
-        colocated=True,
-        backend="gloo" if a.smoke else "nccl",
-        load_format="dummy",
-        dtype=a.dtype,
+        a.smoke,
+        a.dtype,
         max_model_len=max(c, out_len) + 16,
         max_num_seqs=a.decodes + 8,
         max_num_batched_tokens=c + a.decodes,
         env=env,
-        startup_timeout_s=900,
-    ).start()
+    )
     try:
         t0 = time.perf_counter()
         times = asyncio.run(_serve(cluster.control_address, cluster.authkey, plan))

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # a bare checkout
 
 from grammar_engines import tokenizer_json  # noqa: E402
+from servinglib.cluster import colocated_rank  # noqa: E402
 from servinglib.common import git_commit  # noqa: E402
 from servinglib.shapes import SHAPES, write_model  # noqa: E402
 
@@ -89,26 +90,19 @@ def main(argv=None) -> int:
         a.shape, a.seqs, a.prompt, a.output, a.dtype = "tiny", 8, 8, 24, "float32"
         if a.json == p.get_default("json"):
             a.json = os.path.join(tempfile.gettempdir(), "structured-step-smoke.json")
-    from moeserve.cluster.launcher import LocalCluster
-
     config = SHAPES[a.shape]["config"]
     vocab = config["vocab_size"]
     folder = tempfile.mkdtemp(prefix=f"structured-{a.shape}-")
     write_model(folder, config)
     Path(folder, "tokenizer.json").write_text(tokenizer_json(vocab))
-    cluster = LocalCluster(
+    cluster = colocated_rank(
         folder,
-        routers=1,
-        workers=1,
-        colocated=True,
-        backend="gloo" if a.smoke else "nccl",
-        load_format="dummy",
-        dtype=a.dtype,
+        a.smoke,
+        a.dtype,
         max_model_len=a.prompt + a.output + 16,
         max_num_seqs=a.seqs,
         max_num_batched_tokens=max(2048, a.seqs * 8),
-        startup_timeout_s=900,
-    ).start()
+    )
     modes = {"unconstrained": 0, "half_constrained": a.seqs // 2}
     lo, hi = a.output // 8, a.output - a.output // 8
     results: dict = {}

@@ -449,11 +449,10 @@ FLASH_CASES = {  # name: (lens, starts, rows the dense kernel gets, sequences it
 }
 
 
-@needs_triton
-@pytest.mark.parametrize("case", list(FLASH_CASES))
-@pytest.mark.parametrize("chunk,window", [(None, None), (None, 6), (40, None), (16, None)])
-def test_flash_prefill_takes_the_trailing_prompts_and_equals_the_torch_path(flash_on, case, chunk, window):
-    lens, starts, rows, seqs = FLASH_CASES[case]
+def _split_equals_the_torch_path(lens, starts, chunk, window) -> PagedBatch:
+    """The step of ``lens`` new tokens after ``starts`` through the paged Triton path with the
+    step's own keys passed (a prefill backend's split may take its fresh prompts), keys outside
+    what each layer may see poisoned: equal to the torch path. Returns the step's batch."""
     q, k_pool, v_pool, batch = _case(lens, starts, 4, 6, 2, 16, seed=len(lens))
     k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]  # what the step wrote
     want = attn.paged_attention_torch(
@@ -474,26 +473,18 @@ def test_flash_prefill_takes_the_trailing_prompts_and_equals_the_torch_path(flas
         v_new=v_new,
     )
     assert (got - want).abs().max() < 1e-5
-    if chunk is not None and batch.fresh is not None and batch.fresh.max_len > chunk:
-        rows = seqs = 0  # a prompt past its first chunk: the chunked mask is the paged kernel's
-    assert flash_on == ([(rows, seqs, window)] if rows else [])
+    return batch
 
 
 @needs_triton
-def test_flash_prefill_declines_sinks_other_dtypes_and_a_missing_key(flash_on):
-    lens, starts = [1, 9], [20, 0]
-    q, k_pool, v_pool, batch = _case(lens, starts, 4, 4, 2, 16, seed=3)
-    k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]
-    sinks = SINKS[:4]
-    want = attn.paged_attention_torch(q, k_pool, v_pool, batch, scale=0.25, chunk=None, softmax_fp32=True, sinks=sinks)
-    got = attn.paged_attention_triton(
-        q, k_pool, v_pool, batch, scale=0.25, chunk=None, sinks=sinks, k_new=k_new, v_new=v_new
-    )
-    assert (got - want).abs().max() < 1e-5
-    attn.paged_attention_triton(q, k_pool, v_pool, batch, scale=0.25, chunk=None)  # no step keys given
-    assert attn.fresh_suffix(q, k_pool.half(), batch, None, None, k_new) is None  # the pools hold another dtype
-    assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new) is batch.fresh
-    assert flash_on == []
+@pytest.mark.parametrize("case", list(FLASH_CASES))
+@pytest.mark.parametrize("chunk,window", [(None, None), (None, 6), (40, None), (16, None)])
+def test_flash_prefill_takes_the_trailing_prompts_and_equals_the_torch_path(flash_on, case, chunk, window):
+    lens, starts, rows, seqs = FLASH_CASES[case]
+    batch = _split_equals_the_torch_path(lens, starts, chunk, window)
+    if chunk is not None and batch.fresh is not None and batch.fresh.max_len > chunk:
+        rows = seqs = 0  # a prompt past its first chunk: the chunked mask is the paged kernel's
+    assert flash_on == ([(rows, seqs, window)] if rows else [])
 
 
 def test_flash_prefill_off_by_default_and_refused_by_name():
@@ -560,26 +551,7 @@ def test_sdpa_prompts_equal_a_dense_causal_attention_per_sequence(dtype):
 @pytest.mark.parametrize("chunk,window", [(None, None), (None, 6), (None, 64), (40, None), (16, None)])
 def test_sdpa_prefill_takes_the_trailing_prompts_and_equals_the_torch_path(sdpa_on, case, chunk, window):
     lens, starts, rows, _ = FLASH_CASES[case]
-    q, k_pool, v_pool, batch = _case(lens, starts, 4, 6, 2, 16, seed=len(lens))
-    k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]  # what the step wrote
-    want = attn.paged_attention_torch(
-        q, k_pool, v_pool, batch, scale=0.25, chunk=chunk, softmax_fp32=True, window=window
-    )
-    kp, vp = _poisoned(k_pool, v_pool, batch, chunk, window)
-    got = attn.paged_attention(
-        q,
-        kp,
-        vp,
-        batch,
-        scale=0.25,
-        chunk=chunk,
-        softmax_fp32=True,
-        window=window,
-        backend="triton",
-        k_new=k_new,
-        v_new=v_new,
-    )
-    assert (got - want).abs().max() < 1e-5
+    batch = _split_equals_the_torch_path(lens, starts, chunk, window)
     f = batch.fresh
     if f is None or (chunk is not None and f.max_len > chunk) or (window is not None and f.max_len > window):
         rows = 0  # a prompt past its first chunk or its window: the paged kernel's masks
@@ -587,7 +559,9 @@ def test_sdpa_prefill_takes_the_trailing_prompts_and_equals_the_torch_path(sdpa_
 
 
 @needs_triton
-def test_sdpa_prefill_declines_sinks_other_dtypes_and_a_missing_key(sdpa_on):
+@pytest.mark.parametrize("backend", ["flash_on", "sdpa_on"])
+def test_a_prefill_backend_declines_sinks_other_dtypes_and_a_missing_key(request, backend):
+    calls = request.getfixturevalue(backend)
     lens, starts = [1, 9], [20, 0]
     q, k_pool, v_pool, batch = _case(lens, starts, 4, 4, 2, 16, seed=3)
     k_new, v_new = k_pool[batch.slot_mapping], v_pool[batch.slot_mapping]
@@ -599,9 +573,11 @@ def test_sdpa_prefill_declines_sinks_other_dtypes_and_a_missing_key(sdpa_on):
     assert (got - want).abs().max() < 1e-5
     attn.paged_attention_triton(q, k_pool, v_pool, batch, scale=0.25, chunk=None)  # no step keys given
     assert attn.fresh_suffix(q, k_pool.half(), batch, None, None, k_new) is None  # the pools hold another dtype
-    assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new, window=8) is None  # the 9-token prompt exceeds it
-    assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new, window=9) is batch.fresh
-    assert sdpa_on == []
+    assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new) is batch.fresh
+    if backend == "sdpa_on":  # SDPA's causal mask has no window: the 9-token prompt must fit in it
+        assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new, window=8) is None
+        assert attn.fresh_suffix(q, k_pool, batch, None, None, k_new, window=9) is batch.fresh
+    assert calls == []
 
 
 @needs_triton

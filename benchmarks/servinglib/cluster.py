@@ -24,6 +24,25 @@ WARNING_WORDS = (
 )
 
 
+def colocated_rank(folder: str, smoke: bool, dtype: str, **keywords):
+    """One co-located rank (a router and an expert worker) in-process through ``LocalCluster``,
+    on ``--load-format dummy`` weights of ``folder``'s config: NCCL on the GPU, gloo on the CPU
+    (``smoke``); ``keywords`` are LocalCluster's (limits, env). Started; the caller stops it."""
+    from moeserve.cluster.launcher import LocalCluster
+
+    return LocalCluster(
+        folder,
+        routers=1,
+        workers=1,
+        colocated=True,
+        backend="gloo" if smoke else "nccl",
+        load_format="dummy",
+        dtype=dtype,
+        startup_timeout_s=900,
+        **keywords,
+    ).start()
+
+
 def is_fp8(name: str) -> bool:
     """Whether a configuration serves FP8 experts and MLPs (``-fp8``, ``-fp8-weight-only``)."""
     return name.endswith(("-fp8", "-fp8-weight-only"))
