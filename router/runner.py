@@ -320,6 +320,7 @@ class RouterRunner:
                 seq = live[sid]
                 seq.table.extend(sw.new_blocks)
             if seq.known is not None:
+                seq.known.extend(sw.prefix_ids)  # a fresh record's cached prefix (penalized only)
                 seq.known.extend(sw.token_ids)
             if seq.grammar is not None and seq.grammar.known is not None:
                 seq.grammar.known.extend(sw.token_ids)

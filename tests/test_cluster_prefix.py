@@ -169,9 +169,10 @@ def test_two_routers_with_cache_aware_routing_find_more_and_compute_less_than_wi
 
 @pytest.mark.timeout(300)
 def test_penalized_requests_give_the_tokens_they_give_without_the_cache(setup):
-    """A repetition penalty needs every prompt token on the router, so such a request computes
-    its whole prompt; presence and frequency penalties count outputs only, so a repeated prompt
-    reads its cached prompt blocks. Either way its tokens are those it gets with the cache off."""
+    """A penalized request reads its cached prompt blocks: a repetition penalty needs every
+    prompt token on the router, which its fresh record's cached-prefix ids bring
+    (``SeqWork.prefix_ids``); presence and frequency penalties count outputs only. Either way its
+    tokens are those it gets with the cache off, which differ from the unpenalized ones."""
     p = setup["prompts"][0]
     kinds = [dict(repetition_penalty=1.8), dict(presence_penalty=1.5, frequency_penalty=1.0)]
     with LocalCluster(setup["path"], routers=1, workers=1, block_size=BS, enable_prefix_caching=False) as off:
@@ -180,5 +181,5 @@ def test_penalized_requests_give_the_tokens_they_give_without_the_cache(setup):
     with LocalCluster(setup["path"], routers=1, workers=1, block_size=BS) as c:
         assert run(c, [p])[0].cached_tokens == 0
         rep, pres = (run(c, [p], **kw)[0] for kw in kinds)
-        assert (rep.token_ids, rep.cached_tokens) == (want[0], 0)
+        assert (rep.token_ids, rep.cached_tokens) == (want[0], 24)
         assert (pres.token_ids, pres.cached_tokens) == (want[1], 24)

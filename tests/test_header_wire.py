@@ -55,6 +55,9 @@ def random_header(rng, routers=2, prompts=3, migration=True, long_prompt=0):
                     out_pos=int(rng.integers(0, 1000)),
                     prompt_logprobs=int(rng.choice([-1, 0, 5])),
                     grammar=int(rng.choice([-1, 0, 7, 2**40])) if sampling is not None else -1,
+                    prefix_ids=tuple(int(x) for x in rng.integers(0, 202048, int(rng.integers(1, 70))))
+                    if sampling is not None and rng.random() < 0.4
+                    else (),
                 )
             )
         d = int(rng.integers(0, 300))
@@ -217,6 +220,10 @@ def test_a_sequence_started_on_cached_blocks_keeps_its_table_start_and_freshness
     back = hw.decode(hw.encode(StepHeader(5, forward=True, work=(RouterWork(seqs=(fresh, chunk)),))))
     got = back.work[0].seqs
     assert got == (fresh, chunk) and got[0].fresh and not got[1].fresh
+    # a penalized one also carries the ids of its cached prefix, which its router's penalty counts
+    pen = fresh._replace(sampling=SamplingParams(seed=3, repetition_penalty=1.2), prefix_ids=tuple(range(100, 132)))
+    (got,) = hw.decode(hw.encode(StepHeader(6, forward=True, work=(RouterWork(seqs=(pen,)),)))).work[0].seqs
+    assert got == pen and got.prefix_ids == tuple(range(100, 132)) and got.token_ids == (4, 5)
 
 
 def test_a_leader_alone_sends_nothing(monkeypatch):

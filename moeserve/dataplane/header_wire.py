@@ -16,11 +16,12 @@ packed 8 to a word, little-endian, after their byte count):
         D decodes, K new blocks, N releases, Q sequences, decodes [D], blocks [K, 2],
         releases [N], then per sequence:
             seq_id, start, T tokens, B new blocks, out_pos, flags (sample, sampling, seed,
-            logits "" / "last" / "all", adjust, prompt logprobs, grammar), [temperature, top_p,
-            top_k, seed when sampling], [min_p, presence, frequency, repetition, min_tokens, S
-            stop ids, N biased tokens, stop ids [S], (token, bias) [N, 2] when adjust], [top
-            tokens per prompt position when prompt logprobs], [grammar id when grammar],
-            tokens [T], new blocks [B]
+            logits "" / "last" / "all", adjust, prompt logprobs, grammar, prefix ids),
+            [temperature, top_p, top_k, seed when sampling], [min_p, presence, frequency,
+            repetition, min_tokens, S stop ids, N biased tokens, stop ids [S], (token, bias)
+            [N, 2] when adjust], [top tokens per prompt position when prompt logprobs], [grammar
+            id when grammar], [C, the cached prefix's ids [C] when prefix ids], tokens [T], new
+            blocks [B]
     then, when the grammars flag is set: G grammars, D dropped ids, per grammar (id, kind,
     any_whitespace, its text as a string), dropped ids [D] (a grammar's text travels once,
     in the header that announces it; a sequence's header carries its id)
@@ -48,12 +49,12 @@ from moeserve.dataplane.protocol import (
 from moeserve.grammar import KINDS, GrammarSpec
 from moeserve.sampling import SamplingParams
 
-MAGIC = 0x4D53_4844_0003  # "MSHD", layout 3
-LAYOUT = 3
+MAGIC = 0x4D53_4844_0004  # "MSHD", layout 4
+LAYOUT = 4
 DEFAULT_CAPACITY = 4096  # words broadcast every step (32 KiB)
 _FORWARD, _REPORT, _READ_LOAD, _STOP, _WARMUP, _MIGRATION, _REGROUP, _GRAMMARS = (1 << i for i in range(8))
 _SAMPLE, _SAMPLING, _SEED = 1, 2, 4
-_ADJUST, _PROMPT_LP, _GRAMMAR = 1 << 5, 1 << 6, 1 << 7  # bits 3-4 hold the logits mode
+_ADJUST, _PROMPT_LP, _GRAMMAR, _PREFIX_IDS = 1 << 5, 1 << 6, 1 << 7, 1 << 8  # bits 3-4: the logits mode
 _LOGITS = {"": 0, "last": 1, "all": 2}
 _LOGITS_NAME = {v: k for k, v in _LOGITS.items()}
 
@@ -114,6 +115,7 @@ def encode(h: StepHeader) -> np.ndarray:
                 | _ADJUST * (sp is not None and (sp.adjusts or sp.min_p > 0))
                 | _PROMPT_LP * (sw.prompt_logprobs >= 0)
                 | _GRAMMAR * (sw.grammar >= 0)
+                | _PREFIX_IDS * bool(sw.prefix_ids)
             )
             words = [sw.seq_id, sw.start, len(sw.token_ids), len(sw.new_blocks), sw.out_pos, f]
             if sp is not None:
@@ -128,7 +130,10 @@ def encode(h: StepHeader) -> np.ndarray:
                 words.append(sw.prompt_logprobs)
             if f & _GRAMMAR:
                 words.append(sw.grammar)
+            if f & _PREFIX_IDS:
+                words.append(len(sw.prefix_ids))
             parts.append(words)
+            parts.append(sw.prefix_ids)
             parts.append(sw.token_ids)
             parts.append(sw.new_blocks)
     if flags & _GRAMMARS:
@@ -211,6 +216,7 @@ def decode(words: np.ndarray) -> StepHeader:
                 )
             plp = int(take(1)[0]) if f & _PROMPT_LP else -1
             grammar = int(take(1)[0]) if f & _GRAMMAR else -1
+            prefix_ids = tuple(take(int(take(1)[0])).tolist()) if f & _PREFIX_IDS else ()
             token_ids = tuple(take(t).tolist())
             new_blocks = tuple(take(b).tolist())
             seqs.append(
@@ -225,6 +231,7 @@ def decode(words: np.ndarray) -> StepHeader:
                     out_pos=out_pos,
                     prompt_logprobs=plp,
                     grammar=grammar,
+                    prefix_ids=prefix_ids,
                 )
             )
         work.append(RouterWork(seqs=tuple(seqs), release=release, decodes=decodes, blocks=blocks))

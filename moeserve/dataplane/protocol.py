@@ -44,7 +44,9 @@ class SeqWork(NamedTuple):
     prompt_logprobs; -1: none), computed on the router for the chunk's positions
     (``RankResult.prompt_logprobs``); grammar: with ``sampling``, the id of the grammar the
     sequence's tokens are constrained to (announced to the routers in an earlier header's
-    ``StepHeader.grammars``; -1: none).
+    ``StepHeader.grammars``; -1: none); prefix_ids: with ``sampling``, for a penalized sequence
+    that starts on cached blocks, the ids of the ``start`` tokens it reads from them (its
+    router's penalty state counts every prompt token; they are not written: () otherwise).
     """
 
     seq_id: int
@@ -58,6 +60,7 @@ class SeqWork(NamedTuple):
     pending: bool = False
     prompt_logprobs: int = -1
     grammar: int = -1
+    prefix_ids: tuple[int, ...] = ()
 
     @property
     def num_new(self) -> int:

@@ -367,11 +367,9 @@ class Scheduler:
         prompt token (``return_logits == "all"``) or the logprobs of every prompt token
         (``prompt_logprobs`` >= 0: prompt logprobs, echo with logprobs), which only a computation
         of the whole prompt gives (as vLLM does)."""
-        if not self.prefix_caching or seq.req.return_logits == "all" or seq.req.prompt_logprobs >= 0:
-            return False
-        # a repetition penalty needs every prompt token on the router, and a cached block's
-        # tokens never travel there (the router fills its penalty state from the chunks it gets)
-        return seq.req.sampling.repetition_penalty == 1.0
+        # a penalized sequence reads the cache too: its fresh record carries the cached prefix's
+        # ids (``SeqWork.prefix_ids``), from which its router fills the penalty state
+        return self.prefix_caching and seq.req.return_logits != "all" and seq.req.prompt_logprobs < 0
 
     def _prefix_hits(self, seq: Sequence) -> list[list[int]]:
         """Per router, the cached blocks ``seq`` would start with there: the longest cached
@@ -495,6 +493,8 @@ class Scheduler:
             # scored in the first pass only: a sequence recomputed after its first token has them
             prompt_logprobs=seq.req.prompt_logprobs if len(known) == len(seq.req.prompt_ids) else -1,
             grammar=seq.grammar if fresh else -1,  # a fresh record starts its matcher
+            # a penalized record on cached blocks: the ids of what it reads (its penalty state)
+            prefix_ids=tuple(known[:start]) if fresh and start and seq.req.sampling.penalized else (),
         )
         seq.cached = start + take
         if last:
