@@ -171,6 +171,26 @@ def test_a_request_that_needs_every_prompt_logit_or_logprob_computes_its_whole_p
     assert fresh_work(s.schedule(), plain).start == 12
 
 
+def test_a_penalized_requests_fresh_record_carries_the_ids_of_its_cached_prefix():
+    """A penalized sequence on cached blocks: its first record carries the ids it reads from
+    them (its router's penalty state counts every prompt token), later records none; an
+    unpenalized one carries none."""
+    from moeserve.sampling import SamplingParams
+
+    s = sched()
+    s.submit(req(P))
+    drain(s)
+    pen = s.submit(req(P, sampling=SamplingParams(repetition_penalty=1.3)))
+    plain = s.submit(req(P))
+    work = s.schedule()
+    sw = fresh_work(work, pen)
+    assert (sw.start, sw.prefix_ids, sw.token_ids) == (12, P[:12], P[12:])
+    assert fresh_work(work, plain).prefix_ids == ()
+    feed(s, work)
+    later = [x for w in s.schedule() for x in w.seqs if x.seq_id == pen.seq_id]
+    assert all(x.prefix_ids == () for x in later)
+
+
 def test_a_cache_salt_keeps_requests_apart_and_the_cache_can_be_off():
     s = sched()
     s.submit(req(P, cache_salt="tenant-a"))
