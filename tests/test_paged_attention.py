@@ -546,6 +546,20 @@ def test_sdpa_prompts_equal_a_dense_causal_attention_per_sequence(dtype):
     assert attn.sdpa_prompts(q, k, v, lens, scale=0.3, out=out) is out and not out.isnan().any()
 
 
+def test_sdpa_prompts_take_a_fused_kernel_not_the_math_fallback():
+    """torch's fused SDPA kernels take 4-D inputs only (a 3-D call falls back to the math kernel,
+    which materializes every score): forced to FlashAttention, which the CPU build has too, the
+    call runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    lens = (5, 9)
+    q, k, v = torch.randn(14, 4, 16), torch.randn(14, 2, 16), torch.randn(14, 2, 16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        got = attn.sdpa_prompts(q, k, v, lens, scale=0.25)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    assert (got - _dense_causal([])(q, k, v, cu, 9, scale=0.25, window=None)).abs().max() < 1e-5
+
+
 @needs_triton
 @pytest.mark.parametrize("case", list(FLASH_CASES))
 @pytest.mark.parametrize("chunk,window", [(None, None), (None, 6), (None, 64), (40, None), (16, None)])

@@ -298,9 +298,12 @@ def sdpa_prompts(
     out = q.new_empty(q.shape) if out is None else out
     at = 0
     for n in lens:
-        qs, ks, vs = (x[at : at + n].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+        # [1, H, n, D]: torch's fused kernels (FlashAttention, cuDNN, memory-efficient) take
+        # 4-D inputs only; a 3-D call would fall back to the math kernel, which materializes
+        # the [H, n, n] scores
+        qs, ks, vs = (x[at : at + n].transpose(0, 1)[None] for x in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        out[at : at + n] = o.transpose(0, 1)
+        out[at : at + n] = o[0].transpose(0, 1)
         at += n
     return out
 
