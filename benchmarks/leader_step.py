@@ -1,87 +1,154 @@
 #!/usr/bin/env python3
 """The leader's host work per decode step, without ranks: schedule, the header's wire round
 trip (``moeserve.dataplane.header_wire``: encode on the leader, decode on a rank; the old
-pickle round trip beside it), and consuming the results, for 512 running sequences over 2
-routers (256 each).
+pickle round trip beside it), consuming the results, and framing the step's events for the
+front end (``router.engine.channel``: one pickled frame of every token event), at each batch of
+``--seqs`` running sequences spread over ``--routers`` routers.
 
-    python benchmarks/leader_step.py
+    python benchmarks/leader_step.py                       # 256, 512, 1024 sequences over 2 routers
+    python benchmarks/leader_step.py --seqs 512 --routers 1
 
-Prints one line (ms per step, mean of 100 steps after 10). This host work sits between two
-GPU steps in the synchronous step protocol, so every millisecond of it is a millisecond of
-decode step time; with asynchronous steps (the default, emulated here: a step's tokens come
-back with the next step's results) it overlaps the GPU's step and costs step time only where
-the whole host path is longer than the GPU's (docs/dataplane.md, "Asynchronous steps").
+Prints a table (ms per step, mean of ``--steps`` steps after 10) and writes JSON (``--json``,
+default benchmarks/results/leader-step.json). Except the framing, which the leader's channel
+thread does, this work runs on rank 0's step loop between two steps: in the synchronous step
+protocol every millisecond of it is a millisecond of decode step time; with asynchronous steps
+(the default, emulated here: a step's tokens come back with the next step's results) it
+overlaps the GPU's step and costs step time only where the whole host path is longer than the
+GPU's (docs/dataplane.md, "Asynchronous steps").
 """
 
-import os
-import sys
+from __future__ import annotations
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import argparse
+import json
+import os
 import pickle
+import platform
+import sys
 import time
 
-import numpy as np
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
-from moeserve.config import ClusterConfig, EplbConfig, Limits
-from moeserve.dataplane import header_wire
-from moeserve.dataplane.protocol import RankResult
-from moeserve.placement import Placement
-from moeserve.router.engine.api import GenerateRequest, ModelShape
-from moeserve.router.engine.leader import Engine
+import numpy as np  # noqa: E402
+from servinglib.common import git_commit  # noqa: E402
+
+from moeserve.config import ClusterConfig, EplbConfig, Limits  # noqa: E402
+from moeserve.dataplane import header_wire  # noqa: E402
+from moeserve.dataplane.protocol import RankResult  # noqa: E402
+from moeserve.placement import Placement  # noqa: E402
+from moeserve.router.engine.api import GenerateRequest, ModelShape  # noqa: E402
+from moeserve.router.engine.channel import _frame  # noqa: E402
+from moeserve.router.engine.leader import Engine  # noqa: E402
 
 L, E, W = 8, 16, 2
-cfg = ClusterConfig(
-    model_dir="unused",
-    routers=2,
-    workers=W,
-    colocated=True,
-    eplb=EplbConfig(enable_eplb=True, num_redundant_experts=0),
-    limits=Limits(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192, max_waiting=100000),
-)
-shape = ModelShape(L, E, 1, 200000, (2,), 16, tuple(range(L)), L)
-eng = Engine(cfg, shape, Placement(np.tile(np.arange(E), (L, 1)), E, W, version=1))
-eng.scheduler.set_capacity([40000, 40000])
-events = []
-for _i in range(512):
-    eng.submit(GenerateRequest(tuple(range(5, 133)), 256, ignore_eos=True), events.append)
-t_sched = t_res = t_pick = t_wire = 0.0
-n = 0
-prev = None  # like routers with asynchronous steps: a step's tokens come with the next
-while True:
-    t0 = time.perf_counter()
-    h = eng.next_header()
-    t1 = time.perf_counter()
-    if not h.forward:
-        break
-    d = pickle.dumps(h)
-    pickle.loads(d)
-    t2 = time.perf_counter()
-    w = header_wire.encode(h)
-    header_wire.decode(w)
-    t2w = time.perf_counter()
-    res = [RankResult(r) for r in range(2)]
-    for r in range(2):
-        if prev is not None:
-            res[r].tokens_step = prev.step
-            res[r].tokens = {sid: 7 for sid in prev.work[r].sampled_ids()}
-        if h.read_load:
-            res[r].logical_load = np.zeros((L, E), np.int64)
-            res[r].worker_load = np.zeros((L, W), np.int64)
-    prev = h
-    res = [pickle.loads(pickle.dumps(x)) for x in res]
-    t3 = time.perf_counter()
-    eng.on_results(h, res)
-    t4 = time.perf_counter()
-    n += 1
-    if n > 10:
-        t_sched += t1 - t0
-        t_pick += t2 - t1
-        t_res += t4 - t3
-        t_wire += t2w - t2
-    if n == 110:
-        break
-k = n - 10
-print(
-    f"per step, 512 seqs over 2 routers: schedule {1e3 * t_sched / k:.2f} ms, header encode+decode {1e3 * t_wire / k:.2f} ms "
-    f"({8 * len(w)} bytes; pickle+unpickle {1e3 * t_pick / k:.2f} ms, {len(d)} bytes), on_results {1e3 * t_res / k:.2f} ms"
-)
+PARTS = ("schedule", "header_wire", "header_pickle", "on_results", "event_frame")
+
+
+def measure(seqs: int, routers: int, steps: int) -> dict:
+    """ms per step of each part of ``PARTS`` for ``seqs`` decoding sequences over ``routers``."""
+    cfg = ClusterConfig(
+        model_dir="unused",
+        routers=routers,
+        workers=W,
+        colocated=True,
+        eplb=EplbConfig(enable_eplb=True, num_redundant_experts=0),
+        limits=Limits(
+            max_model_len=2048,
+            max_num_seqs=-(-seqs // routers),
+            max_num_batched_tokens=max(8192, seqs),
+            max_waiting=100000,
+        ),
+    )
+    shape = ModelShape(L, E, 1, 200000, (2,), 16, tuple(range(L)), L)
+    eng = Engine(cfg, shape, Placement(np.tile(np.arange(E), (L, 1)), E, W, version=1))
+    eng.scheduler.set_capacity([40000] * routers)
+    events: list = []
+    for i in range(seqs):
+        eng.submit(GenerateRequest(tuple(range(5, 133)), 256, ignore_eos=True), lambda ev, i=i: events.append((i, ev)))
+    total = dict.fromkeys(PARTS, 0.0)
+    n, words, pickled = 0, 0, 0
+    prev = None  # like routers with asynchronous steps: a step's tokens come with the next
+    while n < steps + 10:
+        t0 = time.perf_counter()
+        h = eng.next_header()
+        t1 = time.perf_counter()
+        if not h.forward:
+            raise RuntimeError(f"the sequences finished after {n} steps: ask fewer --steps")
+        d = pickle.dumps(h)
+        pickle.loads(d)
+        t2 = time.perf_counter()
+        w = header_wire.encode(h)
+        header_wire.decode(w)
+        t3 = time.perf_counter()
+        res = [RankResult(r) for r in range(routers)]
+        for r in range(routers):
+            if prev is not None:
+                res[r].tokens_step = prev.step
+                res[r].tokens = {sid: 7 for sid in prev.work[r].sampled_ids()}
+            if h.read_load:
+                res[r].logical_load = np.zeros((L, E), np.int64)
+                res[r].worker_load = np.zeros((L, W), np.int64)
+        prev = h
+        res = [pickle.loads(pickle.dumps(x)) for x in res]
+        events.clear()
+        t4 = time.perf_counter()
+        eng.on_results(h, res)
+        t5 = time.perf_counter()
+        _frame(("events", [(i % 64, i, ev) for i, ev in events]))
+        t6 = time.perf_counter()
+        n += 1
+        if n > 10:
+            for part, dt in zip(PARTS, (t1 - t0, t3 - t2, t2 - t1, t5 - t4, t6 - t5)):
+                total[part] += dt
+            words, pickled = len(w), len(d)
+    out = {f"{part}_ms": 1e3 * total[part] / steps for part in PARTS}
+    out["step_loop_ms"] = out["schedule_ms"] + out["header_wire_ms"] + out["on_results_ms"]
+    return dict(seqs=seqs, routers=routers, steps=steps, header_bytes=8 * words, pickle_bytes=pickled, **out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seqs", default="256,512,1024", help="comma list of running sequences (256,512,1024)")
+    p.add_argument("--routers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=100, help="steps timed after 10 (100; at most 240)")
+    p.add_argument(
+        "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "leader-step.json")
+    )
+    a = p.parse_args(argv)
+    try:
+        sizes = [int(x) for x in a.seqs.split(",")]
+    except ValueError:
+        p.error(f"--seqs must be a comma list of sequence counts, got {a.seqs!r}")
+    if not sizes or min(sizes) < 1 or max(sizes) > 65536:
+        p.error(f"--seqs must be 1 .. 65536 each, got {a.seqs!r}")
+    if not 1 <= a.routers <= 64:
+        p.error(f"--routers must be 1 .. 64, got {a.routers}")
+    if not 1 <= a.steps <= 240:  # the sequences ask 256 tokens: steps + 10 of them must not finish
+        p.error(f"--steps must be 1 .. 240, got {a.steps}")
+    rows = [measure(s, a.routers, a.steps) for s in sizes]
+    print(
+        f"{'seqs':>6} {'routers':>7} {'schedule':>9} {'header':>8} {'(pickle)':>9} {'on_results':>10} "
+        f"{'step loop':>9} {'events':>8} {'header KB':>9}   ms per step"
+    )
+    for r in rows:
+        print(
+            f"{r['seqs']:>6} {r['routers']:>7} {r['schedule_ms']:>9.2f} {r['header_wire_ms']:>8.2f} "
+            f"{r['header_pickle_ms']:>9.2f} {r['on_results_ms']:>10.2f} {r['step_loop_ms']:>9.2f} "
+            f"{r['event_frame_ms']:>8.2f} {r['header_bytes'] / 1024:>9.1f}"
+        )
+    doc = dict(
+        command="python3 " + " ".join([os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]),
+        git=git_commit(),
+        machine=dict(arch=platform.machine(), cpus=os.cpu_count(), python=platform.python_version()),
+        rows=rows,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
