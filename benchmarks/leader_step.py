@@ -3,7 +3,8 @@
 trip (``moeserve.dataplane.header_wire``: encode on the leader, decode on a rank; the old
 pickle round trip beside it), consuming the results, and framing the step's events for the
 front end (``router.engine.channel``: one pickled frame of every token event), at each batch of
-``--seqs`` running sequences spread over ``--routers`` routers.
+``--seqs`` running sequences spread over ``--routers`` routers, the heap made before the requests
+frozen out of the collector's reach as a rank's is (``moeserve.ops.gcpause``).
 
     python benchmarks/leader_step.py                       # 256, 512, 1024 sequences over 2 routers
     python benchmarks/leader_step.py --seqs 512 --routers 1
@@ -36,6 +37,7 @@ from servinglib.common import git_commit  # noqa: E402
 from moeserve.config import ClusterConfig, EplbConfig, Limits  # noqa: E402
 from moeserve.dataplane import header_wire  # noqa: E402
 from moeserve.dataplane.protocol import RankResult  # noqa: E402
+from moeserve.ops import gcpause  # noqa: E402
 from moeserve.placement import Placement  # noqa: E402
 from moeserve.router.engine.api import GenerateRequest, ModelShape  # noqa: E402
 from moeserve.router.engine.channel import _frame  # noqa: E402
@@ -63,6 +65,7 @@ def measure(seqs: int, routers: int, steps: int) -> dict:
     shape = ModelShape(L, E, 1, 200000, (2,), 16, tuple(range(L)), L)
     eng = Engine(cfg, shape, Placement(np.tile(np.arange(E), (L, 1)), E, W, version=1))
     eng.scheduler.set_capacity([40000] * routers)
+    gcpause.freeze_startup_heap()  # as a rank does once it is ready: full collections skip what came before
     events: list = []
     for i in range(seqs):
         eng.submit(GenerateRequest(tuple(range(5, 133)), 256, ignore_eos=True), lambda ev, i=i: events.append((i, ev)))
