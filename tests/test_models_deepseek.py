@@ -132,6 +132,49 @@ def test_absorbed_attention_equals_the_eager_expanded_oracle_on_a_mixed_step(cas
         assert (got[a : a + n] - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_fresh_prompts_expanded_through_sdpa_equal_the_full_forward(case, backend, monkeypatch):
+    """With ``MOESERVE_ATTENTION_PREFILL=sdpa`` a step's fresh prompts attend to their own
+    latents expanded through kv_b, on torch's SDPA (the real function on the CPU); the
+    sequences before them keep the paged path (absorbed on the Triton kernel, or expanded on
+    the torch path). A step of two fresh prompts, a mixed step (a continuing chunk, then a
+    fresh prompt), decodes: every logit equals the full forward's, and SDPA saw exactly the
+    fresh prompts."""
+    from moeserve.models import attention as attn_mod
+    from moeserve.models import paged
+
+    _, model, _ = case
+    monkeypatch.setattr(MLAttention, "absorbed", functools.partialmethod(MLAttention.absorbed, backend=backend))
+    monkeypatch.setitem(attn_mod.PREFILL, "backend", "sdpa")
+    monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
+    calls: list = []
+    real = attn_mod.sdpa_prompts
+    monkeypatch.setattr(
+        attn_mod, "sdpa_prompts", lambda q, k, v, lens, **kw: calls.append(lens) or real(q, k, v, lens, **kw)
+    )
+    seqs = [hf.prompts(1, 20, seed=4)[0], hf.prompts(1, 13, seed=5)[0], hf.prompts(1, 9, seed=6)[0]]
+    cache, bs = model.new_paged_cache(num_blocks=40, block_size=4), 4
+    tables = [list(range(s * 12, s * 12 + 12))[::-1] for s in range(3)]
+    # (sequence, start, tokens) per step: two fresh prompts; seq 0 goes on beside seq 2's fresh
+    # prompt; then seq 0 finishes its prompt beside decodes of seqs 1 and 2
+    plan = [[(0, 0, 8), (1, 0, 13)], [(0, 8, 6), (2, 0, 9)], [(1, 13, 1), (2, 9, 1), (0, 14, 6)]]
+    extra = {s: hf.prompts(1, 1, seed=10 + s)[0] for s in range(3)}  # the decodes' tokens
+    rows: dict = {s: [] for s in range(3)}
+    for step in plan:
+        lens, starts = [n for _, _, n in step], [a for _, a, _ in step]
+        batch = PagedBatch.build(lens, starts, [tables[s] for s, _, _ in step], bs)
+        ids = torch.cat([seqs[s][a : a + n] if a < len(seqs[s]) else extra[s] for s, a, n in step])
+        for (s, _, _), piece in zip(step, model.logits(model.step(ids, batch, cache)).split(lens)):
+            rows[s].append(piece)
+    layers = model.config.num_layers  # every layer is MLA: one call each
+    assert calls == [(8, 13)] * layers + [(9,)] * layers  # each step's fresh prompts, none of the others
+    for s in range(3):
+        full = torch.cat([seqs[s], extra[s]]) if s else seqs[s]
+        want = model(full[None])[0]
+        got = torch.cat(rows[s])
+        assert (got - want[: got.shape[0]]).abs().max().item() < FP32_LOGITS_ATOL
+
+
 def test_the_paged_pool_holds_the_latent_per_token_not_per_head_keys_and_values(case):
     _, model, _ = case
     c, m = model.config, model.config.mla

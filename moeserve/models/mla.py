@@ -34,11 +34,12 @@ import torch
 
 from moeserve.kernels import available as triton_available
 from moeserve.kernels import fresh_module
+from moeserve.models import attention as attn
 from moeserve.models.attention import paged_attention_torch
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.config import MLAConfig, ModelConfig
 from moeserve.models.layers import apply_rope, load_linear, rms_norm
-from moeserve.models.paged import PagedBatch, PagedKVCache
+from moeserve.models.paged import FreshSuffix, PagedBatch, PagedKVCache
 from moeserve.models.quant import QuantLinear
 
 
@@ -153,12 +154,16 @@ class MLAttention:
         if isinstance(cache, PagedKVCache):
             assert isinstance(batch, PagedBatch)  # DecoderModel.step pairs the batch with its cache
             cache.write(self.layer, batch.slot_mapping, latent, latent)  # (one pool: v is k)
-            # On CUDA every step runs the absorbed kernel: the torch expansion's padded scores
-            # [S, Hq, Q, L] would not fit a long prompt's chunks (64 x 8,000 tokens).
-            if batch.max_query_len <= 1 or (x.is_cuda and triton_available()):
-                out = self.absorbed(q_nope, q_pe, cache.k[self.layer], batch)
-            else:
-                out = self._expanded_paged(q_nope, q_pe, cache.k[self.layer], batch)
+            pool = cache.k[self.layer]
+            f = fresh_prompts(batch)
+            if f is None:
+                out = self._paged(q_nope, q_pe, pool, batch)
+            else:  # the step's fresh prompts expanded from their own latents, through SDPA
+                t0 = f.first_token
+                out = q_nope.new_empty(t, hq, m.v_head_dim)
+                out[t0:] = self._expanded_sdpa(q_nope[t0:], q_pe[t0:], latent[t0:, 0], f.lens)
+                if f.head is not None:
+                    out[:t0] = self._paged(q_nope[:t0], q_pe[:t0], pool, f.head)
             return self.o_proj(out.reshape(t, hq * m.v_head_dim))
         assert isinstance(batch, StepBatch)  # DecoderModel.step pairs the batch with its cache
         out = q.new_empty(t, hq, m.v_head_dim)  # [T, Hq, Dv]
@@ -167,6 +172,33 @@ class MLAttention:
             keys, _ = cache.write(self.layer, sid, start, latent[a:b], latent[a:b])  # [start+n, 1, C]
             out[a:b] = self._expanded(q_nope[a:b], q_pe[a:b], keys[:, 0], start)
         return self.o_proj(out.view(t, hq * m.v_head_dim))
+
+    def _paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """A paged step's attention -> [T, Hq, Dv]: absorbed for a decode step and on CUDA (the
+        torch expansion's padded scores [S, Hq, Q, L] would not fit a long prompt's chunks, 64 x
+        8,000 tokens), else expanded."""
+        if batch.max_query_len <= 1 or (q_nope.is_cuda and triton_available()):
+            return self.absorbed(q_nope, q_pe, pool, batch)
+        return self._expanded_paged(q_nope, q_pe, pool, batch)
+
+    def _expanded_sdpa(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, lens: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Fresh prompts (no cached key): each attends to its own latents [Tf, C] expanded through
+        kv_b, on torch's SDPA (``attention.sdpa_prompts``, causal): q [Tf, Hq, Dn] and [Tf, Hq, Dr]
+        -> [Tf, Hq, Dv]. The expanded form's FLOPs per (query, key) pair are Hq (Dn + Dr + Dv)
+        against the absorbed form's Hq (C + R): 320 against 1,088 per head at DeepSeek-V3's
+        shapes. The head dims are padded to one width with zeros (q and k with zeros leave
+        every dot product; v's pad columns are dropped), as torch's fused kernels want."""
+        keys, values = self.expand(latent)  # [Tf, Hq, Dn+Dr], [Tf, Hq, Dv]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [Tf, Hq, Dn+Dr]
+        dqk, dv = q.shape[-1], values.shape[-1]
+        width = max(dqk, dv)
+        if dqk < width:
+            q, keys = (torch.nn.functional.pad(x, (0, width - dqk)) for x in (q, keys))
+        if dv < width:
+            values = torch.nn.functional.pad(values, (0, width - dv))
+        return attn.sdpa_prompts(q, keys, values, lens, scale=self.scale)[..., :dv]
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latents [..., C] -> keys [..., Hq, Dn + Dr] and values [..., Hq, Dv] (kv_b, as transformers)."""
@@ -245,6 +277,19 @@ class MLAttention:
         else:
             raise ValueError(f"unknown attention backend {backend!r}; allowed: 'torch', 'triton'")
         return torch.einsum("thr,hvr->thv", o_c, self.w_uv)  # [T, Hq, Dv]
+
+
+def fresh_prompts(batch: PagedBatch) -> FreshSuffix | None:
+    """The step's trailing fresh prompts when MLA expands them through SDPA: with
+    ``MOESERVE_ATTENTION_PREFILL=sdpa`` (the measurement switch of ``moeserve.models.attention``)
+    and at most ``SDPA_MAX_PROMPTS`` of them (one launch per prompt and layer). A fresh prompt's
+    keys are its own latents, in hand before the pool is read; the sequences before it keep the
+    paged path. Sinks, windows, chunks and the pool's dtype do not arise here: the latent pool
+    holds what was written, in the step's dtype."""
+    f = batch.fresh
+    if attn.PREFILL["backend"] != "sdpa" or f is None or len(f.lens) > attn.SDPA_MAX_PROMPTS:
+        return None
+    return f
 
 
 def load_mla(reader, cfg: ModelConfig, i: int, dtype: torch.dtype, device) -> MLAttention:
