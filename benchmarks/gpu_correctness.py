@@ -41,6 +41,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
+
+from servinglib.common import switches  # noqa: E402
+
 from moeserve.cluster import LocalCluster  # noqa: E402
 from moeserve.models import MoEInfo, StepBatch, init_model, load_config, load_model  # noqa: E402
 from moeserve.models.config import with_quantization  # noqa: E402
@@ -409,7 +413,8 @@ def main():
         path = args.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fp32-floor.json")
         with open(path, "w") as f:
             device = torch.cuda.get_device_name(0) if args.backend == "nccl" else "cpu"
-            meta = dict(command=" ".join(sys.argv), commit=git_commit(), device=device, torch=torch.__version__)
+            meta = dict(command=" ".join(sys.argv), commit=git_commit(), switches=switches(), device=device)
+            meta["torch"] = torch.__version__
             json.dump(dict(meta, results=results), f, indent=1)
         print(f"wrote {path}")
         return
@@ -430,7 +435,8 @@ def main():
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         device = torch.cuda.get_device_name(0) if args.backend == "nccl" else "cpu"
-        json.dump(dict(device=device, torch=torch.__version__, results=results), f, indent=1)
+        meta = dict(command=" ".join(sys.argv), commit=git_commit(), switches=switches(), device=device)
+        json.dump(dict(meta, torch=torch.__version__, results=results), f, indent=1)
     print(f"wrote {path}")
 
 
