@@ -66,22 +66,39 @@ def windows(prompts: int) -> tuple[int, int, int, int]:
     return SKIP, SKIP + width, start, max(1, prompts - start - 5)
 
 
-def chunk_pairs(sizes: dict, c: int) -> float:
-    """(layer, query, key) pairs of one fresh C-token prompt's causal attention: a chunked
-    layer attends within its chunk, a sliding-window layer within its window."""
+def chunk_pairs(sizes: dict, c: int, start: int = 0) -> float:
+    """(layer, query, key) pairs of a C-token chunk's causal attention after ``start`` tokens
+    already in the cache (0: a fresh prompt): a chunked layer attends within its chunk, a
+    sliding-window layer within its window."""
     total = 0.0
     windows = sizes.get("windows") or [None] * len(sizes["chunked"])
-    q = np.arange(c, dtype=np.float64)
+    q = np.arange(start, start + c, dtype=np.float64)
     for chunked, window in zip(sizes["chunked"], windows):
         seen = q % sizes["chunk"] + 1 if chunked and sizes["chunk"] else q + 1
         total += float(np.minimum(seen, window).sum() if window else seen.sum())
     return total
 
 
-def mixed_classes(sizes: dict, weights: float, c: int, decodes: int, context: int) -> dict:
+def chunk_keys(sizes: dict, c: int, start: int = 0) -> float:
+    """(layer, key) pairs a C-token chunk after ``start`` cached tokens reads, each once: every
+    key some query of the chunk sees (a full layer all ``start + c``; a chunked layer those from
+    the first query's chunk on; a sliding-window layer the last ``c + window - 1``)."""
+    total = 0.0
+    windows = sizes.get("windows") or [None] * len(sizes["chunked"])
+    end = start + c
+    for chunked, window in zip(sizes["chunked"], windows):
+        if chunked and sizes["chunk"]:
+            total += end - start // sizes["chunk"] * sizes["chunk"]
+        else:
+            total += min(end, c + window - 1) if window else end
+    return total
+
+
+def mixed_classes(sizes: dict, weights: float, c: int, decodes: int, context: int, cached: int = 0) -> dict:
     """{class: (bytes, FLOPs)} of a step of ``decodes`` decode tokens at ``context`` and one
-    fresh ``c``-token prompt (``step_classes`` for the tokens, the chunk's attention added, the
-    LM head's FLOPs only for the rows that sample: the decodes and the prompt's last token)."""
+    ``c``-token chunk after ``cached`` tokens read from the prefix cache (``step_classes`` for
+    the tokens, the chunk's attention added, the LM head's FLOPs only for the rows that sample:
+    the decodes and the chunk's last token)."""
     tokens = c + decodes
     kv = kv_bytes_read(sizes, [context]) * decodes
     classes = dict(step_classes(sizes, weights, kv, tokens, [context] * decodes))
@@ -89,8 +106,8 @@ def mixed_classes(sizes: dict, weights: float, c: int, decodes: int, context: in
     db, df = classes["dense"]
     classes["dense"] = (db, df - 2.0 * (tokens - decodes - 1) * head)
     ab, af = classes["attention"]
-    chunk_kv = c * sizes["kv_layer_token"] * sizes["num_layers"]  # the chunk's keys and values, read once
-    classes["attention"] = (ab + chunk_kv, af + chunk_pairs(sizes, c) * sizes["attn_flops_per_key"])
+    chunk_kv = chunk_keys(sizes, c, cached) * sizes["kv_layer_token"]  # each key the chunk reads, once
+    classes["attention"] = (ab + chunk_kv, af + chunk_pairs(sizes, c, cached) * sizes["attn_flops_per_key"])
     return classes
 
 
@@ -146,25 +163,39 @@ def run_chunk(a, folder: str, sizes: dict, c: int, prof_dir: str) -> dict:
     rng = np.random.default_rng(c)
     out_len = a.prompts + 64  # the decodes outlast the chunks
     plan = [((int(rng.integers(3, vocab)),), out_len) for _ in range(a.decodes)]
-    plan += [(tuple(int(t) for t in rng.integers(3, vocab, c)), 1) for _ in range(a.prompts)]
+    shared = tuple(int(t) for t in rng.integers(3, vocab, a.cached))  # every prompt's cached prefix
+    plan += [(shared + tuple(int(t) for t in rng.integers(3, vocab, c)), 1) for _ in range(a.prompts)]
     _, _, start, count = windows(a.prompts)
+    # with a shared prefix, one request computes it first (alone: its chunks of C + D tokens),
+    # so that every prompt of the run finds it cached and takes one step
+    warm = [(shared + tuple(int(t) for t in rng.integers(3, vocab, c)), 1)] if a.cached else []
+    start += -(-(a.cached + c) // (c + a.decodes)) if warm else 0  # the forward steps it takes
     env = {"MOESERVE_PROFILE": f"{prof_dir}:{start}:{count}"} if a.profile else {}
     cluster = colocated_rank(
         folder,
         a.smoke,
         a.dtype,
-        max_model_len=max(c, out_len) + 16,
+        max_model_len=max(a.cached + c, out_len) + 16,
         max_num_seqs=a.decodes + 8,
         max_num_batched_tokens=c + a.decodes,
         env=env,
     )
     try:
+        if warm:
+            asyncio.run(_serve(cluster.control_address, cluster.authkey, warm))
         t0 = time.perf_counter()
         times = asyncio.run(_serve(cluster.control_address, cluster.authkey, plan))
         wall = time.perf_counter() - t0
     finally:
         cluster.stop()
-    res = dict(chunk=c, decodes=a.decodes, prompts=a.prompts, wall_s=wall, **measure(times, a.decodes, a.prompts))
+    res = dict(
+        chunk=c,
+        cached=a.cached,
+        decodes=a.decodes,
+        prompts=a.prompts,
+        wall_s=wall,
+        **measure(times, a.decodes, a.prompts),
+    )
     profiles = read_profiles(prof_dir) if a.profile else {}
     p = next(iter(profiles.values()), None)
     if p is not None:
@@ -186,6 +217,13 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", default="512,1024,2048,8192", help="comma list of prefill chunk sizes (tokens)")
     p.add_argument("--decodes", type=int, default=64, help="decode streams beside each chunk (64)")
     p.add_argument("--prompts", type=int, default=40, help="C-token prompts per chunk size, one per step (40)")
+    p.add_argument(
+        "--cached",
+        type=int,
+        default=0,
+        help="tokens of a prefix every prompt shares, read from the prefix cache (a multiple of the "
+        "block size, 16); 0: fresh prompts (0)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--no-profile", dest="profile", action="store_false", help="no device-time profile window")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny shape, gloo, fp32, small chunks")
@@ -197,6 +235,8 @@ def main(argv=None) -> int:
         p.error(f"--chunks must be a comma list of token counts, got {a.chunks!r}")
     if not chunks or min(chunks) < 1 or max(chunks) > 65536:
         p.error(f"--chunks must be 1 .. 65536 tokens each, got {a.chunks!r}")
+    if a.cached < 0 or a.cached % 16 or a.cached > 65536:
+        p.error(f"--cached must be a multiple of the block size 16 in 0 .. 65536, got {a.cached}")
     if not 1 <= a.decodes <= 1024:
         p.error(f"--decodes must be 1 .. 1024, got {a.decodes}")
     if not 2 * SKIP + 14 <= a.prompts <= 1000:
@@ -227,7 +267,7 @@ def main(argv=None) -> int:
         print(f"[C={c}] {a.decodes} decodes + {a.prompts} prompts of {c} tokens ...", flush=True)
         r = run_chunk(a, folder, sizes, c, os.path.join(work, f"profile-{c}"))
         context = 1 + a.prompts // 2  # the decodes' mean context over the window
-        classes = mixed_classes(sizes, weights, c, a.decodes, context)
+        classes = mixed_classes(sizes, weights, c, a.decodes, context, a.cached)
         r["roofline"] = dict(
             classes={k: dict(bytes=b, flops=f) for k, (b, f) in classes.items()},
             peak_flops=peak,

@@ -47,11 +47,25 @@ def test_a_mixed_steps_classes_count_the_chunk_and_sample_only_the_last_rows():
     assert classes["experts"] == (4000, 2 * (c + d) * 2 * 2 * 7)
     att_b, att_f = classes["attention"]
     decode_keys = 2 * 4  # each decode reads 4 keys in both layers (within chunk and window)
-    assert att_b == d * decode_keys * 10 + c * 10 * 2  # the decodes' keys, the chunk's own once
+    # the chunked layer reads all 12 keys (over two chunks), the windowed one all 12 (12 + 5 - 1 > 12)
+    assert bench.chunk_keys(SIZES, c) == 12 + 12
+    assert att_b == d * decode_keys * 10 + (12 + 12) * 10  # the decodes' keys, each of the chunk's once
     assert att_f == d * decode_keys * 3 + bench.chunk_pairs(SIZES, c) * 3
     fa = bench.flop_aware(classes, rate=100.0, peak=1000.0)
     assert fa["step_s"] == pytest.approx(sum(max(b / 100.0, f / 1000.0) for b, f in classes.values()))
     assert bench.flop_aware(classes, 100.0, None) is None
+
+
+def test_a_chunk_after_cached_tokens_counts_the_keys_it_reads_and_the_pairs_it_attends():
+    # 4 queries at positions 10..13: the chunked layer (chunk 8) sees from key 8, the windowed one 5
+    assert bench.chunk_keys(SIZES, 4, start=10) == (14 - 8) + (4 + 5 - 1)
+    assert bench.chunk_pairs(SIZES, 4, start=10) == (3 + 4 + 5 + 6) + 4 * 5
+    plain = dict(SIZES, chunked=[False, False], windows=[None, None])
+    assert bench.chunk_keys(plain, 4, start=10) == 2 * 14
+    assert bench.chunk_pairs(plain, 4, start=10) == 2 * (11 + 12 + 13 + 14)
+    cached = bench.mixed_classes(plain, 5000.0, 4, 3, 4, cached=10)
+    fresh = bench.mixed_classes(plain, 5000.0, 4, 3, 4)
+    assert cached["attention"][1] > fresh["attention"][1] and cached["dense"] == fresh["dense"]
 
 
 def test_the_wall_and_profile_windows_do_not_overlap():
@@ -67,6 +81,7 @@ def test_bad_flags_are_refused_with_what_is_allowed(capsys):
         (["--chunks", "0"], "1 .. 65536"),
         (["--decodes", "0"], "--decodes must be 1 .. 1024"),
         (["--prompts", "10"], "--prompts must be 24 .. 1000"),
+        (["--cached", "20"], "--cached must be a multiple of the block size 16"),
     ):
         with pytest.raises(SystemExit) as e:
             bench.main(["--smoke", *argv])
@@ -89,3 +104,7 @@ def test_smoke_run_measures_one_chunk_per_step(tmp_path):
         _, _, _, count = bench.windows(24)
         assert r["profile"]["steps"] == count  # the profile window ran, apart from the wall window
         assert r["roofline"]["classes"]["attention"]["flops"] > 0
+    # a chunk after a shared prefix the cache holds (one request computes it first): still one a step
+    assert bench.main(["--smoke", "--cached", "32", "--chunks", "8", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    assert r["cached"] == 32 and 0.5 < r["mixed_step_s"] / r["mixed_gap_p50_s"] < 2.0
