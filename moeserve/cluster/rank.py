@@ -206,6 +206,10 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
         use_graphs, why = applies(info_model, exchange, st.store, cfg.enforce_eager)
         if not use_graphs and device.type == "cuda":
             log.info("decode steps run eagerly: %s", why)
+        from moeserve.models.attention import PREFILL, PREFILL_BACKENDS, PREFILL_ENV
+
+        if PREFILL["backend"] != "triton":  # a measurement switch: said where the run's logs show it
+            log.info("%s=%s: %s", PREFILL_ENV, PREFILL["backend"], PREFILL_BACKENDS[PREFILL["backend"]])
         from moeserve.grammar import Compiler
         from moeserve.router.grammars import GrammarBook, default_threads
 
