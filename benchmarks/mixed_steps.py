@@ -50,7 +50,7 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from servinglib.cluster import colocated_rank  # noqa: E402
 from servinglib.common import git_commit, switches  # noqa: E402
 from servinglib.profiles import read_profiles  # noqa: E402
-from servinglib.roofline import DATASHEET_HBM_BPS, gpu_facts, kv_bytes_read, step_classes  # noqa: E402
+from servinglib.roofline import DATASHEET_HBM_BPS, flop_aware, gpu_facts, kv_bytes_read, step_classes  # noqa: E402
 from servinglib.shapes import SHAPES, model_sizes, weights_read_per_gpu, write_model  # noqa: E402
 
 SKIP = 5  # C-prompts left out at the start of the wall window: the requests are all in by then
@@ -109,13 +109,6 @@ def mixed_classes(sizes: dict, weights: float, c: int, decodes: int, context: in
     chunk_kv = chunk_keys(sizes, c, cached) * sizes["kv_layer_token"]  # each key the chunk reads, once
     classes["attention"] = (ab + chunk_kv, af + chunk_pairs(sizes, c, cached) * sizes["attn_flops_per_key"])
     return classes
-
-
-def flop_aware(classes: dict, rate: float, peak: float | None) -> dict | None:
-    if not peak:
-        return None
-    per = {k: max(b / rate, f / peak) for k, (b, f) in classes.items()}
-    return dict(step_s=sum(per.values()), per_class_s=per)
 
 
 async def _serve(address, authkey, plan: list[tuple[tuple[int, ...], int]]) -> list[list[float]]:
@@ -271,7 +264,7 @@ def main(argv=None) -> int:
         r["roofline"] = dict(
             classes={k: dict(bytes=b, flops=f) for k, (b, f) in classes.items()},
             peak_flops=peak,
-            **{name: flop_aware(classes, rate, peak) for name, rate in rates.items()},
+            **{name: flop_aware(classes, rate, peak) if peak else None for name, rate in rates.items()},
         )
         fa = (r["roofline"].get("measured_copy") or {}).get("step_s")
         r["step_over_flop_aware"] = r["mixed_step_s"] / fa if fa else None

@@ -61,6 +61,13 @@ def step_classes(sizes: dict, weight_bytes: float, kv_bytes: float, tokens: floa
     )
 
 
+def flop_aware(classes: dict, rate: float, peak_flops: float) -> dict:
+    """The FLOP-aware step of ``classes`` ({class: (bytes, FLOPs)}) at an HBM ``rate``: per class
+    max(bytes / rate, FLOPs / peak), and their sum."""
+    per = {c: max(b / rate, f / peak_flops) for c, (b, f) in classes.items()}
+    return dict(step_s=sum(per.values()), per_class_s=per)
+
+
 def roofline(
     weight_bytes: float,
     kv_bytes: float,
@@ -94,13 +101,13 @@ def roofline(
     if classes and peak_flops:
         out["flop_aware"] = {"peak_flops": peak_flops, "classes": {}}
         for name, rate in rates.items():
-            per = {c: max(b / rate, f / peak_flops) for c, (b, f) in classes.items()}
-            t = sum(per.values())
+            fa = flop_aware(classes, rate, peak_flops)
+            t = fa["step_s"]
             out["flop_aware"][name] = dict(
                 step_s=t,
                 step_over_roofline=(step_s / t) if (t and step_s) else None,
                 roofline_share=(t / step_s) if (t and step_s) else None,
-                per_class_s=per,
+                per_class_s=fa["per_class_s"],
             )
         out["flop_aware"]["classes"] = {c: dict(bytes=b, flops=f) for c, (b, f) in classes.items()}
     return out
