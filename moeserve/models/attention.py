@@ -308,6 +308,13 @@ def sdpa_prompts(
     return out
 
 
+def sdpa_takes(f: FreshSuffix | None) -> bool:
+    """Whether the ``sdpa`` prefill backend takes a step's fresh prompts ``f``: the switch is on
+    and there are at most ``SDPA_MAX_PROMPTS`` of them (what each attention adds to this is its
+    own: ``fresh_suffix`` for the paged layers, ``mla.fresh_prompts`` for MLA)."""
+    return PREFILL["backend"] == "sdpa" and f is not None and len(f.lens) <= SDPA_MAX_PROMPTS
+
+
 def fresh_suffix(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -331,9 +338,7 @@ def fresh_suffix(
     if k_pool.dtype != q.dtype or k_new.dtype != q.dtype or (chunk and f.max_len > chunk):
         return None
     if backend == "sdpa":
-        if len(f.lens) > SDPA_MAX_PROMPTS or (window and f.max_len > window):
-            return None
-        return f
+        return f if sdpa_takes(f) and not (window and f.max_len > window) else None
     return f if flash_supported(q) else None
 
 

@@ -286,10 +286,7 @@ def fresh_prompts(batch: PagedBatch) -> FreshSuffix | None:
     keys are its own latents, in hand before the pool is read; the sequences before it keep the
     paged path. Sinks, windows, chunks and the pool's dtype do not arise here: the latent pool
     holds what was written, in the step's dtype."""
-    f = batch.fresh
-    if attn.PREFILL["backend"] != "sdpa" or f is None or len(f.lens) > attn.SDPA_MAX_PROMPTS:
-        return None
-    return f
+    return batch.fresh if attn.sdpa_takes(batch.fresh) else None
 
 
 def load_mla(reader, cfg: ModelConfig, i: int, dtype: torch.dtype, device) -> MLAttention:

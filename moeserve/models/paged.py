@@ -110,10 +110,14 @@ class FreshSuffix:
 
     first_seq: int  # index of the suffix's first sequence (host)
     first_token: int  # its first new token's row in the step (host)
-    max_len: int  # the longest sequence of the suffix (host)
+    lens: tuple[int, ...]  # each suffix sequence's new tokens, its whole length (host)
     cu_seqlens: torch.Tensor  # IntTensor [F + 1]: cumulative new tokens of the suffix, from 0
     head: PagedBatch | None  # the sequences before it (views of the step's tensors), None when none
-    lens: tuple[int, ...] = ()  # each suffix sequence's new tokens (host; the sdpa backend's slices)
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence of the suffix."""
+        return max(self.lens)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: tensors have no truth value; a batch compares by identity
@@ -237,9 +241,7 @@ class PagedBatch:
                     seq_lens=lens_t[:first],
                     query_start=qs_t[: first + 1],
                 )
-            fresh = FreshSuffix(
-                first, t0, int(seq_lens[first:].max()), ints[o[3] : o[4]], head, tuple(lens_a[first:].tolist())
-            )
+            fresh = FreshSuffix(first, t0, tuple(lens_a[first:].tolist()), ints[o[3] : o[4]], head)
         return cls(
             num_tokens=t_total,
             num_seqs=s,
