@@ -241,7 +241,6 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
             info.expert_bytes,
             tuple(int(x) for x in info.moe_layer_ids),
             mcfg.num_layers,
-            mcfg.attention_window,
             num_expert_groups=info.num_expert_groups,
         )
         st.leader = Engine(cfg, shape, placement)

@@ -258,7 +258,6 @@ class ModelShape:
     expert_bytes: int
     moe_layer_ids: tuple[int, ...] = ()  # decoder-layer index of each MoE layer
     num_decoder_layers: int = 0
-    sliding_window: int = 0  # tokens a sliding-window layer attends to (0: none has one)
     num_expert_groups: int = 1  # group-limited routing's groups (MoEInfo.num_expert_groups)
 
 

@@ -59,7 +59,7 @@ class Engine(EngineAPI):
         self.shape = shape
         # Sliding-window layers read the cache as full ones do: every layer's keys of a block live
         # under the one block table, so a cached block holds them all (a windowed layer reads the
-        # last ``sliding_window`` of them; keeping only those would save memory, not change a token).
+        # last window of them; keeping only those would save memory, not change a token).
         self.scheduler = Scheduler(
             cfg.routers,
             cfg.limits,
