@@ -156,23 +156,19 @@ def sdpa_inputs(c: dict) -> dict | None:
     keys, every prompt within its first chunk (any device and dtype; None otherwise)."""
     if any(c["starts"]) or c["kind"] == "decode" or (c["chunk"] and max(c["lens"]) > c["chunk"]):
         return None
-    k = torch.cat([k for k, _ in c["seqs"]])
+    k = torch.cat([k for k, _ in c["seqs"]])  # [T, Hkv, D]: the step's own keys, as a layer passes them
     v = torch.cat([v for _, v in c["seqs"]])
     return dict(q=c["q"], k=k, v=v, scale=c["scale"])
 
 
-def flash_inputs(c: dict) -> dict | None:
+def flash_inputs(c: dict, own: dict | None) -> dict | None:
     """The arguments of ``moeserve.models.attention.flash_varlen`` (FlashAttention-2's varlen
-    forward, the ``MOESERVE_ATTENTION_PREFILL=flash`` backend) for a case it serves: no cached
-    keys, every prompt within its first chunk, a device and dtype it runs (None otherwise)."""
-    if any(c["starts"]) or c["kind"] == "decode" or not A.flash_supported(c["q"]):
-        return None
-    if c["chunk"] and max(c["lens"]) > c["chunk"]:
+    forward, the ``MOESERVE_ATTENTION_PREFILL=flash`` backend) for a case it serves: the cases
+    of ``sdpa_inputs`` (``own``, its answer) on a device and dtype it runs (None otherwise)."""
+    if own is None or not A.flash_supported(c["q"]):
         return None
     cu = torch.tensor([0] + list(itertools.accumulate(c["lens"])), dtype=torch.int32, device=c["q"].device)
-    k = torch.cat([k for k, _ in c["seqs"]])  # [T, Hkv, D]: the step's own keys, as a layer passes them
-    v = torch.cat([v for _, v in c["seqs"]])
-    return dict(q=c["q"], k=k, v=v, cu_seqlens=cu, max_len=max(c["lens"]), scale=c["scale"], window=None)
+    return dict(own, cu_seqlens=cu, max_len=max(c["lens"]), window=None)
 
 
 def sdpa_backends(dev: torch.device) -> dict:
@@ -296,7 +292,7 @@ def run_case(shape_name: str, shape: tuple, case: str, a, dev: torch.device, pea
     sd_in = sdpa_inputs(c)
     if sd_in is not None:
         row["sdpa_backends"] = sdpa_by_backend(c, sd_in, ref, flops, a, cuda)
-    fl = flash_inputs(c)
+    fl = flash_inputs(c, sd_in)
     if fl is not None:
         out = A.flash_varlen(**fl)
         t = timed(lambda: A.flash_varlen(**fl), a.reps, a.iters, cuda)
