@@ -140,7 +140,7 @@ def measure(times: list[list[float]], decodes: int, prompts: int) -> dict:
     spacing = (hi - lo) / (last - first)
     inside = [b - a for t in times[:decodes] for a, b in zip(t, t[1:]) if lo <= a and b <= hi]
     end = firsts[-1]
-    after = [b - a for t in times[:decodes] for a, b in zip(t, t[1:]) if a > end + 0.0]
+    after = [b - a for t in times[:decodes] for a, b in zip(t, t[1:]) if a > end]
     after = after[len(after) // 4 :]  # the decodes alone, once the last prompt's step is well past
     return dict(
         prompts_answered=len(firsts),
