@@ -201,8 +201,8 @@ def test_the_leader_never_waits_while_every_router_runs_max_num_seqs(monkeypatch
     eng.submit(GenerateRequest((3, 4), 8))
     assert eng.next_header().forward  # the one sequence is admitted: no room for another
     now = time.perf_counter()
-    for k in range(4):
-        forward(eng, now - (3 - k) * STEP)
+    for k in range(4):  # 100 ms steps: the estimate still delays after a slow CPU's ~10 ms here
+        forward(eng, now - (3 - k) * 0.1)
     assert eng.pacer.delay(time.perf_counter()) > 0  # the estimates would delay ...
     eng.pace()
     assert asked == [] and eng.status().late_schedules == 0  # ... but an arrival could not join
