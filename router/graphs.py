@@ -27,7 +27,13 @@ a padded batch of Bk sequences and replays it:
   off for the rank's life (logged once), and the step runs eagerly.
 
 Sampling stays outside the graph (its per-request parameters change every step); it reads
-the first S rows of the graph's logits.
+the first S rows of the graph's logits. Every graph, decode or mixed, writes its logits into
+one static buffer [Bmax, V] (``logits_out``, allocated with the other static buffers, outside
+the graphs' memory pool), so the pool holds only a step's temporaries, which graphs share. A
+logits tensor of each graph's own would stay allocated in the pool for the rank's life:
+sum(Bk) x V values over all keys, about 13 GB for Scout's vocabulary of 202,048 at
+``max_num_seqs`` 1,024, which the KV pool's sizing does not count (it ran the rank out of
+memory while capturing at start, on an 80 GB H100).
 
 **Mixed steps** (decodes with prefill chunks, T new tokens over S sequences) replay graphs of
 their own, keyed by (Tk, Sk): T padded to a token bucket (``mixed_buckets``: 128 ... 2,048, at
@@ -124,7 +130,10 @@ class DecodeGraphs:
         if self.cuda:
             self.h_longs, self.h_ints = self.h_longs.pin_memory(), self.h_ints.pin_memory()
         self._copied: torch.cuda.Event | None = None  # event of the last host-to-device copy
-        self.graphs: dict = {}  # (Bk, NS) -> (CUDAGraph, logits [Bk, V])
+        self.graphs: dict = {}  # (Bk, NS) or ("mixed", Tk, Sk) -> (CUDAGraph, logits_out[:rows])
+        # every step's logits, graph or eager (the same product either way): [Bmax, V] in the LM head's dtype
+        head = model.lm_head.weight
+        self.logits_out = torch.empty(bmax, head.shape[0], dtype=head.dtype, device=dev)
         self.seen: set = set()
         self.pool: torch.cuda._POOL_HANDLE | None = None
         self.disabled = ""
@@ -248,7 +257,8 @@ class DecodeGraphs:
             experts=self.experts if self.exchange is not None else None,
             check_ids=False,
         )  # [T, H]
-        return self.model.logits(hidden.index_select(0, longs[3, :n]) if mixed else hidden)
+        rows = hidden.index_select(0, longs[3, :n]) if mixed else hidden
+        return self.model.logits_into(rows, self.logits_out[: rows.shape[0]])
 
     def run(
         self,

@@ -221,3 +221,43 @@ def test_mixed_warmup_keys_reach_every_mixed_key_and_write_only_the_scratch_bloc
     for layer, (k, v) in enumerate(before):
         assert torch.equal(cache.k[layer][real], k[real]) and torch.equal(cache.v[layer][real], v[real])
         assert not torch.equal(cache.k[layer][8 * BS :], k[8 * BS :])
+
+
+def test_every_key_writes_its_logits_into_the_one_static_buffer(model):
+    """A captured graph keeps the tensors it returns allocated in the graphs' memory pool: were
+    each key's logits a tensor of its own, ``max_num_seqs`` 1,024 would hold sum(Bk) x V values
+    for the rank's life (about 13 GB at Scout's vocabulary). Every key, decode or mixed, writes
+    its rows of the one ``logits_out`` [Bmax, V] instead."""
+    torch.manual_seed(4)
+    v = model.config.vocab_size
+    cache = model.new_paged_cache(33, BS)
+    graphs = DecodeGraphs(model, cache, None, BS, max_seqs=20, max_model_len=8, max_tokens=200)
+    assert graphs.logits_out.shape == (20, model.lm_head.weight.shape[0])
+    assert graphs.logits_out.dtype == model.lm_head.weight.dtype
+    base = graphs.logits_out.untyped_storage().data_ptr()
+    tables = [[2 * i, 2 * i + 1] for i in range(16)]
+    seen = []
+    for s in (1, 3, 16):  # buckets 1, 4 and 16
+        got = graphs.run(torch.randint(3, v, (s,)).tolist(), [0] * s, tables[:s], 0)
+        assert got.shape == (s, v) and got.untyped_storage().data_ptr() == base
+        seen.append(got[0].clone())
+    assert not torch.equal(seen[0], seen[1])  # each step wrote its own values there
+    num_new = [5, 1, 1]
+    key = graphs.mixed_key(num_new, tables[:3])
+    got = graphs.run_mixed(key, torch.randint(3, v, (7,)).tolist(), None, num_new, [0, 0, 0], tables[:3], 1)
+    assert got.shape == (3, v) and got.untyped_storage().data_ptr() == base
+    assert {k[:1] for k in graphs.seen} == {(1,), (4,), (16,), ("mixed",)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_written_into_a_buffer_gives_the_bits_of_the_linear(dtype, bias):
+    from moeserve.models.layers import Linear
+
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(torch.randn(300, 64, generator=g).to(dtype), torch.randn(300, generator=g).to(dtype) if bias else None)
+    x = torch.randn(7, 64, generator=g).to(dtype)
+    out = torch.full((9, 300), float("nan"), dtype=dtype)
+    got = lin.into(x, out[:7])
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, lin(x)) and out[7:].isnan().all()

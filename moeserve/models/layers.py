@@ -149,6 +149,14 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` for 2-D ``x``, written into ``out`` [rows, out_features] (contiguous): the
+        product ``F.linear`` runs on 2-D inputs (``addmm`` with a bias, ``mm`` without), so the
+        values are the same bits."""
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
 
 def _merge_projections() -> bool:
     """MOESERVE_MERGED_PROJECTIONS: 1 (the default) merges q, k, v and gate, up at load; 0 keeps

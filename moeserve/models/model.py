@@ -270,6 +270,10 @@ class DecoderModel:
         """LM head: hidden [N, H] -> logits [N, V] in the model dtype."""
         return self.lm_head(hidden)
 
+    def logits_into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``logits(hidden)`` written into ``out`` [N, V] (a static buffer of the decode graphs)."""
+        return self.lm_head.into(hidden, out)
+
     def _check_ids(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor, found {ids.dtype}")
