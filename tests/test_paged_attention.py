@@ -9,6 +9,7 @@ query / key-value heads, D head dim, N flat slots.
 
 import functools
 import itertools
+import logging
 import math
 import os
 import random
@@ -558,6 +559,73 @@ def test_sdpa_prompts_take_a_fused_kernel_not_the_math_fallback():
         got = attn.sdpa_prompts(q, k, v, lens, scale=0.25)
     cu = torch.tensor([0, 5, 14], dtype=torch.int32)
     assert (got - _dense_causal([])(q, k, v, cu, 9, scale=0.25, window=None)).abs().max() < 1e-5
+
+
+def test_sdpa_buckets_cover_every_length_with_bounded_padding():
+    """Each prompt length pads to a bucket at or above it: 64-token steps up to 1,024, then at
+    most 1/8 of the prompt; the buckets up to a length are the ones its shorter prompts reach."""
+    buckets = attn.sdpa_buckets(8192)
+    assert buckets == sorted(set(buckets)) and buckets[0] == 64 and buckets[-1] == 8192 and len(buckets) == 40
+    for n in range(1, 8193):
+        b = attn.sdpa_bucket(n)
+        assert b >= n and b in buckets and b % 64 == 0
+        assert b - n < 64 if n <= 1024 else (b - n) * 8 <= n
+    assert attn.sdpa_buckets(100) == [64, 128] and attn.sdpa_bucket(8193) == 9216
+
+
+def test_sdpa_prompts_pad_to_their_bucket_and_the_result_does_not_change():
+    """A prompt goes to SDPA padded with zero rows to its bucket (the pad after the last token:
+    causal, no real row sees it): the real rows equal the unpadded call's, and the kernel sees
+    only bucket lengths."""
+    lens = (70, 1, 130, 64)
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(sum(lens), 4, 16, generator=g)
+    k, v = (torch.randn(sum(lens), 2, 16, generator=g) for _ in range(2))
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(qs, ks, vs, **kw):
+        seen.append(qs.shape[2])
+        assert (ks.shape[2], vs.shape[2]) == (qs.shape[2],) * 2
+        return real(qs, ks, vs, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        got = attn.sdpa_prompts(q, k, v, lens, scale=0.3)
+    assert seen == [128, 64, 192, 64]
+    at = 0
+    for n in lens:
+        qs, ks, vs = (x[at : at + n].transpose(0, 1)[None] for x in (q, k, v))
+        want = real(qs, ks, vs, is_causal=True, scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+        assert (got[at : at + n] - want).abs().max() < 1e-6
+        at += n
+
+
+def test_the_sdpa_warm_up_launches_every_shape_a_step_can_reach(monkeypatch, caplog):
+    """``warm_up_sdpa`` launches every bucket up to the longest fresh prompt before serving: after
+    it, prompts of any length up to that add no shape; a longer one (a shape the warm-up missed)
+    is logged as a compile while serving once the compile log watches, and counted."""
+    from moeserve.kernels import compilelog
+
+    monkeypatch.setattr(attn, "SDPA_SHAPES", set())
+    assert attn.warm_up_sdpa(4, 2, 16, 16, 1500, torch.float32, "cpu", 0.25) == len(attn.sdpa_buckets(1500)) == 20
+    warm = set(attn.SDPA_SHAPES)
+    assert {s[0] for s in warm} == set(attn.sdpa_buckets(1500))
+    monkeypatch.setattr(compilelog, "_installed", True)  # serving from here on
+    monkeypatch.setattr(compilelog, "counts", compilelog.Counter())
+    rng = random.Random(4)
+    with caplog.at_level(logging.INFO, logger=compilelog.__name__):
+        for _ in range(6):
+            lens = tuple(rng.randint(1, 1500) for _ in range(rng.randint(1, 3)))
+            q = torch.zeros(sum(lens), 4, 16)
+            attn.sdpa_prompts(q, torch.zeros(sum(lens), 2, 16), torch.zeros(sum(lens), 2, 16), lens, scale=0.25)
+        assert attn.SDPA_SHAPES == warm and not compilelog.counts and not caplog.records
+        attn.sdpa_prompts(
+            torch.zeros(1537, 4, 16), torch.zeros(1537, 2, 16), torch.zeros(1537, 2, 16), (1537,), scale=0.25
+        )
+    assert compilelog.counts["sdpa"] == 1
+    msg = [r.getMessage() for r in caplog.records if "while serving" in r.getMessage()]
+    assert len(msg) == 1 and "length=1664" in msg[0]
 
 
 @needs_triton

@@ -369,9 +369,10 @@ ATTENTION_KINDS = {
 
 
 def test_the_attention_warm_up_launches_the_sdpa_prefill_backend_where_it_serves(launches, monkeypatch):
-    """With ``MOESERVE_ATTENTION_PREFILL=sdpa`` the warm-up also runs ``sdpa_prompts`` once for
-    each kind of layer it serves (its first call loads torch's kernels), and not for one whose
-    window the warm-up prompt exceeds nor one with sinks."""
+    """With ``MOESERVE_ATTENTION_PREFILL=sdpa`` the warm-up also runs ``sdpa_prompts`` at every
+    bucket up to the longest fresh prompt (cuDNN builds a plan per length), once for all the
+    kinds of layer it serves; a model whose every layer declines it (a window the warm-up
+    prompt exceeds, sinks) launches none."""
     from moeserve.models import attention as attn
     from moeserve.models import paged
 
@@ -383,8 +384,15 @@ def test_the_attention_warm_up_launches_the_sdpa_prefill_backend_where_it_serves
     hq, hkv, d, block_size = 40, 8, 128, 16
     pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)
     kinds = [(None, None, None), (8192, None, None), (None, 8, None), (None, None, SINKS)]
-    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, kinds, d**-0.5) == 6 * len(kinds) + 2
-    assert len(calls) == 2 and calls[0] > 8  # global and chunked; the 8-token window and the sinks decline
+    buckets = attn.sdpa_buckets(640)
+    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, kinds, d**-0.5, 640) == 6 * len(kinds) + len(
+        buckets
+    )
+    assert calls == buckets
+    calls.clear()
+    declined = [(None, 8, None), (None, None, SINKS)]
+    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, declined, d**-0.5, 640) == 6 * 2
+    assert calls == []
 
 
 @pytest.mark.parametrize("kinds", ATTENTION_KINDS.values(), ids=ATTENTION_KINDS.keys())

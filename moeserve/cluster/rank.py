@@ -247,7 +247,7 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
         if cfg.capture_graphs_at_start and st.runner is not None and st.runner.graphs is not None:
             st.leader.warm_up(st.runner.graphs.warmup_keys())  # every router has the same keys
 
-    _warm_up_kernels(st, mcfg.vocab_size, device)
+    _warm_up_kernels(st, mcfg.vocab_size, device, min(cfg.limits.max_num_batched_tokens, cfg.limits.max_model_len))
     from moeserve.expert_worker.migration import warm_up_pairs
 
     warm_up_pairs(membership.dist_rank, membership.world_size, device)
@@ -260,7 +260,7 @@ def build(cfg: ClusterConfig, rank: int, membership, metrics_port: int = -1) -> 
     return st
 
 
-def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) -> None:
+def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device, max_fresh: int) -> None:
     """Compile, before the rank is ready, the Triton kernels whose launch configurations a
     step picks from its shape: the expert kernels' rows per pass (a worker), the race sampler
     with and without a threshold, the paged attention's decode and prefill tiles at every split
@@ -297,7 +297,9 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
             from moeserve.models.mla import warm_up_mla
 
             attn = model.layers[0].attn
-            attention = warm_up_mla(cache.k[0], model.config.num_heads, model.config.mla, cache.block_size, attn.scale)
+            attention = warm_up_mla(
+                cache.k[0], model.config.num_heads, model.config.mla, cache.block_size, attn.scale, max_fresh
+            )
         elif kernels.available():
             attention = warm_up_attention(
                 cache.k[0],
@@ -306,6 +308,7 @@ def _warm_up_kernels(st: ComposedRank, vocab_size: int, device: torch.device) ->
                 cache.block_size,
                 [(layer.attn.chunk, layer.attn.window, layer.attn.sinks) for layer in model.layers],
                 model.layers[0].attn.scale,
+                max_fresh,
             )
         norms = model.warm_up_norms()  # the fused norm and RoPE kernels
         routing = sum(block.warm_up(st.dtype) for block in model.moe_blocks)  # the fused routing

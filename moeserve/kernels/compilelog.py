@@ -13,6 +13,10 @@ compile per launch configuration).
 its duration (a warning over ``SLOW_COMPILE_S``); rank processes call it once they are ready,
 so every compile logged is one that ran while serving. Nothing happens without Triton, under
 its interpreter (nothing compiles), or with a Triton that lacks the hooks.
+
+A library that builds a plan per shape outside Triton (cuDNN's attention: one per sequence
+length) is not seen by the hooks; its caller keeps the shapes it has launched and calls
+``planned`` at a new one, which logs it the same way once ``watch`` ran.
 """
 
 from __future__ import annotations
@@ -61,3 +65,13 @@ def watch() -> bool:
         return False
     _installed = True
     return True
+
+
+def planned(what: str) -> None:
+    """A shape the caller had not launched before, launched now (``what``: the kernel's name,
+    then its shape in brackets): once ``watch`` ran (the rank is serving) it is logged as a
+    compile while serving and counted; before that (the warm-up) nothing is said."""
+    if not _installed:
+        return
+    counts[what.split("[", 1)[0]] += 1
+    log.warning("cuDNN compiled %s while serving (a shape the warm-up did not launch)", what[:400])

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 from moeserve.kernels import available as triton_available
-from moeserve.kernels import fresh_module
+from moeserve.kernels import compilelog, fresh_module
 from moeserve.models import paged
 from moeserve.models.paged import FreshSuffix, PagedBatch
 
@@ -280,6 +280,48 @@ def flash_varlen(
 SDPA_MAX_PROMPTS = 8
 
 
+# Prompt lengths for SDPA: each fresh prompt is padded (zeros after its last token) to a bucket,
+# so that a kernel which builds a plan per shape (cuDNN's: ~10-36 ms per new length on an H100,
+# benchmarks/attention.py) builds one per bucket, all of them before the server is ready
+# (``warm_up_sdpa``), instead of one per prompt length while serving. Causal attention is exact
+# under such padding: a real row attends to rows at or before it only, never to the pad after
+# it, and the pad rows' outputs are dropped. Buckets: multiples of 64 up to 1,024 tokens (at
+# most 63 pad rows), then SDPA_BUCKETS_PER_OCTAVE per doubling (at most 1/8 of a prompt is
+# padding); 40 buckets up to 8,192 tokens.
+SDPA_MIN_BUCKET = 64
+SDPA_BUCKETS_PER_OCTAVE = 8
+
+
+def sdpa_bucket(n: int) -> int:
+    """The length a fresh prompt of ``n`` tokens is padded to for SDPA (``n`` >= 1)."""
+    if n <= SDPA_MIN_BUCKET:
+        return SDPA_MIN_BUCKET
+    step = max(SDPA_MIN_BUCKET, (1 << ((n - 1).bit_length() - 1)) // SDPA_BUCKETS_PER_OCTAVE)
+    return -(-n // step) * step
+
+
+def sdpa_buckets(max_len: int) -> list[int]:
+    """Every bucket a prompt of 1 .. ``max_len`` tokens pads to, ascending."""
+    out = [SDPA_MIN_BUCKET]
+    while out[-1] < sdpa_bucket(max_len):
+        out.append(sdpa_bucket(out[-1] + 1))
+    return out
+
+
+# The SDPA shapes this process has launched: (bucket, Hq, Hkv, Dqk, Dv, dtype, device). A shape
+# first seen after ``compilelog.watch`` (the rank is serving) is logged as a compile: the warm-up
+# missed it, and cuDNN built a plan while a step waited.
+SDPA_SHAPES: set[tuple] = set()
+
+
+def _sdpa_padded(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """x [n, H, D] -> [1, H, length, D]: a contiguous copy, zero rows after the n real ones (one
+    stride pattern per bucket, whatever x's strides: the plan's key holds the strides)."""
+    buf = x.new_zeros(length, x.shape[1], x.shape[2])
+    buf[:n] = x
+    return buf.transpose(0, 1)[None]
+
+
 def sdpa_prompts(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -293,19 +335,43 @@ def sdpa_prompts(
     ``scaled_dot_product_attention``, one call per sequence (grouped heads natively,
     ``enable_gqa``; torch picks the kernel: cuDNN, FlashAttention, memory-efficient or, on the
     CPU, its own): q [Tf, Hq, D], k, v [Tf, Hkv, D], sequence i is the next ``lens[i]`` rows of
-    all three. Writes into ``out`` [Tf, Hq, D] (a new tensor when None) and returns it. No
-    window: the caller declines a windowed layer whose window a prompt exceeds."""
+    all three, padded to ``sdpa_bucket(lens[i])`` rows. Writes into ``out`` [Tf, Hq, D] (a new
+    tensor when None) and returns it. No window: the caller declines a windowed layer whose
+    window a prompt exceeds."""
     out = q.new_empty(q.shape) if out is None else out
     at = 0
     for n in lens:
-        # [1, H, n, D]: torch's fused kernels (FlashAttention, cuDNN, memory-efficient) take
+        length = sdpa_bucket(n)
+        shape = (length, q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, q.device)
+        if shape not in SDPA_SHAPES:
+            SDPA_SHAPES.add(shape)
+            compilelog.planned(
+                f"sdpa[length={length}, heads={q.shape[1]}/{k.shape[1]}, dims={q.shape[2]}/{v.shape[2]}]"
+            )
+        # [1, H, L, D]: torch's fused kernels (FlashAttention, cuDNN, memory-efficient) take
         # 4-D inputs only; a 3-D call would fall back to the math kernel, which materializes
-        # the [H, n, n] scores
-        qs, ks, vs = (x[at : at + n].transpose(0, 1)[None] for x in (q, k, v))
+        # the [H, L, L] scores
+        qs, ks, vs = (_sdpa_padded(x[at : at + n], n, length) for x in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        out[at : at + n] = o[0].transpose(0, 1)
+        out[at : at + n] = o[0, :, :n].transpose(0, 1)
         at += n
     return out
+
+
+def warm_up_sdpa(
+    num_heads: int, num_kv_heads: int, dqk: int, dv: int, max_len: int, dtype: torch.dtype, device, scale: float
+) -> int:
+    """Launch ``sdpa_prompts`` once at every bucket up to ``max_len`` tokens (the longest fresh
+    prompt a step can carry), so that every plan a kernel builds per shape is built before
+    serving. Returns the launches."""
+    n = 0
+    for length in sdpa_buckets(max_len):
+        q = torch.zeros(length, num_heads, dqk, dtype=dtype, device=device)
+        k = torch.zeros(length, num_kv_heads, dqk, dtype=dtype, device=device)
+        v = torch.zeros(length, num_kv_heads, dv, dtype=dtype, device=device)
+        sdpa_prompts(q, k, v, (length,), scale=scale)
+        n += 1
+    return n
 
 
 def sdpa_takes(f: FreshSuffix | None) -> bool:
@@ -533,15 +599,17 @@ def warm_up_attention(
     block_size: int,
     variants: Iterable[tuple[int | None, int | None, torch.Tensor | None]],
     scale: float,
+    max_fresh: int = 0,
 ) -> int:
     """Compile ``paged_attention_triton`` for every launch configuration a step can pick, before
     serving: for each kind of layer the model has, ``(chunk, window, sinks)`` as its layers call
     the kernel (None: global, no window, no sinks; one layer's sinks [Hq] stand for all, as they
     share a dtype), the decode tile at every split (1 .. MAX_SEGMENTS segments, with the
-    reduction) and the prefill tile (and, with ``MOESERVE_ATTENTION_PREFILL=flash`` or ``sdpa``,
-    one launch of ``flash_varlen`` or ``sdpa_prompts``). ``k_pool`` and ``v_pool``: one layer's views of the router's
-    pool (every layer's have the same strides, so the same keys). Reads block 0 of the pool,
-    writes nothing of it. Returns the launches."""
+    reduction) and the prefill tile (and, with ``MOESERVE_ATTENTION_PREFILL=flash``, one launch
+    of ``flash_varlen``; with ``sdpa``, ``warm_up_sdpa`` at every bucket up to ``max_fresh``
+    tokens, the longest fresh prompt a step carries). ``k_pool`` and ``v_pool``: one layer's
+    views of the router's pool (every layer's have the same strides, so the same keys). Reads
+    block 0 of the pool, writes nothing of it. Returns the launches."""
     hkv, d = k_pool.shape[1], k_pool.shape[2]
     device, dtype = k_pool.device, k_pool.dtype
     g = num_heads // hkv
@@ -551,6 +619,7 @@ def warm_up_attention(
     for chunk, window, sinks in variants:
         kinds.setdefault((chunk or 0, window or 0, sinks is not None), sinks)
     n = 0
+    sdpa_fresh = False
     for (chunk, window, _), sinks in sorted(kinds.items(), key=lambda kv: kv[0]):
         for lens, starts in [([1], [keys - 1]), ([prefill], [0])]:
             blocks = -(-(starts[0] + lens[0]) // block_size)
@@ -572,11 +641,14 @@ def warm_up_attention(
                 n += 1
             k_new, v_new = k_pool[: lens[0]], v_pool[: lens[0]]
             if lens[0] > 1 and fresh_suffix(q, k_pool, batch, chunk or None, sinks, k_new, window or None) is not None:
-                # the flash or sdpa prefill backend: nothing to compile, but its first launch loads the module
+                # the flash or sdpa prefill backend: nothing to compile, but flash's first launch loads
+                # the module and cuDNN's SDPA builds a plan per length (every bucket, once, below)
                 assert batch.fresh is not None
                 if PREFILL["backend"] == "sdpa":
-                    sdpa_prompts(q, k_new, v_new, batch.fresh.lens, scale=scale)
+                    sdpa_fresh = True
                 else:
                     flash_varlen(q, k_new, v_new, batch.fresh.cu_seqlens, lens[0], scale=scale, window=window or None)
-                n += 1
+                    n += 1
+    if sdpa_fresh:
+        n += warm_up_sdpa(num_heads, hkv, d, d, max(max_fresh, prefill), dtype, device, scale)
     return n

@@ -333,17 +333,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def warm_up_mla(pool: torch.Tensor, num_heads: int, mla: MLAConfig, block_size: int, scale: float) -> int:
+def warm_up_mla(
+    pool: torch.Tensor, num_heads: int, mla: MLAConfig, block_size: int, scale: float, max_fresh: int = 0
+) -> int:
     """Compile ``mla_decode_triton`` before serving, on one layer's latent pool [N, 1, C] (every
     layer's view has the same strides): its launch configuration depends on the model and the
-    dtype alone, so one decode launch covers every step, decode, prefill or mixed. Reads block
-    0 of the pool, writes nothing of it. Returns the launches."""
+    dtype alone, so one decode launch covers every step, decode, prefill or mixed. With
+    ``MOESERVE_ATTENTION_PREFILL=sdpa`` also the expanded fresh prompts' SDPA at every bucket up
+    to ``max_fresh`` tokens (``attention.warm_up_sdpa``, at ``_expanded_sdpa``'s padded head
+    width). Reads block 0 of the pool, writes nothing of it. Returns the launches."""
     device, dtype = pool.device, pool.dtype
     batch = PagedBatch.build([1], [0], [[0]], block_size, device)
     q_c = torch.zeros(1, num_heads, mla.kv_lora_rank, dtype=dtype, device=device)
     q_pe = torch.zeros(1, num_heads, mla.qk_rope_head_dim, dtype=dtype, device=device)
     mla_decode_triton(q_c, q_pe, pool, batch, scale=scale, kv_lora_rank=mla.kv_lora_rank)
-    return 1
+    n = 1
+    if attn.PREFILL["backend"] == "sdpa" and max_fresh > 0:
+        width = max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
+        n += attn.warm_up_sdpa(num_heads, num_heads, width, width, max_fresh, dtype, device, scale)
+    return n
 
 
 def mla_decode_triton(
