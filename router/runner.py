@@ -299,11 +299,14 @@ class RouterRunner:
         self.experts.discard_load()
 
     def _plan(self, work: RouterWork) -> tuple[list[SeqWork], dict[int, int], dict[int, int]]:
-        """Apply the header's block updates to the tables and list the step's rows: the sent
-        sequences, then one row per decode (its position and output index from this runner's
-        count, its token from ``tok_buf``). Also the ``tok_buf`` slot each decode reads and the
-        slot each sampling row writes."""
-        rows = list(work.seqs)
+        """Apply the header's block updates to the tables and list the step's rows: one row per
+        decode (its position and output index from this runner's count, its token from
+        ``tok_buf``), then the sent sequences that continue (a later chunk, or a prompt after
+        its cached prefix), then the fresh prompts (from position 0), last: the prefill
+        backends other than the paged kernel take a step's trailing run of fresh prompts
+        (``PagedBatch.build``'s ``FreshSuffix``). Also the ``tok_buf`` slot each decode reads
+        and the slot each sampling row writes."""
+        rows: list[SeqWork] = []
         src_of, dst_of = {}, {}
         live = self.seqs
         for sw in work.seqs:
@@ -350,6 +353,8 @@ class RouterRunner:
                     pending=True,
                 )
             )
+        rows.extend(sw for sw in work.seqs if sw.start > 0)
+        rows.extend(sw for sw in work.seqs if sw.start == 0)
         return rows, src_of, dst_of
 
     def _sample(

@@ -181,3 +181,59 @@ def test_mixed_and_decode_steps_through_the_graph_buffers_give_the_eager_tokens(
     got = steps(g)
     assert got == steps(runner(model)) and len(got[3]) == 4
     assert {("mixed", 64, 4)} <= g.graphs.seen and any(k[0] != "mixed" for k in g.graphs.seen)
+
+
+def test_a_mixed_steps_fresh_prompts_are_its_last_rows_so_a_prefill_backend_takes_them(model, monkeypatch):
+    """A step's rows: the decodes, then the sequences that continue (a later chunk), then the
+    fresh prompts (from position 0), whatever order the header sent them in: the prefill
+    backends (``MOESERVE_ATTENTION_PREFILL=flash|sdpa``) take only the trailing run of fresh
+    prompts (``PagedBatch.build``'s ``FreshSuffix``), which decodes listed after the prompts
+    left empty in every mixed step. The tokens are those of the same steps with the split off."""
+    import moeserve.router.runner as runner_mod
+    from moeserve.models import paged
+
+    built = []
+    real = runner_mod.PagedBatch.build
+
+    def spy(num_new, starts, tables, *a, **kw):
+        batch = real(num_new, starts, tables, *a, **kw)
+        built.append((list(starts), list(num_new), batch.fresh))
+        return batch
+
+    monkeypatch.setattr(runner_mod.PagedBatch, "build", staticmethod(spy))
+    chunked, fresh = (21, 4, 17, 6, 9, 30), (8, 12, 5)
+
+    def steps(split: bool) -> dict:
+        monkeypatch.setitem(paged.SPLIT_FRESH, "on", split)
+        r, got = runner(model), {}
+        r.run(
+            RouterWork(
+                (
+                    SeqWork(seq_id=1, token_ids=PROMPTS[1], start=0, sampling=GREEDY, new_blocks=(0, 1)),
+                    SeqWork(seq_id=2, token_ids=chunked[:4], start=0, sampling=GREEDY, new_blocks=(2,), sample=False),
+                )
+            ),
+            0,
+        )
+        step1 = RouterWork(
+            (  # the fresh prompt first, the continuing chunk after it; the decode by id
+                SeqWork(seq_id=3, token_ids=fresh, start=0, sampling=GREEDY, new_blocks=(4,)),
+                SeqWork(seq_id=2, token_ids=chunked[4:], start=4, new_blocks=(3,), out_pos=0),
+            ),
+            decodes=np.array([1], dtype=np.int64),
+        )
+        for step in (0, 1, 2):  # async outputs: a step's tokens come with the next (2: the flush)
+            if step == 1:
+                r.run(step1, 1)
+            s, toks, _, _ = r.deliver(step)
+            got.update({(sid, s): t for sid, t in toks.items()} if s >= 0 else {})
+        return got
+
+    want = steps(False)
+    assert built[-1][:2] == ([5, 4, 0], [1, 2, 3]) and built[-1][2] is None  # the split off: no suffix
+    built.clear()
+    assert steps(True) == want
+    starts, num_new, suffix = built[-1]
+    assert starts == [5, 4, 0] and num_new == [1, 2, 3]
+    assert suffix is not None and suffix.first_seq == 2 and suffix.lens == (3,)
+    assert {sid for sid, _ in want} == {1, 2, 3}
