@@ -317,8 +317,9 @@ SDPA_SHAPES: set[tuple] = set()
 def _sdpa_padded(x: torch.Tensor, n: int, length: int) -> torch.Tensor:
     """x [n, H, D] -> [1, H, length, D]: a contiguous copy, zero rows after the n real ones (one
     stride pattern per bucket, whatever x's strides: the plan's key holds the strides)."""
-    buf = x.new_zeros(length, x.shape[1], x.shape[2])
+    buf = x.new_empty(length, x.shape[1], x.shape[2])
     buf[:n] = x
+    buf[n:].zero_()  # finite pad: a masked key's value still meets a zero weight
     return buf.transpose(0, 1)[None]
 
 
