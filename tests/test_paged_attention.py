@@ -561,6 +561,25 @@ def test_sdpa_prompts_take_a_fused_kernel_not_the_math_fallback():
     assert (got - _dense_causal([])(q, k, v, cu, 9, scale=0.25, window=None)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(
+    "backend,cuda,dtype,serves",
+    [
+        ("auto", True, torch.bfloat16, True),
+        ("auto", True, torch.float16, True),
+        ("auto", True, torch.float32, False),  # the exactness mode keeps the paged kernel
+        ("auto", False, torch.bfloat16, False),
+        ("sdpa", False, torch.float32, True),
+        ("triton", True, torch.bfloat16, False),
+        ("flash", True, torch.bfloat16, False),
+    ],
+)
+def test_the_auto_prefill_backend_is_sdpa_for_16_bit_steps_on_cuda_only(monkeypatch, backend, cuda, dtype, serves):
+    monkeypatch.setitem(attn.PREFILL, "backend", backend)
+    q = SimpleNamespace(is_cuda=cuda, dtype=dtype)
+    assert attn.sdpa_serves(q) is serves
+    assert attn.prefill_backend_from_env({attn.PREFILL_ENV: "auto"}) == "auto"
+
+
 def test_sdpa_buckets_cover_every_length_with_bounded_padding():
     """Each prompt length pads to a bucket at or above it: 64-token steps up to 1,024, then at
     most 1/8 of the prompt; the buckets up to a length are the ones its shorter prompts reach."""

@@ -225,11 +225,13 @@ PREFILL_BACKENDS = {
     "(torch.ops.aten._flash_attention_forward) on the step's own keys, the rest through the paged Triton kernel",
     "sdpa": "a step's trailing fresh prompts through torch's scaled_dot_product_attention, one call per "
     "prompt on the step's own keys (torch picks its kernel), the rest through the paged Triton kernel",
+    "auto": "sdpa where the step's dtype is 16-bit on CUDA, triton otherwise (fp32, the exactness mode, "
+    "keeps the paged kernel)",
 }
 
 
 def prefill_backend_from_env(environ=os.environ) -> str:
-    """``MOESERVE_ATTENTION_PREFILL=triton|flash|sdpa`` (a measurement switch, read once per
+    """``MOESERVE_ATTENTION_PREFILL=triton|flash|sdpa|auto`` (a measurement switch, read once per
     process): which kernel attends a step's fresh prompts (sequences that start at position 0).
     Anything else is refused by name."""
     raw = environ.get(PREFILL_ENV, "") or "triton"
@@ -375,11 +377,20 @@ def warm_up_sdpa(
     return n
 
 
-def sdpa_takes(f: FreshSuffix | None) -> bool:
-    """Whether the ``sdpa`` prefill backend takes a step's fresh prompts ``f``: the switch is on
-    and there are at most ``SDPA_MAX_PROMPTS`` of them (what each attention adds to this is its
-    own: ``fresh_suffix`` for the paged layers, ``mla.fresh_prompts`` for MLA)."""
-    return PREFILL["backend"] == "sdpa" and f is not None and len(f.lens) <= SDPA_MAX_PROMPTS
+def sdpa_serves(x) -> bool:
+    """Whether the ``sdpa`` prefill backend serves a step whose queries are ``x`` (a tensor, or
+    anything with its ``is_cuda`` and ``dtype``): the switch says ``sdpa``, or ``auto`` and x is
+    16-bit on CUDA."""
+    backend = PREFILL["backend"]
+    return backend == "sdpa" or (backend == "auto" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def sdpa_takes(f: FreshSuffix | None, x) -> bool:
+    """Whether the ``sdpa`` prefill backend takes a step's fresh prompts ``f`` (queries ``x``):
+    it serves x (``sdpa_serves``) and there are at most ``SDPA_MAX_PROMPTS`` of them (what each
+    attention adds to this is its own: ``fresh_suffix`` for the paged layers,
+    ``mla.fresh_prompts`` for MLA)."""
+    return f is not None and len(f.lens) <= SDPA_MAX_PROMPTS and sdpa_serves(x)
 
 
 def fresh_suffix(
@@ -400,12 +411,14 @@ def fresh_suffix(
     (``flash_supported``)."""
     f = batch.fresh
     backend = PREFILL["backend"]
+    if backend == "auto":
+        backend = "sdpa" if sdpa_serves(q) else "triton"
     if backend == "triton" or f is None or k_new is None or sinks is not None:
         return None
     if k_pool.dtype != q.dtype or k_new.dtype != q.dtype or (chunk and f.max_len > chunk):
         return None
     if backend == "sdpa":
-        return f if sdpa_takes(f) and not (window and f.max_len > window) else None
+        return f if sdpa_takes(f, q) and not (window and f.max_len > window) else None
     return f if flash_supported(q) else None
 
 
@@ -488,7 +501,7 @@ def paged_attention_triton(
     if f is not None:
         assert k_new is not None and v_new is not None
         t0 = f.first_token
-        if PREFILL["backend"] == "sdpa":
+        if sdpa_serves(q):
             out = q.new_empty(t, hq, d)
             sdpa_prompts(q[t0:], k_new[t0:], v_new[t0:], f.lens, scale=scale, out=out[t0:])
         else:
@@ -645,7 +658,7 @@ def warm_up_attention(
                 # the flash or sdpa prefill backend: nothing to compile, but flash's first launch loads
                 # the module and cuDNN's SDPA builds a plan per length (every bucket, once, below)
                 assert batch.fresh is not None
-                if PREFILL["backend"] == "sdpa":
+                if sdpa_serves(q):
                     sdpa_fresh = True
                 else:
                     flash_varlen(q, k_new, v_new, batch.fresh.cu_seqlens, lens[0], scale=scale, window=window or None)

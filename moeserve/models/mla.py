@@ -155,7 +155,7 @@ class MLAttention:
             assert isinstance(batch, PagedBatch)  # DecoderModel.step pairs the batch with its cache
             cache.write(self.layer, batch.slot_mapping, latent, latent)  # (one pool: v is k)
             pool = cache.k[self.layer]
-            f = fresh_prompts(batch)
+            f = fresh_prompts(batch, q_nope)
             if f is None:
                 out = self._paged(q_nope, q_pe, pool, batch)
             else:  # the step's fresh prompts expanded from their own latents, through SDPA
@@ -279,14 +279,14 @@ class MLAttention:
         return torch.einsum("thr,hvr->thv", o_c, self.w_uv)  # [T, Hq, Dv]
 
 
-def fresh_prompts(batch: PagedBatch) -> FreshSuffix | None:
+def fresh_prompts(batch: PagedBatch, q: torch.Tensor) -> FreshSuffix | None:
     """The step's trailing fresh prompts when MLA expands them through SDPA: with
-    ``MOESERVE_ATTENTION_PREFILL=sdpa`` (the measurement switch of ``moeserve.models.attention``)
-    and at most ``SDPA_MAX_PROMPTS`` of them (one launch per prompt and layer). A fresh prompt's
+    ``MOESERVE_ATTENTION_PREFILL=sdpa`` (the measurement switch of ``moeserve.models.attention``;
+    ``auto``: for 16-bit queries ``q`` on CUDA) and at most ``SDPA_MAX_PROMPTS`` of them (one launch per prompt and layer). A fresh prompt's
     keys are its own latents, in hand before the pool is read; the sequences before it keep the
     paged path. Sinks, windows, chunks and the pool's dtype do not arise here: the latent pool
     holds what was written, in the step's dtype."""
-    return batch.fresh if attn.sdpa_takes(batch.fresh) else None
+    return batch.fresh if attn.sdpa_takes(batch.fresh, q) else None
 
 
 def load_mla(reader, cfg: ModelConfig, i: int, dtype: torch.dtype, device) -> MLAttention:
@@ -348,7 +348,7 @@ def warm_up_mla(
     q_pe = torch.zeros(1, num_heads, mla.qk_rope_head_dim, dtype=dtype, device=device)
     mla_decode_triton(q_c, q_pe, pool, batch, scale=scale, kv_lora_rank=mla.kv_lora_rank)
     n = 1
-    if attn.PREFILL["backend"] == "sdpa" and max_fresh > 0:
+    if attn.sdpa_serves(pool) and max_fresh > 0:
         width = max(mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
         n += attn.warm_up_sdpa(num_heads, num_heads, width, width, max_fresh, dtype, device, scale)
     return n
