@@ -426,6 +426,50 @@ def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, ki
     assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
 
 
+def test_with_the_sdpa_split_the_attention_warm_up_still_compiles_every_key(launches, monkeypatch):
+    """With ``MOESERVE_ATTENTION_PREFILL=sdpa`` (or ``auto`` on CUDA) a step's trailing fresh
+    prompts go to SDPA and the paged kernel runs over the sequences before them
+    (``FreshSuffix.head``, views of the step's tensors): those launches too find their key
+    among the warm-up's (an H100 prefill burst compiled the kernel twice while serving, 1.4 s
+    each, before the warm-up launched the split)."""
+    from moeserve.models import attention as attn
+    from moeserve.models import paged
+
+    monkeypatch.setitem(attn.PREFILL, "backend", "sdpa")
+    monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
+    monkeypatch.setattr(attn, "sdpa_prompts", lambda q, k, v, lens, *, scale, out=None: out)
+    hq, hkv, d, block_size = 40, 8, 128, 16
+    pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)
+    k_pool, v_pool = pools[0], pools[1]
+    kinds = [(None, None, None), (8192, None, None)]
+    attn.warm_up_attention(k_pool, v_pool, hq, block_size, kinds, d**-0.5, 4096)
+    warm = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
+    launches.clear()
+    rng = random.Random(3)
+    split = 0
+    for s in [1, 2, 3, 7, 16, 17, 64, 65, 200]:
+        for lens, starts in (
+            # decodes, then fresh prompts
+            ([1] * s + [rng.randrange(2, 2000) for _ in range(2)], [rng.randrange(1, 5000) for _ in range(s)] + [0, 0]),
+            # a continuing chunk, then a fresh prompt
+            (
+                [rng.randrange(2, 2000) for _ in range(s)] + [rng.randrange(1, 2000)],
+                [rng.randrange(1, 3000) for _ in range(s)] + [0],
+            ),
+        ):
+            batch, _ = _batch(lens, starts, block_size)
+            split += batch.fresh is not None and batch.fresh.head is not None
+            q = torch.empty(batch.num_tokens, hq, d, dtype=torch.bfloat16)
+            kv = torch.empty(batch.num_tokens, hkv, d, dtype=torch.bfloat16)
+            for chunk, window, sinks in kinds:
+                attn.paged_attention_triton(
+                    q, k_pool, v_pool, batch, scale=d**-0.5, chunk=chunk, window=window, sinks=sinks, k_new=kv, v_new=kv
+                )
+    assert split > 10
+    seen = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
+    assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_mla_warm_up_compiles_every_key_a_step_can_launch(launches, dtype):
     """A DeepSeek-V3 router compiles the absorbed MLA kernel at start (``models.mla.warm_up_mla``

@@ -253,7 +253,7 @@ class Cluster(UpProcess):
                 try:
                     with open(os.path.join(root, f), errors="replace") as fh:
                         found += [
-                            f"{f}: {ln.strip()}"[:300]
+                            f"{f}: {ln.strip()}"[: 4000 if "compiled" in ln else 300]  # a compile: its whole key
                             for ln in fh
                             if any(w in ln for w in WARNING_WORDS) or "compiled" in ln and "while serving" in ln
                         ]

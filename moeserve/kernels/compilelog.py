@@ -43,7 +43,7 @@ def _after(*, key, repr, **_):
     t0 = _started.pop(str(key), None)
     took = time.perf_counter() - t0 if t0 is not None else float("nan")
     (log.warning if not took <= SLOW_COMPILE_S else log.info)(
-        "Triton compiled %s while serving in %.2f s", repr[:400], took
+        "Triton compiled %s while serving in %.2f s", " ".join(repr.split())[:4000], took
     )
     return None
 
