@@ -43,7 +43,10 @@ def _after(*, key, repr, **_):
     t0 = _started.pop(str(key), None)
     took = time.perf_counter() - t0 if t0 is not None else float("nan")
     (log.warning if not took <= SLOW_COMPILE_S else log.info)(
-        "Triton compiled %s while serving in %.2f s", " ".join(repr.split())[:4000], took
+        "Triton compiled %s while serving in %.2f s; key %s",
+        " ".join(repr.split())[:400],
+        took,
+        " ".join(str(key).split())[:4000],  # the arguments' specialization: what the warm-up missed
     )
     return None
 
