@@ -333,6 +333,33 @@ def test_smoke_eplb_workload_measures_a_rebalance_end_to_end(tmp_path, step_mode
     assert "EPLB end to end" in run.stdout and "(f) live rebalance" in run.stdout  # the table
 
 
+class _Status:
+    def __init__(self, seq):
+        self.seq, self.calls = list(seq), 0
+
+    def status(self):
+        running, steps = self.seq[min(self.calls, len(self.seq) - 1)]
+        self.calls += 1
+        return type("S", (), dict(running=running, forward_steps=steps))()
+
+
+def test_the_live_rebalance_waits_for_two_steps_with_a_sequence_running():
+    """The live rebalance starts once streams decode: two forward steps while a sequence runs
+    (a step count kept from before the sequences ran does not count); with none running it
+    gives up at its deadline."""
+    import time
+
+    from servinglib.eplb import wait_for_decoding
+
+    s = _Status([(0, 10), (0, 14), (1, 15), (1, 16), (0, 16), (2, 17), (2, 18), (2, 19), (2, 30)])
+    wait_for_decoding(s, time.monotonic() + 10, period=0)
+    assert s.calls == 8  # restarted its count when nothing ran at (0, 16); done at 19 = 17 + 2
+    idle = _Status([(0, 1)])
+    t = time.monotonic()
+    waited = wait_for_decoding(idle, t + 0.2, period=0.01)
+    assert 0.2 <= waited < 2 and idle.calls > 3
+
+
 def test_eplb_flags():
     bench = _bench()
     a = bench.parse(["--shape", "scout8", "--configs", "moeserve-ep2", "--workloads", "eplb"])

@@ -108,6 +108,23 @@ def eplb_burst(up, admin, poller: StepPoller, a, plan: list, prompt: int, output
     return b
 
 
+def wait_for_decoding(admin, until: float, steps: int = 2, period: float = 0.005) -> float:
+    """Wait (at most until monotonic time ``until``) for the engine to run ``steps`` forward steps
+    while a sequence is running, so that streams are between tokens; return the seconds waited."""
+    t = time.monotonic()
+    base = None
+    while time.monotonic() < until:
+        s = admin.status()
+        if s.running <= 0:
+            base = None
+        elif base is None:
+            base = s.forward_steps
+        elif s.forward_steps >= base + steps:
+            break
+        time.sleep(period)
+    return time.monotonic() - t
+
+
 def rebalance_now(balancer, label: str) -> dict:
     """The balancer plans on its load window and applies the plan; the call returns when the
     migration ended."""
@@ -239,6 +256,9 @@ def run_eplb(name: str, up, a, sizes: dict, plans: dict) -> dict:
         def live_rebalance():
             go.wait()
             time.sleep(max(0.0, live["t0"] + at - time.monotonic()))
+            # the rebalance must overlap decoding streams: on a slow machine the first tokens
+            # can come after `at`, and a migration of a few tens of ms then overlaps no gap
+            live["waited"] = wait_for_decoding(admin, live["t0"] + span + 10.0)
             live["start"] = time.monotonic() - live["t0"]
             try:
                 live["result"] = rebalance_now(balancer, "live rebalance during the online load")
@@ -260,6 +280,7 @@ def run_eplb(name: str, up, a, sizes: dict, plans: dict) -> dict:
             start_s=ts,
             end_s=te,
             rebalance_at_s=at,
+            waited_for_decoding_s=live.get("waited"),
             arrival_span_s=span,
             requests=len(recs),
             completed=o["completed"],
