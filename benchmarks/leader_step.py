@@ -43,12 +43,14 @@ from moeserve.router.engine.api import GenerateRequest, ModelShape  # noqa: E402
 from moeserve.router.engine.channel import _frame  # noqa: E402
 from moeserve.router.engine.leader import Engine  # noqa: E402
 
-L, E, W = 8, 16, 2
+L, E = 8, 16
 PARTS = ("schedule", "header_wire", "header_pickle", "on_results", "event_frame")
 
 
 def measure(seqs: int, routers: int, steps: int) -> dict:
-    """ms per step of each part of ``PARTS`` for ``seqs`` decoding sequences over ``routers``."""
+    """ms per step of each part of ``PARTS`` for ``seqs`` decoding sequences over ``routers``
+    co-located ranks (each a router and a worker)."""
+    W = routers
     cfg = ClusterConfig(
         model_dir="unused",
         routers=routers,
@@ -125,8 +127,8 @@ def main(argv=None) -> int:
         p.error(f"--seqs must be a comma list of sequence counts, got {a.seqs!r}")
     if not sizes or min(sizes) < 1 or max(sizes) > 65536:
         p.error(f"--seqs must be 1 .. 65536 each, got {a.seqs!r}")
-    if not 1 <= a.routers <= 64:
-        p.error(f"--routers must be 1 .. 64, got {a.routers}")
+    if a.routers not in (1, 2, 4, 8, 16):
+        p.error(f"--routers must divide the 16 experts: 1, 2, 4, 8 or 16, got {a.routers}")
     if not 1 <= a.steps <= 240:  # the sequences ask 256 tokens: steps + 10 of them must not finish
         p.error(f"--steps must be 1 .. 240, got {a.steps}")
     rows = [measure(s, a.routers, a.steps) for s in sizes]

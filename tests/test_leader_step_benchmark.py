@@ -22,13 +22,17 @@ def test_each_batch_size_gets_its_row_of_positive_parts(tmp_path, monkeypatch):
         assert r["step_loop_ms"] == pytest.approx(r["schedule_ms"] + r["header_wire_ms"] + r["on_results_ms"])
     assert rows[1]["header_bytes"] > rows[0]["header_bytes"]  # a word per decode and more
     assert json.loads(out.read_text())["git"]["commit"] == "abc1234"
+    # one co-located rank (the one-GPU server) is a router and the only worker
+    assert bench.main(["--seqs", "8", "--routers", "1", "--steps", "5", "--json", str(out)]) == 0
+    assert [(r["seqs"], r["routers"]) for r in json.loads(out.read_text())["rows"]] == [(8, 1)]
 
 
 def test_bad_flags_are_refused_with_what_is_allowed(capsys):
     for argv, what in (
         (["--seqs", "x"], "comma list of sequence counts"),
         (["--seqs", "0"], "1 .. 65536"),
-        (["--routers", "0"], "--routers must be 1 .. 64"),
+        (["--routers", "0"], "--routers must divide the 16 experts: 1, 2, 4, 8 or 16"),
+        (["--routers", "3"], "--routers must divide the 16 experts"),
         (["--steps", "300"], "--steps must be 1 .. 240"),
     ):
         with pytest.raises(SystemExit) as e:
