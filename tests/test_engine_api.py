@@ -369,3 +369,28 @@ def test_a_frame_hands_its_first_tokens_out_before_the_running_streams_next_toke
     assert [e[1] for e in out if e[0] == 1] == [5, 6]
     plain = [(1, 5, Token(9)), (3, 7, Token(8))]
     assert _first_tokens_first(plain) == plain
+
+
+def test_a_session_stream_read_late_gets_its_backlog_as_one_batch_in_order(engine, channel):
+    """``generate_batches``: a reader that fell behind the leader gets every event that arrived
+    meanwhile in one list, in order, the same events ``generate`` gives one at a time."""
+    import asyncio
+
+    server, key = channel
+
+    async def main():
+        client = AsyncEngineClient(server.address, key)
+        batches = []
+        async for b in client.generate_batches([GenerateRequest((1, 2), 20, ignore_eos=True)]):
+            batches.append([ev for _, ev in b])
+            if len(batches) == 1:
+                await asyncio.sleep(0.5)  # behind: the other 19 steps run meanwhile
+        one_by_one = [ev async for _, ev in client.generate([GenerateRequest((1, 2), 20, ignore_eos=True)])]
+        await client.close()
+        return batches, one_by_one
+
+    batches, one_by_one = asyncio.run(main())
+    events = [ev for b in batches for ev in b]
+    assert events == one_by_one == [FirstToken(TOKEN)] + [Token(TOKEN)] * 19 + [Finished(FinishReason.LENGTH)]
+    # the backlog in one list (the stand-in's steps are fast: the first list may hold it all)
+    assert len(batches) <= 2 and len(batches[-1]) >= 19

@@ -148,3 +148,90 @@ def test_a_generation_the_front_end_answered_unavailable_is_not_repeated(front):
         assert len(leader.seen) == n + 2
     finally:
         leader.error = None
+
+
+class BacklogLeader:
+    """As AsyncEngineClient's ``generate_batches``: hands out ``batches`` as they are, as the
+    channel does to a front end that fell behind the leader (several steps' events at once)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    async def generate_batches(self, reqs):
+        for b in self.batches:
+            yield [(0, ev) for ev in b]
+
+
+def _serve(leader):
+    service = ServingService(leader, tokenizer=None)
+    srv = ThreadedServer(
+        ServiceServer(SERVING, lambda s: serving_pb2_grpc.add_ServingServicer_to_server(service, s), ServerOptions())
+    )
+    srv.start()
+    return srv, Client(f"127.0.0.1:{srv.server.port}", timeout=10)
+
+
+def test_a_backlog_of_tokens_leaves_as_one_message_in_order():
+    """Tokens that arrived together (the front end behind the leader) go out in one stream
+    message, in order; the finish message and the usage count every token; the unary call
+    gets them all."""
+    leader = BacklogLeader(
+        [
+            [FirstToken(11, cached_tokens=3), Token(12), Token(13)],
+            [Token(14)],
+            [Token(15), Finished(FinishReason.LENGTH)],
+        ]
+    )
+    srv, c = _serve(leader)
+    try:
+        chunks = list(c.generate_stream(prompt_token_ids=[5, 6], max_tokens=5))
+        assert [list(m.token_ids) for m in chunks] == [[11, 12, 13], [14], [15], []]
+        last = chunks[-1]
+        assert last.finish_reason == "length" and last.usage.completion_tokens == 5 and last.usage.cached_tokens == 3
+        out = c.generate(prompt_token_ids=[5, 6], max_tokens=5)
+        assert out.token_ids == [11, 12, 13, 14, 15] and out.usage.completion_tokens == 5
+    finally:
+        srv.stop()
+
+
+def test_a_failure_behind_tokens_of_the_same_backlog_comes_after_them():
+    """A backlog of tokens then the cluster's failure: the tokens are sent, then the call ends
+    UNAVAILABLE with the failure's message."""
+    from moeserve.router.engine.api import Failed
+
+    srv, c = _serve(BacklogLeader([[FirstToken(11), Token(12), Failed("rank 1 was lost")]]))
+    got = []
+    try:
+        with pytest.raises(MoeserveError) as e:
+            for m in c.generate_stream(prompt_token_ids=[5], max_tokens=4):
+                got.append(list(m.token_ids))
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and "rank 1 was lost" in e.value.message
+        assert got == [[11, 12]]
+    finally:
+        srv.stop()
+
+
+def test_a_coalescing_switch_the_front_end_does_not_know_fails_its_start(monkeypatch, capsys):
+    from moeserve.cli import main
+    from moeserve.services.frontend import stream_coalescing
+
+    monkeypatch.setenv("MOESERVE_CONTROL_KEY", "00" * 16)
+    for v, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("MOESERVE_STREAM_COALESCE", v)
+        assert stream_coalescing() is on
+    monkeypatch.delenv("MOESERVE_STREAM_COALESCE")
+    assert stream_coalescing() is True  # the default
+    monkeypatch.setenv("MOESERVE_STREAM_COALESCE", "yes")
+    assert main(["frontend", "--control-address", "127.0.0.1:1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "$MOESERVE_STREAM_COALESCE must be 1" in err and "or 0 (one message per token), got 'yes'" in err
+
+
+def test_with_coalescing_off_a_backlog_leaves_one_message_per_token(monkeypatch):
+    monkeypatch.setenv("MOESERVE_STREAM_COALESCE", "0")
+    srv, c = _serve(BacklogLeader([[FirstToken(11), Token(12), Token(13)], [Finished(FinishReason.LENGTH)]]))
+    try:
+        chunks = list(c.generate_stream(prompt_token_ids=[5], max_tokens=3))
+        assert [list(m.token_ids) for m in chunks] == [[11], [12], [13], []]
+    finally:
+        srv.stop()

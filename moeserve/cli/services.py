@@ -230,10 +230,14 @@ def run_frontend(args: argparse.Namespace) -> int:
     from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.services import server
     from moeserve.services.admission import Admission, AdmissionLimits, vocab_size_of
-    from moeserve.services.frontend import load_tokenizer, make_server
+    from moeserve.services.frontend import load_tokenizer, make_server, stream_coalescing
 
     address = _host_port(args.control_address, "--control-address")
     key = control_key()
+    try:
+        stream_coalescing()  # a bad value fails the start, not the first stream
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     opts = F.server_options(args, args.port)
     api_key = F.api_key(args)
     if args.max_model_len < 1:

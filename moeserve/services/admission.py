@@ -23,6 +23,7 @@ Text (the tokenizer, chat templates, detokenization, stop strings): ``moeserve.s
 from __future__ import annotations
 
 import asyncio
+import collections
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -124,14 +125,18 @@ def vocab_size_of(model_dir: str | None) -> int | None:
 
 
 class RequestStream:
-    """One admitted request's events (``Token`` then ``Finished``) as an async iterator.
-    Raises the engine's exceptions (InvalidRequest, QueueFull, Unavailable, ...) and
-    :class:`RequestFailed`. :meth:`aclose` ends it early, which cancels the request on the
-    leader; ``close_reason`` names why for the metrics (default "cancelled")."""
+    """One admitted request's events (``Token`` then ``Finished``) as an async iterator, or a
+    list at a time (:meth:`batch`). Raises the engine's exceptions (InvalidRequest, QueueFull,
+    Unavailable, ...) and :class:`RequestFailed`. :meth:`aclose` ends it early, which cancels
+    the request on the leader; ``close_reason`` names why for the metrics (default
+    "cancelled")."""
 
     def __init__(self, admission: Admission, req: GenerateRequest):
         self.req = req
-        self._gen = admission.engine.generate([req])
+        engine = admission.engine
+        batches = getattr(engine, "generate_batches", None)  # a stand-in may have only generate
+        self._gen = batches([req]) if batches is not None else _one_at_a_time(engine.generate([req]))
+        self._ready: collections.deque = collections.deque()  # events received, not yet taken
         self._record = admission.metrics.request(len(req.prompt_ids)) if admission.metrics is not None else None
         self._done = False
         self.close_reason = "cancelled"
@@ -142,15 +147,28 @@ class RequestStream:
     async def __anext__(self):
         if self._done:
             raise StopAsyncIteration
-        try:
-            _, ev = await self._gen.__anext__()
-        except StopAsyncIteration:
-            self._finish("error")  # the leader ended the stream without a finish event
-            raise
-        except BaseException:
-            self._finish(self.close_reason if _cancelled() else "error")
-            await self._close_gen()
-            raise
+        if not self._ready:
+            try:
+                self._ready.extend(ev for _, ev in await self._gen.__anext__())
+            except StopAsyncIteration:
+                self._finish("error")  # the leader ended the stream without a finish event
+                raise
+            except BaseException:
+                self._finish(self.close_reason if _cancelled() else "error")
+                await self._close_gen()
+                raise
+        return await self._take(self._ready.popleft())
+
+    async def batch(self) -> list:
+        """Every event that has arrived, at least one (waits for it): the tokens a front end
+        fell behind on, to send in one message. A failure comes after the tokens before it,
+        raised by the next call; StopAsyncIteration once the stream ended."""
+        out = [await self.__anext__()]
+        while self._ready and not self._done and not isinstance(self._ready[0], Failed):
+            out.append(await self._take(self._ready.popleft()))
+        return out
+
+    async def _take(self, ev):
         if isinstance(ev, Token):
             if self._record is not None:
                 if isinstance(ev, FirstToken):
@@ -185,6 +203,15 @@ class RequestStream:
     async def aclose(self, reason: str | None = None) -> None:
         self._finish(reason or self.close_reason)
         await self._close_gen()
+
+
+async def _one_at_a_time(gen):
+    """An engine's ``generate`` as ``generate_batches``: each item a list of its own."""
+    try:
+        async for item in gen:
+            yield [item]
+    finally:
+        await gen.aclose()
 
 
 def _cancelled() -> bool:

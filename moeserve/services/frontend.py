@@ -17,6 +17,13 @@ of the most characters the front end tokenizes, and ``max_stop_ids`` stop ids; a
 ``--max-message-bytes``), so a 50 MB id list costs nothing; a prompt or stop id list over its
 limit is INVALID_ARGUMENT. The leader's engine validates the request once, as it admits it.
 
+Streaming: a ``GenerateStream`` message carries every token of the stream that reached this
+process since the previous message (``RequestStream.batch``). One message per token costs the
+process ~50 us of CPU, so at ~20k tokens/s (1,024 sequences at 50 ms a step) it falls behind the
+leader; then each stream's tokens wait in its queue and leave together, and the cost per token
+falls until it keeps up. ``$MOESERVE_STREAM_COALESCE=0`` sends one message per token (for
+measuring this; ``benchmarks/frontend.py``).
+
 Health: the server's grpc.health follows the cluster's readiness
 (``moeserve.services.readiness``, the leader's status over the local channel once a second).
 
@@ -30,6 +37,7 @@ reflection needs ``authorization: Bearer <key>``, compared in constant time.
 from __future__ import annotations
 
 import hmac
+import os
 
 import grpc
 
@@ -78,6 +86,21 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         return _abort_handler(details.method, grpc.StatusCode.UNAUTHENTICATED, msg)
 
 
+COALESCE_ENV = "MOESERVE_STREAM_COALESCE"
+
+
+def stream_coalescing() -> bool:
+    """``$MOESERVE_STREAM_COALESCE``: 1 (the default) sends the tokens a stream fell behind on
+    in one message; 0 sends one message per token (the measurement's other side)."""
+    v = os.environ.get(COALESCE_ENV, "1")
+    if v not in ("0", "1"):
+        raise ValueError(
+            f"${COALESCE_ENV} must be 1 (the tokens a stream fell behind on leave in one message; "
+            f"the default) or 0 (one message per token), got {v!r}"
+        )
+    return v == "1"
+
+
 class ServingService(serving_pb2_grpc.ServingServicer):
     """``engine``: an AsyncEngineClient to the leader; ``tokenizer``: a ModelTokenizer, a
     tokenizers.Tokenizer or None; ``metrics``: a moeserve.ops.metrics.FrontendMetrics (request
@@ -91,6 +114,7 @@ class ServingService(serving_pb2_grpc.ServingServicer):
         self.engine = self.admission.engine
         self.tokenizer = self.admission.tokenizer
         self.metrics = self.admission.metrics
+        self.coalesce = stream_coalescing()
 
     async def to_request(self, r: serving_pb2.GenerateRequest) -> GenerateRequest:
         """The request in token ids; InvalidRequest for what only this side can check (the text,
@@ -123,14 +147,19 @@ class ServingService(serving_pb2_grpc.ServingServicer):
     def _text(self, ids) -> str:
         return self.admission.decode(ids)
 
-    async def _events(self, req: GenerateRequest, context):
-        """Async iterator of the request's events from the leader, ending the call with the
-        right status when the leader refuses it or fails."""
+    async def _batches(self, req: GenerateRequest, context):
+        """Async iterator of the request's events from the leader, a list of those that have
+        arrived at a time (``RequestStream.batch``), ending the call with the right status when
+        the leader refuses it or fails."""
         stream = self.admission.open(req)
         try:
             try:
-                async for ev in stream:
-                    yield ev
+                while True:
+                    try:
+                        evs = await stream.batch()
+                    except StopAsyncIteration:
+                        return
+                    yield evs
             except RequestFailed as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             except Exception as e:
@@ -147,13 +176,14 @@ class ServingService(serving_pb2_grpc.ServingServicer):
     async def Generate(self, request, context):
         req = await self._admit(request, context)
         tokens, reason, cached = [], "", 0
-        async for ev in self._events(req, context):
-            if isinstance(ev, Token):
-                tokens.append(ev.token_id)
-                if isinstance(ev, FirstToken):
-                    cached = ev.cached_tokens
-            elif isinstance(ev, Finished):
-                reason = str(ev.reason)
+        async for evs in self._batches(req, context):
+            for ev in evs:
+                if isinstance(ev, Token):
+                    tokens.append(ev.token_id)
+                    if isinstance(ev, FirstToken):
+                        cached = ev.cached_tokens
+                elif isinstance(ev, Finished):
+                    reason = str(ev.reason)
         return serving_pb2.GenerateResponse(
             token_ids=tokens,
             text=self._text(tokens),
@@ -166,16 +196,24 @@ class ServingService(serving_pb2_grpc.ServingServicer):
     async def GenerateStream(self, request, context):
         req = await self._admit(request, context)
         detok = Detokenizer(self.tokenizer)  # incremental: no re-decoding of the whole output
-        pending: list[int] = []
         cached = 0
-        async for ev in self._events(req, context):
-            if isinstance(ev, Token):
-                pending.append(ev.token_id)
-                if isinstance(ev, FirstToken):
-                    cached = ev.cached_tokens
-                yield serving_pb2.GenerateStreamResponse(token_ids=pending, text=detok.add(ev.token_id))
-                pending = []
-            elif isinstance(ev, Finished):
+        async for evs in self._batches(req, context):
+            # one message for every token that arrived: a front end behind the leader (a large
+            # batch's tokens come faster than one message each can be written) catches up
+            ids = [ev.token_id for ev in evs if isinstance(ev, Token)]
+            if ids:
+                if isinstance(evs[0], FirstToken):
+                    cached = evs[0].cached_tokens
+                if len(ids) == 1:
+                    yield serving_pb2.GenerateStreamResponse(token_ids=ids, text=detok.add(ids[0]))
+                elif self.coalesce:
+                    text = "".join([detok.add(t) for t in ids])
+                    yield serving_pb2.GenerateStreamResponse(token_ids=ids, text=text)
+                else:
+                    for t in ids:
+                        yield serving_pb2.GenerateStreamResponse(token_ids=[t], text=detok.add(t))
+            ev = evs[-1]
+            if isinstance(ev, Finished):
                 yield serving_pb2.GenerateStreamResponse(
                     text=detok.flush(),
                     finish_reason=FINISH_REASONS.get(str(ev.reason), serving_pb2.FINISH_REASON_UNSPECIFIED),

@@ -690,6 +690,19 @@ class AsyncEngineClient:
         """Async iterator of (request index, Event) until every request ended (its Finished or
         Failed event). Leaving the iteration early (break, cancellation) cancels the requests
         on the leader; a broken session raises ClusterError in every stream it carried."""
+        batches = self.generate_batches(reqs)
+        try:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+        finally:
+            await batches.aclose()
+
+    async def generate_batches(self, reqs: list[GenerateRequest]):
+        """:meth:`generate`, a list at a time: every (request index, Event) that arrived by the
+        time the caller asks, at least one, in order. A front end that fell behind the leader
+        (steps come faster than it writes their tokens) gets each stream's backlog at once and
+        sends it as one message, so its cost per token falls as it falls behind."""
         reqs = list(reqs)
         session = await self._session()
         sid = next(self._sids)
@@ -704,15 +717,22 @@ class AsyncEngineClient:
             except OSError as e:
                 raise ClusterError(f"the leader closed the connection: {e}") from e
             while open_:
-                i, ev = await queue.get()
-                if i is None:  # the submit was refused, or the session broke
-                    ended = True
-                    raise ev
-                if isinstance(ev, (Finished, Failed)):
-                    open_ -= 1
-                elif isinstance(ev, FirstToken) and ev.hops is not None:
-                    ev.hops.sent = sent
-                yield i, ev
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                out: list = []
+                for i, ev in items:
+                    if i is None:  # the submit was refused, or the session broke
+                        if out:  # what came before goes out first; the error with the next ask
+                            yield out
+                        ended = True
+                        raise ev
+                    if isinstance(ev, (Finished, Failed)):
+                        open_ -= 1
+                    elif isinstance(ev, FirstToken) and ev.hops is not None:
+                        ev.hops.sent = sent
+                    out.append((i, ev))
+                yield out
             ended = True
         finally:
             session.queues.pop(sid, None)
