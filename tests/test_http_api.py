@@ -24,7 +24,7 @@ import pytest
 import torch
 from cluster_util import reference_decode, reference_model, tiny_checkpoint
 
-from moeserve.router.engine.api import Finished, FinishReason, QueueFull, Token
+from moeserve.router.engine.api import Finished, FinishReason, FirstToken, QueueFull, Token
 from moeserve.router.engine.channel import ClusterError
 
 pytestmark = pytest.mark.timeout(300)
@@ -1052,3 +1052,39 @@ def test_https_serves_a_client_that_trusts_the_certificate_and_not_plain_http(tm
             asyncio.run(server.start())
     with pytest.raises(ValueError, match="both"):
         HttpServer(front.api, ssl_certfile=cert)
+
+
+class Backlog(StandIn):
+    """As AsyncEngineClient's ``generate_batches``: every stream's events in the lists
+    ``batches`` (a front end behind the leader gets several steps' tokens at once)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    async def generate_batches(self, reqs):
+        for b in self.batches:
+            yield [(0, ev) for ev in b]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("coalesce", ["1", "0"])
+def test_a_backlog_of_tokens_streams_as_one_chunk_unless_coalescing_is_off(monkeypatch, coalesce):
+    """Tokens that arrived together leave in one SSE chunk (ids in order), the finish in the
+    last; with $MOESERVE_STREAM_COALESCE=0 a chunk per token."""
+    monkeypatch.setenv("MOESERVE_STREAM_COALESCE", coalesce)
+    engine = Backlog([[FirstToken(5), Token(6), Token(7)], [Token(8)], [Finished(FinishReason.LENGTH)]])
+    front = Front(engine, None, api_key=None)
+    try:
+        body = {"model": MODEL, "prompt": [5, 6], "max_tokens": 4, "stream": True, "return_token_ids": True}
+        events = sse(front.port, C, body, key=None)
+        assert events[-1] == "[DONE]"
+        parts = [e["choices"][0] for e in events[:-1] if e["choices"]]
+        ids = [p["token_ids"] for p in parts]
+        if coalesce == "1":  # the HTTP side's own queue may have caught the last token too
+            assert [t for x in ids for t in x] == [5, 6, 7, 8] and ids[0][:3] == [5, 6, 7] and len(ids) <= 3
+        else:
+            assert ids == [[5], [6], [7], [8], []]
+        assert parts[-1]["finish_reason"] == "length" and all(p["finish_reason"] is None for p in parts[:-1])
+    finally:
+        front.stop()

@@ -213,7 +213,7 @@ def test_a_failure_behind_tokens_of_the_same_backlog_comes_after_them():
 
 def test_a_coalescing_switch_the_front_end_does_not_know_fails_its_start(monkeypatch, capsys):
     from moeserve.cli import main
-    from moeserve.services.frontend import stream_coalescing
+    from moeserve.services.admission import stream_coalescing
 
     monkeypatch.setenv("MOESERVE_CONTROL_KEY", "00" * 16)
     for v, on in (("1", True), ("0", False)):

@@ -229,8 +229,8 @@ def _host_port(text: str, flag: str) -> tuple[str, int]:
 def run_frontend(args: argparse.Namespace) -> int:
     from moeserve.router.engine.channel import AsyncEngineClient
     from moeserve.services import server
-    from moeserve.services.admission import Admission, AdmissionLimits, vocab_size_of
-    from moeserve.services.frontend import load_tokenizer, make_server, stream_coalescing
+    from moeserve.services.admission import Admission, AdmissionLimits, stream_coalescing, vocab_size_of
+    from moeserve.services.frontend import load_tokenizer, make_server
 
     address = _host_port(args.control_address, "--control-address")
     key = control_key()

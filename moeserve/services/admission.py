@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -119,6 +120,21 @@ def vocab_size_of(model_dir: str | None) -> int | None:
     text = raw.get("text_config")
     v = (text if isinstance(text, dict) and "vocab_size" in text else raw).get("vocab_size")
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+COALESCE_ENV = "MOESERVE_STREAM_COALESCE"
+
+
+def stream_coalescing() -> bool:
+    """``$MOESERVE_STREAM_COALESCE``: 1 (the default) sends the tokens a stream fell behind on
+    in one message (gRPC) or SSE chunk (HTTP); 0 one per token (the measurement's other side)."""
+    v = os.environ.get(COALESCE_ENV, "1")
+    if v not in ("0", "1"):
+        raise ValueError(
+            f"${COALESCE_ENV} must be 1 (the tokens a stream fell behind on leave in one message; "
+            f"the default) or 0 (one message per token), got {v!r}"
+        )
+    return v == "1"
 
 
 # -- admission --------------------------------------------------------------------------------

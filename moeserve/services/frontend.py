@@ -37,14 +37,13 @@ reflection needs ``authorization: Bearer <key>``, compared in constant time.
 from __future__ import annotations
 
 import hmac
-import os
 
 import grpc
 
 from moeserve.router.engine.api import Finished, FirstToken, GenerateRequest, InvalidRequest, Token
 from moeserve.router.engine.channel import AsyncEngineClient
 from moeserve.rpc import serving_pb2, serving_pb2_grpc
-from moeserve.services.admission import Admission, RequestFailed
+from moeserve.services.admission import Admission, RequestFailed, stream_coalescing
 from moeserve.services.errors import abort_for
 from moeserve.services.server import SERVING, UNGUARDED, ServerOptions, ServiceServer, _abort_handler
 from moeserve.services.tokenizer import Detokenizer, ModelTokenizer
@@ -84,21 +83,6 @@ class ApiKeyAuth(grpc.aio.ServerInterceptor):
         else:
             return await continuation(details)
         return _abort_handler(details.method, grpc.StatusCode.UNAUTHENTICATED, msg)
-
-
-COALESCE_ENV = "MOESERVE_STREAM_COALESCE"
-
-
-def stream_coalescing() -> bool:
-    """``$MOESERVE_STREAM_COALESCE``: 1 (the default) sends the tokens a stream fell behind on
-    in one message; 0 sends one message per token (the measurement's other side)."""
-    v = os.environ.get(COALESCE_ENV, "1")
-    if v not in ("0", "1"):
-        raise ValueError(
-            f"${COALESCE_ENV} must be 1 (the tokens a stream fell behind on leave in one message; "
-            f"the default) or 0 (one message per token), got {v!r}"
-        )
-    return v == "1"
 
 
 class ServingService(serving_pb2_grpc.ServingServicer):

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from moeserve.router.engine.api import Unavailable
-from moeserve.services.admission import Admission
+from moeserve.services.admission import Admission, stream_coalescing
 from moeserve.services.http.choices import FINISH, Choice, Run, drive, log_softmax_row
 from moeserve.services.http.encode import (
     ERROR_TYPES,
@@ -193,6 +193,7 @@ class HttpApi(TokenRoutes):
         if not served_models:
             raise ValueError("give at least one served model name")
         self.admission = admission
+        self.coalesce = stream_coalescing()  # a chunk carries every token a stream fell behind on
         self.served_models = list(served_models)
         self.model_root = model_root
         self._key = api_key.encode() if api_key else None
@@ -587,7 +588,7 @@ class HttpApi(TokenRoutes):
                     if s.return_token_ids:
                         part["token_ids"] = []
                     yield chunk([part])
-            async for c, text, entries in drive(run, choices):
+            async for c, text, entries in drive(run, choices, self.coalesce):
                 if c.echo is not None and not c.echo_sent:
                     text, c.echo_sent = c.echo + text, True
                 if not text and not entries and not c.done and not every_token:

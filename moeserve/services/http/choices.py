@@ -190,6 +190,16 @@ class Run:
             return self.buffer.pop(0)
         return await self.queue.get()
 
+    def next_nowait(self):
+        """The next item if one has arrived, else None."""
+        if self.buffer:
+            return self.buffer.pop(0)
+        return None if self.queue.empty() else self.queue.get_nowait()
+
+    def put_back(self, item) -> None:
+        """``item`` (from :meth:`next_nowait`) comes out first again."""
+        self.buffer.insert(0, item)
+
     def end(self, i: int, reason: str) -> None:
         """Choice ``i`` is done (a stop string): cancel its request on the leader."""
         self.streams[i].close_reason = reason
@@ -207,8 +217,9 @@ class Run:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def drive(run: Run, choices: list[Choice]):
-    """(choice, new text, new logprob entries) as events arrive, until every choice is done."""
+async def drive(run: Run, choices: list[Choice], coalesce: bool = False):
+    """(choice, new text, new logprob entries) as events arrive, until every choice is done;
+    with ``coalesce`` a choice's tokens that have arrived together come as one."""
     left = sum(not c.done for c in choices)
     while left:
         i, item = await run.next()
@@ -223,6 +234,15 @@ async def drive(run: Run, choices: list[Choice]):
             raise Unavailable("the leader ended a request without a finish event")
         if isinstance(item, Token):
             text, entries = c.on_token(item)
+            # the choice's next tokens that have arrived too go in the same chunk: a front end
+            # behind the leader catches up (as the gRPC stream's messages do)
+            while coalesce and not c.done and (more := run.next_nowait()) is not None:
+                j, nxt = more
+                if j != i or not isinstance(nxt, Token):
+                    run.put_back(more)
+                    break
+                t, e = c.on_token(nxt)
+                text, entries = text + t, entries + e
             if c.done:
                 run.end(i, "stop")
                 left -= 1
