@@ -65,6 +65,10 @@ def test_smoke_run_writes_every_figure(tmp_path):
         assert r["step_s"] > 0 and r["step_over_roofline"] == pytest.approx(burst["steady_step_s"] / r["step_s"])
     assert roof["weight_bytes_per_gpu"] > 0 and roof["kv_bytes_per_step_per_gpu"] > 0
     assert ms["engine"]["burst_forward_steps"] >= new
+    # the engine's own decode step, from the leader's step count over time, beside the clients'
+    eng = ms["engine"]["engine_decode_step_s"]
+    assert eng is not None and 0 < eng < 10 * burst["steady_step_s"]
+    assert ms["engine"]["client_step_over_engine"] == pytest.approx(burst["steady_step_s"] / eng)
 
     hf = res["configs"]["transformers"]
     assert hf["error"] is None, hf.get("error_detail")
@@ -358,6 +362,20 @@ def test_the_live_rebalance_waits_for_two_steps_with_a_sequence_running():
     t = time.monotonic()
     waited = wait_for_decoding(idle, t + 0.2, period=0.01)
     assert 0.2 <= waited < 2 and idle.calls > 3
+
+
+def test_the_engines_decode_step_is_timed_over_the_bursts_last_steps():
+    """decode_step_s: the time between the leader reaching steps end - (output - 1) + trim and
+    end - trim, per step, from the poller's samples (the first sample of each count)."""
+    from servinglib.steps import StepPoller, decode_step_s
+
+    p = StepPoller.__new__(StepPoller)  # no thread: samples given
+    # 5 prefill steps over 1 s, then 100 decode steps at 10 ms; a count sampled twice
+    p.samples = [(0.0, 0), (1.0, 5), (1.0 + 0.01 * 50, 55), (1.6, 55), (1.0 + 0.01 * 100, 105)]
+    assert p.time_at(30) == pytest.approx(1.25)  # 55 first reached at 1.5, not 1.6
+    assert decode_step_s(p, 105, 101, 10) == pytest.approx(0.01)
+    assert decode_step_s(p, 105, 200, 10) is None  # reaches back before the samples
+    assert decode_step_s(p, 105, 12, 5) is None  # too few steps left
 
 
 def test_eplb_flags():

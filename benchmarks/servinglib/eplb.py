@@ -28,46 +28,7 @@ from servinglib.figures import (
     mean_output,
     online_figures,
 )
-
-
-class StepPoller:
-    """Samples the leader's forward-step count (admin status) every ``period`` seconds in a thread,
-    so that the steps of a time window (a burst's prefill) can be counted afterwards."""
-
-    def __init__(self, admin: str, period: float = 0.1):
-        from moeserve.client import Client
-
-        self.samples: list[tuple[float, int]] = []
-        self._client = Client(admin, TOKEN, timeout=10)
-        self._stop = threading.Event()
-        self._period = period
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                steps = self._client.status().forward_steps
-                self.samples.append((time.monotonic(), steps))
-            except Exception:  # noqa: BLE001 - a missed sample
-                pass
-            self._stop.wait(self._period)
-
-    def steps_at(self, t: float) -> float | None:
-        """Forward steps at monotonic time t, interpolated between samples."""
-        xs = self.samples
-        if not xs or t < xs[0][0] or t > xs[-1][0]:
-            return None
-        return float(np.interp(t, [x[0] for x in xs], [x[1] for x in xs]))
-
-    def steps_between(self, t0: float, t1: float) -> float | None:
-        a, b = self.steps_at(t0), self.steps_at(t1)
-        return (b - a) if a is not None and b is not None else None
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._client.close()
+from servinglib.steps import StepPoller
 
 
 def _balancedness(load) -> dict:

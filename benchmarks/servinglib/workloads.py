@@ -26,6 +26,7 @@ from servinglib.profiles import profile_table, read_profiles
 from servinglib.report import by_round
 from servinglib.roofline import kv_bytes_read, roofline, step_classes
 from servinglib.shapes import expert_bytes_per_gpu, weights_read_per_gpu
+from servinglib.steps import StepPoller, decode_step_s
 
 
 def clean(b: dict) -> bool:
@@ -91,16 +92,30 @@ class Measure:
         rounds: dict = {api: [] for api in apis}
         for r in range(a.rounds):  # odd rounds in the reverse order of the APIs
             for api in apis if r % 2 == 0 else apis[::-1]:
-                s0 = up.status()
-                recs, cost = self.run(api, plan, a.burst_timeout)
-                s1 = up.status()
+                poller = StepPoller(up.admin, period=0.05)  # the leader's steps over time
+                try:
+                    s0 = up.status()
+                    recs, cost = self.run(api, plan, a.burst_timeout)
+                    s1 = up.status()
+                finally:
+                    poller.close()
                 b = burst_figures(recs, a.burst_prompt, a.burst_output, a.trim)
                 b.update(cost(b["output_tokens"]))
                 steps = s1["forward_steps"] - s0["forward_steps"]
+                preempted = s1["preemptions"] - s0["preemptions"]
+                # the engine's own decode step: the clients' can be longer when the front end
+                # is behind (docs/engine.md, "The front end's share")
+                own = (
+                    decode_step_s(poller, s1["forward_steps"], a.burst_output, a.trim)
+                    if a.burst_requests <= a.max_num_seqs and not preempted
+                    else None
+                )
                 engine = dict(
                     burst_forward_steps=steps,
                     burst_wall_per_step_s=(b["wall_s"] / steps) if steps else None,
-                    preemptions=s1["preemptions"] - s0["preemptions"],
+                    engine_decode_step_s=own,
+                    client_step_over_engine=ratio(b["steady_step_s"], own),
+                    preemptions=preempted,
                     kv_blocks_total=s1["kv_blocks_total"],
                     **pacing(s0, s1),
                 )
@@ -109,6 +124,7 @@ class Measure:
                 self.say(
                     f"burst via {api}{f' (round {r + 1})' if a.rounds > 1 else ''}: "
                     f"{b['output_tok_s'] or 0:.0f} tok/s, step {1e3 * (b['steady_step_s'] or 0):.2f} ms"
+                    + (f" (the engine's {1e3 * own:.2f} ms)" if own else "")
                     + (f", front end {fe:.0f} us CPU/token" if fe is not None else "")
                 )
         for api in apis:
