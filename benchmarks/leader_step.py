@@ -40,7 +40,7 @@ from moeserve.dataplane.protocol import RankResult  # noqa: E402
 from moeserve.ops import gcpause  # noqa: E402
 from moeserve.placement import Placement  # noqa: E402
 from moeserve.router.engine.api import GenerateRequest, ModelShape  # noqa: E402
-from moeserve.router.engine.channel import _frame  # noqa: E402
+from moeserve.router.engine.channel import _compact, _frame  # noqa: E402
 from moeserve.router.engine.leader import Engine  # noqa: E402
 
 L, E = 8, 16
@@ -100,7 +100,7 @@ def measure(seqs: int, routers: int, steps: int) -> dict:
         t4 = time.perf_counter()
         eng.on_results(h, res)
         t5 = time.perf_counter()
-        _frame(("events", [(i % 64, i, ev) for i, ev in events]))
+        _frame(("events", _compact([(i % 64, i, ev) for i, ev in events])))
         t6 = time.perf_counter()
         n += 1
         if n > 10:

@@ -394,3 +394,30 @@ def test_a_session_stream_read_late_gets_its_backlog_as_one_batch_in_order(engin
     assert events == one_by_one == [FirstToken(TOKEN)] + [Token(TOKEN)] * 19 + [Finished(FinishReason.LENGTH)]
     # the backlog in one list (the stand-in's steps are fast: the first list may hold it all)
     assert len(batches) <= 2 and len(batches[-1]) >= 19
+
+
+def test_a_frames_plain_tokens_travel_as_ids_and_arrive_as_tokens(engine, channel, monkeypatch):
+    """The session's frames carry a plain token as its id (cheaper to read) and a first token as
+    itself (its hops, cached count); the stream still gets Token events."""
+    import asyncio
+
+    from moeserve.router.engine import channel as channel_module
+
+    server, key = channel
+    sent = []
+    real_frame = channel_module._frame
+    monkeypatch.setattr(
+        channel_module, "_frame", lambda msg: (sent.extend(msg[1]) if msg[0] == "events" else None) or real_frame(msg)
+    )
+
+    async def main():
+        client = AsyncEngineClient(server.address, key)
+        evs = [ev async for _, ev in client.generate([GenerateRequest((1, 2), 4, ignore_eos=True)])]
+        await client.close()
+        return evs
+
+    evs = asyncio.run(main())
+    assert evs == [FirstToken(TOKEN), Token(TOKEN), Token(TOKEN), Token(TOKEN), Finished(FinishReason.LENGTH)]
+    assert all(type(e) is Token for e in evs[1:4]) and evs[0].hops is not None and evs[0].hops.read > 0
+    kinds = [type(ev) for _, _, ev in sent]
+    assert kinds == [FirstToken, int, int, int, Finished]

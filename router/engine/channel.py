@@ -13,7 +13,8 @@ carries many streams):
         or  ("session",), then any number of, in any order:
             client: ("submit", sid, [GenerateRequest, ...])   (sid: the client's id of the stream)
             client: ("cancel", sid)
-            server: ("events", [(sid, i, Event), ...])        (every event of a step, one frame)
+            server: ("events", [(sid, i, Event | int), ...])  (every event of a step, one frame;
+                                                               a plain Token as its id)
             server: ("error", sid, EngineError)               (a submit refused; nothing of it runs)
 
 A session is how the serving front end talks to the leader: all its streams share one
@@ -66,6 +67,7 @@ from moeserve.router.engine.api import (
     GenerateRequest,
     InvalidRequest,
     RemoteEngineAPI,
+    Token,
     Unavailable,
 )
 
@@ -350,8 +352,19 @@ class _Session:
                         stream[0] -= 1
                         if stream[0] <= 0:
                             del self.streams[sid]
-            self.writer.write(_frame(("events", batch)))
+            self.writer.write(_frame(("events", _compact(batch))))
             await self.writer.drain()
+
+
+def _compact(batch: list) -> list:
+    """A frame's entries with each plain token (no logits, no prompt logprobs) as its id: a
+    pickled int costs the front end a fraction of a dataclass to read (``_expand``)."""
+    return [
+        (sid, i, ev.token_id)
+        if type(ev) is Token and ev.logits is None and ev.prompt_logprobs is None
+        else (sid, i, ev)
+        for sid, i, ev in batch
+    ]
 
 
 def _stamp(ev: Event, received: float, written: float) -> None:
@@ -595,7 +608,10 @@ class _ClientSession:
                     for sid, i, ev in _first_tokens_first(msg[1]):
                         q = self.queues.get(sid)
                         if q is not None:
-                            _read_hops(ev, read)
+                            if type(ev) is int:  # a plain token (_compact)
+                                ev = Token(ev)
+                            else:
+                                _read_hops(ev, read)
                             q.put_nowait((i, ev))
                 elif msg[0] == "error":
                     q = self.queues.get(msg[1])
