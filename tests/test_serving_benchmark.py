@@ -547,6 +547,21 @@ def test_the_late_scheduling_margin_reaches_the_configurations_that_schedule_lat
     assert "--late-scheduling-margin-ms" not in plain and "--no-late-scheduling" not in plain
 
 
+def test_the_api_server_count_reaches_every_moeserve_configuration(capsys):
+    bench = _bench()
+    from servinglib.cluster import configuration_flags
+
+    a = bench.parse(["--shape", "scout8", "--api-server-count", "4"])
+    for name in ("moeserve-1rank", "moeserve-1rank-fp8", "moeserve-1rank-no-prefix-cache"):
+        flags, _ = configuration_flags(name, a, False)
+        assert flags[flags.index("--api-server-count") + 1] == "4"
+    one, _ = configuration_flags("moeserve-1rank", bench.parse(["--shape", "scout8"]), False)
+    assert "--api-server-count" not in one  # up's default
+    with pytest.raises(SystemExit) as e:
+        bench.parse(["--shape", "scout8", "--api-server-count", "0"])
+    assert e.value.code == 2 and "--api-server-count must be 1 .. 64, got 0" in capsys.readouterr().err
+
+
 def test_the_commit_of_a_copied_tree_comes_from_the_environment(monkeypatch):
     """A tree copied to a GPU machine by ``git archive`` inside another checkout records the
     commit it was made from (MOESERVE_GIT_COMMIT), not the surrounding checkout's HEAD."""

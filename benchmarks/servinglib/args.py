@@ -186,6 +186,13 @@ def parse(argv=None, doc: str = "") -> argparse.Namespace:
         help="profile forward steps START .. START+COUNT-1 on every rank (moeserve.ops.profiling); "
         "e.g. 80:20 lands in the burst's steady decode",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="front-end processes of every moeserve configuration (moeserve up --api-server-count; default 1)",
+    )
     p.add_argument("--json", default=None, help="output file (default benchmarks/results/serving-<shape>.json)")
     a = p.parse_args(argv)
     smoke = a.smoke
@@ -251,6 +258,8 @@ def parse(argv=None, doc: str = "") -> argparse.Namespace:
     a.apis = [x.strip() for x in a.apis.split(",") if x.strip()]
     if not a.apis or not set(a.apis) <= set(APIS) or len(set(a.apis)) < len(a.apis):
         p.error(f"--apis is a comma list of {','.join(APIS)} without repeats, got {','.join(a.apis) or 'nothing'}")
+    if not 1 <= a.api_server_count <= 64:
+        p.error(f"--api-server-count must be 1 .. 64, got {a.api_server_count}")
     if a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")
     if a.tokenizer == "auto":

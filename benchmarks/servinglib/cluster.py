@@ -55,7 +55,7 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, 
     the default), ``-fp8-weight-only`` the same with ``MOESERVE_FP8_ACTIVATIONS=weight-only``,
     ``-no-prefix-cache`` without prefix caching, ``-no-late-schedule`` (after the rank count)
     without late scheduling; the EPLB workload lets one rebalance move
-    every layer."""
+    every layer; ``--api-server-count`` N front-end processes for every configuration."""
     extra = []
     env: dict[str, str] = {}
     if eplb:
@@ -80,6 +80,8 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, 
         extra.append("--no-capture-graphs-at-start")
     if name.endswith("-grouped-mm"):
         env["MOESERVE_EXPERT_KERNEL"] = "grouped_mm"
+    if getattr(a, "api_server_count", 1) > 1:
+        extra += ["--api-server-count", str(a.api_server_count)]
     return extra, env
 
 
@@ -149,7 +151,7 @@ class Cluster(UpProcess):
         )
         self.wait_ready(a.startup_timeout + 30, poll_s=0.2)
         self.has_http = http
-        self._frontend_pid: int | None = None
+        self._frontend_pids: list[int] | None = None
 
     def frontend_latency(self) -> dict[str, tuple[float, float]]:
         """The front end's latency histograms so far, (sum s, count) each: ``ttft`` (its own
@@ -188,16 +190,20 @@ class Cluster(UpProcess):
         return self.http if api == "http" else self.serving
 
     def frontend_cpu_s(self) -> float | None:
-        """CPU seconds (user + system, every thread) the front end process has used so far, from
-        /proc (None where there is none); the front end is ``moeserve up``'s child."""
+        """CPU seconds (user + system, every thread) the front-end processes have used so far, from
+        /proc (None where there is none); they are ``moeserve up``'s children (several with
+        ``--api-server-count``)."""
         try:
-            if self._frontend_pid is None:
-                self._frontend_pid = self.child("frontend")
-            if self._frontend_pid is None:
+            if self._frontend_pids is None:
+                self._frontend_pids = self.children_named("frontend")
+            if not self._frontend_pids:
                 return None
-            with open(f"/proc/{self._frontend_pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total = 0.0
+            for pid in self._frontend_pids:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return total
         except (OSError, ValueError, IndexError):
             return None
 

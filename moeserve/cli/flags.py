@@ -598,6 +598,18 @@ def add_balancer_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_api_server_count_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serving front-end processes sharing the serving and HTTP ports (vLLM's flag; default 1): "
+        "one process streams about 20-50k tokens/s, a core's worth",
+    )
+
+
 def add_metrics_flags(p: argparse.ArgumentParser, per_expert: bool = False) -> None:
     g = p.add_argument_group("metrics")
     g.add_argument(

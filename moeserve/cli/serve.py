@@ -96,6 +96,7 @@ def register(subparsers) -> None:
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
+    F.add_api_server_count_flag(p)
     p.add_argument(
         "--skip-tokenizer-init",
         action="store_true",

@@ -67,6 +67,12 @@ def register(subparsers) -> None:
         help=f"the leader's local channel (key from ${F.CONTROL_KEY_ENV})",
     )
     p.add_argument("--model", metavar="DIR", help="checkpoint folder, for its tokenizer (optional)")
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="share the serving and HTTP ports with other front-end processes that set it too "
+        "(SO_REUSEPORT; the kernel spreads connections over them: moeserve up --api-server-count)",
+    )
     F.add_http_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p)
@@ -238,7 +244,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         stream_coalescing()  # a bad value fails the start, not the first stream
     except ValueError as e:
         raise UsageError(str(e)) from None
-    opts = F.server_options(args, args.port)
+    opts = dataclasses.replace(F.server_options(args, args.port), reuse_port=args.reuse_port)
     api_key = F.api_key(args)
     if args.max_model_len < 1:
         raise UsageError(f"--max-model-len must be >= 1, got {args.max_model_len}")
@@ -337,6 +343,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         ssl_certfile=opts.tls_cert,
         ssl_keyfile=opts.tls_key,
         door=door,
+        reuse_port=args.reuse_port,
     )
     try:
         server.run(_serve_both(srv, http, args.host))

@@ -17,8 +17,12 @@ no rank's outgoing connection takes one before its server binds it.
 ``--api-key`` (or $MOESERVE_API_KEY) guards the serving API, HTTP and gRPC alike.
 
 ``--metrics-port M``: every process serves Prometheus metrics: the router leader (rank 0) on
-M, the balancer on M+1, the front end on M+2, then every other rank in rank order (M+3, ...);
-M = 0 gives each a free port. The list is printed once ready, and the leader reports it in
+M, the balancer on M+1, the front end on M+2, then every other rank in rank order (M+3, ...),
+then the other front ends; M = 0 gives each a free port.
+
+``--api-server-count N``: N front-end processes share the serving and HTTP ports
+(``moeserve frontend --reuse-port``), logs ``frontend.log``, ``frontend1.log``, ...; ready once
+each says it listens; a lost one is started again. The list is printed once ready, and the leader reports it in
 GetStatus.
 """
 
@@ -56,6 +60,7 @@ def register(subparsers) -> None:
     F.add_balancer_flags(p)
     F.add_server_flags(p)
     F.add_metrics_flags(p, per_expert=True)
+    F.add_api_server_count_flag(p)
     multinode.add_node_flags(p)
     p.add_argument("--startup-timeout", type=float, default=300.0, metavar="S", help="seconds to become ready")
     p.add_argument("--log-dir", metavar="DIR", help="keep every process's log here")
@@ -87,14 +92,16 @@ def wait_serving(address: str, timeout_s: float, ca_file: str | None = None, ali
             time.sleep(0.1)
 
 
-def metrics_layout(base: int | None, world_size: int, taken=()) -> dict[str, int] | None:
+def metrics_layout(base: int | None, world_size: int, taken=(), frontends: int = 1) -> dict[str, int] | None:
     """Metrics port of every process of ``up`` (None: no metrics): rank0 = M, balancer = M+1,
-    frontend = M+2, rank r = M+2+r for r >= 1; M = 0 gives each a free port, none of ``taken``."""
+    frontend = M+2, rank r = M+2+r for r >= 1, then the other front ends (``frontend<j>``, j >=
+    1, with ``--api-server-count``); M = 0 gives each a free port, none of ``taken``."""
     if base is None:
         return None
     from moeserve.ops.ports import free_port
 
     names = ["rank0", "balancer", "frontend"] + [f"rank{r}" for r in range(1, world_size)]
+    names += frontend_names(frontends)[1:]
     if base == 0:
         ports: list[int] = []
         while len(ports) < len(names):
@@ -103,6 +110,30 @@ def metrics_layout(base: int | None, world_size: int, taken=()) -> dict[str, int
     if base + len(names) - 1 > 65535:
         raise UsageError(f"--metrics-port {base}: the {len(names)} processes need ports up to {base + len(names) - 1}")
     return {n: base + i for i, n in enumerate(names)}
+
+
+def frontend_names(count: int) -> list[str]:
+    """The front-end processes of ``up``: ``frontend``, then ``frontend1`` ... (their logs and
+    metrics are named so)."""
+    return ["frontend"] + [f"frontend{j}" for j in range(1, count)]
+
+
+def wait_logged(path: str, offset: int, text: str, timeout_s: float, alive=lambda: True) -> None:
+    """Block until ``text`` appears in the log at ``path`` after byte ``offset``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                if text.encode() in f.read():
+                    return
+        except OSError:
+            pass
+        if not alive():
+            raise RuntimeError(f"a process exited before {path} said {text!r}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not say {text!r} within {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
     if node is not None and node.node_rank > 0:  # no front end, balancer or admin API here
         return multinode.run_node(args, kw, node, key, prog)
     opts = F.server_options(args, 0)  # validates the server flags
+    frontends = args.api_server_count
+    if not 1 <= frontends <= 64:
+        raise UsageError(f"--api-server-count must be 1 .. 64 front-end processes, got {frontends}")
     F.door_limits(args)  # ... and the HTTP door's
     token = F.token(args) or secrets.token_urlsafe(18)
     http_port = getattr(args, "http_port", None)
@@ -135,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
     host = args.host
     world = kw["routers"] if kw["colocated"] else kw["routers"] + kw["workers"]
     here = node.ranks(world) if node is not None else range(world)
-    metrics = metrics_layout(args.metrics_port, len(here), taken=list(ports.values()))
+    metrics = metrics_layout(args.metrics_port, len(here), taken=list(ports.values()), frontends=frontends)
+    fronts = frontend_names(frontends)
     # A port in use is reported now, not after the ranks have loaded the weights (minutes for
     # a real checkpoint). Ports this process picks lie outside the ephemeral range, so that no
     # rank's outgoing connection takes one meanwhile (moeserve.ops.ports).
@@ -160,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         mkw = dict(
             metrics_ports=[metrics[f"rank{r}"] if r in here else 0 for r in range(world)],
             per_expert_metrics=args.per_expert_metrics,
-            metrics_peers={k: metrics[k] for k in ("balancer", "frontend")},
+            metrics_peers={k: metrics[k] for k in ("balancer", *fronts)},
         )
     try:
         cluster = LocalCluster(
@@ -270,9 +305,14 @@ def run(args: argparse.Namespace) -> int:
             ]
         if args.tls_cert:
             bal += ["--ca-file", args.tls_cert]
+        if frontends > 1:  # the processes share the serving and HTTP ports (SO_REUSEPORT)
+            front.append("--reuse-port")
+        commands = {name: list(front) for name in fronts}
         if metrics is not None:
-            front += ["--metrics-port", str(metrics["frontend"])]
+            for name in fronts:
+                commands[name] += ["--metrics-port", str(metrics[name])]
             bal += ["--metrics-port", str(metrics["balancer"])]
+        commands["balancer"] = bal
         logs = args.log_dir or cluster.run_dir
 
         def spawn(name, cmd):
@@ -287,7 +327,11 @@ def run(args: argparse.Namespace) -> int:
                     preexec_fn=set_death_signal,
                 )
 
-        children.extend([spawn("frontend", front), spawn("balancer", bal)])
+        offsets = {}
+        for name in fronts:
+            log_path = os.path.join(logs, f"{name}.log")
+            offsets[name] = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+        children.extend(spawn(name, cmd) for name, cmd in commands.items())
         addrs = {
             "serving": f"{host}:{ports['port']}",
             "admin": f"{host}:{ports['admin_port']}",
@@ -297,6 +341,15 @@ def run(args: argparse.Namespace) -> int:
         alive = lambda: cluster.alive and all(c.poll() is None for c in children)  # noqa: E731
         for addr in addrs.values():
             wait_serving(addr, args.startup_timeout, ca, alive=alive)
+        if frontends > 1:  # the health check above reached one of them: each says it listens
+            for name in fronts:
+                wait_logged(
+                    os.path.join(logs, f"{name}.log"),
+                    offsets[name],
+                    "serving front end on",
+                    args.startup_timeout,
+                    alive,
+                )
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         scheme = "https" if args.tls_cert else "http"  # the HTTP API serves the same certificate
         if http_port is not None:
@@ -332,10 +385,10 @@ def run(args: argparse.Namespace) -> int:
             # The front end and the balancer keep no state: a lost one is started again while the
             # ranks serve on (clients that retry are served); a lost rank the launcher could not
             # replace ends the cluster.
-            for i, (name, cmd) in enumerate((("frontend", front), ("balancer", bal))):
+            for i, (name, cmd) in enumerate(commands.items()):
                 if children[i].poll() is not None and cluster.alive and not stop.is_set():
                     print(
-                        f"{prog}: the {'front end' if name == 'frontend' else name} exited "
+                        f"{prog}: the {describe_service(name)} exited "
                         f"({describe_exit(children[i].returncode)}); starting it again",
                         file=sys.stderr,
                         flush=True,
@@ -414,6 +467,13 @@ def wait_http(url: str, timeout_s: float, alive=lambda: True, ca_file: str | Non
         time.sleep(0.1)
 
 
+def describe_service(name: str) -> str:
+    """``frontend`` -> "front end", ``frontend2`` -> "front end 2", others as they are."""
+    if name.startswith("frontend"):
+        return "front end" + (f" {name[8:]}" if name[8:] else "")
+    return name
+
+
 def metrics_list(metrics: dict[str, int], host: str, cfg) -> str:
     """One line per process: its role and its metrics URL (``cfg``: the ClusterConfig)."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
@@ -424,7 +484,7 @@ def metrics_list(metrics: dict[str, int], host: str, cfg) -> str:
             label = f"worker {role.worker_index}" if role.name == "worker" else role.name
             what = f"rank {role.rank} ({label}{', leader' if role.rank == 0 else ''})"
         else:
-            what = "front end" if name == "frontend" else name
+            what = describe_service(name)
         lines.append(f"metrics  {what:<28} http://{shown}:{port}/metrics")
     return "\n".join(lines)
 

@@ -33,7 +33,6 @@ VLLM_NOOP_FLAGS: tuple[tuple[tuple[str, ...], int, tuple | None, str | None], ..
     (("--disable-fastapi-docs",), 0, None, "the HTTP API serves no docs pages"),
     (("--uvicorn-log-level",), 1, None, "the front end logs warnings and errors"),
     (("--response-role",), 1, ("assistant",), "chat answers have the role assistant"),
-    (("--api-server-count",), 1, ("1",), "one front end serves the HTTP API"),
     (("--compilation-config", "-O"), 1, None, "decode steps replay CUDA graphs (--enforce-eager turns them off)"),
     (("--data-parallel-backend",), 1, ("mp",), "ranks are processes of this host"),
     (("--tool-parser-plugin",), 1, None, None),

@@ -240,10 +240,13 @@ class UpProcess:
 
     def child(self, word: str) -> int | None:
         """The pid of the child whose command line has ``moeserve <word>`` (frontend, balancer)."""
-        for pid in self.children():
-            if f"moeserve {word}" in cmdline(pid):
-                return pid
-        return None
+        pids = self.children_named(word)
+        return pids[0] if pids else None
+
+    def children_named(self, word: str) -> list[int]:
+        """The pids of every child whose command line has ``moeserve <word>`` (the front ends of
+        ``--api-server-count``)."""
+        return [pid for pid in self.children() if f"moeserve {word}" in cmdline(pid)]
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         """SIGTERM (``up`` drains and stops its processes in order), then SIGKILL after

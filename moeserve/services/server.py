@@ -75,7 +75,9 @@ class ServerOptions:
     max_message_bytes: the largest message received or sent (``--max-message-bytes``).
     tls_cert, tls_key: PEM files; both or neither. token: the bearer token every call must
     carry (None: no authentication). grace_s: how long in-flight calls may take to finish at
-    shutdown. interceptors: more ``grpc.aio.ServerInterceptor`` (metrics).
+    shutdown. interceptors: more ``grpc.aio.ServerInterceptor`` (metrics). reuse_port: share
+    the port with other processes that set it too (SO_REUSEPORT: the kernel spreads the
+    connections over them; ``moeserve up --api-server-count``); off, a port in use fails the bind.
     """
 
     host: str = "127.0.0.1"
@@ -86,6 +88,7 @@ class ServerOptions:
     token: str | None = None
     grace_s: float = 30.0
     interceptors: tuple = ()
+    reuse_port: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -292,7 +295,7 @@ class ServiceServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", 1 if o.reuse_port else 0),
             ],
         )
         self._add(self.server)

@@ -38,12 +38,14 @@ class HttpServer:
         ssl_certfile: str | None = None,
         ssl_keyfile: str | None = None,
         door: DoorLimits | None = None,
+        reuse_port: bool = False,
     ):
         if bool(ssl_certfile) != bool(ssl_keyfile):
             raise ValueError("HTTPS needs both a certificate (ssl_certfile) and its key (ssl_keyfile)")
         self.api, self.host, self.port, self.grace_s = api, host, port, grace_s
         self.ssl_certfile, self.ssl_keyfile = ssl_certfile or None, ssl_keyfile or None
         self.door = door or DoorLimits()
+        self.reuse_port = reuse_port  # SO_REUSEPORT: other front-end processes share the port
         self.server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -93,6 +95,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((self.host, self.port))
         except OSError as e:
