@@ -2,9 +2,9 @@
 
 Starts the ranks (``LocalCluster``: routers, workers, the leader with the admin API), the
 serving front end and the balancer as child processes; ready when all three answer SERVING to
-grpc.health.v1, then prints their addresses. On SIGTERM or SIGINT: the front end drains first
-(health NOT_SERVING, in-flight requests finish within ``--grace-period``), then the balancer
-stops, then the ranks; every child exits (no orphans). The balancer keeps no state, so when it
+grpc.health.v1, then prints their addresses. On SIGTERM or SIGINT: the front ends drain
+(health NOT_SERVING, in-flight requests finish within ``--grace-period``) while the balancer
+stops, then the ranks stop; every child exits (no orphans). The balancer keeps no state, so when it
 dies it is started again (serving goes on meanwhile), and so is the front end (clients that
 retry are served); a lost expert worker is replaced by the launcher (docs/dataplane.md, "When a
 peer dies"); when a router or the leader dies, everything is torn down and the exit code is 1.
@@ -490,13 +490,16 @@ def metrics_list(metrics: dict[str, int], host: str, cfg) -> str:
 
 
 def _shutdown(children, cluster, grace_s: float) -> None:
-    """The front end drains first (its requests need the ranks), then the balancer, then the ranks."""
+    """The front ends drain (their requests need the ranks) and the balancer stops, all at once,
+    then the ranks."""
     for c in children:
         if c.poll() is None:
             c.send_signal(signal.SIGTERM)
-            try:
-                c.wait(grace_s + 10)
-            except subprocess.TimeoutExpired:
-                c.kill()
-                c.wait()
+    deadline = time.monotonic() + grace_s + 10
+    for c in children:
+        try:
+            c.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
     cluster.stop()
