@@ -539,14 +539,16 @@ def test_return_token_ids_are_the_sdks_greedy_tokens_and_the_tokenizers_prompt_i
     ch = out["choices"][0]
     assert st == 200 and ch["prompt_token_ids"] == ids and ch["token_ids"] == want
     assert ch["text"] == s.hf_tok.decode(want, skip_special_tokens=True)
-    # streamed: each choice's first chunk carries the prompt's ids, every chunk the ids it adds (one
-    # chunk per token, whether or not its text is held back), the last one none
+    # streamed: each choice's first chunk carries the prompt's ids, every chunk the ids it adds (a
+    # chunk for each token or tokens that arrived together, whether or not its text is held
+    # back), the last one none
     events = sse(port, C, {**base, "stream": True, "stream_options": {"include_usage": True}})
     chunks = [e for e in events[:-1] if e["choices"]]
     assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
     assert all("prompt_token_ids" not in e["choices"][0] for e in chunks[1:])
     assert _choice_ids(events) == want
-    assert [len(e["choices"][0]["token_ids"]) for e in chunks] == [1] * 12 + [0]
+    sizes = [len(e["choices"][0]["token_ids"]) for e in chunks]
+    assert sizes[-1] == 0 and min(sizes[:-1]) >= 1 and sum(sizes) == 12
     assert "".join(e["choices"][0]["text"] for e in chunks) == ch["text"]
     assert events[-2]["usage"]["completion_tokens"] == 12
     # a stop string: the ids end with the token that completed it, as usage counts them
@@ -625,8 +627,8 @@ def test_chat_return_token_ids_carry_the_rendered_prompt_and_the_generated_ids(s
 @pytest.mark.slow
 def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
     """A front end without a tokenizer (a model folder without tokenizer.json, --tokenizer none)
-    on the same cluster: prompts of ids stream one chunk per token, without text; with
-    return_token_ids the ids are the content."""
+    on the same cluster: prompts of ids stream a chunk per token (or per tokens that arrived
+    together), without text; with return_token_ids the ids are the content."""
     from moeserve.router.engine.channel import AsyncEngineClient
 
     s = served("llama4")
@@ -636,11 +638,12 @@ def test_without_a_tokenizer_completions_stream_a_chunk_per_token(served):
         want = _sdk_ids(s, ids, 8)
         body = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         events = sse(front.port, C, {**body, "stream": True})
-        assert events[-1] == "[DONE]" and len(events) == 8 + 2
+        assert events[-1] == "[DONE]" and 3 <= len(events) <= 8 + 2
         assert all(e["choices"][0]["text"] == "" and "token_ids" not in e["choices"][0] for e in events[:-1])
-        assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * 8 + ["length"]
+        assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 2) + ["length"]
         events = sse(front.port, C, {**body, "stream": True, "return_token_ids": True})
-        assert [e["choices"][0]["token_ids"] for e in events[:-1]] == [[t] for t in want] + [[]]
+        got = [e["choices"][0]["token_ids"] for e in events[:-1]]
+        assert got[-1] == [] and all(got[:-1]) and [t for x in got for t in x] == want
         assert events[0]["choices"][0]["prompt_token_ids"] == ids
         st, out, _ = post(front.port, C, {**body, "return_token_ids": True, "n": 2, "seed": 1})
         assert st == 200 and [c["token_ids"] for c in out["choices"]] == [want, want]
