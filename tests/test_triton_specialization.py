@@ -637,3 +637,47 @@ def test_every_serving_kernel_is_in_the_warm_up_table():
     assert found == set(WARMED), (
         f"kernels without a warm-up entry: {sorted(found - set(WARMED))}; stale: {sorted(set(WARMED) - found)}"
     )
+
+
+def test_the_steps_of_a_prefill_burst_under_the_sdpa_split_find_the_warm_ups_keys(launches, monkeypatch):
+    """A burst of 2,048-token prompts as the scheduler runs it with the split: 1-256 decodes,
+    a prompt continuing its chunk, then 1-4 fresh prompts (the last one cut by the token budget);
+    the paged kernel's launches over the head all find their key among the warm-up's."""
+    from moeserve.models import attention as attn
+    from moeserve.models import paged
+
+    monkeypatch.setitem(attn.PREFILL, "backend", "sdpa")
+    monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
+    monkeypatch.setattr(attn, "sdpa_prompts", lambda q, k, v, lens, *, scale, out=None: out)
+    hq, hkv, d, block_size = 40, 8, 128, 16
+    pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)
+    kinds = [(None, None, None), (8192, None, None)]
+    attn.warm_up_attention(pools[0], pools[1], hq, block_size, kinds, d**-0.5, 4096)
+    names = ("paged_attention_kernel", "paged_attention_reduce_kernel")
+    warm = set().union(*(_keys(launches, n) for n in names))
+    launches.clear()
+    rng = random.Random(5)
+    for s in range(1, 257, 3):
+        for fresh in (1, 3, 4):
+            c = rng.randrange(1, 2048)
+            lens = [1] * s + [c] + [2048] * (fresh - 1) + [rng.randrange(1, 2048)]
+            starts = [rng.randrange(2048, 2340) for _ in range(s)] + [2048 - c] + [0] * fresh
+            batch, _ = _batch(lens, starts, block_size)
+            assert batch.fresh is not None and batch.fresh.head is not None
+            q = torch.empty(batch.num_tokens, hq, d, dtype=torch.bfloat16)
+            kv = torch.empty(batch.num_tokens, hkv, d, dtype=torch.bfloat16)
+            for chunk, window, sinks in kinds:
+                attn.paged_attention_triton(
+                    q,
+                    pools[0],
+                    pools[1],
+                    batch,
+                    scale=d**-0.5,
+                    chunk=chunk,
+                    window=window,
+                    sinks=sinks,
+                    k_new=kv,
+                    v_new=kv,
+                )
+    seen = set().union(*(_keys(launches, n) for n in names))
+    assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
