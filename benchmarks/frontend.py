@@ -26,9 +26,7 @@ front end's CPU per token is the figure that carries over to a serving host.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import secrets
 import subprocess
 import sys
@@ -41,7 +39,7 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 from servinglib.clients import drive  # noqa: E402
-from servinglib.common import git_commit, pct  # noqa: E402
+from servinglib.common import pct, write_rows  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
 
 from moeserve.config import ClusterConfig, EplbConfig, Limits  # noqa: E402
@@ -261,16 +259,7 @@ def main(argv=None) -> int:
             f"{r['client_cpu_us_per_token'] or 0:>9.1f} {1e3 * (r['gap_p50_s'] or 0):>7.1f}m "
             f"{1e3 * (r['gap_p99_s'] or 0):>7.1f}m"
         )
-    doc = dict(
-        command="python3 " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
-        git=git_commit(),
-        machine=dict(arch=platform.machine(), cpus=os.cpu_count(), python=platform.python_version()),
-        rows=rows,
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.json}")
+    write_rows(a.json, __file__, argv, rows)
     return 0
 
 

@@ -21,10 +21,8 @@ GPU's (docs/dataplane.md, "Asynchronous steps").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
-import platform
 import sys
 import time
 
@@ -32,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from servinglib.common import git_commit  # noqa: E402
+from servinglib.common import write_rows  # noqa: E402
 
 from moeserve.config import ClusterConfig, EplbConfig, Limits  # noqa: E402
 from moeserve.dataplane import header_wire  # noqa: E402
@@ -142,16 +140,7 @@ def main(argv=None) -> int:
             f"{r['header_pickle_ms']:>9.2f} {r['on_results_ms']:>10.2f} {r['step_loop_ms']:>9.2f} "
             f"{r['event_frame_ms']:>8.2f} {r['header_bytes'] / 1024:>9.1f}"
         )
-    doc = dict(
-        command="python3 " + " ".join([os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]),
-        git=git_commit(),
-        machine=dict(arch=platform.machine(), cpus=os.cpu_count(), python=platform.python_version()),
-        rows=rows,
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(doc, f, indent=1)
-    print(f"wrote {a.json}")
+    write_rows(a.json, __file__, argv, rows)
     return 0
 
 

@@ -1,11 +1,14 @@
 """Small helpers of the serving benchmark: the repository's root, percentiles, ratios, the git
-commit, and a function run in a process of its own."""
+commit, a CPU benchmark's result file, and a function run in a process of its own."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import platform
 import subprocess
+import sys
 import time
 import traceback
 
@@ -89,3 +92,18 @@ def pacing(s0: dict, s1: dict) -> dict:
         late_schedule_mean_delay_s=delay / n if n else None,
         late_schedule_bubbles=int(s1.get("late_schedule_bubbles", 0.0) - s0.get("late_schedule_bubbles", 0.0)),
     )
+
+
+def write_rows(path: str, script: str, argv, rows: list) -> None:
+    """A CPU benchmark's JSON: the command that made it (``script`` with ``argv``, or this
+    process's arguments), the commit, the machine and its ``rows``; says where it went."""
+    doc = dict(
+        command="python3 " + " ".join([os.path.relpath(script, ROOT), *(argv if argv is not None else sys.argv[1:])]),
+        git=git_commit(),
+        machine=dict(arch=platform.machine(), cpus=os.cpu_count(), python=platform.python_version()),
+        rows=rows,
+    )
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")

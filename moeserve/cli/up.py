@@ -67,29 +67,41 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def poll_until(check, timeout_s: float, alive, exited: str, late: str) -> None:
+    """Call ``check`` every 0.1 s until it returns True; RuntimeError(``exited``) when ``alive()``
+    turns false first, TimeoutError(``late``) once ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if not alive():
+            raise RuntimeError(exited)
+        if time.monotonic() > deadline:
+            raise TimeoutError(late)
+        time.sleep(0.1)
+
+
 def wait_serving(address: str, timeout_s: float, ca_file: str | None = None, alive=lambda: True) -> None:
     """Block until grpc.health.v1 at ``address`` answers SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    deadline = time.monotonic() + timeout_s
     creds = grpc.ssl_channel_credentials(open(ca_file, "rb").read()) if ca_file else None
     with grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        while True:
+
+        def serving() -> bool:
             try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
-                    return
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
             except grpc.RpcError:
-                pass
-            if not alive():
-                raise RuntimeError(f"the process serving {address} exited")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} was not SERVING within {timeout_s:.0f} s")
-            time.sleep(0.1)
+                return False
+            return status == health_pb2.HealthCheckResponse.SERVING
+
+        poll_until(
+            serving,
+            timeout_s,
+            alive,
+            f"the process serving {address} exited",
+            f"{address} was not SERVING within {timeout_s:.0f} s",
+        )
 
 
 def metrics_layout(base: int | None, world_size: int, taken=(), frontends: int = 1) -> dict[str, int] | None:
@@ -120,20 +132,22 @@ def frontend_names(count: int) -> list[str]:
 
 def wait_logged(path: str, offset: int, text: str, timeout_s: float, alive=lambda: True) -> None:
     """Block until ``text`` appears in the log at ``path`` after byte ``offset``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def said() -> bool:
         try:
             with open(path, "rb") as f:
                 f.seek(offset)
-                if text.encode() in f.read():
-                    return
+                return text.encode() in f.read()
         except OSError:
-            pass
-        if not alive():
-            raise RuntimeError(f"a process exited before {path} said {text!r}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not say {text!r} within {timeout_s:.0f} s")
-        time.sleep(0.1)
+            return False
+
+    poll_until(
+        said,
+        timeout_s,
+        alive,
+        f"a process exited before {path} said {text!r}",
+        f"{path} did not say {text!r} within {timeout_s:.0f} s",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -452,19 +466,17 @@ def wait_http(url: str, timeout_s: float, alive=lambda: True, ca_file: str | Non
     if ca_file:
         handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca_file)))
     opener = urllib.request.build_opener(*handlers)
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def answers() -> bool:
         try:
             with opener.open(url, timeout=5) as r:
-                if r.status == 200:
-                    return
+                return r.status == 200
         except (urllib.error.URLError, OSError):
-            pass
-        if not alive():
-            raise RuntimeError(f"the process serving {url} exited")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer within {timeout_s:.0f} s")
-        time.sleep(0.1)
+            return False
+
+    poll_until(
+        answers, timeout_s, alive, f"the process serving {url} exited", f"{url} did not answer within {timeout_s:.0f} s"
+    )
 
 
 def describe_service(name: str) -> str:
