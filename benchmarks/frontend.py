@@ -7,12 +7,14 @@ A leader's engine runs in this process with a stand-in step driver in place of t
 gets a token, delivered with the next step's results), so the leader asks for
 ``seqs / step-ms`` tokens per second. The real front-end process serves it over the real local
 channel, and the serving benchmark's client processes (``servinglib.clients``, the SDK's
-streaming call) send a burst of ``seqs`` requests at once. Each case runs once with
+streaming call, or with ``--api http`` streamed ``/v1/completions``) send a burst of ``seqs``
+requests at once. Each case runs once with
 ``$MOESERVE_STREAM_COALESCE=1`` (the default: the tokens a stream fell behind on leave in one
 message) and once with ``=0`` (one message per token), side by side on one leader.
 
     python benchmarks/frontend.py                                   # 256 and 1,024 streams, 20 ms steps
     python benchmarks/frontend.py --seqs 1024 --step-ms 24 --client-procs 8
+    python benchmarks/frontend.py --api http                        # the OpenAI API's SSE
 
 Prints a table and writes JSON (``--json``, default benchmarks/results/frontend.json): per
 case the leader's step time and the tokens per second it asked for, the tokens per second the
@@ -94,16 +96,21 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start_frontend(channel: tuple, key: bytes, coalesce: bool, max_model_len: int) -> tuple[subprocess.Popen, str]:
+def start_frontend(
+    channel: tuple, key: bytes, coalesce: bool, max_model_len: int, api: str = "grpc"
+) -> tuple[subprocess.Popen, str]:
+    """The front-end process; the address ``drive`` takes for ``api`` (gRPC's HOST:PORT, or the
+    HTTP API's http://HOST:PORT)."""
     env = dict(os.environ, MOESERVE_CONTROL_KEY=key.hex(), MOESERVE_STREAM_COALESCE="1" if coalesce else "0")
     env["PYTHONPATH"] = os.path.abspath(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     from moeserve.ops.ports import free_port
 
     metrics = free_port()  # the front end's metrics on, as in a cluster (they cost CPU per token)
+    http = ["--http-port", str(free_port(exclude=[metrics]))] if api == "http" else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "moeserve", "frontend", "--port", "0", "--host", "127.0.0.1"]
         + ["--control-address", f"{channel[0]}:{channel[1]}", "--max-model-len", str(max_model_len)]
-        + ["--metrics-port", str(metrics)],
+        + ["--metrics-port", str(metrics), *http],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -111,15 +118,18 @@ def start_frontend(channel: tuple, key: bytes, coalesce: bool, max_model_len: in
     )
     deadline = time.monotonic() + 120
     lines = []
+    base = None
     assert proc.stdout is not None
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
+        if line.startswith("HTTP API on "):  # http://HOST:PORT/v1
+            base = line.split(" on ", 1)[1].strip().removesuffix("/v1")
         if line.startswith("serving front end on "):
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-            return proc, line.split(" on ", 1)[1].strip()
+            return proc, base if api == "http" and base else line.split(" on ", 1)[1].strip()
     proc.kill()
     raise RuntimeError("the front end did not start:\n" + "".join(lines[-20:]))
 
@@ -131,7 +141,7 @@ def messages(rec: dict) -> int:
 
 
 def run_case(channel, key, ranks: PacedRanks, a, seqs: int, coalesce: bool) -> dict:
-    proc, address = start_frontend(channel, key, coalesce, a.prompt + a.output + 16)
+    proc, address = start_frontend(channel, key, coalesce, a.prompt + a.output + 16, a.api)
     try:
         plan = burst_plan(np.random.default_rng(a.seed), seqs, a.prompt, a.output, VOCAB)
         stats: dict = {}
@@ -140,7 +150,7 @@ def run_case(channel, key, ranks: PacedRanks, a, seqs: int, coalesce: bool) -> d
         def started(_t0) -> None:
             at.update(steps=ranks.steps, cpu=_cpu_s(proc.pid))
 
-        recs = drive(address, plan, a.client_procs, a.timeout, stats=stats, on_start=started)
+        recs = drive(address, plan, a.client_procs, a.timeout, api=a.api, stats=stats, on_start=started)
         cpu, steps = _cpu_s(proc.pid) - at["cpu"], ranks.steps - at["steps"]
     finally:
         proc.terminate()
@@ -157,6 +167,7 @@ def run_case(channel, key, ranks: PacedRanks, a, seqs: int, coalesce: bool) -> d
     gaps = [b - x for r in recs for x, b in zip(r["tokens"], r["tokens"][1:]) if x >= first and b <= last]
     msgs = sum(messages(r) for r in recs)
     return dict(
+        api=a.api,
         seqs=seqs,
         coalesce=coalesce,
         step_ms=a.step_ms,
@@ -185,6 +196,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=int, default=256, help="tokens per request (256)")
     p.add_argument("--coalesce", default="on,off", help="on, off or on,off: $MOESERVE_STREAM_COALESCE per case")
     p.add_argument("--client-procs", type=int, default=2, help="client processes (2)")
+    p.add_argument(
+        "--api",
+        choices=("grpc", "http"),
+        default="grpc",
+        help="grpc: the SDK's GenerateStream (default); http: streamed /v1/completions (needs httpx)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a burst may take (300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -248,12 +265,12 @@ def main(argv=None) -> int:
         eng.request_stop()
         server.close()
     print(
-        f"{'seqs':>6} {'coalesce':>8} {'step ms':>7} {'asked/s':>8} {'got tok/s':>9} {'got/asked':>9} "
+        f"{'api':>4} {'seqs':>6} {'coalesce':>8} {'step ms':>7} {'asked/s':>8} {'got tok/s':>9} {'got/asked':>9} "
         f"{'fe us/tok':>9} {'fe cores':>8} {'msg/tok':>7} {'cl us/tok':>9} {'gap p50':>8} {'gap p99':>8}"
     )
     for r in rows:
         print(
-            f"{r['seqs']:>6} {'on' if r['coalesce'] else 'off':>8} {r['step_ms']:>7.1f} "
+            f"{r['api']:>4} {r['seqs']:>6} {'on' if r['coalesce'] else 'off':>8} {r['step_ms']:>7.1f} "
             f"{r['leader_tok_s_asked']:>8.0f} {r['tok_s']:>9.0f} {r['tok_s'] / r['leader_tok_s_asked']:>9.2f} "
             f"{r['frontend_cpu_us_per_token']:>9.1f} {r['frontend_cores']:>8.2f} {r['messages_per_token']:>7.2f} "
             f"{r['client_cpu_us_per_token'] or 0:>9.1f} {1e3 * (r['gap_p50_s'] or 0):>7.1f}m "

@@ -16,18 +16,22 @@ import frontend as bench  # noqa: E402
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_every_stream_gets_every_token_with_and_without_coalescing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_every_stream_gets_every_token_with_and_without_coalescing(tmp_path, monkeypatch, api):
     monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
     out = tmp_path / "fe.json"
-    assert bench.main(["--seqs", "24", "--output", "12", "--step-ms", "10", "--json", str(out)]) == 0
+    argv = ["--seqs", "24", "--output", "12", "--step-ms", "10", "--api", api, "--json", str(out)]
+    assert bench.main(argv) == 0
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert [(r["seqs"], r["coalesce"]) for r in rows] == [(24, True), (24, False)]
+    assert [(r["api"], r["seqs"], r["coalesce"]) for r in rows] == [(api, 24, True), (api, 24, False)]
     for r in rows:
         assert r["tokens"] == 24 * 12  # run_case raises when a stream failed or came short
         assert r["leader_steps"] >= 12 and r["tok_s"] > 0 and r["frontend_cpu_s"] >= 0
         assert 0 < r["messages_per_token"] <= 1
-        assert r["gap_p50_s"] is not None and r["gap_p99_s"] >= r["gap_p50_s"]
+        # gaps are counted while every stream runs; a loaded machine may start the client
+        # processes so far apart that 12 tokens leave no such window
+        assert r["gaps"] == 0 or r["gap_p99_s"] >= r["gap_p50_s"] > 0
     assert rows[1]["messages_per_token"] == 1  # one message per token with coalescing off
     assert doc["git"]["commit"] == "abc1234"
 
@@ -47,6 +51,7 @@ def test_messages_are_counted_by_arrival():
         (["--coalesce", "on,on"], "--coalesce is on, off or on,off"),
         (["--output", "1"], "--output must be 2 .. 4096"),
         (["--client-procs", "0"], "--client-procs must be 1 .. 64"),
+        (["--api", "soap"], "invalid choice: 'soap'"),
     ],
 )
 def test_bad_flags_are_refused_with_what_is_allowed(capsys, argv, what):
