@@ -28,6 +28,7 @@ front end's CPU per token is the figure that carries over to a serving host.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import secrets
 import subprocess
@@ -43,6 +44,7 @@ import numpy as np  # noqa: E402
 from servinglib.clients import drive  # noqa: E402
 from servinglib.common import pct, write_rows  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
+from servinglib.httpclient import SERVER_KEEP_ALIVE_S  # noqa: E402
 
 from moeserve.config import ClusterConfig, EplbConfig, Limits  # noqa: E402
 from moeserve.dataplane import header_wire  # noqa: E402
@@ -106,7 +108,9 @@ def start_frontend(
     from moeserve.ops.ports import free_port
 
     metrics = free_port()  # the front end's metrics on, as in a cluster (they cost CPU per token)
-    http = ["--http-port", str(free_port(exclude=[metrics]))] if api == "http" else []
+    http = []
+    if api == "http":  # the warm-up's idle connections outlive the wait for the common start
+        http = ["--http-port", str(free_port(exclude=[metrics])), "--timeout-keep-alive", f"{SERVER_KEEP_ALIVE_S:g}"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "moeserve", "frontend", "--port", "0", "--host", "127.0.0.1"]
         + ["--control-address", f"{channel[0]}:{channel[1]}", "--max-model-len", str(max_model_len)]
@@ -128,7 +132,9 @@ def start_frontend(
         if line.startswith("HTTP API on "):  # http://HOST:PORT/v1
             base = line.split(" on ", 1)[1].strip().removesuffix("/v1")
         if line.startswith("serving front end on "):
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            tail: collections.deque[str] = collections.deque(lines, maxlen=40)
+            threading.Thread(target=lambda: tail.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+            proc.log_tail = tail  # type: ignore[attr-defined]  # read when a case fails
             return proc, base if api == "http" and base else line.split(" on ", 1)[1].strip()
     proc.kill()
     raise RuntimeError("the front end did not start:\n" + "".join(lines[-20:]))
@@ -160,7 +166,11 @@ def run_case(channel, key, ranks: PacedRanks, a, seqs: int, coalesce: bool) -> d
             proc.kill()
     bad = [r for r in recs if r["error"] or len(r["tokens"]) != a.output]
     if bad:
-        raise RuntimeError(f"{len(bad)} of {seqs} streams failed or came short: {bad[0]['error'] or 'short'}")
+        log = "".join(getattr(proc, "log_tail", ()))
+        raise RuntimeError(
+            f"{len(bad)} of {seqs} streams failed or came short: {bad[0]['error'] or 'short'}; "
+            f"the front end's last lines:\n{log}"
+        )
     tokens = sum(len(r["tokens"]) for r in recs)
     first, last = max(r["tokens"][0] for r in recs), min(r["tokens"][-1] for r in recs)
     wall = max(r["tokens"][-1] for r in recs) - min(r["tokens"][0] for r in recs)
