@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 from servinglib.clients import drive  # noqa: E402
 from servinglib.common import pct, write_rows  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
-from servinglib.httpclient import SERVER_KEEP_ALIVE_S  # noqa: E402
+from servinglib.httpclient import SERVER_FLAGS  # noqa: E402
 
 from moeserve.config import ClusterConfig, EplbConfig, Limits  # noqa: E402
 from moeserve.dataplane import header_wire  # noqa: E402
@@ -100,17 +100,15 @@ def _cpu_s(pid: int) -> float:
 
 def start_frontend(
     channel: tuple, key: bytes, coalesce: bool, max_model_len: int, api: str = "grpc"
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen, str, collections.deque[str]]:
     """The front-end process; the address ``drive`` takes for ``api`` (gRPC's HOST:PORT, or the
-    HTTP API's http://HOST:PORT)."""
+    HTTP API's http://HOST:PORT); the last 40 lines of its log, kept as it writes them."""
     env = dict(os.environ, MOESERVE_CONTROL_KEY=key.hex(), MOESERVE_STREAM_COALESCE="1" if coalesce else "0")
     env["PYTHONPATH"] = os.path.abspath(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     from moeserve.ops.ports import free_port
 
     metrics = free_port()  # the front end's metrics on, as in a cluster (they cost CPU per token)
-    http = []
-    if api == "http":  # the warm-up's idle connections outlive the wait for the common start
-        http = ["--http-port", str(free_port(exclude=[metrics])), "--timeout-keep-alive", f"{SERVER_KEEP_ALIVE_S:g}"]
+    http = ["--http-port", str(free_port(exclude=[metrics])), *SERVER_FLAGS] if api == "http" else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "moeserve", "frontend", "--port", "0", "--host", "127.0.0.1"]
         + ["--control-address", f"{channel[0]}:{channel[1]}", "--max-model-len", str(max_model_len)]
@@ -134,8 +132,7 @@ def start_frontend(
         if line.startswith("serving front end on "):
             tail: collections.deque[str] = collections.deque(lines, maxlen=40)
             threading.Thread(target=lambda: tail.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
-            proc.log_tail = tail  # type: ignore[attr-defined]  # read when a case fails
-            return proc, base if api == "http" and base else line.split(" on ", 1)[1].strip()
+            return proc, base if api == "http" and base else line.split(" on ", 1)[1].strip(), tail
     proc.kill()
     raise RuntimeError("the front end did not start:\n" + "".join(lines[-20:]))
 
@@ -147,7 +144,7 @@ def messages(rec: dict) -> int:
 
 
 def run_case(channel, key, ranks: PacedRanks, a, seqs: int, coalesce: bool) -> dict:
-    proc, address = start_frontend(channel, key, coalesce, a.prompt + a.output + 16, a.api)
+    proc, address, log_tail = start_frontend(channel, key, coalesce, a.prompt + a.output + 16, a.api)
     try:
         plan = burst_plan(np.random.default_rng(a.seed), seqs, a.prompt, a.output, VOCAB)
         stats: dict = {}
@@ -166,10 +163,9 @@ def run_case(channel, key, ranks: PacedRanks, a, seqs: int, coalesce: bool) -> d
             proc.kill()
     bad = [r for r in recs if r["error"] or len(r["tokens"]) != a.output]
     if bad:
-        log = "".join(getattr(proc, "log_tail", ()))
         raise RuntimeError(
             f"{len(bad)} of {seqs} streams failed or came short: {bad[0]['error'] or 'short'}; "
-            f"the front end's last lines:\n{log}"
+            f"the front end's last lines:\n{''.join(log_tail)}"
         )
     tokens = sum(len(r["tokens"]) for r in recs)
     first, last = max(r["tokens"][0] for r in recs), min(r["tokens"][-1] for r in recs)

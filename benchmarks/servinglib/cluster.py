@@ -8,7 +8,7 @@ import os
 
 from moeserve.ops.procs import UpProcess
 from servinglib.common import ROOT
-from servinglib.httpclient import SERVER_KEEP_ALIVE_S
+from servinglib.httpclient import SERVER_FLAGS
 
 TOKEN = "serving-bench"
 
@@ -136,7 +136,7 @@ class Cluster(UpProcess):
         if redundant:
             flags += ["--enable-eplb", "--num-redundant-experts", str(redundant)]
         if http:  # the clients' warm-up connections outlive the wait for the common start
-            flags += ["--timeout-keep-alive", f"{SERVER_KEEP_ALIVE_S:g}"]
+            flags += SERVER_FLAGS
         env = dict(env or {})
         self.profile_dir = None
         if getattr(a, "profile", None):  # ranks profile forward steps START .. START+COUNT-1

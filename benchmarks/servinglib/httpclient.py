@@ -11,12 +11,12 @@ import time
 
 from servinglib.streams import run_plan, start
 
-# The front end's --timeout-keep-alive in the benchmarks' HTTP runs. The clients open their
-# connections in the warm-up and keep them idle until every client process is ready: with the
-# server's 5 s default a connection closed by the server while a request goes out on it is a
-# stream lost to the race of the two (httpx: ReadError), not to the server (1024 streams on 2
-# cores lost 7-12 of them).
-SERVER_KEEP_ALIVE_S = 600.0
+# The front end's flags in the benchmarks' HTTP runs. The clients open their connections in the
+# warm-up and keep them idle until every client process is ready: with the server's 5 s
+# keep-alive a connection closed by the server while a request goes out on it is a stream lost
+# to the race of the two (httpx: ReadError), not to the server (1024 streams on 2 cores lost
+# 7-12 of them).
+SERVER_FLAGS = ("--timeout-keep-alive", "600")
 
 
 def http_module():
