@@ -202,6 +202,7 @@ def run_chunk(a, folder: str, sizes: dict, c: int, prof_dir: str) -> dict:
             profiled_wall_per_step_s=p["wall_per_step_s"],
             breakdown_device_s=p["breakdown_device_s"],
             breakdown_by_kernel_s=p["breakdown_by_kernel_s"],
+            kernels=p.get("kernels", [])[:40],  # the 40 with the most device time per step
         )
         busy = p["device_busy_per_step_s"]
         res["wall_over_device"] = res["mixed_step_s"] / busy if busy else None
