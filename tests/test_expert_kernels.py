@@ -72,6 +72,73 @@ def test_block_m_is_a_speed_choice_only():
     assert [kernels.expert_block_m(n) for n in (0, 1, 16, 17, 40, 1000)] == [16, 16, 16, 32, 64, 64]
 
 
+@pytest.mark.parametrize("slack", [0.5, 0.0])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "w8a8-bf16"])
+def test_the_work_grid_computes_the_bits_of_the_per_slot_grid(monkeypatch, slack, fp8):
+    """MOESERVE_EXPERT_GRID: "work" (each program takes the step's passes in turn, counted on
+    the device) and "groups" (EXPERT_PASS_GROUPS programs per slot) run every row of every slot
+    through the same pass arithmetic, so their outputs are the same bits: with empty slots, one
+    hot slot of many passes, more passes than programs (at slack 0 the 12 slots' 22 passes go
+    to 12 programs, so most take two) and the NaN tail past the total never read."""
+    from moeserve.models.moe import ExpertQuant
+
+    counts = [3, 0, 0, 70, 1, 16, 17, 0, 5, 33, 2, 9]  # 70 rows at 16: 5 passes, 33: 3
+    if fp8:
+        spec = ExpertSpec(64, 32, dtype=torch.bfloat16, quant=ExpertQuant((64, 1), (32, 1), act_quant=True))
+        g = torch.Generator().manual_seed(7)
+        w = spec.views(
+            torch.stack(
+                [
+                    spec.flat(
+                        {"gate_up": torch.randn(64, 64, generator=g) / 8, "down": torch.randn(32, 64, generator=g) / 6}
+                    )
+                    for _ in counts
+                ]
+            )
+        )
+        m = sum(counts)
+        rows = torch.cat([torch.randn(m, 64, generator=g), torch.full((3, 64), float("nan"))]).to(torch.bfloat16)
+        offs = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+        sc = kernels.ExpertScales(w["gate_up_scale"], (64, 1), w["down_scale"], (32, 1), act_quant=True)
+    else:
+        spec, rows, w, offs, m = setup(64, 32, counts, torch.float32, seed=9)
+        sc = None
+    monkeypatch.setattr(kernels, "EXPERT_WORK_SLACK", slack)
+    programs = kernels.expert_work_programs(len(counts), rows.shape[0], 16)
+    passes = sum(-(-c // 16) for c in counts)
+    assert programs == (12 if slack == 0 else 18) and (programs < passes) == (slack == 0)
+    out = {}
+    for grid in kernels.EXPERT_GRIDS:
+        monkeypatch.setattr(kernels, "EXPERT_GRID", grid)
+        out[grid] = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16, sc)[:m]
+    assert torch.isfinite(out["work"].float()).all()
+    assert torch.equal(out["work"], out["groups"])
+    if not fp8:  # and they are the experts' answer, not two equal wrong ones
+        torch.testing.assert_close(out["work"], reference(spec, rows, w, counts), rtol=1e-5, atol=1e-5)
+
+
+def test_the_work_grid_launches_few_programs_past_the_passes():
+    """Programs per column tile of the "work" grid: the slots and half as many again for hot
+    slots' extra passes, never more than the buffer's rows can fill; a dense layer's one slot
+    gets EXPERT_PASS_GROUPS programs where its rows make that many passes. The "groups" grid
+    launches EXPERT_PASS_GROUPS per slot: 4 x 64 programs for a decode step of ERNIE's 64
+    slots, of which those past a slot's one pass exit at once."""
+    assert kernels.expert_work_programs(64, 24576, 64) == 96  # ERNIE on one rank: a big receive buffer
+    assert kernels.expert_work_programs(64, 1536, 64) == 87  # the buffer holds at most 64 + 24 - 1 passes
+    assert kernels.expert_work_programs(1, 256, 64) == 4  # a dense layer: 256 rows in 4 passes of 64
+    assert kernels.expert_work_programs(1, 16, 16) == 1
+
+
+def test_a_bad_expert_grid_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("MOESERVE_EXPERT_GRID", "teams")
+    with pytest.raises(ValueError, match="MOESERVE_EXPERT_GRID='teams': allowed groups, work"):
+        kernels._expert_grid()
+    monkeypatch.setenv("MOESERVE_EXPERT_GRID", "work")
+    assert kernels._expert_grid() == "work"
+    monkeypatch.delenv("MOESERVE_EXPERT_GRID")
+    assert kernels._expert_grid() == "groups"  # the default
+
+
 def test_shape_errors_are_explained():
     _, rows, w, offs, _ = setup(64, 32, [2, 3], torch.float32)
     with pytest.raises(ValueError, match="do not agree"):
