@@ -215,9 +215,11 @@ def main():
             err = float((ref(0).float() - tri(0).float()).abs().max())
             t_ref = time_fn(ref, a.iters, a.layers)
             by_grid = {}
+            outs = {}  # each grid's outputs: the same bits, or the row says not
             for grid in grids:  # the kernels' grids side by side (kernels.EXPERT_GRID)
                 kernels.EXPERT_GRID = grid
                 t_tri = time_fn(tri, a.iters, a.layers)
+                outs.setdefault("bf16", []).append(tri(0)[:m])
                 fp8_rows = {}
                 for (label, (spec8, blocks, layers8)), a8 in itertools.product(fp8.items(), (False, True)):
 
@@ -227,6 +229,7 @@ def main():
                         return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm, sc)
 
                     t8 = time_fn(q8, a.iters, a.layers)
+                    outs.setdefault(label + ("-w8a8" if a8 else ""), []).append(q8(0)[:m])
                     b8 = used * spec8.nbytes
                     rel = float((q8(0).float() - ref(0).float()).norm() / ref(0).float().norm())
                     fp8_rows[label + ("-w8a8" if a8 else "")] = dict(
@@ -254,6 +257,7 @@ def main():
                 fp8=fp8_rows,
                 grid=grids[0],
                 by_grid=by_grid if len(grids) > 1 else {},
+                grids_identical={k: all(torch.equal(v[0], x) for x in v[1:]) for k, v in outs.items()},
             )
             out["cases"].append(row)
             print(
@@ -270,6 +274,7 @@ def main():
                 print(
                     f"{'':<7}{'grid ' + grid:>20}{'':>28}{1e3 * g['triton_s']:>11.3f}{g['triton_GBps']:>7.0f}"
                     f"  ({grids[0]} / {grid}: {t_tri / g['triton_s']:.3f})"
+                    f" same bits: {all(row['grids_identical'].values())}"
                     + "".join(
                         f"  {lb} {1e3 * f['s']:.3f} ms ({grids[0]} / {grid}: {fp8_rows[lb]['s'] / f['s']:.3f})"
                         for lb, f in g["fp8"].items()
