@@ -132,11 +132,6 @@ def main():
     p.add_argument("--tune", action="store_true", help="time every candidate tiling of each kernel (256 tokens)")
     p.add_argument("--tune-kinds", default="bf16,fp8,w8a8", help="which kernels --tune sweeps (bf16,fp8,w8a8)")
     p.add_argument(
-        "--grids",
-        default=kernels.EXPERT_GRID,
-        help="the kernels' grids timed side by side (work, groups: kernels.EXPERT_GRID; the first fills the table)",
-    )
-    p.add_argument(
         "--fp8",
         action="store_true",
         help="also the kernels on FP8 codes of the same weights with per-channel and 128 x 128 block scales "
@@ -146,9 +141,6 @@ def main():
         "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "expert-kernel.json")
     )
     a = p.parse_args()
-    grids = a.grids.split(",")
-    if any(g not in kernels.EXPERT_GRIDS for g in grids):
-        p.error(f"--grids {a.grids}: allowed {', '.join(kernels.EXPERT_GRIDS)}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the kernels are checked on CPU by tests/test_expert_kernels.py)")
     dev = torch.device("cuda")
@@ -213,31 +205,21 @@ def main():
                 return kernels.expert_mlp(rows, gu[j], dn[j], offs, bm)
 
             err = float((ref(0).float() - tri(0).float()).abs().max())
-            t_ref = time_fn(ref, a.iters, a.layers)
-            by_grid = {}
-            outs = {}  # each grid's outputs: the same bits, or the row says not
-            for grid in grids:  # the kernels' grids side by side (kernels.EXPERT_GRID)
-                kernels.EXPERT_GRID = grid
-                t_tri = time_fn(tri, a.iters, a.layers)
-                outs.setdefault("bf16", []).append(tri(0)[:m])
-                fp8_rows = {}
-                for (label, (spec8, blocks, layers8)), a8 in itertools.product(fp8.items(), (False, True)):
+            t_ref, t_tri = time_fn(ref, a.iters, a.layers), time_fn(tri, a.iters, a.layers)
+            fp8_rows = {}
+            for (label, (spec8, blocks, layers8)), a8 in itertools.product(fp8.items(), (False, True)):
 
-                    def q8(j, layers8=layers8, blocks=blocks, a8=a8):
-                        w = layers8[j]
-                        sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], a8)
-                        return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm, sc)
+                def q8(j, layers8=layers8, blocks=blocks, a8=a8):
+                    w = layers8[j]
+                    sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], a8)
+                    return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm, sc)
 
-                    t8 = time_fn(q8, a.iters, a.layers)
-                    outs.setdefault(label + ("-w8a8" if a8 else ""), []).append(q8(0)[:m])
-                    b8 = used * spec8.nbytes
-                    rel = float((q8(0).float() - ref(0).float()).norm() / ref(0).float().norm())
-                    fp8_rows[label + ("-w8a8" if a8 else "")] = dict(
-                        s=t8, bytes=b8, GBps=b8 / t8 / 1e9, over_bf16_triton=t8 / t_tri, rel_err=rel
-                    )
-                by_grid[grid] = dict(triton_s=t_tri, triton_GBps=nbytes / t_tri / 1e9, fp8=fp8_rows)
-            kernels.EXPERT_GRID = grids[0]
-            t_tri, fp8_rows = by_grid[grids[0]]["triton_s"], by_grid[grids[0]]["fp8"]
+                t8 = time_fn(q8, a.iters, a.layers)
+                b8 = used * spec8.nbytes
+                rel = float((q8(0).float() - ref(0).float()).norm() / ref(0).float().norm())
+                fp8_rows[label + ("-w8a8" if a8 else "")] = dict(
+                    s=t8, bytes=b8, GBps=b8 / t8 / 1e9, over_bf16_triton=t8 / t_tri, rel_err=rel
+                )
             row = dict(
                 shape=name,
                 tokens=tokens,
@@ -255,9 +237,6 @@ def main():
                 speedup=t_ref / t_tri,
                 max_abs_diff=err,
                 fp8=fp8_rows,
-                grid=grids[0],
-                by_grid=by_grid if len(grids) > 1 else {},
-                grids_identical={k: all(torch.equal(v[0], x) for x in v[1:]) for k, v in outs.items()},
             )
             out["cases"].append(row)
             print(
@@ -269,17 +248,6 @@ def main():
                     for lb, f in fp8_rows.items()
                 )
             )
-            for grid in grids[1:]:
-                g = by_grid[grid]
-                print(
-                    f"{'':<7}{'grid ' + grid:>20}{'':>28}{1e3 * g['triton_s']:>11.3f}{g['triton_GBps']:>7.0f}"
-                    f"  ({grids[0]} / {grid}: {t_tri / g['triton_s']:.3f})"
-                    f" same bits: {all(row['grids_identical'].values())}"
-                    + "".join(
-                        f"  {lb} {1e3 * f['s']:.3f} ms ({grids[0]} / {grid}: {fp8_rows[lb]['s'] / f['s']:.3f})"
-                        for lb, f in g["fp8"].items()
-                    )
-                )
             if (
                 a.tune
                 and "bf16" in a.tune_kinds

@@ -54,9 +54,6 @@ Configurations, side by side in one run, each in its own processes, freed before
 - ``-no-late-schedule`` after ``moeserve-ep2`` or ``moeserve-1rank`` in any of these names (e.g.
   ``moeserve-1rank-no-late-schedule-no-prefix-cache``): the same without late scheduling
   (``--no-late-scheduling``; docs/dataplane.md, "Late scheduling"), for side-by-side runs;
-  ``-expert-groups`` or ``-expert-work`` there (e.g. ``moeserve-1rank-expert-work-fp8``): the
-  grouped expert kernels on that grid (``MOESERVE_EXPERT_GRID``; docs/engine.md, "Decode expert
-  kernels");
 - ``moeserve-ep2-no-prefix-cache``, ``moeserve-1rank-no-prefix-cache`` (only when named): the same
   with ``--no-enable-prefix-caching``, side by side with the default's prefix caching;
 - ``transformers``: ``AutoModelForCausalLM.from_config`` (random init, bf16) and ``generate``

@@ -547,26 +547,6 @@ def test_the_late_scheduling_margin_reaches_the_configurations_that_schedule_lat
     assert "--late-scheduling-margin-ms" not in plain and "--no-late-scheduling" not in plain
 
 
-def test_the_expert_grid_modifiers_set_the_grid_and_keep_the_rest(capsys):
-    """``-expert-groups`` / ``-expert-work`` after the rank count (with or without
-    ``-no-late-schedule``) give the ranks that MOESERVE_EXPERT_GRID and otherwise the
-    configuration they modify (FP8 still FP8); an unknown modifier is refused by name."""
-    bench = _bench()
-    from servinglib.cluster import configuration_flags, is_fp8
-
-    a = bench.parse(["--shape", "scout8", "--configs", "moeserve-1rank-fp8,moeserve-1rank-expert-work-fp8"])
-    base, base_env = configuration_flags("moeserve-1rank-fp8", a, False)
-    for grid in ("groups", "work"):
-        flags, env = configuration_flags(f"moeserve-1rank-expert-{grid}-fp8", a, False)
-        assert env == {**base_env, "MOESERVE_EXPERT_GRID": grid} and flags == base
-        assert is_fp8(f"moeserve-1rank-expert-{grid}-fp8") and "--quantization" in flags
-    both, env = configuration_flags("moeserve-1rank-no-late-schedule-expert-work", a, False)
-    assert "--no-late-scheduling" in both and env["MOESERVE_EXPERT_GRID"] == "work"
-    with pytest.raises(SystemExit) as e:
-        bench.parse(["--shape", "scout8", "--configs", "moeserve-1rank-expert-teams-fp8"])
-    assert e.value.code == 2 and "moeserve-1rank-expert-teams-fp8" in capsys.readouterr().err
-
-
 def test_the_api_server_count_reaches_every_moeserve_configuration(capsys):
     bench = _bench()
     from servinglib.cluster import configuration_flags

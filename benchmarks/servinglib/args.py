@@ -30,32 +30,15 @@ EXTRA_CONFIGS = SYNC_CONFIGS + GROUPED_MM_CONFIGS + FP8_CONFIGS + NO_PREFIX_CACH
 # "-no-late-schedule" after moeserve-ep2 / moeserve-1rank: the same without late scheduling
 # (docs/dataplane.md, "Late scheduling"), e.g. moeserve-1rank-no-late-schedule-no-prefix-cache
 NO_LATE = "-no-late-schedule"
-# "-expert-groups" / "-expert-work" there: the grouped expert kernels on that grid
-# (MOESERVE_EXPERT_GRID; docs/engine.md, "Decode expert kernels"), side by side, e.g.
-# moeserve-1rank-expert-work-fp8
-EXPERT_GRID_MODIFIERS = {"-expert-groups": "groups", "-expert-work": "work"}
-MODIFIERS = (NO_LATE, *EXPERT_GRID_MODIFIERS)
-
-
-def base_config(name: str) -> str:
-    """``name`` without the MODIFIERS after its rank count."""
-    for base in ("moeserve-ep2", "moeserve-1rank"):
-        if name.startswith(base):
-            rest = name[len(base) :]
-            changed = True
-            while changed:
-                changed = False
-                for m in MODIFIERS:
-                    if rest.startswith(m):
-                        rest, changed = rest[len(m) :], True
-            return base + rest
-    return name
 
 
 def known_config(name: str) -> bool:
     """Whether ``name`` is a configuration: one of CONFIGS + EXTRA_CONFIGS, or a moeserve one
-    with MODIFIERS after its rank count."""
-    return base_config(name) in CONFIGS + EXTRA_CONFIGS
+    with NO_LATE after its rank count."""
+    for base in ("moeserve-ep2", "moeserve-1rank"):
+        if name.startswith(base + NO_LATE):
+            name = base + name[len(base + NO_LATE) :]
+    return name in CONFIGS + EXTRA_CONFIGS
 
 
 PREFIX_WORKLOADS = ("prefix", "multiturn")

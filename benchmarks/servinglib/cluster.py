@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 from moeserve.ops.procs import UpProcess
-from servinglib.args import EXPERT_GRID_MODIFIERS
 from servinglib.common import ROOT
 from servinglib.httpclient import SERVER_FLAGS
 
@@ -56,8 +55,7 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, 
     torch._grouped_mm (``MOESERVE_EXPERT_KERNEL``), ``-fp8`` with ``--quantization fp8`` (W8A8,
     the default), ``-fp8-weight-only`` the same with ``MOESERVE_FP8_ACTIVATIONS=weight-only``,
     ``-no-prefix-cache`` without prefix caching, ``-no-late-schedule`` (after the rank count)
-    without late scheduling, ``-expert-groups`` / ``-expert-work`` (there too) with the expert
-    kernels on that grid (``MOESERVE_EXPERT_GRID``); the EPLB workload lets one rebalance move
+    without late scheduling; the EPLB workload lets one rebalance move
     every layer; ``--api-server-count`` N front-end processes for every configuration."""
     extra = []
     env: dict[str, str] = {}
@@ -83,9 +81,6 @@ def configuration_flags(name: str, a, eplb: bool) -> tuple[list[str], dict[str, 
         extra.append("--no-capture-graphs-at-start")
     if name.endswith("-grouped-mm"):
         env["MOESERVE_EXPERT_KERNEL"] = "grouped_mm"
-    for modifier, grid in EXPERT_GRID_MODIFIERS.items():
-        if modifier in name:
-            env["MOESERVE_EXPERT_GRID"] = grid
     if getattr(a, "api_server_count", 1) > 1:
         extra += ["--api-server-count", str(a.api_server_count)]
     return extra, env

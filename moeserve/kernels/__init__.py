@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
@@ -609,42 +608,10 @@ EXPERT_TUNING_FP8_A8 = {
 # MOESERVE_FP8_A8_TUNING: the same for the W8A8 table
 _tuning_from_env(EXPERT_TUNING_FP8_A8, "MOESERVE_FP8_A8_TUNING")
 EXPERT_MAX_BM = 64
-# How the grouped expert kernels spread a step's passes of BM rows over programs, per column
-# tile (MOESERVE_EXPERT_GRID, a measurement switch):
-# - "work": the passes of every slot, in slot order, are counted on the device
-#   and taken by ``expert_work_programs`` programs in turn; a hot slot's passes run side by side
-#   in neighbouring programs, which share its weight panel through L2, and only the few
-#   programs past the step's last pass exit at once;
-# - "groups" (the default): EXPERT_PASS_GROUPS programs per slot, each taking every G-th pass of the slot: a
-#   decode step with at most BM rows in every slot leaves G - 1 of every G programs with
-#   nothing to do, and each of them still takes its turn on an SM (with the kernel's shared
-#   memory) before it exits.
+# Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
+# routing) is worked on by G programs at once, which share its weight panel through L2; with
+# at most BM rows in every slot (balanced decode) the G - 1 others exit at once.
 EXPERT_PASS_GROUPS = 4
-# "work": programs beyond the slots, as a share of the slots, for the passes a slot has beyond
-# its first (a slot with more than BM rows) before programs take a second pass in turn
-EXPERT_WORK_SLACK = 0.5
-EXPERT_GRIDS = ("groups", "work")
-
-
-def _expert_grid() -> str:
-    mode = os.environ.get("MOESERVE_EXPERT_GRID", "groups") or "groups"
-    if mode not in EXPERT_GRIDS:
-        raise ValueError(f"MOESERVE_EXPERT_GRID={mode!r}: allowed {', '.join(EXPERT_GRIDS)}")
-    return mode
-
-
-EXPERT_GRID = _expert_grid()
-
-
-def expert_work_programs(slots: int, rows: int, block_m: int) -> int:
-    """Programs per column tile of the "work" grid for ``slots`` slots and a buffer of ``rows``
-    rows in passes of ``block_m``: no more than the passes the buffer can hold (a slot's rows
-    in ceil(rows / block_m) passes: at most slots + ceil(rows / block_m) - 1 in all), nor more
-    than the slots and ``EXPERT_WORK_SLACK`` of them again (at least EXPERT_PASS_GROUPS: a
-    dense layer's one slot). Fixed by the shapes, not the step's counts, so a captured graph
-    holds for any routing."""
-    most = slots + -(-rows // block_m) - 1
-    return max(1, min(most, max(slots + math.ceil(slots * EXPERT_WORK_SLACK), EXPERT_PASS_GROUPS)))
 
 
 def expert_tuning(kind: str, block_m: int, fp8: bool = False, a8: bool = False) -> tuple:
@@ -963,9 +930,7 @@ def _expert_matmul(
     if act.kind not in ("silu", "clamped_swiglu"):
         raise ValueError(f"expert activation {act.kind!r}: allowed silu, clamped_swiglu")
     extra = {} if interp else dict(num_warps=warps, num_stages=stages)
-    work = EXPERT_GRID == "work"
-    grid = (expert_work_programs(s, c, block_m), 1, -(-n // bn)) if work else (EXPERT_PASS_GROUPS, s, -(-n // bn))
-    _expert_kernels().expert_matmul_kernel[grid](
+    _expert_kernels().expert_matmul_kernel[(EXPERT_PASS_GROUPS, s, -(-n // bn))](
         x,
         w,
         sc,
@@ -1002,9 +967,6 @@ def _expert_matmul(
         limit=float(act.limit),
         HAS_BIAS=bias is not None,
         ACT=int(act.kind == "clamped_swiglu"),
-        WORK=work,
-        S=s if work else 0,
-        SB=_pow2(s) if work else 1,
         **extra,
     )
     return out

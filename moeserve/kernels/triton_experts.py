@@ -273,71 +273,6 @@ def _rows_swapped(
 
 
 @triton.jit
-def _pass(
-    x_ptr,
-    w,
-    sc,
-    bias,
-    out_ptr,
-    m0,
-    end,
-    rn,
-    n_ok,
-    K: tl.constexpr,
-    N: tl.constexpr,
-    stride_x,
-    stride_wk,
-    stride_wn,
-    stride_sk,
-    stride_out,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    GATED: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PRECISE: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    QUANT: tl.constexpr,
-    SBK: tl.constexpr,
-    SBN: tl.constexpr,
-    NB: tl.constexpr,
-    SWAP: tl.constexpr,
-    alpha,
-    limit,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    xs_ptr,
-    A8: tl.constexpr,
-):
-    # one pass: rows m0 .. m0 + BM - 1 (< end) of one slot (weights w, scales sc, bias) through
-    # the columns rn
-    if SWAP:
-        _rows_swapped(
-            x_ptr, w, sc, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk, stride_out,
-            BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, SBK, SBN, NB, xs_ptr, A8,
-        )  # fmt: skip
-    else:
-        _rows(
-            x_ptr, w, sc, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk, stride_out,
-            BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT, SBK, SBN, NB, bias, alpha, limit,
-            HAS_BIAS, ACT, xs_ptr, A8,
-        )  # fmt: skip
-
-
-@triton.jit
-def _work_item(ends, starts, passes, incl, idx, item, BM: tl.constexpr):
-    # work item ``item`` of the slots' passes in slot order: (slot, first row of the pass, end of
-    # the slot's rows); ``incl`` the inclusive cumulative passes per slot
-    s = tl.sum((incl <= item).to(tl.int32), 0)  # the slot whose passes hold the item
-    sel = idx == s
-    first = tl.sum(tl.where(sel, incl - passes, 0), 0)
-    start = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int64)
-    end = tl.sum(tl.where(sel, ends, 0), 0).to(tl.int64)
-    return s, start + (item - first).to(tl.int64) * BM, end
-
-
-@triton.jit
 def expert_matmul_kernel(
     x_ptr,
     w_ptr,
@@ -375,75 +310,165 @@ def expert_matmul_kernel(
     ACT: tl.constexpr,
     xs_ptr,
     A8: tl.constexpr,
-    WORK: tl.constexpr,
-    S: tl.constexpr,
-    SB: tl.constexpr,
 ):
-    # Each pass is out[r, jBN:(j+1)BN] for BM rows r of one slot s: x[r] @ W[s][:, jBN:(j+1)BN]
-    # (W[s] is [K, N]), or with GATED act of that and x[r] @ W[s][:, N + jBN:..] (W[s] is
-    # [K, 2N]: gate columns, then up). Column tile j = program_id(2).
-    # WORK: the passes of every slot in slot order are the step's work items (counted here from
-    # offs, on the device); program w of the W = num_programs(0) takes items w, w + W, .. . A
-    # slot's passes are neighbouring programs, launched together, so a slot with more than BM
-    # rows reads its weight panel from HBM about once, the other passes from L2; a program past
-    # the last item exits at once.
-    # Otherwise: program (g, s) takes passes g, g + G, .. of slot s (G programs a slot, most of
-    # which exit at once when a slot has at most BM rows, as in a balanced decode).
+    # Program (g, s, j): out[r, jBN:(j+1)BN] for the rows r of slot s, in passes g, g + G, .. of BM
+    # rows: x[r] @ W[s][:, jBN:(j+1)BN] (W[s] is [K, N]), or with GATED silu of that times
+    # x[r] @ W[s][:, N + jBN:..] (W[s] is [K, 2N]: gate columns, then up). The G programs of a tile
+    # are launched together (g varies fastest), so a slot with more than BM rows reads its weight
+    # panel from HBM about once, the other passes from L2.
+    g = tl.program_id(0)
+    s = tl.program_id(1)
     j = tl.program_id(2)
+    end = tl.load(offs_ptr + s).to(tl.int64)  # rows [start, end) of slot s (offs: inclusive cumsum)
+    prev = tl.load(offs_ptr + tl.maximum(s - 1, 0)).to(tl.int64)
+    start = tl.where(s > 0, prev, 0)
     rn = j * BN + tl.arange(0, BN)
     n_ok = rn < N
-    if WORK:
-        idx = tl.arange(0, SB)
-        ok = idx < S
-        ends = tl.load(offs_ptr + idx, mask=ok, other=0)  # offs: inclusive cumulative rows per slot
-        starts = tl.load(offs_ptr + idx - 1, mask=ok & (idx > 0), other=0)
-        passes = tl.where(ok, (ends - starts + BM - 1) // BM, 0)
-        incl = tl.cumsum(passes, 0)
-        items = tl.sum(passes, 0)
-        if INTERPRET:  # the interpreter cannot range() over a runtime bound
-            item = tl.program_id(0)
-            while item < items:
-                s, m0, end = _work_item(ends, starts, passes, incl, idx, item, BM)
-                _pass(
-                    x_ptr, w_ptr + s.to(tl.int64) * stride_ws, s_ptr + s.to(tl.int64) * stride_ss,
-                    b_ptr + s.to(tl.int64) * stride_bs, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk,
-                    stride_wn, stride_sk, stride_out, BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT,
-                    SBK, SBN, NB, SWAP, alpha, limit, HAS_BIAS, ACT, xs_ptr, A8,
-                )  # fmt: skip
-                item += tl.num_programs(0)
-        else:
-            for item in range(tl.program_id(0), items, tl.num_programs(0)):
-                s, m0, end = _work_item(ends, starts, passes, incl, idx, item, BM)
-                _pass(
-                    x_ptr, w_ptr + s.to(tl.int64) * stride_ws, s_ptr + s.to(tl.int64) * stride_ss,
-                    b_ptr + s.to(tl.int64) * stride_bs, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk,
-                    stride_wn, stride_sk, stride_out, BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT,
-                    SBK, SBN, NB, SWAP, alpha, limit, HAS_BIAS, ACT, xs_ptr, A8,
-                )  # fmt: skip
+    w = w_ptr + s.to(tl.int64) * stride_ws
+    sc = s_ptr + s.to(tl.int64) * stride_ss
+    bias = b_ptr + s.to(tl.int64) * stride_bs
+    if INTERPRET:  # the interpreter cannot range() over a runtime bound
+        m0 = start + g * BM
+        while m0 < end:
+            if SWAP:
+                _rows_swapped(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_wn,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    SBK,
+                    SBN,
+                    NB,
+                    xs_ptr,
+                    A8,
+                )
+            else:
+                _rows(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_wn,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    QUANT,
+                    SBK,
+                    SBN,
+                    NB,
+                    bias,
+                    alpha,
+                    limit,
+                    HAS_BIAS,
+                    ACT,
+                    xs_ptr,
+                    A8,
+                )
+            m0 += G * BM
     else:
-        g = tl.program_id(0)
-        s = tl.program_id(1)
-        end = tl.load(offs_ptr + s).to(tl.int64)  # rows [start, end) of slot s (offs: inclusive cumsum)
-        prev = tl.load(offs_ptr + tl.maximum(s - 1, 0)).to(tl.int64)
-        w = w_ptr + s.to(tl.int64) * stride_ws
-        sc = s_ptr + s.to(tl.int64) * stride_ss
-        bias = b_ptr + s.to(tl.int64) * stride_bs
-        if INTERPRET:
-            m0 = tl.where(s > 0, prev, 0) + g * BM
-            while m0 < end:
-                _pass(
-                    x_ptr, w, sc, bias, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk,
-                    stride_out, BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT, SBK, SBN, NB, SWAP,
-                    alpha, limit, HAS_BIAS, ACT, xs_ptr, A8,
-                )  # fmt: skip
-                m0 += G * BM
-        else:
-            for m0 in range(tl.where(s > 0, prev, 0) + g * BM, end, G * BM):
-                _pass(
-                    x_ptr, w, sc, bias, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk,
-                    stride_out, BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT, SBK, SBN, NB, SWAP,
-                    alpha, limit, HAS_BIAS, ACT, xs_ptr, A8,
-                )  # fmt: skip
+        for m0 in range(start + g * BM, end, G * BM):
+            if SWAP:
+                _rows_swapped(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_wn,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    SBK,
+                    SBN,
+                    NB,
+                    xs_ptr,
+                    A8,
+                )
+            else:
+                _rows(
+                    x_ptr,
+                    w,
+                    sc,
+                    out_ptr,
+                    m0,
+                    end,
+                    rn,
+                    n_ok,
+                    K,
+                    N,
+                    stride_x,
+                    stride_wk,
+                    stride_wn,
+                    stride_sk,
+                    stride_out,
+                    BM,
+                    BN,
+                    BK,
+                    EVEN_K,
+                    GATED,
+                    PRECISION,
+                    PRECISE,
+                    INTERPRET,
+                    QUANT,
+                    SBK,
+                    SBN,
+                    NB,
+                    bias,
+                    alpha,
+                    limit,
+                    HAS_BIAS,
+                    ACT,
+                    xs_ptr,
+                    A8,
+                )
 
 
 @triton.jit
