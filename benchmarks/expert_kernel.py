@@ -73,6 +73,11 @@ def time_fn(fn, iters, layers):
     return float(np.median(ts))
 
 
+def tuning_key(kind, bm):
+    """The key of ``kernels.expert_tuning``'s tables that passes of ``bm`` rows read."""
+    return f"{kind}_bm64" if bm >= 64 else kind
+
+
 def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False):
     """Time every FP8_CANDIDATES (``a8``: FP8_A8_CANDIDATES) tiling of both FP8 kernels
     (per-channel scales; ``a8``: rows quantized per row, outside the timing): GB/s of codes."""
@@ -106,21 +111,21 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False):
     for kind, lst in res.items():
         lst.sort(key=lambda x: -x[1])
         print(f"  tune fp8 {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]), flush=True)
-    down = list(res["down"][0][0])
-    if a8:  # 64-row passes: BK 128 (shared memory), with the best tiles' other choices
-        gu = list(res["gate_up"][0][0])
+    down, gu = list(res["down"][0][0]), list(res["gate_up"][0][0])
+    env = "MOESERVE_FP8_A8_TUNING" if a8 else "MOESERVE_FP8_TUNING"
+    if bm >= 64:  # tuned at 64-row passes: those entries only
+        best = {"gate_up_bm64": gu, "down_bm64": down}
+    elif a8:  # 64-row passes: BK 128 (shared memory), with the best tiles' other choices
         best = {
             "gate_up": gu,
             "down": down,
             "gate_up_bm64": [gu[0], 128, *gu[2:]],
             "down_bm64": [down[0], 128, *down[2:]],
         }
-        print("MOESERVE_FP8_A8_TUNING=" + json.dumps(best), flush=True)
-        return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"best": best}
-    # 64-row passes keep a BK of 64 (shared memory), with the best down tile's other choices
-    best = {"gate_up": list(res["gate_up"][0][0]), "down": down, "down_bm64": [down[0], 64, *down[2:]]}
-    print("MOESERVE_FP8_TUNING=" + json.dumps(best), flush=True)
-    return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"best": best}
+    else:  # 64-row passes keep a BK of 64 (shared memory), with the best down tile's other choices
+        best = {"gate_up": gu, "down": down, "down_bm64": [down[0], 64, *down[2:]]}
+    print(f"{env}={json.dumps(best)}  # {bm} rows per pass", flush=True)
+    return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"block_m": bm, "best": best}
 
 
 def main():
@@ -268,7 +273,12 @@ def main():
                 for kind, lst in res.items():
                     lst.sort(key=lambda x: -x[1])
                     print(f"  tune {name} {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]))
-                out["tune"][name] = {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()}
+                best = {tuning_key(kind, bm): list(lst[0][0]) for kind, lst in res.items() if lst}
+                print(f"MOESERVE_EXPERT_TUNING={json.dumps(best)}  # {name}, {bm} rows per pass", flush=True)
+                out["tune"][name] = {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {
+                    "block_m": bm,
+                    "best": best,
+                }
             if a.tune and fp8 and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
                 if "fp8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8"] = tune_fp8(fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers)

@@ -72,6 +72,28 @@ def test_block_m_is_a_speed_choice_only():
     assert [kernels.expert_block_m(n) for n in (0, 1, 16, 17, 40, 1000)] == [16, 16, 16, 32, 64, 64]
 
 
+def test_an_expert_shapes_tiles_replace_the_tables_at_that_shape_only(monkeypatch):
+    """``EXPERT_TUNING_SHAPES`` entries apply to their (H, I) and table; the table's environment
+    variable (a sweep's tiles, end to end) replaces them; the tiles change speed, not results."""
+    mine = {"gate_up": (32, 64, 4, 3), "down_bm64": (64, 64, 4, 3)}
+    monkeypatch.setitem(kernels.EXPERT_TUNING_SHAPES, "bf16", {(64, 32): mine})
+    monkeypatch.delenv("MOESERVE_EXPERT_TUNING", raising=False)
+    assert kernels.expert_tuning("gate_up", 16, shape=(64, 32)) == mine["gate_up"]
+    assert kernels.expert_tuning("down", 64, shape=(64, 32)) == mine["down_bm64"]
+    assert kernels.expert_tuning("down", 16, shape=(64, 32)) == kernels.EXPERT_TUNING["down"]  # not given
+    assert kernels.expert_tuning("gate_up", 16, shape=(48, 40)) == kernels.EXPERT_TUNING["gate_up"]  # other shape
+    assert kernels.expert_tuning("gate_up", 16, True, shape=(64, 32)) == kernels.EXPERT_TUNING_FP8["gate_up"]
+    assert kernels.expert_tuning("gate_up", 16) == kernels.EXPERT_TUNING["gate_up"]  # no shape
+    monkeypatch.setenv("MOESERVE_EXPERT_TUNING", '{"gate_up": [64, 64, 4, 4]}')
+    assert kernels.expert_tuning("gate_up", 16, shape=(64, 32)) == kernels.EXPERT_TUNING["gate_up"]
+    monkeypatch.delenv("MOESERVE_EXPERT_TUNING")
+    counts = [9, 30, 1]
+    _, rows, w, offs, m = setup(64, 32, counts, torch.float32, seed=6)
+    y = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16)[:m]
+    monkeypatch.setitem(kernels.EXPERT_TUNING_SHAPES, "bf16", {})
+    torch.testing.assert_close(kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16)[:m], y, rtol=1e-6, atol=1e-6)
+
+
 def test_shape_errors_are_explained():
     _, rows, w, offs, _ = setup(64, 32, [2, 3], torch.float32)
     with pytest.raises(ValueError, match="do not agree"):

@@ -583,13 +583,16 @@ FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
 
 
 # MOESERVE_FP8_TUNING: a JSON object of the same keys ([BN, BK, warps, stages, swap]) that
-# replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints)
+# replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints);
+# MOESERVE_EXPERT_TUNING the same for the bf16 table. Either applies to every expert shape, over
+# ``EXPERT_TUNING_SHAPES`` too (a measurement switch: the tiles a sweep found, end to end).
 def _tuning_from_env(table: dict, name: str) -> None:
     """``name``: a JSON object of ``table``'s keys whose tiles replace the table's entries."""
     if os.environ.get(name):
         table.update({k: tuple(v) for k, v in json.loads(os.environ[name]).items()})
 
 
+_tuning_from_env(EXPERT_TUNING, "MOESERVE_EXPERT_TUNING")  # the bf16 table's (``--tune``'s line)
 _tuning_from_env(EXPERT_TUNING_FP8, "MOESERVE_FP8_TUNING")
 # W8A8 (``ExpertScales.act_quant``, where ``models.quant.activations_quantized`` says): both operands
 # FP8 codes, the product on FP8 tensor cores, computed transposed (codes [BN, BK] x rows^T [BK,
@@ -614,10 +617,25 @@ EXPERT_MAX_BM = 64
 EXPERT_PASS_GROUPS = 4
 
 
-def expert_tuning(kind: str, block_m: int, fp8: bool = False, a8: bool = False) -> tuple:
+# Per expert shape (hidden H, intermediate I): entries that replace a table's at that shape, by
+# table ("bf16", "fp8", "w8a8"), as vLLM's fused-MoE configs are keyed by the experts' shape: the
+# tables above are the best over Scout's and ERNIE's layers together, and a small expert's short
+# K loop wants other tiles than a large one's.
+EXPERT_TUNING_SHAPES: dict[str, dict[tuple[int, int], dict[str, tuple]]] = {"bf16": {}, "fp8": {}, "w8a8": {}}
+_TUNING_ENV = {"bf16": "MOESERVE_EXPERT_TUNING", "fp8": "MOESERVE_FP8_TUNING", "w8a8": "MOESERVE_FP8_A8_TUNING"}
+
+
+def expert_tuning(
+    kind: str, block_m: int, fp8: bool = False, a8: bool = False, shape: tuple[int, int] | None = None
+) -> tuple:
     """(BN, BK, warps, stages[, transposed]) of ``kind`` (gate_up, down) for passes of
-    ``block_m`` rows: bf16, FP8 weight-only, or (``a8``) FP8 rows and weights."""
+    ``block_m`` rows: bf16, FP8 weight-only, or (``a8``) FP8 rows and weights; ``shape`` (H, I)
+    takes that expert shape's entries of ``EXPERT_TUNING_SHAPES`` first (unless the table's
+    environment variable replaced the table)."""
+    name = "w8a8" if fp8 and a8 else "fp8" if fp8 else "bf16"
     table = EXPERT_TUNING_FP8_A8 if fp8 and a8 else EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
+    if shape is not None and not os.environ.get(_TUNING_ENV[name]):
+        table = table | EXPERT_TUNING_SHAPES[name].get((shape[0], shape[1]), {})
     if block_m >= 64 and f"{kind}_bm64" in table:
         return table[f"{kind}_bm64"]
     return table[kind]
@@ -682,8 +700,10 @@ def expert_mlp(
         return rows.new_empty(c, hdim)
     if scales is None:
         a = act or ExpertAct()
-        h = _expert_matmul(rows, gate_up, offs, block_m, expert_tuning("gate_up", block_m), True, act=a)
-        return _expert_matmul(h, down, offs, block_m, expert_tuning("down", block_m), False, act=a)
+        h = _expert_matmul(
+            rows, gate_up, offs, block_m, expert_tuning("gate_up", block_m, shape=(hdim, i)), True, act=a
+        )
+        return _expert_matmul(h, down, offs, block_m, expert_tuning("down", block_m, shape=(hdim, i)), False, act=a)
     if act is not None and (act.gate_up_bias is not None or act.kind != "silu"):
         raise ValueError("expert_mlp: FP8 experts are SwiGLU without biases")
     a8 = scales.act_quant
@@ -694,7 +714,7 @@ def expert_mlp(
         gate_up,
         offs,
         block_m,
-        expert_tuning("gate_up", block_m, True, a8),
+        expert_tuning("gate_up", block_m, True, a8, (hdim, i)),
         True,
         scales.gate_up,
         scales.gate_up_block,
@@ -707,7 +727,7 @@ def expert_mlp(
         down,
         offs,
         block_m,
-        expert_tuning("down", block_m, True, a8),
+        expert_tuning("down", block_m, True, a8, (hdim, i)),
         False,
         scales.down,
         scales.down_block,
