@@ -121,6 +121,26 @@ def test_head_rope_refuses_a_head_dim_it_cannot_tile():
         kernels.head_rope(torch.zeros(2, 1, 48), None, None, True, 1e-6, post_norm=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mlp_activation_is_torchs_silu_times_up(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    gu = (torch.randn(9, 2 * 70, generator=g) * 4).to(dtype)
+    ref = torch.nn.functional.silu(gu[:, :70]) * gu[:, 70:]
+    assert torch.equal(layers.silu_mul(gu), ref)  # CPU: torch's
+    monkeypatch.setattr(kernels, "NORM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels, "NORM_DTYPES", (torch.bfloat16, torch.float16, torch.float32))
+    calls = []
+    real = kernels.silu_mul
+    monkeypatch.setattr(kernels, "silu_mul", lambda *a: calls.append(a) or real(*a))
+    got = layers.silu_mul(gu)
+    assert len(calls) == 1 and got.shape == (9, 70) and got.dtype == dtype
+    close(got, ref, dtype)
+    assert torch.equal(layers.silu_mul(gu[:, 1:-1]), torch.nn.functional.silu(gu[:, 1:70]) * gu[:, 70:-1])  # a view
+    assert len(calls) == 1  # not contiguous: torch's
+    with pytest.raises(ValueError, match="silu_mul: gu must be contiguous"):
+        kernels.silu_mul(gu[:, 1:-1])
+
+
 def test_the_models_keep_torch_for_what_the_kernels_do_not_serve(monkeypatch):
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     assert not kernels.fused_norms_take(x, torch.ones(8, dtype=torch.bfloat16))  # a CPU tensor: the torch path
@@ -148,7 +168,7 @@ def test_each_family_on_the_fused_kernels_equals_transformers(family, tmp_path, 
     torch_logits = model(ids)
     monkeypatch.setattr(kernels, "NORM_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(kernels, "NORM_DTYPES", (torch.bfloat16, torch.float16, torch.float32))
-    calls = {"rms_norm": 0, "head_rope": 0}
+    calls = {"rms_norm": 0, "head_rope": 0, "silu_mul": 0}
     for name in calls:
         real = getattr(kernels, name)
 
@@ -161,6 +181,10 @@ def test_each_family_on_the_fused_kernels_equals_transformers(family, tmp_path, 
     n = model.config.num_layers
     assert calls["rms_norm"] == 2 * n + 1  # every residual add with its norm, and the final norm
     assert calls["head_rope"] == 2 * sum(1 for layer in model.layers if layer.attn.transforms_heads)
+    mlps = [layer.mlp for layer in model.layers] + [block.shared_mlp for block in model.moe_blocks]
+    merged = sum(1 for m in mlps if m is not None and m.merged_width is not None)
+    assert calls["silu_mul"] == merged  # every dense MLP's and shared expert's
+    assert merged > 0 or family == "gpt_oss"  # GPT-OSS has neither
     with torch.no_grad():
         ref = oracle(ids).logits
     assert (fused - ref).abs().max().item() < FP32_LOGITS_ATOL

@@ -186,8 +186,9 @@ def test_the_exchange_helpers_compile_once_whatever_the_row_count(launches):
         K.weighted_sum(torch.empty(t * 2, 96), torch.empty(t, 2))
         K.silu_mul(torch.empty(t, 2 * 48), torch.tensor([t], dtype=torch.int32))
         K.silu_mul(torch.empty(t, 2 * 48), torch.zeros(t % 13 + 1, dtype=torch.int32)[-1:])  # a slot table's last
+        K.silu_mul(torch.empty(t, 2 * 48))  # every row (an MLP's)
     assert_one_key_per_config(launches, "weighted_sum_kernel", range(1, 2))
-    assert_one_key_per_config(launches, "silu_mul_kernel", range(1, 2))
+    assert_one_key_per_config(launches, "silu_mul_kernel", range(2, 3))  # with and without a device total
 
 
 def test_the_norm_kernels_compile_once_whatever_the_row_count(launches):
@@ -218,13 +219,15 @@ def test_the_norm_warm_up_compiles_every_key_a_step_can_launch(launches, family,
     model = load_model(hf.save(build(seed=1), tmp_path), dtype=torch.bfloat16)
     monkeypatch.setattr(K, "NORM_DEVICES", ("cuda", "cpu"))
     assert model.warm_up_norms() > 0
-    warm = {k: _keys(launches, k) for k in ("rms_norm_kernel", "head_rope_kernel")}
+    names = ("rms_norm_kernel", "head_rope_kernel", "silu_mul_kernel")
+    warm = {k: _keys(launches, k) for k in names}
     launches.clear()
     for t in (1, 5, 33):
         model(torch.zeros(1, t, dtype=torch.long))  # the kernels are not run here: only their keys matter
     for k, keys in warm.items():
         seen = _keys(launches, k)
-        assert seen, f"{k} was never launched by a step"
+        # silu_mul: the shared experts' (Llama 4); Qwen3-MoE and GPT-OSS have none and no dense layer
+        assert seen or (k == "silu_mul_kernel" and family != "llama4"), f"{k} was never launched by a step"
         assert seen <= keys, (k, sorted(seen - keys))
 
 
@@ -265,16 +268,19 @@ def test_the_routing_warm_up_compiles_every_key_a_step_can_launch(launches, fami
     build = {"ernie": hf.build_ernie, "qwen3_moe": hf.build_qwen3_moe}[family]
     model = load_model(hf.save(build(seed=1), tmp_path), dtype=torch.bfloat16)
     monkeypatch.setattr(K, "ROUTING_DEVICES", ("cuda", "cpu"))
-    assert sum(block.warm_up(torch.bfloat16) for block in model.moe_blocks) == len(model.moe_blocks) > 0
-    warm = _keys(launches, "fused_route_kernel")
+    kernels = ["fused_route_kernel"] + (["gate_fp32_kernel"] if family == "ernie" else [])  # ERNIE's gate is fp32
+    blocks = len(model.moe_blocks)
+    assert sum(block.warm_up(torch.bfloat16) for block in model.moe_blocks) == len(kernels) * blocks > 0
+    warm = {k: _keys(launches, k) for k in kernels}
     launches.clear()
     h = model.config.hidden_size
-    for t in (1, 5, 33, 300):  # what a step's MoE layers launch (not run here: the ids would be garbage)
+    for t in (1, 5, 16, 33, 300):  # what a step's MoE layers launch (not run here: the ids would be garbage)
         for block in model.moe_blocks:
             block.route(torch.zeros(t, h, dtype=torch.bfloat16))
-    seen = _keys(launches, "fused_route_kernel")
-    assert seen, "fused_route_kernel was never launched by a step"
-    assert seen <= warm, sorted(seen - warm)
+    for k in kernels:
+        seen = _keys(launches, k)
+        assert seen, f"{k} was never launched by a step"
+        assert seen <= warm[k], (k, sorted(seen - warm[k]))
 
 
 def _keys(seen, kernel):
@@ -609,7 +615,8 @@ WARMED = {
     "mla_decode_kernel": "router: models.mla.warm_up_mla",
     "expert_matmul_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",
     "quant_rows_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",  # W8A8 rows
-    "silu_mul_kernel": "worker: ExpertStore.warm_up_kernels",  # torch._grouped_mm's activation (prefills)
+    # torch._grouped_mm's activation (prefills); the dense MLPs' and shared experts'
+    "silu_mul_kernel": "worker: ExpertStore.warm_up_kernels; router: DecoderModel.warm_up_norms",
     "weighted_sum_kernel": "router: cluster.rank._warm_up_kernels",  # the combine over k of weighed outputs
     "expert_count_kernel": "any rank: NvlinkExchange.warm_up_kernels",  # the direct exchange's kernels
     "route_kernel": "any rank: NvlinkExchange.warm_up_kernels",
@@ -620,6 +627,7 @@ WARMED = {
     "rms_norm_kernel": "router: DecoderModel.warm_up_norms (cluster.rank._warm_up_kernels)",  # norms + residual
     "head_rope_kernel": "router: DecoderModel.warm_up_norms (cluster.rank._warm_up_kernels)",  # qk norm + RoPE
     "fused_route_kernel": "router: MoEBlock.warm_up per MoE layer (cluster.rank._warm_up_kernels)",  # the routing
+    "gate_fp32_kernel": "router: MoEBlock.warm_up per MoE layer (cluster.rank._warm_up_kernels)",  # ERNIE's gate
 }
 
 

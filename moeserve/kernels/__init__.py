@@ -315,14 +315,22 @@ def return_rows(
     )
 
 
-def silu_mul(gu: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """silu(gu[:, :I]) * gu[:, I:] for the first ``total`` rows (device scalar [1]) of gu [C, 2I];
-    returns [C, I] (rows past total are left unwritten)."""
+def silu_mul(gu: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gu[:, :I]) * gu[:, I:] for the first ``total`` rows (device scalar [1]; None: every
+    row) of gu [C, 2I] (contiguous); returns [C, I] (rows past total are left unwritten). Each
+    product rounds as torch's ``F.silu(g) * u``: silu in fp32 rounded to the dtype, the product
+    in fp32 rounded."""
     c, two_i = gu.shape
     i = two_i // 2
+    if gu.stride(1) != 1 or (c > 1 and gu.stride(0) != two_i):
+        raise ValueError(f"silu_mul: gu must be contiguous [C, 2I], got strides {tuple(gu.stride())}")
     out = gu.new_empty(c, i)
     if c:
-        _kernels()["silu_mul"][(c,)](gu, out, total, I=i, BLOCK=_block(i), PRECISE=not _interpreted(), num_warps=4)
+        has_total = total is not None
+        _kernels()["silu_mul"][(c,)](
+            gu, out, total if has_total else gu, I=i, BLOCK=_block(i), PRECISE=not _interpreted(),
+            HAS_TOTAL=has_total, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -345,8 +353,8 @@ def _norm_kernels():
 NORM_MAX_H = 16384  # widest row a norm program holds in registers (one tile per row)
 
 
-# Where the models' norms and RoPE take the fused kernels (tests add "cpu": the interpreter);
-# MOESERVE_FUSED_NORMS=0 keeps torch's sequences everywhere (for side-by-side runs and checks).
+# Where the models' norms, RoPE and MLP activations take the fused kernels (tests add "cpu": the
+# interpreter); MOESERVE_FUSED_NORMS=0 keeps torch's sequences everywhere (side-by-side runs and checks).
 def _norm_devices() -> tuple[str, ...]:
     mode = os.environ.get("MOESERVE_FUSED_NORMS", "1") or "1"
     if mode not in ("0", "1"):
@@ -378,15 +386,18 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def fused_norms_take(x: torch.Tensor, weight: torch.Tensor | None, weight_first: bool = False) -> bool:
-    """Whether ``rms_norm`` / ``head_rope`` serve x [..., H]: a CUDA tensor of a half dtype
-    (``NORM_DTYPES``) with Triton present, a row that fits one tile, and a weight whose product rounds as the kernel's
+def fused_norms_take(
+    x: torch.Tensor, weight: torch.Tensor | None, weight_first: bool = False, max_width: bool = True
+) -> bool:
+    """Whether ``rms_norm`` / ``head_rope`` (and ``silu_mul`` for an MLP: ``max_width`` False,
+    it loops over a row) serve x [..., H]: a CUDA tensor of a half dtype (``NORM_DTYPES``) with
+    Triton present, a row that fits one tile, and a weight whose product rounds as the kernel's
     (the dtype of x, or any with ``weight_first``); otherwise the caller keeps its torch path."""
     return (
         x.device.type in NORM_DEVICES
         and available()
         and x.dtype in NORM_DTYPES
-        and 0 < x.shape[-1] <= NORM_MAX_H
+        and 0 < x.shape[-1] <= (NORM_MAX_H if max_width else 1 << 30)
         and (weight is None or weight_first or weight.dtype == x.dtype)
     )
 
@@ -508,6 +519,48 @@ def fused_route_takes(logits: torch.Tensor, spec: RoutingKind, top_k: int) -> bo
         and 1 <= top_k <= min(ROUTING_MAX_K, logits.shape[1])
         and logits.shape[1] <= ROUTING_MAX_E
     )
+
+
+def gate_fp32_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gate_fp32`` serves the fp32 gate of rows x [T, H] (``RoutingSpec.gate_fp32``):
+    rows of a half dtype on a device of ``ROUTING_DEVICES`` with Triton present (never under the
+    interpreter on CUDA), a float32 weight [E, H]; otherwise (fp32 rows: the exactness mode) the
+    caller keeps torch's ``F.linear(x.float(), weight)``."""
+    return (
+        x.device.type in ROUTING_DEVICES
+        and not (x.device.type == "cuda" and _interpreted())
+        and available()
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
+    )
+
+
+GATE_TILE = (16, 16, 64, 4)  # (rows, experts, K, warps) of a gate_fp32 program
+
+
+def gate_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 gate in one launch: x [T, H] (bf16 or fp16) -> logits float32 [T, E] =
+    float(x) @ weight.T (+ bias), weight [E, H] and bias [E] float32. Replaces ``x.float()`` (a
+    copy of the rows) and cuBLAS's fp32 GEMM, whose N of E experts leaves most of the GPU idle at
+    decode sizes. IEEE fp32 products and sums in a fixed K order (tiles of 64), so it differs
+    from cuBLAS's only in the order of the sums; each token's logits are independent of the
+    batch. Nothing is read back, only H, E and the tile are constexprs: graph-capturable, one
+    compile per gate shape whatever the token count. The caller checks ``gate_fp32_takes``."""
+    t, h = x.shape
+    e = weight.shape[0]
+    xd, wd = _dense(x), _dense(weight)
+    bd = _dense(bias.reshape(e).float()) if bias is not None else None
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if t:
+        bt, be, bk, warps = GATE_TILE
+        _routing_kernels().gate_fp32_kernel[((t + bt - 1) // bt, (e + be - 1) // be)](
+            xd, wd, bd if bd is not None else wd, out, t, H=h, E=e, BT=bt, BE=be, BK=bk, HAS_BIAS=bd is not None,
+            num_warps=warps,
+        )  # fmt: skip
+    return out
 
 
 @functools.cache

@@ -238,10 +238,14 @@ def return_rows_kernel(
 
 
 @triton.jit(do_not_specialize_on_alignment=["total_ptr"])
-def silu_mul_kernel(gu_ptr, out_ptr, total_ptr, I: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
-    # out[j] = silu(gu[j, :I]) * gu[j, I:] for rows j < total.
+def silu_mul_kernel(
+    gu_ptr, out_ptr, total_ptr, I: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr, HAS_TOTAL: tl.constexpr
+):
+    # out[j] = silu(gu[j, :I]) * gu[j, I:] for rows j < total (every row without HAS_TOTAL).
     j = tl.program_id(0).to(tl.int64)
-    total = tl.load(total_ptr).to(tl.int64)
+    total = j + 1
+    if HAS_TOTAL:
+        total = tl.load(total_ptr).to(tl.int64)
     if j < total:
         for c0 in range(0, I, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)

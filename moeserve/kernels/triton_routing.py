@@ -99,3 +99,40 @@ def fused_route_kernel(
     ok = row_ok[:, None] & (kcols < K)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=ok)
     tl.store(w_ptr + out, weights.to(w_ptr.dtype.element_ty), mask=ok)
+
+
+# Not specialized on the row count (follows the batch); the launcher passes contiguous
+# 16-byte-aligned tensors only.
+@triton.jit(do_not_specialize=["n_rows"])
+def gate_fp32_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    n_rows,
+    H: tl.constexpr,
+    E: tl.constexpr,
+    BT: tl.constexpr,
+    BE: tl.constexpr,
+    BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # out[t, e] = sum_h float(x[t, h]) * w[e, h] (+ b[e]) for BT rows x BE experts: x [n_rows, H]
+    # in a half dtype converted in registers (no float copy of the rows in memory), w [E, H] and
+    # b [E] fp32, IEEE fp32 products and sums (never TF32), K in tiles of BK taken in order. An
+    # output element's sum involves its row and expert only, so a token's logits do not depend on
+    # the other tokens of the launch or on how many there are.
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    experts = tl.program_id(1) * BE + tl.arange(0, BE)
+    row_ok = rows < n_rows
+    e_ok = experts < E
+    acc = tl.zeros((BT, BE), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < H
+        a = tl.load(x_ptr + rows[:, None] * H + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + experts[None, :] * H + ks[:, None], mask=e_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + experts, mask=e_ok, other=0.0)[None, :]
+    tl.store(out_ptr + rows[:, None] * E + experts[None, :], acc, mask=row_ok[:, None] & e_ok[None, :])

@@ -65,6 +65,16 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate's and up's outputs side by side, gu [T, 2F] -> [T, F], each
+    rounded to the dtype as torch's ``F.silu(g) * u``; on the GPU one launch
+    (``kernels.silu_mul``) instead of two kernels over strided halves."""
+    if gu.dim() == 2 and gu.is_contiguous() and kernels.fused_norms_take(gu, None, max_width=False):
+        return kernels.silu_mul(gu)
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """Inverse frequencies theta^(-2j/D) of each rotated pair, after llama3 or YaRN scaling: fp32 [D/2].
 
@@ -209,7 +219,7 @@ class SwiGLU:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            g, u = self.gate_up(x).chunk(2, dim=-1)  # [T, F] each
+            return self.down(silu_mul(self.gate_up(x)))  # gate_up [T, 2F]
         else:
             assert self.gate is not None and self.up is not None  # unmerged: both held
             g, u = self.gate(x), self.up(x)
@@ -222,6 +232,14 @@ class SwiGLU:
             return self
         gate_up = merge_linears([self.gate, self.up])
         return self if gate_up is None else SwiGLU(None, None, self.down, gate_up)
+
+    @property
+    def merged_width(self) -> int | None:
+        """2F, the width of the merged ``gate_up`` output ``silu_mul`` takes; None unmerged."""
+        gu = self.gate_up
+        if gu is None:
+            return None
+        return (gu.weight if isinstance(gu, Linear) else gu.codes).shape[0]
 
     def linears(self) -> tuple[Linear | QuantLinear, ...]:
         """The linear layers it holds (merged or not)."""

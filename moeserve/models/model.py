@@ -37,6 +37,7 @@ from moeserve.models.layers import (
     load_swiglu,
     rope_cos_sin,
     rope_inv_freq,
+    silu_mul,
 )
 from moeserve.models.mla import LatentKVCache, MLAttention, load_mla
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
@@ -205,10 +206,11 @@ class DecoderModel:
         return add_rms_norm(h, delta, self.norm, eps, first)[1]
 
     def warm_up_norms(self) -> int:
-        """Compile, before serving, the fused norm and RoPE kernels (``moeserve.kernels.rms_norm``,
-        ``head_rope``) for every row shape and kind a step of this model launches: the residual
-        stream's norms with and without the residual, each attention's q/k transforms. Returns
-        the calls run; 0 where the torch path serves (CPU)."""
+        """Compile, before serving, the fused norm, RoPE and MLP activation kernels
+        (``moeserve.kernels.rms_norm``, ``head_rope``, ``silu_mul``) for every row shape and kind
+        a step of this model launches: the residual stream's norms with and without the
+        residual, each attention's q/k transforms, the dense MLPs' and shared experts' silu *
+        up. Returns the calls run; 0 where the torch path serves (CPU)."""
         h = torch.zeros(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
         if not self.layers or not kernels.fused_norms_take(h, self.norm, self.norm_first):
             return 0
@@ -222,7 +224,11 @@ class DecoderModel:
                 n += 2
             n += layer.attn.warm_up_norms(rope, self.dtype, self.device)
         add_rms_norm(h, h, self.norm, eps, first)
-        return n + 1
+        mlps = [layer.mlp for layer in self.layers] + [block.shared_mlp for block in self.moe_blocks]
+        widths = {w for m in mlps if m is not None and (w := m.merged_width) is not None}
+        for w in sorted(widths):  # SwiGLU.__call__'s silu_mul, one key per width
+            silu_mul(torch.zeros(1, w, dtype=self.dtype, device=self.device))
+        return n + 1 + len(widths)
 
     def _check_paged(self, batch: StepBatch | PagedBatch, cache: PagedKVCache) -> None:
         """Host-side checks of a paged step (no device synchronisation)."""
