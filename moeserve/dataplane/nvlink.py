@@ -273,7 +273,10 @@ class NvlinkExchange:
         return launches
 
     def _barrier(self) -> None:
-        self._h_counts.barrier(channel=0, timeout_ms=self.timeout_ms)
+        # One rank (router and worker in one process): its own stream orders its kernels, and a
+        # barrier would be a launch of a kernel that waits for no one (3 per MoE layer).
+        if self.topo.world_size > 1:
+            self._h_counts.barrier(channel=0, timeout_ms=self.timeout_ms)
 
     def _run(self, key, body, capturable: bool = True, keep: tuple = ()) -> None:
         """Run ``body`` (kernel launches only, no host reads): eagerly the first time (which also
