@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """The router's fused small kernels (norms and RoPE, moeserve/kernels/triton_norms.py; the MLP
-activation, ``kernels.silu_mul``; the fp32 gate, ``kernels.gate_fp32``) against the torch
-sequences they replace, side by side in one run on one GPU: time per call at serving shapes, and
-agreement.
+activation, ``kernels.silu_mul``) against the torch sequences they replace, side by side in one
+run on one GPU: time per call at serving shapes, and agreement.
 
     python3 benchmarks/norm_kernels.py                      # 1 GPU, every case and model
     python3 benchmarks/norm_kernels.py --rows 256 --cases qwen3_qk,scout_residual
@@ -16,10 +15,7 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
 - ``scout_qk``: Llama 4's interleaved RoPE then its weightless qk-norm on q [T, 40, 128] and k [T, 8, 128];
 - ``ernie_qk``: ERNIE's interleaved RoPE on q [T, 20, 128] and k [T, 4, 128];
 - ``<shape>_silu``: silu(gate) * up of a shared expert's merged gate_up output [T, 2F] (ERNIE's
-  two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves;
-- ``<shape>_gate``: the fp32 gate of bf16 rows, ``float(x) @ W.T`` (ERNIE's H 2,560 x E 64,
-  DeepSeek-V3's 7,168 x 256), against ``x.float()`` and cuBLAS's fp32 GEMM; ``--gate-tiles``
-  times each (rows, experts, K, warps) tile given (the first is ``kernels.GATE_TILE``'s).
+  two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves.
 
 Agreement: the share of output elements bit-identical to the torch path and the largest
 difference relative to the largest value (a bf16 step is 2^-8 of a value: 3.9e-3). Then whole
@@ -36,7 +32,6 @@ or a kernel is not batch invariant.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -51,8 +46,7 @@ from fp8_linears import add_graph_args, graph_args, graph_time  # noqa: E402
 
 from moeserve import kernels  # noqa: E402
 from moeserve.models import init_model, layers, load_model  # noqa: E402
-from moeserve.models.config import RopeConfig, RoutingSpec  # noqa: E402
-from moeserve.models.routing import MoEBlock  # noqa: E402
+from moeserve.models.config import RopeConfig  # noqa: E402
 
 HIDDEN = {"scout": 5120, "ernie": 2560, "qwen3": 2048}
 QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
@@ -61,8 +55,7 @@ QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
     "ernie_qk": (20, 4, 128, True, False, False),
 }
 SILU = {"ernie_silu": 2 * 3072, "scout_silu": 2 * 8192}  # merged gate_up widths of the shared experts
-GATES = {"ernie_gate": (2560, 64), "dsv3_gate": (7168, 256)}  # (H, E) of fp32 gates
-CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(GATES)
+CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU)
 MODELS = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
 FP32_CASE_RTOL = 1e-5
 FP32_LOGITS_ATOL = 1e-4
@@ -72,11 +65,10 @@ class TorchPath:
     """Within it, the models' norms and RoPE take the torch path (no device takes the kernels)."""
 
     def __enter__(self):
-        self.saved = kernels.NORM_DEVICES, kernels.ROUTING_DEVICES
-        kernels.NORM_DEVICES = kernels.ROUTING_DEVICES = ()
+        self.saved, kernels.NORM_DEVICES = kernels.NORM_DEVICES, ()
 
     def __exit__(self, *exc):
-        kernels.NORM_DEVICES, kernels.ROUTING_DEVICES = self.saved
+        kernels.NORM_DEVICES = self.saved
 
 
 def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies: int):
@@ -86,11 +78,6 @@ def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies:
         w2 = SILU[name]
         gus = [torch.randn(rows, w2, device=dev, generator=g).to(dtype) * 3 for _ in range(copies)]
         return lambda i: layers.silu_mul(gus[i % copies]), rows * w2 * 3 // 2
-    if name in GATES:
-        h, e = GATES[name]
-        xs = [torch.randn(rows, h, device=dev, generator=g).to(dtype) for _ in range(copies)]
-        block = MoEBlock(RoutingSpec(gate_fp32=True), 8, torch.randn(e, h, device=dev, generator=g) * h**-0.5)
-        return lambda i: block.gate_logits(xs[i % copies]), rows * h + e * h * 2  # in dtype units: x, fp32 W
     if name.endswith("_residual"):
         h = HIDDEN[name.split("_")[0]]
         xs = [torch.randn(rows, h, device=dev, generator=g).to(dtype) for _ in range(copies)]
@@ -145,15 +132,6 @@ def invariant(dtype: torch.dtype, dev: torch.device) -> dict:
             y1 = kernels.head_rope(x[lo:hi].clone(), cos[lo:hi].clone(), sin[lo:hi].clone(), interleaved, 1e-6, w, post)
             ok &= torch.equal(y1, y[lo:hi])
         out[name] = ok
-    if dtype != torch.float32:  # the fp32 gate takes half rows
-        for name, (h, e) in GATES.items():
-            x = torch.randn(256, h, device=dev, generator=g).to(dtype)
-            w = torch.randn(e, h, device=dev, generator=g) * h**-0.5
-            y = kernels.gate_fp32(x, w)
-            out[name] = all(
-                torch.equal(kernels.gate_fp32(x[lo:hi].clone(), w), y[lo:hi])
-                for lo, hi in ((0, 1), (100, 101), (7, 40), (255, 256))
-            )
     return out
 
 
@@ -162,18 +140,9 @@ def main():
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--rows", default="64,256,2048")
     p.add_argument("--models", default=",".join(MODELS), help="tiny fp32 models checked whole ('' for none)")
-    p.add_argument(
-        "--gate-tiles", default=",".join(map(str, kernels.GATE_TILE)), help="';'-separated rows,experts,K,warps tiles"
-    )
     add_graph_args(p, "norm-kernels.json", "inputs cycled (L2 never holds them)")
     a = p.parse_args()
     rows = graph_args(p, a)
-    try:
-        gate_tiles = [tuple(int(v) for v in t.split(",")) for t in a.gate_tiles.split(";")]
-    except ValueError:
-        gate_tiles = []
-    if not gate_tiles or any(len(t) != 4 or min(t) < 1 for t in gate_tiles):
-        p.error(f"--gate-tiles must be ';'-separated rows,experts,K,warps of positive integers, got {a.gate_tiles!r}")
     cases = [c for c in a.cases.split(",") if c]
     bad = [c for c in cases if c not in CASES]
     if bad:
@@ -192,37 +161,29 @@ def main():
     out["cases"], out["models"], failed = [], [], []
     print(f"{'case':<17}{'rows':>6}{'dtype':>6}{'torch us':>10}{'fused us':>10}{'speed-up':>9}{'GB/s':>7}  agreement")
     for name in cases:
-        tiles = gate_tiles if name in GATES else [None]
-        for m, dtype, tile in itertools.product(rows, (torch.bfloat16, torch.float32), tiles):
-            if name in GATES and dtype == torch.float32:
-                continue  # fp32 rows keep torch's gate (the exactness mode)
-            kernels.GATE_TILE = tile or gate_tiles[0]
-            fn, elems = case_fn(name, m, dtype, dev, a.copies)
-            with TorchPath():
-                t_torch = graph_time(fn, a.reps, a.iters)
-                ref = fn(0)
-            t_fused = graph_time(fn, a.reps, a.iters)
-            got = fn(0)
-            if name.endswith("_residual"):  # (sum, normed): both must agree
-                got, ref = (got[0], got[1]), (ref[0], ref[1])
-            agree = agreement(got, ref)
-            # bytes moved by the fused kernel: read x (and delta), write y (and the sum)
-            moved = elems * dtype.itemsize * (4 if name.endswith("_residual") else 1)
-            dname = "bf16" if dtype == torch.bfloat16 else "fp32"
-            row = dict(case=name, rows=m, dtype=dname, torch_s=t_torch, fused_s=t_fused, **agree)
-            if tile is not None:
-                row["tile"] = list(tile)
-            row["fused_GBps"] = moved / t_fused / 1e9
-            out["cases"].append(row)
-            # fp32 cases, and the gate (fp32 logits either way), within fp32's rounding
-            if (dtype == torch.float32 or name in GATES) and agree["max_rel"] > FP32_CASE_RTOL:
-                failed.append(f"{name} rows {m} {dname}: max relative difference {agree['max_rel']:.2e}")
-            label = name if tile is None else f"{name} {','.join(map(str, tile))}"
-            print(
-                f"{label:<17}{m:>6}{dname:>6}{t_torch * 1e6:>10.1f}{t_fused * 1e6:>10.1f}{t_torch / t_fused:>8.2f}x"
-                f"{row['fused_GBps']:>7.0f}  " + ", ".join(f"{k} {v:.3g}" for k, v in agree.items())
-            )
-    kernels.GATE_TILE = gate_tiles[0]
+        for m in rows:
+            for dtype in (torch.bfloat16, torch.float32):
+                fn, elems = case_fn(name, m, dtype, dev, a.copies)
+                with TorchPath():
+                    t_torch = graph_time(fn, a.reps, a.iters)
+                    ref = fn(0)
+                t_fused = graph_time(fn, a.reps, a.iters)
+                got = fn(0)
+                if name.endswith("_residual"):  # (sum, normed): both must agree
+                    got, ref = (got[0], got[1]), (ref[0], ref[1])
+                agree = agreement(got, ref)
+                # bytes moved by the fused kernel: read x (and delta), write y (and the sum)
+                moved = elems * dtype.itemsize * (4 if name.endswith("_residual") else 1)
+                dname = "bf16" if dtype == torch.bfloat16 else "fp32"
+                row = dict(case=name, rows=m, dtype=dname, torch_s=t_torch, fused_s=t_fused, **agree)
+                row["fused_GBps"] = moved / t_fused / 1e9
+                out["cases"].append(row)
+                if dtype == torch.float32 and agree["max_rel"] > FP32_CASE_RTOL:
+                    failed.append(f"{name} rows {m} fp32: max relative difference {agree['max_rel']:.2e}")
+                print(
+                    f"{name:<17}{m:>6}{dname:>6}{t_torch * 1e6:>10.1f}{t_fused * 1e6:>10.1f}{t_torch / t_fused:>8.2f}x"
+                    f"{row['fused_GBps']:>7.0f}  " + ", ".join(f"{k} {v:.3g}" for k, v in agree.items())
+                )
     out["batch_invariant"] = {}
     for dtype, dname in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         inv = invariant(dtype, dev)

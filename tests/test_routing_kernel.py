@@ -198,51 +198,5 @@ def test_the_block_warm_up_runs_the_kernel_where_it_serves(monkeypatch):
     assert block.warm_up(torch.bfloat16) == 0  # CPU
     monkeypatch.setattr(kernels, "ROUTING_DEVICES", ("cuda", "cpu"))
     spy = _Spy(monkeypatch)
-    assert block.warm_up(torch.bfloat16) == 2 and spy.calls == 1  # the fp32 gate's kernel and the routing's
+    assert block.warm_up(torch.bfloat16) == 1 and spy.calls == 1
     assert grouped.warm_up(torch.bfloat16) == 0 and spy.calls == 1
-    assert block.warm_up(torch.float32) == 1 and spy.calls == 2  # fp32 rows: torch's gate, the fused routing
-
-
-def _gate_case(t, h, e, seed, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(t, h, generator=g) * 2).to(dtype)
-    return x, torch.randn(e, h, generator=g) * h**-0.5, torch.randn(e, generator=g)
-
-
-@pytest.mark.parametrize("t,h,e", [(1, 64, 16), (37, 200, 20), (16, 2560 // 8, 64), (70, 96, 256)])
-def test_the_fp32_gate_kernel_is_torchs_fp32_gate(t, h, e):
-    """Rows of any count, H not a multiple of the K tile, E not a multiple of the expert tile:
-    the logits of ``F.linear(x.float(), w, b)`` within fp32's rounding of the sums (the
-    interpreter's products are exact fp32 too; only the order of the sums differs)."""
-    x, w, b = _gate_case(t, h, e, seed=t + h + e)
-    for bias in (None, b):
-        got = kernels.gate_fp32(x, w, bias)
-        ref = torch.nn.functional.linear(x.float(), w, bias)
-        assert got.dtype == torch.float32 and got.shape == (t, e)
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    assert kernels.gate_fp32(x[:0], w).shape == (0, e)
-
-
-def test_a_tokens_gate_logits_do_not_depend_on_the_batch():
-    x, w, _ = _gate_case(45, 160, 24, seed=3)
-    full = kernels.gate_fp32(x, w)
-    for lo, hi in [(0, 1), (5, 6), (3, 20), (44, 45), (10, 45)]:
-        assert torch.equal(kernels.gate_fp32(x[lo:hi].clone(), w), full[lo:hi])
-
-
-def test_route_takes_the_fp32_gate_kernel_only_for_half_rows_where_routing_kernels_serve(monkeypatch):
-    x, w, _ = _gate_case(5, 64, 16, seed=4)
-    block = MoEBlock(CASES["ernie"][0], 4, w, correction_bias=torch.zeros(16))
-    calls = []
-    real = kernels.gate_fp32
-    monkeypatch.setattr(kernels, "gate_fp32", lambda *a: calls.append(a) or real(*a))
-    ref = torch.nn.functional.linear(x.float(), w)
-    assert torch.equal(block.gate_logits(x), ref) and not calls  # CPU: torch's
-    monkeypatch.setattr(kernels, "ROUTING_DEVICES", ("cuda", "cpu"))
-    torch.testing.assert_close(block.gate_logits(x), ref, rtol=1e-5, atol=1e-5)
-    assert len(calls) == 1
-    assert torch.equal(block.gate_logits(x.float()), ref) and len(calls) == 1  # fp32 rows: the exactness mode
-    bf16_gate = MoEBlock(RoutingSpec(renormalize=True), 4, w.bfloat16())  # a gate in the model dtype
-    bf16_gate.gate_logits(x)
-    assert len(calls) == 1
-    assert not kernels.gate_fp32_takes(x, w.bfloat16()) and not kernels.gate_fp32_takes(x, w[:, :32])

@@ -521,48 +521,6 @@ def fused_route_takes(logits: torch.Tensor, spec: RoutingKind, top_k: int) -> bo
     )
 
 
-def gate_fp32_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gate_fp32`` serves the fp32 gate of rows x [T, H] (``RoutingSpec.gate_fp32``):
-    rows of a half dtype on a device of ``ROUTING_DEVICES`` with Triton present (never under the
-    interpreter on CUDA), a float32 weight [E, H]; otherwise (fp32 rows: the exactness mode) the
-    caller keeps torch's ``F.linear(x.float(), weight)``."""
-    return (
-        x.device.type in ROUTING_DEVICES
-        and not (x.device.type == "cuda" and _interpreted())
-        and available()
-        and x.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and weight.shape[1] == x.shape[1]
-    )
-
-
-GATE_TILE = (16, 16, 64, 4)  # (rows, experts, K, warps) of a gate_fp32 program
-
-
-def gate_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 gate in one launch: x [T, H] (bf16 or fp16) -> logits float32 [T, E] =
-    float(x) @ weight.T (+ bias), weight [E, H] and bias [E] float32. Replaces ``x.float()`` (a
-    copy of the rows) and cuBLAS's fp32 GEMM, whose N of E experts leaves most of the GPU idle at
-    decode sizes. IEEE fp32 products and sums in a fixed K order (tiles of 64), so it differs
-    from cuBLAS's only in the order of the sums; each token's logits are independent of the
-    batch. Nothing is read back, only H, E and the tile are constexprs: graph-capturable, one
-    compile per gate shape whatever the token count. The caller checks ``gate_fp32_takes``."""
-    t, h = x.shape
-    e = weight.shape[0]
-    xd, wd = _dense(x), _dense(weight)
-    bd = _dense(bias.reshape(e).float()) if bias is not None else None
-    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    if t:
-        bt, be, bk, warps = GATE_TILE
-        _routing_kernels().gate_fp32_kernel[((t + bt - 1) // bt, (e + be - 1) // be)](
-            xd, wd, bd if bd is not None else wd, out, t, H=h, E=e, BT=bt, BE=be, BK=bk, HAS_BIAS=bd is not None,
-            num_warps=warps,
-        )  # fmt: skip
-    return out
-
-
 @functools.cache
 def _routing_tile(e: int) -> tuple[int, int, int]:
     """(padded experts, rows, warps) of a routing program over rows of ``e`` logits: one token

@@ -143,34 +143,21 @@ class MoEBlock:
 
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] (the post-attention-norm MoE input) -> logical ids and weights [T, K]."""
-        return route(self.spec, self.gate_logits(hidden), self.top_k, self.correction_bias, hidden.dtype)
-
-    def gate_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The gate's logits [T, E]: in fp32 with ``spec.gate_fp32`` (on the GPU one launch that
-        converts the rows in registers, ``kernels.gate_fp32``), else in the model dtype."""
-        if self.spec.gate_fp32 and kernels.gate_fp32_takes(hidden, self.gate_weight):
-            return kernels.gate_fp32(hidden, self.gate_weight, self.gate_bias)
         x = hidden.float() if self.spec.gate_fp32 else hidden
-        return F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
+        logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
+        return route(self.spec, logits, self.top_k, self.correction_bias, hidden.dtype)
 
     def warm_up(self, dtype: torch.dtype) -> int:
         """Compile, before serving, what ``route`` launches for hidden states of ``dtype`` (the
-        model's): the fp32 gate's kernel of this gate's shape and the fused routing kernel of this
-        layer's routing, experts and top-k, whose keys do not depend on the token count. Returns
-        the launches run: 0 where torch's sequence serves (CPU, grouped or top-k-first routings,
-        ``MOESERVE_FUSED_ROUTING=0``)."""
-        dev = self.gate_weight.device
-        x = torch.zeros(1, self.gate_weight.shape[1], dtype=dtype, device=dev)
-        n = 0
-        if self.spec.gate_fp32 and kernels.gate_fp32_takes(x, self.gate_weight):
-            self.gate_logits(x)
-            n += 1
+        model's): the fused routing kernel of this layer's routing, experts and top-k, whose key
+        does not depend on the token count. Returns the launches run: 0 where torch's sequence
+        serves (CPU, grouped or top-k-first routings, ``MOESERVE_FUSED_ROUTING=0``)."""
         gate_dtype = torch.float32 if self.spec.gate_fp32 else dtype
-        logits = torch.zeros(1, self.gate_weight.shape[0], dtype=gate_dtype, device=dev)
-        if kernels.fused_route_takes(logits, self.spec, self.top_k):
-            self.route(x)
-            n += 1
-        return n
+        logits = torch.zeros(1, self.gate_weight.shape[0], dtype=gate_dtype, device=self.gate_weight.device)
+        if not kernels.fused_route_takes(logits, self.spec, self.top_k):
+            return 0
+        self.route(torch.zeros(1, self.gate_weight.shape[1], dtype=dtype, device=self.gate_weight.device))
+        return 1
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The shared experts: [T, H] -> [T, H] (times their sigmoid gate), or None."""
