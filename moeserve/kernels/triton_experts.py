@@ -273,6 +273,59 @@ def _rows_swapped(
 
 
 @triton.jit
+def _pass(
+    x_ptr,
+    w,
+    sc,
+    bias,
+    out_ptr,
+    m0,
+    end,
+    rn,
+    n_ok,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    stride_x,
+    stride_wk,
+    stride_wn,
+    stride_sk,
+    stride_out,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PRECISE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr,
+    SBK: tl.constexpr,
+    SBN: tl.constexpr,
+    NB: tl.constexpr,
+    SWAP: tl.constexpr,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    xs_ptr,
+    A8: tl.constexpr,
+):
+    # one pass: rows m0 .. m0 + BM - 1 (< end) of one slot (weights w, scales sc, bias) through
+    # the columns rn (inlined by Triton: the same code as the calls written out in the loop)
+    if SWAP:
+        _rows_swapped(
+            x_ptr, w, sc, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk, stride_out,
+            BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, SBK, SBN, NB, xs_ptr, A8,
+        )  # fmt: skip
+    else:
+        _rows(
+            x_ptr, w, sc, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk, stride_out,
+            BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT, SBK, SBN, NB, bias, alpha, limit,
+            HAS_BIAS, ACT, xs_ptr, A8,
+        )  # fmt: skip
+
+
+@triton.jit
 def expert_matmul_kernel(
     x_ptr,
     w_ptr,
@@ -330,145 +383,19 @@ def expert_matmul_kernel(
     if INTERPRET:  # the interpreter cannot range() over a runtime bound
         m0 = start + g * BM
         while m0 < end:
-            if SWAP:
-                _rows_swapped(
-                    x_ptr,
-                    w,
-                    sc,
-                    out_ptr,
-                    m0,
-                    end,
-                    rn,
-                    n_ok,
-                    K,
-                    N,
-                    stride_x,
-                    stride_wk,
-                    stride_wn,
-                    stride_sk,
-                    stride_out,
-                    BM,
-                    BN,
-                    BK,
-                    EVEN_K,
-                    GATED,
-                    PRECISION,
-                    PRECISE,
-                    INTERPRET,
-                    SBK,
-                    SBN,
-                    NB,
-                    xs_ptr,
-                    A8,
-                )
-            else:
-                _rows(
-                    x_ptr,
-                    w,
-                    sc,
-                    out_ptr,
-                    m0,
-                    end,
-                    rn,
-                    n_ok,
-                    K,
-                    N,
-                    stride_x,
-                    stride_wk,
-                    stride_wn,
-                    stride_sk,
-                    stride_out,
-                    BM,
-                    BN,
-                    BK,
-                    EVEN_K,
-                    GATED,
-                    PRECISION,
-                    PRECISE,
-                    INTERPRET,
-                    QUANT,
-                    SBK,
-                    SBN,
-                    NB,
-                    bias,
-                    alpha,
-                    limit,
-                    HAS_BIAS,
-                    ACT,
-                    xs_ptr,
-                    A8,
-                )
+            _pass(
+                x_ptr, w, sc, bias, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk,
+                stride_out, BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT, SBK, SBN, NB, SWAP,
+                alpha, limit, HAS_BIAS, ACT, xs_ptr, A8,
+            )  # fmt: skip
             m0 += G * BM
     else:
         for m0 in range(start + g * BM, end, G * BM):
-            if SWAP:
-                _rows_swapped(
-                    x_ptr,
-                    w,
-                    sc,
-                    out_ptr,
-                    m0,
-                    end,
-                    rn,
-                    n_ok,
-                    K,
-                    N,
-                    stride_x,
-                    stride_wk,
-                    stride_wn,
-                    stride_sk,
-                    stride_out,
-                    BM,
-                    BN,
-                    BK,
-                    EVEN_K,
-                    GATED,
-                    PRECISION,
-                    PRECISE,
-                    INTERPRET,
-                    SBK,
-                    SBN,
-                    NB,
-                    xs_ptr,
-                    A8,
-                )
-            else:
-                _rows(
-                    x_ptr,
-                    w,
-                    sc,
-                    out_ptr,
-                    m0,
-                    end,
-                    rn,
-                    n_ok,
-                    K,
-                    N,
-                    stride_x,
-                    stride_wk,
-                    stride_wn,
-                    stride_sk,
-                    stride_out,
-                    BM,
-                    BN,
-                    BK,
-                    EVEN_K,
-                    GATED,
-                    PRECISION,
-                    PRECISE,
-                    INTERPRET,
-                    QUANT,
-                    SBK,
-                    SBN,
-                    NB,
-                    bias,
-                    alpha,
-                    limit,
-                    HAS_BIAS,
-                    ACT,
-                    xs_ptr,
-                    A8,
-                )
+            _pass(
+                x_ptr, w, sc, bias, out_ptr, m0, end, rn, n_ok, K, N, stride_x, stride_wk, stride_wn, stride_sk,
+                stride_out, BM, BN, BK, EVEN_K, GATED, PRECISION, PRECISE, INTERPRET, QUANT, SBK, SBN, NB, SWAP,
+                alpha, limit, HAS_BIAS, ACT, xs_ptr, A8,
+            )  # fmt: skip
 
 
 @triton.jit
