@@ -73,11 +73,6 @@ def time_fn(fn, iters, layers):
     return float(np.median(ts))
 
 
-def tuning_key(kind, bm):
-    """The key of ``kernels.expert_tuning``'s tables that passes of ``bm`` rows read."""
-    return f"{kind}_bm64" if bm >= 64 else kind
-
-
 def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False):
     """Time every FP8_CANDIDATES (``a8``: FP8_A8_CANDIDATES) tiling of both FP8 kernels
     (per-channel scales; ``a8``: rows quantized per row, outside the timing): GB/s of codes."""
@@ -273,7 +268,7 @@ def main():
                 for kind, lst in res.items():
                     lst.sort(key=lambda x: -x[1])
                     print(f"  tune {name} {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]))
-                best = {tuning_key(kind, bm): list(lst[0][0]) for kind, lst in res.items() if lst}
+                best = {kernels.tuning_key(kind, bm): list(lst[0][0]) for kind, lst in res.items() if lst}
                 print(f"MOESERVE_EXPERT_TUNING={json.dumps(best)}  # {name}, {bm} rows per pass", flush=True)
                 out["tune"][name] = {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {
                     "block_m": bm,

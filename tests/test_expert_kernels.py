@@ -77,16 +77,16 @@ def test_an_expert_shapes_tiles_replace_the_tables_at_that_shape_only(monkeypatc
     variable (a sweep's tiles, end to end) replaces them; the tiles change speed, not results."""
     mine = {"gate_up": (32, 64, 4, 3), "down_bm64": (64, 64, 4, 3)}
     monkeypatch.setitem(kernels.EXPERT_TUNING_SHAPES, "bf16", {(64, 32): mine})
-    monkeypatch.delenv("MOESERVE_EXPERT_TUNING", raising=False)
+    monkeypatch.setattr(kernels, "TUNING_FROM_ENV", frozenset())
     assert kernels.expert_tuning("gate_up", 16, shape=(64, 32)) == mine["gate_up"]
     assert kernels.expert_tuning("down", 64, shape=(64, 32)) == mine["down_bm64"]
     assert kernels.expert_tuning("down", 16, shape=(64, 32)) == kernels.EXPERT_TUNING["down"]  # not given
     assert kernels.expert_tuning("gate_up", 16, shape=(48, 40)) == kernels.EXPERT_TUNING["gate_up"]  # other shape
     assert kernels.expert_tuning("gate_up", 16, True, shape=(64, 32)) == kernels.EXPERT_TUNING_FP8["gate_up"]
     assert kernels.expert_tuning("gate_up", 16) == kernels.EXPERT_TUNING["gate_up"]  # no shape
-    monkeypatch.setenv("MOESERVE_EXPERT_TUNING", '{"gate_up": [64, 64, 4, 4]}')
+    monkeypatch.setattr(kernels, "TUNING_FROM_ENV", frozenset({"bf16"}))  # MOESERVE_EXPERT_TUNING set at import
     assert kernels.expert_tuning("gate_up", 16, shape=(64, 32)) == kernels.EXPERT_TUNING["gate_up"]
-    monkeypatch.delenv("MOESERVE_EXPERT_TUNING")
+    monkeypatch.setattr(kernels, "TUNING_FROM_ENV", frozenset())
     counts = [9, 30, 1]
     _, rows, w, offs, m = setup(64, 32, counts, torch.float32, seed=6)
     y = kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16)[:m]

@@ -603,8 +603,10 @@ def _tuning_from_env(table: dict, name: str) -> None:
         table.update({k: tuple(v) for k, v in json.loads(os.environ[name]).items()})
 
 
-_tuning_from_env(EXPERT_TUNING, "MOESERVE_EXPERT_TUNING")  # the bf16 table's (``--tune``'s line)
-_tuning_from_env(EXPERT_TUNING_FP8, "MOESERVE_FP8_TUNING")
+# each table's variable (``--tune`` prints the line to set)
+_TUNING_ENV = {"bf16": "MOESERVE_EXPERT_TUNING", "fp8": "MOESERVE_FP8_TUNING", "w8a8": "MOESERVE_FP8_A8_TUNING"}
+_tuning_from_env(EXPERT_TUNING, _TUNING_ENV["bf16"])
+_tuning_from_env(EXPERT_TUNING_FP8, _TUNING_ENV["fp8"])
 # W8A8 (``ExpertScales.act_quant``, where ``models.quant.activations_quantized`` says): both operands
 # FP8 codes, the product on FP8 tensor cores, computed transposed (codes [BN, BK] x rows^T [BK,
 # BM]) with K-tiles of 128 codes at every rows-per-pass: the rows are the MMA's N side, so a row's
@@ -620,7 +622,9 @@ EXPERT_TUNING_FP8_A8 = {
     "down_bm64": (128, 128, 8, 3, True),
 }
 # MOESERVE_FP8_A8_TUNING: the same for the W8A8 table
-_tuning_from_env(EXPERT_TUNING_FP8_A8, "MOESERVE_FP8_A8_TUNING")
+_tuning_from_env(EXPERT_TUNING_FP8_A8, _TUNING_ENV["w8a8"])
+# The tables a variable replaced at import: those take no shape entries (read once, not per launch)
+TUNING_FROM_ENV = frozenset(name for name, var in _TUNING_ENV.items() if os.environ.get(var))
 EXPERT_MAX_BM = 64
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
@@ -644,7 +648,11 @@ EXPERT_TUNING_SHAPES: dict[str, dict[tuple[int, int], dict[str, tuple]]] = {
     "fp8": {},
     "w8a8": {},
 }
-_TUNING_ENV = {"bf16": "MOESERVE_EXPERT_TUNING", "fp8": "MOESERVE_FP8_TUNING", "w8a8": "MOESERVE_FP8_A8_TUNING"}
+
+
+def tuning_key(kind: str, block_m: int) -> str:
+    """The key of a tiling table that passes of ``block_m`` rows read first: ``{kind}_bm64`` at 64."""
+    return f"{kind}_bm64" if block_m >= 64 else kind
 
 
 def expert_tuning(
@@ -653,14 +661,12 @@ def expert_tuning(
     """(BN, BK, warps, stages[, transposed]) of ``kind`` (gate_up, down) for passes of
     ``block_m`` rows: bf16, FP8 weight-only, or (``a8``) FP8 rows and weights; ``shape`` (H, I)
     takes that expert shape's entries of ``EXPERT_TUNING_SHAPES`` first (unless the table's
-    environment variable replaced the table)."""
+    environment variable replaced the table, ``TUNING_FROM_ENV``)."""
     name = "w8a8" if fp8 and a8 else "fp8" if fp8 else "bf16"
     table = EXPERT_TUNING_FP8_A8 if fp8 and a8 else EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
-    if shape is not None and not os.environ.get(_TUNING_ENV[name]):
+    if shape is not None and name not in TUNING_FROM_ENV:
         table = table | EXPERT_TUNING_SHAPES[name].get((shape[0], shape[1]), {})
-    if block_m >= 64 and f"{kind}_bm64" in table:
-        return table[f"{kind}_bm64"]
-    return table[kind]
+    return table.get(tuning_key(kind, block_m), table[kind])
 
 
 def expert_block_m(rows_per_slot: int) -> int:
