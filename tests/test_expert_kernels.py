@@ -94,6 +94,30 @@ def test_an_expert_shapes_tiles_replace_the_tables_at_that_shape_only(monkeypatc
     torch.testing.assert_close(kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16)[:m], y, rtol=1e-6, atol=1e-6)
 
 
+def test_a_tiling_variable_is_read_within_bounds_and_refused_by_name_otherwise():
+    assert kernels.parse_tuning('{"down_bm64": [128, 64, 4, 4]}', "MOESERVE_EXPERT_TUNING", fp8=False) == {
+        "down_bm64": (128, 64, 4, 4)
+    }
+    assert kernels.parse_tuning('{"gate_up": [64, 128, 4, 3, true]}', "MOESERVE_FP8_A8_TUNING", fp8=True) == {
+        "gate_up": (64, 128, 4, 3, True)
+    }
+    for text, why in [
+        ("{gate_up: 1}", "is not JSON"),
+        ("[]", "allowed a JSON object of gate_up"),
+        ('{"up": [128, 64, 4, 4]}', "'up'"),
+        ('{"down": [96, 64, 4, 4]}', "powers of two 16-256"),
+        ('{"down": [128, 64, 3, 4]}', "warps 1-16"),
+        ('{"down": [128, 64, 4, 0]}', "stages 1-8"),
+        ('{"down": [128, 64, 4]}', "[BN, BK, warps, stages]"),
+        ('{"down": [128, 64, 4, 4, true]}', "[BN, BK, warps, stages]"),  # bf16 tiles have no flag
+    ]:
+        with pytest.raises(ValueError, match="MOESERVE_EXPERT_TUNING") as e:
+            kernels.parse_tuning(text, "MOESERVE_EXPERT_TUNING", fp8=False)
+        assert why in str(e.value), (text, str(e.value))
+    with pytest.raises(ValueError, match=r"MOESERVE_FP8_TUNING: 'down': \[128, 64, 4, 4\]"):
+        kernels.parse_tuning('{"down": [128, 64, 4, 4]}', "MOESERVE_FP8_TUNING", fp8=True)  # FP8: the flag too
+
+
 def test_shape_errors_are_explained():
     _, rows, w, offs, _ = setup(64, 32, [2, 3], torch.float32)
     with pytest.raises(ValueError, match="do not agree"):

@@ -597,16 +597,45 @@ FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
 # replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints);
 # MOESERVE_EXPERT_TUNING the same for the bf16 table. Either applies to every expert shape, over
 # ``EXPERT_TUNING_SHAPES`` too (a measurement switch: the tiles a sweep found, end to end).
-def _tuning_from_env(table: dict, name: str) -> None:
+TUNING_KEYS = ("gate_up", "down", "gate_up_bm64", "down_bm64")
+
+
+def parse_tuning(text: str, name: str, fp8: bool) -> dict[str, tuple]:
+    """The tiles of ``name``'s value ``text``: a JSON object of ``TUNING_KEYS`` to [BN, BK, warps,
+    stages] (FP8: and a 0/1 transposed flag), BN and BK powers of two 16-256, warps 1-16 a power
+    of two, stages 1-8. Anything else raises ValueError naming the variable and what is allowed."""
+    want = "[BN, BK, warps, stages, transposed]" if fp8 else "[BN, BK, warps, stages]"
+    allowed = f"a JSON object of {', '.join(TUNING_KEYS)} to {want}, BN and BK powers of two 16-256, warps 1-16 a power of two, stages 1-8"
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}={text!r} is not JSON ({e}): allowed {allowed}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"{name}={text!r}: allowed {allowed}")
+    out = {}
+    for key, tile in raw.items():
+        ok = key in TUNING_KEYS and isinstance(tile, list) and len(tile) == (5 if fp8 else 4)
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in tile[:4])
+        if ok:
+            bn, bk, warps, stages = tile[:4]
+            pow2 = all(16 <= v <= 256 and v & (v - 1) == 0 for v in (bn, bk))
+            ok = pow2 and warps in (1, 2, 4, 8, 16) and 1 <= stages <= 8 and (not fp8 or tile[4] in (0, 1, False, True))
+        if not ok:
+            raise ValueError(f"{name}: {key!r}: {tile!r} is not a tile: allowed {allowed}")
+        out[key] = tuple(tile[:4]) + ((bool(tile[4]),) if fp8 else ())
+    return out
+
+
+def _tuning_from_env(table: dict, name: str, fp8: bool) -> None:
     """``name``: a JSON object of ``table``'s keys whose tiles replace the table's entries."""
     if os.environ.get(name):
-        table.update({k: tuple(v) for k, v in json.loads(os.environ[name]).items()})
+        table.update(parse_tuning(os.environ[name], name, fp8))
 
 
 # each table's variable (``--tune`` prints the line to set)
 _TUNING_ENV = {"bf16": "MOESERVE_EXPERT_TUNING", "fp8": "MOESERVE_FP8_TUNING", "w8a8": "MOESERVE_FP8_A8_TUNING"}
-_tuning_from_env(EXPERT_TUNING, _TUNING_ENV["bf16"])
-_tuning_from_env(EXPERT_TUNING_FP8, _TUNING_ENV["fp8"])
+_tuning_from_env(EXPERT_TUNING, _TUNING_ENV["bf16"], fp8=False)
+_tuning_from_env(EXPERT_TUNING_FP8, _TUNING_ENV["fp8"], fp8=True)
 # W8A8 (``ExpertScales.act_quant``, where ``models.quant.activations_quantized`` says): both operands
 # FP8 codes, the product on FP8 tensor cores, computed transposed (codes [BN, BK] x rows^T [BK,
 # BM]) with K-tiles of 128 codes at every rows-per-pass: the rows are the MMA's N side, so a row's
@@ -622,7 +651,7 @@ EXPERT_TUNING_FP8_A8 = {
     "down_bm64": (128, 128, 8, 3, True),
 }
 # MOESERVE_FP8_A8_TUNING: the same for the W8A8 table
-_tuning_from_env(EXPERT_TUNING_FP8_A8, _TUNING_ENV["w8a8"])
+_tuning_from_env(EXPERT_TUNING_FP8_A8, _TUNING_ENV["w8a8"], fp8=True)
 # The tables a variable replaced at import: those take no shape entries (read once, not per launch)
 TUNING_FROM_ENV = frozenset(name for name, var in _TUNING_ENV.items() if os.environ.get(var))
 EXPERT_MAX_BM = 64
