@@ -41,9 +41,18 @@ SHAPES = {
     "qwen3": dict(hidden=2048, inter=768, slots=144, top_k=8),  # Qwen3-30B-A3B, 128 experts + 16 redundant
     "gptoss": dict(hidden=2880, inter=2880, slots=36, top_k=4),  # GPT-OSS-20B's shape, bf16 (no biases here)
 }
-CANDIDATES = list(itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4)))  # (BN, BK, warps, stages)
-FP8_A8_CANDIDATES = list(itertools.product((64, 128), (128, 256), (4, 8), (3, 4), (False, True)))
-FP8_CANDIDATES = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (False, True)))  # ..., swap
+# the tilings --tune times: (BN, BK) choices per kernel kind, each with warps (4, 8) and stages
+# (3, 4), the FP8 kernels also with and without the swapped product; --tune-bn / --tune-bk
+# replace a kind's BN / BK choices (a tiling whose shared memory does not fit is skipped)
+TUNE_BN_BK = {"bf16": ((32, 64, 128), (64, 128)), "fp8": ((64, 128), (64, 128)), "w8a8": ((64, 128), (128, 256))}
+
+
+def candidates(kind: str, bn=None, bk=None) -> list[tuple]:
+    """The tilings --tune times for kernel kind ``kind`` (bf16, fp8, w8a8): (BN, BK, warps,
+    stages), and for FP8 the swap flag; ``bn`` / ``bk`` replace the kind's BN / BK choices."""
+    bns, bks = TUNE_BN_BK[kind]
+    grid = [bn or bns, bk or bks, (4, 8), (3, 4)] + ([] if kind == "bf16" else [(False, True)])
+    return list(itertools.product(*grid))
 
 
 def counts_for(rng, tokens, k, slots, skew):
@@ -73,8 +82,8 @@ def time_fn(fn, iters, layers):
     return float(np.median(ts))
 
 
-def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False):
-    """Time every FP8_CANDIDATES (``a8``: FP8_A8_CANDIDATES) tiling of both FP8 kernels
+def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False, bn=None, bk=None):
+    """Time every ``candidates("fp8")`` (``a8``: ``"w8a8"``) tiling of both FP8 kernels
     (per-channel scales; ``a8``: rows quantized per row, outside the timing): GB/s of codes."""
     _, blocks, layers8 = case
     h_in = torch.randn(rows.shape[0], i, device=rows.device, dtype=rows.dtype)
@@ -82,7 +91,7 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False):
     if a8:
         (x, xs), (hx, hs) = kernels.quant_rows(rows), kernels.quant_rows(h_in)
     res = {"gate_up": [], "down": []}
-    for cand in FP8_A8_CANDIDATES if a8 else FP8_CANDIDATES:
+    for cand in candidates("w8a8" if a8 else "fp8", bn, bk):
 
         def gu(j, cand=cand):
             w = layers8[j]
@@ -123,6 +132,18 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False):
     return {kind: [[list(c), g] for c, g in lst] for kind, lst in res.items()} | {"block_m": bm, "best": best}
 
 
+def _pow2(v: str, flag: str) -> int:
+    """One tile size of --tune-bn / --tune-bk: a power of two from 16 to 256 (the bounds
+    ``kernels.parse_tuning`` holds the tables to)."""
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 16 or n > 256 or n & (n - 1):
+        raise ValueError(f"{flag}: {v!r} is not a power of two from 16 to 256")
+    return n
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="scout,ernie")
@@ -131,6 +152,8 @@ def main():
     p.add_argument("--layers", type=int, default=4, help="layers of weights cycled (L2 never holds one)")
     p.add_argument("--tune", action="store_true", help="time every candidate tiling of each kernel (256 tokens)")
     p.add_argument("--tune-kinds", default="bf16,fp8,w8a8", help="which kernels --tune sweeps (bf16,fp8,w8a8)")
+    p.add_argument("--tune-bn", default=None, help="BN choices --tune sweeps, e.g. 128,256 (default: per kind)")
+    p.add_argument("--tune-bk", default=None, help="BK choices --tune sweeps, e.g. 32,64 (default: per kind)")
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -141,6 +164,13 @@ def main():
         "--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "expert-kernel.json")
     )
     a = p.parse_args()
+    try:
+        bn, bk = (
+            tuple(_pow2(v, flag) for v in arg.split(",")) if arg else None
+            for arg, flag in ((a.tune_bn, "--tune-bn"), (a.tune_bk, "--tune-bk"))
+        )
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the kernels are checked on CPU by tests/test_expert_kernels.py)")
     dev = torch.device("cuda")
@@ -256,7 +286,7 @@ def main():
             ):
                 h_in = kernels.expert_gate_up(rows, gu[0], offs, bm)
                 res = {"gate_up": [], "down": []}
-                for cand in CANDIDATES:
+                for cand in candidates("bf16", bn, bk):
                     try:
                         t1 = time_fn(lambda j: kernels.expert_gate_up(rows, gu[j], offs, bm, cand), 10, a.layers)
                         t2 = time_fn(lambda j: kernels.expert_down(h_in, dn[j], offs, bm, cand), 10, a.layers)
@@ -276,10 +306,12 @@ def main():
                 }
             if a.tune and fp8 and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
                 if "fp8" in a.tune_kinds.split(","):
-                    out["tune"][f"{name}-fp8"] = tune_fp8(fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers)
+                    out["tune"][f"{name}-fp8"] = tune_fp8(
+                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, bn=bn, bk=bk
+                    )
                 if "w8a8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8-w8a8"] = tune_fp8(
-                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, a8=True
+                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, a8=True, bn=bn, bk=bk
                     )
         gu = dn = []  # free the device memory before the next shape
         fp8 = {}

@@ -118,6 +118,37 @@ def test_a_tiling_variable_is_read_within_bounds_and_refused_by_name_otherwise()
         kernels.parse_tuning('{"down": [128, 64, 4, 4]}', "MOESERVE_FP8_TUNING", fp8=True)  # FP8: the flag too
 
 
+def test_every_tiling_the_benchmark_sweeps_computes_the_slot_loop():
+    """benchmarks/expert_kernel.py --tune with its widest choices (BN 128 and 256, BK 32 to
+    128): every (BN, BK) it times gives the slot loop's answer in fp32 (warps and stages do
+    not change what the interpreter computes), N and K masked at the edges, so the tiling a
+    GPU sweep picks is one that is right; and a size outside the bounds is refused by name."""
+    bench = _expert_benchmark()
+    cands = bench.candidates("bf16", (128, 256), (32, 64, 128))
+    assert len(cands) == 2 * 3 * 2 * 2 and len(bench.candidates("w8a8")) == 2 * 2 * 2 * 2 * 2
+    counts = [5, 0, 19]
+    spec, rows, w, offs, m = setup(48, 136, counts, torch.float32, seed=7)  # N 136 and 48: masked tiles
+    ref = reference(spec, rows, w, counts)
+    for bn, bk in sorted({c[:2] for c in cands}):
+        h = kernels.expert_gate_up(rows, w["gate_up"], offs, 16, (bn, bk, 4, 3))
+        y = kernels.expert_down(h, w["down"], offs, 16, (bn, bk, 4, 3))
+        torch.testing.assert_close(y[:m], ref, rtol=1e-5, atol=1e-5, msg=f"tiling {(bn, bk)}")
+    for bad in ("300", "96", "8", "x"):
+        with pytest.raises(ValueError, match=f"--tune-bn: '{bad}' is not a power of two from 16 to 256"):
+            bench._pow2(bad, "--tune-bn")
+
+
+def _expert_benchmark():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "expert_kernel.py"
+    spec = importlib.util.spec_from_file_location("expert_kernel_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_shape_errors_are_explained():
     _, rows, w, offs, _ = setup(64, 32, [2, 3], torch.float32)
     with pytest.raises(ValueError, match="do not agree"):
