@@ -42,16 +42,17 @@ SHAPES = {
     "gptoss": dict(hidden=2880, inter=2880, slots=36, top_k=4),  # GPT-OSS-20B's shape, bf16 (no biases here)
 }
 # the tilings --tune times: (BN, BK) choices per kernel kind, each with warps (4, 8) and stages
-# (3, 4), the FP8 kernels also with and without the swapped product; --tune-bn / --tune-bk
-# replace a kind's BN / BK choices (a tiling whose shared memory does not fit is skipped)
+# (3, 4), the FP8 kernels also with and without the swapped product; --tune-bn / --tune-bk /
+# --tune-stages replace those choices (a tiling whose shared memory does not fit is skipped)
 TUNE_BN_BK = {"bf16": ((32, 64, 128), (64, 128)), "fp8": ((64, 128), (64, 128)), "w8a8": ((64, 128), (128, 256))}
 
 
-def candidates(kind: str, bn=None, bk=None) -> list[tuple]:
+def candidates(kind: str, bn=None, bk=None, stages=None) -> list[tuple]:
     """The tilings --tune times for kernel kind ``kind`` (bf16, fp8, w8a8): (BN, BK, warps,
-    stages), and for FP8 the swap flag; ``bn`` / ``bk`` replace the kind's BN / BK choices."""
+    stages), and for FP8 the swap flag; ``bn`` / ``bk`` / ``stages`` replace the kind's
+    choices."""
     bns, bks = TUNE_BN_BK[kind]
-    grid = [bn or bns, bk or bks, (4, 8), (3, 4)] + ([] if kind == "bf16" else [(False, True)])
+    grid = [bn or bns, bk or bks, (4, 8), stages or (3, 4)] + ([] if kind == "bf16" else [(False, True)])
     return list(itertools.product(*grid))
 
 
@@ -82,7 +83,7 @@ def time_fn(fn, iters, layers):
     return float(np.median(ts))
 
 
-def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False, bn=None, bk=None):
+def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False, bn=None, bk=None, stages=None):
     """Time every ``candidates("fp8")`` (``a8``: ``"w8a8"``) tiling of both FP8 kernels
     (per-channel scales; ``a8``: rows quantized per row, outside the timing): GB/s of codes."""
     _, blocks, layers8 = case
@@ -91,7 +92,7 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False, bn=None, bk=Non
     if a8:
         (x, xs), (hx, hs) = kernels.quant_rows(rows), kernels.quant_rows(h_in)
     res = {"gate_up": [], "down": []}
-    for cand in candidates("w8a8" if a8 else "fp8", bn, bk):
+    for cand in candidates("w8a8" if a8 else "fp8", bn, bk, stages):
 
         def gu(j, cand=cand):
             w = layers8[j]
@@ -144,6 +145,13 @@ def _pow2(v: str, flag: str) -> int:
     return n
 
 
+def _stages(v: str) -> int:
+    """One choice of --tune-stages: 1 to 8 (the bounds ``kernels.parse_tuning`` holds)."""
+    if not v.isdigit() or not 1 <= int(v) <= 8:
+        raise ValueError(f"--tune-stages: {v!r} is not a stage count from 1 to 8")
+    return int(v)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="scout,ernie")
@@ -154,6 +162,7 @@ def main():
     p.add_argument("--tune-kinds", default="bf16,fp8,w8a8", help="which kernels --tune sweeps (bf16,fp8,w8a8)")
     p.add_argument("--tune-bn", default=None, help="BN choices --tune sweeps, e.g. 128,256 (default: per kind)")
     p.add_argument("--tune-bk", default=None, help="BK choices --tune sweeps, e.g. 32,64 (default: per kind)")
+    p.add_argument("--tune-stages", default=None, help="pipeline stages --tune sweeps, e.g. 3,4,6 (default: 3,4)")
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -169,6 +178,7 @@ def main():
             tuple(_pow2(v, flag) for v in arg.split(",")) if arg else None
             for arg, flag in ((a.tune_bn, "--tune-bn"), (a.tune_bk, "--tune-bk"))
         )
+        stages = tuple(_stages(v) for v in a.tune_stages.split(",")) if a.tune_stages else None
     except ValueError as e:
         p.error(str(e))
     if not torch.cuda.is_available():
@@ -286,7 +296,7 @@ def main():
             ):
                 h_in = kernels.expert_gate_up(rows, gu[0], offs, bm)
                 res = {"gate_up": [], "down": []}
-                for cand in candidates("bf16", bn, bk):
+                for cand in candidates("bf16", bn, bk, stages):
                     try:
                         t1 = time_fn(lambda j: kernels.expert_gate_up(rows, gu[j], offs, bm, cand), 10, a.layers)
                         t2 = time_fn(lambda j: kernels.expert_down(h_in, dn[j], offs, bm, cand), 10, a.layers)
@@ -311,7 +321,7 @@ def main():
                     )
                 if "w8a8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8-w8a8"] = tune_fp8(
-                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, a8=True, bn=bn, bk=bk
+                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, a8=True, bn=bn, bk=bk, stages=stages
                     )
         gu = dn = []  # free the device memory before the next shape
         fp8 = {}

@@ -136,6 +136,10 @@ def test_every_tiling_the_benchmark_sweeps_computes_the_slot_loop():
     for bad in ("300", "96", "8", "x"):
         with pytest.raises(ValueError, match=f"--tune-bn: '{bad}' is not a power of two from 16 to 256"):
             bench._pow2(bad, "--tune-bn")
+    assert {c[3] for c in bench.candidates("bf16", stages=(3, 6))} == {3, 6}
+    for bad in ("0", "9", "-1", "x"):
+        with pytest.raises(ValueError, match=f"--tune-stages: '{bad}' is not a stage count from 1 to 8"):
+            bench._stages(bad)
 
 
 def _expert_benchmark():
