@@ -15,7 +15,12 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
 - ``scout_qk``: Llama 4's interleaved RoPE then its weightless qk-norm on q [T, 40, 128] and k [T, 8, 128];
 - ``ernie_qk``: ERNIE's interleaved RoPE on q [T, 20, 128] and k [T, 4, 128];
 - ``<shape>_silu``: silu(gate) * up of a shared expert's merged gate_up output [T, 2F] (ERNIE's
-  two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves.
+  two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves;
+- ``<shape>_gate``: an fp32 gate of bf16 rows and its routing, ``MoEBlock.route`` (ERNIE's H
+  2,560 x E 64, top-6 by the fused routing kernel; DeepSeek-V3's 7,168 x 256, top-8 of 4 groups
+  by torch's sequence): the weight's three bf16 parts in one tensor-core GEMM
+  (``kernels.gate_parts``) against ``x.float()`` and cuBLAS's fp32 GEMM; bf16 rows only (fp32
+  rows keep the fp32 GEMM); agreement over the chosen ids and their weights.
 
 Agreement: the share of output elements bit-identical to the torch path and the largest
 difference relative to the largest value (a bf16 step is 2^-8 of a value: 3.9e-3). Then whole
@@ -46,7 +51,8 @@ from fp8_linears import add_graph_args, graph_args, graph_time  # noqa: E402
 
 from moeserve import kernels  # noqa: E402
 from moeserve.models import init_model, layers, load_model  # noqa: E402
-from moeserve.models.config import RopeConfig  # noqa: E402
+from moeserve.models.config import RopeConfig, RoutingSpec  # noqa: E402
+from moeserve.models.routing import MoEBlock  # noqa: E402
 
 HIDDEN = {"scout": 5120, "ernie": 2560, "qwen3": 2048}
 QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
@@ -55,20 +61,40 @@ QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
     "ernie_qk": (20, 4, 128, True, False, False),
 }
 SILU = {"ernie_silu": 2 * 3072, "scout_silu": 2 * 8192}  # merged gate_up widths of the shared experts
-CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU)
+GATES = {  # (H, E, K, routing) of fp32 gates
+    "ernie_gate": (2560, 64, 6, RoutingSpec(gate_fp32=True, correction_bias=True, renormalize=True, renorm_min=1e-12)),
+    "dsv3_gate": (
+        7168,
+        256,
+        8,
+        RoutingSpec(
+            scoring="sigmoid",
+            gate_fp32=True,
+            correction_bias=True,
+            renormalize=True,
+            renorm_min=1e-20,
+            n_group=8,
+            topk_group=4,
+            scaling_factor=2.5,
+        ),
+    ),
+}
+CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(GATES)
 MODELS = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
 FP32_CASE_RTOL = 1e-5
 FP32_LOGITS_ATOL = 1e-4
 
 
 class TorchPath:
-    """Within it, the models' norms and RoPE take the torch path (no device takes the kernels)."""
+    """Within it, the models' norms and RoPE take the torch path and fp32 gates the fp32 GEMM
+    (no device takes the kernels or the gate's parts)."""
 
     def __enter__(self):
-        self.saved, kernels.NORM_DEVICES = kernels.NORM_DEVICES, ()
+        self.saved = kernels.NORM_DEVICES, kernels.GATE_SPLIT_DEVICES
+        kernels.NORM_DEVICES = kernels.GATE_SPLIT_DEVICES = ()
 
     def __exit__(self, *exc):
-        kernels.NORM_DEVICES = self.saved
+        kernels.NORM_DEVICES, kernels.GATE_SPLIT_DEVICES = self.saved
 
 
 def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies: int):
@@ -78,6 +104,19 @@ def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies:
         w2 = SILU[name]
         gus = [torch.randn(rows, w2, device=dev, generator=g).to(dtype) * 3 for _ in range(copies)]
         return lambda i: layers.silu_mul(gus[i % copies]), rows * w2 * 3 // 2
+    if name in GATES:
+        h, e, k, spec = GATES[name]
+        xs = [torch.randn(rows, h, device=dev, generator=g).to(dtype) for _ in range(copies)]
+        w = torch.randn(e, h, device=dev, generator=g) * h**-0.5
+        block = MoEBlock(spec, k, w, correction_bias=torch.randn(e, device=dev, generator=g) * 0.05)
+        if block.gate_parts is None:
+            raise SystemExit(f"{name}: this GPU's torch gives no fp32 output of a bf16 GEMM (mm.dtype)")
+
+        def gate(i):
+            r = block.route(xs[i % copies])
+            return r.ids.float(), r.weights.float()
+
+        return gate, rows * h + e * h * 3  # in bf16 units: x, the three parts
     if name.endswith("_residual"):
         h = HIDDEN[name.split("_")[0]]
         xs = [torch.randn(rows, h, device=dev, generator=g).to(dtype) for _ in range(copies)]
@@ -163,13 +202,15 @@ def main():
     for name in cases:
         for m in rows:
             for dtype in (torch.bfloat16, torch.float32):
+                if name in GATES and dtype == torch.float32:
+                    continue  # fp32 rows keep the fp32 GEMM (the exactness mode)
                 fn, elems = case_fn(name, m, dtype, dev, a.copies)
                 with TorchPath():
                     t_torch = graph_time(fn, a.reps, a.iters)
                     ref = fn(0)
                 t_fused = graph_time(fn, a.reps, a.iters)
                 got = fn(0)
-                if name.endswith("_residual"):  # (sum, normed): both must agree
+                if name.endswith("_residual") or name in GATES:  # (sum, normed), (ids, weights)
                     got, ref = (got[0], got[1]), (ref[0], ref[1])
                 agree = agreement(got, ref)
                 # bytes moved by the fused kernel: read x (and delta), write y (and the sum)

@@ -200,3 +200,86 @@ def test_the_block_warm_up_runs_the_kernel_where_it_serves(monkeypatch):
     spy = _Spy(monkeypatch)
     assert block.warm_up(torch.bfloat16) == 1 and spy.calls == 1
     assert grouped.warm_up(torch.bfloat16) == 0 and spy.calls == 1
+
+
+def test_the_gate_parts_sum_to_the_fp32_weight_exactly():
+    """kernels.gate_parts: three bf16 parts whose fp32 sum (hi + mid) + lo is the weight bit for
+    bit, at every scale a gate has and at awkward values (ties of a bf16 rounding, a carry into
+    the next binade, signed zeros, tiny and large magnitudes); each part a bf16 value."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.cat(
+        [
+            torch.randn(64, 256, generator=g) * scale
+            for scale in (1e-6, 1e-3, 0.02, 1.0, 300.0)  # [5 * 64, 256]
+        ]
+    )
+    edge = torch.tensor([1.0 + 2**-8, 1.0 - 2**-9, 1.99999988, -0.0, 0.0, 3.3e38, -1e-30, 2**-126, 255.96875])
+    w[0, : edge.numel()] = edge
+    p = kernels.gate_parts(w)
+    assert p is not None
+    assert p.dtype == torch.bfloat16 and p.shape == (3 * w.shape[0], w.shape[1]) and p.is_contiguous()
+    hi, mid, lo = p.float().split(w.shape[0])
+    assert torch.equal((hi + mid) + lo, w)
+    assert torch.equal(hi, w.to(torch.bfloat16).float())  # the first part is the weight's bf16 rounding
+    assert (lo.abs() <= mid.abs() * 2**-7).all() and (mid.abs() <= hi.abs() * 2**-7).all()
+    for bad in (3.4e38, float("inf"), float("nan")):  # rounds to bf16's infinity, or is not finite
+        w[1, 1] = bad
+        assert kernels.gate_parts(w) is None
+
+
+def test_split_gate_logits_route_as_the_fp32_gate(monkeypatch):
+    """An fp32 gate of bf16 rows through the three parts (the GEMM emulated on CPU by exact
+    products summed in fp32): the logits within fp32 rounding of F.linear(x.float(), W), the
+    same ids as the fp32 gate chooses, and the fused kernel (PARTS 3, summing while it loads)
+    bit-identical to routing the summed logits; a block with a gate bias, fp32 rows or the
+    switch off keeps the fp32 GEMM."""
+    import torch.nn.functional as F
+
+    spec, e, k, _, _ = CASES["ernie"]
+    g = torch.Generator().manual_seed(11)
+    h, t = 96, 33
+    weight = torch.randn(e, h, generator=g) * h**-0.5
+    bias = bias_for(e, 4)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    monkeypatch.setattr(kernels, "GATE_SPLIT_DEVICES", ("cpu",))
+    block = MoEBlock(spec, k, weight, correction_bias=bias)
+    assert block.gate_parts is not None
+    partial = kernels.gate_split_logits(x, block.gate_parts)
+    assert partial.shape == (t, 3 * e) and partial.dtype == torch.float32
+    ref_logits = F.linear(x.float(), weight)
+    torch.testing.assert_close(kernels.sum_gate_parts(partial), ref_logits, rtol=0, atol=2e-6)
+    got = block.route(x)  # CPU: the summed logits through torch's sequence
+    ref = route(spec, ref_logits, k, bias, torch.bfloat16)
+    assert torch.equal(got.ids, ref.ids)
+    monkeypatch.setattr(kernels, "ROUTING_DEVICES", ("cuda", "cpu"))
+    spy = _Spy(monkeypatch)
+    fused = block.route(x)
+    assert spy.calls == 1 and torch.equal(fused.ids, got.ids)
+    summed = route(spec, kernels.sum_gate_parts(partial), k, bias, torch.bfloat16)  # the kernel, PARTS 1
+    assert torch.equal(fused.ids, summed.ids) and torch.equal(fused.weights, summed.weights)
+    assert block.warm_up(torch.bfloat16) == 1  # compiles the PARTS 3 kernel
+    # where the split does not serve
+    assert MoEBlock(spec, k, weight, gate_bias=torch.zeros(e), correction_bias=bias).gate_parts is None
+    assert MoEBlock(RoutingSpec(renormalize=True), k, weight.bfloat16()).gate_parts is None  # a bf16 gate
+    spy.calls = 0
+    block.route(x.float())  # fp32 rows: the fp32 weight
+    assert spy.calls == 1
+    monkeypatch.setattr(kernels, "GATE_SPLIT_DEVICES", ())  # read at each call: the fp32 GEMM now
+    spy.calls = 0
+    real_mm = kernels.gate_split_logits
+    monkeypatch.setattr(kernels, "gate_split_logits", lambda *a: pytest.fail("split with the switch off"))
+    off = block.route(x)
+    assert spy.calls == 1 and torch.equal(off.ids, ref.ids)
+    monkeypatch.setattr(kernels, "gate_split_logits", real_mm)
+    assert MoEBlock(spec, k, weight, correction_bias=bias).gate_parts is None
+    assert not kernels.fused_route_takes(partial.bfloat16(), spec, k, kernels.GATE_PARTS)  # parts are fp32
+
+
+def test_moeserve_gate_split_is_read_as_0_or_1(monkeypatch):
+    monkeypatch.setenv("MOESERVE_GATE_SPLIT", "0")
+    assert kernels._gate_split_devices() == ()
+    monkeypatch.delenv("MOESERVE_GATE_SPLIT")
+    assert kernels._gate_split_devices() == ("cuda",)
+    monkeypatch.setenv("MOESERVE_GATE_SPLIT", "on")
+    with pytest.raises(ValueError, match="MOESERVE_GATE_SPLIT='on': allowed 1 .* or 0"):
+        kernels._gate_split_devices()

@@ -501,24 +501,103 @@ class RoutingKind(Protocol):
     def n_group(self) -> int: ...
 
 
-def fused_route_takes(logits: torch.Tensor, spec: RoutingKind, top_k: int) -> bool:
-    """Whether ``fused_route`` serves gate logits [T, E] routed by ``spec`` to ``top_k``
-    experts: a tensor on a device of ``ROUTING_DEVICES`` (CUDA, never under the interpreter)
-    with Triton present, a float dtype, the top-k taken on the scores (not ``topk_first``)
-    without expert groups (``n_group`` <= 1), E <= ``ROUTING_MAX_E`` and 1 <= K <=
-    ``ROUTING_MAX_K``, K <= E; otherwise the caller keeps its torch path."""
+def fused_route_takes(logits: torch.Tensor, spec: RoutingKind, top_k: int, parts: int = 1) -> bool:
+    """Whether ``fused_route`` serves gate logits [T, E] (``parts`` > 1: [T, parts x E], the
+    partial logits of ``gate_parts``) routed by ``spec`` to ``top_k`` experts: a tensor on a
+    device of ``ROUTING_DEVICES`` (CUDA, never under the interpreter) with Triton present, a
+    float dtype, the top-k taken on the scores (not ``topk_first``) without expert groups
+    (``n_group`` <= 1), E <= ``ROUTING_MAX_E`` and 1 <= K <= ``ROUTING_MAX_K``, K <= E;
+    otherwise the caller keeps its torch path."""
+    e = logits.shape[-1] // parts
     return (
         logits.device.type in ROUTING_DEVICES
         and not (logits.device.type == "cuda" and _interpreted())
         and available()
         and logits.dim() == 2
         and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and parts in (1, GATE_PARTS)
+        and (parts == 1 or logits.dtype == torch.float32)
         and not spec.topk_first
         and spec.n_group <= 1
         and spec.scoring in ("softmax", "sigmoid")
-        and 1 <= top_k <= min(ROUTING_MAX_K, logits.shape[1])
-        and logits.shape[1] <= ROUTING_MAX_E
+        and 1 <= top_k <= min(ROUTING_MAX_K, e)
+        and e <= ROUTING_MAX_E
     )
+
+
+# An fp32 gate of bf16 rows on tensor cores (``gate_parts``): the fp32 weight split into three
+# bf16 parts whose sum is the weight exactly, one bf16 GEMM of the rows by all three with fp32
+# output, the three partial logits summed in fp32. Each product of a bf16 row value and a bf16
+# part is exact in fp32, so the logits are the fp32 GEMM's up to the order of fp32 sums. Where
+# it runs: GATE_SPLIT_DEVICES (CUDA where torch's GEMM gives bf16 operands an fp32 output; tests
+# add "cpu", where the GEMM is emulated in fp32); MOESERVE_GATE_SPLIT=0 keeps x.float() and the
+# fp32 GEMM (a measurement switch).
+GATE_PARTS = 3
+
+
+def _gate_split_devices() -> tuple[str, ...]:
+    mode = os.environ.get("MOESERVE_GATE_SPLIT", "1") or "1"
+    if mode not in ("0", "1"):
+        raise ValueError(f"MOESERVE_GATE_SPLIT={mode!r}: allowed 1 (the default: split on CUDA) or 0 (fp32 GEMM)")
+    return ("cuda",) if mode == "1" else ()
+
+
+GATE_SPLIT_DEVICES: tuple[str, ...] = _gate_split_devices()
+
+
+@functools.cache
+def _mm_fp32_out(device: str) -> bool:
+    """Whether torch's GEMM takes bf16 operands to an fp32 output on ``device`` (``mm.dtype``)."""
+    try:
+        a = torch.ones(2, 16, dtype=torch.bfloat16, device=device)
+        return bool(torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def gate_split_takes(weight: torch.Tensor) -> bool:
+    """Whether an fp32 gate ``weight`` [E, H] on its device takes ``gate_parts`` (its rows bf16)."""
+    dev = weight.device.type
+    return (
+        weight.dtype == torch.float32
+        and dev in GATE_SPLIT_DEVICES
+        and (dev != "cuda" or (torch.cuda.is_available() and _mm_fp32_out(str(weight.device))))
+    )
+
+
+def gate_split_on(x: torch.Tensor) -> bool:
+    """Whether rows on ``x``'s device take a gate's parts now (``GATE_SPLIT_DEVICES`` is read
+    at each call, so a benchmark can run both paths of one block side by side)."""
+    return x.device.type in GATE_SPLIT_DEVICES
+
+
+def gate_parts(weight: torch.Tensor) -> torch.Tensor | None:
+    """fp32 [E, H] -> bf16 [3E, H]: (hi, mid, lo), each the bf16 rounding of what the parts
+    before it left, so that (hi + mid) + lo == weight exactly in fp32 (24 significant bits in
+    three of 8; bf16 has fp32's exponent range). Checked once here: None where a weight is not
+    so split (past bf16's largest finite value, or not finite), for the caller's fp32 GEMM."""
+    w = weight.float()
+    hi = w.to(torch.bfloat16)
+    r = w - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    if not torch.equal((hi.float() + mid.float()) + lo.float(), w):
+        return None
+    return torch.cat([hi, mid, lo]).contiguous()
+
+
+def gate_split_logits(x: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """bf16 rows x [T, H] by ``gate_parts`` [3E, H] -> the partial logits [T, 3E] in fp32 (one
+    GEMM; on CPU emulated: x.float() @ parts.float().T, the same exact products)."""
+    if x.device.type == "cuda":
+        return torch.mm(x, parts.t(), out_dtype=torch.float32)
+    return x.float() @ parts.float().t()
+
+
+def sum_gate_parts(partial: torch.Tensor) -> torch.Tensor:
+    """[T, 3E] partial logits -> [T, E]: (lo + mid) + hi in fp32, the smallest first."""
+    e = partial.shape[1] // GATE_PARTS
+    return (partial[:, 2 * e :] + partial[:, e : 2 * e]) + partial[:, :e]
 
 
 @functools.cache
@@ -541,8 +620,11 @@ def fused_route(
     renorm_min: float | None,
     scaling_factor: float,
     out_dtype: torch.dtype,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of ``triton_routing.fused_route_kernel``: gate logits [T, E] -> (ids int64
+    """One launch of ``triton_routing.fused_route_kernel``: gate logits [T, E] (``parts`` 3:
+    the partial logits [T, 3E] of ``gate_split_logits``, summed as ``sum_gate_parts`` sums them
+    while loaded) -> (ids int64
     [T, K], weights [T, K] in ``out_dtype``), ``models.routing.route``'s routing without groups:
     scores s = softmax or sigmoid (``scoring``) of the logits in fp32; ids the top-k of s +
     ``correction_bias`` [E] (fp32, or None), in descending order, the lowest index first among
@@ -556,6 +638,7 @@ def fused_route(
     graph-capturable, one compile per routing whatever the batch. The caller checks
     ``fused_route_takes`` first."""
     t, e = logits.shape
+    e //= parts
     x = _dense(logits)
     bias = None if correction_bias is None else _dense(correction_bias.reshape(e).float())
     ids = torch.empty(t, k, dtype=torch.long, device=logits.device)
@@ -565,7 +648,7 @@ def fused_route(
         floor = bool(renormalize and renorm_min)
         _routing_kernels().fused_route_kernel[((t + rows - 1) // rows,)](
             x, bias if bias is not None else x, ids, weights, t, float(renorm_min or 0.0), float(scaling_factor),
-            E=e, EB=block, K=k, KB=_pow2(k), ROWS=rows, SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None,
+            E=e, EB=block, K=k, KB=_pow2(k), ROWS=rows, PARTS=parts, SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None,
             RENORM=bool(renormalize), FLOOR=floor, SCALE=scaling_factor != 1.0, PRECISE=not _interpreted(),
             num_warps=warps,
         )  # fmt: skip

@@ -46,6 +46,7 @@ def fused_route_kernel(
     K: tl.constexpr,
     KB: tl.constexpr,
     ROWS: tl.constexpr,
+    PARTS: tl.constexpr,
     SOFTMAX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
@@ -63,7 +64,13 @@ def fused_route_kernel(
     cols = tl.arange(0, EB)[None, :]  # [1, EB]
     row_ok = rows < n_rows
     m = row_ok[:, None] & (cols < E)
-    x = tl.load(logits_ptr + rows[:, None] * E + cols, mask=m, other=float("-inf")).to(tl.float32)
+    if PARTS == 3:  # gate_parts' partial logits [n_rows, 3E] (hi, mid, lo), summed (lo + mid) + hi
+        base = logits_ptr + rows[:, None] * (3 * E) + cols
+        lo = tl.load(base + 2 * E, mask=m, other=0.0)
+        mid = tl.load(base + E, mask=m, other=0.0)
+        x = (lo + mid) + tl.load(base, mask=m, other=float("-inf"))
+    else:
+        x = tl.load(logits_ptr + rows[:, None] * E + cols, mask=m, other=float("-inf")).to(tl.float32)
     if SOFTMAX:
         x_max = tl.max(x, axis=1)  # [ROWS]
         x_max = tl.where(row_ok, x_max, 0.0)  # rows past n_rows: all -inf, kept finite

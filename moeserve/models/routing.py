@@ -55,16 +55,19 @@ def route(
     top_k: int,
     correction_bias: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    parts: int = 1,
 ) -> RoutingResult:
     """The routing function of ``spec``: gate logits [T, E] -> ids, weights [T, K] (weights in
-    ``dtype``, default the logits' dtype); ``correction_bias`` [E] fp32 selects only.
+    ``dtype``, default the logits' dtype); ``correction_bias`` [E] fp32 selects only. ``parts``
+    3: the logits come as the partial logits [T, 3E] of ``kernels.gate_split_logits``, summed
+    first (``kernels.sum_gate_parts``; the fused kernel sums them as it loads them).
 
     On CUDA a routing without groups that takes the top-k on the scores is one Triton launch
     (``kernels.fused_route``: the same fp32 operations, the lowest index first among equal
     choices); the torch sequence below is the CPU's and the reference
     (``MOESERVE_FUSED_ROUTING=0`` keeps it on CUDA too)."""
     dtype = dtype or logits.dtype
-    if kernels.fused_route_takes(logits, spec, top_k):
+    if kernels.fused_route_takes(logits, spec, top_k, parts):
         ids, weights = kernels.fused_route(
             logits,
             top_k,
@@ -74,8 +77,11 @@ def route(
             spec.renorm_min,
             spec.scaling_factor,
             dtype,
+            parts,
         )
         return RoutingResult(ids=ids, weights=weights, weights_on_input=spec.weights_on_input)
+    if parts != 1:
+        logits = kernels.sum_gate_parts(logits)
     if spec.topk_first:
         top, ids = torch.topk(logits, top_k, dim=-1)  # [T, K]
         weights = _score(spec, top)
@@ -115,6 +121,10 @@ class MoEBlock:
         self.correction_bias = correction_bias  # [E] fp32 or None
         self.shared_mlp = shared_mlp
         self.shared_gate = shared_gate  # weight [1, H] or None
+        # an fp32 gate of bf16 rows on tensor cores: the weight's three bf16 parts [3E, H]
+        # (kernels.gate_parts), where the device takes them; the fp32 weight stays for fp32 rows
+        split = spec.gate_fp32 and gate_bias is None and kernels.gate_split_takes(gate_weight)
+        self.gate_parts = kernels.gate_parts(gate_weight) if split else None
 
     @classmethod
     def load(cls, reader, cfg: ModelConfig, layer: int, dtype: torch.dtype, device) -> MoEBlock:
@@ -143,6 +153,9 @@ class MoEBlock:
 
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] (the post-attention-norm MoE input) -> logical ids and weights [T, K]."""
+        if self.gate_parts is not None and hidden.dtype == torch.bfloat16 and kernels.gate_split_on(hidden):
+            partial = kernels.gate_split_logits(hidden, self.gate_parts)  # [T, 3E] fp32
+            return route(self.spec, partial, self.top_k, self.correction_bias, hidden.dtype, kernels.GATE_PARTS)
         x = hidden.float() if self.spec.gate_fp32 else hidden
         logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
         return route(self.spec, logits, self.top_k, self.correction_bias, hidden.dtype)
@@ -153,10 +166,13 @@ class MoEBlock:
         does not depend on the token count. Returns the launches run: 0 where torch's sequence
         serves (CPU, grouped or top-k-first routings, ``MOESERVE_FUSED_ROUTING=0``)."""
         gate_dtype = torch.float32 if self.spec.gate_fp32 else dtype
-        logits = torch.zeros(1, self.gate_weight.shape[0], dtype=gate_dtype, device=self.gate_weight.device)
-        if not kernels.fused_route_takes(logits, self.spec, self.top_k):
+        x = torch.zeros(1, self.gate_weight.shape[1], dtype=dtype, device=self.gate_weight.device)
+        split = self.gate_parts is not None and dtype == torch.bfloat16 and kernels.gate_split_on(x)
+        parts = kernels.GATE_PARTS if split else 1
+        logits = torch.zeros(1, parts * self.gate_weight.shape[0], dtype=gate_dtype, device=self.gate_weight.device)
+        if not kernels.fused_route_takes(logits, self.spec, self.top_k, parts):
             return 0
-        self.route(torch.zeros(1, self.gate_weight.shape[1], dtype=dtype, device=self.gate_weight.device))
+        self.route(x)
         return 1
 
     def shared(self, hidden: torch.Tensor) -> torch.Tensor | None:
