@@ -752,10 +752,14 @@ EXPERT_TUNING_SHAPES: dict[str, dict[tuple[int, int], dict[str, tuple]]] = {
     "bf16": {
         # Qwen3-30B-A3B (H 2,048, I 768), 16-32 rows per pass: on an H200 at 256 tokens gate_up
         # 3.24 TB/s against the table's 2.94, down 2.62 against 2.25 (results/expert-kernel-qwen3-tune.json).
-        # Scout's and ERNIE's layers have none: the table's tiles are Scout's best on the H200
-        # (results/expert-kernel-tune.json) and were ERNIE's best in H100 sweeps at 64 rows per
-        # pass (bf16 at 512 tokens, W8A8 at 256: results/expert-kernel-ernie-tune-{bf16,w8a8}-h100.json).
+        # Scout's layers have none: the table's tiles are Scout's best on the H200
+        # (results/expert-kernel-tune.json).
         (2048, 768): {"gate_up": (128, 64, 8, 4), "down": (64, 64, 4, 3)},
+        # ERNIE-4.5-21B (H 2,560, I 1,536), 64 rows per pass: BN 256, never swept before, on an H100
+        # at 512 tokens gate_up 2.34 TB/s and down 2.18 against the table's 2.19 and 2.02
+        # (results/expert-kernel-ernie-bn256-bf16{,-512}-h100.json); end to end ERNIE-28L's decode
+        # of 512 sequences 23.93 ms against 24.80 (results/serving-ernie28-decode512-*-h100.json)
+        (2560, 1536): {"gate_up_bm64": (256, 64, 8, 3), "down_bm64": (256, 32, 4, 3)},
     },
     "fp8": {},
     "w8a8": {},
