@@ -152,6 +152,16 @@ def _stages(v: str) -> int:
     return int(v)
 
 
+def _block_m(v: str) -> int:
+    """One choice of --block-m: 0 for auto (the step's own choice), or 16, 32, 64."""
+    if v == "auto":
+        return 0
+    allowed = kernels.expert_block_ms()
+    if not v.isdigit() or int(v) not in allowed:
+        raise ValueError(f"--block-m: {v!r} is not auto or one of {', '.join(map(str, allowed))}")
+    return int(v)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="scout,ernie")
@@ -163,6 +173,11 @@ def main():
     p.add_argument("--tune-bn", default=None, help="BN choices --tune sweeps, e.g. 128,256 (default: per kind)")
     p.add_argument("--tune-bk", default=None, help="BK choices --tune sweeps, e.g. 32,64 (default: per kind)")
     p.add_argument("--tune-stages", default=None, help="pipeline stages --tune sweeps, e.g. 3,4,6 (default: 3,4)")
+    p.add_argument(
+        "--block-m",
+        default="auto",
+        help="rows per pass, side by side: a comma list of auto (the step's choice) and 16, 32, 64",
+    )
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -179,12 +194,12 @@ def main():
             for arg, flag in ((a.tune_bn, "--tune-bn"), (a.tune_bk, "--tune-bk"))
         )
         stages = tuple(_stages(v) for v in a.tune_stages.split(",")) if a.tune_stages else None
+        bms = [_block_m(v) for v in a.block_m.split(",")]
     except ValueError as e:
         p.error(str(e))
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the kernels are checked on CPU by tests/test_expert_kernels.py)")
     dev = torch.device("cuda")
-    rng = np.random.default_rng(0)
     out = dict(
         command=" ".join(["python3"] + sys.argv),
         gpu=torch.cuda.get_device_name(),
@@ -205,7 +220,7 @@ def main():
     except OSError:
         out["git"] = None
     print(
-        f"{'shape':<7}{'tokens':>7}{'routing':>13}{'used':>6}{'GB':>7}{'grouped_mm ms':>15}{'GB/s':>7}"
+        f"{'shape':<7}{'tokens':>7}{'routing':>13}{'bm':>4}{'used':>6}{'GB':>7}{'grouped_mm ms':>15}{'GB/s':>7}"
         f"{'triton ms':>11}{'GB/s':>7}{'speedup':>9}{'max err':>9}"
     )
     for name in a.shapes.split(","):
@@ -225,17 +240,18 @@ def main():
                     buf = torch.stack([spec.flat({"gate_up": gu[j][x], "down": dn[j][x]}) for x in range(s)])
                     layers.append(spec.views(buf))
                 fp8[label] = (spec, blocks, layers)
-        for tokens, skew in itertools.product(
-            [int(t) for t in a.tokens.split(",")], ("uniform", "skew", "concentrated")
+        for tokens, skew, bm_choice in itertools.product(
+            [int(t) for t in a.tokens.split(",")], ("uniform", "skew", "concentrated"), bms
         ):
-            c = counts_for(rng, tokens, k, s, skew)
+            rng = np.random.default_rng(tokens * 7919 + ("uniform", "skew", "concentrated").index(skew))
+            c = counts_for(rng, tokens, k, s, skew)  # the same counts for every rows-per-pass
             m = int(c.sum())
             rows = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
             offs = torch.tensor(np.cumsum(c), dtype=torch.int32, device=dev)
             total = offs[-1:]
             used = int((c > 0).sum())
             nbytes = used * per_expert
-            bm = kernels.expert_block_m(2 * -(-m // s))
+            bm = bm_choice or kernels.expert_block_m(2 * -(-m // s))  # the step's choice (store.expert_block_m_for)
 
             def ref(j):
                 g = torch._grouped_mm(rows, gu[j], offs=offs)
@@ -280,7 +296,7 @@ def main():
             )
             out["cases"].append(row)
             print(
-                f"{name:<7}{tokens:>7}{skew:>13}{used:>6}{nbytes / 1e9:>7.2f}{1e3 * t_ref:>15.3f}"
+                f"{name:<7}{tokens:>7}{skew:>13}{bm:>4}{used:>6}{nbytes / 1e9:>7.2f}{1e3 * t_ref:>15.3f}"
                 f"{row['grouped_mm_GBps']:>7.0f}{1e3 * t_tri:>11.3f}{row['triton_GBps']:>7.0f}"
                 f"{row['speedup']:>9.2f}{err:>9.3g}"
                 + "".join(
@@ -293,6 +309,7 @@ def main():
                 and "bf16" in a.tune_kinds
                 and tokens == max(int(t) for t in a.tokens.split(","))
                 and skew == "uniform"
+                and bm_choice == bms[0]
             ):
                 h_in = kernels.expert_gate_up(rows, gu[0], offs, bm)
                 res = {"gate_up": [], "down": []}
@@ -314,7 +331,13 @@ def main():
                     "block_m": bm,
                     "best": best,
                 }
-            if a.tune and fp8 and tokens == max(int(t) for t in a.tokens.split(",")) and skew == "uniform":
+            if (
+                a.tune
+                and fp8
+                and tokens == max(int(t) for t in a.tokens.split(","))
+                and skew == "uniform"
+                and bm_choice == bms[0]
+            ):
                 if "fp8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8"] = tune_fp8(
                         fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, bn=bn, bk=bk

@@ -14,6 +14,7 @@ expert until the whole layer switches.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -306,6 +307,24 @@ def expert_kernel_mode() -> str:
     return mode
 
 
+@functools.cache
+def expert_block_m_setting() -> int:
+    """``MOESERVE_EXPERT_BLOCK_M``: auto (the default, 0 here: ``expert_block_m_for`` picks twice
+    a slot's mean rows, as a power of two 16-64) or one of ``kernels.expert_block_ms()`` (a
+    measurement switch: every step that takes the Triton kernels passes that many rows at a
+    time, a slot with more taking more passes). Read once, at a worker's warm-up; anything else
+    is refused by name."""
+    from moeserve import kernels
+
+    v = os.environ.get("MOESERVE_EXPERT_BLOCK_M", "auto") or "auto"
+    allowed = kernels.expert_block_ms()
+    if v == "auto":
+        return 0
+    if not v.isdigit() or int(v) not in allowed:
+        raise ValueError(f"MOESERVE_EXPERT_BLOCK_M={v!r}: allowed auto or one of {', '.join(map(str, allowed))}")
+    return int(v)
+
+
 def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None) -> int:
     """The slot-major compute's kernel for a step of ``pairs`` (token, k) pairs over
     ``num_slots`` slots (every worker's), on CUDA in bf16: the Triton kernels' rows per pass, or
@@ -317,7 +336,9 @@ def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None) -> i
     if mode == "grouped_mm" or not kernels.available():
         return 0
     per_slot = -(-max(0, pairs) // max(1, num_slots))
-    return kernels.expert_block_m(2 * per_slot) if mode == "triton" or per_slot <= kernels.EXPERT_MAX_BM else 0
+    if mode != "triton" and per_slot > kernels.EXPERT_MAX_BM:
+        return 0
+    return expert_block_m_setting() or kernels.expert_block_m(2 * per_slot)
 
 
 def fp8_kernel_applies(spec: ExpertSpec, device: torch.device) -> bool:

@@ -153,6 +153,34 @@ def _expert_benchmark():
     return mod
 
 
+def test_moeserve_expert_block_m_fixes_the_rows_per_pass_of_triton_steps_only(monkeypatch):
+    """MOESERVE_EXPERT_BLOCK_M (a measurement switch): auto keeps the step's choice (twice the
+    mean rows per slot, 16-64); 16, 32 or 64 fixes the rows per pass wherever the Triton kernels
+    run and changes nothing where torch._grouped_mm does; anything else is refused by name."""
+    from expert_worker import store as store_mod
+
+    monkeypatch.setattr(store_mod, "expert_block_m_setting", lambda: 32)
+    assert [store_mod.expert_block_m_for(p, 8, "auto") for p in (8, 8 * 24, 8 * 65)] == [32, 32, 0]
+    assert store_mod.expert_block_m_for(8 * 65, 8, "triton") == 32
+    assert store_mod.expert_block_m_for(8, 8, "grouped_mm") == 0
+    monkeypatch.undo()
+    try:
+        for value, want in (("auto", 0), ("", 0), ("16", 16), ("64", 64)):
+            monkeypatch.setenv("MOESERVE_EXPERT_BLOCK_M", value)
+            store_mod.expert_block_m_setting.cache_clear()
+            assert store_mod.expert_block_m_setting() == want
+        assert store_mod.expert_block_m_for(8 * 10, 8, "auto") == 64  # "64" is still set
+        for bad in ("48", "128", "x"):
+            monkeypatch.setenv("MOESERVE_EXPERT_BLOCK_M", bad)
+            store_mod.expert_block_m_setting.cache_clear()
+            with pytest.raises(ValueError, match=f"MOESERVE_EXPERT_BLOCK_M='{bad}': allowed auto or one of 16, 32, 64"):
+                store_mod.expert_block_m_setting()
+    finally:
+        monkeypatch.delenv("MOESERVE_EXPERT_BLOCK_M", raising=False)
+        store_mod.expert_block_m_setting.cache_clear()
+    assert store_mod.expert_block_m_for(8 * 10, 8, "auto") == 32
+
+
 def test_shape_errors_are_explained():
     _, rows, w, offs, _ = setup(64, 32, [2, 3], torch.float32)
     with pytest.raises(ValueError, match="do not agree"):
