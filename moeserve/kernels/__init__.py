@@ -353,13 +353,20 @@ def _norm_kernels():
 NORM_MAX_H = 16384  # widest row a norm program holds in registers (one tile per row)
 
 
+def _cuda_switch(name: str, on: str, off: str) -> tuple[str, ...]:
+    """The devices a 0/1 variable ``name`` (default 1) lets a CUDA path take: ("cuda",) or ();
+    anything else raises ValueError naming the variable and both values (``on`` / ``off``:
+    what each does)."""
+    mode = os.environ.get(name, "1") or "1"
+    if mode not in ("0", "1"):
+        raise ValueError(f"{name}={mode!r}: allowed 1 (the default: {on}) or 0 ({off})")
+    return ("cuda",) if mode == "1" else ()
+
+
 # Where the models' norms, RoPE and MLP activations take the fused kernels (tests add "cpu": the
 # interpreter); MOESERVE_FUSED_NORMS=0 keeps torch's sequences everywhere (side-by-side runs and checks).
 def _norm_devices() -> tuple[str, ...]:
-    mode = os.environ.get("MOESERVE_FUSED_NORMS", "1") or "1"
-    if mode not in ("0", "1"):
-        raise ValueError(f"MOESERVE_FUSED_NORMS={mode!r}: allowed 1 (the default: fused on CUDA) or 0 (torch's)")
-    return ("cuda",) if mode == "1" else ()
+    return _cuda_switch("MOESERVE_FUSED_NORMS", "fused on CUDA", "torch's")
 
 
 NORM_DEVICES: tuple[str, ...] = _norm_devices()
@@ -479,10 +486,7 @@ ROUTING_MAX_K = 16
 # Where ``models.routing.route`` takes the fused routing kernel (tests add "cpu": the
 # interpreter); MOESERVE_FUSED_ROUTING=0 keeps torch's sequence everywhere (side-by-side runs).
 def _routing_devices() -> tuple[str, ...]:
-    mode = os.environ.get("MOESERVE_FUSED_ROUTING", "1") or "1"
-    if mode not in ("0", "1"):
-        raise ValueError(f"MOESERVE_FUSED_ROUTING={mode!r}: allowed 1 (the default: fused on CUDA) or 0 (torch's)")
-    return ("cuda",) if mode == "1" else ()
+    return _cuda_switch("MOESERVE_FUSED_ROUTING", "fused on CUDA", "torch's")
 
 
 ROUTING_DEVICES: tuple[str, ...] = _routing_devices()
@@ -536,10 +540,7 @@ GATE_PARTS = 3
 
 
 def _gate_split_devices() -> tuple[str, ...]:
-    mode = os.environ.get("MOESERVE_GATE_SPLIT", "1") or "1"
-    if mode not in ("0", "1"):
-        raise ValueError(f"MOESERVE_GATE_SPLIT={mode!r}: allowed 1 (the default: split on CUDA) or 0 (fp32 GEMM)")
-    return ("cuda",) if mode == "1" else ()
+    return _cuda_switch("MOESERVE_GATE_SPLIT", "split on CUDA", "fp32 GEMM")
 
 
 GATE_SPLIT_DEVICES: tuple[str, ...] = _gate_split_devices()
