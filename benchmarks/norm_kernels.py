@@ -17,10 +17,13 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
 - ``<shape>_silu``: silu(gate) * up of a shared expert's merged gate_up output [T, 2F] (ERNIE's
   two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves;
 - ``<shape>_gate``: an fp32 gate of bf16 rows and its routing, ``MoEBlock.route`` (ERNIE's H
-  2,560 x E 64, top-6 by the fused routing kernel; DeepSeek-V3's 7,168 x 256, top-8 of 4 groups
-  by torch's sequence): the weight's three bf16 parts in one tensor-core GEMM
+  2,560 x E 64, top-6 by the fused routing kernel; DeepSeek-V3's 7,168 x 256, top-8 of 4 groups,
+  on the fused side by the fused kernel too, see ``dsv3_route``): the weight's three bf16 parts in one tensor-core GEMM
   (``kernels.gate_parts``) against ``x.float()`` and cuBLAS's fp32 GEMM; bf16 rows only (fp32
-  rows keep the fp32 GEMM); agreement over the chosen ids and their weights.
+  rows keep the fp32 GEMM); agreement over the chosen ids and their weights;
+- ``dsv3_route``: DeepSeek-V3's group-limited routing of fp32 logits [T, 256] (8 groups, the
+  best 4, top-8) by the fused routing kernel (``MOESERVE_FUSED_GROUPED_ROUTING=1``, on here)
+  against torch's sequence.
 
 Agreement: the share of output elements bit-identical to the torch path and the largest
 difference relative to the largest value (a bf16 step is 2^-8 of a value: 3.9e-3). Then whole
@@ -52,7 +55,7 @@ from fp8_linears import add_graph_args, graph_args, graph_time  # noqa: E402
 from moeserve import kernels  # noqa: E402
 from moeserve.models import init_model, layers, load_model  # noqa: E402
 from moeserve.models.config import RopeConfig, RoutingSpec  # noqa: E402
-from moeserve.models.routing import MoEBlock  # noqa: E402
+from moeserve.models.routing import MoEBlock, route  # noqa: E402
 
 HIDDEN = {"scout": 5120, "ernie": 2560, "qwen3": 2048}
 QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
@@ -79,7 +82,8 @@ GATES = {  # (H, E, K, routing) of fp32 gates
         ),
     ),
 }
-CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(GATES)
+ROUTES = {"dsv3_route": ("dsv3_gate", 256, 8)}  # routing alone: (the gate whose routing, E, K)
+CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(GATES) + tuple(ROUTES)
 MODELS = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
 FP32_CASE_RTOL = 1e-5
 FP32_LOGITS_ATOL = 1e-4
@@ -90,11 +94,11 @@ class TorchPath:
     (no device takes the kernels or the gate's parts)."""
 
     def __enter__(self):
-        self.saved = kernels.NORM_DEVICES, kernels.GATE_SPLIT_DEVICES
-        kernels.NORM_DEVICES = kernels.GATE_SPLIT_DEVICES = ()
+        self.saved = kernels.NORM_DEVICES, kernels.GATE_SPLIT_DEVICES, kernels.GROUPED_ROUTING_DEVICES
+        kernels.NORM_DEVICES = kernels.GATE_SPLIT_DEVICES = kernels.GROUPED_ROUTING_DEVICES = ()
 
     def __exit__(self, *exc):
-        kernels.NORM_DEVICES, kernels.GATE_SPLIT_DEVICES = self.saved
+        kernels.NORM_DEVICES, kernels.GATE_SPLIT_DEVICES, kernels.GROUPED_ROUTING_DEVICES = self.saved
 
 
 def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies: int):
@@ -104,6 +108,17 @@ def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies:
         w2 = SILU[name]
         gus = [torch.randn(rows, w2, device=dev, generator=g).to(dtype) * 3 for _ in range(copies)]
         return lambda i: layers.silu_mul(gus[i % copies]), rows * w2 * 3 // 2
+    if name in ROUTES:
+        gate, e, k = ROUTES[name]
+        spec = GATES[gate][3]
+        logits = [torch.randn(rows, e, device=dev, generator=g) for _ in range(copies)]
+        bias = torch.randn(e, device=dev, generator=g) * 0.05
+
+        def routing(i):
+            r = route(spec, logits[i % copies], k, bias, dtype)
+            return r.ids.float(), r.weights.float()
+
+        return routing, rows * e * 2  # in bf16 units: the fp32 logits
     if name in GATES:
         h, e, k, spec = GATES[name]
         xs = [torch.randn(rows, h, device=dev, generator=g).to(dtype) for _ in range(copies)]
@@ -196,21 +211,24 @@ def main():
     # fp32 serves through torch's sequences (kernels.NORM_DTYPES): here the kernels are measured
     # in fp32 too, against those sequences.
     kernels.NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+    # DeepSeek-V3's grouped routing takes the fused kernel only with MOESERVE_FUSED_GROUPED_ROUTING=1
+    # (off by default until measured): here it is on, against torch's sequence (TorchPath).
+    kernels.GROUPED_ROUTING_DEVICES = ("cuda",)
     out = dict(command=" ".join(["python3"] + sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     out["cases"], out["models"], failed = [], [], []
     print(f"{'case':<17}{'rows':>6}{'dtype':>6}{'torch us':>10}{'fused us':>10}{'speed-up':>9}{'GB/s':>7}  agreement")
     for name in cases:
         for m in rows:
             for dtype in (torch.bfloat16, torch.float32):
-                if name in GATES and dtype == torch.float32:
-                    continue  # fp32 rows keep the fp32 GEMM (the exactness mode)
+                if (name in GATES or name in ROUTES) and dtype == torch.float32:
+                    continue  # fp32 rows keep the fp32 GEMM (the exactness mode); routing: fp32 logits
                 fn, elems = case_fn(name, m, dtype, dev, a.copies)
                 with TorchPath():
                     t_torch = graph_time(fn, a.reps, a.iters)
                     ref = fn(0)
                 t_fused = graph_time(fn, a.reps, a.iters)
                 got = fn(0)
-                if name.endswith("_residual") or name in GATES:  # (sum, normed), (ids, weights)
+                if name.endswith("_residual") or name in GATES or name in ROUTES:  # (sum, normed), (ids, weights)
                     got, ref = (got[0], got[1]), (ref[0], ref[1])
                 agree = agreement(got, ref)
                 # bytes moved by the fused kernel: read x (and delta), write y (and the sum)

@@ -41,7 +41,33 @@ CASES = {
         True,
     ),
     "e512-k16": (RoutingSpec(renormalize=True), 512, 16, torch.float32, False),
+    # DeepSeek-V3's group-limited selection (MOESERVE_FUSED_GROUPED_ROUTING; the test turns it on)
+    "dsv3": (
+        RoutingSpec(
+            scoring="sigmoid",
+            gate_fp32=True,
+            correction_bias=True,
+            renormalize=True,
+            renorm_min=1e-20,
+            n_group=8,
+            topk_group=4,
+            scaling_factor=2.5,
+        ),
+        256,
+        8,
+        torch.float32,
+        True,
+    ),
+    "groups-of-3": (RoutingSpec(renormalize=True, n_group=4, topk_group=2), 12, 5, torch.bfloat16, False),
+    "groups-of-1": (RoutingSpec(n_group=8, topk_group=3), 8, 2, torch.float32, False),
 }
+
+
+@pytest.fixture(autouse=True)
+def _grouped_routing_on(monkeypatch):
+    """The grouped selection runs fused only where MOESERVE_FUSED_GROUPED_ROUTING=1 puts it
+    (off by default): these tests hold the kernel to torch's sequence with it on."""
+    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ("cuda", "cpu"))
 
 
 def distinct_logits(t: int, e: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -80,7 +106,16 @@ def test_fused_routing_equals_the_torch_route(name, t, out_dtype):
     bias = bias_for(e, t) if has_bias else None
     ref = route(spec, logits, k, bias, out_dtype)  # torch's sequence (a CPU tensor)
     ids, weights = kernels.fused_route(
-        logits, k, spec.scoring, bias, spec.renormalize, spec.renorm_min, spec.scaling_factor, out_dtype
+        logits,
+        k,
+        spec.scoring,
+        bias,
+        spec.renormalize,
+        spec.renorm_min,
+        spec.scaling_factor,
+        out_dtype,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
     )
     assert ids.dtype == torch.long and ids.shape == (t, k)
     assert torch.equal(ids, ref.ids)  # the same experts in the same (descending) order
@@ -140,7 +175,14 @@ def test_route_takes_the_kernel_only_where_it_serves(monkeypatch):
     assert kernels.fused_route_takes(x, softmax, 6)
     assert kernels.fused_route_takes(x.bfloat16(), RoutingSpec(scoring="sigmoid", correction_bias=True), 8)
     assert not kernels.fused_route_takes(x, RoutingSpec(topk_first=True), 4)  # Llama 4, GPT-OSS
-    assert not kernels.fused_route_takes(x, RoutingSpec(n_group=8, topk_group=4), 6)  # DeepSeek-V3's groups
+    grouped = RoutingSpec(n_group=8, topk_group=4)  # DeepSeek-V3's groups: fused where switched on
+    assert kernels.fused_route_takes(x, grouped, 6)
+    assert not kernels.fused_route_takes(torch.zeros(4, 60), grouped, 6)  # 60 experts in 8 groups
+    assert not kernels.fused_route_takes(x, RoutingSpec(n_group=16, topk_group=1), 6)  # 6 > one group of 4
+    assert not kernels.fused_route_takes(torch.zeros(4, 256), RoutingSpec(n_group=128, topk_group=4), 6)
+    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ("cuda",))  # the switch on: CUDA only
+    assert not kernels.fused_route_takes(x, grouped, 6)
+    assert kernels.fused_route_takes(x, softmax, 6)
     assert not kernels.fused_route_takes(x, softmax, 17)  # K past ROUTING_MAX_K
     assert not kernels.fused_route_takes(torch.zeros(4, 1024), softmax, 8)  # E past ROUTING_MAX_E
     assert not kernels.fused_route_takes(x.long(), softmax, 6)
@@ -169,9 +211,15 @@ def test_route_runs_the_kernel_when_it_takes_it_and_torch_otherwise(monkeypatch)
     assert spy.calls == 1
     assert torch.equal(got.ids, ref.ids) and got.weights_on_input == ref.weights_on_input
     weights_close(got.weights, ref.weights)
-    route(RoutingSpec(n_group=4, topk_group=2), logits, k)  # grouped: torch's, even where the kernel serves
-    route(RoutingSpec(topk_first=True), logits, k)
+    route(RoutingSpec(topk_first=True), logits, k)  # Llama 4's order: torch's, even where the kernel serves
     assert spy.calls == 1
+    grouped = RoutingSpec(n_group=4, topk_group=2)
+    ref = route(grouped, logits, k)
+    assert spy.calls == 2  # grouped: fused where MOESERVE_FUSED_GROUPED_ROUTING=1 puts it
+    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ())  # the default: torch's grouped selection
+    got = route(grouped, logits, k)
+    assert spy.calls == 2 and torch.equal(got.ids, ref.ids)
+    weights_close(got.weights, ref.weights)
 
 
 def test_moeserve_fused_routing_0_keeps_torchs_sequence(monkeypatch):
@@ -194,12 +242,37 @@ def test_the_block_warm_up_runs_the_kernel_where_it_serves(monkeypatch):
     g = torch.Generator().manual_seed(0)
     spec = CASES["ernie"][0]
     block = MoEBlock(spec, 6, torch.randn(64, 32, generator=g), correction_bias=torch.zeros(64))
-    grouped = MoEBlock(RoutingSpec(n_group=4, topk_group=2), 6, torch.randn(64, 32, generator=g))
+    grouped = MoEBlock(RoutingSpec(n_group=4, topk_group=2), 6, torch.randn(64, 32, generator=g).bfloat16())
     assert block.warm_up(torch.bfloat16) == 0  # CPU
     monkeypatch.setattr(kernels, "ROUTING_DEVICES", ("cuda", "cpu"))
     spy = _Spy(monkeypatch)
     assert block.warm_up(torch.bfloat16) == 1 and spy.calls == 1
-    assert grouped.warm_up(torch.bfloat16) == 0 and spy.calls == 1
+    assert grouped.warm_up(torch.bfloat16) == 1 and spy.calls == 2  # the grouped selection switched on
+    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ())
+    assert grouped.warm_up(torch.bfloat16) == 0 and spy.calls == 2
+
+
+def test_moeserve_fused_grouped_routing_is_off_by_default_and_read_as_0_or_1(monkeypatch):
+    monkeypatch.delenv("MOESERVE_FUSED_GROUPED_ROUTING", raising=False)
+    assert kernels._grouped_routing_devices() == ()
+    monkeypatch.setenv("MOESERVE_FUSED_GROUPED_ROUTING", "1")
+    assert kernels._grouped_routing_devices() == ("cuda",)
+    monkeypatch.setenv("MOESERVE_FUSED_GROUPED_ROUTING", "on")
+    with pytest.raises(ValueError, match="MOESERVE_FUSED_GROUPED_ROUTING='on': allowed 0 .* or 1"):
+        kernels._grouped_routing_devices()
+
+
+def test_the_grouped_selection_keeps_the_best_groups_by_their_two_best():
+    """A hand-made row of 4 groups of 3: the group with the single best expert is not among the
+    2 kept when its second best is poor (its score is the sum of its two best), and no expert
+    outside the kept groups is chosen even where its score beats theirs."""
+    logits = torch.tensor([[5.0, -9.0, -9.0, 2.0, 2.1, 0.0, 1.9, 1.8, 1.7, -1.0, 3.0, 0.5]])
+    # sigmoid scores' group scores (two best): g0 0.993 + 0.000 = 0.99, g1 0.891 + 0.881 = 1.77,
+    # g2 0.870 + 0.858 = 1.73, g3 0.953 + 0.622 = 1.58
+    ids, _ = kernels.fused_route(logits, 3, "sigmoid", None, True, None, 1.0, torch.float32, n_group=4, topk_group=2)
+    assert ids.tolist() == [[4, 3, 6]]  # from g1 and g2 only: not expert 0 (5.0) nor 10 (3.0)
+    ref = route(RoutingSpec(scoring="sigmoid", renormalize=True, n_group=4, topk_group=2), logits, 3)
+    assert torch.equal(ids, ref.ids)
 
 
 def test_the_gate_parts_sum_to_the_fp32_weight_exactly():

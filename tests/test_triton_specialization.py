@@ -237,6 +237,8 @@ ROUTINGS = [  # (spec, E, K, gate dtype): ERNIE, Qwen3, Mixtral, DeepSeek-V3 wit
     (dict(renormalize=True), 8, 2, torch.bfloat16),
     (dict(scoring="sigmoid", gate_fp32=True, correction_bias=True, renormalize=True, scaling_factor=2.5), 256, 8,
      torch.float32),
+    (dict(scoring="sigmoid", gate_fp32=True, correction_bias=True, renormalize=True, scaling_factor=2.5, n_group=8,
+          topk_group=4), 256, 8, torch.float32),  # DeepSeek-V3's groups, MOESERVE_FUSED_GROUPED_ROUTING=1
 ]  # fmt: skip
 
 
@@ -246,6 +248,7 @@ def test_the_routing_kernel_compiles_once_per_routing_whatever_the_token_count(l
     from moeserve.models.routing import route
 
     monkeypatch.setattr(K, "ROUTING_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(K, "GROUPED_ROUTING_DEVICES", ("cuda", "cpu"))
     for kw, e, k, dtype in ROUTINGS:
         spec = RoutingSpec(**kw)
         bias = torch.empty(e) if spec.correction_bias else None
@@ -256,7 +259,7 @@ def test_the_routing_kernel_compiles_once_per_routing_whatever_the_token_count(l
     assert_one_key_per_config(launches, "fused_route_kernel", range(len(ROUTINGS), len(ROUTINGS) + 1))
 
 
-@pytest.mark.parametrize("family", ["ernie", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["ernie", "qwen3_moe", "deepseek_v3"])
 def test_the_routing_warm_up_compiles_every_key_a_step_can_launch(launches, family, tmp_path, monkeypatch):
     """A router runs ``MoEBlock.warm_up`` for each MoE layer at start (``cluster.rank._warm_up_kernels``);
     the routing of steps of any length then launches no key of the routing kernel it did not compile."""
@@ -265,9 +268,10 @@ def test_the_routing_warm_up_compiles_every_key_a_step_can_launch(launches, fami
     from moeserve import kernels as K
     from moeserve.models import load_model
 
-    build = {"ernie": hf.build_ernie, "qwen3_moe": hf.build_qwen3_moe}[family]
+    build = {"ernie": hf.build_ernie, "qwen3_moe": hf.build_qwen3_moe, "deepseek_v3": hf.build_deepseek_v3}[family]
     model = load_model(hf.save(build(seed=1), tmp_path), dtype=torch.bfloat16)
     monkeypatch.setattr(K, "ROUTING_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(K, "GROUPED_ROUTING_DEVICES", ("cuda", "cpu"))  # DeepSeek-V3's groups, switched on
     assert sum(block.warm_up(torch.bfloat16) for block in model.moe_blocks) == len(model.moe_blocks) > 0
     warm = _keys(launches, "fused_route_kernel")
     launches.clear()

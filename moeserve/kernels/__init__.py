@@ -504,15 +504,42 @@ class RoutingKind(Protocol):
     @property
     def n_group(self) -> int: ...
 
+    @property
+    def topk_group(self) -> int: ...
+
+
+# Where the fused routing kernel also takes DeepSeek-V3's group-limited selection (tests add
+# "cpu"). MOESERVE_FUSED_GROUPED_ROUTING=1 turns it on: off by default until it is measured
+# on a GPU against torch's sequence (benchmarks/norm_kernels.py --cases dsv3_route).
+def _grouped_routing_devices() -> tuple[str, ...]:
+    mode = os.environ.get("MOESERVE_FUSED_GROUPED_ROUTING", "0") or "0"
+    if mode not in ("0", "1"):
+        raise ValueError(
+            f"MOESERVE_FUSED_GROUPED_ROUTING={mode!r}: allowed 0 (the default: torch's grouped selection) or 1 (fused on CUDA)"
+        )
+    return ("cuda",) if mode == "1" else ()
+
+
+GROUPED_ROUTING_DEVICES: tuple[str, ...] = _grouped_routing_devices()
+ROUTING_MAX_GROUPS = 64  # expert groups a routing program scores (one unrolled pass each)
+
 
 def fused_route_takes(logits: torch.Tensor, spec: RoutingKind, top_k: int, parts: int = 1) -> bool:
     """Whether ``fused_route`` serves gate logits [T, E] (``parts`` > 1: [T, parts x E], the
     partial logits of ``gate_parts``) routed by ``spec`` to ``top_k`` experts: a tensor on a
     device of ``ROUTING_DEVICES`` (CUDA, never under the interpreter) with Triton present, a
-    float dtype, the top-k taken on the scores (not ``topk_first``) without expert groups
-    (``n_group`` <= 1), E <= ``ROUTING_MAX_E`` and 1 <= K <= ``ROUTING_MAX_K``, K <= E;
-    otherwise the caller keeps its torch path."""
+    float dtype, the top-k taken on the scores (not ``topk_first``), E <= ``ROUTING_MAX_E`` and
+    1 <= K <= ``ROUTING_MAX_K``, K <= E; expert groups (``n_group`` > 1) only on a device of
+    ``GROUPED_ROUTING_DEVICES``, with E a multiple of at most ``ROUTING_MAX_GROUPS`` groups and
+    K within the ``topk_group`` groups kept; otherwise the caller keeps its torch path."""
     e = logits.shape[-1] // parts
+    g = spec.n_group
+    grouped_ok = g <= 1 or (
+        logits.device.type in GROUPED_ROUTING_DEVICES
+        and g <= ROUTING_MAX_GROUPS
+        and e % g == 0
+        and top_k <= spec.topk_group * (e // g)
+    )
     return (
         logits.device.type in ROUTING_DEVICES
         and not (logits.device.type == "cuda" and _interpreted())
@@ -522,7 +549,7 @@ def fused_route_takes(logits: torch.Tensor, spec: RoutingKind, top_k: int, parts
         and parts in (1, GATE_PARTS)
         and (parts == 1 or logits.dtype == torch.float32)
         and not spec.topk_first
-        and spec.n_group <= 1
+        and grouped_ok
         and spec.scoring in ("softmax", "sigmoid")
         and 1 <= top_k <= min(ROUTING_MAX_K, e)
         and e <= ROUTING_MAX_E
@@ -622,13 +649,17 @@ def fused_route(
     scaling_factor: float,
     out_dtype: torch.dtype,
     parts: int = 1,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch of ``triton_routing.fused_route_kernel``: gate logits [T, E] (``parts`` 3:
     the partial logits [T, 3E] of ``gate_split_logits``, summed as ``sum_gate_parts`` sums them
     while loaded) -> (ids int64
     [T, K], weights [T, K] in ``out_dtype``), ``models.routing.route``'s routing without groups:
     scores s = softmax or sigmoid (``scoring``) of the logits in fp32; ids the top-k of s +
-    ``correction_bias`` [E] (fp32, or None), in descending order, the lowest index first among
+    ``correction_bias`` [E] (fp32, or None), with ``n_group`` > 1 among the experts of the
+    ``topk_group`` best of ``n_group`` consecutive groups (a group scored by the sum of its two
+    best choices, as ``models.routing.group_limited``), in descending order, the lowest index first among
     equal values (torch.topk leaves ties unspecified; in fp32 they are vanishingly rare);
     weights the unbiased s of the ids, divided by their sum (``renormalize``; the sum floored
     at ``renorm_min`` when it is set and not 0), times ``scaling_factor``, rounded once.
@@ -649,7 +680,8 @@ def fused_route(
         floor = bool(renormalize and renorm_min)
         _routing_kernels().fused_route_kernel[((t + rows - 1) // rows,)](
             x, bias if bias is not None else x, ids, weights, t, float(renorm_min or 0.0), float(scaling_factor),
-            E=e, EB=block, K=k, KB=_pow2(k), ROWS=rows, PARTS=parts, SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None,
+            E=e, EB=block, K=k, KB=_pow2(k), ROWS=rows, N_GROUP=n_group, GB=_pow2(n_group), TOPK_GROUP=topk_group,
+            PARTS=parts, SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None,
             RENORM=bool(renormalize), FLOOR=floor, SCALE=scaling_factor != 1.0, PRECISE=not _interpreted(),
             num_warps=warps,
         )  # fmt: skip

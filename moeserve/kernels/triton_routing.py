@@ -4,8 +4,9 @@ After the gate's matmul torch's routing (``moeserve.models.routing.route``) is ~
 MoE layer on the GPU: the softmax or sigmoid, the correction bias, ``torch.topk`` (two kernels),
 the gather, the sum, the floor, the division and the cast; an ERNIE-4.5 decode step spent ~25 us
 per layer in them on an H200. This kernel does the same in one launch, in fp32 throughout, for
-the routings that take the top-k on the scores without expert groups (every family but Llama 4,
-GPT-OSS and DeepSeek-V3's grouped selection, which keep torch's).
+the routings that take the top-k on the scores (every family but Llama 4 and GPT-OSS), and with
+``N_GROUP`` > 1 DeepSeek-V3's group-limited selection before the top-k (behind
+``MOESERVE_FUSED_GROUPED_ROUTING``: ``moeserve.kernels.GROUPED_ROUTING_DEVICES``).
 
 Rows are independent: a token's ids and weights do not depend on the other tokens of the launch
 or on how many there are (batch invariant).
@@ -30,6 +31,33 @@ def _div(a, b, PRECISE: tl.constexpr):
     return a / b
 
 
+@triton.jit
+def _group_limited(choice, cols, E: tl.constexpr, EB: tl.constexpr, N_GROUP: tl.constexpr, GB: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    # models.routing.group_limited: the experts are N_GROUP consecutive groups of E / N_GROUP; a
+    # group's score is the sum of its two best choices (its best alone in groups of one); the
+    # TOPK_GROUP best groups (the lowest index first among equal scores) keep their choices, every
+    # other expert's becomes -inf. choice [ROWS, EB] with -inf past E; GB: N_GROUP padded to a
+    # power of two.
+    gs: tl.constexpr = E // N_GROUP
+    grp = cols // gs  # [1, EB]: each expert's group (padding columns: N_GROUP or more)
+    gcols = tl.arange(0, GB)[None, :]  # [1, GB]
+    gscore = tl.full((ROWS, GB), float("-inf"), tl.float32)
+    for g in tl.static_range(N_GROUP):
+        v = tl.where(grp == g, choice, float("-inf"))
+        best = tl.max(v, axis=1)  # [ROWS]
+        if gs > 1:
+            first = tl.argmax(v, axis=1, tie_break_left=True)
+            best = best + tl.max(tl.where(cols == first[:, None], float("-inf"), v), axis=1)
+        gscore = tl.where(gcols == g, best[:, None], gscore)
+    kept = tl.zeros((ROWS, EB), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUP):
+        gi = tl.argmax(gscore, axis=1, tie_break_left=True)  # [ROWS]
+        kept = tl.where(grp == gi[:, None], 1, kept)
+        gscore = tl.where(gcols == gi[:, None], float("-inf"), gscore)
+    return tl.where(kept != 0, choice, float("-inf"))
+
+
 # Not specialized: the row count follows the batch (tests/test_triton_specialization.py). The
 # launcher passes contiguous 16-byte-aligned tensors only, so the alignment specialization is one key.
 @triton.jit(do_not_specialize=["n_rows"])
@@ -46,6 +74,9 @@ def fused_route_kernel(
     K: tl.constexpr,
     KB: tl.constexpr,
     ROWS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GB: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
     PARTS: tl.constexpr,
     SOFTMAX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -83,6 +114,8 @@ def fused_route_kernel(
     if HAS_BIAS:
         choice = s + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
     choice = tl.where(cols < E, choice, float("-inf"))
+    if N_GROUP > 1:  # only the experts of the TOPK_GROUP best of N_GROUP groups stay choosable
+        choice = _group_limited(choice, cols, E, EB, N_GROUP, GB, TOPK_GROUP, ROWS)
     kcols = tl.arange(0, KB)[None, :]  # [1, KB]
     ids = tl.zeros((ROWS, KB), dtype=tl.int32)
     weights = tl.zeros((ROWS, KB), dtype=tl.float32)

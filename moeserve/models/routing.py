@@ -62,9 +62,10 @@ def route(
     3: the logits come as the partial logits [T, 3E] of ``kernels.gate_split_logits``, summed
     first (``kernels.sum_gate_parts``; the fused kernel sums them as it loads them).
 
-    On CUDA a routing without groups that takes the top-k on the scores is one Triton launch
+    On CUDA a routing that takes the top-k on the scores is one Triton launch
     (``kernels.fused_route``: the same fp32 operations, the lowest index first among equal
-    choices); the torch sequence below is the CPU's and the reference
+    choices), DeepSeek-V3's expert groups too where ``MOESERVE_FUSED_GROUPED_ROUTING=1`` (off by
+    default until measured on a GPU); the torch sequence below is the CPU's and the reference
     (``MOESERVE_FUSED_ROUTING=0`` keeps it on CUDA too)."""
     dtype = dtype or logits.dtype
     if kernels.fused_route_takes(logits, spec, top_k, parts):
@@ -78,6 +79,8 @@ def route(
             spec.scaling_factor,
             dtype,
             parts,
+            spec.n_group,
+            spec.topk_group,
         )
         return RoutingResult(ids=ids, weights=weights, weights_on_input=spec.weights_on_input)
     if parts != 1:
