@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""A GPU session's runs in one call, within a time budget: the open targets of
+benchmarks/README.md ("The open targets on one H200") by name, in the order given.
+
+    python3 benchmarks/gpu_session.py --list
+    python3 benchmarks/gpu_session.py --budget 540 rows-per-pass fp8-ernie28 fp8-ernie28-bm32
+    python3 benchmarks/gpu_session.py --dry-run prefix grouped-routing
+
+A lent GPU machine is released ~30 s after a command ends and a new one costs minutes to start,
+so a session chains its runs in one command. This runs ``scripts/gpu-setup`` first (skip it with
+``--no-setup``), then each target while its expected time fits what is left of ``--budget``
+(a target that does not fit is skipped and said, the next ones still tried), each under a
+timeout of what is left. Every target writes its JSON as ``<out>/<target>.json``; their output
+goes to one log, ``<out>/session.log``; ``<out>/session.json`` says what ran, its exit code and
+wall time, and what was skipped and why. ``<out>`` is ``--out``, else ``$OUT`` (the device
+tool's folder), else benchmarks/results/session. ``MOESERVE_GIT_COMMIT`` is set from git when
+unset, so that each result names the code it ran. Exits 1 when a target that ran failed or the
+set-up failed, 2 on a bad argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+@dataclass(frozen=True)
+class Target:
+    what: str
+    argv: tuple[str, ...]  # a benchmark script of this folder and its arguments, --json added
+    seconds: int  # expected wall time on an H100 / H200, start-up included
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _serving(shape: str, configs: str, *more: str) -> tuple[str, ...]:
+    return ("serving.py", "--shape", shape, "--configs", configs, *more)
+
+
+TARGETS: dict[str, Target] = {
+    "prefix": Target(
+        "prefix caching A/B, Scout-8L: TTFT p50 with and without the cache, multi-turn hit rate",
+        _serving("scout8", "moeserve-1rank,moeserve-1rank-no-prefix-cache", "--workloads", "prefix,multiturn"),
+        200,
+    ),
+    "fp8-scout8": Target(
+        "Scout-8L decode step, bf16 beside FP8 (burst 256 x (128 -> 256))",
+        _serving("scout8", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        150,
+    ),
+    "fp8-ernie28": Target(
+        "ERNIE-28L decode step, bf16 beside FP8",
+        _serving("ernie28", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        150,
+    ),
+    "rows-per-pass": Target(
+        "ERNIE's expert kernels (bf16, FP8, W8A8) at 256 tokens with 64-, 32- and 16-row passes",
+        ("expert_kernel.py", "--shapes", "ernie", "--tokens", "256", "--fp8", "--block-m", "auto,32,16"),
+        70,
+    ),
+    "fp8-ernie28-bm32": Target(
+        "ERNIE-28L bf16 beside FP8 with 32-row passes (MOESERVE_EXPERT_BLOCK_M=32)",
+        _serving("ernie28", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        150,
+        {"MOESERVE_EXPERT_BLOCK_M": "32"},
+    ),
+    "grouped-routing": Target(
+        "DeepSeek-V3's grouped routing, fused against torch's, and its gate",
+        ("norm_kernels.py", "--cases", "dsv3_route,dsv3_gate", "--rows", "256,2048", "--models", ""),
+        40,
+    ),
+    "grouped-routing-eplb": Target(
+        "EPLB on = off with the fused grouped routing, DeepSeek-V3 bf16",
+        ("gpu_correctness.py", "--ranks", "1", "--compare", "eplb-off", "--cases", "deepseek_v3:bfloat16"),
+        90,
+        {"MOESERVE_FUSED_GROUPED_ROUTING": "1"},
+    ),
+    "dsv3-grouped-routing": Target(
+        "DeepSeek-V3 (7 layers) burst with the fused grouped routing",
+        _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"),
+        150,
+        {"MOESERVE_FUSED_GROUPED_ROUTING": "1"},
+    ),
+    "dsv3": Target(
+        "DeepSeek-V3 (7 layers) burst as it is", _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"), 150
+    ),
+    "ernie-1024": Target(
+        "ERNIE-28L decode of 1,024 sequences as it is (bf16 steps on torch._grouped_mm)",
+        _serving(
+            "ernie28", "moeserve-1rank", "--workloads", "burst", "--burst-requests", "1024", "--max-num-seqs", "1024"
+        ),
+        100,
+    ),
+    "ernie-1024-triton": Target(
+        "ERNIE-28L decode of 1,024 sequences on the Triton kernels (MOESERVE_EXPERT_KERNEL=triton)",
+        _serving(
+            "ernie28", "moeserve-1rank", "--workloads", "burst", "--burst-requests", "1024", "--max-num-seqs", "1024"
+        ),
+        100,
+        {"MOESERVE_EXPERT_KERNEL": "triton"},
+    ),
+    "eplb-off-fp8": Target(
+        "EPLB on = off in FP8, ERNIE and Llama 4",
+        (
+            "gpu_correctness.py",
+            "--ranks",
+            "1",
+            "--compare",
+            "eplb-off",
+            "--quantization",
+            "fp8",
+            "--cases",
+            "ernie45:bfloat16,llama4:bfloat16",
+        ),
+        120,
+    ),  # fmt: skip
+    "eplb-off-bf16": Target(
+        "EPLB on = off in bf16, ERNIE, DeepSeek-V3 and Llama 4",
+        (
+            "gpu_correctness.py",
+            "--ranks",
+            "1",
+            "--compare",
+            "eplb-off",
+            "--cases",
+            "ernie45:bfloat16,deepseek_v3:bfloat16,llama4:bfloat16",
+        ),
+        150,
+    ),  # fmt: skip
+}
+
+Runner = Callable[[list[str], dict[str, str], float, object], int]
+SETUP_S = 20  # scripts/gpu-setup's expected time (installing the carried wheels)
+
+
+def plan(names: list[str], budget_s: float, setup: bool = True) -> list[tuple[str, float]]:
+    """(target, seconds left before it) for each of ``names`` if every run took its expected
+    time: the rule ``run_session`` applies, a target running only where its time fits."""
+    left, out = budget_s - (SETUP_S if setup else 0), []
+    for name in names:
+        out.append((name, left))
+        if left >= TARGETS[name].seconds:
+            left -= TARGETS[name].seconds
+    return out
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float, log) -> int:
+    """One command, its output appended to ``log``; 124 when it ran past ``timeout``."""
+    try:
+        return subprocess.run(cmd, env=env, cwd=HERE, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return 124
+
+
+def run_session(
+    names: list[str],
+    budget_s: float,
+    out: str,
+    setup: bool = True,
+    runner: Runner = _run,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict:
+    """Run the targets ``names`` in order within ``budget_s`` seconds (see the module's doc);
+    returns what session.json holds."""
+    os.makedirs(out, exist_ok=True)
+    t0 = clock()
+    env = dict(os.environ)
+    if not env.get("MOESERVE_GIT_COMMIT"):
+        env["MOESERVE_GIT_COMMIT"] = _commit()
+    report: dict = {"budget_s": budget_s, "commit": env["MOESERVE_GIT_COMMIT"], "setup": None, "targets": []}
+    with open(os.path.join(out, "session.log"), "a") as log:
+        if setup:
+            t = clock()
+            rc = runner([os.path.join(REPO, "scripts", "gpu-setup")], env, max(1.0, budget_s), log)
+            report["setup"] = {"rc": rc, "wall_s": round(clock() - t, 1)}
+            if rc != 0:
+                report["failed"] = True
+                return _write(out, report)
+        for name in names:
+            tg = TARGETS[name]
+            left = budget_s - (clock() - t0)
+            row = {"target": name, "what": tg.what, "env": tg.env, "expected_s": tg.seconds}
+            if left < tg.seconds:
+                row["skipped"] = f"needs ~{tg.seconds} s, {max(0, int(left))} s left"
+            else:
+                cmd = [sys.executable, *tg.argv, "--json", os.path.join(out, f"{name}.json")]
+                row["command"] = " ".join(f"{k}={v}" for k, v in tg.env.items()) + (" " if tg.env else "")
+                row["command"] += "python3 benchmarks/" + " ".join(repr(a) if a == "" else a for a in cmd[1:])
+                print(f"== {name}: {row['command']}", file=log, flush=True)
+                t = clock()
+                row["rc"] = runner(cmd, {**env, **tg.env}, max(1.0, left - 5), log)
+                row["wall_s"] = round(clock() - t, 1)
+            report["targets"].append(row)
+            print(_line(row), flush=True)
+    report["failed"] = any(r.get("rc", 0) != 0 for r in report["targets"])
+    return _write(out, report)
+
+
+def _line(row: dict) -> str:
+    if "skipped" in row:
+        return f"{row['target']:<22} skipped: {row['skipped']}"
+    return f"{row['target']:<22} rc {row['rc']:>3}  {row['wall_s']:>6.1f} s  {row['what']}"
+
+
+def _write(out: str, report: dict) -> dict:
+    with open(os.path.join(out, "session.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def _commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        if sha.returncode == 0 and sha.stdout.strip():
+            return sha.stdout.strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("targets", nargs="*", help="open targets by name, run in this order (--list names them)")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for the whole session (default 540)")
+    p.add_argument("--out", default=None, help="folder for the JSON and the log (default $OUT)")
+    p.add_argument("--list", action="store_true", help="the targets, their commands and expected times")
+    p.add_argument("--dry-run", action="store_true", help="say what would run, run nothing")
+    p.add_argument("--no-setup", action="store_true", help="skip scripts/gpu-setup")
+    a = p.parse_args(argv)
+    if a.list:
+        for name, tg in TARGETS.items():
+            env = " ".join(f"{k}={v}" for k, v in tg.env.items())
+            print(f"{name:<22} ~{tg.seconds:>3} s  {tg.what}\n{'':<30}{env + ' ' if env else ''}{' '.join(tg.argv)}")
+        return 0
+    bad = [n for n in a.targets if n not in TARGETS]
+    if bad or not a.targets:
+        p.error(f"unknown targets {bad}: allowed {', '.join(TARGETS)}" if bad else "name at least one target (--list)")
+    if not 1 <= a.budget <= 3600:
+        p.error(f"--budget must be 1 .. 3600 seconds, got {a.budget:g}")
+    out = a.out or os.environ.get("OUT") or os.path.join(HERE, "results", "session")
+    if a.dry_run:
+        for name, left in plan(a.targets, a.budget, setup=not a.no_setup):
+            tg = TARGETS[name]
+            fits = (
+                "runs" if left >= tg.seconds else f"would be skipped: needs ~{tg.seconds} s, {max(0, int(left))} s left"
+            )
+            print(f"{name:<22} ~{tg.seconds:>3} s, {int(left):>4} s left before it: {fits}")
+        return 0
+    report = run_session(a.targets, a.budget, out, setup=not a.no_setup)
+    return 1 if report.get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""benchmarks/gpu_session.py: a GPU session's open targets in one call within a time budget.
+The runs themselves are GPU benchmarks; here a fake runner and clock hold the order, the
+budget (what does not fit is skipped and said, later targets still tried), each target's
+environment, JSON path and timeout, the set-up first, and the refusals of bad arguments."""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def gs():
+    spec = importlib.util.spec_from_file_location("gpu_session_bench", BENCH / "gpu_session.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+class FakeGPU:
+    """A runner that takes each command's expected time on a fake clock and records the call."""
+
+    def __init__(self, gs, rcs=None, setup_s=20.0, setup_rc=0):
+        self.gs, self.now, self.calls, self.rcs = gs, 0.0, [], dict(rcs or {})
+        self.setup_s, self.setup_rc = setup_s, setup_rc
+
+    def clock(self):
+        return self.now
+
+    def run(self, cmd, env, timeout, log):
+        self.calls.append((cmd, env, timeout))
+        if cmd[0].endswith("gpu-setup"):
+            self.now += self.setup_s
+            return self.setup_rc
+        name = Path(cmd[cmd.index("--json") + 1]).stem
+        self.now += self.gs.TARGETS[name].seconds
+        return self.rcs.get(name, 0)
+
+
+def test_targets_run_in_order_within_the_budget_and_what_does_not_fit_is_skipped(gs, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
+    gpu = FakeGPU(gs, rcs={"grouped-routing": 3})
+    names = ["rows-per-pass", "fp8-ernie28-bm32", "prefix", "grouped-routing"]  # ~70, 150, 200, 40 s
+    report = gs.run_session(names, 300, str(tmp_path), runner=gpu.run, clock=gpu.clock)
+    assert [Path(c[0] if len(c) == 1 else c[1]).name for c, _, _ in gpu.calls] == [
+        "gpu-setup",
+        "expert_kernel.py",
+        "serving.py",
+        "norm_kernels.py",
+    ]
+    rows = {r["target"]: r for r in report["targets"]}
+    assert rows["prefix"]["skipped"] == "needs ~200 s, 60 s left" and "rc" not in rows["prefix"]
+    assert rows["rows-per-pass"]["rc"] == 0 and rows["grouped-routing"]["rc"] == 3 and report["failed"]
+    # each target: its own JSON in the folder, its environment on top of the session's, a timeout of what is left
+    cmd, env, timeout = gpu.calls[2]
+    assert cmd[-2:] == ["--json", str(tmp_path / "fp8-ernie28-bm32.json")]
+    assert env["MOESERVE_EXPERT_BLOCK_M"] == "32" and env["MOESERVE_GIT_COMMIT"] == "abc1234"
+    assert "MOESERVE_EXPERT_BLOCK_M" not in gpu.calls[1][1]
+    assert timeout == 300 - 20 - 70 - 5
+    assert rows["fp8-ernie28-bm32"]["command"].startswith("MOESERVE_EXPERT_BLOCK_M=32 python3 benchmarks/serving.py")
+    assert json.loads((tmp_path / "session.json").read_text()) == report
+    assert "== rows-per-pass: " in (tmp_path / "session.log").read_text()
+
+
+def test_a_failed_setup_runs_nothing(gs, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
+    gpu = FakeGPU(gs, setup_rc=1)
+    report = gs.run_session(["grouped-routing"], 300, str(tmp_path), runner=gpu.run, clock=gpu.clock)
+    assert report["failed"] and report["setup"]["rc"] == 1 and report["targets"] == [] and len(gpu.calls) == 1
+
+
+def test_every_target_names_a_benchmark_of_this_folder_that_writes_json(gs):
+    for name, tg in gs.TARGETS.items():
+        script = BENCH / tg.argv[0]
+        assert script.exists(), name
+        text = script.read_text()  # --json of its own, of fp8_linears' graph arguments or of servinglib's
+        assert '"--json"' in text or "add_graph_args" in text or "servinglib.args" in text, name
+        assert all(k.startswith("MOESERVE_") for k in tg.env), name
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["prefix", "nope"], "unknown targets ['nope']: allowed prefix, fp8-scout8"),
+        ([], "name at least one target (--list)"),
+        (["prefix", "--budget", "0"], "--budget must be 1 .. 3600 seconds, got 0"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(gs, args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        gs.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_dry_run_says_what_would_be_skipped_and_runs_nothing(gs, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert gs.main(["--dry-run", "--budget", "250", "rows-per-pass", "fp8-ernie28", "grouped-routing"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("runs") and out[1].endswith("runs")  # 20 s of set-up, then 70 and 150
+    assert out[2].endswith("would be skipped: needs ~40 s, 10 s left")
+    assert not os.listdir(tmp_path)
+    assert gs.main(["--list"]) == 0 and "rows-per-pass" in capsys.readouterr().out
