@@ -4,6 +4,8 @@ same (descending) order, with the same weights (fp32 within 1e-6, bf16 within a 
 dtype: the interpreter truncates where the GPU rounds); ``route`` takes it only where it
 should, and MOESERVE_FUSED_ROUTING=0 or a CPU tensor keeps torch's sequence."""
 
+import dataclasses
+
 import pytest
 import torch
 from triton_util import needs_triton
@@ -41,26 +43,13 @@ CASES = {
         True,
     ),
     "e512-k16": (RoutingSpec(renormalize=True), 512, 16, torch.float32, False),
-    # DeepSeek-V3's group-limited selection (MOESERVE_FUSED_GROUPED_ROUTING; the test turns it on)
-    "dsv3": (
-        RoutingSpec(
-            scoring="sigmoid",
-            gate_fp32=True,
-            correction_bias=True,
-            renormalize=True,
-            renorm_min=1e-20,
-            n_group=8,
-            topk_group=4,
-            scaling_factor=2.5,
-        ),
-        256,
-        8,
-        torch.float32,
-        True,
-    ),
     "groups-of-3": (RoutingSpec(renormalize=True, n_group=4, topk_group=2), 12, 5, torch.bfloat16, False),
     "groups-of-1": (RoutingSpec(n_group=8, topk_group=3), 8, 2, torch.float32, False),
 }
+
+
+# DeepSeek-V3's group-limited selection (MOESERVE_FUSED_GROUPED_ROUTING; the tests turn it on)
+CASES["dsv3"] = (dataclasses.replace(CASES["dsv3-one-group"][0], n_group=8, topk_group=4), *CASES["dsv3-one-group"][1:])
 
 
 @pytest.fixture(autouse=True)
