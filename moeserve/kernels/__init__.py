@@ -353,13 +353,17 @@ def _norm_kernels():
 NORM_MAX_H = 16384  # widest row a norm program holds in registers (one tile per row)
 
 
-def _cuda_switch(name: str, on: str, off: str) -> tuple[str, ...]:
-    """The devices a 0/1 variable ``name`` (default 1) lets a CUDA path take: ("cuda",) or ();
-    anything else raises ValueError naming the variable and both values (``on`` / ``off``:
-    what each does)."""
-    mode = os.environ.get(name, "1") or "1"
+def _cuda_switch(name: str, on: str, off: str, default: str = "1") -> tuple[str, ...]:
+    """The devices a 0/1 variable ``name`` (unset or empty: ``default``) lets a CUDA path take:
+    ("cuda",) or (); anything else raises ValueError naming the variable and both values
+    (``on`` / ``off``: what each does)."""
+    mode = os.environ.get(name, default) or default
     if mode not in ("0", "1"):
-        raise ValueError(f"{name}={mode!r}: allowed 1 (the default: {on}) or 0 ({off})")
+        what = {"1": on, "0": off}
+        other = "0" if default == "1" else "1"
+        raise ValueError(
+            f"{name}={mode!r}: allowed {default} (the default: {what[default]}) or {other} ({what[other]})"
+        )
     return ("cuda",) if mode == "1" else ()
 
 
@@ -512,12 +516,7 @@ class RoutingKind(Protocol):
 # "cpu"). MOESERVE_FUSED_GROUPED_ROUTING=1 turns it on: off by default until it is measured
 # on a GPU against torch's sequence (benchmarks/norm_kernels.py --cases dsv3_route).
 def _grouped_routing_devices() -> tuple[str, ...]:
-    mode = os.environ.get("MOESERVE_FUSED_GROUPED_ROUTING", "0") or "0"
-    if mode not in ("0", "1"):
-        raise ValueError(
-            f"MOESERVE_FUSED_GROUPED_ROUTING={mode!r}: allowed 0 (the default: torch's grouped selection) or 1 (fused on CUDA)"
-        )
-    return ("cuda",) if mode == "1" else ()
+    return _cuda_switch("MOESERVE_FUSED_GROUPED_ROUTING", "fused on CUDA", "torch's grouped selection", default="0")
 
 
 GROUPED_ROUTING_DEVICES: tuple[str, ...] = _grouped_routing_devices()
@@ -813,9 +812,12 @@ def expert_tuning(
     environment variable replaced the table, ``TUNING_FROM_ENV``)."""
     name = "w8a8" if fp8 and a8 else "fp8" if fp8 else "bf16"
     table = EXPERT_TUNING_FP8_A8 if fp8 and a8 else EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
-    if shape is not None and name not in TUNING_FROM_ENV:
-        table = table | EXPERT_TUNING_SHAPES[name].get((shape[0], shape[1]), {})
-    return table.get(tuning_key(kind, block_m), table[kind])
+    key = tuning_key(kind, block_m)
+    entry = EXPERT_TUNING_SHAPES[name].get((shape[0], shape[1])) if shape is not None else None
+    if not entry or name in TUNING_FROM_ENV:
+        return table.get(key, table[kind])
+    # the shape's entry over the table, key by key (no merged table built per launch)
+    return entry.get(key) or table.get(key) or entry.get(kind) or table[kind]
 
 
 def expert_block_m(rows_per_slot: int) -> int:

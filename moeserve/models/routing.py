@@ -156,22 +156,29 @@ class MoEBlock:
 
     def route(self, hidden: torch.Tensor) -> RoutingResult:
         """hidden [T, H] (the post-attention-norm MoE input) -> logical ids and weights [T, K]."""
-        if self.gate_parts is not None and hidden.dtype == torch.bfloat16 and kernels.gate_split_on(hidden):
-            partial = kernels.gate_split_logits(hidden, self.gate_parts)  # [T, 3E] fp32
+        if (gate_parts := self._split_parts(hidden)) is not None:
+            partial = kernels.gate_split_logits(hidden, gate_parts)  # [T, 3E] fp32
             return route(self.spec, partial, self.top_k, self.correction_bias, hidden.dtype, kernels.GATE_PARTS)
         x = hidden.float() if self.spec.gate_fp32 else hidden
         logits = F.linear(x, self.gate_weight, self.gate_bias)  # [T, E]
         return route(self.spec, logits, self.top_k, self.correction_bias, hidden.dtype)
 
+    def _split_parts(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The gate's bf16 parts (``gate_parts``) where ``hidden`` takes them now (bf16 rows on a
+        device of ``kernels.GATE_SPLIT_DEVICES``), else None."""
+        if hidden.dtype == torch.bfloat16 and kernels.gate_split_on(hidden):
+            return self.gate_parts
+        return None
+
     def warm_up(self, dtype: torch.dtype) -> int:
         """Compile, before serving, what ``route`` launches for hidden states of ``dtype`` (the
         model's): the fused routing kernel of this layer's routing, experts and top-k, whose key
         does not depend on the token count. Returns the launches run: 0 where torch's sequence
-        serves (CPU, grouped or top-k-first routings, ``MOESERVE_FUSED_ROUTING=0``)."""
+        serves (CPU, top-k-first routings, grouped ones without ``MOESERVE_FUSED_GROUPED_ROUTING=1``,
+        ``MOESERVE_FUSED_ROUTING=0``)."""
         gate_dtype = torch.float32 if self.spec.gate_fp32 else dtype
         x = torch.zeros(1, self.gate_weight.shape[1], dtype=dtype, device=self.gate_weight.device)
-        split = self.gate_parts is not None and dtype == torch.bfloat16 and kernels.gate_split_on(x)
-        parts = kernels.GATE_PARTS if split else 1
+        parts = kernels.GATE_PARTS if self._split_parts(x) is not None else 1
         logits = torch.zeros(1, parts * self.gate_weight.shape[0], dtype=gate_dtype, device=self.gate_weight.device)
         if not kernels.fused_route_takes(logits, self.spec, self.top_k, parts):
             return 0
