@@ -340,7 +340,7 @@ def main():
             ):
                 if "fp8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8"] = tune_fp8(
-                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, bn=bn, bk=bk
+                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, bn=bn, bk=bk, stages=stages
                     )
                 if "w8a8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8-w8a8"] = tune_fp8(
