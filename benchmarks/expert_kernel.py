@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moeserve import kernels  # noqa: E402
+from moeserve.expert_worker.store import expert_block_m_for  # noqa: E402
 
 SHAPES = {
     "scout": dict(hidden=5120, inter=8192, slots=16, top_k=1),
@@ -223,6 +224,7 @@ def main():
         f"{'shape':<7}{'tokens':>7}{'routing':>13}{'bm':>4}{'used':>6}{'GB':>7}{'grouped_mm ms':>15}{'GB/s':>7}"
         f"{'triton ms':>11}{'GB/s':>7}{'speedup':>9}{'max err':>9}"
     )
+    first_outputs: dict[tuple, tuple[int, torch.Tensor]] = {}  # (shape, tokens, routing, kind) -> (bm, output)
     for name in a.shapes.split(","):
         sh = SHAPES[name]
         h, i, s, k = sh["hidden"], sh["inter"], sh["slots"], sh["top_k"]
@@ -246,12 +248,15 @@ def main():
             rng = np.random.default_rng(tokens * 7919 + ("uniform", "skew", "concentrated").index(skew))
             c = counts_for(rng, tokens, k, s, skew)  # the same counts for every rows-per-pass
             m = int(c.sum())
-            rows = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+            gen = torch.Generator(device=dev).manual_seed(tokens * 7919 + len(skew))
+            rows = torch.randn(m, h, device=dev, dtype=torch.bfloat16, generator=gen)  # the same for every bm
             offs = torch.tensor(np.cumsum(c), dtype=torch.int32, device=dev)
             total = offs[-1:]
             used = int((c > 0).sum())
             nbytes = used * per_expert
-            bm = bm_choice or kernels.expert_block_m(2 * -(-m // s))  # the step's choice (store.expert_block_m_for)
+            # the step's choice (store.expert_block_m_for), bf16 and FP8
+            bm = bm_choice or expert_block_m_for(m, s, "triton")
+            bm8 = bm_choice or expert_block_m_for(m, s, "triton", quantized=True)
 
             def ref(j):
                 g = torch._grouped_mm(rows, gu[j], offs=offs)
@@ -260,7 +265,9 @@ def main():
             def tri(j):
                 return kernels.expert_mlp(rows, gu[j], dn[j], offs, bm)
 
-            err = float((ref(0).float() - tri(0).float()).abs().max())
+            out16 = tri(0)
+            err = float((ref(0).float() - out16.float()).abs().max())
+            first16 = first_outputs.setdefault((name, tokens, skew, "bf16"), (bm, out16))
             t_ref, t_tri = time_fn(ref, a.iters, a.layers), time_fn(tri, a.iters, a.layers)
             fp8_rows = {}
             for (label, (spec8, blocks, layers8)), a8 in itertools.product(fp8.items(), (False, True)):
@@ -268,13 +275,25 @@ def main():
                 def q8(j, layers8=layers8, blocks=blocks, a8=a8):
                     w = layers8[j]
                     sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], a8)
-                    return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm, sc)
+                    return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm8, sc)
 
                 t8 = time_fn(q8, a.iters, a.layers)
                 b8 = used * spec8.nbytes
-                rel = float((q8(0).float() - ref(0).float()).norm() / ref(0).float().norm())
-                fp8_rows[label + ("-w8a8" if a8 else "")] = dict(
-                    s=t8, bytes=b8, GBps=b8 / t8 / 1e9, over_bf16_triton=t8 / t_tri, rel_err=rel
+                out8 = q8(0)
+                rel = float((out8.float() - ref(0).float()).norm() / ref(0).float().norm())
+                lb = label + ("-w8a8" if a8 else "")
+                # every row's output bitwise as at the first rows-per-pass of this case (W8A8 must be:
+                # a step's rows per pass depends on the slot count, EPLB on or off)
+                first = first_outputs.setdefault((name, tokens, skew, lb), (bm8, out8))
+                fp8_rows[lb] = dict(
+                    s=t8,
+                    bytes=b8,
+                    GBps=b8 / t8 / 1e9,
+                    over_bf16_triton=t8 / t_tri,
+                    rel_err=rel,
+                    block_m=bm8,
+                    same_as_bm=first[0],
+                    bitwise_same=bool(torch.equal(first[1], out8)),
                 )
             row = dict(
                 shape=name,
@@ -292,6 +311,8 @@ def main():
                 triton_GBps=nbytes / t_tri / 1e9,
                 speedup=t_ref / t_tri,
                 max_abs_diff=err,
+                same_as_bm=first16[0],
+                bitwise_same=bool(torch.equal(first16[1], out16)),
                 fp8=fp8_rows,
             )
             out["cases"].append(row)
@@ -299,8 +320,11 @@ def main():
                 f"{name:<7}{tokens:>7}{skew:>13}{bm:>4}{used:>6}{nbytes / 1e9:>7.2f}{1e3 * t_ref:>15.3f}"
                 f"{row['grouped_mm_GBps']:>7.0f}{1e3 * t_tri:>11.3f}{row['triton_GBps']:>7.0f}"
                 f"{row['speedup']:>9.2f}{err:>9.3g}"
+                + ("" if row["bitwise_same"] else f" (NOT bitwise as at bm{first16[0]})")
                 + "".join(
-                    f"  {lb} {1e3 * f['s']:.3f} ms {f['GBps']:.0f} GB/s x{f['over_bf16_triton']:.2f} err {f['rel_err']:.1e}"
+                    f"  {lb} bm{f['block_m']} {1e3 * f['s']:.3f} ms {f['GBps']:.0f} GB/s x{f['over_bf16_triton']:.2f}"
+                    f" err {f['rel_err']:.1e}"
+                    + ("" if f["bitwise_same"] else f" NOT bitwise as at bm{f['same_as_bm']}")
                     for lb, f in fp8_rows.items()
                 )
             )
@@ -340,11 +364,11 @@ def main():
             ):
                 if "fp8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8"] = tune_fp8(
-                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, bn=bn, bk=bk, stages=stages
+                        fp8["fp8-channel"], rows, offs, bm8, used, h, i, a.layers, bn=bn, bk=bk, stages=stages
                     )
                 if "w8a8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8-w8a8"] = tune_fp8(
-                        fp8["fp8-channel"], rows, offs, bm, used, h, i, a.layers, a8=True, bn=bn, bk=bk, stages=stages
+                        fp8["fp8-channel"], rows, offs, bm8, used, h, i, a.layers, a8=True, bn=bn, bk=bk, stages=stages
                     )
         gu = dn = []  # free the device memory before the next shape
         fp8 = {}

@@ -182,9 +182,8 @@ class ExpertStore:
         elif self.spec.quant is not None:  # FP8: the Triton kernels at every size (no FP8 grouped GEMM here)
             from moeserve import kernels
 
-            self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers, "triton") or (
-                kernels.EXPERT_MAX_BM
-            )
+            slots = self.slots_per_worker * self.num_workers
+            self.block_m = expert_block_m_for(pairs, slots, "triton", quantized=True) or kernels.EXPERT_MAX_BM
         else:
             self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers)
 
@@ -325,11 +324,22 @@ def expert_block_m_setting() -> int:
     return int(v)
 
 
-def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None) -> int:
+# FP8 experts at 17-32 rows per slot on average take 32-row passes, not 64: their codes are half
+# the bytes, so a slot's second pass (its weights again, mostly from L2) costs less than the
+# 64-row tiles lose. On an H100 at ERNIE's layer, 256 tokens (32 per slot): W8A8 0.403 against
+# 0.476 ms uniform, 0.417 against 0.462 skewed, 0.218 against 0.210 with every token on the same
+# 8 experts (results/expert-kernel-rows-per-pass-ernie-h100.json); ERNIE-28L's decode step 14.00
+# against 14.51 ms (results/serving-ernie28-fp8-bm32-h100.json). At Scout's 16 rows per slot
+# 16-row passes gained nothing end to end and lost 6-14 % per layer, so the rule stops at 32.
+FP8_BLOCK_M_CAP = 32
+
+
+def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None, quantized: bool = False) -> int:
     """The slot-major compute's kernel for a step of ``pairs`` (token, k) pairs over
-    ``num_slots`` slots (every worker's), on CUDA in bf16: the Triton kernels' rows per pass, or
-    0 for ``torch._grouped_mm``. ``mode``: ``expert_kernel_mode()`` when None. The balancer's
-    step-time table is measured through the same choice (benchmarks/calibrate.py)."""
+    ``num_slots`` slots (every worker's), on CUDA in bf16 (``quantized``: FP8 codes): the Triton
+    kernels' rows per pass, or 0 for ``torch._grouped_mm``. ``mode``: ``expert_kernel_mode()``
+    when None. The balancer's step-time table is measured through the same choice
+    (benchmarks/calibrate.py)."""
     from moeserve import kernels
 
     mode = expert_kernel_mode() if mode is None else mode
@@ -338,7 +348,10 @@ def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None) -> i
     per_slot = -(-max(0, pairs) // max(1, num_slots))
     if mode != "triton" and per_slot > kernels.EXPERT_MAX_BM:
         return 0
-    return expert_block_m_setting() or kernels.expert_block_m(2 * per_slot)
+    bm = expert_block_m_setting() or kernels.expert_block_m(2 * per_slot)
+    if quantized and not expert_block_m_setting() and per_slot <= FP8_BLOCK_M_CAP:
+        bm = min(bm, FP8_BLOCK_M_CAP)
+    return bm
 
 
 def fp8_kernel_applies(spec: ExpertSpec, device: torch.device) -> bool:

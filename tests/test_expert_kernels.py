@@ -231,6 +231,32 @@ def test_a_worker_picks_the_kernels_by_rows_per_slot(monkeypatch):
     assert st.kernel_key == 0
 
 
+def test_fp8_steps_take_32_row_passes_where_a_slot_averages_17_to_32_rows(monkeypatch):
+    """FP8 experts (half the bytes a pass re-reads) cap the rows per pass at 32 where the mean
+    rows per slot is at most 32 (bf16 takes 64 there: twice the mean); below 17 and above 32 rows
+    per slot both take the same passes; MOESERVE_EXPERT_BLOCK_M still fixes them."""
+    from expert_worker import store as store_mod
+    from moeserve.models.moe import ExpertQuant
+
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    monkeypatch.delenv("MOESERVE_EXPERT_KERNEL", raising=False)
+    per_slot = (1, 8, 16, 17, 24, 32, 33, 64, 200)
+    bf16 = [store_mod.expert_block_m_for(8 * n, 8, "triton") for n in per_slot]
+    fp8 = [store_mod.expert_block_m_for(8 * n, 8, "triton", quantized=True) for n in per_slot]
+    assert bf16 == [16, 16, 32, 64, 64, 64, 64, 64, 64]
+    assert fp8 == [16, 16, 32, 32, 32, 32, 64, 64, 64]
+    # a worker holding FP8 experts picks it per step (the store's kernel key, baked into graphs)
+    spec = ExpertSpec(hidden_size=64, intermediate_size=32, dtype=torch.bfloat16, quant=ExpertQuant((64, 1), (32, 1)))
+    buf = torch.zeros(4, spec.numel, dtype=spec.storage_dtype)
+    st = store_mod.ExpertStore(spec, 0, [buf], np.zeros((1, 4)), num_workers=2)
+    monkeypatch.setattr(store_mod, "fp8_kernel_applies", lambda *a: True)  # as on CUDA
+    for n, want in ((20, 32), (10, 32), (40, 64), (1000, 64)):
+        st.set_step_pairs(8 * n)
+        assert st.kernel_key == want, (n, st.kernel_key)
+    monkeypatch.setattr(store_mod, "expert_block_m_setting", lambda: 64)
+    assert store_mod.expert_block_m_for(8 * 20, 8, "triton", quantized=True) == 64
+
+
 # -- FP8 weights -------------------------------------------------------------------------------
 
 
