@@ -110,19 +110,20 @@ TARGETS: dict[str, Target] = {
         40,
     ),
     "grouped-routing-eplb": Target(
-        "EPLB on = off with the fused grouped routing, DeepSeek-V3 bf16",
+        "EPLB on = off with the fused grouped routing (the default), DeepSeek-V3 bf16",
         ("gpu_correctness.py", "--ranks", "1", "--compare", "eplb-off", "--cases", "deepseek_v3:bfloat16"),
         90,
-        {"MOESERVE_FUSED_GROUPED_ROUTING": "1"},
     ),
-    "dsv3-grouped-routing": Target(
-        "DeepSeek-V3 (7 layers) burst with the fused grouped routing",
+    "dsv3-torch-grouped-routing": Target(
+        "DeepSeek-V3 (7 layers, an H200's memory) burst with torch's grouped routing",
         _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"),
         150,
-        {"MOESERVE_FUSED_GROUPED_ROUTING": "1"},
+        {"MOESERVE_FUSED_GROUPED_ROUTING": "0"},
     ),
     "dsv3": Target(
-        "DeepSeek-V3 (7 layers) burst as it is", _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"), 150
+        "DeepSeek-V3 (7 layers, an H200's memory) burst as it is (the fused grouped routing)",
+        _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"),
+        150,
     ),
     "ernie-1024": Target(
         "ERNIE-28L decode of 1,024 sequences as it is (bf16 steps on torch._grouped_mm)",

@@ -22,7 +22,7 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
   (``kernels.gate_parts``) against ``x.float()`` and cuBLAS's fp32 GEMM; bf16 rows only (fp32
   rows keep the fp32 GEMM); agreement over the chosen ids and their weights;
 - ``dsv3_route``: DeepSeek-V3's group-limited routing of fp32 logits [T, 256] (8 groups, the
-  best 4, top-8) by the fused routing kernel (``MOESERVE_FUSED_GROUPED_ROUTING=1``, on here)
+  best 4, top-8) by the fused routing kernel (on by default; on here whatever ``MOESERVE_FUSED_GROUPED_ROUTING`` says)
   against torch's sequence.
 
 Agreement: the share of output elements bit-identical to the torch path and the largest
@@ -210,8 +210,8 @@ def main():
     # fp32 serves through torch's sequences (kernels.NORM_DTYPES): here the kernels are measured
     # in fp32 too, against those sequences.
     kernels.NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-    # DeepSeek-V3's grouped routing takes the fused kernel only with MOESERVE_FUSED_GROUPED_ROUTING=1
-    # (off by default until measured): here it is on, against torch's sequence (TorchPath).
+    # DeepSeek-V3's grouped routing takes the fused kernel unless MOESERVE_FUSED_GROUPED_ROUTING=0:
+    # here it is on whatever the switch says, against torch's sequence (TorchPath).
     kernels.GROUPED_ROUTING_DEVICES = ("cuda",)
     out = dict(command=" ".join(["python3"] + sys.argv), gpu=torch.cuda.get_device_name(), torch=torch.__version__)
     out["cases"], out["models"], failed = [], [], []

@@ -169,7 +169,7 @@ def test_route_takes_the_kernel_only_where_it_serves(monkeypatch):
     assert not kernels.fused_route_takes(torch.zeros(4, 60), grouped, 6)  # 60 experts in 8 groups
     assert not kernels.fused_route_takes(x, RoutingSpec(n_group=16, topk_group=1), 6)  # 6 > one group of 4
     assert not kernels.fused_route_takes(torch.zeros(4, 256), RoutingSpec(n_group=128, topk_group=4), 6)
-    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ("cuda",))  # the switch on: CUDA only
+    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ("cuda",))  # the default: CUDA only
     assert not kernels.fused_route_takes(x, grouped, 6)
     assert kernels.fused_route_takes(x, softmax, 6)
     assert not kernels.fused_route_takes(x, softmax, 17)  # K past ROUTING_MAX_K
@@ -204,8 +204,8 @@ def test_route_runs_the_kernel_when_it_takes_it_and_torch_otherwise(monkeypatch)
     assert spy.calls == 1
     grouped = RoutingSpec(n_group=4, topk_group=2)
     ref = route(grouped, logits, k)
-    assert spy.calls == 2  # grouped: fused where MOESERVE_FUSED_GROUPED_ROUTING=1 puts it
-    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ())  # the default: torch's grouped selection
+    assert spy.calls == 2  # grouped: fused where GROUPED_ROUTING_DEVICES puts it
+    monkeypatch.setattr(kernels, "GROUPED_ROUTING_DEVICES", ())  # MOESERVE_FUSED_GROUPED_ROUTING=0: torch's
     got = route(grouped, logits, k)
     assert spy.calls == 2 and torch.equal(got.ids, ref.ids)
     weights_close(got.weights, ref.weights)
@@ -241,13 +241,13 @@ def test_the_block_warm_up_runs_the_kernel_where_it_serves(monkeypatch):
     assert grouped.warm_up(torch.bfloat16) == 0 and spy.calls == 2
 
 
-def test_moeserve_fused_grouped_routing_is_off_by_default_and_read_as_0_or_1(monkeypatch):
+def test_moeserve_fused_grouped_routing_is_on_by_default_and_read_as_0_or_1(monkeypatch):
     monkeypatch.delenv("MOESERVE_FUSED_GROUPED_ROUTING", raising=False)
-    assert kernels._grouped_routing_devices() == ()
-    monkeypatch.setenv("MOESERVE_FUSED_GROUPED_ROUTING", "1")
     assert kernels._grouped_routing_devices() == ("cuda",)
+    monkeypatch.setenv("MOESERVE_FUSED_GROUPED_ROUTING", "0")
+    assert kernels._grouped_routing_devices() == ()
     monkeypatch.setenv("MOESERVE_FUSED_GROUPED_ROUTING", "on")
-    with pytest.raises(ValueError, match="MOESERVE_FUSED_GROUPED_ROUTING='on': allowed 0 .* or 1"):
+    with pytest.raises(ValueError, match="MOESERVE_FUSED_GROUPED_ROUTING='on': allowed 1 .* or 0"):
         kernels._grouped_routing_devices()
 
 

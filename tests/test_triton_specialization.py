@@ -238,7 +238,7 @@ ROUTINGS = [  # (spec, E, K, gate dtype): ERNIE, Qwen3, Mixtral, DeepSeek-V3 wit
     (dict(scoring="sigmoid", gate_fp32=True, correction_bias=True, renormalize=True, scaling_factor=2.5), 256, 8,
      torch.float32),
     (dict(scoring="sigmoid", gate_fp32=True, correction_bias=True, renormalize=True, scaling_factor=2.5, n_group=8,
-          topk_group=4), 256, 8, torch.float32),  # DeepSeek-V3's groups, MOESERVE_FUSED_GROUPED_ROUTING=1
+          topk_group=4), 256, 8, torch.float32),  # DeepSeek-V3's groups (fused by default)
 ]  # fmt: skip
 
 

@@ -513,10 +513,13 @@ class RoutingKind(Protocol):
 
 
 # Where the fused routing kernel also takes DeepSeek-V3's group-limited selection (tests add
-# "cpu"). MOESERVE_FUSED_GROUPED_ROUTING=1 turns it on: off by default until it is measured
-# on a GPU against torch's sequence (benchmarks/norm_kernels.py --cases dsv3_route).
+# "cpu"); MOESERVE_FUSED_GROUPED_ROUTING=0 keeps torch's sequence. On an H100 the kernel took
+# 10.5 / 15.4 us against torch's 69.5 / 127.4 at 256 / 2,048 rows, ids and weights bit-identical
+# (benchmarks/norm_kernels.py --cases dsv3_route; results/router-kernels-grouped-routing-h100.json),
+# and DeepSeek-V3 with EPLB on gave EPLB off's tokens through it
+# (results/gpu-correctness-eplb-off-dsv3-fused-grouped-h100.json).
 def _grouped_routing_devices() -> tuple[str, ...]:
-    return _cuda_switch("MOESERVE_FUSED_GROUPED_ROUTING", "fused on CUDA", "torch's grouped selection", default="0")
+    return _cuda_switch("MOESERVE_FUSED_GROUPED_ROUTING", "fused on CUDA", "torch's grouped selection", default="1")
 
 
 GROUPED_ROUTING_DEVICES: tuple[str, ...] = _grouped_routing_devices()

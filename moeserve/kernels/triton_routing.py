@@ -5,8 +5,8 @@ MoE layer on the GPU: the softmax or sigmoid, the correction bias, ``torch.topk`
 the gather, the sum, the floor, the division and the cast; an ERNIE-4.5 decode step spent ~25 us
 per layer in them on an H200. This kernel does the same in one launch, in fp32 throughout, for
 the routings that take the top-k on the scores (every family but Llama 4 and GPT-OSS), and with
-``N_GROUP`` > 1 DeepSeek-V3's group-limited selection before the top-k (behind
-``MOESERVE_FUSED_GROUPED_ROUTING``: ``moeserve.kernels.GROUPED_ROUTING_DEVICES``).
+``N_GROUP`` > 1 DeepSeek-V3's group-limited selection before the top-k (``MOESERVE_FUSED_GROUPED_ROUTING=0`` leaves it to torch:
+``moeserve.kernels.GROUPED_ROUTING_DEVICES``).
 
 Rows are independent: a token's ids and weights do not depend on the other tokens of the launch
 or on how many there are (batch invariant).

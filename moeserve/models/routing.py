@@ -64,8 +64,8 @@ def route(
 
     On CUDA a routing that takes the top-k on the scores is one Triton launch
     (``kernels.fused_route``: the same fp32 operations, the lowest index first among equal
-    choices), DeepSeek-V3's expert groups too where ``MOESERVE_FUSED_GROUPED_ROUTING=1`` (off by
-    default until measured on a GPU); the torch sequence below is the CPU's and the reference
+    choices), DeepSeek-V3's expert groups too (``MOESERVE_FUSED_GROUPED_ROUTING=0`` keeps
+    torch's grouped selection); the torch sequence below is the CPU's and the reference
     (``MOESERVE_FUSED_ROUTING=0`` keeps it on CUDA too)."""
     dtype = dtype or logits.dtype
     if kernels.fused_route_takes(logits, spec, top_k, parts):
@@ -174,7 +174,7 @@ class MoEBlock:
         """Compile, before serving, what ``route`` launches for hidden states of ``dtype`` (the
         model's): the fused routing kernel of this layer's routing, experts and top-k, whose key
         does not depend on the token count. Returns the launches run: 0 where torch's sequence
-        serves (CPU, top-k-first routings, grouped ones without ``MOESERVE_FUSED_GROUPED_ROUTING=1``,
+        serves (CPU, top-k-first routings, grouped ones with ``MOESERVE_FUSED_GROUPED_ROUTING=0``,
         ``MOESERVE_FUSED_ROUTING=0``)."""
         gate_dtype = torch.float32 if self.spec.gate_fp32 else dtype
         x = torch.zeros(1, self.gate_weight.shape[1], dtype=dtype, device=self.gate_weight.device)
