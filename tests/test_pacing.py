@@ -34,6 +34,10 @@ def test_a_gpu_bound_step_schedules_the_next_just_before_the_running_one_ends():
     assert p.delay(at + 0.002) == pytest.approx(STEP - LEAD - MARGIN - 0.002)
     assert p.delay(at + STEP - LEAD - MARGIN) == 0.0  # already late enough: at once
     assert p.delay(at + 1.0) == 0.0
+    # counted per delayed schedule: how far ahead of the estimated end, and the slack then left
+    p.note_delay(0.004)
+    p.on_step(True, LEAD, at + STEP, 0.0015)
+    assert p.ahead_s == pytest.approx(LEAD + MARGIN) and p.slack_s == pytest.approx(0.0015)
 
 
 def test_no_delay_without_two_waited_steps_in_a_row():

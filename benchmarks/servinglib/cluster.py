@@ -221,6 +221,8 @@ class Cluster(UpProcess):
             "moeserve_late_schedules": "late_schedules",
             "moeserve_late_schedule_delay_seconds": "late_schedule_delay_s",
             "moeserve_late_schedule_bubbles": "late_schedule_bubbles",
+            "moeserve_late_schedule_ahead_seconds": "late_schedule_ahead_s",
+            "moeserve_late_schedule_slack_seconds": "late_schedule_slack_s",
         }
         out: dict[str, float] = {}
         for line in self.metrics_lines():

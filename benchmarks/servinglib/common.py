@@ -81,15 +81,21 @@ def _child_entry(q, fn, args) -> None:
 
 
 def pacing(s0: dict, s1: dict) -> dict:
-    """The late schedules between two status reads: how many, their mean delay (s), and the
-    bubbles after them (``Cluster.leader_counters``); {} where the leader exports none."""
+    """The late schedules between two status reads: how many, their mean delay (s), how long
+    before the running step's estimated end they started and the slack the GPU was left (means,
+    s), and the bubbles after them (``Cluster.leader_counters``); {} where the leader exports none."""
     if "late_schedules" not in s1:
         return {}
     n = s1["late_schedules"] - s0.get("late_schedules", 0.0)
-    delay = s1.get("late_schedule_delay_s", 0.0) - s0.get("late_schedule_delay_s", 0.0)
+
+    def mean(key: str) -> float | None:
+        return (s1.get(key, 0.0) - s0.get(key, 0.0)) / n if n else None
+
     return dict(
         late_schedules=int(n),
-        late_schedule_mean_delay_s=delay / n if n else None,
+        late_schedule_mean_delay_s=mean("late_schedule_delay_s"),
+        late_schedule_mean_ahead_s=mean("late_schedule_ahead_s"),
+        late_schedule_mean_slack_s=mean("late_schedule_slack_s"),
         late_schedule_bubbles=int(s1.get("late_schedule_bubbles", 0.0) - s0.get("late_schedule_bubbles", 0.0)),
     )
 

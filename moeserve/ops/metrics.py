@@ -322,6 +322,17 @@ class _LeaderCollector(Collector):
             "Delayed schedules after which the GPU went idle before the step was enqueued (the pacer backs off).",
             value=float(status.late_schedule_bubbles),
         )
+        yield CounterMetricFamily(
+            "moeserve_late_schedule_ahead_seconds",
+            "How long before the running step's estimated end the delayed schedules started, in total "
+            "(the host's longest lead, the margin and the pacer's correction).",
+            value=float(status.late_schedule_ahead_s),
+        )
+        yield CounterMetricFamily(
+            "moeserve_late_schedule_slack_seconds",
+            "How long the leader's rank waited for the running step's tokens after the delayed schedules, in total.",
+            value=float(status.late_schedule_slack_s),
+        )
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:

@@ -326,6 +326,8 @@ class EngineStatus:
     late_schedules: int = 0  # schedules the leader's pacer delayed since start, and their total
     late_schedule_delay_s: float = 0.0
     late_schedule_bubbles: int = 0  # delayed schedules after which the GPU went idle first
+    late_schedule_ahead_s: float = 0.0  # their time before the running step's estimated end, in total
+    late_schedule_slack_s: float = 0.0  # the GPU's wait for the delayed steps, in total
 
 
 # -- the interface ----------------------------------------------------------------------------

@@ -316,6 +316,8 @@ class Engine(EngineAPI):
             late_schedules=self.pacer.delays if self.pacer is not None else 0,
             late_schedule_delay_s=self.pacer.delayed_s if self.pacer is not None else 0.0,
             late_schedule_bubbles=self.pacer.bubbles if self.pacer is not None else 0,
+            late_schedule_ahead_s=self.pacer.ahead_s if self.pacer is not None else 0.0,
+            late_schedule_slack_s=self.pacer.slack_s if self.pacer is not None else 0.0,
         )
 
     def slot_digests(self, timeout_s: float = 60.0) -> list[np.ndarray]:

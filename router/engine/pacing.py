@@ -59,6 +59,11 @@ class StepPacer:
         self.delays = 0  # schedules delayed, and their total (for the metrics and tests)
         self.delayed_s = 0.0
         self.bubbles = 0  # delayed schedules after which the GPU went idle before the step came
+        # per delayed schedule, in total: how long before the running step's estimated end it
+        # was (lead + margin + correction: what a request it takes waits beyond its own step),
+        # and the slack the GPU was then left with (the next step's wait for tokens)
+        self.ahead_s = 0.0
+        self.slack_s = 0.0
         self.correction_s = 0.0  # c: learnt from the slack the delayed schedules left
         self._delayed = False  # the latest schedule was delayed (its step's slack is pending)
 
@@ -69,6 +74,7 @@ class StepPacer:
         if self._delayed and forward:  # the slack the delayed schedule left the GPU
             self._delayed = False
             if busy:
+                self.slack_s += tokens_wait_s
                 self.correction_s = max(0.0, self.correction_s + GAIN * (self.margin_s - tokens_wait_s))
             else:
                 self.bubbles += 1
@@ -91,12 +97,18 @@ class StepPacer:
         """Seconds to wait at ``now`` before scheduling the next step (0: at once)."""
         if not self._busy or self._tokens_at is None or len(self._device) < 2 or not self._lead:
             return 0.0
-        start = self._tokens_at + min(self._device) - max(self._lead) - self.margin_s - self.correction_s
+        start = self._tokens_at + min(self._device) - self.ahead()
         return min(max(0.0, start - now), self.max_delay_s)
+
+    def ahead(self) -> float:
+        """How long before the running step's estimated end the next schedule starts: the
+        longest lead of the window, the margin and the correction."""
+        return (max(self._lead) if self._lead else 0.0) + self.margin_s + self.correction_s
 
     def note_delay(self, seconds: float) -> None:
         """The leader waits ``seconds`` before this schedule (the next forward step's wait for
         tokens tells how much slack it left)."""
         self.delays += 1
         self.delayed_s += seconds
+        self.ahead_s += self.ahead()
         self._delayed = True
