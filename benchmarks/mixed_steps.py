@@ -50,7 +50,14 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from servinglib.cluster import colocated_rank  # noqa: E402
 from servinglib.common import git_commit, switches  # noqa: E402
 from servinglib.profiles import read_profiles  # noqa: E402
-from servinglib.roofline import DATASHEET_HBM_BPS, flop_aware, gpu_facts, kv_bytes_read, step_classes  # noqa: E402
+from servinglib.roofline import (  # noqa: E402
+    flop_aware,
+    gpu_facts,
+    hbm_rates,
+    kv_bytes_read,
+    rate_line,
+    step_classes,
+)
 from servinglib.shapes import SHAPES, model_sizes, weights_read_per_gpu, write_model  # noqa: E402
 
 SKIP = 5  # C-prompts left out at the start of the wall window: the requests are all in by then
@@ -257,7 +264,8 @@ def main(argv=None) -> int:
     folder = write_model(os.path.join(work, "model"), SHAPES[a.shape]["config"])
     sizes = model_sizes(folder, 4 if a.dtype == "float32" else 2)
     facts = gpu_facts(1, a.smoke)[0]
-    rates = {"datasheet": DATASHEET_HBM_BPS, "measured_copy": float(facts["rate_Bps"])}
+    rates, hbm = hbm_rates([facts.get("name", "cpu")], float(facts["rate_Bps"]))
+    print(rate_line(hbm), flush=True)
     peak = facts.get("peak_flops")
     weights = weights_read_per_gpu(sizes, 0, 1)
     rows = []
@@ -306,6 +314,7 @@ def main(argv=None) -> int:
         shape=a.shape,
         dtype=a.dtype,
         rates=rates,
+        hbm=hbm,
         peak_flops=peak,
         rows=rows,
     )

@@ -152,8 +152,11 @@ the first API's burst), each API with its own warm-up first:
   has one.
 
 Roofline per GPU beside each measured step: (bytes of every weight the GPU holds, redundant
-slots included, + the KV bytes the step reads) / HBM rate, for the datasheet's 4.8 TB/s and
-for the rate of a large device-to-device copy measured in the same run; the measured step time
+slots included, + the KV bytes the step reads) / HBM rate, for the device's datasheet rate
+(``servinglib.roofline.datasheet_hbm_bps``: 4.8 TB/s on an H200, 3.35 on an H100 SXM; on a device
+not in its table, the CPU included, the measured copy rate stands in for it, said so, and the
+JSON's ``hbm.datasheet_Bps`` is null) and for the rate of a large device-to-device copy measured
+in the same run; the measured step time
 is reported as a multiple of the roofline step time (``step_over_roofline``: 1.0 = at the
 roofline) and its inverse (``roofline_share``).
 
@@ -187,7 +190,7 @@ from servinglib.common import git_commit, switches  # noqa: E402
 from servinglib.figures import burst_plan  # noqa: E402
 from servinglib.prefix import conversation_plan, prefix_plan, prefix_table, side_by_side  # noqa: E402
 from servinglib.report import table  # noqa: E402
-from servinglib.roofline import DATASHEET_HBM_BPS, PEAK_GEMM, gpu_facts  # noqa: E402
+from servinglib.roofline import PEAK_GEMM, gpu_facts, hbm_rates, rate_line  # noqa: E402
 from servinglib.shapes import SHAPES, model_sizes, weights_per_gpu, write_model, write_tokenizer  # noqa: E402
 from servinglib.workloads import run_moeserve  # noqa: E402
 
@@ -219,14 +222,10 @@ def main(argv=None) -> int:
 
     facts = gpu_facts(2 if any(c.startswith("moeserve-ep2") for c in a.configs) else 1, a.smoke)
     measured = float(min(f["rate_Bps"] for f in facts))
-    rates = {"datasheet": DATASHEET_HBM_BPS, "measured_copy": measured}
+    rates, hbm = hbm_rates([f.get("name", "cpu") for f in facts], measured)
     peaks = [f["peak_flops"] for f in facts if f.get("peak_flops")]
     a.peak_flops = min(peaks) if peaks else None  # the FLOP-aware roofline's matmul peak (GPUs only)
-    print(
-        f"{facts[0].get('name', 'cpu')}: device-to-device copy {measured / 1e12:.2f} TB/s "
-        f"(datasheet {DATASHEET_HBM_BPS / 1e12:.1f})",
-        flush=True,
-    )
+    print(rate_line(hbm), flush=True)
 
     rng = np.random.default_rng(a.seed)
     plans: dict = {}
@@ -304,7 +303,7 @@ def main(argv=None) -> int:
             max_num_batched_tokens=a.max_num_batched_tokens,
             max_model_len=a.max_model_len,
         ),
-        hbm=dict(datasheet_Bps=DATASHEET_HBM_BPS, measured_copy_Bps=measured, per_device=facts),
+        hbm=dict(hbm, per_device=facts),
         matmul_peak=dict(flops=a.peak_flops, gemm_mkn=list(PEAK_GEMM), dtype="bfloat16", best_of=10),
         configs={},
     )

@@ -106,6 +106,8 @@ def test_smoke_run_measures_one_chunk_per_step(tmp_path):
     assert bench.main(["--smoke", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["shape"] == "tiny" and [r["chunk"] for r in doc["rows"]] == [16, 48]
+    assert doc["hbm"]["datasheet_Bps"] is None and doc["hbm"]["device"] == "cpu"  # the copy rate stands in
+    assert doc["rates"]["datasheet"] == doc["rates"]["measured_copy"] == doc["hbm"]["measured_copy_Bps"]
     for r in doc["rows"]:
         assert r["prompts_answered"] == r["prompts"] == 24
         # one prompt per step: its first tokens are spaced as the decodes' tokens are

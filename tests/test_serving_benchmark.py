@@ -44,7 +44,11 @@ def test_smoke_run_writes_every_figure(tmp_path):
     assert {"shape", "command", "git", "gpu", "device", "model", "workload", "hbm", "configs", "elapsed_s"} <= set(res)
     assert res["shape"] == "tiny" and res["smoke"] and "--smoke" in res["command"]
     assert res["switches"]["MOESERVE_ATTENTION_PREFILL"] == "sdpa"  # set below: what the clusters inherited
-    assert res["hbm"]["datasheet_Bps"] == 4.8e12 and res["hbm"]["measured_copy_Bps"] > 0
+    # no datasheet rate on a CPU: the measured copy rate stands in for it, and the JSON says so
+    hbm = res["hbm"]
+    assert hbm["datasheet_Bps"] is None and hbm["device"] == "cpu" and hbm["roof_rate"] == "measured_copy"
+    assert hbm["measured_copy_Bps"] > 0
+    assert "(datasheet: unknown for cpu, the measured copy rate used)" in run.stdout
     assert set(res["configs"]) == {"moeserve-1rank", "transformers"}
 
     ms = res["configs"]["moeserve-1rank"]
@@ -52,6 +56,7 @@ def test_smoke_run_writes_every_figure(tmp_path):
     burst, online, roof = ms["burst"], ms["online"], ms["roofline"]
     assert set(BURST_KEYS) <= set(burst) and set(ONLINE_KEYS) <= set(online)
     assert set(ROOFLINE_KEYS) <= set(roof)
+    assert roof["datasheet"]["rate_Bps"] == roof["measured_copy"]["rate_Bps"] == hbm["measured_copy_Bps"]
     n, new = burst["requests"], burst["output_tokens_per_request"]
     assert burst["completed"] == n and burst["output_tokens"] == n * new and not burst["errors"]
     assert burst["steady_all_running"] and burst["steady_gaps"] > 0
@@ -201,6 +206,44 @@ def test_roofline_counts_chunked_layers_up_to_their_chunk():
     assert kv_bytes_read(windowed, [20]) == (8 + 20) * 10  # a window of 8 reads 8 keys
     r = roofline(1000, 200, 0.002, {"x": 1e6}, 1, 1, 20)
     assert r["x"]["step_s"] == pytest.approx(1.2e-3) and r["x"]["step_over_roofline"] == pytest.approx(0.002 / 1.2e-3)
+
+
+def test_the_datasheet_rate_is_the_devices_own_and_an_unknown_one_is_said_so():
+    from servinglib.report import table
+    from servinglib.roofline import datasheet_hbm_bps, hbm_rates, rate_line
+
+    assert datasheet_hbm_bps("NVIDIA H100 80GB HBM3") == 3.35e12  # SXM
+    assert datasheet_hbm_bps("NVIDIA H100 NVL") == 3.9e12
+    assert datasheet_hbm_bps("NVIDIA H100 PCIe") == 2.0e12
+    assert datasheet_hbm_bps("NVIDIA H200") == datasheet_hbm_bps("NVIDIA H200 NVL") == 4.8e12
+    assert datasheet_hbm_bps("NVIDIA H20") == 4.0e12  # not taken for an H200, nor an H200 for it
+    assert datasheet_hbm_bps("NVIDIA A100-SXM4-80GB") == 2.039e12
+    assert datasheet_hbm_bps("NVIDIA A100-SXM4-40GB") == 1.555e12
+    assert datasheet_hbm_bps("NVIDIA B200") == 8.0e12
+    assert datasheet_hbm_bps("NVIDIA RTX 6000 Ada Generation") is None
+    assert datasheet_hbm_bps("NVIDIA GH200 480GB") is None  # its rate depends on its memory
+    assert datasheet_hbm_bps("cpu") is None
+
+    rates, hbm = hbm_rates(["NVIDIA H100 80GB HBM3"], 3.03e12)
+    assert rates == {"datasheet": 3.35e12, "measured_copy": 3.03e12} and hbm["datasheet_Bps"] == 3.35e12
+    assert rate_line(hbm) == "NVIDIA H100 80GB HBM3: device-to-device copy 3.03 TB/s (datasheet 3.35)"
+    result = dict(shape="tiny", gpu="NVIDIA H100 80GB HBM3", device="cuda", configs={}, hbm=hbm)
+    assert "roof = datasheet 3.35 TB/s, roofc = measured copy 3.03 TB/s" in table(result)
+    # two devices, one unknown: no datasheet rate for the run
+    assert hbm_rates(["NVIDIA H200", "NVIDIA L40S"], 3e12)[1]["datasheet_Bps"] is None
+
+    # an unknown device: the roof column at the measured copy rate, said so; no other GPU's figure
+    rates, hbm = hbm_rates(["NVIDIA L40S"], 0.7e12)
+    assert rates == {"datasheet": 0.7e12, "measured_copy": 0.7e12}
+    assert hbm == dict(device="NVIDIA L40S", datasheet_Bps=None, measured_copy_Bps=0.7e12, roof_rate="measured_copy")
+    line = rate_line(hbm)
+    assert line == (
+        "NVIDIA L40S: device-to-device copy 0.70 TB/s (datasheet: unknown for NVIDIA L40S, the measured copy rate used)"
+    )
+    text = table(dict(shape="tiny", gpu="NVIDIA L40S", device="cuda", configs={}, hbm=hbm))
+    roof_line = next(x for x in text.splitlines() if x.startswith("roofline:"))
+    assert "roof = the measured copy rate 0.70 TB/s (datasheet unknown for NVIDIA L40S)" in roof_line
+    assert "4.8" not in line + roof_line
 
 
 @pytest.mark.parametrize("shape", ["tiny", "scout8", "ernie28", "qwen3_30b", "gptoss20b"])

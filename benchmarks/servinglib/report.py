@@ -87,10 +87,14 @@ def table(result: dict) -> str:
                     )
     lines += eplb_table(result)
     hb = result["hbm"]
+    copy = hb["measured_copy_Bps"] / 1e12
+    if hb.get("datasheet_Bps"):
+        roof = f"datasheet {hb['datasheet_Bps'] / 1e12:g} TB/s"
+    else:  # a device whose datasheet rate is not known (servinglib.roofline.datasheet_hbm_bps)
+        roof = f"the measured copy rate {copy:.2f} TB/s (datasheet unknown for {hb.get('device') or result['gpu']})"
     lines.append(
-        f"roofline: (weights a GPU reads + KV read per step) / HBM rate; roof = datasheet "
-        f"{hb['datasheet_Bps'] / 1e12:.1f} TB/s, roofc = measured copy {hb['measured_copy_Bps'] / 1e12:.2f} TB/s; "
-        f"x roof = measured step / roofline step"
+        f"roofline: (weights a GPU reads + KV read per step) / HBM rate; roof = {roof}, "
+        f"roofc = measured copy {copy:.2f} TB/s; x roof = measured step / roofline step"
     )
     for name, c in result["configs"].items():
         r = c.get("roofline")

@@ -1,5 +1,7 @@
 """The roofline: the bytes a GPU reads per decode step (its weights and the KV the step reads)
-over the HBM rate, the datasheet's and that of a large device-to-device copy measured here; and
+over the HBM rate, the device's datasheet rate (``datasheet_hbm_bps``; where the device is not in
+the table, the measured copy rate in its place, said so) and that of a large device-to-device
+copy measured here; and
 beside it the FLOP-aware roofline: per kernel class (dense products, routed experts, attention)
 max(bytes / HBM rate, FLOPs / matmul peak), summed, with the peak measured in the same run (the
 best of 10 of a bf16 GEMM of 8192 x 5120 x 16384)."""
@@ -10,7 +12,56 @@ import time
 
 from servinglib.common import run_in_process
 
-DATASHEET_HBM_BPS = 4.8e12  # H200 SXM: 4.8 TB/s
+# The datasheet's HBM rate (B/s) by a part of torch.cuda.get_device_name(), matched in this
+# order (case aside), so the more specific names come first: "H200" before "H20", "H100 NVL"
+# and "H100 PCIe" before "H100". None: a device whose rate is not known here.
+DATASHEET_HBM = (
+    ("GH200", None),  # 4.0 or 4.9 TB/s by its memory: not told apart by the name
+    ("H200", 4.8e12),  # SXM and NVL
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("H20", 4.0e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100-SXM4-40GB", 1.555e12),
+    ("A100-PCIE-40GB", 1.555e12),
+    ("B200", 8.0e12),
+)
+
+
+def datasheet_hbm_bps(device_name: str) -> float | None:
+    """The datasheet's HBM rate (B/s) of the device named ``device_name`` (as
+    ``torch.cuda.get_device_name()`` names it), or None where ``DATASHEET_HBM`` does not know it."""
+    name = (device_name or "").lower()
+    for part, rate in DATASHEET_HBM:
+        if part.lower() in name:
+            return rate
+    return None
+
+
+def hbm_rates(names: list[str], measured: float) -> tuple[dict, dict]:
+    """The roofline's rates ({"datasheet": .., "measured_copy": ..}) and the record of them for a
+    result's JSON, for the devices named ``names`` (one rate: the lowest) and the ``measured``
+    copy rate. Where a device's datasheet rate is unknown, the measured rate stands in for it
+    (``roof_rate`` "measured_copy", ``datasheet_Bps`` None): never another GPU's figure."""
+    known = [datasheet_hbm_bps(n) for n in names]
+    datasheet = min(known) if known and None not in known else None
+    rates = {"datasheet": datasheet if datasheet else measured, "measured_copy": measured}
+    record = dict(
+        device=names[0] if names else None,
+        datasheet_Bps=datasheet,
+        measured_copy_Bps=measured,
+        roof_rate="datasheet" if datasheet else "measured_copy",
+    )
+    return rates, record
+
+
+def rate_line(record: dict) -> str:
+    """The printed line of a run's HBM rates (``hbm_rates``' record)."""
+    name, ds = record["device"], record["datasheet_Bps"]
+    told = f"datasheet {ds / 1e12:g}" if ds else f"datasheet: unknown for {name}, the measured copy rate used"
+    return f"{name}: device-to-device copy {record['measured_copy_Bps'] / 1e12:.2f} TB/s ({told})"
+
 
 PEAK_GEMM = (8192, 5120, 16384)  # M, K, N of the bf16 product whose best of 10 is the matmul peak
 
