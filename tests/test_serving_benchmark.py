@@ -568,11 +568,19 @@ def test_late_schedules_between_two_status_reads():
     _bench()  # puts servinglib on the path
     from servinglib.common import pacing
 
-    s0 = dict(late_schedules=10.0, late_schedule_delay_s=0.05, late_schedule_bubbles=1.0)
-    s1 = dict(late_schedules=30.0, late_schedule_delay_s=0.09, late_schedule_bubbles=4.0)
+    s0 = dict(late_schedules=10.0, late_schedule_delay_s=0.05, late_schedule_bubbles=1.0, late_schedule_ahead_s=0.03)
+    s1 = dict(
+        late_schedules=30.0,
+        late_schedule_delay_s=0.09,
+        late_schedule_bubbles=4.0,
+        late_schedule_ahead_s=0.09,
+        late_schedule_slack_s=0.02,
+    )
     got = pacing(s0, s1)
     assert got["late_schedules"] == 20 and got["late_schedule_bubbles"] == 3
     assert got["late_schedule_mean_delay_s"] == pytest.approx(0.002)
+    assert got["late_schedule_mean_ahead_s"] == pytest.approx(0.003)
+    assert got["late_schedule_mean_slack_s"] == pytest.approx(0.001)  # from 0 in s0
     assert pacing(s0, s0)["late_schedule_mean_delay_s"] is None
     assert pacing({}, {"forward_steps": 3}) == {}  # a leader without metrics: nothing made up
 
