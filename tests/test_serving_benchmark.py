@@ -60,7 +60,9 @@ def test_smoke_run_writes_every_figure(tmp_path):
     n, new = burst["requests"], burst["output_tokens_per_request"]
     assert burst["completed"] == n and burst["output_tokens"] == n * new and not burst["errors"]
     assert burst["steady_all_running"] and burst["steady_gaps"] > 0
-    assert 0 < burst["steady_step_p10_s"] <= burst["steady_step_s"] <= burst["steady_step_p90_s"]
+    # tokens a stream fell behind on reach the client in one message (gaps of 0 on a loaded CPU)
+    assert 0 <= burst["steady_step_p10_s"] <= burst["steady_step_s"] <= burst["steady_step_p90_s"]
+    assert burst["steady_step_s"] > 0
     assert burst["output_tok_s"] > 0 and burst["ttft_p50_s"] <= burst["ttft_p99_s"]
     assert online["completed"] == online["requests"] >= 1 and online["cancelled"] == 0 and not online["errors"]
     assert online["arrival_rate_req_s"] > 0 and online["itl_p99_over_p50"] >= 1.0
@@ -517,7 +519,11 @@ def test_smoke_prefix_workloads_measure_prefix_caching_side_by_side(tmp_path):
         for key in ("prefix", "multiturn"):
             t = c[key]["ttft_parts_mean_s"]
             assert t["queue_requests"] == t["front_end_requests"]  # the means cover the same requests
-            assert t["client"] >= t["front_end"] >= t["queue"] + t["prefill"] and t["prefill"] > 0
+            assert t["front_end"] >= t["queue"] + t["prefill"] and t["prefill"] > 0
+            # the client's mean covers the workload's requests only, the front end's its warm-ups
+            # too (whose first tokens may come later): compared only where the sets are the same
+            if t["front_end_requests"] == c[key]["requests"]:
+                assert t["client"] >= t["front_end"]
             # and split at every hop: each part of every request the front end counted (the
             # workload's and the clients' warm-ups), none negative, adding up to its TTFT
             hops = t["hops"]
