@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -43,6 +44,11 @@ class Target:
 
 def _serving(shape: str, configs: str, *more: str) -> tuple[str, ...]:
     return ("serving.py", "--shape", shape, "--configs", configs, *more)
+
+
+def _eplb_off(cases: str, *more: str) -> tuple[str, ...]:
+    """EPLB on against EPLB off through a live migration, one rank (gpu_correctness.py)."""
+    return ("gpu_correctness.py", "--ranks", "1", "--compare", "eplb-off", *more, "--cases", cases)
 
 
 TARGETS: dict[str, Target] = {
@@ -74,17 +80,7 @@ TARGETS: dict[str, Target] = {
     ),
     "w8a8-down-4warps-eplb": Target(
         "EPLB on = off in FP8 (ERNIE, Llama 4) with the 4-warp W8A8 down tile below 64 rows",
-        (
-            "gpu_correctness.py",
-            "--ranks",
-            "1",
-            "--compare",
-            "eplb-off",
-            "--quantization",
-            "fp8",
-            "--cases",
-            "ernie45:bfloat16,llama4:bfloat16",
-        ),
+        _eplb_off("ernie45:bfloat16,llama4:bfloat16", "--quantization", "fp8"),
         120,
         {"MOESERVE_FP8_A8_TUNING": '{"down": [128, 128, 4, 3, 1]}'},
     ),
@@ -139,7 +135,7 @@ TARGETS: dict[str, Target] = {
     ),
     "grouped-routing-eplb": Target(
         "EPLB on = off with the fused grouped routing (the default), DeepSeek-V3 bf16",
-        ("gpu_correctness.py", "--ranks", "1", "--compare", "eplb-off", "--cases", "deepseek_v3:bfloat16"),
+        _eplb_off("deepseek_v3:bfloat16"),
         90,
     ),
     "dsv3-torch-grouped-routing": Target(
@@ -170,32 +166,14 @@ TARGETS: dict[str, Target] = {
     ),
     "eplb-off-fp8": Target(
         "EPLB on = off in FP8, ERNIE and Llama 4",
-        (
-            "gpu_correctness.py",
-            "--ranks",
-            "1",
-            "--compare",
-            "eplb-off",
-            "--quantization",
-            "fp8",
-            "--cases",
-            "ernie45:bfloat16,llama4:bfloat16",
-        ),
+        _eplb_off("ernie45:bfloat16,llama4:bfloat16", "--quantization", "fp8"),
         120,
-    ),  # fmt: skip
+    ),
     "eplb-off-bf16": Target(
         "EPLB on = off in bf16, ERNIE, DeepSeek-V3 and Llama 4",
-        (
-            "gpu_correctness.py",
-            "--ranks",
-            "1",
-            "--compare",
-            "eplb-off",
-            "--cases",
-            "ernie45:bfloat16,deepseek_v3:bfloat16,llama4:bfloat16",
-        ),
+        _eplb_off("ernie45:bfloat16,deepseek_v3:bfloat16,llama4:bfloat16"),
         150,
-    ),  # fmt: skip
+    ),
 }
 
 Runner = Callable[[list[str], dict[str, str], float, object], int]
@@ -253,7 +231,7 @@ def run_session(
                 row["skipped"] = f"needs ~{tg.seconds} s, {max(0, int(left))} s left"
             else:
                 cmd = [sys.executable, *tg.argv, "--json", os.path.join(out, f"{name}.json")]
-                row["command"] = " ".join(f"{k}={v}" for k, v in tg.env.items()) + (" " if tg.env else "")
+                row["command"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in tg.env.items()) + (" " if tg.env else "")
                 row["command"] += "python3 benchmarks/" + " ".join(repr(a) if a == "" else a for a in cmd[1:])
                 print(f"== {name}: {row['command']}", file=log, flush=True)
                 t = clock()
@@ -298,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.list:
         for name, tg in TARGETS.items():
-            env = " ".join(f"{k}={v}" for k, v in tg.env.items())
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in tg.env.items())
             print(f"{name:<22} ~{tg.seconds:>3} s  {tg.what}\n{'':<30}{env + ' ' if env else ''}{' '.join(tg.argv)}")
         return 0
     bad = [n for n in a.targets if n not in TARGETS]

@@ -160,6 +160,52 @@ class LeaderMetrics:
         self._step_seconds[kind].observe(seconds)
 
 
+# Counters read straight off the leader's EngineStatus: (metric, help, EngineStatus field)
+STATUS_COUNTERS = (
+    (
+        "moeserve_requests_readmitted",
+        "Sequences of a lost router moved to another router, to be recomputed from the tokens known.",
+        "readmitted",
+    ),
+    (
+        "moeserve_prefix_cache_queries",
+        "Prompt tokens of admitted requests that looked the prefix cache up.",
+        "prefix_cache_queries",
+    ),
+    (
+        "moeserve_prefix_cache_hits",
+        "Prompt tokens of admitted requests read from the prefix cache instead of computed.",
+        "prefix_cache_hits",
+    ),
+    (
+        "moeserve_late_schedules",
+        "Schedules the leader delayed to just before the running step's expected end (late scheduling).",
+        "late_schedules",
+    ),
+    (
+        "moeserve_late_schedule_delay_seconds",
+        "Time the leader waited before those schedules, in total.",
+        "late_schedule_delay_s",
+    ),
+    (
+        "moeserve_late_schedule_bubbles",
+        "Delayed schedules after which the GPU went idle before the step was enqueued (the pacer backs off).",
+        "late_schedule_bubbles",
+    ),
+    (
+        "moeserve_late_schedule_ahead_seconds",
+        "How long before the running step's estimated end the delayed schedules started, in total "
+        "(the host's longest lead, the margin and the pacer's correction).",
+        "late_schedule_ahead_s",
+    ),
+    (
+        "moeserve_late_schedule_slack_seconds",
+        "How long the leader's rank waited for the running step's tokens after the delayed schedules, in total.",
+        "late_schedule_slack_s",
+    ),
+)
+
+
 class _LeaderCollector(Collector):
     """Series computed when Prometheus scrapes, from the engine's public API only:
     ``placement()``, ``total_load()``, ``total_worker_load()``, ``expert_load()``, ``status()``
@@ -292,47 +338,8 @@ class _LeaderCollector(Collector):
             for role in RANK_ROLES:
                 c.add_metric((role,), float(counts.get(role, 0)))
             yield c
-        yield CounterMetricFamily(
-            "moeserve_requests_readmitted",
-            "Sequences of a lost router moved to another router, to be recomputed from the tokens known.",
-            value=float(status.readmitted),
-        )
-        yield CounterMetricFamily(
-            "moeserve_prefix_cache_queries",
-            "Prompt tokens of admitted requests that looked the prefix cache up.",
-            value=float(status.prefix_cache_queries),
-        )
-        yield CounterMetricFamily(
-            "moeserve_prefix_cache_hits",
-            "Prompt tokens of admitted requests read from the prefix cache instead of computed.",
-            value=float(status.prefix_cache_hits),
-        )
-        yield CounterMetricFamily(
-            "moeserve_late_schedules",
-            "Schedules the leader delayed to just before the running step's expected end (late scheduling).",
-            value=float(status.late_schedules),
-        )
-        yield CounterMetricFamily(
-            "moeserve_late_schedule_delay_seconds",
-            "Time the leader waited before those schedules, in total.",
-            value=float(status.late_schedule_delay_s),
-        )
-        yield CounterMetricFamily(
-            "moeserve_late_schedule_bubbles",
-            "Delayed schedules after which the GPU went idle before the step was enqueued (the pacer backs off).",
-            value=float(status.late_schedule_bubbles),
-        )
-        yield CounterMetricFamily(
-            "moeserve_late_schedule_ahead_seconds",
-            "How long before the running step's estimated end the delayed schedules started, in total "
-            "(the host's longest lead, the margin and the pacer's correction).",
-            value=float(status.late_schedule_ahead_s),
-        )
-        yield CounterMetricFamily(
-            "moeserve_late_schedule_slack_seconds",
-            "How long the leader's rank waited for the running step's tokens after the delayed schedules, in total.",
-            value=float(status.late_schedule_slack_s),
-        )
+        for name, help_, attr in STATUS_COUNTERS:
+            yield CounterMetricFamily(name, help_, value=float(getattr(status, attr)))
 
 
 def _add_matrix(family, values: np.ndarray, rows: list[str], cols: list[str]) -> None:
