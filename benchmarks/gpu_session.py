@@ -57,6 +57,12 @@ TARGETS: dict[str, Target] = {
         _serving("scout8", "moeserve-1rank,moeserve-1rank-no-prefix-cache", "--workloads", "prefix,multiturn"),
         200,
     ),
+    "prefix-learn-lead": Target(
+        "prefix caching A/B with the pacer learning its look-ahead from the slack (MOESERVE_PACER_LEARN_LEAD=1)",
+        _serving("scout8", "moeserve-1rank,moeserve-1rank-no-prefix-cache", "--workloads", "prefix,multiturn"),
+        200,
+        {"MOESERVE_PACER_LEARN_LEAD": "1"},
+    ),
     "fp8-scout8": Target(
         "Scout-8L decode step, bf16 beside FP8 (burst 256 x (128 -> 256))",
         _serving("scout8", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),

@@ -88,7 +88,7 @@ def test_every_target_names_a_benchmark_of_this_folder_that_writes_json(gs):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["prefix", "nope"], "unknown targets ['nope']: allowed prefix, fp8-scout8"),
+        (["prefix", "nope"], "unknown targets ['nope']: allowed prefix, prefix-learn-lead, fp8-scout8"),
         ([], "name at least one target (--list)"),
         (["prefix", "--budget", "0"], "--budget must be 1 .. 3600 seconds, got 0"),
     ],

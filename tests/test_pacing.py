@@ -13,7 +13,7 @@ from moeserve.dataplane.protocol import RankResult, RouterWork, SeqWork, StepHea
 from moeserve.placement import Placement
 from moeserve.router.engine.api import GenerateRequest
 from moeserve.router.engine.leader import Engine, ModelShape
-from moeserve.router.engine.pacing import StepPacer
+from moeserve.router.engine.pacing import StepPacer, learn_lead_setting
 
 STEP, LEAD, MARGIN = 0.010, 0.003, 0.001
 
@@ -115,6 +115,36 @@ def test_the_slack_a_delayed_schedule_left_corrects_the_next_delays():
     assert p.bubbles == 2
     p.reset()
     assert p.correction_s == 0.0 and p.delay(at) == 0.0
+
+
+def test_learn_lead_lets_the_slack_take_back_the_longest_lead_never_the_margin(monkeypatch):
+    """MOESERVE_PACER_LEARN_LEAD=1: a slack above the margin moves the schedule later, past the
+    window's longest lead if the slack says so, but never closer to the estimated end than the
+    margin; a bubble pushes it back at once. Without it the correction stops at 0."""
+    slow = 0.006  # one mixed step's lead sets H for the window
+    plain, learning = StepPacer(MARGIN), StepPacer(MARGIN, learn_lead=True)
+    for p in (plain, learning):
+        at = steady(p, 3)
+        p.on_step(True, slow, at + STEP, 0.002)
+        at += STEP
+        for _ in range(12):  # (within the window) every delayed schedule left 4 ms of slack
+            p.note_delay(p.delay(at))
+            at += STEP
+            p.on_step(True, LEAD, at, MARGIN + 0.004)
+    assert plain.correction_s == 0.0 and plain.ahead() == pytest.approx(slow + MARGIN)
+    assert learning.correction_s == pytest.approx(-slow) and learning.ahead() == pytest.approx(MARGIN)
+    assert learning.delay(at) == pytest.approx(STEP - MARGIN)
+    assert plain.delay(at) == pytest.approx(STEP - slow - MARGIN)
+    # a bubble: back by the margin and a quarter of a millisecond at once
+    learning.note_delay(learning.delay(at))
+    learning.on_step(True, LEAD, at + STEP, 0.0)
+    assert learning.bubbles == 1 and learning.ahead() == pytest.approx(MARGIN + MARGIN + 2.5e-4)
+    for value, want in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("MOESERVE_PACER_LEARN_LEAD", value)
+        assert learn_lead_setting() is want
+    monkeypatch.setenv("MOESERVE_PACER_LEARN_LEAD", "yes")
+    with pytest.raises(ValueError, match="MOESERVE_PACER_LEARN_LEAD='yes': allowed 0 .* or 1"):
+        learn_lead_setting()
 
 
 def test_bad_pacer_settings_are_refused_by_name():

@@ -39,7 +39,7 @@ from moeserve.router.engine.api import (
 )
 from moeserve.router.engine.grammars import GrammarTable
 from moeserve.router.engine.migration import Migrator
-from moeserve.router.engine.pacing import StepPacer
+from moeserve.router.engine.pacing import StepPacer, learn_lead_setting
 from moeserve.router.engine.scheduler import Scheduler, Sequence
 from moeserve.sampling import MAX_SEED, request_seed
 
@@ -120,7 +120,7 @@ class Engine(EngineAPI):
         self._warmup: deque[tuple[int, int]] = deque()  # decode graph warm-up steps still to issue
         # late scheduling: the next schedule just before the GPUs finish the running step
         late = cfg.async_scheduling and cfg.late_scheduling
-        self.pacer = StepPacer(cfg.late_scheduling_margin_ms / 1e3) if late else None
+        self.pacer = StepPacer(cfg.late_scheduling_margin_ms / 1e3, learn_lead=learn_lead_setting()) if late else None
         self._sched_t = time.perf_counter()  # when the latest header's schedule began
         self._seed_lock = threading.Lock()
         self._seeds = random.Random(cfg.seed) if getattr(cfg, "seed", None) is not None else None

@@ -29,10 +29,18 @@ longer it shrinks the same way (never below 0); where there was no wait at all (
 GPU went idle before the step was enqueued, from a late wake-up, a busy interpreter lock or a
 lead the window did not see) it grows by ``margin`` + 0.25 ms at once. So a delay that keeps
 costing bubbles backs off within a few steps, whatever the cause (``bubbles`` counts them).
+
+The longest lead of the window is an upper bound: a mixed step's schedule and enqueue take
+longer than a decode step's, and one of them in the window sets H for 16 steps, while ``c``
+never goes below 0, so a slack above the margin is never taken back. With ``learn_lead``
+(``MOESERVE_PACER_LEARN_LEAD=1``, a measurement switch until a GPU has shown it) the correction
+may go down to -H: the slack the GPU is left decides how far ahead the schedule starts, never
+less than the margin, and a bubble still pushes it back at once.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 GAIN = 0.25  # of the slack's error, added to the correction after each delayed schedule
@@ -46,12 +54,20 @@ class StepPacer:
     enqueued; window: steps the estimates look back over; busy_s: the shortest wait for tokens
     that says the GPU was busy; max_delay_s: the longest delay, whatever the estimates say."""
 
-    def __init__(self, margin_s: float, window: int = 16, busy_s: float = 2e-4, max_delay_s: float = 0.05):
+    def __init__(
+        self,
+        margin_s: float,
+        window: int = 16,
+        busy_s: float = 2e-4,
+        max_delay_s: float = 0.05,
+        learn_lead: bool = False,
+    ):
         if margin_s < 0:
             raise ValueError(f"margin_s must be >= 0, got {margin_s}")
         if window < 2:
             raise ValueError(f"window must be >= 2, got {window}")
         self.margin_s, self.busy_s, self.max_delay_s = margin_s, busy_s, max_delay_s
+        self.learn_lead = learn_lead
         self._device: deque[float] = deque(maxlen=window)  # device times of whole steps
         self._lead: deque[float] = deque(maxlen=window)  # hosts' schedule-to-enqueued times
         self._tokens_at: float | None = None  # when the latest step's tokens came
@@ -75,7 +91,8 @@ class StepPacer:
             self._delayed = False
             if busy:
                 self.slack_s += tokens_wait_s
-                self.correction_s = max(0.0, self.correction_s + GAIN * (self.margin_s - tokens_wait_s))
+                floor = -max(self._lead) if self.learn_lead and self._lead else 0.0
+                self.correction_s = max(floor, self.correction_s + GAIN * (self.margin_s - tokens_wait_s))
             else:
                 self.bubbles += 1
                 self.correction_s += self.margin_s + BUBBLE_STEP_S
@@ -103,7 +120,8 @@ class StepPacer:
     def ahead(self) -> float:
         """How long before the running step's estimated end the next schedule starts: the
         longest lead of the window, the margin and the correction."""
-        return (max(self._lead) if self._lead else 0.0) + self.margin_s + self.correction_s
+        lead = max(self._lead) if self._lead else 0.0
+        return max(lead + self.correction_s, 0.0) + self.margin_s
 
     def note_delay(self, seconds: float) -> None:
         """The leader waits ``seconds`` before this schedule (the next forward step's wait for
@@ -112,3 +130,13 @@ class StepPacer:
         self.delayed_s += seconds
         self.ahead_s += self.ahead()
         self._delayed = True
+
+
+def learn_lead_setting() -> bool:
+    """``MOESERVE_PACER_LEARN_LEAD``: 0 (the default: the correction never below 0) or 1 (it
+    may take back the window's longest lead where the slack says so); anything else is refused
+    by name."""
+    v = os.environ.get("MOESERVE_PACER_LEARN_LEAD", "0") or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"MOESERVE_PACER_LEARN_LEAD={v!r}: allowed 0 (the default) or 1")
+    return v == "1"
