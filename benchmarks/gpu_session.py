@@ -155,6 +155,27 @@ TARGETS: dict[str, Target] = {
         _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"),
         150,
     ),
+    "ernie-1024-profile": Target(
+        "ERNIE-28L decode of 1,024 sequences profiled (steps 80-99): where the 33 ms step's ~11 ms above its roofline go",
+        _serving(
+            "ernie28",
+            "moeserve-1rank",
+            "--workloads",
+            "burst",
+            "--burst-requests",
+            "1024",
+            "--max-num-seqs",
+            "1024",
+            "--profile",
+            "80:20",
+        ),
+        120,
+    ),
+    "fp8-ernie28-profile": Target(
+        "ERNIE-28L FP8 burst 256 profiled (steps 80-99): the W8A8 expert kernels' share of the 14 ms step",
+        _serving("ernie28", "moeserve-1rank-fp8", "--workloads", "burst", "--profile", "80:20"),
+        110,
+    ),
     "ernie-1024": Target(
         "ERNIE-28L decode of 1,024 sequences as it is (bf16 steps on torch._grouped_mm)",
         _serving(
