@@ -236,6 +236,28 @@ def _count_connections(monkeypatch) -> list:
     return opened
 
 
+def test_a_step_delivery_defers_each_consumers_wake_up_to_its_end():
+    """Sinks called inside step_delivery defer their consumer's wake-up (once per consumer) to
+    the block's end, so a step's events are taken as one batch; outside one they wake at once."""
+    import threading
+
+    from moeserve.router.engine.api import after_delivery, step_delivery
+
+    woken = []
+    assert not after_delivery("a", lambda: woken.append("a"))  # no delivery runs: wake now
+    with step_delivery():
+        assert after_delivery("a", lambda: woken.append("a"))
+        assert after_delivery("a", lambda: woken.append("a again"))  # one wake-up per consumer
+        assert after_delivery("b", lambda: woken.append("b"))
+        other = []  # another thread runs no delivery of its own
+        t = threading.Thread(target=lambda: other.append(after_delivery("c", lambda: None)))
+        t.start()
+        t.join()
+        assert other == [False] and woken == []
+    assert woken == ["a", "b"]
+    assert not after_delivery("a", lambda: None)  # the block ended
+
+
 def test_streams_of_a_front_end_share_one_session_and_a_step_leaves_as_one_frame(engine, channel, monkeypatch):
     import asyncio
 

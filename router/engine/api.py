@@ -15,7 +15,9 @@ Nothing here imports torch, torch.distributed or gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -328,6 +330,34 @@ class EngineStatus:
     late_schedule_bubbles: int = 0  # delayed schedules after which the GPU went idle first
     late_schedule_ahead_s: float = 0.0  # their time before the running step's estimated end, in total
     late_schedule_slack_s: float = 0.0  # the GPU's wait for the delayed steps, in total
+
+
+_delivery = threading.local()  # the step driver's: the wake-ups a step's delivery deferred
+
+
+@contextlib.contextmanager
+def step_delivery():
+    """The events a step delivers inside this block leave it together: a sink that wakes a
+    consumer (the channel's session) defers the wake-up to the block's end
+    (``after_delivery``), so that a step's events are taken as one batch, however the threads
+    interleave; the step driver's thread only."""
+    _delivery.wakes = {}
+    try:
+        yield
+    finally:
+        wakes, _delivery.wakes = _delivery.wakes, None
+        for wake in wakes.values():
+            wake()
+
+
+def after_delivery(key: object, wake: Callable[[], None]) -> bool:
+    """Defer ``wake`` (once per ``key``) to the end of the step delivery running on this thread;
+    False where none runs (the caller wakes its consumer now)."""
+    wakes = getattr(_delivery, "wakes", None)
+    if wakes is None:
+        return False
+    wakes.setdefault(key, wake)
+    return True
 
 
 # -- the interface ----------------------------------------------------------------------------

@@ -69,6 +69,7 @@ from moeserve.router.engine.api import (
     RemoteEngineAPI,
     Token,
     Unavailable,
+    after_delivery,
 )
 
 log = logging.getLogger("moeserve.channel")
@@ -282,13 +283,17 @@ class _Session:
             with self.lock:
                 first = not self.pending
                 self.pending.append((sid, i, ev))
-            if first:  # one wake-up per batch of events, not per event
-                try:
-                    self.loop.call_soon_threadsafe(self.wake.set)
-                except RuntimeError:  # the loop is closed (shutdown): nobody listens
-                    pass
+            # one wake-up per batch of events, not per event; within a step's delivery at its end
+            if first and not after_delivery(self, self._wake_writer):
+                self._wake_writer()
 
         return sink
+
+    def _wake_writer(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.wake.set)
+        except RuntimeError:  # the loop is closed (shutdown): nobody listens
+            pass
 
     async def run(self) -> None:
         writer_task = asyncio.ensure_future(self._write_events())

@@ -35,6 +35,7 @@ from moeserve.router.engine.api import (
     ModelShape,
     NotFound,
     Unavailable,
+    step_delivery,
     validate_request,
 )
 from moeserve.router.engine.grammars import GrammarTable
@@ -567,10 +568,11 @@ class Engine(EngineAPI):
                 tokens.update(r.tokens)
                 logits.update(r.logits)
                 plp.update(r.prompt_logprobs)
-        for step in sorted(delivered):
-            work = self._awaiting.pop(step, None)
-            if work is not None:
-                self.scheduler.on_results(work, *delivered[step])
+        with step_delivery():  # the steps' events leave together (a session's one frame)
+            for step in sorted(delivered):
+                work = self._awaiting.pop(step, None)
+                if work is not None:
+                    self.scheduler.on_results(work, *delivered[step])
 
     def _add_load(self, logical: np.ndarray, wload: np.ndarray, steps: int, histogram=0, slot_busy=0) -> None:
         """A read of the routers' load: ``steps`` forward steps' pairs per logical expert
