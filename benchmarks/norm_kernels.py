@@ -51,10 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fp8_linears import add_graph_args, graph_args, graph_time  # noqa: E402
+from servinglib.shapes import DSV3_7, ERNIE28  # noqa: E402
 
 from moeserve import kernels  # noqa: E402
 from moeserve.models import init_model, layers, load_model  # noqa: E402
-from moeserve.models.config import RopeConfig, RoutingSpec  # noqa: E402
+from moeserve.models.config import RopeConfig, RoutingSpec, parse_config  # noqa: E402
 from moeserve.models.routing import MoEBlock, route  # noqa: E402
 
 HIDDEN = {"scout": 5120, "ernie": 2560, "qwen3": 2048}
@@ -64,24 +65,15 @@ QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
     "ernie_qk": (20, 4, 128, True, False, False),
 }
 SILU = {"ernie_silu": 2 * 3072, "scout_silu": 2 * 8192}  # merged gate_up widths of the shared experts
-GATES = {  # (H, E, K, routing) of fp32 gates
-    "ernie_gate": (2560, 64, 6, RoutingSpec(gate_fp32=True, correction_bias=True, renormalize=True, renorm_min=1e-12)),
-    "dsv3_gate": (
-        7168,
-        256,
-        8,
-        RoutingSpec(
-            scoring="sigmoid",
-            gate_fp32=True,
-            correction_bias=True,
-            renormalize=True,
-            renorm_min=1e-20,
-            n_group=8,
-            topk_group=4,
-            scaling_factor=2.5,
-        ),
-    ),
-}
+
+
+def _gate(config: dict) -> tuple[int, int, int, RoutingSpec]:
+    """(H, E, K, routing) of a published config's fp32 gate, as the model reads it."""
+    cfg = parse_config(config)
+    return cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.routing
+
+
+GATES = {"ernie_gate": _gate(ERNIE28), "dsv3_gate": _gate(DSV3_7)}  # (H, E, K, routing) of fp32 gates
 ROUTES = {"dsv3_route": "dsv3_gate"}  # routing alone: the gate whose routing (E, K, spec) it times
 CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(GATES) + tuple(ROUTES)
 MODELS = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
