@@ -51,26 +51,33 @@ def _eplb_off(cases: str, *more: str) -> tuple[str, ...]:
     return ("gpu_correctness.py", "--ranks", "1", "--compare", "eplb-off", *more, "--cases", cases)
 
 
+# the argv and settings several targets share
+PREFIX_AB = _serving("scout8", "moeserve-1rank,moeserve-1rank-no-prefix-cache", "--workloads", "prefix,multiturn")
+FP8_SIDE = {s: _serving(s, "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst") for s in ("scout8", "ernie28")}
+DSV3_BURST = _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst")
+# ERNIE's faster W8A8 down tile below 64 rows (4 warps; the 64-row tile keeps 8), not in the table
+A8_DOWN_4WARPS = {"MOESERVE_FP8_A8_TUNING": '{"down": [128, 128, 4, 3, 1]}'}
+
 TARGETS: dict[str, Target] = {
     "prefix": Target(
         "prefix caching A/B, Scout-8L: TTFT p50 with and without the cache, multi-turn hit rate",
-        _serving("scout8", "moeserve-1rank,moeserve-1rank-no-prefix-cache", "--workloads", "prefix,multiturn"),
+        PREFIX_AB,
         200,
     ),
     "prefix-learn-lead": Target(
         "prefix caching A/B with the pacer learning its look-ahead from the slack (MOESERVE_PACER_LEARN_LEAD=1)",
-        _serving("scout8", "moeserve-1rank,moeserve-1rank-no-prefix-cache", "--workloads", "prefix,multiturn"),
+        PREFIX_AB,
         200,
         {"MOESERVE_PACER_LEARN_LEAD": "1"},
     ),
     "fp8-scout8": Target(
         "Scout-8L decode step, bf16 beside FP8 (burst 256 x (128 -> 256))",
-        _serving("scout8", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        FP8_SIDE["scout8"],
         150,
     ),
     "fp8-ernie28": Target(
         "ERNIE-28L decode step, bf16 beside FP8",
-        _serving("ernie28", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        FP8_SIDE["ernie28"],
         150,
     ),
     "rows-per-pass": Target(
@@ -82,19 +89,19 @@ TARGETS: dict[str, Target] = {
         "ERNIE's W8A8 down tile with 4 warps below 64 rows: every row bitwise the same at 64, 32 and 16 rows, and its speed",
         ("expert_kernel.py", "--shapes", "ernie", "--tokens", "256", "--fp8", "--block-m", "auto,64,16"),
         40,
-        {"MOESERVE_FP8_A8_TUNING": '{"down": [128, 128, 4, 3, 1]}'},
+        A8_DOWN_4WARPS,
     ),
     "w8a8-down-4warps-eplb": Target(
         "EPLB on = off in FP8 (ERNIE, Llama 4) with the 4-warp W8A8 down tile below 64 rows",
         _eplb_off("ernie45:bfloat16,llama4:bfloat16", "--quantization", "fp8"),
         120,
-        {"MOESERVE_FP8_A8_TUNING": '{"down": [128, 128, 4, 3, 1]}'},
+        A8_DOWN_4WARPS,
     ),
     "w8a8-down-4warps-ernie28": Target(
         "ERNIE-28L bf16 beside FP8 with the 4-warp W8A8 down tile below 64 rows",
-        _serving("ernie28", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        FP8_SIDE["ernie28"],
         120,
-        {"MOESERVE_FP8_A8_TUNING": '{"down": [128, 128, 4, 3, 1]}'},
+        A8_DOWN_4WARPS,
     ),
     "rows-per-pass-scout": Target(
         "Scout's and Qwen3's expert kernels (bf16, FP8, W8A8) at 64 and 256 tokens with 64-, 32- and 16-row passes",
@@ -124,13 +131,13 @@ TARGETS: dict[str, Target] = {
     ),
     "fp8-scout8-bm16": Target(
         "Scout-8L bf16 beside FP8 with 16-row passes (MOESERVE_EXPERT_BLOCK_M=16)",
-        _serving("scout8", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        FP8_SIDE["scout8"],
         150,
         {"MOESERVE_EXPERT_BLOCK_M": "16"},
     ),
     "fp8-ernie28-bm32": Target(
         "ERNIE-28L bf16 beside FP8 with 32-row passes (MOESERVE_EXPERT_BLOCK_M=32)",
-        _serving("ernie28", "moeserve-1rank,moeserve-1rank-fp8", "--workloads", "burst"),
+        FP8_SIDE["ernie28"],
         150,
         {"MOESERVE_EXPERT_BLOCK_M": "32"},
     ),
@@ -146,13 +153,13 @@ TARGETS: dict[str, Target] = {
     ),
     "dsv3-torch-grouped-routing": Target(
         "DeepSeek-V3 (7 layers, an H200's memory) burst with torch's grouped routing",
-        _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"),
+        DSV3_BURST,
         150,
         {"MOESERVE_FUSED_GROUPED_ROUTING": "0"},
     ),
     "dsv3": Target(
         "DeepSeek-V3 (7 layers, an H200's memory) burst as it is (the fused grouped routing)",
-        _serving("dsv3_7", "moeserve-1rank", "--workloads", "burst"),
+        DSV3_BURST,
         150,
     ),
     "ernie-1024-profile": Target(
