@@ -11,6 +11,20 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 
+def env_switch(name: str, default: str, on: str, off: str) -> bool:
+    """A 0/1 environment variable (unset or empty: ``default``, "0" or "1"): whether it is 1.
+    Anything else raises ValueError naming the variable and both values (``on`` / ``off``:
+    what each does)."""
+    mode = os.environ.get(name, default) or default
+    if mode not in ("0", "1"):
+        what = {"1": on, "0": off}
+        other = "0" if default == "1" else "1"
+        raise ValueError(
+            f"{name}={mode!r}: allowed {default} (the default: {what[default]}) or {other} ({what[other]})"
+        )
+    return mode == "1"
+
+
 @dataclass(frozen=True)
 class Limits:
     """Serving limits, as vLLM names them. ``max_num_seqs`` and ``max_num_batched_tokens``

@@ -47,6 +47,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from moeserve.config import env_switch
+
 
 @functools.cache
 def available() -> bool:
@@ -354,17 +356,9 @@ NORM_MAX_H = 16384  # widest row a norm program holds in registers (one tile per
 
 
 def _cuda_switch(name: str, on: str, off: str, default: str = "1") -> tuple[str, ...]:
-    """The devices a 0/1 variable ``name`` (unset or empty: ``default``) lets a CUDA path take:
-    ("cuda",) or (); anything else raises ValueError naming the variable and both values
-    (``on`` / ``off``: what each does)."""
-    mode = os.environ.get(name, default) or default
-    if mode not in ("0", "1"):
-        what = {"1": on, "0": off}
-        other = "0" if default == "1" else "1"
-        raise ValueError(
-            f"{name}={mode!r}: allowed {default} (the default: {what[default]}) or {other} ({what[other]})"
-        )
-    return ("cuda",) if mode == "1" else ()
+    """The devices a 0/1 variable ``name`` (``config.env_switch``) lets a CUDA path take:
+    ("cuda",) or ()."""
+    return ("cuda",) if env_switch(name, default, on, off) else ()
 
 
 # Where the models' norms, RoPE and MLP activations take the fused kernels (tests add "cpu": the

@@ -15,13 +15,13 @@ router and expert sides load different subsets of them.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moeserve import kernels
+from moeserve.config import env_switch
 from moeserve.models.attention import attention_probs, paged_attention
 from moeserve.models.cache import KVCache, StepBatch
 from moeserve.models.config import ModelConfig, RopeConfig
@@ -171,10 +171,7 @@ class Linear:
 def _merge_projections() -> bool:
     """MOESERVE_MERGED_PROJECTIONS: 1 (the default) merges q, k, v and gate, up at load; 0 keeps
     them separate products (a measurement switch); any other value is refused by name."""
-    mode = os.environ.get("MOESERVE_MERGED_PROJECTIONS", "1") or "1"
-    if mode not in ("0", "1"):
-        raise ValueError(f"MOESERVE_MERGED_PROJECTIONS={mode!r}: allowed 1 (the default: merged) or 0 (separate)")
-    return mode == "1"
+    return env_switch("MOESERVE_MERGED_PROJECTIONS", "1", "merged", "separate")
 
 
 MERGE_PROJECTIONS = _merge_projections()

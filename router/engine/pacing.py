@@ -40,8 +40,9 @@ less than the margin, and a bubble still pushes it back at once.
 
 from __future__ import annotations
 
-import os
 from collections import deque
+
+from moeserve.config import env_switch
 
 GAIN = 0.25  # of the slack's error, added to the correction after each delayed schedule
 BUBBLE_STEP_S = 2.5e-4  # the correction's growth after a bubble, beyond the margin
@@ -136,7 +137,4 @@ def learn_lead_setting() -> bool:
     """``MOESERVE_PACER_LEARN_LEAD``: 0 (the default: the correction never below 0) or 1 (it
     may take back the window's longest lead where the slack says so); anything else is refused
     by name."""
-    v = os.environ.get("MOESERVE_PACER_LEARN_LEAD", "0") or "0"
-    if v not in ("0", "1"):
-        raise ValueError(f"MOESERVE_PACER_LEARN_LEAD={v!r}: allowed 0 (the default) or 1")
-    return v == "1"
+    return env_switch("MOESERVE_PACER_LEARN_LEAD", "0", "the slack sets the look-ahead", "never below the longest lead")
