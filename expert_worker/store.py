@@ -348,10 +348,10 @@ def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None, quan
     per_slot = -(-max(0, pairs) // max(1, num_slots))
     if mode != "triton" and per_slot > kernels.EXPERT_MAX_BM:
         return 0
-    bm = expert_block_m_setting() or kernels.expert_block_m(2 * per_slot)
-    if quantized and not expert_block_m_setting() and per_slot <= FP8_BLOCK_M_CAP:
-        bm = min(bm, FP8_BLOCK_M_CAP)
-    return bm
+    if setting := expert_block_m_setting():
+        return setting
+    bm = kernels.expert_block_m(2 * per_slot)
+    return min(bm, FP8_BLOCK_M_CAP) if quantized and per_slot <= FP8_BLOCK_M_CAP else bm
 
 
 def fp8_kernel_applies(spec: ExpertSpec, device: torch.device) -> bool:
