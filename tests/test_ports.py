@@ -87,3 +87,41 @@ def test_up_reports_a_port_in_use_before_loading_anything(tmp_path, flag, capsys
     err = capsys.readouterr().err
     assert f"moeserve up: error: port {busy} on 127.0.0.1 ({flag}) is already in use" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_port_another_process_picked_is_not_picked_until_that_process_ends(monkeypatch):
+    # What failed CI at stop 52: a test picked the gRPC port of a ``moeserve serve``; while
+    # that process loaded, a pick elsewhere took the same port and bound it first.
+    import itertools
+    import subprocess
+    import sys
+
+    def offer(*first):
+        """The picker's candidates: ``first``, then what it would draw anyway."""
+        rest = iter(lambda: real(lo_hi[0], lo_hi[1]), None)
+        seq = itertools.chain(first, rest)
+        monkeypatch.setattr(ports.random.SystemRandom, "randint", lambda self, lo, hi: next(seq))
+
+    rng = ports.random.SystemRandom()
+    real = rng.randint
+    lo_hi = (ports.ephemeral_range()[1] + 1, 65535)
+    code = "from moeserve.ops import ports; import sys; print(ports.free_port(), flush=True); sys.stdin.read()"
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        taken = int(other.stdout.readline())
+        with socket.socket() as s:  # nothing binds it: only the reservation stands in the way
+            s.bind(("127.0.0.1", taken))
+        offer(taken, taken, taken)
+        got = ports.free_port()
+        assert got != taken
+        # This process's own pick is reserved too: the same port is not handed out twice.
+        offer(got, got, taken)
+        again = ports.free_port()
+        assert again not in (got, taken)
+    finally:
+        other.stdin.close()
+        other.wait(10)
+    offer(taken)
+    assert ports.free_port() == taken  # released when the process that held it ended

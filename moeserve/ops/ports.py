@@ -10,14 +10,26 @@ gRPC channel, the leader's local channel all open such sockets. The server then 
 kernel never picks on its own; only another explicit choice can collide, and
 ``free_port`` checks that nothing holds the port at the moment it is picked.
 
+Two explicit choices can still meet: a test (or ``moeserve up``) picks a serving port and
+hands it to a process that loads for a while before binding it, and meanwhile that process,
+or another cluster on the same host, picks its own rendezvous or metrics port. So a picked
+port is also *reserved*: ``free_port`` takes an exclusive ``flock`` on a per-port file in a
+per-user directory under the temporary directory and holds it (the kernel drops it when the
+process ends) for the process's most recent ``HELD`` picks; every ``free_port``, in any
+process of that user, skips a port whose lock another pick holds. A port reserved this way
+is free to bind: the lock is advisory and only ``free_port`` reads it.
+
 ``check_bindable`` is what ``moeserve up`` runs before loading anything: a port given on the
 command line that is already in use is reported at once, not after minutes of loading.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import tempfile
+from collections import deque
 
 LOWEST = 20000  # below: ports that services commonly own (8000, 9090, 3000, ...)
 
@@ -32,6 +44,46 @@ def ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
+HELD = 256  # reservations a process keeps: far more than it binds between a pick and its bind
+
+_held: deque[int] = deque()  # file descriptors of this process's reservations, oldest first
+
+
+def _lock_dir() -> str | None:
+    path = os.path.join(tempfile.gettempdir(), f"moeserve-ports-{os.getuid()}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    return path
+
+
+def _reserve(port: int) -> bool:
+    """Take this process's reservation of ``port``; False when another pick holds it. Where
+    locks cannot be taken (no fcntl, no writable temporary directory) every port counts as
+    reservable: the pick is as good as the bind check alone."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return True
+    path = _lock_dir()
+    if path is None:
+        return True
+    try:
+        fd = os.open(os.path.join(path, f"{port}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _held.append(fd)
+    while len(_held) > HELD:
+        os.close(_held.popleft())
+    return True
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -43,7 +95,8 @@ def _bindable(host: str, port: int) -> bool:
 
 def free_port(host: str = "127.0.0.1", exclude: tuple[int, ...] | list[int] | set[int] = ()) -> int:
     """A port nothing holds now, outside the ephemeral range (so that no outgoing connection
-    or ``bind(0)`` takes it before its server binds it), not in ``exclude``."""
+    or ``bind(0)`` takes it before its server binds it), not in ``exclude`` and not reserved
+    by another pick, in this process or another (the module's docstring); it is reserved."""
     low, high = ephemeral_range()
     spans = [(lo, hi) for lo, hi in ((LOWEST, low - 1), (high + 1, 65535)) if hi - lo >= 1000]
     rng = random.SystemRandom()
@@ -52,7 +105,7 @@ def free_port(host: str = "127.0.0.1", exclude: tuple[int, ...] | list[int] | se
             break
         lo, hi = rng.choice(spans)
         port = rng.randint(lo, hi)
-        if port not in exclude and _bindable(host, port):
+        if port not in exclude and _bindable(host, port) and _reserve(port):
             return port
     with socket.socket() as s:  # no room outside the ephemeral range: let the kernel pick
         s.bind((host, 0))
