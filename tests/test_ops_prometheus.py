@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import threading
 import time
@@ -20,32 +19,13 @@ import yaml
 from control_util import Up, free_ports
 from ops_util import DASHBOARDS, check_metrics, prometheus, samples, scrape
 
+from moeserve.ops.ports import free_block
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REQUESTS, MAX_TOKENS = 16, 12
 # Grafana's variables, as an instant query at "now" sees them.
 VARIABLES = {"$__rate_interval": "1m", "$__interval": "5s", "$__range": "1h", "$layer": "0", "$model_name": ".+"}
-
-
-def free_block(n: int) -> int:
-    """A base port M with M .. M+n-1 all free (checked, then released)."""
-    for _ in range(200):
-        base = free_ports(1)[0]
-        if base + n > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports")
 
 
 class Prometheus:

@@ -125,3 +125,15 @@ def test_a_port_another_process_picked_is_not_picked_until_that_process_ends(mon
         other.wait(10)
     offer(taken)
     assert ports.free_port() == taken  # released when the process that held it ended
+
+
+@pytest.mark.timeout(30)
+def test_a_block_of_ports_is_free_outside_the_ephemeral_range_and_none_is_picked_again():
+    low, high = ports.ephemeral_range()
+    base = ports.free_block(5)
+    block = set(range(base, base + 5))
+    assert not any(low <= p <= high for p in block)
+    for p in block:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    assert not block & set(ports.free_ports(300))  # every port of the block is reserved

@@ -120,6 +120,21 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return out
 
 
+def free_block(n: int, host: str = "127.0.0.1") -> int:
+    """A base port ``M`` with ``M .. M+n-1`` all picked as ``free_port`` picks (free now,
+    outside the ephemeral range, reserved): what a flag that numbers its ports from one base
+    (``--metrics-port``) needs."""
+    low, high = ephemeral_range()
+    for _ in range(200):
+        base = free_port(host)
+        block = range(base, base + n)
+        if base + n - 1 > 65535 or any(low <= p <= high for p in block):
+            continue
+        if all(_bindable(host, p) and _reserve(p) for p in block[1:]):
+            return base
+    raise OSError(f"no block of {n} free ports outside the ephemeral range on {host}")
+
+
 def check_bindable(host: str, ports: dict[str, int]) -> None:
     """Raise ``OSError`` naming the first of ``ports`` (what sets it -> port) that cannot be
     bound on ``host`` now, as a server binds it (SO_REUSEADDR: a port in TIME_WAIT is free);
