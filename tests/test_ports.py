@@ -1,6 +1,7 @@
 """Free ports that stay free until their server binds them, and ports in use reported before
 anything loads (moeserve.ops.ports, ``moeserve up``)."""
 
+import itertools
 import socket
 
 import pytest
@@ -94,7 +95,6 @@ def test_up_reports_a_port_in_use_before_loading_anything(tmp_path, flag, capsys
 def test_a_port_another_process_picked_is_not_picked_until_that_process_ends(monkeypatch):
     # What failed CI at stop 52: a test picked the gRPC port of a ``moeserve serve``; while
     # that process loaded, a pick elsewhere took the same port and bound it first.
-    import itertools
     import subprocess
     import sys
 
@@ -128,12 +128,16 @@ def test_a_port_another_process_picked_is_not_picked_until_that_process_ends(mon
 
 
 @pytest.mark.timeout(30)
-def test_a_block_of_ports_is_free_outside_the_ephemeral_range_and_none_is_picked_again():
+def test_a_block_of_ports_is_free_outside_the_ephemeral_range_and_none_is_picked_again(monkeypatch):
     low, high = ports.ephemeral_range()
     base = ports.free_block(5)
-    block = set(range(base, base + 5))
+    block = list(range(base, base + 5))
     assert not any(low <= p <= high for p in block)
     for p in block:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
-    assert not block & set(ports.free_ports(300))  # every port of the block is reserved
+    # Every port of the block is reserved: offered each of them first, the picker passes them by.
+    real = ports.random.SystemRandom().randint
+    seq = itertools.chain(block * 3, iter(lambda: real(high + 1, 65535), None))
+    monkeypatch.setattr(ports.random.SystemRandom, "randint", lambda self, lo, hi: next(seq))
+    assert ports.free_port() not in block
