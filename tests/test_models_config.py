@@ -177,3 +177,20 @@ def test_multimodal_config_errors_name_the_text_config_field():
         )
     with pytest.raises(CheckpointError, match="needs a 'text_config' object"):
         parse_config({"model_type": "llama4"})
+
+
+def test_families_without_llama4_attention_get_rope_everywhere_and_no_chunks_and_a_wrong_length_is_refused():
+    import dataclasses
+
+    from moeserve.models.mixtral import TINY
+
+    cfg = parse_config(dict(TINY))
+    assert cfg.use_rope == (True,) * cfg.num_layers and cfg.chunked_attention == (False,) * cfg.num_layers
+    assert (cfg.use_qk_norm, cfg.attn_temperature_tuning, cfg.attention_chunk_size, cfg.mlp_bias) == (
+        False,
+        False,
+        None,
+        False,
+    )
+    with pytest.raises(ValueError, match=r"use_rope has 3 entries; allowed: one per layer \(4\) or none"):
+        dataclasses.replace(cfg, use_rope=(True, True, False))

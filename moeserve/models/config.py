@@ -172,15 +172,7 @@ class ModelConfig:
     intermediate_size: int  # dense SwiGLU layers
     rms_norm_eps: float
     rope: RopeConfig
-    use_rope: tuple[bool, ...]  # [num_layers]; False = NoPE layer (no RoPE, no qk-norm)
-    chunked_attention: tuple[bool, ...]  # [num_layers]; True = causal within chunks of attention_chunk_size
-    attention_chunk_size: int | None
-    use_qk_norm: bool  # Llama 4: weightless L2 norm of q and k after RoPE (RoPE layers only)
-    attn_temperature_tuning: bool  # scale q on NoPE layers by 1 + attn_scale*log1p(floor((pos+1)/floor_scale))
-    floor_scale: float
-    attn_scale: float
     attention_bias: bool  # q/k/v/o projections have biases
-    mlp_bias: bool  # dense and shared-expert MLPs (and ERNIE's lm_head) have biases
     tie_word_embeddings: bool
     moe_layer_ids: tuple[int, ...]  # decoder-layer index of each MoE layer, ascending
     num_experts: int  # logical routed experts per MoE layer
@@ -193,6 +185,17 @@ class ModelConfig:
     pad_token_id: int | None
     dtype: torch.dtype  # dtype the checkpoint declares (dtype / torch_dtype)
     max_position_embeddings: int
+    # Llama 4's attention (every other family keeps the defaults: RoPE on every layer, no chunks,
+    # no q/k L2 norm, no temperature tuning). Empty per-layer tuples mean the default on every
+    # layer; __post_init__ writes them out to num_layers entries.
+    use_rope: tuple[bool, ...] = ()  # [num_layers]; False = NoPE layer (no RoPE, no qk-norm)
+    chunked_attention: tuple[bool, ...] = ()  # [num_layers]; True = causal within chunks of attention_chunk_size
+    attention_chunk_size: int | None = None
+    use_qk_norm: bool = False  # Llama 4: weightless L2 norm of q and k after RoPE (RoPE layers only)
+    attn_temperature_tuning: bool = False  # scale q on NoPE layers by 1 + attn_scale*log1p(floor((pos+1)/floor_scale))
+    floor_scale: float = 1.0
+    attn_scale: float = 0.0
+    mlp_bias: bool = False  # dense and shared-expert MLPs (and ERNIE's lm_head) have biases
     quantization: QuantScheme | None = None  # quantization_config, or --quantization fp8 (moeserve.models.quant)
     routing: RoutingSpec = RoutingSpec()  # the MoE layers' routing function
     shared_expert_gate: bool = False  # the shared experts' output times sigmoid(x @ w.T), w [1, H] (Qwen2-MoE)
@@ -211,6 +214,12 @@ class ModelConfig:
     def __post_init__(self):
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation {self.expert_activation!r}; allowed: {', '.join(EXPERT_ACTIVATIONS)}")
+        for name, default in (("use_rope", True), ("chunked_attention", False)):
+            value = getattr(self, name)
+            if not value:
+                object.__setattr__(self, name, (default,) * self.num_layers)
+            elif len(value) != self.num_layers:
+                raise ValueError(f"{name} has {len(value)} entries; allowed: one per layer ({self.num_layers}) or none")
 
     @property
     def num_moe_layers(self) -> int:
@@ -240,8 +249,7 @@ class ModelConfig:
 
     @property
     def attention_window(self) -> int:
-        """The sliding window of the model's sliding-window layers, 0 when none has one (the
-        prefix cache is off then: such a layer needs only its window's blocks)."""
+        """The sliding window of the model's sliding-window layers, 0 when none has one."""
         return max((self.window(i) or 0 for i in range(self.num_layers)), default=0)
 
     def window(self, layer: int) -> int | None:
