@@ -46,5 +46,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_every_process_exits(tmp_pat
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in pids if alive(p)], "orphans left behind"
+        # and each process closed what it had open: no task left pending when its loop ended
+        assert "Task was destroyed but it is pending" not in up.tail(lines=10**6, limit=10**8)
     finally:
         up.stop()

@@ -443,3 +443,24 @@ def test_a_frames_plain_tokens_travel_as_ids_and_arrive_as_tokens(engine, channe
     assert all(type(e) is Token for e in evs[1:4]) and evs[0].hops is not None and evs[0].hops.read > 0
     kinds = [type(ev) for _, _, ev in sent]
     assert kinds == [FirstToken, int, int, int, Finished]
+
+
+def test_closing_the_async_client_leaves_no_task_of_its_session_pending(channel):
+    # A front end that stopped left its session's reader pending when the loop closed ("Task
+    # was destroyed but it is pending!" at exit).
+    import asyncio
+
+    server, key = channel
+
+    async def main():
+        client = AsyncEngineClient(server.address, key)
+        evs = [ev async for _, ev in client.generate([GenerateRequest((1, 2), 2, ignore_eos=True)])]
+        assert len(evs) == 3  # two tokens, then the end
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert others and not any(t.done() for t in others)  # the session's reader runs
+        await client.close()
+        assert all(t.done() for t in others)
+        # a client whose session never started closes at once too
+        await AsyncEngineClient(server.address, key).close()
+
+    asyncio.run(main())

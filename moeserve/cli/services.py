@@ -319,7 +319,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         gcpause.freeze_startup_heap()  # full collections skip the start-up heap
 
     if args.http_port is None:
-        server.run(server.serve_forever(srv, ready))
+        server.run(server.serve_forever(srv, ready, after_stop=engine.close))
         return 0
     from moeserve.services.http import HttpApi, HttpServer
 
@@ -346,7 +346,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         reuse_port=args.reuse_port,
     )
     try:
-        server.run(_serve_both(srv, http, args.host))
+        server.run(_serve_both(srv, http, args.host, engine.close))
     except OSError as e:
         print(f"moeserve frontend: {e}", file=sys.stderr, flush=True)
         return 1
@@ -384,9 +384,10 @@ def _generation_defaults(args) -> dict:
     return out
 
 
-async def _serve_both(grpc_server, http, host: str) -> None:
+async def _serve_both(grpc_server, http, host: str, after_stop) -> None:
     """The HTTP API and the gRPC serving service on one event loop until SIGTERM or SIGINT;
-    then both drain at once (new requests refused, in-flight ones get the grace period)."""
+    then both drain at once (new requests refused, in-flight ones get the grace period), and
+    ``after_stop`` runs (the engine client's session closes)."""
     import asyncio
     import signal
 
@@ -408,6 +409,7 @@ async def _serve_both(grpc_server, http, host: str) -> None:
     await stop.wait()
     logging.getLogger("moeserve.services").info("front end: shutting down (grace %.0f s)", http.grace_s)
     await asyncio.gather(http.stop(), grpc_server.stop())
+    await after_stop()
 
 
 def run_balancer(args: argparse.Namespace) -> int:

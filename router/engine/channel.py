@@ -669,11 +669,18 @@ class AsyncEngineClient:
             return s
 
     async def close(self) -> None:
-        """Close the session (cancelling its streams on the leader)."""
+        """Close the session (cancelling its streams on the leader) and wait for its reader
+        task to end, so that nothing of it is left pending when the event loop closes."""
         s, self._session_obj = self._session_obj, None
         if s is not None:
             s.task.cancel()
             s.writer.close()
+            try:
+                await s.task  # the reader swallows its cancellation, unless it never started
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():  # the caller's own cancellation
+                    raise
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
