@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Awaitable, Callable
 
 from moeserve.cli import UsageError
 from moeserve.cli import flags as F
@@ -384,7 +385,7 @@ def _generation_defaults(args) -> dict:
     return out
 
 
-async def _serve_both(grpc_server, http, host: str, after_stop) -> None:
+async def _serve_both(grpc_server, http, host: str, after_stop: Callable[[], Awaitable[None]]) -> None:
     """The HTTP API and the gRPC serving service on one event loop until SIGTERM or SIGINT;
     then both drain at once (new requests refused, in-flight ones get the grace period), and
     ``after_stop`` runs (the engine client's session closes)."""

@@ -93,6 +93,11 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+def _claim(host: str, port: int) -> bool:
+    """Whether ``port`` is free now and this process now holds its reservation."""
+    return _bindable(host, port) and _reserve(port)
+
+
 def free_port(host: str = "127.0.0.1", exclude: tuple[int, ...] | list[int] | set[int] = ()) -> int:
     """A port nothing holds now, outside the ephemeral range (so that no outgoing connection
     or ``bind(0)`` takes it before its server binds it), not in ``exclude`` and not reserved
@@ -105,7 +110,7 @@ def free_port(host: str = "127.0.0.1", exclude: tuple[int, ...] | list[int] | se
             break
         lo, hi = rng.choice(spans)
         port = rng.randint(lo, hi)
-        if port not in exclude and _bindable(host, port) and _reserve(port):
+        if port not in exclude and _claim(host, port):
             return port
     with socket.socket() as s:  # no room outside the ephemeral range: let the kernel pick
         s.bind((host, 0))
@@ -130,7 +135,7 @@ def free_block(n: int, host: str = "127.0.0.1") -> int:
         block = range(base, base + n)
         if base + n - 1 > 65535 or any(low <= p <= high for p in block):
             continue
-        if all(_bindable(host, p) and _reserve(p) for p in block[1:]):
+        if all(_claim(host, p) for p in block[1:]):
             return base
     raise OSError(f"no block of {n} free ports outside the ephemeral range on {host}")
 
