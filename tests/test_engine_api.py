@@ -414,8 +414,11 @@ def test_a_session_stream_read_late_gets_its_backlog_as_one_batch_in_order(engin
     batches, one_by_one = asyncio.run(main())
     events = [ev for b in batches for ev in b]
     assert events == one_by_one == [FirstToken(TOKEN)] + [Token(TOKEN)] * 19 + [Finished(FinishReason.LENGTH)]
-    # the backlog in one list (the stand-in's steps are fast: the first list may hold it all)
-    assert len(batches) <= 2 and len(batches[-1]) >= 19
+    # the backlog in one list: whatever the first list held (the stand-in's steps are fast, and
+    # on a loaded machine several ran before the reader first asked: it may hold them all), every
+    # event that arrived while the reader slept came as the one list after it
+    # (one event a list, as ``generate`` reads them, would make 21)
+    assert len(batches) <= 2
 
 
 def test_a_frames_plain_tokens_travel_as_ids_and_arrive_as_tokens(engine, channel, monkeypatch):
