@@ -392,13 +392,14 @@ def test_the_attention_warm_up_launches_the_sdpa_prefill_backend_where_it_serves
     pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)
     kinds = [(None, None, None), (8192, None, None), (None, 8, None), (None, None, SINKS)]
     buckets = attn.sdpa_buckets(640)
-    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, kinds, d**-0.5, 640) == 6 * len(kinds) + len(
+    # per kind: the decode tile at 5 splits, the prefill tile at 5 splits (short queries) and unsplit
+    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, kinds, d**-0.5, 640) == 11 * len(kinds) + len(
         buckets
     )
     assert calls == buckets
     calls.clear()
     declined = [(None, 8, None), (None, None, SINKS)]
-    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, declined, d**-0.5, 640) == 6 * 2
+    assert attn.warm_up_attention(pools[0], pools[1], hq, block_size, declined, d**-0.5, 640) == 11 * 2
     assert calls == []
 
 
@@ -412,7 +413,7 @@ def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, ki
     hq, hkv, d, block_size = 40, 8, 128, 16
     pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)  # [layers, slots, Hkv, D]
     k_pool, v_pool = pools[0], pools[1]
-    assert warm_up_attention(k_pool, v_pool, hq, block_size, kinds * 2, d**-0.5) == 6 * len(kinds)
+    assert warm_up_attention(k_pool, v_pool, hq, block_size, kinds * 2, d**-0.5) == 11 * len(kinds)
     warm = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
     launches.clear()
     rng = random.Random(1)
@@ -421,6 +422,9 @@ def test_the_attention_warm_up_compiles_every_key_a_step_can_launch(launches, ki
             ([1] * s, [rng.randrange(0, 9000) for _ in range(s)]),
             ([rng.randrange(1, 300) for _ in range(s)], [rng.choice([0, rng.randrange(0, 3000)]) for _ in range(s)]),
             ([1] * (s - 1) + [rng.randrange(2, 900)], [rng.randrange(0, 5000) for _ in range(s)]),
+            # decodes and a prompt's last few tokens (4-12: the prefill tile, one per sequence) over
+            # long contexts: few sequences split their keys (an H100's auto-prefill burst compiled this)
+            ([1] * (s - 1) + [rng.randrange(4, 13)], [rng.randrange(2000, 5000) for _ in range(s)]),
         ):
             batch, _ = _batch(lens, starts, block_size)
             q = torch.empty(batch.num_tokens, hq, d, dtype=torch.bfloat16)
@@ -445,6 +449,7 @@ def test_with_the_sdpa_split_the_attention_warm_up_still_compiles_every_key(laun
     monkeypatch.setitem(attn.PREFILL, "backend", "sdpa")
     monkeypatch.setitem(paged.SPLIT_FRESH, "on", True)
     monkeypatch.setattr(attn, "sdpa_prompts", lambda q, k, v, lens, *, scale, out=None: out)
+    monkeypatch.setattr(attn, "_num_sms", lambda device: 132)  # split the keys as on an H100
     hq, hkv, d, block_size = 40, 8, 128, 16
     pools = torch.empty(2, 4096 * block_size, hkv, d, dtype=torch.bfloat16)
     k_pool, v_pool = pools[0], pools[1]
@@ -463,6 +468,12 @@ def test_with_the_sdpa_split_the_attention_warm_up_still_compiles_every_key(laun
                 [rng.randrange(2, 2000) for _ in range(s)] + [rng.randrange(1, 2000)],
                 [rng.randrange(1, 3000) for _ in range(s)] + [0],
             ),
+            # a few decodes and a prompt's last tokens over long contexts, then a fresh prompt:
+            # the head's keys split (NS > 1) with the prefill tile
+            (
+                [1] * s + [rng.randrange(4, 13), rng.randrange(2, 2000)],
+                [rng.randrange(2000, 5000) for _ in range(s + 1)] + [0],
+            ),
         ):
             batch, _ = _batch(lens, starts, block_size)
             split += batch.fresh is not None and batch.fresh.head is not None
@@ -473,6 +484,10 @@ def test_with_the_sdpa_split_the_attention_warm_up_still_compiles_every_key(laun
                     q, k_pool, v_pool, batch, scale=d**-0.5, chunk=chunk, window=window, sinks=sinks, k_new=kv, v_new=kv
                 )
     assert split > 10
+    split_prefill_tiles = {
+        dict(cfg)["NS"] for cfg, _ in launches["paged_attention_kernel"] if dict(cfg)["BM"] == ("constexpr", 64)
+    }
+    assert split_prefill_tiles - {("constexpr", 1)}  # the heads' short queries did split their keys
     seen = _keys(launches, "paged_attention_kernel") | _keys(launches, "paged_attention_reduce_kernel")
     assert launches["paged_attention_kernel"] and seen <= warm, sorted(seen - warm)
 

@@ -175,8 +175,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _num_sms(device: torch.device) -> int | None:
+    """The SMs a launch on ``device`` spreads over (None off CUDA: no split-KV)."""
+    return _cuda_sms(device.index or 0) if device.type == "cuda" else None
+
+
 @functools.cache
-def _num_sms(index: int) -> int:
+def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -440,6 +445,13 @@ class BatchShape(Protocol):
     def max_seq_len(self) -> int: ...
 
 
+def one_tile_per_sequence(max_query_len: int, g: int, bm: int) -> bool:
+    """Whether every sequence's new tokens times its G heads fit one ``bm``-row tile (decode-like:
+    a step of a few such sequences splits their keys over segments). True for a decode step's
+    16-row tile and also for the 64-row prefill tile of queries of 17 / G .. 64 / G tokens."""
+    return max_query_len * g <= bm
+
+
 def attention_config(
     batch: BatchShape, num_heads: int, num_kv_heads: int, head_dim: int, num_sms: int | None = None
 ) -> dict:
@@ -454,7 +466,7 @@ def attention_config(
     cfg["BQ"] = cfg["BM"] // g
     cfg["tiles"] = batch.num_tokens // cfg["BQ"] + batch.num_seqs
     ns = 1
-    if num_sms and batch.max_query_len * g <= cfg["BM"]:
+    if num_sms and one_tile_per_sequence(batch.max_query_len, g, cfg["BM"]):
         # Decode-like (one tile per sequence): with fewer programs than ~2 waves of SMs, split
         # each sequence's keys so that every SM gets work; each segment keeps >= MIN keys.
         programs = batch.num_seqs * num_kv_heads
@@ -540,7 +552,7 @@ def _paged_triton(
             "paged_attention_triton: the head dim of q and of the pools must be contiguous, "
             "and k and v pools must share strides"
         )
-    sms = _num_sms(q.device.index or 0) if q.is_cuda else None
+    sms = _num_sms(q.device)
     cfg = attention_config(batch, hq, hkv, d, sms)
     ns = num_segments if num_segments is not None else cfg["NS"]
     if ns < 1 or ns & (ns - 1):
@@ -619,7 +631,9 @@ def warm_up_attention(
     serving: for each kind of layer the model has, ``(chunk, window, sinks)`` as its layers call
     the kernel (None: global, no window, no sinks; one layer's sinks [Hq] stand for all, as they
     share a dtype), the decode tile at every split (1 .. MAX_SEGMENTS segments, with the
-    reduction) and the prefill tile (and, with ``MOESERVE_ATTENTION_PREFILL=flash``, one launch
+    reduction), the prefill tile at every split for a query just past the decode tile (a few
+    sequences of 17 / G .. 64 / G new tokens each over long contexts split their keys too) and
+    the prefill tile unsplit (and, with ``MOESERVE_ATTENTION_PREFILL=flash``, one launch
     of ``flash_varlen``; with ``sdpa``, ``warm_up_sdpa`` at every bucket up to ``max_fresh``
     tokens, the longest fresh prompt a step carries). ``k_pool`` and ``v_pool``: one layer's
     views of the router's pool (every layer's have the same strides, so the same keys). Reads
@@ -628,18 +642,23 @@ def warm_up_attention(
     device, dtype = k_pool.device, k_pool.dtype
     g = num_heads // hkv
     prefill = max(TUNING["prefill"]["BM"], 2 * TUNING["decode"]["BM"]) // g + 1  # a query no decode tile holds
+    # the shortest query past the decode tile: the prefill tile, still one per sequence, so split too
+    short = TUNING["decode"]["BM"] // g + 1  # (1 where G > 16: every step takes the prefill tile)
     keys = 2 * MAX_SEGMENTS * MIN_KEYS_PER_SEGMENT  # long enough for every split
+    shapes = [([1], [keys - 1])] + ([([short], [keys - short])] if short > 1 else []) + [([prefill], [0])]
     kinds: dict[tuple[int, int, bool], torch.Tensor | None] = {}
     for chunk, window, sinks in variants:
         kinds.setdefault((chunk or 0, window or 0, sinks is not None), sinks)
     n = 0
     sdpa_fresh = False
     for (chunk, window, _), sinks in sorted(kinds.items(), key=lambda kv: kv[0]):
-        for lens, starts in [([1], [keys - 1]), ([prefill], [0])]:
+        for lens, starts in shapes:
             blocks = -(-(starts[0] + lens[0]) // block_size)
             batch = PagedBatch.build(lens, starts, [[0] * blocks], block_size, device)
             q = torch.zeros(lens[0], num_heads, d, dtype=dtype, device=device)
-            splits = [1] if lens[0] > 1 else [1 << i for i in range(MAX_SEGMENTS.bit_length())]
+            bm = attention_config(batch, num_heads, hkv, d)["BM"]
+            one_tile = one_tile_per_sequence(lens[0], g, bm)
+            splits = [1 << i for i in range(MAX_SEGMENTS.bit_length())] if one_tile else [1]
             for ns in splits:
                 paged_attention_triton(
                     q,
