@@ -460,3 +460,31 @@ def test_fp8_kernels_take_no_bias():
     sc = kernels.ExpertScales(torch.ones(2, 1, 2), (64, 32), torch.ones(2, 1, 1), (32, 64))
     with pytest.raises(ValueError, match="FP8 experts are SwiGLU without biases"):
         kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, 16, sc, kernels.ExpertAct("clamped_swiglu"))
+
+
+@pytest.mark.parametrize("a8", [False, True], ids=["weight-only", "w8a8"])
+def test_fp8_block_scaled_rows_come_out_the_same_at_every_rows_per_pass(a8):
+    """A step's rows per pass follows its slot count (EPLB on or off, redundant slots), so an FP8
+    row must come out bitwise the same at 16, 32 and 64 rows per pass. With 128-wide K blocks of
+    scales each K tile must cover one whole block at every BM: a 64-row pass of the weight-only
+    down projection took K tiles of 64 (its table's), scaling each half-block's product apart,
+    and an H100 found its rows not bitwise those of a 32-row pass."""
+    from moeserve.models.moe import ExpertQuant
+
+    h, i, blocks = 256, 256, ((128, 128), (128, 128))
+    spec = ExpertSpec(h, i, dtype=torch.float32, quant=ExpertQuant(*blocks))
+    g = torch.Generator().manual_seed(11)
+    buf = torch.stack(
+        [
+            spec.flat({"gate_up": torch.randn(h, 2 * i, generator=g) / 16, "down": torch.randn(i, h, generator=g) / 16})
+            for _ in range(2)
+        ]
+    )
+    w = spec.views(buf)
+    counts = [70, 9]  # a slot of two 64-row passes and one of a partial pass
+    x = torch.randn(sum(counts), h, generator=g)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], a8)
+    outs = {bm: kernels.expert_mlp(x, w["gate_up"], w["down"], offs, bm, sc) for bm in (16, 32, 64)}
+    for bm in (32, 64):
+        assert torch.equal(outs[bm], outs[16]), (bm, float((outs[bm] - outs[16]).abs().max()))

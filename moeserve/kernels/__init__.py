@@ -691,8 +691,8 @@ def fused_route(
 # ERNIE's), down 3.85 (3.14); 64-row passes of down with BK 128 do not fit shared memory.
 EXPERT_TUNING = {"gate_up": (128, 64, 8, 3), "down": (128, 128, 4, 4), "down_bm64": (128, 64, 4, 4)}
 # FP8 codes are half the bytes per element: the same tiles carry half the bytes in flight, so
-# FP8 takes its own (``benchmarks/expert_kernel.py --fp8 --tune``); BK is cut to a block-wise
-# scale's K block where it is smaller.
+# FP8 takes its own (``benchmarks/expert_kernel.py --fp8 --tune``); block-scaled weights take K
+# tiles of their scale block (128 at most) whatever the table's BK (``_expert_matmul``).
 EXPERT_TUNING_FP8 = {  # (BN, BK, warps, stages, transposed): codes stored [N, K] (ExpertSpec.views)
     # weight-only, the tiles best over both Scout's and ERNIE's layer (results/expert-kernel-fp8-nk-tune.json:
     # gate_up 1.93 / 1.35 TB/s of codes, down 1.91 / 1.38)
@@ -767,6 +767,7 @@ _tuning_from_env(EXPERT_TUNING_FP8_A8, _TUNING_ENV["w8a8"], fp8=True)
 # The tables a variable replaced at import: those take no shape entries (read once, not per launch)
 TUNING_FROM_ENV = frozenset(name for name, var in _TUNING_ENV.items() if os.environ.get(var))
 EXPERT_MAX_BM = 64
+FP8_BLOCK_BK_MAX = 128  # K tile of block-scaled FP8 weights: their K block, at most this (``_expert_matmul``)
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
 # at most BM rows in every slot (balanced decode) the G - 1 others exit at once.
@@ -791,12 +792,12 @@ EXPERT_TUNING_SHAPES: dict[str, dict[tuple[int, int], dict[str, tuple]]] = {
         (2560, 1536): {"gate_up_bm64": (256, 64, 8, 3), "down_bm64": (256, 32, 4, 3)},
     },
     "fp8": {},
-    # W8A8 has none yet: at ERNIE's 32 rows per pass its down projection streamed 1.47 TB/s of
-    # codes with 4 warps against 1.26 with the table's 8 on an H100
-    # (results/expert-kernel-ernie-w8a8-bm32-tune-h100.json), but a W8A8 row must come out the
-    # same at every rows per pass (EPLB on = off), and a tile that differs from the 64-row one in
-    # its warps has not been checked for that on a GPU (benchmarks/gpu_session.py's
-    # w8a8-down-4warps targets do: the bitwise rows-per-pass check, then EPLB on = off)
+    # W8A8 has none: at ERNIE's 32 rows per pass its down projection streamed 1.47 TB/s of codes
+    # with 4 warps against 1.26 with the table's 8 in the sweep
+    # (results/expert-kernel-ernie-w8a8-bm32-tune-h100.json), and it kept every row bitwise at
+    # 64, 32 and 16 rows and EPLB on = off, but the layer took 0.372 against 0.374 ms and
+    # ERNIE-28L's FP8 step 14.01 against 14.01 ms on an H100
+    # (results/serving-ernie28-fp8-down-4warps-h100.json): nothing to gain
     "w8a8": {},
 }
 
@@ -1121,7 +1122,10 @@ def _expert_matmul(
                 f"FP8 scale blocks {list(block)} over K={k}: the kernel needs one block or powers of two >= 16"
             )
         if sbk < k:
-            bk = min(bk, sbk)
+            # K tiles of one whole scale block (128 at most) at every rows per pass, whatever the
+            # table says: a tile narrower than its block scales each part's product apart, so a
+            # row's sums would follow BM, and a step's BM follows its slot count (EPLB on or off)
+            bk = min(sbk, FP8_BLOCK_BK_MAX, max(16, _pow2(k)))
     sc = scale if scale is not None else w
     act = act or ExpertAct()
     bias = act.gate_up_bias if gated else act.down_bias
