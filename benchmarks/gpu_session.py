@@ -203,6 +203,51 @@ TARGETS: dict[str, Target] = {
         _eplb_off("ernie45:bfloat16,llama4:bfloat16", "--quantization", "fp8"),
         120,
     ),
+    **{
+        f"prefill-auto-{shape}": Target(
+            f"{shape} prefill burst 256 x 2,048 with MOESERVE_ATTENTION_PREFILL=auto, two rounds: "
+            "first-burst TTFT against the second's, compiles while serving (the log)",
+            _serving(
+                shape,
+                "moeserve-1rank",
+                "--workloads",
+                "burst",
+                "--burst-requests",
+                "256",
+                "--burst-prompt",
+                "2048",
+                "--burst-output",
+                "32",
+                "--max-model-len",
+                "4096",
+                "--rounds",
+                "2",
+            ),
+            90,
+            {"MOESERVE_ATTENTION_PREFILL": "auto"},
+        )
+        for shape in ("scout8", "ernie28")
+    },
+    **{
+        f"online-{shape}-{n}": Target(
+            f"{shape} online at 70 % of the burst's rate with --max-num-batched-tokens {n}: ITL p50 / p99, TTFT p99",
+            _serving(
+                shape,
+                "moeserve-1rank",
+                "--workloads",
+                "burst,online",
+                "--duration",
+                "15",
+                "--drain",
+                "20",
+                "--max-num-batched-tokens",
+                str(n),
+            ),
+            130,
+        )
+        for shape in ("scout8", "ernie28")
+        for n in (1024, 2048, 8192)
+    },
     "eplb-off-bf16": Target(
         "EPLB on = off in bf16, ERNIE, DeepSeek-V3 and Llama 4",
         _eplb_off("ernie45:bfloat16,deepseek_v3:bfloat16,llama4:bfloat16"),
