@@ -248,6 +248,17 @@ TARGETS: dict[str, Target] = {
         for shape in ("scout8", "ernie28")
         for n in (1024, 2048, 8192)
     },
+    **{
+        f"mixed-ernie28{suffix}": Target(
+            f"ERNIE-28L steps carrying a 2,048- or 8,192-token prompt beside 64 decodes, profiled{what}",
+            ("mixed_steps.py", "--shape", "ernie28", "--chunks", "2048,8192", *more),
+            seconds,  # a cluster per chunk size: FP8 dummy weights take ~70 s to start
+        )
+        for suffix, what, more, seconds in (
+            ("", "", (), 150),
+            ("-fp8", ", FP8 experts and MLPs", ("--quantization", "fp8"), 240),
+        )
+    },
     "eplb-off-bf16": Target(
         "EPLB on = off in bf16, ERNIE, DeepSeek-V3 and Llama 4",
         _eplb_off("ernie45:bfloat16,deepseek_v3:bfloat16,llama4:bfloat16"),

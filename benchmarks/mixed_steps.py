@@ -24,11 +24,19 @@ prefix-cache hit), K steps in a row; then the decodes go on alone.
   run;
 - the decode-only step after the chunks (the decode streams' gaps) for reference.
 
+``--quantization fp8`` serves FP8 experts and MLPs (``LocalCluster(quantization="fp8")``, W8A8
+on the GPU unless ``MOESERVE_FP8_ACTIVATIONS=weight-only``): the roofline's bytes are the FP8
+weights' (``model_sizes(..., "fp8")``) and its FLOPs still at the measured bf16 peak, as the
+serving benchmark's FP8 rows count them, so an FP8 class bound by FLOPs could run up to twice as
+fast as its roofline says.
+
     python3 benchmarks/mixed_steps.py --shape scout8     # 1 GPU, C = 512, 1024, 2048, 8192
     python3 benchmarks/mixed_steps.py --shape ernie28
+    python3 benchmarks/mixed_steps.py --shape ernie28 --quantization fp8
     python3 benchmarks/mixed_steps.py --smoke            # CPU: the tiny shape, gloo, fp32
 
-Prints a table and writes JSON (``--json``, default benchmarks/results/mixed-steps-SHAPE.json).
+Prints a table and writes JSON (``--json``, default benchmarks/results/mixed-steps-SHAPE.json,
+``-fp8`` before ``.json`` with ``--quantization fp8``).
 """
 
 from __future__ import annotations
@@ -183,6 +191,7 @@ def run_chunk(a, folder: str, sizes: dict, c: int, prof_dir: str) -> dict:
         max_num_seqs=a.decodes + 8,
         max_num_batched_tokens=c + a.decodes,
         env=env,
+        **({"quantization": a.quantization} if a.quantization else {}),
     )
     try:
         if warm:
@@ -230,6 +239,12 @@ def main(argv=None) -> int:
         "block size, 16); 0: fresh prompts (0)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8"],
+        help="fp8: FP8 experts and MLPs quantized at load (vLLM's --quantization fp8); default bf16",
+    )
     p.add_argument("--no-profile", dest="profile", action="store_false", help="no device-time profile window")
     p.add_argument("--smoke", action="store_true", help="CPU: the tiny shape, gloo, fp32, small chunks")
     p.add_argument("--json", default=None)
@@ -258,11 +273,14 @@ def main(argv=None) -> int:
             a.prompts = 2 * SKIP + 14
     elif not __import__("torch").cuda.is_available():
         p.error("needs a CUDA GPU (--smoke runs on the CPU)")
-    path = a.json or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"mixed-steps-{a.shape}.json")
+    suffix = f"-{a.quantization}" if a.quantization else ""
+    path = a.json or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"mixed-steps-{a.shape}{suffix}.json"
+    )
 
     work = tempfile.mkdtemp(prefix=f"mixed-steps-{a.shape}-")
     folder = write_model(os.path.join(work, "model"), SHAPES[a.shape]["config"])
-    sizes = model_sizes(folder, 4 if a.dtype == "float32" else 2)
+    sizes = model_sizes(folder, 4 if a.dtype == "float32" else 2, a.quantization)
     facts = gpu_facts(1, a.smoke)[0]
     rates, hbm = hbm_rates([facts.get("name", "cpu")], float(facts["rate_Bps"]))
     print(rate_line(hbm), flush=True)
@@ -313,6 +331,8 @@ def main(argv=None) -> int:
         torch=torch.__version__,
         shape=a.shape,
         dtype=a.dtype,
+        quantization=a.quantization,
+        weights_read_bytes=weights,
         rates=rates,
         hbm=hbm,
         peak_flops=peak,

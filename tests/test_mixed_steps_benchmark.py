@@ -93,6 +93,7 @@ def test_bad_flags_are_refused_with_what_is_allowed(capsys):
         (["--decodes", "0"], "--decodes must be 1 .. 1024"),
         (["--prompts", "10"], "--prompts must be 24 .. 1000"),
         (["--cached", "20"], "--cached must be a multiple of the block size 16"),
+        (["--quantization", "int4"], "--quantization: invalid choice: 'int4'"),
     ):
         with pytest.raises(SystemExit) as e:
             bench.main(["--smoke", *argv])
@@ -122,3 +123,13 @@ def test_smoke_run_measures_one_chunk_per_step(tmp_path):
     assert bench.main(["--smoke", "--cached", "32", "--chunks", "8", "--json", str(out)]) == 0
     (r,) = json.loads(out.read_text())["rows"]
     assert r["cached"] == 32 and 0.5 < r["mixed_step_p50_s"] / r["mixed_gap_p50_s"] < 2.0
+    # FP8 experts and MLPs (quantized at load): still one prompt a step, the roofline on FP8 bytes
+    bf16_weights = doc["weights_read_bytes"]
+    assert bench.main(["--smoke", "--quantization", "fp8", "--chunks", "16", "--json", str(out)]) == 0
+    fp8 = json.loads(out.read_text())
+    (r,) = fp8["rows"]
+    assert fp8["quantization"] == "fp8" and 0.5 < r["mixed_step_p50_s"] / r["mixed_gap_p50_s"] < 2.0
+    assert fp8["weights_read_bytes"] < 0.8 * bf16_weights
+    assert (
+        r["roofline"]["classes"]["experts"]["bytes"] < 0.6 * doc["rows"][0]["roofline"]["classes"]["experts"]["bytes"]
+    )
