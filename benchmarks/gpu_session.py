@@ -204,8 +204,8 @@ TARGETS: dict[str, Target] = {
         120,
     ),
     **{
-        f"prefill-auto-{shape}": Target(
-            f"{shape} prefill burst 256 x 2,048 with MOESERVE_ATTENTION_PREFILL=auto, two rounds: "
+        f"prefill-{backend}-{shape}": Target(
+            f"{shape} prefill burst 256 x 2,048 with MOESERVE_ATTENTION_PREFILL={backend}, two rounds: "
             "first-burst TTFT against the second's, compiles while serving (the log)",
             _serving(
                 shape,
@@ -224,9 +224,10 @@ TARGETS: dict[str, Target] = {
                 "2",
             ),
             90,
-            {"MOESERVE_ATTENTION_PREFILL": "auto"},
+            {"MOESERVE_ATTENTION_PREFILL": backend},
         )
         for shape in ("scout8", "ernie28")
+        for backend in ("auto", "triton")  # the switch, then the default (the paged kernel), one machine
     },
     **{
         f"online-{shape}-{n}": Target(
