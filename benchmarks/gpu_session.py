@@ -141,6 +141,11 @@ TARGETS: dict[str, Target] = {
         150,
         {"MOESERVE_EXPERT_BLOCK_M": "32"},
     ),
+    "expert-silu": Target(
+        "a worker's activation over its 65,536-row buffer: the fixed grid beside a program per row (ERNIE's I)",
+        ("norm_kernels.py", "--cases", "ernie_expert_silu,ernie_silu", "--rows", "64,256,1024", "--models", ""),
+        40,
+    ),
     "grouped-routing": Target(
         "DeepSeek-V3's grouped routing, fused against torch's, and its gate",
         ("norm_kernels.py", "--cases", "dsv3_route,dsv3_gate", "--rows", "256,2048", "--models", ""),

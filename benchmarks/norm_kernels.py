@@ -16,6 +16,11 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
 - ``ernie_qk``: ERNIE's interleaved RoPE on q [T, 20, 128] and k [T, 4, 128];
 - ``<shape>_silu``: silu(gate) * up of a shared expert's merged gate_up output [T, 2F] (ERNIE's
   two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves;
+- ``ernie_expert_silu``: a worker's activation between a bf16 step's two ``torch._grouped_mm``
+  (ERNIE's I 1,536: gu [C, 3,072] for C = 8,192 x 8 rows of buffer, the first ``--rows`` x 8
+  below the device total): the served fixed grid (``kernels.SILU_MUL_PROGRAMS`` programs
+  striding over the rows) in the fused column, and in the torch column the same kernel with one
+  program per buffer row (the grid before), so both columns compute the same values;
 - ``<shape>_gate``: an fp32 gate of bf16 rows and its routing, ``MoEBlock.route`` (ERNIE's H
   2,560 x E 64, top-6 by the fused routing kernel; DeepSeek-V3's 7,168 x 256, top-8 of 4 groups,
   on the fused side by the fused kernel too, see ``dsv3_route``): the weight's three bf16 parts in one tensor-core GEMM
@@ -65,6 +70,7 @@ QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
     "ernie_qk": (20, 4, 128, True, False, False),
 }
 SILU = {"ernie_silu": 2 * 3072, "scout_silu": 2 * 8192}  # merged gate_up widths of the shared experts
+EXPERT_SILU = {"ernie_expert_silu": (2 * 1536, 8, 8192 * 8)}  # (2I, top-k, buffer rows) of a worker's step
 
 
 def _gate(config: dict) -> tuple[int, int, int, RoutingSpec]:
@@ -75,7 +81,9 @@ def _gate(config: dict) -> tuple[int, int, int, RoutingSpec]:
 
 GATES = {"ernie_gate": _gate(ERNIE28), "dsv3_gate": _gate(DSV3_7)}  # (H, E, K, routing) of fp32 gates
 ROUTES = {"dsv3_route": "dsv3_gate"}  # routing alone: the gate whose routing (E, K, spec) it times
-CASES = tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(GATES) + tuple(ROUTES)
+CASES = (
+    tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(EXPERT_SILU) + tuple(GATES) + tuple(ROUTES)
+)
 MODELS = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
 FP32_CASE_RTOL = 1e-5
 FP32_LOGITS_ATOL = 1e-4
@@ -100,6 +108,16 @@ def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies:
         w2 = SILU[name]
         gus = [torch.randn(rows, w2, device=dev, generator=g).to(dtype) * 3 for _ in range(copies)]
         return lambda i: layers.silu_mul(gus[i % copies]), rows * w2 * 3 // 2
+    if name in EXPERT_SILU:
+        w2, k, capacity = EXPERT_SILU[name]
+        total = torch.tensor([rows * k], dtype=torch.int32, device=dev)
+        bufs = [torch.randn(capacity, w2, device=dev, generator=g).to(dtype) * 3 for _ in range(copies)]
+
+        def expert_silu(i):
+            before = kernels.NORM_DEVICES == ()  # the torch column (TorchPath): a program per buffer row
+            return kernels.silu_mul(bufs[i % copies], total, capacity if before else None)[: rows * k]
+
+        return expert_silu, rows * k * w2 * 3 // 2
     if name in ROUTES:
         _, e, k, spec = GATES[ROUTES[name]]
         logits = [torch.randn(rows, e, device=dev, generator=g) for _ in range(copies)]

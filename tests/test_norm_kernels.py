@@ -141,6 +141,20 @@ def test_the_mlp_activation_is_torchs_silu_times_up(dtype, monkeypatch):
         kernels.silu_mul(gu[:, 1:-1])
 
 
+@pytest.mark.parametrize("programs", [None, 3, 64])
+def test_the_activation_takes_every_row_below_the_total_whatever_its_grid(programs):
+    """A worker's buffer holds far more rows than a decode step fills: a fixed grid of programs
+    strides over the rows below the device total (3 programs here: each takes several) and
+    writes each as torch would."""
+    g = torch.Generator().manual_seed(4)
+    gu = (torch.randn(40, 2 * 24, generator=g) * 4).to(torch.bfloat16)
+    ref = torch.nn.functional.silu(gu[:, :24]) * gu[:, 24:]
+    for total in (1, 17, 39):
+        got = kernels.silu_mul(gu, torch.tensor([total], dtype=torch.int32), programs)
+        close(got[:total], ref[:total], torch.bfloat16)
+    close(kernels.silu_mul(gu, None, programs), ref, torch.bfloat16)  # every row (an MLP's)
+
+
 def test_the_models_keep_torch_for_what_the_kernels_do_not_serve(monkeypatch):
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     assert not kernels.fused_norms_take(x, torch.ones(8, dtype=torch.bfloat16))  # a CPU tensor: the torch path

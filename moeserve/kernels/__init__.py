@@ -317,11 +317,18 @@ def return_rows(
     )
 
 
-def silu_mul(gu: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+# Programs of silu_mul, each taking every P-th row below the total: a worker's buffer holds
+# max_num_batched_tokens x top_k rows (ERNIE's 8,192 x 8) while a decode step fills a fraction,
+# and a program per row of the capacity left most of them loading the total only to exit.
+SILU_MUL_PROGRAMS = 1024
+
+
+def silu_mul(gu: torch.Tensor, total: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
     """silu(gu[:, :I]) * gu[:, I:] for the first ``total`` rows (device scalar [1]; None: every
     row) of gu [C, 2I] (contiguous); returns [C, I] (rows past total are left unwritten). Each
     product rounds as torch's ``F.silu(g) * u``: silu in fp32 rounded to the dtype, the product
-    in fp32 rounded."""
+    in fp32 rounded. ``programs``: the grid (default ``SILU_MUL_PROGRAMS``, at most C; a
+    benchmark's measurement knob: every grid computes the same values)."""
     c, two_i = gu.shape
     i = two_i // 2
     if gu.stride(1) != 1 or (c > 1 and gu.stride(0) != two_i):
@@ -329,8 +336,9 @@ def silu_mul(gu: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tenso
     out = gu.new_empty(c, i)
     if c:
         has_total = total is not None
-        _kernels()["silu_mul"][(c,)](
-            gu, out, total if has_total else gu, I=i, BLOCK=_block(i), PRECISE=not _interpreted(),
+        grid = min(c, programs or SILU_MUL_PROGRAMS)
+        _kernels()["silu_mul"][(grid,)](
+            gu, out, total if has_total else gu, c, I=i, BLOCK=_block(i), PRECISE=not _interpreted(),
             HAS_TOTAL=has_total, num_warps=4,
         )  # fmt: skip
     return out

@@ -237,16 +237,24 @@ def return_rows_kernel(
             tl.store(dst[:, None] + row[:, None] * H + cols[None, :], v, mask=mm)
 
 
-@triton.jit(do_not_specialize_on_alignment=["total_ptr"])
+@triton.jit(do_not_specialize=["rows"], do_not_specialize_on_alignment=["total_ptr"])
 def silu_mul_kernel(
-    gu_ptr, out_ptr, total_ptr, I: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr, HAS_TOTAL: tl.constexpr
+    gu_ptr,
+    out_ptr,
+    total_ptr,
+    rows,
+    I: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PRECISE: tl.constexpr,
+    HAS_TOTAL: tl.constexpr,
 ):
-    # out[j] = silu(gu[j, :I]) * gu[j, I:] for rows j < total (every row without HAS_TOTAL).
+    # out[j] = silu(gu[j, :I]) * gu[j, I:] for rows j < total (the device total with HAS_TOTAL,
+    # else ``rows``): rows pid, pid + P, .. for P programs, whatever the buffer's capacity.
     j = tl.program_id(0).to(tl.int64)
-    total = j + 1
+    total = rows.to(tl.int64)
     if HAS_TOTAL:
         total = tl.load(total_ptr).to(tl.int64)
-    if j < total:
+    while j < total:
         for c0 in range(0, I, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             m = cols < I
@@ -258,6 +266,7 @@ def silu_mul_kernel(
                 e = tl.exp(-a)
             sl = tl.math.div_rn(a, 1.0 + e).to(u.dtype)
             tl.store(out_ptr + j * I + cols, (sl.to(tl.float32) * u.to(tl.float32)).to(u.dtype), mask=m)
+        j += tl.num_programs(0)
 
 
 @triton.jit(do_not_specialize_on_alignment=["w_ptr"])
