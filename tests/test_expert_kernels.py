@@ -488,3 +488,15 @@ def test_fp8_block_scaled_rows_come_out_the_same_at_every_rows_per_pass(a8):
     outs = {bm: kernels.expert_mlp(x, w["gate_up"], w["down"], offs, bm, sc) for bm in (16, 32, 64)}
     for bm in (32, 64):
         assert torch.equal(outs[bm], outs[16]), (bm, float((outs[bm] - outs[16]).abs().max()))
+
+
+def test_w8a8_tiles_keep_k_tiles_of_128_and_the_transposed_product_at_every_rows_per_pass():
+    """A W8A8 row's sums must not depend on its rows per pass (EPLB on = off): the products run
+    transposed (the rows the MMA's N side) over K tiles of 128 codes at 16, 32 and 64 rows, in the
+    table and in every expert shape's entries; a tile that broke this would pass the CPU's
+    interpreter (which does not model the MMA shapes) and fail only on a GPU."""
+    shapes = [None, *kernels.EXPERT_TUNING_SHAPES["w8a8"], *kernels.EXPERT_TUNING_SHAPES["bf16"]]
+    for shape in shapes:
+        for kind in ("gate_up", "down"):
+            tiles = {bm: kernels.expert_tuning(kind, bm, fp8=True, a8=True, shape=shape) for bm in (16, 32, 64)}
+            assert all(t[1] == 128 and t[4] is True for t in tiles.values()), (shape, kind, tiles)
