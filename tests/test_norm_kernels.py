@@ -153,6 +153,8 @@ def test_the_activation_takes_every_row_below_the_total_whatever_its_grid(progra
         got = kernels.silu_mul(gu, torch.tensor([total], dtype=torch.int32), programs)
         close(got[:total], ref[:total], torch.bfloat16)
     close(kernels.silu_mul(gu, None, programs), ref, torch.bfloat16)  # every row (an MLP's)
+    with pytest.raises(ValueError, match="silu_mul: programs must be >= 1, got 0"):
+        kernels.silu_mul(gu, None, 0)
 
 
 def test_the_models_keep_torch_for_what_the_kernels_do_not_serve(monkeypatch):

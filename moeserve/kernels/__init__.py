@@ -333,6 +333,8 @@ def silu_mul(gu: torch.Tensor, total: torch.Tensor | None = None, programs: int 
     i = two_i // 2
     if gu.stride(1) != 1 or (c > 1 and gu.stride(0) != two_i):
         raise ValueError(f"silu_mul: gu must be contiguous [C, 2I], got strides {tuple(gu.stride())}")
+    if programs is not None and programs < 1:
+        raise ValueError(f"silu_mul: programs must be >= 1, got {programs}")
     out = gu.new_empty(c, i)
     if c:
         has_total = total is not None
@@ -1133,7 +1135,7 @@ def _expert_matmul(
             # K tiles of one whole scale block (128 at most) at every rows per pass, whatever the
             # table says: a tile narrower than its block scales each part's product apart, so a
             # row's sums would follow BM, and a step's BM follows its slot count (EPLB on or off)
-            bk = min(sbk, FP8_BLOCK_BK_MAX, max(16, _pow2(k)))
+            bk = min(sbk, FP8_BLOCK_BK_MAX)  # (sbk < K: already within K's power of two)
     sc = scale if scale is not None else w
     act = act or ExpertAct()
     bias = act.gate_up_bias if gated else act.down_bias
