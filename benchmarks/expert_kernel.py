@@ -119,8 +119,8 @@ def tune_fp8(case, rows, offs, bm, used, h, i, layers, a8=False, bn=None, bk=Non
         print(f"  tune fp8 {kind}: " + ", ".join(f"{c} {g:.0f} GB/s" for c, g in lst[:5]), flush=True)
     down, gu = list(res["down"][0][0]), list(res["gate_up"][0][0])
     env = "MOESERVE_FP8_A8_TUNING" if a8 else "MOESERVE_FP8_TUNING"
-    if bm >= 64:  # tuned at 64-row passes: those entries only
-        best = {"gate_up_bm64": gu, "down_bm64": down}
+    if bm >= 64:  # tuned at 64- (or prefill's 128-) row passes: those entries only
+        best = {kernels.tuning_key("gate_up", bm): gu, kernels.tuning_key("down", bm): down}
     elif a8:  # 64-row passes: BK 128 (shared memory), with the best tiles' other choices
         best = {
             "gate_up": gu,
@@ -154,10 +154,11 @@ def _stages(v: str) -> int:
 
 
 def _block_m(v: str) -> int:
-    """One choice of --block-m: 0 for auto (the step's own choice), or 16, 32, 64."""
+    """One choice of --block-m: 0 for auto (the step's own choice), or 16, 32, 64, or
+    ``kernels.FP8_PREFILL_BM`` (W8A8's prefill passes; the other kernels take 64 there)."""
     if v == "auto":
         return 0
-    allowed = kernels.expert_block_ms()
+    allowed = kernels.expert_block_ms(prefill=True)
     if not v.isdigit() or int(v) not in allowed:
         raise ValueError(f"--block-m: {v!r} is not auto or one of {', '.join(map(str, allowed))}")
     return int(v)
@@ -177,7 +178,8 @@ def main():
     p.add_argument(
         "--block-m",
         default="auto",
-        help="rows per pass, side by side: a comma list of auto (the step's choice) and 16, 32, 64",
+        help="rows per pass, side by side: a comma list of auto (the step's choice) and 16, 32, 64, 128 "
+        "(128: W8A8's prefill passes, the other kernels at 64)",
     )
     p.add_argument(
         "--fp8",
@@ -254,9 +256,12 @@ def main():
             total = offs[-1:]
             used = int((c > 0).sum())
             nbytes = used * per_expert
-            # the step's choice (store.expert_block_m_for), bf16 and FP8
-            bm = bm_choice or expert_block_m_for(m, s, "triton")
-            bm8 = bm_choice or expert_block_m_for(m, s, "triton", quantized=True)
+            # the step's choice (store.expert_block_m_for), bf16 and FP8; a chosen pass of more than
+            # kernels.EXPERT_MAX_BM rows (FP8_PREFILL_BM) is W8A8's alone, the others take 64
+            cap = kernels.EXPERT_MAX_BM
+            bm = min(bm_choice, cap) or expert_block_m_for(m, s, "triton")
+            bm8 = min(bm_choice, cap) or expert_block_m_for(m, s, "triton", quantized=True)
+            bm8a = bm_choice or expert_block_m_for(m, s, "triton", quantized=True, a8=True)
 
             def ref(j):
                 g = torch._grouped_mm(rows, gu[j], offs=offs)
@@ -275,7 +280,7 @@ def main():
                 def q8(j, layers8=layers8, blocks=blocks, a8=a8):
                     w = layers8[j]
                     sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], a8)
-                    return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm8, sc)
+                    return kernels.expert_mlp(rows, w["gate_up"], w["down"], offs, bm8a if a8 else bm8, sc)
 
                 t8 = time_fn(q8, a.iters, a.layers)
                 b8 = used * spec8.nbytes
@@ -284,14 +289,15 @@ def main():
                 lb = label + ("-w8a8" if a8 else "")
                 # every row's output bitwise as at the first rows-per-pass of this case (W8A8 must be:
                 # a step's rows per pass depends on the slot count, EPLB on or off)
-                first = first_outputs.setdefault((name, tokens, skew, lb), (bm8, out8))
+                bm_used = bm8a if a8 else bm8
+                first = first_outputs.setdefault((name, tokens, skew, lb), (bm_used, out8))
                 fp8_rows[lb] = dict(
                     s=t8,
                     bytes=b8,
                     GBps=b8 / t8 / 1e9,
                     over_bf16_triton=t8 / t_tri,
                     rel_err=rel,
-                    block_m=bm8,
+                    block_m=bm_used,
                     same_as_bm=first[0],
                     bitwise_same=bool(torch.equal(first[1], out8)),
                 )
@@ -368,7 +374,7 @@ def main():
                     )
                 if "w8a8" in a.tune_kinds.split(","):
                     out["tune"][f"{name}-fp8-w8a8"] = tune_fp8(
-                        fp8["fp8-channel"], rows, offs, bm8, used, h, i, a.layers, a8=True, bn=bn, bk=bk, stages=stages
+                        fp8["fp8-channel"], rows, offs, bm8a, used, h, i, a.layers, a8=True, bn=bn, bk=bk, stages=stages
                     )
         gu = dn = []  # free the device memory before the next shape
         fp8 = {}

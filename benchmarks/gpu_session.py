@@ -265,6 +265,26 @@ TARGETS: dict[str, Target] = {
             ("-fp8", ", FP8 experts and MLPs", ("--quantization", "fp8"), 240),
         )
     },
+    "mixed-ernie28-fp8-bm128": Target(
+        "the same FP8 mixed steps with W8A8 prefill passes of 128 rows (MOESERVE_FP8_PREFILL_BLOCK_M=128)",
+        ("mixed_steps.py", "--shape", "ernie28", "--chunks", "2048,8192", "--quantization", "fp8"),
+        240,
+        {"MOESERVE_FP8_PREFILL_BLOCK_M": "128"},
+    ),
+    "fp8-prefill-rows": Target(
+        "W8A8 expert kernels at prefill sizes (ERNIE, Scout; 2,048 and 8,192 tokens) with 64- and 128-row passes: "
+        "every row bitwise the same, and the time beside bf16's torch._grouped_mm",
+        ("expert_kernel.py", "--shapes", "ernie,scout", "--tokens", "2048,8192", "--fp8", "--block-m", "64,128"),
+        120,
+    ),
+    "fp8-prefill-tune": Target(
+        "ERNIE's W8A8 tiles swept at 128 rows per pass, 8,192 tokens (K tiles of 128: the row-invariant ones)",
+        tuple(
+            "expert_kernel.py --shapes ernie --tokens 8192 --fp8 --block-m 128 --tune --tune-kinds w8a8 "
+            "--tune-bn 64,128,256 --tune-bk 128".split()
+        ),
+        120,
+    ),
     "eplb-off-bf16": Target(
         "EPLB on = off in bf16, ERNIE, DeepSeek-V3 and Llama 4",
         _eplb_off("ernie45:bfloat16,deepseek_v3:bfloat16,llama4:bfloat16"),

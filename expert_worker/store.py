@@ -54,6 +54,8 @@ class ExpertStore:
         self.num_workers = num_workers
         self.block_m = 0  # set per step by set_step_pairs (0: torch._grouped_mm)
         expert_kernel_mode()  # a bad MOESERVE_EXPERT_KERNEL fails the start, not the first step
+        if spec.quant is not None and spec.quant.act_quant:
+            fp8_prefill_block_m()  # and a bad MOESERVE_FP8_PREFILL_BLOCK_M
 
     @classmethod
     def from_checkpoint(
@@ -183,7 +185,8 @@ class ExpertStore:
             from moeserve import kernels
 
             slots = self.slots_per_worker * self.num_workers
-            self.block_m = expert_block_m_for(pairs, slots, "triton", quantized=True) or kernels.EXPERT_MAX_BM
+            a8 = self.spec.quant.act_quant
+            self.block_m = expert_block_m_for(pairs, slots, "triton", quantized=True, a8=a8) or kernels.EXPERT_MAX_BM
         else:
             self.block_m = expert_block_m_for(pairs, self.slots_per_worker * self.num_workers)
 
@@ -208,8 +211,15 @@ class ExpertStore:
             kernels.silu_mul(gu, torch.zeros(1, dtype=torch.int32, device=dev))  # total: offs[-1:], int32
         if not self.capturable or expert_block_m_for(1, 1) == 0:
             return []
+        q = self.spec.quant
+        prefill = q is not None and q.act_quant and fp8_prefill_block_m() > kernels.EXPERT_MAX_BM
         return kernels.warm_up_expert_mlp(
-            w["gate_up"], w["down"], self.scales(0), self.spec.dtype, expert_act(self.spec, w)
+            w["gate_up"],
+            w["down"],
+            self.scales(0),
+            self.spec.dtype,
+            expert_act(self.spec, w),
+            kernels.expert_block_ms(prefill=prefill),
         )
 
     @property
@@ -334,12 +344,30 @@ def expert_block_m_setting() -> int:
 FP8_BLOCK_M_CAP = 32
 
 
-def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None, quantized: bool = False) -> int:
+@functools.cache
+def fp8_prefill_block_m() -> int:
+    """``MOESERVE_FP8_PREFILL_BLOCK_M``: the rows per pass of W8A8 expert steps with more than
+    ``kernels.EXPERT_MAX_BM`` rows a slot on average (a prefill): 64 (the default: the decode
+    tiles' largest pass) or ``kernels.FP8_PREFILL_BM`` (128-row passes on their own tiles, a
+    measurement switch until a GPU shows them faster with every row bitwise the same as
+    64-row passes'). Read once, at a worker's warm-up; anything else is refused by name."""
+    from moeserve import kernels
+
+    v = os.environ.get("MOESERVE_FP8_PREFILL_BLOCK_M", "") or str(kernels.EXPERT_MAX_BM)
+    allowed = (kernels.EXPERT_MAX_BM, kernels.FP8_PREFILL_BM)
+    if not v.isdigit() or int(v) not in allowed:
+        raise ValueError(f"MOESERVE_FP8_PREFILL_BLOCK_M={v!r}: allowed {' or '.join(map(str, allowed))}")
+    return int(v)
+
+
+def expert_block_m_for(
+    pairs: int, num_slots: int, mode: str | None = None, quantized: bool = False, a8: bool = False
+) -> int:
     """The slot-major compute's kernel for a step of ``pairs`` (token, k) pairs over
-    ``num_slots`` slots (every worker's), on CUDA in bf16 (``quantized``: FP8 codes): the Triton
-    kernels' rows per pass, or 0 for ``torch._grouped_mm``. ``mode``: ``expert_kernel_mode()``
-    when None. The balancer's step-time table is measured through the same choice
-    (benchmarks/calibrate.py)."""
+    ``num_slots`` slots (every worker's), on CUDA in bf16 (``quantized``: FP8 codes; ``a8``:
+    their rows quantized too, W8A8): the Triton kernels' rows per pass, or 0 for
+    ``torch._grouped_mm``. ``mode``: ``expert_kernel_mode()`` when None. The balancer's
+    step-time table is measured through the same choice (benchmarks/calibrate.py)."""
     from moeserve import kernels
 
     mode = expert_kernel_mode() if mode is None else mode
@@ -350,6 +378,8 @@ def expert_block_m_for(pairs: int, num_slots: int, mode: str | None = None, quan
         return 0
     if setting := expert_block_m_setting():
         return setting
+    if quantized and a8 and per_slot > kernels.EXPERT_MAX_BM:
+        return fp8_prefill_block_m()
     bm = kernels.expert_block_m(2 * per_slot)
     return min(bm, FP8_BLOCK_M_CAP) if quantized and per_slot <= FP8_BLOCK_M_CAP else bm
 

@@ -140,6 +140,11 @@ def test_every_tiling_the_benchmark_sweeps_computes_the_slot_loop():
     for bad in ("0", "9", "-1", "x"):
         with pytest.raises(ValueError, match=f"--tune-stages: '{bad}' is not a stage count from 1 to 8"):
             bench._stages(bad)
+    # --block-m: auto, the decode passes and W8A8's prefill passes, nothing else
+    assert [bench._block_m(v) for v in ("auto", "16", "64", "128")] == [0, 16, 64, kernels.FP8_PREFILL_BM]
+    for bad in ("256", "48", "x"):
+        with pytest.raises(ValueError, match=f"--block-m: '{bad}' is not auto or one of 16, 32, 64, 128"):
+            bench._block_m(bad)
 
 
 def _expert_benchmark():
@@ -255,6 +260,57 @@ def test_fp8_steps_take_32_row_passes_where_a_slot_averages_17_to_32_rows(monkey
         assert st.kernel_key == want, (n, st.kernel_key)
     monkeypatch.setattr(store_mod, "expert_block_m_setting", lambda: 64)
     assert store_mod.expert_block_m_for(8 * 20, 8, "triton", quantized=True) == 64
+
+
+def test_w8a8_prefill_steps_take_the_prefill_passes_where_the_switch_asks(monkeypatch):
+    """MOESERVE_FP8_PREFILL_BLOCK_M (a measurement switch): 64 (the default) keeps W8A8 steps of
+    more than EXPERT_MAX_BM rows a slot on 64-row passes; 128 gives them FP8_PREFILL_BM-row
+    passes on their own tiles, and the worker's warm-up compiles those too; decode-sized steps,
+    weight-only FP8 and MOESERVE_EXPERT_BLOCK_M are unchanged; anything else is refused by name
+    when the worker starts."""
+    from expert_worker import store as store_mod
+    from moeserve.models.moe import ExpertQuant
+
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    monkeypatch.delenv("MOESERVE_EXPERT_KERNEL", raising=False)
+    monkeypatch.delenv("MOESERVE_EXPERT_BLOCK_M", raising=False)
+    store_mod.expert_block_m_setting.cache_clear()
+    per_slot = (8, 20, 64, 65, 1000)
+    try:
+        for value, prefill in (("", 64), ("64", 64), ("128", kernels.FP8_PREFILL_BM)):
+            monkeypatch.setenv("MOESERVE_FP8_PREFILL_BLOCK_M", value)
+            store_mod.fp8_prefill_block_m.cache_clear()
+            a8 = [store_mod.expert_block_m_for(8 * n, 8, "triton", quantized=True, a8=True) for n in per_slot]
+            wo = [store_mod.expert_block_m_for(8 * n, 8, "triton", quantized=True) for n in per_slot]
+            assert a8 == [16, 32, 64, prefill, prefill], value
+            assert wo == [16, 32, 64, 64, 64], value
+        # a worker of W8A8 experts picks them per step (the kernel key its graphs bake in) ...
+        spec = ExpertSpec(64, 32, dtype=torch.bfloat16, quant=ExpertQuant((64, 1), (32, 1), act_quant=True))
+        st = store_mod.ExpertStore(spec, 0, [torch.zeros(4, spec.numel, dtype=spec.storage_dtype)], np.zeros((1, 4)))
+        monkeypatch.setattr(store_mod, "fp8_kernel_applies", lambda *a: True)  # as on CUDA
+        st.set_step_pairs(4 * 500)
+        assert st.kernel_key == kernels.FP8_PREFILL_BM
+        st.set_step_pairs(4 * 20)
+        assert st.kernel_key == 32
+        # ... and compiles them before serving
+        warmed = []
+        monkeypatch.setattr(kernels, "warm_up_expert_mlp", lambda *a: warmed.append(a[-1]) or a[-1])
+        assert st.warm_up_kernels() == [16, 32, 64, kernels.FP8_PREFILL_BM]
+        monkeypatch.setenv("MOESERVE_FP8_PREFILL_BLOCK_M", "64")
+        store_mod.fp8_prefill_block_m.cache_clear()
+        assert st.warm_up_kernels() == [16, 32, 64]
+        monkeypatch.setattr(store_mod, "expert_block_m_setting", lambda: 32)  # a fixed pass wins
+        monkeypatch.setenv("MOESERVE_FP8_PREFILL_BLOCK_M", "128")
+        store_mod.fp8_prefill_block_m.cache_clear()
+        assert store_mod.expert_block_m_for(8 * 1000, 8, "triton", quantized=True, a8=True) == 32
+        for bad in ("256", "32", "x"):
+            monkeypatch.setenv("MOESERVE_FP8_PREFILL_BLOCK_M", bad)
+            store_mod.fp8_prefill_block_m.cache_clear()
+            with pytest.raises(ValueError, match=f"MOESERVE_FP8_PREFILL_BLOCK_M='{bad}': allowed 64 or 128"):
+                store_mod.ExpertStore(spec, 0, [torch.zeros(4, spec.numel, dtype=spec.storage_dtype)], np.zeros((1, 4)))
+    finally:
+        monkeypatch.delenv("MOESERVE_FP8_PREFILL_BLOCK_M", raising=False)
+        store_mod.fp8_prefill_block_m.cache_clear()
 
 
 # -- FP8 weights -------------------------------------------------------------------------------
@@ -485,8 +541,9 @@ def test_fp8_block_scaled_rows_come_out_the_same_at_every_rows_per_pass(a8):
     x = torch.randn(sum(counts), h, generator=g)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     sc = kernels.ExpertScales(w["gate_up_scale"], blocks[0], w["down_scale"], blocks[1], a8)
-    outs = {bm: kernels.expert_mlp(x, w["gate_up"], w["down"], offs, bm, sc) for bm in (16, 32, 64)}
-    for bm in (32, 64):
+    bms = (16, 32, 64) + ((kernels.FP8_PREFILL_BM,) if a8 else ())  # W8A8 also at prefill's passes
+    outs = {bm: kernels.expert_mlp(x, w["gate_up"], w["down"], offs, bm, sc) for bm in bms}
+    for bm in bms[1:]:
         assert torch.equal(outs[bm], outs[16]), (bm, float((outs[bm] - outs[16]).abs().max()))
 
 
@@ -498,5 +555,6 @@ def test_w8a8_tiles_keep_k_tiles_of_128_and_the_transposed_product_at_every_rows
     shapes = [None, *kernels.EXPERT_TUNING_SHAPES["w8a8"], *kernels.EXPERT_TUNING_SHAPES["bf16"]]
     for shape in shapes:
         for kind in ("gate_up", "down"):
-            tiles = {bm: kernels.expert_tuning(kind, bm, fp8=True, a8=True, shape=shape) for bm in (16, 32, 64)}
+            bms = (16, 32, 64, kernels.FP8_PREFILL_BM)
+            tiles = {bm: kernels.expert_tuning(kind, bm, fp8=True, a8=True, shape=shape) for bm in bms}
             assert all(t[1] == 128 and t[4] is True for t in tiles.values()), (shape, kind, tiles)

@@ -290,12 +290,13 @@ def _keys(seen, kernel):
 
 @pytest.mark.parametrize("fp8", [False, True, "a8"], ids=["bf16", "fp8", "fp8-w8a8"])
 @pytest.mark.parametrize("slots", [4, 16])
-def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots, fp8):
+def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots, fp8, monkeypatch):
     """A worker compiles the expert kernels at start (``ExpertStore.warm_up_kernels``) on layer
     0's views of its slot buffer; whatever a step's pairs, its launches find their key there.
     FP8 experts (codes and scales in one byte row per slot) take the kernels at every size; with
     FP8 activations (W8A8) the row quantizer's keys are compiled too."""
     from moeserve import kernels as K
+    from moeserve.expert_worker import store as store_mod
     from moeserve.expert_worker.store import expert_block_m_for
     from moeserve.models.moe import ExpertQuant, ExpertSpec
 
@@ -308,21 +309,31 @@ def test_the_expert_warm_up_compiles_every_key_a_step_can_launch(launches, slots
             return None
         return K.ExpertScales(w["gate_up_scale"], (16, 16), w["down_scale"], (16, 16), act_quant=fp8 == "a8")
 
-    blocks = K.warm_up_expert_mlp(layers[0]["gate_up"], layers[0]["down"], scales(layers[0]), spec.dtype)
-    assert blocks == [16, 32, 64]
+    # W8A8 with MOESERVE_FP8_PREFILL_BLOCK_M=128: prefill steps take their own passes, warmed too
+    prefill = fp8 == "a8"
+    monkeypatch.setattr(store_mod, "fp8_prefill_block_m", lambda: K.FP8_PREFILL_BM if prefill else K.EXPERT_MAX_BM)
+    block_ms = K.expert_block_ms(prefill=prefill)
+    blocks = K.warm_up_expert_mlp(
+        layers[0]["gate_up"], layers[0]["down"], scales(layers[0]), spec.dtype, None, block_ms
+    )
+    assert blocks == [16, 32, 64] + ([K.FP8_PREFILL_BM] if prefill else [])
     warm = _keys(launches, "expert_matmul_kernel")
     warm_q = _keys(launches, "quant_rows_kernel")
     assert bool(warm_q) == (fp8 == "a8")
     launches.clear()
     recv = torch.empty(8192, spec.hidden_size, dtype=spec.dtype)  # the receive buffer
+    seen_bms = set()
     offs = torch.empty(slots, dtype=torch.int32)
     for pairs in [1, 7, 16, 100, slots * 16, slots * 33, slots * 64, slots * 500]:
-        bm = expert_block_m_for(pairs, slots, "triton" if fp8 else "auto") or (K.EXPERT_MAX_BM if fp8 else 0)
+        mode = "triton" if fp8 else "auto"
+        bm = expert_block_m_for(pairs, slots, mode, bool(fp8), prefill) or (K.EXPERT_MAX_BM if fp8 else 0)
+        seen_bms.add(bm)
         if bm:
             for w in layers:
                 K.expert_mlp(recv, w["gate_up"], w["down"], offs, bm, scales(w))
     assert {cfg for cfg, _ in launches["expert_matmul_kernel"]} and _keys(launches, "expert_matmul_kernel") <= warm
     assert _keys(launches, "quant_rows_kernel") <= warm_q
+    assert (K.FP8_PREFILL_BM in seen_bms) == prefill  # the sweep reached the prefill passes
 
 
 def test_the_fp8_linear_compiles_once_per_block_m_whatever_the_rows(launches):

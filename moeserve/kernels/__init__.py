@@ -719,7 +719,7 @@ FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
 # replaces the table's entries (what ``benchmarks/expert_kernel.py --fp8 --tune`` prints);
 # MOESERVE_EXPERT_TUNING the same for the bf16 table. Either applies to every expert shape, over
 # ``EXPERT_TUNING_SHAPES`` too (a measurement switch: the tiles a sweep found, end to end).
-TUNING_KEYS = ("gate_up", "down", "gate_up_bm64", "down_bm64")
+TUNING_KEYS = ("gate_up", "down", "gate_up_bm64", "down_bm64", "gate_up_bm128", "down_bm128")
 
 
 def parse_tuning(text: str, name: str, fp8: bool) -> dict[str, tuple]:
@@ -771,12 +771,24 @@ EXPERT_TUNING_FP8_A8 = {
     "down": (128, 128, 8, 3, True),
     "gate_up_bm64": (64, 128, 4, 3, True),
     "down_bm64": (128, 128, 8, 3, True),
+    # prefill's 128-row passes (``FP8_PREFILL_BM``, taken only where a worker's
+    # MOESERVE_FP8_PREFILL_BLOCK_M asks): column tiles of 128 on two warpgroups, as Hopper's FP8
+    # GEMMs tile a compute-bound product; not yet timed on a GPU (benchmarks/README.md, open targets)
+    "gate_up_bm128": (128, 128, 8, 3, True),
+    "down_bm128": (128, 128, 8, 3, True),
 }
 # MOESERVE_FP8_A8_TUNING: the same for the W8A8 table
 _tuning_from_env(EXPERT_TUNING_FP8_A8, _TUNING_ENV["w8a8"], fp8=True)
 # The tables a variable replaced at import: those take no shape entries (read once, not per launch)
 TUNING_FROM_ENV = frozenset(name for name, var in _TUNING_ENV.items() if os.environ.get(var))
 EXPERT_MAX_BM = 64
+# Rows per pass of W8A8 expert steps with more than EXPERT_MAX_BM rows a slot on average (a
+# prefill), where a worker takes them (``store.fp8_prefill_block_m``): the rows are the MMA's N
+# side in the transposed W8A8 product, so a larger pass keeps each row's K order (bitwise the
+# same rows as 64-row passes, which a GPU must show: benchmarks/expert_kernel.py's
+# ``bitwise_same``) while a slot of ~800 rows reads its panel half as often and each tile does
+# twice the FLOPs per byte.
+FP8_PREFILL_BM = 128
 FP8_BLOCK_BK_MAX = 128  # K tile of block-scaled FP8 weights: their K block, at most this (``_expert_matmul``)
 # Programs per (slot, column tile), each taking every G-th pass of BM rows: a hot slot (skewed
 # routing) is worked on by G programs at once, which share its weight panel through L2; with
@@ -812,9 +824,16 @@ EXPERT_TUNING_SHAPES: dict[str, dict[tuple[int, int], dict[str, tuple]]] = {
 }
 
 
+def tuning_keys(kind: str, block_m: int) -> tuple[str, ...]:
+    """The keys of a tiling table that passes of ``block_m`` rows read, first found first:
+    ``{kind}_bm128`` at 128 and more, then ``{kind}_bm64`` from 64, then ``kind``."""
+    keys = (f"{kind}_bm128",) if block_m >= 128 else ()
+    return keys + ((f"{kind}_bm64",) if block_m >= 64 else ()) + (kind,)
+
+
 def tuning_key(kind: str, block_m: int) -> str:
-    """The key of a tiling table that passes of ``block_m`` rows read first: ``{kind}_bm64`` at 64."""
-    return f"{kind}_bm64" if block_m >= 64 else kind
+    """The most specific key of a tiling table for passes of ``block_m`` rows (``tuning_keys``)."""
+    return tuning_keys(kind, block_m)[0]
 
 
 def expert_tuning(
@@ -826,12 +845,15 @@ def expert_tuning(
     environment variable replaced the table, ``TUNING_FROM_ENV``)."""
     name = "w8a8" if fp8 and a8 else "fp8" if fp8 else "bf16"
     table = EXPERT_TUNING_FP8_A8 if fp8 and a8 else EXPERT_TUNING_FP8 if fp8 else EXPERT_TUNING
-    key = tuning_key(kind, block_m)
     entry = EXPERT_TUNING_SHAPES[name].get((shape[0], shape[1])) if shape is not None else None
     if not entry or name in TUNING_FROM_ENV:
-        return table.get(key, table[kind])
-    # the shape's entry over the table, key by key (no merged table built per launch)
-    return entry.get(key) or table.get(key) or entry.get(kind) or table[kind]
+        entry = {}
+    # the most specific key first, the shape's entry over the table at each (no merged table
+    # built per launch)
+    for key in tuning_keys(kind, block_m):
+        if tile := entry.get(key) or table.get(key):
+            return tile
+    raise KeyError(f"no {name} tile for {kind!r}")  # every table has both kinds' base keys
 
 
 def expert_block_m(rows_per_slot: int) -> int:
@@ -1053,10 +1075,11 @@ def fp8_blocks_supported(k: int, block: tuple[int, int]) -> bool:
     return bk >= k or (bk >= 16 and bk & (bk - 1) == 0)
 
 
-def expert_block_ms() -> list[int]:
-    """Every rows-per-pass ``expert_block_m`` can give (16, 32, 64): each is a constexpr of the
-    kernels, so each is a compile of its own."""
-    return sorted({expert_block_m(1 << i) for i in range(EXPERT_MAX_BM.bit_length() + 1)})
+def expert_block_ms(prefill: bool = False) -> list[int]:
+    """Every rows-per-pass ``expert_block_m`` can give (16, 32, 64), and ``FP8_PREFILL_BM``
+    with ``prefill``: each is a constexpr of the kernels, so each is a compile of its own."""
+    bms = {expert_block_m(1 << i) for i in range(EXPERT_MAX_BM.bit_length() + 1)}
+    return sorted(bms | ({FP8_PREFILL_BM} if prefill else set()))
 
 
 def warm_up_expert_mlp(
@@ -1065,16 +1088,18 @@ def warm_up_expert_mlp(
     scales: ExpertScales | None = None,
     dtype: torch.dtype | None = None,
     act: ExpertAct | None = None,
+    block_ms: list[int] | None = None,
 ) -> list[int]:
-    """Compile both expert kernels for every ``expert_block_ms`` before serving (~1 s each on an
-    H200 host; a step that meets one first would wait for it), on views with the strides the
-    steps use: one layer's ``gate_up`` [S, H, 2I] and ``down`` [S, I, H] of the slot buffer;
-    the rows are [BM, H] contiguous, as the receive buffer is. Reads the weights, writes nothing
-    of the caller's. Returns the block sizes run."""
+    """Compile both expert kernels for every rows per pass of ``block_ms`` (default
+    ``expert_block_ms()``) before serving (~1 s each on an H200 host; a step that meets one
+    first would wait for it), on views with the strides the steps use: one layer's ``gate_up``
+    [S, H, 2I] and ``down`` [S, I, H] of the slot buffer; the rows are [BM, H] contiguous, as
+    the receive buffer is. Reads the weights, writes nothing of the caller's. Returns the block
+    sizes run."""
     s, h, _ = gate_up.shape
     dtype = dtype or gate_up.dtype  # the rows' (FP8 weights: the compute dtype)
     done = []
-    for bm in expert_block_ms():
+    for bm in block_ms or expert_block_ms():
         rows = torch.zeros(bm, h, dtype=dtype, device=gate_up.device)
         offs = torch.full((s,), bm, dtype=torch.int32, device=gate_up.device)  # every row in slot 0
         expert_mlp(rows, gate_up, down, offs, bm, scales, act)
