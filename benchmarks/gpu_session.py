@@ -42,6 +42,11 @@ class Target:
     env: dict[str, str] = field(default_factory=dict)
 
 
+# mixed-step token buckets to 4,096 (MOESERVE_MIXED_TOKEN_BUCKETS): a 2,048-token chunk and its
+# decodes in a graph, steps to 4,096 tokens padded at most to the next 512
+BUCKETS = "128,256,512,1024,2048,2560,3072,3584,4096"
+
+
 def _serving(shape: str, configs: str, *more: str) -> tuple[str, ...]:
     return ("serving.py", "--shape", shape, "--configs", configs, *more)
 
@@ -265,6 +270,39 @@ TARGETS: dict[str, Target] = {
             ("-fp8", ", FP8 experts and MLPs", ("--quantization", "fp8"), 240),
         )
     },
+    **{
+        f"mixed-ernie28-2048{suffix}": Target(
+            f"ERNIE-28L steps of a 2,048-token chunk beside 64 decodes (2,112 tokens), profiled{what}",
+            ("mixed_steps.py", "--shape", "ernie28", "--chunks", "2048"),
+            90,
+            env,
+        )
+        for suffix, what, env in (
+            ("", ": eager, past the largest mixed graph", {}),
+            (
+                "-buckets",
+                ", as a graph (MOESERVE_MIXED_TOKEN_BUCKETS to 4,096)",
+                {"MOESERVE_MIXED_TOKEN_BUCKETS": BUCKETS},
+            ),
+        )
+    },
+    "online-ernie28-8192-buckets": Target(
+        "ernie28 online at 70 % with --max-num-batched-tokens 8192 and mixed graphs to 4,096 tokens: ITL p50 / p99",
+        _serving(
+            "ernie28",
+            "moeserve-1rank",
+            "--workloads",
+            "burst,online",
+            "--duration",
+            "15",
+            "--drain",
+            "20",
+            "--max-num-batched-tokens",
+            "8192",
+        ),  # fmt: skip
+        130,
+        {"MOESERVE_MIXED_TOKEN_BUCKETS": BUCKETS},
+    ),
     "mixed-ernie28-fp8-bm128": Target(
         "the same FP8 mixed steps with W8A8 prefill passes of 128 rows (MOESERVE_FP8_PREFILL_BLOCK_M=128)",
         ("mixed_steps.py", "--shape", "ernie28", "--chunks", "2048,8192", "--quantization", "fp8"),

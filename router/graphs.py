@@ -37,7 +37,8 @@ memory while capturing at start, on an 80 GB H100).
 
 **Mixed steps** (decodes with prefill chunks, T new tokens over S sequences) replay graphs of
 their own, keyed by (Tk, Sk): T padded to a token bucket (``mixed_buckets``: 128 ... 2,048, at
-most ``max_num_batched_tokens``), S to 16, 64 or ``max_seqs``. Padded sequences have no new
+most ``max_num_batched_tokens``; ``MOESERVE_MIXED_TOKEN_BUCKETS`` names others), S to 16, 64 or
+``max_seqs``. Padded sequences have no new
 token and no key (they launch no attention tile); padded tokens belong to no sequence, write
 their k/v to the scratch block and send no (token, k) pair, so their rows, computed row by row
 and never read, touch no real row; the LM head reads each sequence's last token (Sk rows). The
@@ -53,6 +54,7 @@ the same buffers, which is how the padding is checked against unpadded steps.
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -73,15 +75,40 @@ def bucket_sizes(max_seqs: int) -> list[int]:
 
 MIXED_TOKENS = (128, 256, 512, 1024, 2048)  # token buckets of mixed-step graphs (larger: eager)
 MIXED_SEQS = (16, 64)  # sequence buckets below max_seqs
+MIXED_TOKENS_MAX = 16384  # the largest token bucket MOESERVE_MIXED_TOKEN_BUCKETS may name
 
 
-def mixed_buckets(max_seqs: int, max_tokens: int) -> tuple[list[int], list[int]]:
+def mixed_token_buckets() -> tuple[int, ...]:
+    """``MOESERVE_MIXED_TOKEN_BUCKETS``: the token buckets of mixed-step graphs, a comma list of
+    increasing token counts 1 .. ``MIXED_TOKENS_MAX`` (default ``MIXED_TOKENS``). A measurement
+    switch: a step of 2,048-token chunk and its decodes (2,112 tokens and more) is past the
+    default's largest bucket and runs eagerly, its host's launches in the step's wall time;
+    larger buckets capture it at the cost of padding (each bucket a graph per sequence bucket,
+    and a graph pool for the largest). Read when a router builds its graphs; anything else is
+    refused by name."""
+    v = os.environ.get("MOESERVE_MIXED_TOKEN_BUCKETS", "")
+    if not v:
+        return MIXED_TOKENS
+    allowed = f"a comma list of increasing token counts from 1 to {MIXED_TOKENS_MAX}, e.g. 128,512,2048,4096"
+    try:
+        vals = tuple(int(x) for x in v.split(","))
+    except ValueError:
+        vals = ()
+    if not vals or not all(1 <= t <= MIXED_TOKENS_MAX for t in vals) or any(a >= b for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"MOESERVE_MIXED_TOKEN_BUCKETS={v!r}: allowed {allowed}")
+    return vals
+
+
+def mixed_buckets(
+    max_seqs: int, max_tokens: int, token_buckets: tuple[int, ...] | None = None
+) -> tuple[list[int], list[int]]:
     """The token and sequence buckets of mixed-step graphs for a step budget of ``max_tokens``
     new tokens (``max_num_batched_tokens``) and ``max_seqs`` sequences; none when
-    ``max_tokens`` is 0."""
+    ``max_tokens`` is 0. ``token_buckets``: default ``mixed_token_buckets()``."""
     if max_tokens <= 0:
         return [], []
-    tokens = sorted({t for t in MIXED_TOKENS if t < max_tokens} | {min(max_tokens, MIXED_TOKENS[-1])})
+    buckets = token_buckets or mixed_token_buckets()
+    tokens = sorted({t for t in buckets if t < max_tokens} | {min(max_tokens, buckets[-1])})
     return tokens, sorted({x for x in MIXED_SEQS if x < max_seqs} | {max_seqs})
 
 

@@ -142,11 +142,34 @@ def test_warmup_keys_reach_every_key_a_decode_step_can_use_and_warmup_touches_on
         assert not torch.equal(cache.k[layer][8 * BS :], k[8 * BS :])  # the scratch block was written
 
 
-def test_mixed_buckets_cover_every_step_up_to_the_token_budget():
+def test_mixed_buckets_cover_every_step_up_to_the_token_budget(monkeypatch):
+    monkeypatch.delenv("MOESERVE_MIXED_TOKEN_BUCKETS", raising=False)
     assert mixed_buckets(256, 0) == ([], [])
     assert mixed_buckets(256, 8192) == ([128, 256, 512, 1024, 2048], [16, 64, 256])
     assert mixed_buckets(20, 300) == ([128, 256, 300], [16, 20])
     assert mixed_buckets(4, 64) == ([64], [4])
+    # other token buckets: a 2,048-token chunk beside its decodes (2,112) gets a graph of its own
+    assert mixed_buckets(256, 2112, (128, 2048, 4096)) == ([128, 2048, 2112], [16, 64, 256])
+    assert mixed_buckets(256, 8192, (128, 2048, 4096)) == ([128, 2048, 4096], [16, 64, 256])
+
+
+def test_mixed_token_buckets_are_read_from_the_switch_and_refused_by_name_otherwise(model, monkeypatch):
+    """MOESERVE_MIXED_TOKEN_BUCKETS (a measurement switch) names the token buckets a router's
+    mixed graphs take; empty keeps the default; anything but increasing counts 1 .. 16,384 fails
+    the router's graphs at build, saying what is allowed."""
+    from moeserve.router import graphs as graphs_mod
+
+    monkeypatch.setenv("MOESERVE_MIXED_TOKEN_BUCKETS", "")
+    assert graphs_mod.mixed_token_buckets() == graphs_mod.MIXED_TOKENS
+    monkeypatch.setenv("MOESERVE_MIXED_TOKEN_BUCKETS", "128,2048,2560,4096")
+    assert graphs_mod.mixed_token_buckets() == (128, 2048, 2560, 4096)
+    cache = model.new_paged_cache(9, BS)
+    built = DecodeGraphs(model, cache, None, BS, max_seqs=4, max_model_len=16, max_tokens=3000)
+    assert built.mixed_tokens == [128, 2048, 2560, 3000] and built.m_longs.shape[1] == 3000
+    for bad in ("2048,1024", "128,128", "0,64", "64,20000", "64,,128", "x", "64;128"):
+        monkeypatch.setenv("MOESERVE_MIXED_TOKEN_BUCKETS", bad)
+        with pytest.raises(ValueError, match=f"MOESERVE_MIXED_TOKEN_BUCKETS='{bad}': allowed a comma list"):
+            DecodeGraphs(model, cache, None, BS, max_seqs=4, max_model_len=16, max_tokens=3000)
 
 
 def test_padded_mixed_steps_equal_unpadded_ones_and_touch_only_the_scratch_block(model):
