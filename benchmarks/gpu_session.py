@@ -51,6 +51,14 @@ def _serving(shape: str, configs: str, *more: str) -> tuple[str, ...]:
     return ("serving.py", "--shape", shape, "--configs", configs, *more)
 
 
+def _online(shape: str, max_batched_tokens: int) -> tuple[str, ...]:
+    """The burst, then the online load at 70 % of its rate with this step budget (serving.py)."""
+    return _serving(
+        shape, "moeserve-1rank", "--workloads", "burst,online", "--duration", "15", "--drain", "20",
+        "--max-num-batched-tokens", str(max_batched_tokens),
+    )  # fmt: skip
+
+
 def _eplb_off(cases: str, *more: str) -> tuple[str, ...]:
     """EPLB on against EPLB off through a live migration, one rank (gpu_correctness.py)."""
     return ("gpu_correctness.py", "--ranks", "1", "--compare", "eplb-off", *more, "--cases", cases)
@@ -242,18 +250,7 @@ TARGETS: dict[str, Target] = {
     **{
         f"online-{shape}-{n}": Target(
             f"{shape} online at 70 % of the burst's rate with --max-num-batched-tokens {n}: ITL p50 / p99, TTFT p99",
-            _serving(
-                shape,
-                "moeserve-1rank",
-                "--workloads",
-                "burst,online",
-                "--duration",
-                "15",
-                "--drain",
-                "20",
-                "--max-num-batched-tokens",
-                str(n),
-            ),
+            _online(shape, n),
             130,
         )
         for shape in ("scout8", "ernie28")
@@ -288,18 +285,7 @@ TARGETS: dict[str, Target] = {
     },
     "online-ernie28-8192-buckets": Target(
         "ernie28 online at 70 % with --max-num-batched-tokens 8192 and mixed graphs to 4,096 tokens: ITL p50 / p99",
-        _serving(
-            "ernie28",
-            "moeserve-1rank",
-            "--workloads",
-            "burst,online",
-            "--duration",
-            "15",
-            "--drain",
-            "20",
-            "--max-num-batched-tokens",
-            "8192",
-        ),  # fmt: skip
+        _online("ernie28", 8192),
         130,
         {"MOESERVE_MIXED_TOKEN_BUCKETS": BUCKETS},
     ),
