@@ -433,7 +433,9 @@ def grouped_forward(
         sc = kernels.ExpertScales(
             weights["gate_up_scale"], q.gate_up_block, weights["down_scale"], q.down_block, q.act_quant
         )
-        bm = kernels.expert_block_m(max(per_slot, default=1))
+        most = max(per_slot, default=1)
+        # as the slot-major compute picks (expert_block_m_for), by the fullest slot here
+        bm = fp8_prefill_block_m() if q.act_quant and most > kernels.EXPERT_MAX_BM else kernels.expert_block_m(most)
         return kernels.expert_mlp(x, weights["gate_up"], weights["down"], offs, bm, sc)
     if grouped_mm_applies(spec, x.device, x.dtype):
         if offs is None:

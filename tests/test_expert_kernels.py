@@ -303,6 +303,13 @@ def test_w8a8_prefill_steps_take_the_prefill_passes_where_the_switch_asks(monkey
         monkeypatch.setenv("MOESERVE_FP8_PREFILL_BLOCK_M", "128")
         store_mod.fp8_prefill_block_m.cache_clear()
         assert store_mod.expert_block_m_for(8 * 1000, 8, "triton", quantized=True, a8=True) == 32
+        # the collective exchange's per-slot compute (grouped_forward) takes them by its fullest slot
+        seen = []
+        monkeypatch.setattr(kernels, "expert_mlp", lambda *a: seen.append(a[4]))
+        w = spec.views(torch.zeros(2, spec.numel, dtype=spec.storage_dtype))
+        for per_slot in ([100, 3], [64, 3]):
+            store_mod.grouped_forward(spec, torch.zeros(sum(per_slot), 64, dtype=torch.bfloat16), w, per_slot)
+        assert seen == [kernels.FP8_PREFILL_BM, 64]
         for bad in ("256", "32", "x"):
             monkeypatch.setenv("MOESERVE_FP8_PREFILL_BLOCK_M", bad)
             store_mod.fp8_prefill_block_m.cache_clear()
