@@ -38,14 +38,14 @@ memory while capturing at start, on an 80 GB H100).
 **Mixed steps** (decodes with prefill chunks, T new tokens over S sequences) replay graphs of
 their own, keyed by (Tk, Sk): T padded to a token bucket (``mixed_buckets``: 128 ... 2,048, at
 most ``max_num_batched_tokens``; ``MOESERVE_MIXED_TOKEN_BUCKETS`` names others), S to 16, 64 or
-``max_seqs``. Padded sequences have no new
-token and no key (they launch no attention tile); padded tokens belong to no sequence, write
-their k/v to the scratch block and send no (token, k) pair, so their rows, computed row by row
-and never read, touch no real row; the LM head reads each sequence's last token (Sk rows). The
-attention runs its prefill launch shape (one key segment) whatever the step's longest chunk,
-so that a key's graph serves every step of its bucket. Steps of more tokens than the largest
-bucket, and steps that need every prompt token's logits, run eagerly; so does a DeepSeek-V3
-(latent attention) step. A mixed capture that fails turns mixed graphs off, not decode graphs.
+``max_seqs``. Padded sequences have no new token and no key (they launch no attention tile);
+padded tokens belong to no sequence, write their k/v to the scratch block and send no (token, k)
+pair, so their rows, computed row by row and never read, touch no real row; the LM head reads
+each sequence's last token (Sk rows). The attention runs its prefill launch shape (one key
+segment) whatever the step's longest chunk, so that a key's graph serves every step of its
+bucket. Steps of more tokens than the largest bucket, and steps that need every prompt token's
+logits, run eagerly; so does a DeepSeek-V3 (latent attention) step. A mixed capture that fails
+turns mixed graphs off, not decode graphs.
 
 Off CUDA (the CPU tests) nothing is captured: every step runs the padded batch eagerly through
 the same buffers, which is how the padding is checked against unpadded steps.
