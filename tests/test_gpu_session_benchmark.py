@@ -85,6 +85,44 @@ def test_every_target_names_a_benchmark_of_this_folder_that_writes_json(gs):
         assert all(k.startswith("MOESERVE_") for k in tg.env), name
 
 
+def test_every_targets_switches_pass_their_own_checks(gs, monkeypatch):
+    """A GPU minute is not spent on a value a worker or router would refuse at start: each
+    target's MOESERVE_ settings go through the check of the code that reads them."""
+    from moeserve import kernels
+    from moeserve.expert_worker import store as store_mod
+    from moeserve.router import graphs
+
+    checks = {
+        "MOESERVE_FP8_PREFILL_BLOCK_M": lambda: (
+            store_mod.fp8_prefill_block_m.cache_clear(),
+            store_mod.fp8_prefill_block_m(),
+        ),
+        "MOESERVE_EXPERT_BLOCK_M": lambda: (
+            store_mod.expert_block_m_setting.cache_clear(),
+            store_mod.expert_block_m_setting(),
+        ),
+        "MOESERVE_MIXED_TOKEN_BUCKETS": graphs.mixed_token_buckets,
+        "MOESERVE_FP8_A8_TUNING": lambda: kernels.parse_tuning(os.environ["MOESERVE_FP8_A8_TUNING"], "x", fp8=True),
+        "MOESERVE_EXPERT_KERNEL": store_mod.expert_kernel_mode,
+    }
+    checked = set()
+    try:
+        for name, tg in gs.TARGETS.items():
+            for key, value in tg.env.items():
+                if key in checks:
+                    monkeypatch.setenv(key, value)
+                    try:
+                        checks[key]()
+                    except ValueError as e:
+                        pytest.fail(f"target {name}: {e}")
+                    checked.add(key)
+                    monkeypatch.delenv(key)
+    finally:
+        store_mod.fp8_prefill_block_m.cache_clear()
+        store_mod.expert_block_m_setting.cache_clear()
+    assert {"MOESERVE_FP8_PREFILL_BLOCK_M", "MOESERVE_MIXED_TOKEN_BUCKETS", "MOESERVE_FP8_A8_TUNING"} <= checked
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
