@@ -73,16 +73,26 @@ class Namespaces:
                 return f"ip {' '.join(step)}: {r.stderr.strip()}"
         return None
 
-    def remove(self) -> None:
-        """End what runs in the namespaces (every process there was started by this test), then
-        delete them, which deletes the veth pair."""
-        for ns in self.names:
-            pids = _ip("netns", "pids", ns).stdout.split()
+    def kill_all(self) -> None:
+        """End what runs in the namespaces (every process there was started by this module's
+        tests), and wait until nothing does: a test that failed with its nodes up must not leave
+        their ports and store to the next (they bind fixed ports)."""
+        deadline = time.monotonic() + 30
+        while True:
+            pids = [p for ns in self.names for p in _ip("netns", "pids", ns).stdout.split()]
+            if not pids or time.monotonic() > deadline:
+                return
             for pid in pids:
                 try:
                     os.kill(int(pid), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
                     pass
+            time.sleep(0.2)
+
+    def remove(self) -> None:
+        """End what runs in the namespaces, then delete them, which deletes the veth pair."""
+        self.kill_all()
+        for ns in self.names:
             _ip("netns", "del", ns)
 
 
@@ -215,6 +225,18 @@ def two_nodes(namespaces, setup, tmp_path_factory):
         if p.poll() is None:
             p.kill()
             p.wait()
+    namespaces.kill_all()  # the front ends, balancer and ranks of a node killed above
+
+
+def _signal_state(pid: int) -> str:
+    """The signal masks of a process (``/proc/<pid>/status``): pending, blocked, caught."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return ", ".join(
+                line.strip() for line in f if line.startswith(("State", "SigPnd", "ShdPnd", "SigBlk", "SigCgt"))
+            )
+    except OSError as e:
+        return f"unreadable ({e})"
 
 
 @pytest.mark.timeout(600)
@@ -265,13 +287,18 @@ def test_a_worker_of_node_1_killed_is_replaced_by_node_1_and_tokens_do_not_chang
 def test_node_0_stopping_ends_node_1_with_exit_code_0(two_nodes):
     node0, node1 = two_nodes["nodes"]
     node0.send_signal(signal.SIGTERM)  # ip netns exec runs moeserve up in its own process
-    assert node0.wait(120) == 0
+    try:
+        assert node0.wait(120) == 0
+    except subprocess.TimeoutExpired:
+        out = (two_nodes["logs"] / "up0.out").read_text()
+        pytest.fail(f"node 0 did not stop within 120 s of SIGTERM ({_signal_state(node0.pid)}):\n{out}")
     assert node1.wait(120) == 0
     assert "node 0 stopped the cluster" in (two_nodes["logs"] / "up1.out").read_text()
 
 
 @pytest.mark.timeout(600)
 def test_node_0_lost_ends_node_1_with_an_error_naming_node_0(namespaces, setup, tmp_path):
+    namespaces.kill_all()  # nothing of an earlier test's nodes holds the fixed ports
     secret = secrets.token_hex(16)
     nodes = [_up(namespaces, 0, setup, secret, tmp_path), _up(namespaces, 1, setup, secret, tmp_path)]
     try:
@@ -290,6 +317,7 @@ def test_node_0_lost_ends_node_1_with_an_error_naming_node_0(namespaces, setup, 
 
 @pytest.mark.timeout(300)
 def test_a_node_that_never_starts_is_named_at_the_start_up_timeout(namespaces, setup, tmp_path):
+    namespaces.kill_all()  # nothing of an earlier test's nodes holds the fixed ports
     node0 = _up(namespaces, 0, setup, secrets.token_hex(16), tmp_path, "--startup-timeout", "20")
     try:
         assert node0.wait(120) == 1
@@ -318,6 +346,7 @@ def test_expert_groups_stay_on_one_host_through_a_rebalance_and_tokens_do_not_ch
     router and a worker), 2 per host, 4 redundant slots (20: 10 per host). The placement's node
     is a host (workers_per_node 2, from the layout); the balancer learns the groups from the
     admin API and plans hierarchically, so no group spans the veth link."""
+    namespaces.kill_all()  # nothing of an earlier test's nodes holds the fixed ports
     path = tiny_checkpoint(tmp_path / "model", "deepseek_v3", hot_experts=2)
     info = moe_info(path)
     assert info.num_expert_groups == 4
