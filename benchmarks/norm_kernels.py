@@ -18,7 +18,7 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
   two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves;
 - ``ernie_expert_silu``: a worker's activation between a bf16 step's two ``torch._grouped_mm``
   (ERNIE's I 1,536: gu [C, 3,072] for C = 8,192 x 8 rows of buffer, the first ``--rows`` x 8
-  below the device total): the served fixed grid (``kernels.SILU_MUL_PROGRAMS`` programs
+  below the device total): the served fixed grid (``kernels.ROW_PROGRAMS`` programs
   striding over the rows) in the fused column, and in the torch column the same kernel with one
   program per buffer row (the grid before), so both columns compute the same values;
 - ``<shape>_gate``: an fp32 gate of bf16 rows and its routing, ``MoEBlock.route`` (ERNIE's H

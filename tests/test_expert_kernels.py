@@ -412,7 +412,7 @@ def test_w8a8_expert_kernels_equal_quantized_rows_times_the_dequantized_weights(
 
 @needs_triton
 def test_quant_rows_equals_its_reference_and_skips_rows_past_the_total(monkeypatch):
-    monkeypatch.setattr(kernels, "QUANT_ROWS_PROGRAMS", 4)  # fewer programs than rows: each takes several
+    monkeypatch.setattr(kernels, "ROW_PROGRAMS", 4)  # fewer programs than rows: each takes several
     g = torch.Generator().manual_seed(6)
     x = torch.randn(9, 300, generator=g).to(torch.bfloat16) * 7
     x[2] = 0  # a zero row: scale 1, codes 0

@@ -317,17 +317,18 @@ def return_rows(
     )
 
 
-# Programs of silu_mul, each taking every P-th row below the total: a worker's buffer holds
-# max_num_batched_tokens x top_k rows (ERNIE's 8,192 x 8) while a decode step fills a fraction,
-# and a program per row of the capacity left most of them loading the total only to exit.
-SILU_MUL_PROGRAMS = 1024
+# Programs of the kernels over a worker's rows (silu_mul, quant_rows), each taking every P-th row
+# below the device total: a worker's buffer holds max_num_batched_tokens x top_k rows (ERNIE's
+# 8,192 x 8) while a decode step fills a fraction, and a program per row of the capacity left
+# most of them loading the total only to exit.
+ROW_PROGRAMS = 1024
 
 
 def silu_mul(gu: torch.Tensor, total: torch.Tensor | None = None, programs: int | None = None) -> torch.Tensor:
     """silu(gu[:, :I]) * gu[:, I:] for the first ``total`` rows (device scalar [1]; None: every
     row) of gu [C, 2I] (contiguous); returns [C, I] (rows past total are left unwritten). Each
     product rounds as torch's ``F.silu(g) * u``: silu in fp32 rounded to the dtype, the product
-    in fp32 rounded. ``programs``: the grid (default ``SILU_MUL_PROGRAMS``, at most C; a
+    in fp32 rounded. ``programs``: the grid (default ``ROW_PROGRAMS``, at most C; a
     benchmark's measurement knob: every grid computes the same values)."""
     c, two_i = gu.shape
     i = two_i // 2
@@ -338,7 +339,7 @@ def silu_mul(gu: torch.Tensor, total: torch.Tensor | None = None, programs: int 
     out = gu.new_empty(c, i)
     if c:
         has_total = total is not None
-        grid = min(c, programs or SILU_MUL_PROGRAMS)
+        grid = min(c, programs or ROW_PROGRAMS)
         _kernels()["silu_mul"][(grid,)](
             gu, out, total if has_total else gu, c, I=i, BLOCK=_block(i), PRECISE=not _interpreted(),
             HAS_TOTAL=has_total, num_warps=4,
@@ -824,6 +825,7 @@ EXPERT_TUNING_SHAPES: dict[str, dict[tuple[int, int], dict[str, tuple]]] = {
 }
 
 
+@functools.cache  # read at every expert launch: the same few (kind, block_m) pairs
 def tuning_keys(kind: str, block_m: int) -> tuple[str, ...]:
     """The keys of a tiling table that passes of ``block_m`` rows read, first found first:
     ``{kind}_bm128`` at 128 and more, then ``{kind}_bm64`` from 64, then ``kind``."""
@@ -951,9 +953,6 @@ def expert_mlp(
     )
 
 
-QUANT_ROWS_PROGRAMS = 1024  # programs of quant_rows: each takes every 1024-th row below the device total
-
-
 def quant_rows(x: torch.Tensor, total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row FP8: x [C, K] -> (codes [C, K] float8_e4m3fn, scales float32 [C]) with
     scale = max|x[r]| / 448 (1 for a zero row) and codes = e4m3(x / scale), rounded to nearest
@@ -965,7 +964,7 @@ def quant_rows(x: torch.Tensor, total: torch.Tensor | None = None) -> tuple[torc
     if c:
         if total is None:
             total = torch.full((1,), c, dtype=torch.int32, device=x.device)
-        _expert_kernels().quant_rows_kernel[(min(c, QUANT_ROWS_PROGRAMS),)](
+        _expert_kernels().quant_rows_kernel[(min(c, ROW_PROGRAMS),)](
             x, q, sc, total, x.stride(0), K=k, BLOCK=min(_block(k), 4096), num_warps=8 if k >= 4096 else 4
         )
     return q, sc
