@@ -360,6 +360,15 @@ def fp8_prefill_block_m() -> int:
     return int(v)
 
 
+def w8a8_prefill_pass(rows_per_slot: int, a8: bool) -> int:
+    """The rows per pass of W8A8 experts (``a8``) whose slots hold more than
+    ``kernels.EXPERT_MAX_BM`` rows (a prefill: by the mean in the slot-major compute, the fullest
+    slot in ``grouped_forward``): ``fp8_prefill_block_m()``; 0 where the decode rules apply."""
+    from moeserve import kernels
+
+    return fp8_prefill_block_m() if a8 and rows_per_slot > kernels.EXPERT_MAX_BM else 0
+
+
 def expert_block_m_for(
     pairs: int, num_slots: int, mode: str | None = None, quantized: bool = False, a8: bool = False
 ) -> int:
@@ -378,8 +387,8 @@ def expert_block_m_for(
         return 0
     if setting := expert_block_m_setting():
         return setting
-    if quantized and a8 and per_slot > kernels.EXPERT_MAX_BM:
-        return fp8_prefill_block_m()
+    if prefill := w8a8_prefill_pass(per_slot, quantized and a8):
+        return prefill
     bm = kernels.expert_block_m(2 * per_slot)
     return min(bm, FP8_BLOCK_M_CAP) if quantized and per_slot <= FP8_BLOCK_M_CAP else bm
 
@@ -434,8 +443,7 @@ def grouped_forward(
             weights["gate_up_scale"], q.gate_up_block, weights["down_scale"], q.down_block, q.act_quant
         )
         most = max(per_slot, default=1)
-        # as the slot-major compute picks (expert_block_m_for), by the fullest slot here
-        bm = fp8_prefill_block_m() if q.act_quant and most > kernels.EXPERT_MAX_BM else kernels.expert_block_m(most)
+        bm = w8a8_prefill_pass(most, q.act_quant) or kernels.expert_block_m(most)
         return kernels.expert_mlp(x, weights["gate_up"], weights["down"], offs, bm, sc)
     if grouped_mm_applies(spec, x.device, x.dtype):
         if offs is None:
