@@ -472,6 +472,23 @@ def test_fp8_scale_blocks_the_kernel_cannot_tile_are_said():
     assert not kernels.fp8_blocks_supported(96, (8, 8)) and not kernels.fp8_blocks_supported(96, (24, 24))
 
 
+@needs_triton
+def test_an_fp8_tile_without_its_transposed_flag_is_refused():
+    """Every FP8 tile says whether its product runs transposed (no global default stands in):
+    a bf16-shaped tile given to FP8 weights is refused by what it lacks."""
+    from moeserve.models.moe import ExpertQuant
+
+    spec = ExpertSpec(64, 32, dtype=torch.float32, quant=ExpertQuant((64, 1), (32, 1)))
+    w = spec.views(torch.zeros(1, spec.numel, dtype=spec.storage_dtype))
+    offs = torch.tensor([2], dtype=torch.int32)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match=r"FP8 tile \(64, 64, 4, 3\): want \(BN, BK, warps, stages, transposed\)"):
+        kernels._expert_matmul(x, w["down"], offs, 16, (64, 64, 4, 3), False, w["down_scale"], (32, 1))
+    for flag in (False, True):  # with the flag the same call runs
+        out = kernels._expert_matmul(x, w["down"], offs, 16, (64, 64, 4, 3, flag), False, w["down_scale"], (32, 1))
+        assert out.shape == (2, 64) and torch.equal(out, torch.zeros(2, 64))  # zero codes
+
+
 def biased(h, i, counts, dtype, activation, seed=0, limit=0.5):
     """As ``setup``, for experts with biases and an activation (limit 0.5: the clamp acts on
     many of the unit-scale products)."""

@@ -711,9 +711,6 @@ EXPERT_TUNING_FP8 = {  # (BN, BK, warps, stages, transposed): codes stored [N, K
     "down": (128, 128, 4, 4, True),
     "down_bm64": (128, 64, 4, 4, True),
 }
-# FP8 kernels compute the product transposed (codes as the first operand, held in registers)
-# when this is set: MOESERVE_FP8_SWAP=0|1 (a measurement switch; benchmarks/expert_kernel.py)
-FP8_SWAP = os.environ.get("MOESERVE_FP8_SWAP", "1") == "1"
 
 
 # MOESERVE_FP8_TUNING: a JSON object of the same keys ([BN, BK, warps, stages, swap]) that
@@ -1149,6 +1146,8 @@ def _expert_matmul(
     bn, bk, warps, stages = tuning[:4]
     bk = min(bk, max(16, _pow2(k)))
     quant = scale is not None
+    if quant and len(tuning) != 5:
+        raise ValueError(f"FP8 tile {tuning!r}: want (BN, BK, warps, stages, transposed)")
     sbk, sbn = block if quant else (k, n)
     if quant:
         if not fp8_blocks_supported(k, block):
@@ -1198,7 +1197,7 @@ def _expert_matmul(
         SBK=sbk,
         SBN=sbn,
         NB=-(-n // sbn) if quant else 0,
-        SWAP=bool(quant and (tuning[4] if len(tuning) > 4 else FP8_SWAP)),
+        SWAP=bool(quant and tuning[4]),  # FP8 tiles carry their transposed flag
         xs_ptr=xs if xs is not None else sc,  # (not read without A8)
         A8=xs is not None,
         b_ptr=bias if bias is not None else out,  # (not read without a bias)
