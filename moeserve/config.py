@@ -25,6 +25,20 @@ def env_switch(name: str, default: str, on: str, off: str) -> bool:
     return mode == "1"
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(env=None) -> str:
+    """``MOESERVE_LOG_LEVEL`` of ``env`` (default: this process's environment): the logging
+    level of every moeserve process (ranks, front ends, balancer), INFO unless set, any case.
+    Anything else raises ValueError naming the variable and the levels, so that a cluster
+    refuses it before starting a process, not in each rank's log."""
+    raw = (os.environ if env is None else env).get("MOESERVE_LOG_LEVEL", "") or "INFO"
+    if raw.upper() not in LOG_LEVELS:
+        raise ValueError(f"MOESERVE_LOG_LEVEL={raw!r}: allowed {', '.join(LOG_LEVELS)} (any case; the default INFO)")
+    return raw.upper()
+
+
 @dataclass(frozen=True)
 class Limits:
     """Serving limits, as vLLM names them. ``max_num_seqs`` and ``max_num_batched_tokens``

@@ -227,6 +227,32 @@ def test_a_coalescing_switch_the_front_end_does_not_know_fails_its_start(monkeyp
     assert "$MOESERVE_STREAM_COALESCE must be 1" in err and "or 0 (one message per token), got 'yes'" in err
 
 
+def test_a_log_level_no_process_knows_is_refused_by_name_before_anything_starts(monkeypatch, capsys, tmp_path):
+    """MOESERVE_LOG_LEVEL: the logging level of every process, any case, INFO unless set; a
+    level logging does not know fails a service's start with exit 2 and a cluster's
+    construction (before any rank is spawned), naming the variable and the levels."""
+    from cluster_util import tiny_checkpoint
+
+    from moeserve.cli import main
+    from moeserve.cluster import LocalCluster
+    from moeserve.config import log_level
+
+    monkeypatch.setenv("MOESERVE_CONTROL_KEY", "00" * 16)
+    monkeypatch.delenv("MOESERVE_LOG_LEVEL", raising=False)
+    assert log_level() == "INFO" and log_level({"MOESERVE_LOG_LEVEL": ""}) == "INFO"
+    assert log_level({"MOESERVE_LOG_LEVEL": "debug"}) == "DEBUG"
+    monkeypatch.setenv("MOESERVE_LOG_LEVEL", "verbose")
+    assert main(["frontend", "--control-address", "127.0.0.1:1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "MOESERVE_LOG_LEVEL='verbose': allowed DEBUG, INFO, WARNING, ERROR, CRITICAL" in err
+    path = str(tmp_path / "m")
+    tiny_checkpoint(path, "llama4")
+    monkeypatch.setenv("MOESERVE_LOG_LEVEL", "warning")
+    with pytest.raises(ValueError, match="MOESERVE_LOG_LEVEL='loud': allowed DEBUG"):
+        LocalCluster(path, routers=1, workers=2, env={"MOESERVE_LOG_LEVEL": "loud"})  # the ranks' own
+    assert LocalCluster(path, routers=1, workers=2).procs == []  # warning: accepted, nothing started
+
+
 def test_with_coalescing_off_a_backlog_leaves_one_message_per_token(monkeypatch):
     monkeypatch.setenv("MOESERVE_STREAM_COALESCE", "0")
     srv, c = _serve(BacklogLeader([[FirstToken(11), Token(12), Token(13)], [Finished(FinishReason.LENGTH)]]))

@@ -129,8 +129,14 @@ def _env_arg(group, flag: str, env: str, kind, default, help_: str) -> None:
 
 
 def _logging(name: str) -> None:
+    from moeserve.config import log_level
+
+    try:
+        level = log_level()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     logging.basicConfig(
-        level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
+        level=level,
         format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s",
     )
 

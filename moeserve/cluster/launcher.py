@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from moeserve.cluster.nodes import NodeLayout
-from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology
+from moeserve.config import CacheConfig, ClusterConfig, EplbConfig, Limits, admin_hook, check_topology, log_level
 from moeserve.ops import ports
 from moeserve.ops.procs import child_env, describe_exit, module_command, set_death_signal
 from moeserve.placement import MigrationProgress, MigrationState, Placement
@@ -271,6 +271,7 @@ class LocalCluster:
         self.vocab_size = mcfg.vocab_size
         self.startup_timeout_s = launch.startup_timeout_s
         self.env = dict(launch.env)
+        log_level({**os.environ, **self.env})  # the ranks' level: refused here, not in each rank's log
         if launch.admin_token:
             self.env["MOESERVE_ADMIN_TOKEN"] = launch.admin_token
         self.admin_address: tuple[str, int] | None = None

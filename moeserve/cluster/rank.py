@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve.cluster.recovery import join, make_exchange
-from moeserve.config import ClusterConfig, default_breakeven
+from moeserve.config import ClusterConfig, default_breakeven, log_level
 from moeserve.dataplane.step import RankState, step_loop
 from moeserve.placement import Placement
 
@@ -515,7 +515,7 @@ def _write_json(path: str, value) -> None:
 def main() -> int:
     rank = int(os.environ["RANK"])
     logging.basicConfig(
-        level=os.environ.get("MOESERVE_LOG_LEVEL", "INFO"),
+        level=log_level(),
         format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s",
     )
     parent = os.environ.get("MOESERVE_PARENT_PID")
