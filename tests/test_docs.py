@@ -206,3 +206,59 @@ def test_benchmarks_readme_names_every_benchmark_script_and_no_other():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")}
     assert sorted(scripts - listed) == [], "benchmarks/README.md does not list these scripts"
     assert sorted(listed - scripts) == [], "benchmarks/README.md lists scripts that do not exist"
+
+
+# -- the environment variables' table -----------------------------------------------------------
+
+RUNTIME = ("moeserve", "router", "expert_worker", "balancer")  # the packages a cluster runs
+ENV_NAME = re.compile(r"MOESERVE_[A-Z0-9_]+")
+
+
+def env_names_read(root: Path = ROOT) -> set[str]:
+    """Every ``MOESERVE_*`` name the runtime packages hold as a whole string constant or pass as
+    a keyword (an environment built with ``dict(NAME=...)``), generated code left out: the
+    variables their processes read or hand their children."""
+    import ast
+
+    names: set[str] = set()
+    for package in RUNTIME:
+        for path in sorted((root / package).rglob("*.py")):
+            if path.name.endswith("_pb2.py") or path.name.endswith("_pb2_grpc.py"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value):
+                    names.add(node.value)
+                elif isinstance(node, ast.keyword) and node.arg and ENV_NAME.fullmatch(node.arg):
+                    names.add(node.arg)
+    return names
+
+
+def env_names_documented(page: Path = ROOT / "docs" / "operations.md") -> set[str]:
+    """The names in the first cell of each row of the "Environment variables" table."""
+    text = page.read_text()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `MOESERVE_")]
+    return {name for row in rows for name in ENV_NAME.findall(row.split("|")[1])}
+
+
+def test_the_environment_variables_table_names_every_variable_the_code_reads_and_no_other():
+    read, documented = env_names_read(), env_names_documented()
+    assert read - documented == set(), (
+        f"read by the code, not in docs/operations.md's table: {sorted(read - documented)}"
+    )
+    assert documented - read == set(), f"in the table, read by no code: {sorted(documented - read)}"
+    assert {"MOESERVE_LOG_LEVEL", "MOESERVE_EXPERT_KERNEL", "MOESERVE_AUTHKEY"} <= read  # the walk sees all three forms
+
+
+def test_the_environment_check_sees_a_new_variable_and_a_stale_row(tmp_path):
+    pkg = tmp_path / "moeserve"
+    pkg.mkdir()
+    (pkg / "a.py").write_text('import os\nX = os.environ.get("MOESERVE_NEW")\nenv = dict(MOESERVE_KW="1")\n')
+    (pkg / "admin_pb2.py").write_text('Y = "MOESERVE_GENERATED"\n')
+    (pkg / "b.py").write_text('"""Mentions MOESERVE_IN_PROSE in a sentence."""\n')
+    assert env_names_read(tmp_path) == {"MOESERVE_NEW", "MOESERVE_KW"}
+    page = tmp_path / "ops.md"
+    page.write_text(
+        "## Environment variables\n\n| v | w |\n|---|---|\n| `MOESERVE_OLD`, `MOESERVE_NEW` | x |\n\n## Next\n| `MOESERVE_AFTER` | y |\n"
+    )
+    assert env_names_documented(page) == {"MOESERVE_OLD", "MOESERVE_NEW"}

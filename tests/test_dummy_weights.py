@@ -199,6 +199,9 @@ def test_hot_experts_take_about_their_share_and_the_default_is_unchanged(tmp_pat
         parse_hot("2:1.5")
     monkeypatch.setenv(HOT_ENV, f"{k}:{share}")
     assert DummyReader(path).hot == (k, share)
+    monkeypatch.setenv(HOT_ENV, "many")  # refused by the variable's name
+    with pytest.raises(ValueError, match=f"{HOT_ENV} must be 'k:share'"):
+        DummyReader(path)
     monkeypatch.delenv(HOT_ENV)
     import json
 

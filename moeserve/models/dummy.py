@@ -129,9 +129,10 @@ def open_reader(
     raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
 
 
-def parse_hot(spec) -> tuple[int, float] | None:
+def parse_hot(spec, source: str = "hot experts") -> tuple[int, float] | None:
     """``"k:share"``, ``{"experts": k, "share": share}``, ``(k, share)`` or nothing -> (k, share)
-    or None (also for k = 0). Raises ValueError naming the form expected."""
+    or None (also for k = 0). Raises ValueError naming ``source`` (where the value came from)
+    and the form expected."""
     if spec is None or spec == "" or spec == {}:
         return None
     try:
@@ -144,10 +145,10 @@ def parse_hot(spec) -> tuple[int, float] | None:
             k, share = int(spec[0]), float(spec[1])
     except (ValueError, KeyError, TypeError, IndexError):
         raise ValueError(
-            f'hot experts must be \'k:share\' (e.g. 2:0.8) or {{"experts": k, "share": s}}, got {spec!r}'
+            f'{source} must be \'k:share\' (e.g. 2:0.8) or {{"experts": k, "share": s}}, got {spec!r}'
         ) from None
     if k < 0 or not 0.0 < share < 1.0:
-        raise ValueError(f"hot experts: k must be >= 0 and share in (0, 1), got k={k}, share={share}")
+        raise ValueError(f"{source}: k must be >= 0 and share in (0, 1), got k={k}, share={share}")
     return (k, share) if k else None
 
 
@@ -274,11 +275,12 @@ class DummyReader:
         except (OSError, ValueError):
             raw = {}
         raw = raw if isinstance(raw, dict) else {}
-        if hot is None:
-            hot = os.environ.get(HOT_ENV) or None
-        if hot is None:
-            hot = raw.get(HOT_CONFIG_KEY)
-        self.hot = parse_hot(hot)
+        source = "hot experts"
+        if hot is None and os.environ.get(HOT_ENV):
+            hot, source = os.environ[HOT_ENV], HOT_ENV
+        if hot is None and raw.get(HOT_CONFIG_KEY) is not None:
+            hot, source = raw[HOT_CONFIG_KEY], f"{self.path / 'config.json'}: {HOT_CONFIG_KEY}"
+        self.hot = parse_hot(hot, source)
         if routing is not None:
             self.routing = parse_routing(routing, "routing")
         elif os.environ.get(ROUTING_ENV):
