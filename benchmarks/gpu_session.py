@@ -16,6 +16,13 @@ wall time, and what was skipped and why. ``<out>`` is ``--out``, else ``$OUT`` (
 tool's folder), else benchmarks/results/session. ``MOESERVE_GIT_COMMIT`` is set from git when
 unset, so that each result names the code it ran. Exits 1 when a target that ran failed or the
 set-up failed, 2 on a bad argument.
+
+``--h200 a,b,c`` names targets that only an H200 should run (the must-shows measured on one):
+on an H200 they run first, then the positional targets; on any other card they are skipped,
+said in the report with the card's name, and the positional targets run. A session whose
+machine may come as either card then needs one command:
+
+    python3 benchmarks/gpu_session.py --budget 540 --h200 prefix,fp8-scout8 fp8-prefill-rows
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -320,6 +327,21 @@ Runner = Callable[[list[str], dict[str, str], float, object], int]
 SETUP_S = 20  # scripts/gpu-setup's expected time (installing the carried wheels)
 
 
+def gpu_name() -> str:
+    """The first GPU's name (nvidia-smi), "" where none answers."""
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return r.stdout.splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else ""
+
+
+def is_h200(card: str) -> bool:
+    return "H200" in card.upper()
+
+
 def plan(names: list[str], budget_s: float, setup: bool = True) -> list[tuple[str, float]]:
     """(target, seconds left before it) for each of ``names`` if every run took its expected
     time: the rule ``run_session`` applies, a target running only where its time fits."""
@@ -346,15 +368,32 @@ def run_session(
     setup: bool = True,
     runner: Runner = _run,
     clock: Callable[[], float] = time.monotonic,
+    h200: Sequence[str] = (),
+    card: str | None = None,
 ) -> dict:
-    """Run the targets ``names`` in order within ``budget_s`` seconds (see the module's doc);
-    returns what session.json holds."""
+    """Run the targets ``names`` in order within ``budget_s`` seconds (see the module's doc),
+    after ``h200``'s where ``card`` (default: ``gpu_name()``) is an H200; returns what
+    session.json holds."""
     os.makedirs(out, exist_ok=True)
     t0 = clock()
     env = dict(os.environ)
     if not env.get("MOESERVE_GIT_COMMIT"):
         env["MOESERVE_GIT_COMMIT"] = _commit()
-    report: dict = {"budget_s": budget_s, "commit": env["MOESERVE_GIT_COMMIT"], "setup": None, "targets": []}
+    card = gpu_name() if card is None else card
+    report: dict = {
+        "budget_s": budget_s,
+        "commit": env["MOESERVE_GIT_COMMIT"],
+        "card": card,
+        "setup": None,
+        "targets": [],
+    }
+    if h200 and not is_h200(card):
+        for name in h200:
+            row = {"target": name, "what": TARGETS[name].what, "skipped": f"needs an H200, this is {card or 'no GPU'}"}
+            report["targets"].append(row)
+            print(_line(row), flush=True)
+    elif h200:
+        names = [*h200, *names]
     with open(os.path.join(out, "session.log"), "a") as log:
         if setup:
             t = clock()
@@ -413,27 +452,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="the targets, their commands and expected times")
     p.add_argument("--dry-run", action="store_true", help="say what would run, run nothing")
     p.add_argument("--no-setup", action="store_true", help="skip scripts/gpu-setup")
+    p.add_argument(
+        "--h200", default="", metavar="A,B", help="targets run first on an H200 and skipped on any other card"
+    )
     a = p.parse_args(argv)
+    h200 = [n for n in a.h200.split(",") if n]
     if a.list:
         for name, tg in TARGETS.items():
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in tg.env.items())
             print(f"{name:<22} ~{tg.seconds:>3} s  {tg.what}\n{'':<30}{env + ' ' if env else ''}{' '.join(tg.argv)}")
         return 0
-    bad = [n for n in a.targets if n not in TARGETS]
-    if bad or not a.targets:
+    bad = [n for n in [*h200, *a.targets] if n not in TARGETS]
+    if bad or not (a.targets or h200):
         p.error(f"unknown targets {bad}: allowed {', '.join(TARGETS)}" if bad else "name at least one target (--list)")
     if not 1 <= a.budget <= 3600:
         p.error(f"--budget must be 1 .. 3600 seconds, got {a.budget:g}")
     out = a.out or os.environ.get("OUT") or os.path.join(HERE, "results", "session")
     if a.dry_run:
-        for name, left in plan(a.targets, a.budget, setup=not a.no_setup):
+        if h200:
+            card = gpu_name()
+            print(f"card: {card or 'no GPU'}: --h200 targets {'run first' if is_h200(card) else 'skipped'}")
+        names = [*h200, *a.targets] if h200 and is_h200(card) else a.targets
+        for name, left in plan(names, a.budget, setup=not a.no_setup):
             tg = TARGETS[name]
             fits = (
                 "runs" if left >= tg.seconds else f"would be skipped: needs ~{tg.seconds} s, {max(0, int(left))} s left"
             )
             print(f"{name:<22} ~{tg.seconds:>3} s, {int(left):>4} s left before it: {fits}")
         return 0
-    report = run_session(a.targets, a.budget, out, setup=not a.no_setup)
+    report = run_session(a.targets, a.budget, out, setup=not a.no_setup, h200=h200)
     return 1 if report.get("failed") else 0
 
 

@@ -48,7 +48,7 @@ def test_targets_run_in_order_within_the_budget_and_what_does_not_fit_is_skipped
     monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
     gpu = FakeGPU(gs, rcs={"grouped-routing": 3})
     names = ["rows-per-pass", "fp8-ernie28-bm32", "prefix", "grouped-routing"]  # ~70, 150, 200, 40 s
-    report = gs.run_session(names, 300, str(tmp_path), runner=gpu.run, clock=gpu.clock)
+    report = gs.run_session(names, 300, str(tmp_path), runner=gpu.run, clock=gpu.clock, card="NVIDIA H100")
     assert [Path(c[0] if len(c) == 1 else c[1]).name for c, _, _ in gpu.calls] == [
         "gpu-setup",
         "expert_kernel.py",
@@ -69,10 +69,30 @@ def test_targets_run_in_order_within_the_budget_and_what_does_not_fit_is_skipped
     assert "== rows-per-pass: " in (tmp_path / "session.log").read_text()
 
 
+def test_h200_targets_run_first_on_an_h200_and_are_skipped_naming_any_other_card(gs, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
+    for card, want in (
+        ("NVIDIA H200", ["prefix", "grouped-routing", "rows-per-pass"]),
+        ("NVIDIA H100 80GB HBM3", ["rows-per-pass"]),
+    ):
+        gpu = FakeGPU(gs)
+        report = gs.run_session(
+            ["rows-per-pass"], 600, str(tmp_path / card), runner=gpu.run, clock=gpu.clock,
+            h200=["prefix", "grouped-routing"], card=card,
+        )  # fmt: skip
+        ran = [Path(c[c.index("--json") + 1]).stem for c, _, _ in gpu.calls if "--json" in c]
+        assert ran == want and report["card"] == card and not report["failed"]
+        skipped = [r for r in report["targets"] if "skipped" in r]
+        if "H200" in card:
+            assert skipped == []
+        else:
+            assert [r["skipped"] for r in skipped] == [f"needs an H200, this is {card}"] * 2
+
+
 def test_a_failed_setup_runs_nothing(gs, tmp_path, monkeypatch):
     monkeypatch.setenv("MOESERVE_GIT_COMMIT", "abc1234")
     gpu = FakeGPU(gs, setup_rc=1)
-    report = gs.run_session(["grouped-routing"], 300, str(tmp_path), runner=gpu.run, clock=gpu.clock)
+    report = gs.run_session(["grouped-routing"], 300, str(tmp_path), runner=gpu.run, clock=gpu.clock, card="")
     assert report["failed"] and report["setup"]["rc"] == 1 and report["targets"] == [] and len(gpu.calls) == 1
 
 
@@ -129,6 +149,7 @@ def test_every_targets_switches_pass_their_own_checks(gs, monkeypatch):
         (["prefix", "nope"], "unknown targets ['nope']: allowed prefix, prefix-learn-lead, fp8-scout8"),
         ([], "name at least one target (--list)"),
         (["prefix", "--budget", "0"], "--budget must be 1 .. 3600 seconds, got 0"),
+        (["--h200", "prefix,nope"], "unknown targets ['nope']"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(gs, args, message, capsys):
