@@ -166,3 +166,28 @@ def test_the_dry_run_says_what_would_be_skipped_and_runs_nothing(gs, capsys, tmp
     assert out[2].endswith("would be skipped: needs ~40 s, 10 s left")
     assert not os.listdir(tmp_path)
     assert gs.main(["--list"]) == 0 and "rows-per-pass" in capsys.readouterr().out
+
+
+def test_the_next_sessions_commands_in_the_readme_run_every_target_on_the_card_it_is_for(gs, capsys, monkeypatch):
+    """benchmarks/README.md's plan for the next GPU session: each gpu_session command names known
+    targets, and as written runs every --h200 target on an H200 and every other target on an
+    H100 within its budget (the dry run's arithmetic, each card's list alone)."""
+    import re
+    import shlex
+
+    text = (BENCH / "README.md").read_text()
+    plan = text.split("The next session's calls", 1)[1].split("\n\n", 1)[0]
+    commands = [
+        shlex.split(c.replace("\n", " ")) for c in re.findall(r"`python3\s+benchmarks/gpu_session\.py\s+([^`]+)`", plan)
+    ]
+    assert len(commands) >= 2, plan
+    for argv in commands:
+        h200 = argv[argv.index("--h200") + 1].split(",") if "--h200" in argv else []
+        rest = [a for i, a in enumerate(argv) if a != "--h200" and (i == 0 or argv[i - 1] != "--h200")]
+        positional = [a for i, a in enumerate(rest) if not a.startswith("--") and (i == 0 or rest[i - 1] != "--budget")]
+        for card, want in (("NVIDIA H200", h200), ("NVIDIA H100 80GB HBM3", positional)):
+            monkeypatch.setattr(gs, "gpu_name", lambda card=card: card)
+            assert gs.main(["--dry-run", *argv]) == 0
+            lines = capsys.readouterr().out.splitlines()[1 if h200 else 0 :]
+            runs = [line.split()[0] for line in lines if line.endswith(": runs")]
+            assert runs[: len(want)] == want, (card, argv, lines)
