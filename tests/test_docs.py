@@ -225,6 +225,8 @@ def env_names_read(root: Path = ROOT) -> set[str]:
         for path in sorted((root / package).rglob("*.py")):
             if path.name.endswith("_pb2.py") or path.name.endswith("_pb2_grpc.py"):
                 continue
+            if path.relative_to(root).as_posix() == "moeserve/envs.py":  # the names' list, not a reader
+                continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and ENV_NAME.fullmatch(node.value):
                     names.add(node.value)
@@ -248,6 +250,20 @@ def test_the_environment_variables_table_names_every_variable_the_code_reads_and
     )
     assert documented - read == set(), f"in the table, read by no code: {sorted(documented - read)}"
     assert {"MOESERVE_LOG_LEVEL", "MOESERVE_EXPERT_KERNEL", "MOESERVE_AUTHKEY"} <= read  # the walk sees all three forms
+    from moeserve import envs
+
+    assert envs.READ == read, f"moeserve/envs.py's READ differs from the code's: {sorted(envs.READ ^ read)}"
+    around = "\n".join(
+        p.read_text()
+        for folder in ("deploy", "scripts", "benchmarks", "tests")
+        for p in (ROOT / folder).rglob("*")
+        if p.is_file()
+        and p.suffix in ("", ".py", ".yml", ".sh")
+        and "results" not in p.parts
+        and p.name != "test_docs.py"
+    )
+    assert {n for n in envs.AROUND if n not in around} == set()  # each read around moeserve
+    assert envs.AROUND.isdisjoint(read)
 
 
 def test_the_environment_check_sees_a_new_variable_and_a_stale_row(tmp_path):
@@ -262,3 +278,26 @@ def test_the_environment_check_sees_a_new_variable_and_a_stale_row(tmp_path):
         "## Environment variables\n\n| v | w |\n|---|---|\n| `MOESERVE_OLD`, `MOESERVE_NEW` | x |\n\n## Next\n| `MOESERVE_AFTER` | y |\n"
     )
     assert env_names_documented(page) == {"MOESERVE_OLD", "MOESERVE_NEW"}
+
+
+def test_a_moeserve_variable_nothing_reads_is_said_with_the_closest_name(caplog):
+    """A typo or a removed switch would change nothing in silence: a cluster's or a service's
+    start warns, naming it and the known name it is close to."""
+    from moeserve import envs
+
+    env = {
+        "MOESERVE_EXPERT_KERNAL": "triton",  # a typo
+        "MOESERVE_EXPERT_GRID": "work",  # a measurement switch since removed
+        "MOESERVE_EXPERT_KERNEL": "auto",
+        "MOESERVE_GIT_COMMIT": "abc",  # the benchmarks'
+        "PATH": "/bin",
+    }
+    with caplog.at_level("WARNING", logger="moeserve.envs"):
+        assert envs.warn_unknown(env) == ["MOESERVE_EXPERT_GRID", "MOESERVE_EXPERT_KERNAL"]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2
+    assert said[0].startswith("MOESERVE_EXPERT_GRID is set but no moeserve process reads it (a switch since removed?")
+    assert said[1].startswith(
+        "MOESERVE_EXPERT_KERNAL is set but no moeserve process reads it (did you mean MOESERVE_EXPERT_KERNEL?"
+    )
+    assert envs.unknown({"MOESERVE_LOG_LEVEL": "debug", "MOESERVE_MODEL": "/m"}) == []

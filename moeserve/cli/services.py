@@ -139,6 +139,9 @@ def _logging(name: str) -> None:
         level=level,
         format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s",
     )
+    from moeserve import envs
+
+    envs.warn_unknown()
 
 
 def _parent_watch() -> None:

@@ -303,6 +303,9 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> LocalCluster:
+        from moeserve import envs
+
+        envs.warn_unknown({**os.environ, **self.env})  # the ranks' environment: a typo is said once, here
         authkey = self.launch.authkey or secrets.token_bytes(16)
         self._authkey = authkey
         node = self.node
