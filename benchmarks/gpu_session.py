@@ -342,6 +342,12 @@ def is_h200(card: str) -> bool:
     return "H200" in card.upper()
 
 
+def ordered(names: Sequence[str], h200: Sequence[str], card: str) -> list[str]:
+    """The targets a session on ``card`` runs, in order: ``h200``'s first on an H200, then
+    ``names``."""
+    return [*h200, *names] if h200 and is_h200(card) else list(names)
+
+
 def plan(names: list[str], budget_s: float, setup: bool = True) -> list[tuple[str, float]]:
     """(target, seconds left before it) for each of ``names`` if every run took its expected
     time: the rule ``run_session`` applies, a target running only where its time fits."""
@@ -392,8 +398,7 @@ def run_session(
             row = {"target": name, "what": TARGETS[name].what, "skipped": f"needs an H200, this is {card or 'no GPU'}"}
             report["targets"].append(row)
             print(_line(row), flush=True)
-    elif h200:
-        names = [*h200, *names]
+    names = ordered(names, h200, card)
     with open(os.path.join(out, "session.log"), "a") as log:
         if setup:
             t = clock()
@@ -469,11 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--budget must be 1 .. 3600 seconds, got {a.budget:g}")
     out = a.out or os.environ.get("OUT") or os.path.join(HERE, "results", "session")
     if a.dry_run:
+        card = gpu_name() if h200 else ""
         if h200:
-            card = gpu_name()
             print(f"card: {card or 'no GPU'}: --h200 targets {'run first' if is_h200(card) else 'skipped'}")
-        names = [*h200, *a.targets] if h200 and is_h200(card) else a.targets
-        for name, left in plan(names, a.budget, setup=not a.no_setup):
+        for name, left in plan(ordered(a.targets, h200, card), a.budget, setup=not a.no_setup):
             tg = TARGETS[name]
             fits = (
                 "runs" if left >= tg.seconds else f"would be skipped: needs ~{tg.seconds} s, {max(0, int(left))} s left"

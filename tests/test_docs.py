@@ -301,3 +301,18 @@ def test_a_moeserve_variable_nothing_reads_is_said_with_the_closest_name(caplog)
         "MOESERVE_EXPERT_KERNAL is set but no moeserve process reads it (did you mean MOESERVE_EXPERT_KERNEL?"
     )
     assert envs.unknown({"MOESERVE_LOG_LEVEL": "debug", "MOESERVE_MODEL": "/m"}) == []
+
+
+def test_a_service_says_an_unknown_variable_unless_a_launcher_started_it(caplog, monkeypatch):
+    """A standalone service (compose's router, worker, frontend, balancer) warns at start; one a
+    launcher started (MOESERVE_PARENT_PID) does not repeat what the launcher said."""
+    from moeserve.cli import services
+
+    monkeypatch.setenv("MOESERVE_EXPERT_GRID", "work")
+    monkeypatch.delenv("MOESERVE_LOG_LEVEL", raising=False)
+    for parent, said in (("", 1), ("12345", 0)):
+        monkeypatch.setenv("MOESERVE_PARENT_PID", parent)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="moeserve.envs"):
+            services._logging("frontend")
+        assert [r.getMessage()[:20] for r in caplog.records] == ["MOESERVE_EXPERT_GRID"] * said

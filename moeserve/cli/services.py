@@ -139,9 +139,10 @@ def _logging(name: str) -> None:
         level=level,
         format=f"%(asctime)s {name} %(name)s %(levelname)s %(message)s",
     )
-    from moeserve import envs
+    if not os.environ.get("MOESERVE_PARENT_PID"):  # a launcher's child: the launcher said it once
+        from moeserve import envs
 
-    envs.warn_unknown()
+        envs.warn_unknown()
 
 
 def _parent_watch() -> None:
