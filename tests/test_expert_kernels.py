@@ -582,3 +582,65 @@ def test_w8a8_tiles_keep_k_tiles_of_128_and_the_transposed_product_at_every_rows
             bms = (16, 32, 64, kernels.FP8_PREFILL_BM)
             tiles = {bm: kernels.expert_tuning(kind, bm, fp8=True, a8=True, shape=shape) for bm in bms}
             assert all(t[1] == 128 and t[4] is True for t in tiles.values()), (shape, kind, tiles)
+
+
+@needs_triton
+def test_silu_mul_quant_is_quant_rows_of_silu_mul_bitwise(monkeypatch):
+    """The W8A8 down projection's input in one launch: the codes and scales of
+    ``quant_rows(silu_mul(gu))`` bit for bit (a zero row's scale 1), every row written whatever
+    the programs, and a gu that is not [C, 2I] contiguous refused by name."""
+    monkeypatch.setattr(kernels, "ROW_PROGRAMS", 3)  # fewer programs than rows: each takes several
+    g = torch.Generator().manual_seed(12)
+    for dtype, i in [(torch.bfloat16, 300), (torch.float16, 64), (torch.bfloat16, 1536)]:
+        gu = (torch.randn(7, 2 * i, generator=g) * 4).to(dtype)
+        gu[3] = 0  # a zero row: h = 0, scale 1
+        gu[5, i:] = 0  # up all zero: h = 0 too
+        q, s = kernels.silu_mul_quant(gu)
+        wq, ws = kernels.quant_rows(kernels.silu_mul(gu))
+        assert q.dtype == torch.float8_e4m3fn and q.shape == (7, i) and s.shape == (7,)
+        assert torch.equal(s, ws) and s[3] == 1 and s[5] == 1, dtype
+        assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)), dtype
+        assert q.float().abs().amax(1)[[0, 1, 2, 4, 6]].eq(448).all()
+    assert kernels.silu_mul_quant(torch.empty(0, 8, dtype=torch.bfloat16))[0].shape == (0, 4)
+    with pytest.raises(ValueError, match=r"silu_mul_quant: gu must be contiguous \[C, 2I\]"):
+        kernels.silu_mul_quant(torch.zeros(4, 16, dtype=torch.bfloat16)[:, :8])
+
+
+@needs_triton
+def test_a_w8a8_swiglu_hands_its_down_projection_the_fused_codes_and_answers_the_same(monkeypatch):
+    """A merged W8A8 SwiGLU (shared experts, dense MLPs) whose down projection runs cuBLAS's FP8
+    GEMM quantizes silu * up in the same launch (``silu_mul_quant``) and gives the output of
+    down(silu_mul(gate_up(x))) bit for bit; weight-only, a block-scaled down or the torch
+    sequences (``MOESERVE_FUSED_NORMS=0``: NORM_DEVICES empty) keep the two-step path."""
+    from moeserve.models import quant as Q
+    from moeserve.models.layers import SwiGLU, silu_mul
+
+    monkeypatch.setattr(kernels, "NORM_DEVICES", ("cuda", "cpu"))  # the interpreter stands for the GPU
+    # takes_codes on CPU tensors (the CUDA check dropped), the rest of its conditions kept
+    monkeypatch.setattr(
+        Q.QuantLinear,
+        "takes_codes",
+        lambda self, x: x.dim() == 2 and x.shape[0] > 0 and self.act_quant and self._scaled_mm_ok(x),
+    )
+    calls = []
+    real = kernels.silu_mul_quant
+    monkeypatch.setattr(kernels, "silu_mul_quant", lambda gu: calls.append(gu.shape) or real(gu))
+    g = torch.Generator().manual_seed(13)
+    hdim, f = 64, 96
+    gate_up = Q.QuantLinear(
+        *Q.quantize(torch.randn(2 * f, hdim, generator=g) / 8, (1, hdim)), (1, hdim), act_quant=True
+    )
+    for block, a8, fused in [((1, f), True, True), ((1, f), False, False), ((16, 16), True, False)]:
+        down = Q.QuantLinear(*Q.quantize(torch.randn(hdim, f, generator=g) / 8, block), block, act_quant=a8)
+        mlp = SwiGLU(None, None, down, gate_up)
+        x = (torch.randn(5, hdim, generator=g) * 2).to(torch.bfloat16)
+        calls.clear()
+        got = mlp(x)
+        assert calls == ([(5, 2 * f)] if fused else []), (block, a8)
+        want = down(silu_mul(gate_up(x)))
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (block, a8)
+    monkeypatch.setattr(kernels, "NORM_DEVICES", ())
+    calls.clear()
+    down = Q.QuantLinear(*Q.quantize(torch.randn(hdim, f, generator=g) / 8, (1, f)), (1, f), act_quant=True)
+    SwiGLU(None, None, down, gate_up)(x)
+    assert calls == []

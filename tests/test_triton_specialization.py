@@ -231,6 +231,34 @@ def test_the_norm_warm_up_compiles_every_key_a_step_can_launch(launches, family,
         assert seen <= keys, (k, sorted(seen - keys))
 
 
+def test_the_norm_warm_up_compiles_the_fused_activation_quantizer_of_w8a8_mlps(launches, tmp_path, monkeypatch):
+    """With FP8 shared experts whose down projection runs cuBLAS's FP8 GEMM (W8A8, the default
+    of ``--quantization fp8`` in bf16), a step quantizes silu * up in the activation's launch
+    (``silu_mul_quant``): the warm-up compiles its keys, and steps of any length find them."""
+    import hf_oracle as hf
+
+    from moeserve import kernels as K
+    from moeserve.models import load_model
+    from moeserve.models import quant as Q
+
+    model = load_model(hf.save(hf.build_llama4(seed=1), tmp_path), dtype=torch.bfloat16, quantization="fp8")
+    monkeypatch.setattr(K, "NORM_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(  # the GPU's choice of cuBLAS's FP8 GEMM on CPU tensors (the CUDA check dropped)
+        Q.QuantLinear,
+        "takes_codes",
+        lambda self, x: x.dim() == 2 and x.shape[0] > 0 and self.act_quant and self._scaled_mm_ok(x),
+    )
+    assert model.warm_up_norms() > 0
+    warm = _keys(launches, "silu_mul_quant_kernel")
+    assert warm, "the warm-up compiled no silu_mul_quant"
+    launches.clear()
+    for t in (1, 5, 33):
+        model(torch.zeros(1, t, dtype=torch.long))  # the kernels are not run here: only their keys matter
+    seen = _keys(launches, "silu_mul_quant_kernel")
+    assert seen and seen <= warm, sorted(seen - warm)
+    assert not launches["silu_mul_kernel"]  # every merged W8A8 MLP took the fused path
+
+
 ROUTINGS = [  # (spec, E, K, gate dtype): ERNIE, Qwen3, Mixtral, DeepSeek-V3 without groups
     (dict(gate_fp32=True, correction_bias=True, renormalize=True, renorm_min=1e-12), 64, 6, torch.float32),
     (dict(renormalize=True), 128, 8, torch.bfloat16),
@@ -644,6 +672,7 @@ WARMED = {
     "quant_rows_kernel": "worker: ExpertStore.warm_up_kernels; router: kernels.warm_up_fp8_linears",  # W8A8 rows
     # torch._grouped_mm's activation (prefills); the dense MLPs' and shared experts'
     "silu_mul_kernel": "worker: ExpertStore.warm_up_kernels; router: DecoderModel.warm_up_norms",
+    "silu_mul_quant_kernel": "router: DecoderModel.warm_up_norms",  # W8A8 MLPs' down projection input
     "weighted_sum_kernel": "router: cluster.rank._warm_up_kernels",  # the combine over k of weighed outputs
     "expert_count_kernel": "any rank: NvlinkExchange.warm_up_kernels",  # the direct exchange's kernels
     "route_kernel": "any rank: NvlinkExchange.warm_up_kernels",

@@ -431,3 +431,41 @@ def quant_rows_kernel(x_ptr, q_ptr, s_ptr, total_ptr, stride_x, K: tl.constexpr,
             tl.store(q_ptr + r * K + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
         tl.store(s_ptr + r, s)
         r += tl.num_programs(0)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def silu_mul_quant_kernel(
+    gu_ptr, q_ptr, s_ptr, rows, I: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr
+):  # fmt: skip
+    # rows pid, pid + P, .. < rows of gu [rows, 2I]: h = silu(gu[:, :I]) * gu[:, I:] rounded to
+    # gu's dtype as silu_mul_kernel rounds it, then h quantized per row as quant_rows_kernel
+    # does (s = max|h| / 448, 1 for a zero row; q = e4m3(h / s)). h is computed twice (for its
+    # max, then for its codes) and never written: one launch and one read of gu instead of
+    # silu_mul's write of h and quant_rows' read of it.
+    r = tl.program_id(0).to(tl.int64)
+    while r < rows:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, I, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            h = _silu_mul_row(gu_ptr, r, cols, I, PRECISE)
+            amax = tl.maximum(amax, tl.abs(h))
+        m = tl.max(amax, axis=0)
+        s = tl.where(m > 0, m / 448.0, 1.0)
+        for c0 in range(0, I, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            h = _silu_mul_row(gu_ptr, r, cols, I, PRECISE)
+            q = _e4m3_grid(tl.minimum(tl.maximum(h / s, -448.0), 448.0))
+            tl.store(q_ptr + r * I + cols, q.to(q_ptr.dtype.element_ty), mask=cols < I)
+        tl.store(s_ptr + r, s)
+        r += tl.num_programs(0)
+
+
+@triton.jit
+def _silu_mul_row(gu_ptr, r, cols, I: tl.constexpr, PRECISE: tl.constexpr):
+    # silu(g) * u of row r's columns cols (0 past I), rounded as silu_mul_kernel: silu in fp32
+    # rounded to the dtype, the product in fp32 rounded; returned in fp32
+    m = cols < I
+    a = tl.load(gu_ptr + r * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + r * 2 * I + I + cols, mask=m, other=0.0)
+    sl = tl.math.div_rn(a, 1.0 + _exp(-a, PRECISE)).to(u.dtype)
+    return (sl.to(tl.float32) * u.to(tl.float32)).to(u.dtype).to(tl.float32)

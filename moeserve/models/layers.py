@@ -216,7 +216,17 @@ class SwiGLU:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down(silu_mul(self.gate_up(x)))  # gate_up [T, 2F]
+            gu = self.gate_up(x)  # [T, 2F]
+            if (
+                isinstance(self.down, QuantLinear)
+                and gu.is_contiguous()
+                and kernels.fused_norms_take(gu, None, max_width=False)
+                and self.down.takes_codes(gu[:, : gu.shape[1] // 2])
+            ):
+                # W8A8 down projection: silu * up quantized per row in the same launch, bitwise
+                # as down(silu_mul(gu)) quantizes it
+                return self.down.call_codes(*kernels.silu_mul_quant(gu), gu.dtype)
+            return self.down(silu_mul(gu))
         else:
             assert self.gate is not None and self.up is not None  # unmerged: both held
             g, u = self.gate(x), self.up(x)

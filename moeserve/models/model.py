@@ -42,6 +42,7 @@ from moeserve.models.layers import (
 from moeserve.models.mla import LatentKVCache, MLAttention, load_mla
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
 from moeserve.models.paged import PagedBatch, PagedKVCache
+from moeserve.models.quant import QuantLinear
 from moeserve.models.routing import MoEBlock
 from moeserve.ops.profiling import span
 from moeserve.sampling import Sampler, SamplingParams
@@ -228,7 +229,19 @@ class DecoderModel:
         widths = {w for m in mlps if m is not None and (w := m.merged_width) is not None}
         for w in sorted(widths):  # SwiGLU.__call__'s silu_mul, one key per width
             silu_mul(torch.zeros(1, w, dtype=self.dtype, device=self.device))
-        return n + 1 + len(widths)
+        # ... or, before a W8A8 down projection on cuBLAS, silu_mul_quant (one key per width)
+        quantized = {
+            w
+            for m in mlps
+            if m is not None
+            and (w := m.merged_width) is not None
+            and isinstance(m.down, QuantLinear)
+            and kernels.fused_norms_take(h, None, max_width=False)
+            and m.down.takes_codes(torch.zeros(1, w // 2, dtype=self.dtype, device=self.device))
+        }
+        for w in sorted(quantized):
+            kernels.silu_mul_quant(torch.zeros(1, w, dtype=self.dtype, device=self.device))
+        return n + 1 + len(widths) + len(quantized)
 
     def _check_paged(self, batch: StepBatch | PagedBatch, cache: PagedKVCache) -> None:
         """Host-side checks of a paged step (no device synchronisation)."""

@@ -353,7 +353,7 @@ class QuantLinear:
         return dequantize(self.codes, self.scale, self.block, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and self.act_quant and self._scaled_mm_ok(x):
+        if self.takes_codes(x):
             from moeserve import kernels
 
             y = kernels.fp8_scaled_linear(x, self.codes_kn(), self.scale_row())
@@ -364,6 +364,20 @@ class QuantLinear:
             y = kernels.fp8_linear(x, self.codes_kn(), self.scale_kn(), (self.block[1], self.block[0]), self.act_quant)
             return y if self.bias is None else y + self.bias
         return torch.nn.functional.linear(x, self.weight(x.dtype), self.bias)
+
+    def takes_codes(self, x: torch.Tensor) -> bool:
+        """Whether a call on x quantizes its rows per row and runs cuBLAS's FP8 GEMM (W8A8 on
+        CUDA with one scale over K), so that a caller may hand it the rows' codes and scales
+        instead (``call_codes``), quantized where they were made (``kernels.silu_mul_quant``)."""
+        return x.is_cuda and x.dim() == 2 and x.shape[0] > 0 and self.act_quant and self._scaled_mm_ok(x)
+
+    def call_codes(self, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The call on rows x that ``takes_codes``, given x's per-row codes xq [M, K] and scales
+        xs [M] (``kernels.quant_rows(x)``, bitwise): the output in ``out_dtype``, x's dtype."""
+        from moeserve import kernels
+
+        y = kernels.fp8_scaled_codes_linear(xq, xs, self.codes_kn(), self.scale_row(), out_dtype)
+        return y if self.bias is None else y + self.bias
 
     def _scaled_mm_ok(self, x: torch.Tensor) -> bool:
         """W8A8 with one scale over each output channel's inputs: cuBLAS's FP8 GEMM
