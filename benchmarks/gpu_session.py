@@ -166,6 +166,11 @@ TARGETS: dict[str, Target] = {
         ("norm_kernels.py", "--cases", "ernie_expert_silu,ernie_silu", "--rows", "64,256,1024", "--models", ""),
         40,
     ),
+    "silu-quant": Target(
+        "a W8A8 MLP's activation quantized in its own launch (silu_mul_quant) against silu_mul + quant_rows: bitwise, and its time",
+        ("norm_kernels.py", "--cases", "ernie_silu_quant,scout_silu_quant", "--rows", "64,256,2048", "--models", ""),
+        40,
+    ),
     "grouped-routing": Target(
         "DeepSeek-V3's grouped routing, fused against torch's, and its gate",
         ("norm_kernels.py", "--cases", "dsv3_route,dsv3_gate", "--rows", "256,2048", "--models", ""),

@@ -16,6 +16,10 @@ does) with the torch path (``kernels.NORM_DEVICES = ()``) and the fused kernel:
 - ``ernie_qk``: ERNIE's interleaved RoPE on q [T, 20, 128] and k [T, 4, 128];
 - ``<shape>_silu``: silu(gate) * up of a shared expert's merged gate_up output [T, 2F] (ERNIE's
   two shared experts F 3,072; Scout's F 8,192), against ``F.silu(g) * u`` on its strided halves;
+- ``<shape>_silu_quant``: the same activation quantized per row for a W8A8 down projection,
+  ``kernels.silu_mul_quant`` (one launch, h never written) against ``quant_rows(silu_mul(gu))``
+  (the two launches it replaces) in the torch column; bf16 only; the codes and scales must be
+  bit-identical (exit 1 otherwise);
 - ``ernie_expert_silu``: a worker's activation between a bf16 step's two ``torch._grouped_mm``
   (ERNIE's I 1,536: gu [C, 3,072] for C = 8,192 x 8 rows of buffer, the first ``--rows`` x 8
   below the device total): the served fixed grid (``kernels.ROW_PROGRAMS`` programs
@@ -70,6 +74,7 @@ QK = {  # name: (q heads, kv heads, head dim, interleaved, pre-norm, post-norm)
     "ernie_qk": (20, 4, 128, True, False, False),
 }
 SILU = {"ernie_silu": 2 * 3072, "scout_silu": 2 * 8192}  # merged gate_up widths of the shared experts
+SILU_QUANT = {f"{k}_quant": w for k, w in SILU.items()}  # the same before a W8A8 down projection
 EXPERT_SILU = {"ernie_expert_silu": (2 * 1536, 8, 8192 * 8)}  # (2I, top-k, buffer rows) of a worker's step
 
 
@@ -82,7 +87,13 @@ def _gate(config: dict) -> tuple[int, int, int, RoutingSpec]:
 GATES = {"ernie_gate": _gate(ERNIE28), "dsv3_gate": _gate(DSV3_7)}  # (H, E, K, routing) of fp32 gates
 ROUTES = {"dsv3_route": "dsv3_gate"}  # routing alone: the gate whose routing (E, K, spec) it times
 CASES = (
-    tuple(f"{s}_residual" for s in HIDDEN) + tuple(QK) + tuple(SILU) + tuple(EXPERT_SILU) + tuple(GATES) + tuple(ROUTES)
+    tuple(f"{s}_residual" for s in HIDDEN)
+    + tuple(QK)
+    + tuple(SILU)
+    + tuple(SILU_QUANT)
+    + tuple(EXPERT_SILU)
+    + tuple(GATES)
+    + tuple(ROUTES)
 )
 MODELS = ("llama4", "ernie45", "qwen3_moe", "mixtral", "gpt_oss")
 FP32_CASE_RTOL = 1e-5
@@ -108,6 +119,18 @@ def case_fn(name: str, rows: int, dtype: torch.dtype, dev: torch.device, copies:
         w2 = SILU[name]
         gus = [torch.randn(rows, w2, device=dev, generator=g).to(dtype) * 3 for _ in range(copies)]
         return lambda i: layers.silu_mul(gus[i % copies]), rows * w2 * 3 // 2
+    if name in SILU_QUANT:
+        w2 = SILU_QUANT[name]
+        gus = [torch.randn(rows, w2, device=dev, generator=g).to(dtype) * 3 for _ in range(copies)]
+
+        def silu_quant(i):
+            if kernels.NORM_DEVICES == ():  # the torch column (TorchPath): the two launches
+                q, sc = kernels.quant_rows(kernels.silu_mul(gus[i % copies]))
+            else:
+                q, sc = kernels.silu_mul_quant(gus[i % copies])
+            return q.view(torch.uint8).float(), sc
+
+        return silu_quant, rows * w2 * 3 // 4  # in bf16 units: read gu, write one byte per h
     if name in EXPERT_SILU:
         w2, k, capacity = EXPERT_SILU[name]
         total = torch.tensor([rows * k], dtype=torch.int32, device=dev)
@@ -229,15 +252,15 @@ def main():
     for name in cases:
         for m in rows:
             for dtype in (torch.bfloat16, torch.float32):
-                if (name in GATES or name in ROUTES) and dtype == torch.float32:
-                    continue  # fp32 rows keep the fp32 GEMM (the exactness mode); routing: fp32 logits
+                if (name in GATES or name in ROUTES or name in SILU_QUANT) and dtype == torch.float32:
+                    continue  # fp32 rows keep the fp32 GEMM (the exactness mode); routing: fp32 logits; W8A8: bf16
                 fn, elems = case_fn(name, m, dtype, dev, a.copies)
                 with TorchPath():
                     t_torch = graph_time(fn, a.reps, a.iters)
                     ref = fn(0)
                 t_fused = graph_time(fn, a.reps, a.iters)
                 got = fn(0)
-                if name.endswith("_residual") or name in GATES or name in ROUTES:  # (sum, normed), (ids, weights)
+                if name.endswith("_residual") or name in GATES or name in ROUTES or name in SILU_QUANT:  # pairs
                     got, ref = (got[0], got[1]), (ref[0], ref[1])
                 agree = agreement(got, ref)
                 # bytes moved by the fused kernel: read x (and delta), write y (and the sum)
@@ -246,6 +269,8 @@ def main():
                 row = dict(case=name, rows=m, dtype=dname, torch_s=t_torch, fused_s=t_fused, **agree)
                 row["fused_GBps"] = moved / t_fused / 1e9
                 out["cases"].append(row)
+                if name in SILU_QUANT and agree["bit_identical"] < 1:
+                    failed.append(f"{name} rows {m}: codes or scales differ from quant_rows(silu_mul(gu))")
                 if dtype == torch.float32 and agree["max_rel"] > FP32_CASE_RTOL:
                     failed.append(f"{name} rows {m} fp32: max relative difference {agree['max_rel']:.2e}")
                 print(

@@ -241,3 +241,32 @@ def test_the_benchmark_refuses_bad_options_by_name(args, message, monkeypatch, c
         module.main()
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_benchmarks_silu_quant_case_times_the_fused_launch_against_the_two_it_replaces(monkeypatch):
+    """benchmarks/norm_kernels.py's ``<shape>_silu_quant``: the fused column runs
+    ``silu_mul_quant``, the torch column ``quant_rows(silu_mul(gu))``, and both give the same
+    codes and scales (what the benchmark requires bit for bit on the GPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("norm_kernels_bench", bench / "norm_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert {"ernie_silu_quant", "scout_silu_quant"} <= set(module.CASES)
+    monkeypatch.setattr(kernels, "NORM_DEVICES", ("cuda", "cpu"))
+    calls = []
+    for name in ("silu_mul_quant", "silu_mul", "quant_rows"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    fn, _ = module.case_fn("ernie_silu_quant", 3, torch.bfloat16, torch.device("cpu"), 2)
+    got = fn(0)
+    assert calls == ["silu_mul_quant"]
+    calls.clear()
+    with module.TorchPath():
+        ref = fn(0)
+    assert calls == ["silu_mul", "quant_rows"]
+    assert got[0].shape == (3, 3072) and got[1].shape == (3,)
+    assert module.agreement(got, ref)["bit_identical"] == 1
