@@ -463,7 +463,8 @@ def silu_mul_quant_kernel(
 @triton.jit
 def _silu_mul_row(gu_ptr, r, cols, I: tl.constexpr, PRECISE: tl.constexpr):
     # silu(g) * u of row r's columns cols (0 past I), rounded as silu_mul_kernel: silu in fp32
-    # rounded to the dtype, the product in fp32 rounded; returned in fp32
+    # rounded to the dtype, the product in fp32 rounded; returned in fp32. The arithmetic of
+    # triton_exchange.silu_mul_kernel, op for op (tests/test_expert_kernels.py holds them bitwise)
     m = cols < I
     a = tl.load(gu_ptr + r * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + r * 2 * I + I + cols, mask=m, other=0.0)

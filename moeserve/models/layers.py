@@ -217,20 +217,26 @@ class SwiGLU:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gu = self.gate_up(x)  # [T, 2F]
-            if (
-                isinstance(self.down, QuantLinear)
-                and gu.is_contiguous()
-                and kernels.fused_norms_take(gu, None, max_width=False)
-                and self.down.takes_codes(gu[:, : gu.shape[1] // 2])
-            ):
-                # W8A8 down projection: silu * up quantized per row in the same launch, bitwise
-                # as down(silu_mul(gu)) quantizes it
-                return self.down.call_codes(*kernels.silu_mul_quant(gu), gu.dtype)
+            if self.quantizes_activation(gu):
+                return self.down.call_codes(*kernels.silu_mul_quant(gu), gu.dtype)  # type: ignore[union-attr]
             return self.down(silu_mul(gu))
         else:
             assert self.gate is not None and self.up is not None  # unmerged: both held
             g, u = self.gate(x), self.up(x)
         return self.down(F.silu(g) * u)
+
+    def quantizes_activation(self, gu: torch.Tensor) -> bool:
+        """Whether a call whose merged product is gu [T, 2F] hands its W8A8 down projection (on
+        cuBLAS's FP8 GEMM, ``QuantLinear.takes_codes``) silu * up already quantized per row, from
+        the activation's own launch (``kernels.silu_mul_quant``, bitwise ``silu_mul`` then
+        ``quant_rows``); otherwise ``silu_mul`` and the down projection as it is."""
+        return (
+            isinstance(self.down, QuantLinear)
+            and gu.dim() == 2
+            and gu.is_contiguous()
+            and kernels.fused_norms_take(gu, None, max_width=False)
+            and self.down.takes_codes(gu)  # (reads gu's device, dtype and rows, not its width)
+        )
 
     def merged(self) -> SwiGLU:
         """The same MLP with gate and up as one ``gate_up`` product where they can be joined

@@ -42,7 +42,6 @@ from moeserve.models.layers import (
 from moeserve.models.mla import LatentKVCache, MLAttention, load_mla
 from moeserve.models.moe import ExpertsBackend, ExpertSpec, LocalExperts
 from moeserve.models.paged import PagedBatch, PagedKVCache
-from moeserve.models.quant import QuantLinear
 from moeserve.models.routing import MoEBlock
 from moeserve.ops.profiling import span
 from moeserve.sampling import Sampler, SamplingParams
@@ -226,19 +225,16 @@ class DecoderModel:
             n += layer.attn.warm_up_norms(rope, self.dtype, self.device)
         add_rms_norm(h, h, self.norm, eps, first)
         mlps = [layer.mlp for layer in self.layers] + [block.shared_mlp for block in self.moe_blocks]
-        widths = {w for m in mlps if m is not None and (w := m.merged_width) is not None}
-        for w in sorted(widths):  # SwiGLU.__call__'s silu_mul, one key per width
+        # the merged MLPs' activation widths: silu_mul (SwiGLU.__call__), or silu_mul_quant before a W8A8 down
+        widths: set[int] = set()
+        quantized: set[int] = set()
+        for m in mlps:
+            if m is None or (w := m.merged_width) is None:
+                continue
+            gu = torch.zeros(1, w, dtype=self.dtype, device=self.device)
+            (quantized if m.quantizes_activation(gu) else widths).add(w)
+        for w in sorted(widths):  # one key per width
             silu_mul(torch.zeros(1, w, dtype=self.dtype, device=self.device))
-        # ... or, before a W8A8 down projection on cuBLAS, silu_mul_quant (one key per width)
-        quantized = {
-            w
-            for m in mlps
-            if m is not None
-            and (w := m.merged_width) is not None
-            and isinstance(m.down, QuantLinear)
-            and kernels.fused_norms_take(h, None, max_width=False)
-            and m.down.takes_codes(torch.zeros(1, w // 2, dtype=self.dtype, device=self.device))
-        }
         for w in sorted(quantized):
             kernels.silu_mul_quant(torch.zeros(1, w, dtype=self.dtype, device=self.device))
         return n + 1 + len(widths) + len(quantized)
