@@ -8,10 +8,59 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as moeserve/__init__.py says, before any grpc import
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+# -- Triton's interpreter: a row's dot product must not depend on the rows beside it ----------
+#
+# On a GPU each row of a `tl.dot` tile sums its K products in one order whatever the tile's row
+# count (BM), and the kernels rely on it: a step's rows per pass follow its slot count, so an
+# expert row must come out bitwise the same at 16, 32 and 64 rows per pass (EPLB on = off).
+# Triton's interpreter computes `tl.dot` with numpy's matmul, that is the host's BLAS, and that
+# is not row-invariant on every CPU: OpenBLAS's Haswell and Zen kernels (the ones it picks on an
+# AMD EPYC with AVX-512) round a row differently at 16, 32 and 64 rows. The suite's dot sums
+# each row's products in K order, in the accumulator's dtype, independent of the rows around it.
+
+
+def _row_invariant_dot(a, b, dtype):
+    out = np.zeros((*a.shape[:-1], b.shape[-1]), dtype=dtype)
+    a = a.astype(dtype, copy=False)
+    b = b.astype(dtype, copy=False)
+    for k in range(a.shape[-1]):
+        out += a[..., k : k + 1] * b[..., k : k + 1, :]
+    return out
+
+
+def _install_row_invariant_dot():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # .ci/run installs Triton; without it the kernels' tests fail by name
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        if not np.issubdtype(acc, np.floating):
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or (
+            b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()
+        ):
+            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
+        return interpreter.TensorHandle(_row_invariant_dot(a_data, b_data, acc) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+_install_row_invariant_dot()
 
 
 @pytest.fixture(scope="session")
