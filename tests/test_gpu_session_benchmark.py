@@ -184,7 +184,8 @@ def test_the_next_sessions_commands_in_the_readme_run_every_target_on_the_card_i
     for argv in commands:
         h200 = argv[argv.index("--h200") + 1].split(",") if "--h200" in argv else []
         rest = [a for i, a in enumerate(argv) if a != "--h200" and (i == 0 or argv[i - 1] != "--h200")]
-        positional = [a for i, a in enumerate(rest) if not a.startswith("--") and (i == 0 or rest[i - 1] != "--budget")]
+        valued = ("--budget", "--out")
+        positional = [a for i, a in enumerate(rest) if not a.startswith("--") and (i == 0 or rest[i - 1] not in valued)]
         for card, want in (("NVIDIA H200", h200), ("NVIDIA H100 80GB HBM3", positional)):
             monkeypatch.setattr(gs, "gpu_name", lambda card=card: card)
             assert gs.main(["--dry-run", *argv]) == 0
