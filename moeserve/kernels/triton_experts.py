@@ -410,6 +410,18 @@ def _e4m3_grid(v):
     return tl.where(v < 0, -r * step, r * step)
 
 
+@triton.jit
+def _row_scale(amax):
+    # a row's FP8 scale from its max |x|: max / 448 (e4m3's largest), 1 for a zero row
+    return tl.where(amax > 0, amax / 448.0, 1.0)
+
+
+@triton.jit
+def _e4m3_codes(x, s):
+    # x / s clamped to +-448 and rounded onto e4m3's grid (fp32; the caller casts to FP8)
+    return _e4m3_grid(tl.minimum(tl.maximum(x / s, -448.0), 448.0))
+
+
 @triton.jit(do_not_specialize_on_alignment=["total_ptr"])  # offs[-1:]: any int32 of a slot table
 def quant_rows_kernel(x_ptr, q_ptr, s_ptr, total_ptr, stride_x, K: tl.constexpr, BLOCK: tl.constexpr):
     # rows pid, pid + P, .. < total (P programs, whatever the buffer's capacity): s = max|x| / 448
@@ -423,11 +435,11 @@ def quant_rows_kernel(x_ptr, q_ptr, s_ptr, total_ptr, stride_x, K: tl.constexpr,
             x = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         m = tl.max(amax, axis=0)
-        s = tl.where(m > 0, m / 448.0, 1.0)
+        s = _row_scale(m)
         for k0 in range(0, K, BLOCK):
             rk = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + r * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-            q = _e4m3_grid(tl.minimum(tl.maximum(x / s, -448.0), 448.0))
+            q = _e4m3_codes(x, s)
             tl.store(q_ptr + r * K + rk, q.to(q_ptr.dtype.element_ty), mask=rk < K)
         tl.store(s_ptr + r, s)
         r += tl.num_programs(0)
@@ -450,11 +462,11 @@ def silu_mul_quant_kernel(
             h = _silu_mul_row(gu_ptr, r, cols, I, PRECISE)
             amax = tl.maximum(amax, tl.abs(h))
         m = tl.max(amax, axis=0)
-        s = tl.where(m > 0, m / 448.0, 1.0)
+        s = _row_scale(m)
         for c0 in range(0, I, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             h = _silu_mul_row(gu_ptr, r, cols, I, PRECISE)
-            q = _e4m3_grid(tl.minimum(tl.maximum(h / s, -448.0), 448.0))
+            q = _e4m3_codes(h, s)
             tl.store(q_ptr + r * I + cols, q.to(q_ptr.dtype.element_ty), mask=cols < I)
         tl.store(s_ptr + r, s)
         r += tl.num_programs(0)
